@@ -1,0 +1,54 @@
+"""The ``randattn`` command line: a thin click layer over the library.
+
+Each command lives in its own module (``randattn/cli/<command>.py``) and exposes a
+click command named ``command``; heavy imports happen inside the command body so
+that ``randattn --help`` stays fast. Only this package prints (through rich).
+Exit codes: 0 ok, 1 a check failed or an unexpected error, 2 bad usage or input.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+#: command name -> module under randattn.cli holding a click command called ``command``
+COMMANDS: dict[str, str] = {
+    "estimators": "estimators",
+    "capture": "capture",
+    "mse": "mse",
+    "plot": "plot",
+    "report": "report",
+    "verify": "verify",
+    "demo": "demo",
+}
+
+
+class _LazyGroup(click.Group):
+    """A click group that imports a command's module only when it is used."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name in COMMANDS if self._load(name) is not None]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        return self._load(name)
+
+    @staticmethod
+    def _load(name: str) -> click.Command | None:
+        module_name = COMMANDS.get(name)
+        if module_name is None:
+            return None
+        try:
+            module = importlib.import_module(f"randattn.cli.{module_name}")
+        except ModuleNotFoundError as exc:
+            # a command whose module is not written yet is simply absent
+            if exc.name == f"randattn.cli.{module_name}":
+                return None
+            raise
+        return module.command
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="randattn")
+def main() -> None:
+    """randattn: softmax attention and its randomized estimators, measured."""
