@@ -1,0 +1,123 @@
+"""The one-call Python API: ``randattn.estimate``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from randattn._validation import check_choice, check_positive_int, check_qkv_shapes
+from randattn.estimators.base import Draws
+from randattn.estimators.registry import get_spec
+
+__all__ = ["estimate", "draw"]
+
+BACKENDS = ("reference", "torch")
+
+
+def _normalize_rng(seed: Any) -> np.random.Generator:
+    if isinstance(seed, np.random.Generator):
+        return seed
+    if seed is None or isinstance(seed, (int, np.integer, np.random.SeedSequence)) and not isinstance(seed, bool):
+        return np.random.default_rng(seed)
+    raise TypeError(f"seed must be None, an int or a numpy Generator, got {type(seed).__name__}")
+
+
+def draw(
+    name: str,
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    *,
+    num_samples: int | None = None,
+    seed: Any = None,
+    replicates: int = 1,
+    **params: Any,
+) -> Draws:
+    """Make the random variables of estimator ``name`` for inputs of these shapes (float64 numpy)."""
+    spec = get_spec(name)
+    resolved = spec.resolve_params(params)
+    replicates = check_positive_int("replicates", replicates)
+    if spec.needs_samples:
+        if num_samples is None:
+            raise ValueError(f"estimator {name!r} needs num_samples (the number of random samples S)")
+        num_samples = check_positive_int("num_samples", num_samples)
+    return spec.draw(tuple(q_shape), tuple(k_shape), num_samples=num_samples, replicates=replicates,
+                     rng=_normalize_rng(seed), **resolved)
+
+
+def estimate(
+    name: str,
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    num_samples: int | None = None,
+    seed: Any = None,
+    replicates: int | None = None,
+    scale: float | None = None,
+    backend: str = "reference",
+    dtype: Any = None,
+    device: Any = None,
+    **params: Any,
+) -> Any:
+    """Estimate attention with a registered estimator, in one call.
+
+    Parameters
+    ----------
+    name : str
+        A registered estimator (``randattn.estimators.registry.list_estimators()``).
+    q : (..., N, D) array or tensor
+    k : (..., M, D) array or tensor
+    v : (..., M, Dv) array or tensor
+    num_samples : int, optional
+        S, the number of random samples (features, proposals' samples); required by
+        random-feature estimators.
+    seed : int or numpy.random.Generator, optional
+        The draws are made once, in float64 numpy, from this seed and then moved to the
+        backend: the same seed gives the same draws whichever backend, dtype or device
+        runs, so a GPU run can be checked against the float64 reference by its seed.
+    replicates : int, optional
+        R independent replicates; the result then has a leading dim R.
+    scale : float, optional
+        Temperature; default ``D ** -0.5``.
+    backend : {"reference", "torch"}
+        ``reference``: numpy float64 (returns a numpy array). ``torch``: the batched
+        implementation (returns a tensor on ``device``).
+    dtype : torch dtype, optional
+        torch backend only; default float32.
+    device : str or torch.device, optional
+        torch backend only; default CPU.
+    **params
+        Estimator options (see ``randattn estimators``); unknown names raise ValueError.
+
+    Returns
+    -------
+    (..., N, Dv), or (R, ..., N, Dv) with ``replicates=R``.
+
+    Examples
+    --------
+    >>> import numpy as np, randattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(3, 2, 16, 8))
+    >>> randattn.estimate("rfa", q, k, v, num_samples=64, seed=1).shape
+    (2, 16, 8)
+    """
+    check_choice("backend", backend, BACKENDS)
+    spec = get_spec(name)
+    resolved = spec.resolve_params(params)
+    check_qkv_shapes(q, k, v)
+    draws = draw(name, tuple(q.shape), tuple(k.shape), num_samples=num_samples, seed=seed,
+                 replicates=1 if replicates is None else replicates, **resolved)
+    if backend == "reference":
+        if dtype is not None or device is not None:
+            raise ValueError("dtype and device apply to backend='torch' only (the reference is float64 numpy)")
+        out = spec.reference(q, k, v, draws, scale=scale, **resolved)
+    else:
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch dtype, got {dtype!r}")
+        to = lambda a: torch.as_tensor(np.asarray(a) if not isinstance(a, torch.Tensor) else a).to(device=device, dtype=dtype)  # noqa: E731
+        out = spec.batched(to(q), to(k), to(v), draws.to_torch(device=device, dtype=dtype), scale=scale, **resolved)
+    return out[0] if replicates is None else out

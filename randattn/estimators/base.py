@@ -1,0 +1,132 @@
+"""Bookkeeping shared by every estimator: the draws container and the estimator spec.
+
+Sampling is separate from estimation (ARCHITECTURE sec. 3): ``draw`` makes every random
+variable an estimator uses, as float64 numpy arrays with a leading replicate dim, and
+``estimate(q, k, v, draws, scale=..., **params)`` is a pure function of them. The
+reference (numpy, float64) and batched (torch) forms consume the same ``Draws``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from randattn._validation import check_choice
+
+__all__ = ["Draws", "Param", "EstimatorSpec"]
+
+
+@dataclass(frozen=True)
+class Draws:
+    """The random variables of one estimator call.
+
+    Attributes
+    ----------
+    arrays : mapping of str to array
+        Each array has a leading replicate dim ``R`` followed by the batch dims of the
+        inputs, e.g. ``omega : (R, ..., S, D)``. numpy float64 as drawn; torch tensors
+        after :meth:`to_torch`.
+    replicates : int
+        ``R``, the number of independent replicates.
+    """
+
+    arrays: Mapping[str, Any]
+    replicates: int
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self.arrays[key]
+        except KeyError:
+            raise KeyError(
+                f"draws have no {key!r}; they hold {sorted(self.arrays)} "
+                "(were they made by another estimator's draw()?)"
+            ) from None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.arrays
+
+    def to_torch(self, device: Any = None, dtype: Any = None) -> "Draws":
+        """The same draws as torch tensors on ``device`` (values are copied, not redrawn)."""
+        import torch
+
+        dtype = torch.float64 if dtype is None else dtype
+        return Draws(
+            {k: torch.as_tensor(np.asarray(a), dtype=dtype, device=device) for k, a in self.arrays.items()},
+            self.replicates,
+        )
+
+
+@dataclass(frozen=True)
+class Param:
+    """One estimator parameter: its default, what is allowed, and what it means."""
+
+    default: Any
+    doc: str
+    choices: tuple[Any, ...] | None = None
+    kind: type | tuple[type, ...] | None = None
+
+    def check(self, name: str, value: Any) -> Any:
+        if self.choices is not None:
+            return check_choice(name, value, self.choices)
+        if self.kind is not None and not isinstance(value, self.kind) or isinstance(value, bool) and self.kind in (int, float):
+            expected = self.kind.__name__ if isinstance(self.kind, type) else "/".join(t.__name__ for t in self.kind)
+            raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """What the registry knows of an estimator.
+
+    Attributes
+    ----------
+    name : str
+        Registry name (``"rfa"``, ``"ra"``, ...).
+    summary : str
+        One line: what it estimates and how.
+    source : str
+        Paper and equations it implements.
+    complexity : str
+        Time complexity in N (queries), M (keys), S (samples), D, Dv.
+    params : mapping of str to Param
+        Estimator options with the papers' defaults.
+    draw : callable
+        ``draw(q_shape, k_shape, *, num_samples, replicates, rng, **params) -> Draws``.
+    reference : callable
+        numpy float64 ``estimate(q, k, v, draws, *, scale, **params) -> (R, ..., N, Dv)``.
+    batched : callable
+        torch form of ``reference`` with the same signature and layout.
+    needs_samples : bool
+        Whether ``num_samples`` is required.
+    is_random : callable
+        ``is_random(params) -> bool``: False for deterministic variants (softmax, ``sample="mean"``).
+    """
+
+    name: str
+    summary: str
+    source: str
+    complexity: str
+    params: Mapping[str, Param]
+    draw: Callable[..., Draws]
+    reference: Callable[..., Any]
+    batched: Callable[..., Any]
+    needs_samples: bool = True
+    is_random: Callable[[Mapping[str, Any]], bool] = field(default=lambda params: True)
+    variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def resolve_params(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Fill in defaults; reject unknown names and disallowed values with a clear error."""
+        unknown = sorted(set(params) - set(self.params))
+        if unknown:
+            allowed = ", ".join(sorted(self.params)) or "none"
+            raise ValueError(
+                f"unknown parameter(s) {', '.join(map(repr, unknown))} for estimator {self.name!r}; "
+                f"allowed: {allowed}"
+            )
+        resolved = {}
+        for name, param in self.params.items():
+            value = params.get(name, param.default)
+            resolved[name] = param.check(name, value)
+        return resolved

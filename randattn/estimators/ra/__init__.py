@@ -1,0 +1,68 @@
+"""Randomized attention, RA (LARA sec. 3.2, app. G.2): unbiased and biased.
+
+The draws are data-independent common random numbers: uniforms ``u`` that select the
+mixture component by inverse CDF of ``pi_n`` inside ``estimate``, and Gaussian noise
+``eps``. That keeps ``estimate`` pure and lets the reference and batched forms consume
+the same draws.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from randattn._validation import check_positive_int
+from randattn.estimators.base import Draws, EstimatorSpec, Param
+from randattn.estimators.ra import batched, reference
+
+NOISES = ("paper", "reference-code")
+
+PARAMS = {
+    "variant": Param("unbiased", "unbiased: omega ~ p_n (eq. 29-30); biased: omega ~ N(K pi_n + q_n, I) (eq. 31)", choices=("unbiased", "biased")),
+    "noise": Param("paper", "paper: eps ~ N(0, I); reference-code: the official code's N(0, I) in unscaled space = N(0, scale I)", choices=NOISES),
+    "sample": Param("random", "random, or mean: the biased variant's expected sample (LARA G.2 eval mode)", choices=("random", "mean")),
+}
+
+
+def draw(
+    q_shape: Sequence[int],
+    k_shape: Sequence[int],
+    *,
+    num_samples: int,
+    replicates: int = 1,
+    rng: np.random.Generator,
+    variant: str = "unbiased",
+    sample: str = "random",
+    **params,
+) -> Draws:
+    """``u : (R, ..., N, S)`` uniforms (unbiased only) and ``eps : (R, ..., N, S, D)``.
+
+    With ``sample="mean"`` nothing is random and the arrays are empty.
+    """
+    num_samples = check_positive_int("num_samples", num_samples)
+    prefix = (replicates, *q_shape[:-2], q_shape[-2], num_samples)
+    if sample == "mean":
+        return Draws({}, replicates)
+    arrays = {}
+    if variant == "unbiased":
+        arrays["u"] = rng.random(prefix)
+    arrays["eps"] = rng.standard_normal((*prefix, q_shape[-1]))
+    return Draws(arrays, replicates)
+
+
+def _is_random(params) -> bool:
+    return params.get("sample", "random") != "mean"
+
+
+SPEC = EstimatorSpec(
+    name="ra",
+    summary="randomized attention: per-query samples from the mixture p_n (unbiased) or its mean-field Gaussian (biased)",
+    source="Zheng et al. ICML 2022 (LARA) sec. 3.2, Prop. 3.2, app. G.2 eq. 29-31",
+    complexity="O(N M (S D + D + Dv))",
+    params=PARAMS,
+    draw=draw,
+    reference=reference.estimate,
+    batched=batched.estimate,
+    is_random=_is_random,
+)

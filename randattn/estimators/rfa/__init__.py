@@ -1,0 +1,51 @@
+"""Random feature attention, RFA / Performer (FAVOR+, FAVOR++), as a log-space SNIS.
+
+LARA eq. 2 and sec. 3.1: RFA is self-normalized importance sampling of softmax attention
+with the proposal N(0, I); any feature map of ``randattn.estimators.features`` and any
+coupling of ``randattn.estimators.sampling`` (Performer sec. 2.3-2.4).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from randattn._validation import check_positive_int
+from randattn.estimators.base import Draws, EstimatorSpec, Param
+from randattn.estimators.features import FEATURE_MAPS
+from randattn.estimators.rfa import batched, reference
+from randattn.estimators.sampling import COUPLINGS, draw_omegas
+
+PARAMS = {
+    "feature_map": Param("positive", "random-feature map of exp(x.y)", choices=FEATURE_MAPS),
+    "coupling": Param("iid", "joint law of the S directions (orthogonal-plain-qr: biased, for comparison)", choices=COUPLINGS),
+}
+
+
+def draw(
+    q_shape: Sequence[int],
+    k_shape: Sequence[int],
+    *,
+    num_samples: int,
+    replicates: int = 1,
+    rng: np.random.Generator,
+    coupling: str = "iid",
+    **params,
+) -> Draws:
+    """``omega : (R, ..., S, D)``, independent across replicates and batch elements."""
+    num_samples = check_positive_int("num_samples", num_samples)
+    omega = draw_omegas(rng, (replicates, *q_shape[:-2]), num_samples, q_shape[-1], coupling)
+    return Draws({"omega": omega}, replicates)
+
+
+SPEC = EstimatorSpec(
+    name="rfa",
+    summary="random feature attention (Performer/FAVOR+; FAVOR++ with feature_map=oprf) as log-space SNIS",
+    source="Choromanski et al. ICLR 2021 sec. 2.3-2.4; LARA eq. 2, 4-6; Likhosherstov et al. NeurIPS 2022",
+    complexity="O((N + M) S D + (N + M) S Dv)",
+    params=PARAMS,
+    draw=draw,
+    reference=reference.estimate,
+    batched=batched.estimate,
+)

@@ -1,0 +1,84 @@
+"""Log-space SNIS skeleton in numpy float64 (reference form); see ``randattn.estimators.snis``."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.special import logsumexp
+
+__all__ = ["feature_attention"]
+
+
+def _flatten_features(log_f: np.ndarray) -> np.ndarray:
+    """(..., T, S, L) -> (..., T, S*L): one feature index j = (s, l)."""
+    return log_f.reshape(*log_f.shape[:-2], log_f.shape[-2] * log_f.shape[-1])
+
+
+def feature_attention(
+    log_qf: np.ndarray,
+    log_kf: np.ndarray,
+    v: np.ndarray,
+    *,
+    q_sign: np.ndarray | None = None,
+    k_sign: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    r"""Normalized linear attention from log-features, stable for any feature magnitude.
+
+    .. math::
+        y_n = \frac{\sum_j a_{nj} \sum_m b_{mj} v_m}{\sum_j a_{nj} \sum_m b_{mj}},
+        \qquad a_{nj} = \sigma^q_{nj} e^{\ell^q_{nj}},\ b_{mj} = \sigma^k_{mj} e^{\ell^k_{mj}}.
+
+    For positive features this is the self-normalized importance sampler of LARA eq. 2-6:
+    weights ``w_nj = softmax_j(l^q_nj + logsumexp_m l^k_mj)`` on the per-sample averages
+    ``f_j = sum_m softmax_m(l^k_mj) v_m``; the query feature cancels inside ``f_j``.
+
+    Parameters
+    ----------
+    log_qf : (..., N, S, L)
+        Query-side log-magnitudes (may be -inf for an exact zero).
+    log_kf : (..., M, S, L)
+        Key-side log-magnitudes.
+    v : (..., M, Dv)
+    q_sign, k_sign : same shapes as log_qf / log_kf, optional
+        Signs of signed features (trigonometric maps, LARA's decoupled weights); None = +1.
+
+    Returns
+    -------
+    out : (..., N, Dv)
+    denominator_sign : (..., N)
+        Sign of the (rescaled) denominator: always +1 for positive features; 0 or -1 flags
+        a query whose signed-feature denominator vanished or turned negative.
+
+    Notes
+    -----
+    Stability: key sums are taken relative to ``c_j = max_m l^k_mj`` and query terms
+    relative to ``max_j (l^q_nj + c_j)``; both constants cancel in the ratio, so no
+    exponential overflows and no epsilon is added. A denominator that is exactly zero
+    or negative (possible only with signed features) gives a non-finite or sign-flipped
+    output, which callers report rather than hide.
+    """
+    lq = _flatten_features(log_qf)  # (..., N, J)
+    lk = _flatten_features(log_kf)  # (..., M, J)
+    signed = q_sign is not None or k_sign is not None
+    if not signed:
+        # positive features: the plain SNIS form, everything in log space
+        log_key_mass = logsumexp(lk, axis=-2)  # (..., J)
+        key_probs = np.exp(lk - log_key_mass[..., None, :])  # softmax over keys m
+        f = np.swapaxes(key_probs, -1, -2) @ v  # (..., J, Dv)
+        log_w = lq + log_key_mass[..., None, :]
+        log_den = logsumexp(log_w, axis=-1)  # (..., N)
+        w = np.exp(log_w - log_den[..., None])
+        return w @ f, np.ones(log_den.shape)
+    sq = np.ones(lq.shape) if q_sign is None else _flatten_features(q_sign)
+    sk = np.ones(lk.shape) if k_sign is None else _flatten_features(k_sign)
+    c = lk.max(axis=-2)  # (..., J)
+    c = np.where(np.isfinite(c), c, 0.0)
+    kb = sk * np.exp(lk - c[..., None, :])  # (..., M, J), |.| <= 1
+    key_num = np.swapaxes(kb, -1, -2) @ v  # (..., J, Dv)
+    key_den = kb.sum(-2)  # (..., J)
+    t = lq + c[..., None, :]
+    t_max = t.max(axis=-1, keepdims=True)
+    t_max = np.where(np.isfinite(t_max), t_max, 0.0)
+    qa = sq * np.exp(t - t_max)  # (..., N, J)
+    num = qa @ key_num
+    den = qa @ key_den[..., None]  # (..., N, 1)
+    return num / den, np.sign(den[..., 0])

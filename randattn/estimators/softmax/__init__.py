@@ -1,0 +1,29 @@
+"""Exact softmax attention, the ground truth (LARA sec. 2.1)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from randattn.estimators.base import Draws, EstimatorSpec
+from randattn.estimators.softmax import batched, reference
+
+
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, replicates: int = 1, rng=None, **params) -> Draws:
+    """Softmax is deterministic: no random variables, only the replicate count."""
+    return Draws({}, replicates)
+
+
+SPEC = EstimatorSpec(
+    name="softmax",
+    summary="exact softmax attention (the ground truth)",
+    source="Vaswani et al. 2017; LARA sec. 2.1",
+    complexity="O(N M D)",
+    params={},
+    draw=draw,
+    reference=reference.estimate,
+    batched=batched.estimate,
+    needs_samples=False,
+    is_random=lambda params: False,
+)
