@@ -65,4 +65,10 @@ SPEC = EstimatorSpec(
     reference=reference.estimate,
     batched=batched.estimate,
     is_random=_is_random,
+    variants={
+        "unbiased": {"variant": "unbiased"},
+        "unbiased-reference-code": {"variant": "unbiased", "noise": "reference-code"},
+        "biased": {"variant": "biased"},
+        "biased-mean": {"variant": "biased", "sample": "mean"},
+    },
 )

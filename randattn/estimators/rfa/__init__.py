@@ -48,4 +48,9 @@ SPEC = EstimatorSpec(
     draw=draw,
     reference=reference.estimate,
     batched=batched.estimate,
+    variants={
+        f"{fm}-{coupling}": {"feature_map": fm, "coupling": coupling}
+        for fm in FEATURE_MAPS
+        for coupling in COUPLINGS
+    },
 )

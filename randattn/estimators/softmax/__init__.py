@@ -26,4 +26,5 @@ SPEC = EstimatorSpec(
     batched=batched.estimate,
     needs_samples=False,
     is_random=lambda params: False,
+    variants={"exact": {}},
 )

@@ -1,0 +1,412 @@
+"""Activation files: Q, K, V per layer as ``(images, heads, tokens, head_dim)`` arrays plus JSON metadata.
+
+Layout (the same keys in every container)::
+
+    layer{L}.q   (B, H, N, D)   queries of layer L, before any temperature scaling
+    layer{L}.k   (B, H, N, D)   keys
+    layer{L}.v   (B, H, N, D)   values
+
+Metadata is one JSON object. In ``.safetensors`` files it is the string metadata entry ``"randattn"``; in
+``.npz`` files a 0-d string array and in ``.pt`` files (a ``dict`` saved with ``torch.save``) a ``str`` value,
+both under the key ``"__metadata__"``. Only ``"scale"`` (the softmax temperature, logits are
+``scale * q . k``) is required in files written by hand; the other fields (``model``, ``layers``, ``heads``,
+``head_dim``, ``tokens``, ``images``, ``input_size``, ``source``, ``randattn_version``, ``dtype``) are filled in
+from the arrays when absent and checked against them when present.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = ["Activations", "load_activations", "save_activations", "make_activations", "FORMATS"]
+
+#: file suffix -> container format
+FORMATS: dict[str, str] = {".safetensors": "safetensors", ".npz": "npz", ".pt": "pt"}
+#: where the JSON metadata lives: safetensors string-metadata key, and the key in .npz / .pt containers
+SAFETENSORS_METADATA_KEY = "randattn"
+METADATA_KEY = "__metadata__"
+_KEY_PATTERN = re.compile(r"^layer(\d+)\.(q|k|v)$")
+_DTYPES = {"float32": np.float32, "float16": np.float16}
+_ALLOWED_STORED = (np.float16, np.float32, np.float64)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("randattn")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Captured queries, keys and values of several attention layers, with their metadata.
+
+    Arrays are read-only. Build one with :func:`make_activations` (validates) or :func:`load_activations`.
+
+    Attributes
+    ----------
+    arrays : dict[int, tuple[ndarray, ndarray, ndarray]]
+        layer index -> ``(q, k, v)``, each of shape ``(B, H, N, D)`` (images, heads, tokens, head_dim).
+    metadata : dict
+        JSON-serialisable description; always holds ``model``, ``layers``, ``heads``, ``head_dim``, ``scale``,
+        ``tokens``, ``images``, ``input_size``, ``source``, ``randattn_version``, ``dtype``.
+    """
+
+    arrays: Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(repr=False)
+    metadata: Mapping[str, Any]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Layer indices, ascending."""
+        return tuple(sorted(self.arrays))
+
+    @property
+    def scale(self) -> float:
+        """Softmax temperature: attention logits are ``scale * q . k``."""
+        return float(self.metadata["scale"])
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B, H, N, D)``: images, heads, tokens, head_dim (the same for every layer and for q, k, v)."""
+        return tuple(self.arrays[self.layers[0]][0].shape)  # type: ignore[return-value]
+
+    @property
+    def images(self) -> tuple[str, ...]:
+        """Image names, one per entry of the leading axis."""
+        return tuple(self.metadata["images"])
+
+    def q(self, layer: int) -> np.ndarray:
+        """Queries of ``layer``, shape ``(B, H, N, D)``."""
+        return self.qkv(layer)[0]
+
+    def k(self, layer: int) -> np.ndarray:
+        """Keys of ``layer``, shape ``(B, H, N, D)``."""
+        return self.qkv(layer)[1]
+
+    def v(self, layer: int) -> np.ndarray:
+        """Values of ``layer``, shape ``(B, H, N, D)``."""
+        return self.qkv(layer)[2]
+
+    def qkv(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(q, k, v)`` of ``layer``, each ``(B, H, N, D)``."""
+        if layer not in self.arrays:
+            raise KeyError(f"layer {layer!r} is not in these activations (layers: {list(self.layers)})")
+        return self.arrays[layer]
+
+    def nbytes(self) -> int:
+        """Bytes held by the arrays."""
+        return sum(a.nbytes for trio in self.arrays.values() for a in trio)
+
+
+def make_activations(
+    arrays: Mapping[int, tuple[np.ndarray, np.ndarray, np.ndarray]] | Mapping[str, np.ndarray],
+    metadata: Mapping[str, Any],
+    *,
+    where: str = "arrays",
+) -> Activations:
+    """Validate arrays and metadata and build an :class:`Activations`.
+
+    Parameters
+    ----------
+    arrays : dict
+        Either layer -> ``(q, k, v)`` or the flat file layout ``"layer{L}.q"`` -> array; every array
+        ``(B, H, N, D)``, floating point, finite, all of the same shape.
+    metadata : dict
+        Must hold ``"scale"`` (positive, finite). Missing descriptive fields are filled from the arrays;
+        present ones must agree with them.
+    where : str
+        Names the source in error messages (e.g. the file path).
+
+    Returns
+    -------
+    Activations
+
+    Raises
+    ------
+    ValueError
+        Naming the key, layer and shapes at fault.
+    """
+    per_layer = _group_by_layer(arrays, where)
+    meta = _check_metadata(dict(metadata), per_layer, where)
+    frozen = {}
+    for layer, trio in per_layer.items():
+        views = []
+        for a in trio:
+            a = np.ascontiguousarray(a)
+            a.setflags(write=False)
+            views.append(a)
+        frozen[layer] = tuple(views)
+    return Activations(arrays=frozen, metadata=meta)
+
+
+def _group_by_layer(arrays: Mapping, where: str) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    if not isinstance(arrays, Mapping) or len(arrays) == 0:
+        raise ValueError(f"{where}: no activations found (expected keys 'layer{{L}}.q', 'layer{{L}}.k', 'layer{{L}}.v')")
+    grouped: dict[int, dict[str, np.ndarray]] = {}
+    for key, value in arrays.items():
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            if not isinstance(value, (tuple, list)) or len(value) != 3:
+                raise ValueError(f"{where}: layer {key} must map to a (q, k, v) triple")
+            grouped[int(key)] = dict(zip("qkv", value))
+            continue
+        match = _KEY_PATTERN.match(str(key))
+        if match is None:
+            raise ValueError(
+                f"{where}: unexpected key {key!r}; keys must look like 'layer{{L}}.q', 'layer{{L}}.k', 'layer{{L}}.v'"
+            )
+        grouped.setdefault(int(match.group(1)), {})[match.group(2)] = value
+    result = {}
+    reference: tuple[str, tuple[int, ...]] | None = None
+    for layer in sorted(grouped):
+        parts = grouped[layer]
+        missing = [f"layer{layer}.{name}" for name in "qkv" if name not in parts]
+        if missing:
+            raise ValueError(f"{where}: missing key(s) {missing} for layer {layer}")
+        trio = []
+        for name in "qkv":
+            key = f"layer{layer}.{name}"
+            a = np.asarray(parts[name])
+            if a.dtype.type not in _ALLOWED_STORED:
+                raise ValueError(f"{where}: {key} has dtype {a.dtype}; expected float16, float32 or float64")
+            if a.ndim != 4:
+                raise ValueError(
+                    f"{where}: {key} has shape {a.shape}; expected 4 dims (images, heads, tokens, head_dim)"
+                )
+            if min(a.shape) == 0:
+                raise ValueError(f"{where}: {key} has an empty dimension, shape {a.shape}")
+            if reference is None:
+                reference = (key, a.shape)
+            elif a.shape != reference[1]:
+                raise ValueError(
+                    f"{where}: {key} has shape {a.shape} but {reference[0]} has shape {reference[1]}; "
+                    "q, k and v of every layer must share one (images, heads, tokens, head_dim) shape"
+                )
+            if not np.isfinite(a).all():
+                bad = int(np.size(a) - np.count_nonzero(np.isfinite(a)))
+                raise ValueError(f"{where}: {key} holds {bad} non-finite value(s) (NaN or inf)")
+            trio.append(a)
+        result[layer] = tuple(trio)
+    return result
+
+
+def _check_metadata(meta: dict, per_layer: dict, where: str) -> dict:
+    if "scale" not in meta:
+        raise ValueError(f"{where}: metadata has no 'scale' (the softmax temperature, e.g. head_dim ** -0.5)")
+    try:
+        scale = float(meta["scale"])
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: metadata 'scale' must be a number, got {meta['scale']!r}") from None
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{where}: metadata 'scale' must be positive and finite, got {scale!r}")
+    first = next(iter(per_layer.values()))[0]
+    images, heads, tokens, head_dim = first.shape
+    derived = {
+        "layers": sorted(per_layer),
+        "heads": heads,
+        "head_dim": head_dim,
+        "tokens": tokens,
+    }
+    for name, value in derived.items():
+        if name in meta and meta[name] is not None and _normalise(meta[name]) != value:
+            raise ValueError(f"{where}: metadata {name!r} is {meta[name]!r} but the arrays give {value!r}")
+        meta[name] = value
+    names = meta.get("images")
+    if names is None:
+        names = [f"image{i}" for i in range(images)]
+    if not isinstance(names, (list, tuple)) or len(names) != images:
+        raise ValueError(f"{where}: metadata 'images' must list {images} name(s) (one per image), got {names!r}")
+    meta["images"] = [str(n) for n in names]
+    meta["scale"] = scale
+    meta.setdefault("model", "unknown")
+    meta.setdefault("input_size", None)
+    meta.setdefault("source", "unknown")
+    meta.setdefault("randattn_version", _version())
+    meta["dtype"] = str(first.dtype)
+    return meta
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [int(x) for x in value]
+    return int(value)
+
+
+# ----------------------------------------------------------------------------------------------------------- writing
+def save_activations(acts: Activations, path: str | os.PathLike, *, dtype: str | None = None) -> Path:
+    """Write ``acts`` to ``path`` atomically (temporary file in the same folder, then ``os.replace``).
+
+    Parameters
+    ----------
+    acts : Activations
+    path : str or PathLike
+        Ends in ``.safetensors`` (recommended), ``.npz`` or ``.pt``.
+    dtype : {"float32", "float16"} or None
+        Storage dtype; None keeps the arrays' dtype.
+
+    Returns
+    -------
+    Path
+        The written file.
+
+    Raises
+    ------
+    ValueError
+        Unknown suffix or dtype, or values that overflow float16.
+    """
+    path, fmt, target = _save_iv(acts, path, dtype)
+    flat: dict[str, np.ndarray] = {}
+    for layer in acts.layers:
+        for name, a in zip("qkv", acts.qkv(layer)):
+            stored = np.ascontiguousarray(a, dtype=target) if target is not None else np.ascontiguousarray(a)
+            if target is not None and not np.isfinite(stored).all():
+                raise ValueError(f"dtype: layer{layer}.{name} overflows {np.dtype(target).name} (max |x| too large)")
+            flat[f"layer{layer}.{name}"] = stored
+    meta = dict(acts.metadata)
+    meta["dtype"] = str(next(iter(flat.values())).dtype)
+    text = json.dumps(meta, sort_keys=True)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        if fmt == "safetensors":
+            from safetensors.numpy import save_file
+
+            save_file(flat, tmp_name, metadata={SAFETENSORS_METADATA_KEY: text})
+        elif fmt == "npz":
+            with open(tmp_name, "wb") as fh:
+                np.savez(fh, **flat, **{METADATA_KEY: np.array(text)})
+        else:
+            import torch
+
+            torch.save({**{k: torch.from_numpy(v.copy()) for k, v in flat.items()}, METADATA_KEY: text}, tmp_name)
+        os.replace(tmp_name, path)
+    except BaseException:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+        raise
+    return path
+
+
+def _save_iv(acts: Any, path: Any, dtype: Any) -> tuple[Path, str, Any]:
+    if not isinstance(acts, Activations):
+        raise TypeError(f"acts must be an Activations, got {type(acts).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or PathLike, got {type(path).__name__}")
+    path = Path(path)
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"path: unknown suffix {path.suffix!r} in {str(path)!r}; use one of {sorted(FORMATS)}")
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
+    return path, fmt, (_DTYPES[dtype] if dtype is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------------------- reading
+def load_activations(path: str | os.PathLike) -> Activations:
+    """Read and validate an activation file (``.safetensors``, ``.npz`` or ``.pt``).
+
+    Parameters
+    ----------
+    path : str or PathLike
+
+    Returns
+    -------
+    Activations
+        Arrays ``(B, H, N, D)`` in the stored dtype, read-only.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file.
+    ValueError
+        Unknown suffix, unreadable file, bad metadata JSON, missing or unexpected keys, shape disagreements,
+        non-finite values, a scale that is not positive.
+    """
+    path = _load_iv(path)
+    fmt = FORMATS[path.suffix.lower()]
+    where = str(path)
+    try:
+        if fmt == "safetensors":
+            arrays, text = _read_safetensors(path)
+        elif fmt == "npz":
+            arrays, text = _read_npz(path)
+        else:
+            arrays, text = _read_pt(path)
+    except (OSError, ValueError, RuntimeError, EOFError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ValueError(f"{where}: cannot read as {fmt}: {exc}") from exc
+    except Exception as exc:  # container libraries raise their own types on corrupt input
+        if type(exc).__name__ in ("SafetensorError", "BadZipFile", "UnpicklingError"):
+            raise ValueError(f"{where}: cannot read as {fmt}: {exc}") from exc
+        raise
+    if text is None:
+        raise ValueError(
+            f"{where}: no metadata found (store a JSON string with at least 'scale' under {METADATA_KEY!r}, "
+            f"or the safetensors metadata key {SAFETENSORS_METADATA_KEY!r})"
+        )
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: metadata is not valid JSON: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: metadata must be a JSON object, got {type(meta).__name__}")
+    return make_activations(arrays, meta, where=where)
+
+
+def _load_iv(path: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or PathLike, got {type(path).__name__}")
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"activation file not found: {str(path)!r}")
+    if not path.is_file():
+        raise ValueError(f"path: {str(path)!r} is not a file")
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"path: unknown suffix {path.suffix!r} in {str(path)!r}; use one of {sorted(FORMATS)}")
+    return path
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as fh:
+        meta = fh.metadata() or {}
+        arrays = {key: fh.get_tensor(key) for key in fh.keys()}
+    return arrays, meta.get(SAFETENSORS_METADATA_KEY)
+
+
+def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {key: data[key] for key in data.files}
+    text = arrays.pop(METADATA_KEY, None)
+    return arrays, (str(text[()]) if text is not None else None)
+
+
+def _read_pt(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
+    import torch
+
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a dict of tensors, got {type(data).__name__}")
+    text = data.pop(METADATA_KEY, None)
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{METADATA_KEY!r} must be a JSON string, got {type(text).__name__}")
+    arrays = {}
+    for key, value in data.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"key {key!r} holds a {type(value).__name__}, not a tensor")
+        arrays[key] = value.detach().numpy()
+    return arrays, text
