@@ -268,9 +268,12 @@ def save_activations(acts: Activations, path: str | os.PathLike, *, dtype: str |
     flat: dict[str, np.ndarray] = {}
     for layer in acts.layers:
         for name, a in zip("qkv", acts.qkv(layer)):
+            if target is not None and np.abs(a).max() > np.finfo(target).max:
+                raise ValueError(
+                    f"dtype: layer{layer}.{name} overflows {np.dtype(target).name} "
+                    f"(max |x| = {float(np.abs(a).max()):.4g} > {float(np.finfo(target).max):.4g})"
+                )
             stored = np.ascontiguousarray(a, dtype=target) if target is not None else np.ascontiguousarray(a)
-            if target is not None and not np.isfinite(stored).all():
-                raise ValueError(f"dtype: layer{layer}.{name} overflows {np.dtype(target).name} (max |x| too large)")
             flat[f"layer{layer}.{name}"] = stored
     meta = dict(acts.metadata)
     meta["dtype"] = str(next(iter(flat.values())).dtype)

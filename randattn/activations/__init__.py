@@ -1,0 +1,9 @@
+"""Activations: capture Q/K/V from vision transformers, read/write activation files, synthetic generators.
+
+Heavy optional dependencies (onnx, onnxruntime, scikit-image, Pillow, timm) are imported inside the functions
+that need them, so ``import randattn.activations`` stays light.
+"""
+
+from randattn.activations.io import Activations, load_activations, make_activations, save_activations
+
+__all__ = ["Activations", "load_activations", "make_activations", "save_activations"]
