@@ -1,0 +1,113 @@
+"""EVA, efficient attention via control variates (Zheng et al., ICLR 2023, sec. 4, app. C).
+
+Exact attention on a local block ``E^n`` (plus prefix/CLS keys) and, on C contiguous chunks
+of the remaining keys, a control-variate estimate: a per-chunk coefficient ``beta_c`` (a
+local SNIS from samples of ``N(mu_c, I)``) weighted by the chunk's attention mass (exact,
+eq. 13; mean-pooled key, eq. 16; or its RFA estimate). ``num_samples`` is C. The draws are
+data-independent standard normals ``eps : (R, ..., C, S_c, D)``; ``omega = mu_c + sigma eps``
+is formed inside ``estimate`` for each query block (common random numbers across blocks).
+The block/chunk layout and every choice the paper leaves open are documented in
+:mod:`randattn.estimators.eva.partition`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from randattn._validation import check_positive_int
+from randattn.estimators.base import Draws, EstimatorSpec, Param
+from randattn.estimators.eva import batched, reference
+from randattn.estimators.eva.partition import PARTITIONS
+from randattn.estimators.eva.reference import CHUNK_WEIGHTS, NOISES, PROPOSAL_MEANS, SAMPLES
+
+#: the shared layout parameters of eva, scatterbrain and local
+LAYOUT_PARAMS = {
+    "window": Param(49, "local block size W >= 0 (EVA's 7x7 vision window; clipped to the sequence; 0 = no local block)", kind=int),
+    "prefix_tokens": Param(0, "leading keys exact for every query (1 = a ViT's CLS token); prefix queries attend exactly to them only", kind=int),
+}
+
+PARAMS = {
+    **LAYOUT_PARAMS,
+    "partition": Param("paper", "paper: chunks of the keys outside E^n; reference-code: chunks of all keys (window counted twice)", choices=PARTITIONS),
+    "chunk_weight": Param("exact", "exact: sum_{P_c} exp(x.y) (eq. 13, quadratic); mean-key: exp(x.mean_c y) (eq. 16); rfa: its random-feature estimate", choices=CHUNK_WEIGHTS),
+    "add_log_chunk_size": Param(False, "mean-key only: multiply the chunk weight by |P_c|", kind=bool),
+    "proposal_mean": Param("sum", "mu_c = q~_c + k~_c (eq. 28), half of it (official code), or standard: 0", choices=PROPOSAL_MEANS),
+    "sample": Param("random", "random, or mean: omega_c = mu_c (Algorithm 1's inference mode, deterministic)", choices=SAMPLES),
+    "noise": Param("paper", "paper: sigma = 1; reference-code: the official N(0, I) in unscaled space = sigma sqrt(scale)", choices=NOISES),
+    "samples_per_chunk": Param(1, "S_c samples per chunk (app. C 'multiple samples'; >1 makes beta_c query-dependent)", kind=int),
+}
+
+
+def draw(
+    q_shape: Sequence[int],
+    k_shape: Sequence[int],
+    *,
+    num_samples: int,
+    replicates: int = 1,
+    rng: np.random.Generator,
+    sample: str = "random",
+    samples_per_chunk: int = 1,
+    **params,
+) -> Draws:
+    """``eps : (R, ..., C, S_c, D)`` standard normals with ``C = num_samples``.
+
+    With ``sample="mean"`` nothing is random: ``eps`` is ``(R, ..., C, 0, D)``, which only
+    carries the number of chunks.
+    """
+    num_chunks = check_positive_int("num_samples", num_samples)
+    per_chunk = check_positive_int("samples_per_chunk", samples_per_chunk) if sample == "random" else 0
+    shape = (replicates, *q_shape[:-2], num_chunks, per_chunk, q_shape[-1])
+    eps = rng.standard_normal(shape) if per_chunk else np.zeros(shape)
+    return Draws({"eps": eps}, replicates)
+
+
+def _is_random(params) -> bool:
+    return params.get("sample", "random") != "mean"
+
+
+def _variants() -> dict[str, dict]:
+    """Every option at least once, on a window of 4 so that 13 tokens make several blocks."""
+    variants: dict[str, dict] = {"default": {}}
+    for partition in PARTITIONS:
+        for weight in CHUNK_WEIGHTS:
+            for mean in PROPOSAL_MEANS:
+                for sample in SAMPLES:
+                    variants[f"{partition}-{weight}-{mean}-{sample}"] = {
+                        "window": 4, "partition": partition, "chunk_weight": weight, "proposal_mean": mean, "sample": sample,
+                    }
+    variants.update(
+        {
+            "mean-key-log-size": {"window": 4, "chunk_weight": "mean-key", "add_log_chunk_size": True},
+            "noise-reference-code": {"window": 4, "noise": "reference-code"},
+            "noise-reference-code-rfa": {"window": 4, "noise": "reference-code", "chunk_weight": "rfa"},
+            "multi-sample-exact": {"window": 4, "samples_per_chunk": 3},
+            "multi-sample-rfa-standard": {"window": 4, "samples_per_chunk": 3, "chunk_weight": "rfa", "proposal_mean": "standard"},
+            "multi-sample-reference-code": {"window": 4, "samples_per_chunk": 2, "partition": "reference-code", "chunk_weight": "mean-key"},
+            "cls": {"window": 4, "prefix_tokens": 1},
+            "cls-reference-code-mean-key": {"window": 4, "prefix_tokens": 1, "partition": "reference-code", "chunk_weight": "mean-key"},
+            "cls-multi-sample-rfa": {"window": 4, "prefix_tokens": 1, "samples_per_chunk": 2, "chunk_weight": "rfa"},
+            "no-window": {"window": 0},
+            "no-window-cls": {"window": 0, "prefix_tokens": 1, "chunk_weight": "mean-key"},
+        }
+    )
+    return variants
+
+
+SPEC = EstimatorSpec(
+    name="eva",
+    summary="EVA: exact local block + per-chunk control variates (beta_c from one sample of N(mu_c, I)) over C chunks",
+    source="Zheng et al. ICLR 2023 (EVA) sec. 4 eq. 11-16, app. C eq. 26-28, Algorithm 1, app. G.1",
+    complexity=(
+        "O(N W (D + Dv) + G M S_c D + N C S_c (D + Dv)), G = ceil(M / W) chunk groups for partition=paper "
+        "(each block re-chunks its complement), G = 1 for reference-code; chunk_weight=exact adds O(N M D); "
+        "C = num_samples, S_c = samples_per_chunk"
+    ),
+    params=PARAMS,
+    draw=draw,
+    reference=reference.estimate,
+    batched=batched.estimate,
+    is_random=_is_random,
+    variants=_variants(),
+)

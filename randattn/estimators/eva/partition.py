@@ -1,0 +1,226 @@
+r"""Local blocks ``E^n`` and chunk partitions ``P_1^n .. P_C^n`` of EVA, Scatterbrain and local attention.
+
+One integer layout, computed from the shapes alone (numpy, no data), shared by the reference
+and batched forms of ``eva``, ``scatterbrain`` and ``local`` so that they partition the keys
+identically (EVA sec. 4.2 "Parameterization Details", app. C "Partitioning Strategy").
+
+Layout (the choices the paper leaves open are marked *choice*):
+
+- **Prefix tokens** (a ViT's CLS token; ``prefix_tokens = P``, default 0). The first
+  ``P_k = min(P, M)`` keys are in every query's exact set ``E^n``. The first ``P_q = min(P, N)``
+  queries ("prefix queries") have no local block: their ``E^n`` is the prefix keys alone and
+  the rest of the keys are chunked for them like for any other query. *Choice*: the paper's
+  vision models handle the CLS token outside the 2D windows; this keeps the CLS key exact
+  for everyone and keeps the CLS query linear (it is estimated, not computed exactly).
+- **Local blocks** (``window = W``). The remaining "body" keys ``P_k .. M-1`` are cut into
+  contiguous blocks of exactly ``W`` keys, the last one shorter (*choice*: ceil-sized
+  blocks, as "chunk the whole sequence into contiguous blocks of size K", app. C; a window
+  larger than the sequence is one block, i.e. it is clipped). ``W = 0`` means no local
+  blocks: ``E^n`` is the prefix keys only (the RFA end of EVA, app. G.1).
+- **Query -> block** (*choice* for N != M). Body query ``i`` (``0 <= i < N_b = N - P_q``)
+  sits at body-key position ``floor(i M_b / N_b)`` (``M_b = M - P_k``) and takes that key's
+  block: the identity for self-attention (N = M), proportional position otherwise.
+- **Chunks**. ``partition="paper"``: the keys outside ``E^n`` (the body keys outside the
+  query's block), in index order, are split into ``min(C, |[M] \ E^n|)`` contiguous chunks
+  whose sizes differ by at most one (``segments.segment_bounds``, the first ones longer).
+  A chunk may straddle the block: it is contiguous in the complement. ``C`` larger than the
+  complement degrades to single-key chunks. ``partition="reference-code"``: the official
+  code's chunks of *all* body keys, the same for every query, so the query's own block is
+  counted again inside the chunks (ARCHITECTURE sec. 10; prefix keys are never chunked).
+- **Query landmarks** ``q~_c`` (EVA eq. 28) pool the queries at the chunk's key positions:
+  body key ``m`` maps to body query ``P_q + floor((m - P_k) N_b / M_b)`` (the identity when
+  N = M). When there are no body queries (all queries are prefix tokens) a chunk pools all
+  queries.
+
+Queries that share their chunks form a :class:`ChunkGroup` (one per block for the paper's
+partition, a single group for ``reference-code``): the per-chunk coefficients and proposals
+are computed once per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from randattn._validation import check_choice, check_positive_int
+from randattn.estimators.segments import segment_bounds
+
+__all__ = ["PARTITIONS", "ChunkGroup", "Partition", "eva_partition", "check_layout_params", "pad_index_lists"]
+
+#: ``paper``: chunks of [M] \ E^n (disjoint from the exact set); ``reference-code``: chunks of all body keys
+PARTITIONS = ("paper", "reference-code")
+
+
+def check_layout_params(window: int, prefix_tokens: int) -> tuple[int, int]:
+    """``window >= 0`` and ``prefix_tokens >= 0`` as ints; ValueError/TypeError naming the argument."""
+    return check_positive_int("window", window, minimum=0), check_positive_int("prefix_tokens", prefix_tokens, minimum=0)
+
+
+@dataclass(frozen=True)
+class ChunkGroup:
+    """Queries that share one chunk partition of the keys.
+
+    Attributes
+    ----------
+    queries : (n_g,) int array
+        Query indices of the group, increasing.
+    chunks : tuple of int arrays
+        Key indices of each chunk ``P_c``, increasing; ``C_g = len(chunks)`` may be 0.
+    chunk_queries : tuple of int arrays
+        Query indices pooled into the landmark ``q~_c`` of each chunk.
+    """
+
+    queries: np.ndarray
+    chunks: tuple[np.ndarray, ...]
+    chunk_queries: tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The exact sets and chunk partitions of all queries; see the module docstring.
+
+    Attributes
+    ----------
+    num_queries, num_keys : int
+        N and M.
+    window, prefix_tokens : int
+        W and P as requested.
+    block_of_query : (N,) int array
+        Local block of each query, -1 for prefix queries and for ``window=0``.
+    exact_keys : tuple of N int arrays
+        ``E^n``: prefix keys then the query's block, increasing.
+    groups : tuple of ChunkGroup
+        Every query is in exactly one group.
+    """
+
+    num_queries: int
+    num_keys: int
+    window: int
+    prefix_tokens: int
+    block_of_query: np.ndarray
+    exact_keys: tuple[np.ndarray, ...]
+    groups: tuple[ChunkGroup, ...]
+
+    @property
+    def max_chunks(self) -> int:
+        """The largest number of chunks of any group (0 when every key is exact for every query)."""
+        return max((len(g.chunks) for g in self.groups), default=0)
+
+    def blocks(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``(queries, E)`` for each distinct exact set, queries increasing."""
+        out = []
+        for block in np.unique(self.block_of_query):
+            queries = np.flatnonzero(self.block_of_query == block)
+            out.append((queries, self.exact_keys[queries[0]]))
+        return out
+
+
+def pad_index_lists(lists: tuple[np.ndarray, ...] | list[np.ndarray], width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(index, mask)`` of shape ``(len(lists), width)``: the lists left-aligned, padded with index 0.
+
+    Padding points at a valid index (0) so that gathers stay finite; ``mask`` is False there
+    and callers give padded entries a log-weight of ``-inf``.
+    """
+    width = max((len(a) for a in lists), default=0) if width is None else width
+    index = np.zeros((len(lists), width), dtype=np.int64)
+    mask = np.zeros((len(lists), width), dtype=bool)
+    for row, a in enumerate(lists):
+        index[row, : len(a)] = a
+        mask[row, : len(a)] = True
+    return index, mask
+
+
+def _split(keys: np.ndarray, num_chunks: int) -> tuple[np.ndarray, ...]:
+    if len(keys) == 0:
+        return ()
+    bounds = segment_bounds(len(keys), num_chunks)
+    return tuple(keys[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:]))
+
+
+def eva_partition(
+    num_queries: int,
+    num_keys: int,
+    *,
+    window: int,
+    prefix_tokens: int = 0,
+    num_chunks: int = 1,
+    partition: str = "paper",
+) -> Partition:
+    r"""The exact sets ``E^n`` and chunks ``P_c^n`` of every query (EVA sec. 4.2, app. C).
+
+    Parameters
+    ----------
+    num_queries, num_keys : int
+        N and M (>= 1).
+    window : int
+        W >= 0, the local block size; 0 = no local blocks.
+    prefix_tokens : int
+        P >= 0 keys exact for every query (CLS); the first P queries have no local block.
+    num_chunks : int
+        C >= 1 requested chunks (fewer when fewer keys remain).
+    partition : {"paper", "reference-code"}
+
+    Returns
+    -------
+    Partition
+
+    Notes
+    -----
+    With ``partition="paper"``, for every query :math:`E^n \cap P^n_c = \emptyset` and
+    :math:`E^n \cup \bigcup_c P^n_c = [M]` (EVA sec. 4.1). With ``"reference-code"`` the
+    chunks cover all non-prefix keys and overlap :math:`E^n` on the query's block.
+
+    Examples
+    --------
+    >>> p = eva_partition(6, 6, window=2, num_chunks=2)
+    >>> p.exact_keys[3].tolist(), [c.tolist() for c in p.groups[1].chunks]
+    ([2, 3], [[0, 1], [4, 5]])
+    """
+    num_queries = check_positive_int("num_queries", num_queries)
+    num_keys = check_positive_int("num_keys", num_keys)
+    window, prefix_tokens = check_layout_params(window, prefix_tokens)
+    num_chunks = check_positive_int("num_chunks", num_chunks)
+    check_choice("partition", partition, PARTITIONS)
+
+    pq, pk = min(prefix_tokens, num_queries), min(prefix_tokens, num_keys)
+    nb, mb = num_queries - pq, num_keys - pk
+    prefix_keys = np.arange(pk)
+    body_keys = np.arange(pk, num_keys)
+
+    # query -> body-key position (proportional) -> block; -1 = no local block
+    block_of_query = np.full(num_queries, -1, dtype=np.int64)
+    if window > 0 and mb > 0 and nb > 0:
+        position = (np.arange(nb) * mb) // nb
+        block_of_query[pq:] = position // window
+
+    def block_keys(block: int) -> np.ndarray:
+        if block < 0:
+            return np.arange(0)
+        return np.arange(pk + block * window, min(pk + (block + 1) * window, num_keys))
+
+    exact_cache = {b: np.concatenate([prefix_keys, block_keys(b)]) for b in np.unique(block_of_query).tolist()}
+    exact_keys = tuple(exact_cache[b] for b in block_of_query.tolist())
+
+    # body key -> the query at the same (proportional) position, for the landmarks q~_c
+    if nb > 0 and mb > 0:
+        key_source = np.full(num_keys, -1, dtype=np.int64)
+        key_source[pk:] = pq + ((np.arange(mb) * nb) // mb)
+    else:
+        key_source = None
+
+    def sources(chunk: np.ndarray) -> np.ndarray:
+        return key_source[chunk] if key_source is not None else np.arange(num_queries)
+
+    groups = []
+    if partition == "reference-code":
+        chunks = _split(body_keys, num_chunks)
+        groups.append(ChunkGroup(np.arange(num_queries), chunks, tuple(sources(c) for c in chunks)))
+    else:
+        for block in np.unique(block_of_query).tolist():
+            queries = np.flatnonzero(block_of_query == block)
+            own = block_keys(block)
+            remaining = body_keys[(body_keys < own[0]) | (body_keys > own[-1])] if len(own) else body_keys
+            chunks = _split(remaining, num_chunks)
+            groups.append(ChunkGroup(queries, chunks, tuple(sources(c) for c in chunks)))
+    return Partition(num_queries, num_keys, window, prefix_tokens, block_of_query, exact_keys, tuple(groups))
