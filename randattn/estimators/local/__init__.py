@@ -1,0 +1,41 @@
+"""Block-local exact attention: EVA's exact part ``E^n`` alone, renormalized (EVA app. E.1 "Local").
+
+Deterministic; the sparse baseline that EVA and Scatterbrain add estimates to. Blocks,
+prefix (CLS) keys and the N != M mapping as in :mod:`randattn.estimators.eva.partition`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from randattn.estimators.base import Draws, EstimatorSpec
+from randattn.estimators.eva import LAYOUT_PARAMS
+from randattn.estimators.local import batched, reference
+
+PARAMS = dict(LAYOUT_PARAMS)
+
+
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, replicates: int = 1, rng=None, **params) -> Draws:
+    """Local attention is deterministic: no random variables, only the replicate count."""
+    return Draws({}, replicates)
+
+
+SPEC = EstimatorSpec(
+    name="local",
+    summary="block-local exact attention (EVA's E^n alone, renormalized): the sparse baseline",
+    source="Child et al. 2019; Xiong et al. 2021; EVA (Zheng et al. ICLR 2023) sec. 4.2, app. E.1",
+    complexity="O(N W (D + Dv))",
+    params=PARAMS,
+    draw=draw,
+    reference=reference.estimate,
+    batched=batched.estimate,
+    needs_samples=False,
+    is_random=lambda params: False,
+    variants={
+        "default": {},
+        "window-4": {"window": 4},
+        "window-1": {"window": 1},
+        "cls": {"window": 4, "prefix_tokens": 1},
+        "cls-only": {"window": 0, "prefix_tokens": 1},
+    },
+)

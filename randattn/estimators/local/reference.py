@@ -1,0 +1,76 @@
+r"""Block-local exact attention (the sparse baseline of EVA app. E.1), numpy float64 (reference form)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from scipy.special import softmax
+
+from randattn.estimators._prepare import prepare_reference
+from randattn.estimators.base import Draws
+from randattn.estimators.eva.partition import Partition, check_layout_params, eva_partition
+
+__all__ = ["estimate", "local_layout"]
+
+
+def local_layout(num_queries: int, num_keys: int, window: int, prefix_tokens: int) -> Partition:
+    """EVA's exact sets ``E^n``; ValueError when some query would attend to no key."""
+    window, prefix_tokens = check_layout_params(window, prefix_tokens)
+    layout = eva_partition(num_queries, num_keys, window=window, prefix_tokens=prefix_tokens, num_chunks=1)
+    empty = [n for n, e in enumerate(layout.exact_keys) if len(e) == 0]
+    if empty:
+        raise ValueError(
+            f"local attention needs every query to attend to some key, but with window={window} and "
+            f"prefix_tokens={prefix_tokens} queries {empty[:5]}{'...' if len(empty) > 5 else ''} have an empty "
+            "local block; use window >= 1 or prefix_tokens >= 1"
+        )
+    return layout
+
+
+def estimate(
+    q: Any,
+    k: Any,
+    v: Any,
+    draws: Draws | None = None,
+    *,
+    scale: float | None = None,
+    window: int = 49,
+    prefix_tokens: int = 0,
+) -> np.ndarray:
+    r"""Softmax attention restricted to each query's local block (EVA's :math:`E^n` alone).
+
+    .. math:: y_n = \sum_{m \in E^n} \frac{e^{x_n^\top y_m}}{\sum_{m' \in E^n} e^{x_n^\top y_{m'}}} v_m.
+
+    Parameters
+    ----------
+    q : (..., N, D)
+    k : (..., M, D)
+    v : (..., M, Dv)
+    draws : Draws, optional
+        Only its replicate count R is used (deterministic).
+    scale : float, optional
+    window : int
+        Block size W (default 49, clipped to the sequence); the blocks, the N != M mapping and
+        the prefix (CLS) keys are those of :mod:`randattn.estimators.eva.partition`.
+    prefix_tokens : int
+        Keys in every query's block; prefix queries attend to the prefix keys only.
+
+    Returns
+    -------
+    (R, ..., N, Dv) with draws, else (..., N, Dv).
+
+    Notes
+    -----
+    Equals softmax attention when the block covers every key (``window >= M - prefix_tokens``
+    and no prefix query without a block). Cost ``O(N W (D + Dv))``.
+    """
+    x, y, v, _, _ = prepare_reference(q, k, v, scale)
+    layout = local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens)
+    out = np.empty((*x.shape[:-1], v.shape[-1]))
+    for qi, exact in layout.blocks():
+        p = softmax(x[..., qi, :] @ np.swapaxes(y[..., exact, :], -1, -2), axis=-1)
+        out[..., qi, :] = p @ v[..., exact, :]
+    if draws is None:
+        return out
+    return np.broadcast_to(out, (draws.replicates, *out.shape)).copy()

@@ -1,0 +1,57 @@
+"""Scatterbrain (Chen et al., NeurIPS 2021) in EVA's form (app. G.5, eq. 29-30).
+
+Positive random features with omega ~ N(0, I) (S samples, any coupling of
+``randattn.estimators.sampling``) off the local support, exact scores on it (EVA's local
+block plus prefix keys), renormalized. Draws ``omega : (R, ..., S, D)`` as for RFA.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from randattn._validation import check_positive_int
+from randattn.estimators.base import Draws, EstimatorSpec, Param
+from randattn.estimators.eva import LAYOUT_PARAMS
+from randattn.estimators.sampling import COUPLINGS, draw_omegas
+from randattn.estimators.scatterbrain import batched, reference
+
+PARAMS = {
+    **LAYOUT_PARAMS,
+    "coupling": Param("iid", "joint law of the S directions (orthogonal-plain-qr: biased, for comparison)", choices=COUPLINGS),
+}
+
+
+def draw(
+    q_shape: Sequence[int],
+    k_shape: Sequence[int],
+    *,
+    num_samples: int,
+    replicates: int = 1,
+    rng: np.random.Generator,
+    coupling: str = "iid",
+    **params,
+) -> Draws:
+    """``omega : (R, ..., S, D)``, shared by every local block."""
+    num_samples = check_positive_int("num_samples", num_samples)
+    return Draws({"omega": draw_omegas(rng, (replicates, *q_shape[:-2]), num_samples, q_shape[-1], coupling)}, replicates)
+
+
+SPEC = EstimatorSpec(
+    name="scatterbrain",
+    summary="Scatterbrain: positive random features off the local block, exact scores on it, renormalized",
+    source="Chen et al. NeurIPS 2021; EVA (Zheng et al. ICLR 2023) app. G.5 eq. 29-30",
+    complexity="O(N W (D + Dv) + G M S D + N S (D + Dv)), G = ceil(M / W) local blocks",
+    params=PARAMS,
+    draw=draw,
+    reference=reference.estimate,
+    batched=batched.estimate,
+    variants={
+        "default": {},
+        "window-4": {"window": 4},
+        "window-4-orthogonal": {"window": 4, "coupling": "orthogonal"},
+        "cls": {"window": 4, "prefix_tokens": 1},
+        "no-window": {"window": 0},
+    },
+)

@@ -1,0 +1,88 @@
+r"""Scatterbrain (Chen et al., NeurIPS 2021) as written in EVA app. G.5, numpy float64 (reference form)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from scipy.special import logsumexp, softmax
+
+from randattn.estimators._prepare import check_draw_array, prepare_reference
+from randattn.estimators.base import Draws
+from randattn.estimators.eva.partition import eva_partition
+from randattn.estimators.features.reference import positive_log_features
+from randattn.estimators.snis.reference import feature_attention
+
+__all__ = ["estimate"]
+
+
+def estimate(
+    q: Any,
+    k: Any,
+    v: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    window: int = 49,
+    prefix_tokens: int = 0,
+    coupling: str = "iid",
+) -> np.ndarray:
+    r"""Scatterbrain: random features off the local support, exact scores on it, renormalized (EVA eq. 29-30).
+
+    .. math::
+        y_n = \frac{\sum_{m \notin E^n} \phi(x_n)^\top \phi(y_m) v_m + \sum_{m \in E^n} e^{x_n^\top y_m} v_m}
+                   {\sum_{m \notin E^n} \phi(x_n)^\top \phi(y_m) + \sum_{m \in E^n} e^{x_n^\top y_m}},
+        \qquad \phi(x)^\top \phi(y) = \frac1S \sum_s \xi(x, \omega_s) \xi(y, \omega_s),
+
+    with positive features :math:`\xi(x, \omega) = \exp(\omega^\top x - \|x\|^2/2)`,
+    :math:`\omega_s \sim \mathcal N(0, I)` and the support :math:`E^n` = EVA's local block plus
+    prefix keys (:mod:`randattn.estimators.eva.partition`; Scatterbrain's sparse part is the
+    local attention, EVA app. E.1). Computed in log space: the off-support sum is
+    :math:`W_n \cdot \mathrm{RFA}_{m \notin E^n}(x_n)` with
+    :math:`\log W_n = \mathrm{logsumexp}_s(\log\xi(x_n, \omega_s) + \mathrm{logsumexp}_{m \notin E^n} \log\xi(y_m, \omega_s)) - \log S`,
+    combined with the exact logits by one softmax.
+
+    Parameters
+    ----------
+    q : (..., N, D)
+    k : (..., M, D)
+    v : (..., M, Dv)
+    draws : Draws
+        ``omega : (R, ..., S, D)`` from :func:`randattn.estimators.scatterbrain.draw`, shared by all blocks.
+    scale : float, optional
+    window : int
+        Local block size W >= 0 (default 49, clipped to the sequence).
+    prefix_tokens : int
+        Keys on every query's support (CLS).
+    coupling : str
+        Only used by ``draw``.
+
+    Returns
+    -------
+    (R, ..., N, Dv)
+
+    Notes
+    -----
+    Equal, with the same omega, to EVA with C = 1, ``proposal_mean="standard"``,
+    ``samples_per_chunk=S`` and ``chunk_weight="rfa"`` (EVA app. G.5). Cost
+    ``O(N W (D + Dv) + G M S D + N S Dv)`` with G the number of local blocks.
+    """
+    x, y, v, _, batch = prepare_reference(q, k, v, scale)
+    omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
+    num_q, num_k = x.shape[-2], y.shape[-2]
+    lead = (draws.replicates, *batch)
+    layout = eva_partition(num_q, num_k, window=window, prefix_tokens=prefix_tokens, num_chunks=1, partition="paper")
+    out = np.empty((*lead, num_q, v.shape[-1]))
+    for qi, exact in layout.blocks():
+        rest = np.setdiff1d(np.arange(num_k), exact)  # m not in Supp_n(S)
+        e_logits = np.broadcast_to((x[..., qi, :] @ np.swapaxes(y[..., exact, :], -1, -2))[None], (*lead, len(qi), len(exact)))
+        if len(rest) == 0:
+            out[..., qi, :] = softmax(e_logits, axis=-1) @ v[None, ..., exact, :]
+            continue
+        log_qf, _ = positive_log_features(x[None, ..., qi, :], omega)  # (R, ..., n_b, S, 1)
+        log_kf, _ = positive_log_features(y[None, ..., rest, :], omega)  # (R, ..., |rest|, S, 1)
+        rfa_rest, _ = feature_attention(log_qf, log_kf, v[None, ..., rest, :])  # (R, ..., n_b, Dv)
+        log_w = logsumexp(log_qf[..., 0] + logsumexp(log_kf[..., 0], axis=-2)[..., None, :], axis=-1) - np.log(omega.shape[-2])
+        p = softmax(np.concatenate([e_logits, log_w[..., None]], axis=-1), axis=-1)
+        out[..., qi, :] = p[..., :-1] @ v[None, ..., exact, :] + p[..., -1:] * rfa_rest
+    return out
