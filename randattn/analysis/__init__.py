@@ -1,0 +1,5 @@
+"""Measurement: replicates, bias/variance/MSE, sweeps over activation sets, importance-sampling diagnostics.
+
+Submodules are imported on use (``randattn.analysis.metrics``, ``.diagnostics``, ``.sweep``);
+``theory`` holds the propositions checked by ``randattn verify``.
+"""

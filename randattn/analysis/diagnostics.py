@@ -1,0 +1,295 @@
+r"""Importance-sampling diagnostics: Kish ESS, delta-method variance and Pareto k-hat.
+
+Scope (honest and generic): the diagnostics need the estimator's self-normalized importance
+weights. They are available for ``rfa`` with a positive feature map (``positive``,
+``hyperbolic``, ``regularized``, ``oprf``), where ARCHITECTURE sec. 4 gives them in closed
+form from the draws,
+
+.. math::
+    w_{ns} = \mathrm{softmax}_s\Big(\log\xi(x_n, \omega_s) + \operatorname{logsumexp}_m \log\xi(y_m, \omega_s)\Big),
+    \qquad
+    f(\omega_s) = \sum_m \mathrm{softmax}_m\big(\log\xi(y_m, \omega_s)\big)\, v_m,
+
+computed from :mod:`randattn.estimators.features.reference` log-features (never N x M). For
+maps with L > 1 features per sample (hyperbolic) the ``S L`` feature columns are the "samples".
+Every other estimator (and signed trigonometric features) reports NaN: their weights are not
+exposed by the estimator API. Add an entry to :data:`WEIGHT_PROVIDERS` to extend.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+from scipy.special import logsumexp
+
+__all__ = [
+    "KHAT_THRESHOLD",
+    "IsDiagnostics",
+    "rfa_snis_terms",
+    "snis_diagnostics",
+    "estimator_diagnostics",
+    "pareto_khat",
+    "WEIGHT_PROVIDERS",
+]
+
+#: k-hat above which the Monte Carlo variance estimate is not to be trusted (Vehtari et al. 2024, sec. 3)
+KHAT_THRESHOLD = 0.7
+_POSITIVE_MAPS = ("positive", "hyperbolic", "regularized", "oprf")
+
+
+@dataclass(frozen=True)
+class IsDiagnostics:
+    """Importance-sampling diagnostics per batch element, each field ``(...)``.
+
+    Attributes
+    ----------
+    ess_mean : (...) ndarray
+        Kish ESS of the normalized weights per query, averaged over queries and replicates.
+    ess_min : (...) ndarray
+        Smallest per-query ESS over queries and replicates.
+    delta_variance : (...) ndarray
+        Delta-method variance of the SNIS output (Owen 2013 sec. 9.2), averaged over
+        queries, value dims and replicates: compare with the replicate variance.
+    pareto_khat : (...) ndarray
+        Mean over the examined queries of the PSIS shape estimate k-hat (first replicate).
+    khat_max : (...) ndarray
+        Largest k-hat over the examined queries.
+    khat_frac_high : (...) ndarray
+        Fraction of examined queries with k-hat > :data:`KHAT_THRESHOLD`.
+    num_weights : int
+        Number of importance weights per query (S L).
+    """
+
+    ess_mean: np.ndarray
+    ess_min: np.ndarray
+    delta_variance: np.ndarray
+    pareto_khat: np.ndarray
+    khat_max: np.ndarray
+    khat_frac_high: np.ndarray
+    num_weights: int
+
+    @property
+    def untrustworthy(self) -> np.ndarray:
+        """Flag: some examined query has k-hat > 0.7, so replicate and delta-method variances are unreliable."""
+        with np.errstate(invalid="ignore"):
+            return np.asarray(self.khat_max > KHAT_THRESHOLD)
+
+
+def nan_diagnostics(batch: tuple[int, ...]) -> IsDiagnostics:
+    """All-NaN diagnostics for estimators whose weights are not accessible."""
+    nan = np.full(batch, np.nan)
+    return IsDiagnostics(nan, nan.copy(), nan.copy(), nan.copy(), nan.copy(), nan.copy(), 0)
+
+
+def rfa_snis_terms(
+    q: Any, k: Any, v: Any, omega: Any, *, scale: float | None = None, feature_map: str = "positive"
+) -> tuple[np.ndarray, np.ndarray] | None:
+    r"""RFA's unnormalized log importance weights and per-sample values.
+
+    Parameters
+    ----------
+    q : (..., N, D)
+    k : (..., M, D)
+    v : (..., M, Dv)
+    omega : (R, ..., S, D)
+        The RFA draws (``draws["omega"]``).
+    scale : float, optional
+        Temperature, default ``D ** -0.5``.
+    feature_map : str
+        RFA's feature map; signed maps (``trigonometric``) return None.
+
+    Returns
+    -------
+    log_w : (R, ..., N, J) ndarray
+        :math:`\log\xi(x_n, \omega_j) + \operatorname{logsumexp}_m \log\xi(y_m, \omega_j)`, J = S L.
+    f : (R, ..., J, Dv) ndarray
+        :math:`\sum_m \mathrm{softmax}_m(\log\xi(y_m, \omega_j)) v_m`.
+    or None for signed feature maps.
+    """
+    if feature_map not in _POSITIVE_MAPS:
+        return None
+    from randattn.estimators._prepare import prepare_reference
+    from randattn.estimators.features.reference import log_features, oprf_optimal_a
+
+    x, y, v, _, _ = prepare_reference(q, k, v, scale)
+    omega = np.asarray(omega, dtype=np.float64)
+    a = oprf_optimal_a(x, y)[None] if feature_map == "oprf" else None
+    lx, _ = log_features(feature_map, x[None], omega, oprf_a=a)
+    ly, _ = log_features(feature_map, y[None], omega, oprf_a=a)
+    lx = lx.reshape(*lx.shape[:-2], -1)  # (R, ..., N, J)
+    ly = ly.reshape(*ly.shape[:-2], -1)  # (R, ..., M, J)
+    log_key_mass = logsumexp(ly, axis=-2)  # (R, ..., J)
+    key_probs = np.exp(ly - log_key_mass[..., None, :])
+    f = np.swapaxes(key_probs, -1, -2) @ v[None]  # (R, ..., J, Dv)
+    return lx + log_key_mass[..., None, :], f
+
+
+def _rfa_provider(q, k, v, draws, *, scale, params) -> tuple[np.ndarray, np.ndarray] | None:
+    return rfa_snis_terms(q, k, v, draws["omega"], scale=scale, feature_map=params.get("feature_map", "positive"))
+
+
+#: estimator name -> ``provider(q, k, v, draws, *, scale, params) -> (log_w, f) | None``
+WEIGHT_PROVIDERS: Mapping[str, Callable[..., tuple[np.ndarray, np.ndarray] | None]] = {"rfa": _rfa_provider}
+
+
+def _arviz_tail_length(num: int) -> int:
+    """Tail size used by ``arviz.psislw`` for ``num`` weights (it returns k = inf below 5)."""
+    return int(math.ceil(min(0.2 * num, 3.0 * math.sqrt(num))))
+
+
+def pareto_khat(log_weights: Any) -> np.ndarray:
+    r"""PSIS shape estimate :math:`\hat k` per row of log importance weights.
+
+    Parameters
+    ----------
+    log_weights : (..., J) array_like
+        Unnormalized log weights; J is the sample axis.
+
+    Returns
+    -------
+    (...) ndarray
+        :math:`\hat k` from ``arviz.psislw`` (generalized Pareto fit to the largest
+        ``ceil(min(J/5, 3 sqrt J))`` weights, Zhang & Stephens 2009 with the PSIS prior).
+        NaN when that tail has fewer than 5 weights (J < 25): arviz returns inf there, which
+        is not an estimate.
+
+    Notes
+    -----
+    :math:`\hat k < 0.5`: finite variance, fine; :math:`0.5 \le \hat k \le 0.7`: finite mean,
+    slower convergence; :math:`\hat k > 0.7`: the variance estimates (replicate and delta
+    method) cannot be trusted.
+
+    References
+    ----------
+    Vehtari, Simpson, Gelman, Yao, Gabry (2024), Pareto smoothed importance sampling,
+    JMLR 25(72), sec. 3.
+    """
+    lw = np.asarray(log_weights, dtype=np.float64)
+    batch = lw.shape[:-1]
+    if _arviz_tail_length(lw.shape[-1]) <= 4:
+        return np.full(batch, np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # arviz's import-time FutureWarning and fit warnings
+        import arviz
+
+        rows = np.ascontiguousarray(lw.reshape(-1, lw.shape[-1]))
+        rows = np.where(np.isfinite(rows), rows, -np.inf)
+        _, k = arviz.psislw(rows)
+    k = np.asarray(k, dtype=np.float64).reshape(batch)
+    return np.where(np.isfinite(k), k, np.nan)
+
+
+def _delta_variance(weights: np.ndarray, f: np.ndarray) -> np.ndarray:
+    r"""``sum_j w_nj^2 (f_jd - mu_nd)^2`` without an (N, J, Dv) temporary: (..., N, Dv).
+
+    Expanded as :math:`\sum w^2 f^2 - 2\mu \sum w^2 f + \mu^2 \sum w^2`; f are convex
+    combinations of the values, so the cancellation is bounded by ``eps |v|^2 sum w^2``.
+    """
+    w2 = weights * weights
+    mu = weights @ f
+    value = w2 @ (f * f) - 2.0 * mu * (w2 @ f) + mu * mu * w2.sum(-1, keepdims=True)
+    return np.maximum(value, 0.0)
+
+
+def snis_diagnostics(log_w: Any, f: Any, *, khat_queries: int = 16) -> IsDiagnostics:
+    r"""Kish ESS, delta-method variance and Pareto k-hat of an SNIS estimate.
+
+    Parameters
+    ----------
+    log_w : (R, ..., N, J) array_like
+        Unnormalized log importance weights per replicate and query.
+    f : (R, ..., J, Dv) array_like
+        Per-sample values.
+    khat_queries : int
+        k-hat is fitted on the first replicate for at most this many queries, evenly spaced
+        (``arviz.psislw`` costs ~0.4 ms per query; 0 disables it).
+
+    Returns
+    -------
+    IsDiagnostics
+        Fields of shape ``(...)``.
+
+    Notes
+    -----
+    .. math::
+        \mathrm{ESS}_n = 1 / \sum_j \bar w_{nj}^2, \qquad
+        \widehat{\mathrm{Var}}_\delta[\hat y_{nd}] = \sum_j \bar w_{nj}^2 (f_{jd} - \hat y_{nd})^2 .
+
+    The delta-method formula assumes i.i.d. samples; with orthogonal or hyperbolic
+    (antithetic) couplings it ignores the negative correlation and tends to overstate the
+    variance.
+
+    References
+    ----------
+    Kish (1965); Owen (2013), *Monte Carlo theory, methods and examples*, sec. 9.2-9.3;
+    Vehtari et al. (2024), JMLR 25(72).
+    """
+    log_w = np.asarray(log_w, dtype=np.float64)
+    f = np.asarray(f, dtype=np.float64)
+    if log_w.ndim < 3 or f.ndim != log_w.ndim or f.shape[-2] != log_w.shape[-1]:
+        raise ValueError(f"log_w (R, ..., N, J) and f (R, ..., J, Dv) disagree: {log_w.shape} vs {f.shape}")
+    batch = log_w.shape[1:-2]
+    log_den = logsumexp(log_w, axis=-1, keepdims=True)
+    weights = np.exp(log_w - log_den)  # (R, ..., N, J)
+    ess = 1.0 / (weights * weights).sum(-1)  # (R, ..., N)
+    ess_rn = np.moveaxis(ess, 0, -1)  # (..., N, R)
+    delta = _delta_variance(weights, f).mean(axis=(-2, -1)).mean(0)
+    num_queries = log_w.shape[-2]
+    if khat_queries > 0 and num_queries > 0:
+        idx = np.unique(np.linspace(0, num_queries - 1, min(khat_queries, num_queries)).round().astype(int))
+        khat = pareto_khat(log_w[0][..., idx, :])  # (..., Q)
+        with np.errstate(invalid="ignore"):
+            if np.isnan(khat).all():
+                k_mean = k_max = k_frac = np.full(batch, np.nan)
+            else:
+                k_mean = khat.mean(-1)
+                k_max = khat.max(-1)
+                k_frac = (khat > KHAT_THRESHOLD).mean(-1)
+    else:
+        k_mean = k_max = k_frac = np.full(batch, np.nan)
+    return IsDiagnostics(
+        ess_mean=ess_rn.mean(axis=(-2, -1)),
+        ess_min=ess_rn.min(axis=(-2, -1)),
+        delta_variance=delta,
+        pareto_khat=np.asarray(k_mean, dtype=np.float64),
+        khat_max=np.asarray(k_max, dtype=np.float64),
+        khat_frac_high=np.asarray(k_frac, dtype=np.float64),
+        num_weights=int(log_w.shape[-1]),
+    )
+
+
+def estimator_diagnostics(
+    name: str, q: Any, k: Any, v: Any, draws: Any, *, scale: float | None, params: Mapping[str, Any], khat_queries: int = 16
+) -> IsDiagnostics:
+    """Diagnostics of estimator ``name`` with these draws; all-NaN when its weights are not accessible.
+
+    Parameters
+    ----------
+    name : str
+        Registry name.
+    q : (..., N, D)
+    k : (..., M, D)
+    v : (..., M, Dv)
+    draws : Draws
+        numpy draws (as made by the spec's ``draw``).
+    scale : float or None
+    params : mapping
+        The estimator's resolved parameters.
+    khat_queries : int
+        See :func:`snis_diagnostics`.
+
+    Returns
+    -------
+    IsDiagnostics
+        Fields ``(...)``.
+    """
+    batch = tuple(np.shape(q)[:-2])
+    provider = WEIGHT_PROVIDERS.get(name)
+    terms = None if provider is None else provider(q, k, v, draws, scale=scale, params=params)
+    if terms is None:
+        return nan_diagnostics(batch)
+    return snis_diagnostics(*terms, khat_queries=khat_queries)

@@ -1,0 +1,301 @@
+r"""Bias, variance and MSE of an estimator from R replicates (ARCHITECTURE sec. 6).
+
+Every metric is computed **per output element** ``(n, d)`` and then averaged over the queries
+``n`` and value dims ``d``; leading batch dims (images, heads, ...) are kept, so one call
+measures a whole chunk of attention heads.
+
+With replicates :math:`y_r` (:math:`r = 1..R`) and the exact output :math:`y`:
+
+.. math::
+    \bar y = \frac1R \sum_r y_r, \qquad
+    s^2 = \frac{1}{R-1} \sum_r (y_r - \bar y)^2, \qquad
+    \mathrm{MSE} = \frac1R \sum_r (y_r - y)^2,
+
+    \widehat{b^2}_{\text{naive}} = (\bar y - y)^2, \qquad
+    \widehat{b^2} = (\bar y - y)^2 - s^2 / R .
+
+The naive squared bias is biased upwards by :math:`\sigma^2 / R`
+(:math:`\mathbb{E}(\bar y - y)^2 = b^2 + \sigma^2/R`); the debiased one is the U-statistic
+:math:`\frac{1}{R(R-1)} \sum_{r \ne r'} (y_r - y)(y_{r'} - y)`, unbiased for :math:`b^2` and
+therefore sometimes negative.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ReplicateMetrics",
+    "replicate_metrics",
+    "relative_error",
+    "probability_mse",
+    "normal_ci",
+    "jackknife_debiased_bias_sq",
+]
+
+
+def normal_ci(estimate: Any, se: Any, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    r"""Normal confidence interval :math:`\hat\theta \pm z_{(1+\text{level})/2}\,\mathrm{SE}`.
+
+    Parameters
+    ----------
+    estimate, se : array_like, same shape
+    level : float in (0, 1)
+
+    Returns
+    -------
+    (lo, hi) : tuple of ndarray
+    """
+    if not 0.0 < float(level) < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    from scipy.stats import norm
+
+    z = float(norm.ppf(0.5 + 0.5 * float(level)))
+    estimate = np.asarray(estimate, dtype=np.float64)
+    se = np.asarray(se, dtype=np.float64)
+    return estimate - z * se, estimate + z * se
+
+
+@dataclass(frozen=True)
+class ReplicateMetrics:
+    """Bias/variance/MSE of one estimator on a batch of inputs, each field of shape ``(...)``.
+
+    Attributes
+    ----------
+    mean_abs : (...) ndarray
+        Average over (n, d) of :math:`|\\bar y|` (a scale reference, not a metric).
+    mse : (...) ndarray
+        :math:`\\mathrm{avg}_{n,d}\\, \\mathrm{avg}_r (y_r - y)^2`.
+    mse_se : (...) ndarray
+        Standard error of ``mse`` over replicates: ``std_r(e_r, ddof=1) / sqrt(R)`` with
+        ``e_r = avg_{n,d} (y_r - y)^2``; 0 for a deterministic estimator, NaN when R < 2.
+    variance : (...) ndarray
+        :math:`\\mathrm{avg}_{n,d}\\, s^2` (denominator R - 1); 0 when deterministic, NaN when R = 1.
+    bias_sq : (...) ndarray
+        Debiased :math:`\\mathrm{avg}_{n,d}[(\\bar y - y)^2 - s^2/R]`; equals ``bias_sq_naive``
+        when deterministic, NaN when random with R = 1.
+    bias_sq_naive : (...) ndarray
+        :math:`\\mathrm{avg}_{n,d} (\\bar y - y)^2`.
+    bias_sq_se : (...) ndarray
+        Jackknife (leave-one-replicate-out) standard error of ``bias_sq``; 0 when
+        deterministic, NaN when R < 3.
+    replicates : int
+        R.
+    random : bool
+        Whether the estimator was random (False: one replicate, zero variance by definition).
+    """
+
+    mean_abs: np.ndarray
+    mse: np.ndarray
+    mse_se: np.ndarray
+    variance: np.ndarray
+    bias_sq: np.ndarray
+    bias_sq_naive: np.ndarray
+    bias_sq_se: np.ndarray
+    replicates: int
+    random: bool
+
+    def mse_ci(self, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+        """Normal CI of the MSE over replicates."""
+        return normal_ci(self.mse, self.mse_se, level)
+
+    def bias_sq_ci(self, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+        """Normal CI of the debiased squared bias (jackknife SE)."""
+        return normal_ci(self.bias_sq, self.bias_sq_se, level)
+
+
+def _metrics_iv(estimates: Any, exact: Any, random: Any) -> tuple[np.ndarray, np.ndarray, bool]:
+    est = np.asarray(estimates, dtype=np.float64)
+    ex = np.asarray(exact, dtype=np.float64)
+    if est.ndim < 3:
+        raise ValueError(f"estimates must have shape (R, ..., N, Dv), got {est.shape}")
+    if est.shape[1:] != ex.shape:
+        raise ValueError(
+            f"estimates of shape {est.shape} do not match exact of shape {ex.shape}: expected (R, *exact.shape)"
+        )
+    if not isinstance(random, (bool, np.bool_)):
+        raise TypeError(f"random must be a bool, got {type(random).__name__}")
+    return est, ex, bool(random)
+
+
+def jackknife_debiased_bias_sq(estimates: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    r"""Leave-one-replicate-out jackknife SE of the debiased squared bias, shape ``(...)``.
+
+    Parameters
+    ----------
+    estimates : (R, ..., N, Dv) ndarray, R >= 3
+    exact : (..., N, Dv) ndarray
+
+    Returns
+    -------
+    (...) ndarray
+
+    Notes
+    -----
+    With :math:`\hat\theta_{(-r)}` the debiased squared bias from the R - 1 replicates other
+    than r (averaged over elements),
+
+    .. math::
+        \mathrm{SE}_{\text{jack}} = \sqrt{\frac{R-1}{R} \sum_r (\hat\theta_{(-r)} - \bar\theta_{(\cdot)})^2}.
+
+    The deleted means and variances use the update formulas
+    :math:`\bar y_{(-r)} = (R\bar y - y_r)/(R-1)` and
+    :math:`(R-2)\, s^2_{(-r)} = (R-1) s^2 - \frac{R}{R-1}(y_r - \bar y)^2`, so no loop over r.
+    The jackknife suits the debiased estimator because it is a U-statistic of degree 2;
+    unlike the first-order delta method (whose leading term vanishes when the bias is 0)
+    it stays informative for unbiased estimators.
+
+    References
+    ----------
+    Efron & Stein (1981), The jackknife estimate of variance, Ann. Stat. 9(3).
+    """
+    r = estimates.shape[0]
+    mean = estimates.mean(0)
+    dev = estimates - mean
+    ss = (dev * dev).sum(0)  # (R - 1) s^2
+    mean_loo = (r * mean - estimates) / (r - 1)
+    var_loo = (ss - r / (r - 1) * dev * dev) / (r - 2)
+    theta_loo = ((mean_loo - exact) ** 2 - var_loo / (r - 1)).mean(axis=(-2, -1))  # (R, ...)
+    centred = theta_loo - theta_loo.mean(0)
+    return np.sqrt((r - 1) / r * (centred * centred).sum(0))
+
+
+def replicate_metrics(estimates: Any, exact: Any, *, random: bool = True) -> ReplicateMetrics:
+    r"""Mean, variance, MSE and (debiased) squared bias from R replicates.
+
+    Parameters
+    ----------
+    estimates : (R, ..., N, Dv) array_like
+        Replicates :math:`y_r` (independent draws of the same estimator on the same input).
+    exact : (..., N, Dv) array_like
+        The exact output :math:`y` (softmax attention).
+    random : bool
+        False for a deterministic estimator: then one replicate suffices and the variance and
+        its standard errors are exactly 0 (extra replicates, if given, must be identical and
+        are not used beyond the first).
+
+    Returns
+    -------
+    ReplicateMetrics
+        Each field of shape ``(...)`` (the batch dims), averaged over (N, Dv).
+
+    Warns
+    -----
+    RuntimeWarning
+        A random estimator with R = 1: variance, debiased bias² and SEs are NaN. With R = 2
+        the jackknife SE of the bias² is NaN (it needs R >= 3).
+
+    Notes
+    -----
+    Formulas in the module docstring. ``mse_se`` is the normal-theory SE of a mean of the R
+    i.i.d. per-replicate errors; ``bias_sq_se`` is the jackknife SE
+    (:func:`jackknife_debiased_bias_sq`). ``mse = bias_sq_naive + (R-1)/R variance`` holds
+    exactly (the sample bias-variance decomposition).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from randattn.analysis.metrics import replicate_metrics
+    >>> y = np.zeros((1, 1))
+    >>> m = replicate_metrics(np.array([[[1.0]], [[3.0]]]), y)
+    >>> float(m.mse), float(m.variance), float(m.bias_sq_naive), float(m.bias_sq)
+    (5.0, 2.0, 4.0, 3.0)
+    """
+    est, ex, random = _metrics_iv(estimates, exact, random)
+    r = est.shape[0]
+    batch = ex.shape[:-2]
+    if not random:
+        est = est[:1]
+        err = ((est[0] - ex) ** 2).mean(axis=(-2, -1))
+        zero = np.zeros(batch)
+        return ReplicateMetrics(
+            mean_abs=np.abs(est[0]).mean(axis=(-2, -1)), mse=err, mse_se=zero, variance=zero.copy(),
+            bias_sq=err.copy(), bias_sq_naive=err.copy(), bias_sq_se=zero.copy(), replicates=1, random=False,
+        )
+    mean = est.mean(0)
+    per_rep_err = ((est - ex) ** 2).mean(axis=(-2, -1))  # (R, ...)
+    mse = per_rep_err.mean(0)
+    naive = ((mean - ex) ** 2).mean(axis=(-2, -1))
+    if r == 1:
+        warnings.warn(
+            "replicate_metrics: a random estimator needs R >= 2 replicates for a variance; got R = 1, "
+            "so variance, debiased bias^2 and standard errors are NaN",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        nan = np.full(batch, np.nan)
+        return ReplicateMetrics(
+            mean_abs=np.abs(mean).mean(axis=(-2, -1)), mse=mse, mse_se=nan, variance=nan.copy(), bias_sq=nan.copy(),
+            bias_sq_naive=naive, bias_sq_se=nan.copy(), replicates=1, random=True,
+        )
+    dev = est - mean
+    variance_el = (dev * dev).sum(0) / (r - 1)
+    variance = variance_el.mean(axis=(-2, -1))
+    bias_sq = naive - variance / r
+    mse_se = per_rep_err.std(0, ddof=1) / math.sqrt(r)
+    if r >= 3:
+        bias_sq_se = jackknife_debiased_bias_sq(est, ex)
+    else:
+        warnings.warn(
+            "replicate_metrics: the jackknife SE of the debiased bias^2 needs R >= 3 replicates, got R = 2; "
+            "bias_sq_se is NaN",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        bias_sq_se = np.full(batch, np.nan)
+    return ReplicateMetrics(
+        mean_abs=np.abs(mean).mean(axis=(-2, -1)), mse=mse, mse_se=mse_se, variance=variance, bias_sq=bias_sq,
+        bias_sq_naive=naive, bias_sq_se=bias_sq_se, replicates=r, random=True,
+    )
+
+
+def relative_error(estimates: Any, exact: Any) -> np.ndarray:
+    r"""Mean relative error per query, :math:`\mathrm{avg}_{r,n} \|\hat y_{rn} - y_n\| / \|y_n\|`.
+
+    Parameters
+    ----------
+    estimates : (R, ..., N, Dv) array_like
+    exact : (..., N, Dv) array_like
+
+    Returns
+    -------
+    (...) ndarray
+        Euclidean norms over Dv; averaged over queries n and replicates r. A query with
+        :math:`y_n = 0` contributes inf (or NaN if the estimate is exactly 0 too).
+    """
+    est = np.asarray(estimates, dtype=np.float64)
+    ex = np.asarray(exact, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.linalg.norm(est - ex, axis=-1) / np.linalg.norm(ex, axis=-1)
+    return ratio.mean(axis=(0, -1))
+
+
+def probability_mse(estimated_probs: Any, exact_probs: Any) -> np.ndarray:
+    r"""MSE of the attention probabilities, :math:`\mathrm{avg}_{r,n,m} (\hat P_{rnm} - P_{nm})^2`.
+
+    Parameters
+    ----------
+    estimated_probs : (R, ..., N, M) array_like
+        The estimator's implied attention matrix per replicate.
+    exact_probs : (..., N, M) array_like
+        ``softmax_m(scale q_n . k_m)``.
+
+    Returns
+    -------
+    (...) ndarray
+
+    Notes
+    -----
+    Every estimator in the catalogue is linear in the values given the draws,
+    :math:`\hat y_n = \sum_m \hat P_{nm}(q, k, \omega)\, v_m`, so the sweep obtains
+    :math:`\hat P` by evaluating it with ``v = I_M`` and the same draws
+    (:func:`randattn.analysis.sweep` ``probabilities=True``).
+    """
+    est = np.asarray(estimated_probs, dtype=np.float64)
+    ex = np.asarray(exact_probs, dtype=np.float64)
+    return ((est - ex) ** 2).mean(axis=(0, -2, -1))
