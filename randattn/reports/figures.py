@@ -1,0 +1,584 @@
+"""Figures of a results table: MSE vs samples, bias²/variance, layer x head heatmaps, feature-map comparison.
+
+Every function takes a results table (see :mod:`randattn.reports.tables`) and returns a
+:class:`matplotlib.figure.Figure` built without pyplot, so nothing is registered in pyplot's global figure
+manager and nothing depends on the interactive backend; :func:`save_figure` renders with the Agg canvas.
+
+The figures follow the papers they reproduce: :func:`mse_vs_samples_figure` is LARA Fig. 1 (MSE against
+the number of samples, one panel per sequence length, aggregated as in LARA app. H.1) and
+:func:`features_figure` is Performer Fig. 4 (orthogonal vs iid, positive vs trigonometric).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import textwrap
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import NullLocator
+
+from randattn.reports.tables import (
+    PLOT_COLUMNS,
+    ResultsError,
+    aggregate_over_images,
+    describe_data,
+    label_order,
+    require_columns,
+)
+
+__all__ = [
+    "FIGURE_KINDS",
+    "MSE_UNITS",
+    "save_figure",
+    "make_figure",
+    "mse_vs_samples_figure",
+    "bias_variance_figure",
+    "heatmap_figure",
+    "features_figure",
+    "label_styles",
+]
+
+#: the y-axis unit of every MSE: squared units of the attention output
+MSE_UNITS = "squared output units"
+_SAMPLES_LABEL = "samples S (log scale)"
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+_SUPPORTED_FORMATS = ("png", "svg", "pdf")
+_PANEL_WIDTH, _PANEL_HEIGHT = 4.6, 3.6
+
+
+def label_styles(labels: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """A fixed colour and marker per estimator label, in display order (tab10 then tab20 colours).
+
+    Parameters
+    ----------
+    labels : iterable of str
+
+    Returns
+    -------
+    dict
+        label -> ``{"color": ..., "marker": ...}`` for :meth:`matplotlib.axes.Axes.plot`.
+    """
+    from matplotlib import colormaps
+
+    ordered = label_order(labels)
+    palette = colormaps["tab10"].colors if len(ordered) <= 10 else colormaps["tab20"].colors
+    return {
+        label: {"color": palette[i % len(palette)], "marker": _MARKERS[i % len(_MARKERS)]}
+        for i, label in enumerate(ordered)
+    }
+
+
+def save_figure(
+    fig: Figure,
+    path_without_suffix: str | os.PathLike,
+    formats: Sequence[str] = ("png", "svg"),
+    *,
+    dpi: int = 150,
+) -> list[Path]:
+    """Write ``fig`` once per format (``png``, ``svg``, ``pdf``) next to ``path_without_suffix``.
+
+    Parameters
+    ----------
+    fig : matplotlib.figure.Figure
+    path_without_suffix : str or path-like
+        E.g. ``out/mse-vs-samples``; parent folders are created.
+    formats : sequence of str
+        Subset of ``("png", "svg", "pdf")``.
+    dpi : int
+        Resolution of raster formats.
+
+    Returns
+    -------
+    list of pathlib.Path
+        The written files, in the order of ``formats``.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if not isinstance(fig, Figure):
+        raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
+    formats = [formats] if isinstance(formats, str) else list(formats)
+    bad = [f for f in formats if f not in _SUPPORTED_FORMATS]
+    if bad or not formats:
+        raise ValueError(f"formats must be a non-empty subset of {_SUPPORTED_FORMATS}, got {formats!r}")
+    base = Path(path_without_suffix)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)  # attach a non-interactive canvas; svg/pdf pick their own backend from the suffix
+    written = []
+    for fmt in formats:
+        path = base.with_name(base.name + "." + fmt)
+        # metadata without dates keeps repeated runs byte-stable
+        metadata = {"Date": None} if fmt in ("svg", "pdf") else {}
+        fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
+        written.append(path)
+    return written
+
+
+def _new_figure(n_panels: int, *, ncols: int | None = None, sharey: bool = False) -> tuple[Figure, list[Axes]]:
+    ncols = n_panels if ncols is None else ncols
+    nrows = math.ceil(n_panels / ncols)
+    fig = Figure(figsize=(max(6.4, _PANEL_WIDTH * ncols + 0.4), _PANEL_HEIGHT * nrows + 1.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey=sharey).ravel().tolist()
+    for ax in axes[n_panels:]:
+        fig.delaxes(ax)
+    return fig, axes[:n_panels]
+
+
+def _wrap(line: str, width: int) -> list[str]:
+    """Wrap at the " · " and "; " separators first, so a phrase ("layers 0, 5, 11") stays on one line."""
+    pieces = [p for chunk in line.split(" · ") for p in (chunk,)]
+    out: list[str] = []
+    for piece in pieces:
+        candidate = f"{out[-1]} · {piece}" if out else piece
+        if out and len(candidate) <= width:
+            out[-1] = candidate
+        else:
+            out.extend(textwrap.wrap(piece, width) or [""])
+    return out
+
+
+def _titles(fig: Figure, title: str, subtitle: str) -> None:
+    # about 11 characters per inch at 10 pt: wrap so nothing is clipped
+    width = max(40, int(fig.get_figwidth() * 11))
+    lines = [wrapped for line in subtitle.split("\n") for wrapped in _wrap(line, width)]
+    fig.suptitle("\n".join([*textwrap.wrap(title, width), *lines]), fontsize=10)
+
+
+def _legend(fig: Figure, handles: list, n: int) -> None:
+    if not handles:
+        return
+    longest = max(len(str(h.get_label())) for h in handles)
+    column_inches = 0.075 * longest + 0.6  # text at 9 pt plus the line sample
+    ncols = max(1, min(n, int(fig.get_figwidth() // column_inches)))
+    # the axes keep their height: the figure grows by the legend's rows
+    fig.set_figheight(fig.get_figheight() + 0.2 * math.ceil(len(handles) / ncols))
+    fig.legend(handles=handles, loc="outside lower center", ncols=ncols, frameon=False, fontsize=9)
+
+
+def _token_values(table: pd.DataFrame) -> list[int]:
+    return sorted(int(t) for t in table["tokens"].dropna().unique())
+
+
+def _drop_exact(aggregated: pd.DataFrame, value: str) -> tuple[pd.DataFrame, list[str]]:
+    """Drop labels whose ``value`` is zero everywhere (exact estimators cannot appear on a log axis)."""
+    exact = [
+        label for label, group in aggregated.groupby("label")
+        if not (group[value].to_numpy(dtype=float) > 0).any()
+    ]
+    return aggregated[~aggregated["label"].isin(exact)], exact
+
+
+def _select_labels(table: pd.DataFrame, labels: Sequence[str] | None) -> pd.DataFrame:
+    if labels is None:
+        return table
+    labels = [labels] if isinstance(labels, str) else list(labels)
+    unknown = sorted(set(labels) - set(table["label"]))
+    if unknown:
+        raise ResultsError(
+            f"label(s) {', '.join(unknown)} not in the table; it has {', '.join(label_order(table['label']))}"
+        )
+    return table[table["label"].isin(labels)]
+
+
+def _exact_note(exact: list[str]) -> str:
+    if not exact:
+        return ""
+    return f" · not drawn (exact, MSE 0): {', '.join(exact)}"
+
+
+def mse_vs_samples_figure(
+    table: pd.DataFrame,
+    *,
+    metadata: dict | None = None,
+    labels: Sequence[str] | None = None,
+    value: str = "mse",
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Figure:
+    """MSE against the number of samples on log-log axes, one panel per token count (LARA Fig. 1).
+
+    Each line is an estimator label: the mean over images of the per-image mean over layers and heads,
+    with a shaded bootstrap confidence band over images. A label measured at a single S in a panel with
+    several S values is drawn as a dashed horizontal line (as RA with one sample in LARA Fig. 1).
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        Results table with at least :data:`~randattn.reports.tables.PLOT_COLUMNS`.
+    metadata : dict, optional
+        Table metadata, for the subtitle.
+    labels : sequence of str, optional
+        Labels to draw (default: all with a non-zero MSE).
+    value : str
+        Column on the y axis (``"mse"`` by default; ``"variance"`` also makes sense).
+    confidence : float
+        Level of the band.
+    seed : int
+        Seed of the bootstrap.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One axes per token count; one line (plus a band) per label in each.
+    """
+    require_columns(table, [*PLOT_COLUMNS, value], "the MSE-vs-samples figure")
+    table = _select_labels(table, labels)
+    aggregated = aggregate_over_images(table, [value], confidence=confidence, seed=seed)
+    aggregated, exact = _drop_exact(aggregated, value)
+    if aggregated.empty:
+        raise ResultsError(f"the MSE-vs-samples figure has nothing to draw: every estimator has {value} = 0")
+    tokens = _token_values(aggregated)
+    styles = label_styles(aggregated["label"])
+    fig, axes = _new_figure(len(tokens), sharey=True)
+    handles: dict[str, Line2D] = {}
+    for ax, n in zip(axes, tokens):
+        panel = aggregated[aggregated["tokens"] == n]
+        all_s = sorted(panel["num_samples"].unique())
+        for label in label_order(panel["label"]):
+            rows = panel[panel["label"] == label].sort_values("num_samples")
+            style = styles[label]
+            y = rows[value].to_numpy(dtype=float)
+            low = np.maximum(rows[f"{value}_ci_low"].to_numpy(dtype=float), y / 1e3)
+            high = rows[f"{value}_ci_high"].to_numpy(dtype=float)
+            if len(rows) == 1 and len(all_s) > 1:
+                s = int(rows["num_samples"].iloc[0])
+                ax.axhline(y[0], color=style["color"], linestyle="--", linewidth=1.5)
+                ax.axhspan(low[0], high[0], color=style["color"], alpha=0.12, linewidth=0)
+                handles.setdefault(label, Line2D([], [], color=style["color"], linestyle="--",
+                                                 label=f"{label} (S = {s} only)"))
+                continue
+            s = rows["num_samples"].to_numpy(dtype=float)
+            (line,) = ax.plot(s, y, color=style["color"], marker=style["marker"], markersize=4, linewidth=1.6,
+                              label=label)
+            if np.isfinite(low).all() and np.isfinite(high).all():
+                ax.fill_between(s, low, high, color=style["color"], alpha=0.18, linewidth=0)
+            handles.setdefault(label, line)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(all_s, [str(int(s)) for s in all_s])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_title(f"N = {n} tokens", fontsize=10)
+        ax.set_xlabel(_SAMPLES_LABEL)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel(f"{value.replace('_', ' ')} ({MSE_UNITS})" if value != "mse" else f"MSE ({MSE_UNITS})")
+    n_images = int(table["image"].nunique())
+    band = f"bands: {int(confidence * 100)}% bootstrap CI over {n_images} image{'s' if n_images != 1 else ''}"
+    _titles(
+        fig,
+        f"{'MSE' if value == 'mse' else value} of randomized attention vs exact softmax, by number of samples",
+        f"{describe_data(table, metadata)}\nmean over layers and heads per image, then over images; {band}"
+        f"{_exact_note(exact)}",
+    )
+    ordered = [handles[label] for label in label_order(handles)]
+    _legend(fig, ordered, len(ordered))
+    return fig
+
+
+def bias_variance_figure(
+    table: pd.DataFrame,
+    *,
+    metadata: dict | None = None,
+    labels: Sequence[str] | None = None,
+    seed: int = 0,
+) -> Figure:
+    """Bias²/variance decomposition of the MSE: paired lines per estimator, one panel per token count.
+
+    Solid lines are the variance, dashed lines the debiased squared bias (``bias_sq``), both against S on
+    log-log axes with the label's colour; thin dotted lines are the MSE. A debiased bias² at or below zero
+    (the bias is smaller than the replicate noise can resolve) leaves a gap in the dashed line.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        Results table with ``variance`` and ``bias_sq`` besides the plot columns.
+    metadata : dict, optional
+    labels : sequence of str, optional
+    seed : int
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One axes per token count; three lines (variance, bias², MSE) per random label in each.
+    """
+    require_columns(table, [*PLOT_COLUMNS, "variance", "bias_sq"], "the bias/variance figure")
+    table = _select_labels(table, labels)
+    aggregated = aggregate_over_images(table, ["mse", "variance", "bias_sq"], n_boot=1, seed=seed)
+    aggregated, exact = _drop_exact(aggregated, "mse")
+    if aggregated.empty:
+        raise ResultsError("the bias/variance figure has nothing to draw: every estimator has MSE = 0")
+    tokens = _token_values(aggregated)
+    styles = label_styles(aggregated["label"])
+    fig, axes = _new_figure(len(tokens), sharey=True)
+    for ax, n in zip(axes, tokens):
+        panel = aggregated[aggregated["tokens"] == n]
+        all_s = sorted(panel["num_samples"].unique())
+        for label in label_order(panel["label"]):
+            rows = panel[panel["label"] == label].sort_values("num_samples")
+            style = styles[label]
+            s = rows["num_samples"].to_numpy(dtype=float)
+            variance = rows["variance"].to_numpy(dtype=float)
+            bias_sq = rows["bias_sq"].to_numpy(dtype=float)
+            mse = rows["mse"].to_numpy(dtype=float)
+            ax.plot(s, np.where(variance > 0, variance, np.nan), color=style["color"], marker=style["marker"],
+                    markersize=4, linewidth=1.6)
+            ax.plot(s, np.where(bias_sq > 0, bias_sq, np.nan), color=style["color"], marker=style["marker"],
+                    markersize=4, linewidth=1.6, linestyle="--", markerfacecolor="white")
+            ax.plot(s, np.where(mse > 0, mse, np.nan), color=style["color"], linewidth=0.8, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(all_s, [str(int(s)) for s in all_s])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_title(f"N = {n} tokens", fontsize=10)
+        ax.set_xlabel(_SAMPLES_LABEL)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel(f"variance, bias² ({MSE_UNITS})")
+    _titles(
+        fig,
+        "Bias² / variance decomposition of the MSE",
+        f"{describe_data(table, metadata)}\nsolid: variance · dashed: debiased bias² (gaps: ≤ 0, below the "
+        f"replicate noise) · dotted: MSE{_exact_note(exact)}",
+    )
+    handles = [Line2D([], [], color=styles[label]["color"], marker=styles[label]["marker"], label=label)
+               for label in label_order(aggregated["label"])]
+    handles += [
+        Line2D([], [], color="0.3", linewidth=1.6, label="variance"),
+        Line2D([], [], color="0.3", linewidth=1.6, linestyle="--", label="bias² (debiased)"),
+        Line2D([], [], color="0.3", linewidth=0.8, linestyle=":", label="MSE"),
+    ]
+    _legend(fig, handles, len(handles))
+    return fig
+
+
+def _default_heatmap_label(table: pd.DataFrame) -> str:
+    positive = table.groupby("label")["mse"].max()
+    candidates = [label for label in label_order(positive.index) if positive[label] > 0]
+    if not candidates:
+        raise ResultsError("the heatmap has nothing to draw: every estimator has MSE = 0")
+    return candidates[0]
+
+
+def heatmap_figure(
+    table: pd.DataFrame,
+    *,
+    label: str | None = None,
+    num_samples: int | None = None,
+    metadata: dict | None = None,
+    annotate: bool | None = None,
+) -> Figure:
+    """Layer x head heatmap of the MSE (mean over images) for one estimator and S, one panel per token count.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+    label : str, optional
+        Estimator label (default: the first random estimator in display order, e.g. ``rfa``).
+    num_samples : int, optional
+        S (default: the largest S measured for ``label``).
+    metadata : dict, optional
+    annotate : bool, optional
+        Write the value in each cell (default: when there are at most 96 cells per panel).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One heatmap axes per token count plus one shared colour bar (log scale).
+    """
+    require_columns(table, PLOT_COLUMNS, "the heatmap")
+    label = _default_heatmap_label(table) if label is None else label
+    rows = _select_labels(table, [label])
+    available = sorted(int(s) for s in rows["num_samples"].dropna().unique())
+    if num_samples is None:
+        if not available:
+            raise ResultsError(f"the heatmap: estimator {label!r} has no num_samples values")
+        num_samples = available[-1]
+    elif num_samples not in available:
+        raise ResultsError(
+            f"the heatmap: estimator {label!r} was not measured at S = {num_samples}; "
+            f"available: {', '.join(map(str, available))}"
+        )
+    rows = rows[rows["num_samples"] == num_samples]
+    grid = rows.groupby(["tokens", "layer", "head"])["mse"].mean()
+    positive = grid[grid > 0]
+    if positive.empty:
+        raise ResultsError(f"the heatmap has nothing to draw: {label} has MSE = 0 at S = {num_samples}")
+    norm = LogNorm(vmin=float(positive.min()), vmax=float(positive.max()))
+    tokens = sorted(int(t) for t in grid.index.get_level_values("tokens").unique())
+    layers = sorted(int(x) for x in rows["layer"].unique())
+    heads = sorted(int(x) for x in rows["head"].unique())
+    annotate = len(layers) * len(heads) <= 96 if annotate is None else annotate
+    fig = Figure(
+        figsize=(max(3.4, 0.55 * len(heads) + 1.6) * len(tokens) + 1.2, max(3.0, 0.42 * len(layers) + 2.4)),
+        layout="constrained",
+    )
+    axes = fig.subplots(1, len(tokens), squeeze=False).ravel().tolist()
+    image = None
+    for ax, n in zip(axes, tokens):
+        values = np.full((len(layers), len(heads)), np.nan)
+        for (t, layer, head), mse in grid.items():
+            if int(t) == n:
+                values[layers.index(int(layer)), heads.index(int(head))] = mse
+        shown = np.where(values > 0, values, np.nan)
+        image = ax.imshow(shown, norm=norm, cmap="viridis", aspect="auto", origin="upper")
+        ax.set_xticks(range(len(heads)), [str(h) for h in heads])
+        ax.set_yticks(range(len(layers)), [str(x) for x in layers])
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(f"N = {n} tokens", fontsize=10)
+        if annotate:
+            log_mid = math.sqrt(norm.vmin * norm.vmax)
+            for i in range(len(layers)):
+                for j in range(len(heads)):
+                    if np.isfinite(shown[i, j]):
+                        ax.text(j, i, f"{shown[i, j]:.2g}", ha="center", va="center", fontsize=7,
+                                color="white" if shown[i, j] < log_mid else "black")
+    fig.colorbar(image, ax=axes, label=f"MSE ({MSE_UNITS}, log scale)", shrink=0.9)
+    _titles(
+        fig,
+        f"MSE per layer and head: {label}, S = {num_samples}",
+        f"{describe_data(table, metadata)}\nmean over images; darker is more accurate",
+    )
+    return fig
+
+
+def _rfa_variants(table: pd.DataFrame) -> pd.DataFrame:
+    """rfa rows with ``feature_map`` and ``coupling`` columns parsed from ``params`` (defaults filled in)."""
+    rows = table[table["estimator"] == "rfa"].copy()
+    if rows.empty:
+        raise ResultsError("the feature-map comparison needs rfa rows; the table has none")
+
+    def parse(text: Any) -> dict:
+        if isinstance(text, dict):
+            return text
+        if not isinstance(text, str) or not text.strip():
+            return {}
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    params = rows["params"].map(parse) if "params" in rows else pd.Series([{}] * len(rows), index=rows.index)
+    rows["feature_map"] = params.map(lambda p: str(p.get("feature_map", "positive")))
+    rows["coupling"] = params.map(lambda p: str(p.get("coupling", "iid")))
+    return rows
+
+
+def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: int = 0) -> Figure:
+    """RFA coupling and feature-map comparison (Performer Fig. 4): orthogonal vs iid, positive vs trigonometric.
+
+    Left column: couplings with positive features. Right column: feature maps with the orthogonal coupling
+    (iid when orthogonal was not measured). One row per token count; MSE against S on log-log axes with a
+    bootstrap band over images.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        Results with ``estimator`` and ``params`` columns and at least two rfa variants.
+    metadata : dict, optional
+    seed : int
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        ``2 x tokens`` axes (a column is left out when it would hold a single variant).
+    """
+    require_columns(table, [*PLOT_COLUMNS, "params"], "the feature-map comparison")
+    rows = _rfa_variants(table)
+    feature_maps = sorted(rows["feature_map"].unique())
+    coupling_for_maps = "orthogonal" if "orthogonal" in set(rows["coupling"]) else "iid"
+    panels: list[tuple[str, pd.DataFrame, str]] = []
+    by_coupling = rows[rows["feature_map"] == "positive"]
+    if by_coupling["coupling"].nunique() >= 2:
+        panels.append(("coupling (positive features)", by_coupling, "coupling"))
+    by_map = rows[rows["coupling"] == coupling_for_maps]
+    if by_map["feature_map"].nunique() >= 2:
+        panels.append((f"feature map ({coupling_for_maps} coupling)", by_map, "feature_map"))
+    if not panels:
+        raise ResultsError(
+            "the feature-map comparison needs at least two rfa variants that differ in coupling or feature map; "
+            f"the table has rfa with feature maps {', '.join(feature_maps)} and couplings "
+            f"{', '.join(sorted(rows['coupling'].unique()))}"
+        )
+    tokens = _token_values(rows)
+    variants = sorted({v for _, subset, column in panels for v in subset[column].unique()})
+    styles = label_styles(variants)
+    fig, axes = _new_figure(len(tokens) * len(panels), ncols=len(panels))
+    handles: dict[str, Line2D] = {}
+    for row_index, n in enumerate(tokens):
+        for col_index, (title, subset, column) in enumerate(panels):
+            ax = axes[row_index * len(panels) + col_index]
+            panel = subset[subset["tokens"] == n].assign(label=lambda d: d[column])
+            if panel.empty:
+                continue
+            aggregated = aggregate_over_images(panel, ["mse"], seed=seed)
+            all_s = sorted(aggregated["num_samples"].unique())
+            for variant in sorted(aggregated["label"].unique()):
+                line_rows = aggregated[aggregated["label"] == variant].sort_values("num_samples")
+                s = line_rows["num_samples"].to_numpy(dtype=float)
+                y = line_rows["mse"].to_numpy(dtype=float)
+                style = styles[variant]
+                (line,) = ax.plot(s, np.where(y > 0, y, np.nan), color=style["color"], marker=style["marker"],
+                                  markersize=4, linewidth=1.6, label=variant)
+                low = np.maximum(line_rows["mse_ci_low"].to_numpy(dtype=float), y / 1e3)
+                high = line_rows["mse_ci_high"].to_numpy(dtype=float)
+                if np.isfinite(low).all() and np.isfinite(high).all() and (y > 0).all():
+                    ax.fill_between(s, low, high, color=style["color"], alpha=0.18, linewidth=0)
+                handles.setdefault(variant, line)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(all_s, [str(int(v)) for v in all_s])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_title(f"{title}, N = {n} tokens", fontsize=10)
+            ax.set_xlabel(_SAMPLES_LABEL)
+            ax.set_ylabel(f"MSE ({MSE_UNITS})")
+            ax.grid(True, which="both", alpha=0.3)
+    _titles(
+        fig,
+        "Random-feature attention (rfa): coupling and feature map",
+        f"{describe_data(rows, metadata)}\nmean over layers and heads per image, then over images; bands: 95% "
+        "bootstrap CI over images",
+    )
+    _legend(fig, [handles[v] for v in sorted(handles)], len(handles))
+    return fig
+
+
+#: ``--kind`` name -> figure function
+FIGURE_KINDS: dict[str, Callable[..., Figure]] = {
+    "mse-vs-samples": mse_vs_samples_figure,
+    "bias-variance": bias_variance_figure,
+    "heatmap": heatmap_figure,
+    "features": features_figure,
+}
+
+
+def make_figure(kind: str, table: pd.DataFrame, **options: Any) -> Figure:
+    """Build the figure ``kind`` (a key of :data:`FIGURE_KINDS`) from ``table``.
+
+    Parameters
+    ----------
+    kind : str
+        ``"mse-vs-samples"``, ``"bias-variance"``, ``"heatmap"`` or ``"features"``.
+    table : pandas.DataFrame
+    **options
+        Passed to the figure function (``metadata``, ``labels``, ``label``, ``num_samples``, ...).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+
+    Raises
+    ------
+    ValueError
+        ``kind`` is not a known figure (the message lists the known ones).
+    """
+    if kind not in FIGURE_KINDS:
+        raise ValueError(f"unknown figure kind {kind!r}; choose one of {', '.join(FIGURE_KINDS)}")
+    return FIGURE_KINDS[kind](table, **options)

@@ -1,0 +1,423 @@
+"""Results tables for reporting: read, validate, aggregate over images, summarise.
+
+A results table is the tidy long-format table written by ``randattn mse`` (one row per
+``(image, layer, head, estimator, params, num_samples)``). This module reads it back from CSV, Parquet or
+JSON, checks the columns a figure needs, and aggregates it the way LARA app. H.1 does: per
+``(layer, head, image)``, then the mean over heads and layers of each image, then the mean over images with a
+bootstrap confidence interval over images.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+
+__all__ = [
+    "RESULT_COLUMNS",
+    "PLOT_COLUMNS",
+    "ResultsError",
+    "Results",
+    "read_results",
+    "require_columns",
+    "aggregate_over_images",
+    "summary_table",
+    "mse_pivot",
+    "label_order",
+    "describe_data",
+]
+
+#: every column of a full results table, in order
+RESULT_COLUMNS: tuple[str, ...] = (
+    "model", "image", "layer", "head", "tokens", "estimator", "params", "label", "num_samples", "replicates",
+    "random", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
+    "ess_mean", "delta_var_ratio", "pareto_khat", "seconds", "seed",
+)
+#: the columns every figure needs
+PLOT_COLUMNS: tuple[str, ...] = ("image", "layer", "head", "tokens", "estimator", "label", "num_samples", "mse")
+#: estimator families in the order the papers introduce them (colours and legends follow it)
+ESTIMATOR_ORDER: tuple[str, ...] = ("softmax", "rfa", "ra", "lara", "eva", "scatterbrain", "local")
+_READERS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "json"}
+#: where table metadata may live beside the table: ``results.csv`` -> ``results.meta.json`` or ``results.json``
+_SIDECAR_SUFFIXES = (".meta.json", ".metadata.json")
+_PARQUET_METADATA_KEYS = (b"randattn", b"randattn_metadata", b"metadata")
+
+
+class ResultsError(ValueError):
+    """A results file that cannot be read, or a table without the columns a figure or report needs."""
+
+
+@dataclass(frozen=True)
+class Results:
+    """A results table with the metadata stored beside it.
+
+    Attributes
+    ----------
+    table : pandas.DataFrame
+        One row per ``(image, layer, head, estimator, params, num_samples)``.
+    metadata : dict
+        Model, master seed, command line, randattn version, ... (empty when the file carried none).
+    path : pathlib.Path or None
+        Where the table was read from.
+    """
+
+    table: pd.DataFrame
+    metadata: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+
+def read_results(path: str | os.PathLike) -> Results:
+    """Read a results table (CSV, Parquet or JSON) and the metadata stored with it.
+
+    Parameters
+    ----------
+    path : str or path-like
+        ``.csv``, ``.parquet`` / ``.pq`` or ``.json``. JSON may be a list of row records, a pandas
+        ``orient="table"`` / ``"split"`` document, or an object ``{"metadata": {...}, "rows" | "results" |
+        "data": [...]}``. Parquet metadata is read from the schema key ``randattn``; a sidecar
+        ``<stem>.meta.json`` beside any format is read too.
+
+    Returns
+    -------
+    Results
+
+    Raises
+    ------
+    ResultsError
+        The file does not exist, has an unknown suffix, cannot be parsed, or holds no rows.
+    """
+    path = Path(path)
+    kind = _READERS.get(path.suffix.lower())
+    if kind is None:
+        raise ResultsError(
+            f"cannot read results {str(path)!r}: unknown suffix {path.suffix!r}; use one of "
+            f"{', '.join(sorted(_READERS))}"
+        )
+    if not path.is_file():
+        raise ResultsError(f"cannot read results {str(path)!r}: no such file")
+    metadata: dict[str, Any] = {}
+    try:
+        if kind == "csv":
+            table = pd.read_csv(path)
+        elif kind == "parquet":
+            table, metadata = _read_parquet(path)
+        else:
+            table, metadata = _read_json(path)
+    except ResultsError:
+        raise
+    except (ValueError, OSError, UnicodeDecodeError, pd.errors.ParserError, ImportError) as exc:
+        raise ResultsError(f"cannot read results {str(path)!r} as {kind}: {exc}") from exc
+    if not isinstance(table, pd.DataFrame) or table.empty:
+        raise ResultsError(f"results {str(path)!r} hold no rows")
+    metadata = {**_read_sidecar(path), **metadata}
+    return Results(table=_normalise_types(table), metadata=metadata, path=path)
+
+
+def _read_parquet(path: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
+    table = pd.read_parquet(path)
+    metadata: dict[str, Any] = {}
+    try:
+        import pyarrow.parquet as pq
+
+        schema_metadata = pq.read_schema(path).metadata or {}
+    except ImportError:  # pandas may read parquet through fastparquet
+        schema_metadata = {}
+    for key in _PARQUET_METADATA_KEYS:
+        if key in schema_metadata:
+            try:
+                metadata = json.loads(schema_metadata[key])
+            except (ValueError, TypeError):
+                metadata = {}
+            break
+    if not metadata and table.attrs:
+        metadata = dict(table.attrs)
+    return table, metadata if isinstance(metadata, dict) else {}
+
+
+def _read_json(path: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
+    with open(path, encoding="utf-8") as handle:
+        document = json.load(handle)
+    metadata: dict[str, Any] = {}
+    if isinstance(document, list):
+        return pd.DataFrame.from_records(document), metadata
+    if not isinstance(document, dict):
+        raise ResultsError(f"cannot read results {str(path)!r}: JSON must be a list of rows or an object")
+    if isinstance(document.get("metadata"), dict):
+        metadata = document["metadata"]
+    for key in ("rows", "results", "data", "table"):
+        rows = document.get(key)
+        if isinstance(rows, list):
+            if rows and not isinstance(rows[0], dict) and isinstance(document.get("columns"), list):
+                return pd.DataFrame(rows, columns=document["columns"]), metadata  # orient="split"
+            return pd.DataFrame.from_records(rows), metadata
+    # a column-oriented pandas document {"column": {"0": value, ...}, ...}
+    return pd.DataFrame(document), metadata
+
+
+def _read_sidecar(path: Path) -> dict[str, Any]:
+    for suffix in _SIDECAR_SUFFIXES:
+        sidecar = path.with_name(path.stem + suffix)
+        if sidecar.is_file():
+            try:
+                with open(sidecar, encoding="utf-8") as handle:
+                    value = json.load(handle)
+            except (OSError, ValueError):
+                return {}
+            return value if isinstance(value, dict) else {}
+    return {}
+
+
+def _normalise_types(table: pd.DataFrame) -> pd.DataFrame:
+    table = table.copy()
+    if "random" in table:
+        # CSV round trips write booleans as text
+        table["random"] = table["random"].map(
+            lambda value: value if isinstance(value, (bool, np.bool_)) else str(value).strip().lower() in ("true", "1")
+        ).astype(bool)
+    for column in ("layer", "head", "tokens", "num_samples", "replicates"):
+        if column in table:
+            table[column] = pd.to_numeric(table[column], errors="coerce")
+    if "label" not in table and "estimator" in table:
+        table["label"] = table["estimator"]
+    for column in ("image", "label", "estimator", "model"):
+        if column in table:
+            table[column] = table[column].astype(str)
+    return table
+
+
+def require_columns(table: pd.DataFrame, columns: Iterable[str], what: str) -> None:
+    """Raise :class:`ResultsError` naming the columns of ``columns`` that ``table`` lacks.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+    columns : iterable of str
+    what : str
+        What needs them, for the message (e.g. ``"the heatmap"``).
+    """
+    if not isinstance(table, pd.DataFrame):
+        raise TypeError(f"table must be a pandas DataFrame, got {type(table).__name__}")
+    missing = [column for column in columns if column not in table.columns]
+    if missing:
+        raise ResultsError(
+            f"{what} needs the column(s) {', '.join(missing)}; the table has {', '.join(map(str, table.columns))}"
+        )
+    if table.empty:
+        raise ResultsError(f"{what} needs at least one row; the table is empty")
+
+
+def label_order(labels: Iterable[str]) -> list[str]:
+    """Labels sorted by estimator family (softmax, rfa, ra, lara, eva, ...), then by text.
+
+    Parameters
+    ----------
+    labels : iterable of str
+        Labels such as ``"rfa:coupling=orthogonal"`` (the family is the text before ``":"``).
+
+    Returns
+    -------
+    list of str
+        Unique labels in display order.
+    """
+    def key(label: str) -> tuple[int, str]:
+        family = label.split(":", 1)[0]
+        rank = ESTIMATOR_ORDER.index(family) if family in ESTIMATOR_ORDER else len(ESTIMATOR_ORDER)
+        return rank, label
+
+    return sorted(set(map(str, labels)), key=key)
+
+
+def aggregate_over_images(
+    table: pd.DataFrame,
+    values: Sequence[str] = ("mse",),
+    *,
+    confidence: float = 0.95,
+    n_boot: int = 2000,
+    seed: int | np.random.Generator = 0,
+) -> pd.DataFrame:
+    """Mean over heads and layers of each image, then mean over images with a bootstrap CI (LARA app. H.1).
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        A results table with columns ``tokens, label, num_samples, image`` and ``values``.
+    values : sequence of str
+        Columns to aggregate (``mse``, ``variance``, ``bias_sq``, ...).
+    confidence : float
+        Level of the percentile bootstrap interval over images, in (0, 1).
+    n_boot : int
+        Bootstrap resamples of the images.
+    seed : int or numpy.random.Generator
+        Randomness of the bootstrap.
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per ``(tokens, label, num_samples)`` with ``estimator``, ``random`` (when present),
+        ``n_images``, ``n_units`` (layer-head pairs per image) and, for every value ``x``, ``x`` (the mean
+        over images), ``x_ci_low`` and ``x_ci_high``. With a single image the interval is a normal interval
+        from the spread over layers and heads (``NaN`` with one unit).
+
+    Notes
+    -----
+    With ``I`` images and per-image means :math:`m_i`, the estimate is :math:`\\bar m = I^{-1}\\sum_i m_i`
+    and the interval is the ``(1-confidence)/2`` and ``(1+confidence)/2`` quantiles of :math:`\\bar m`
+    over resamples of the images with replacement. With few images (two in the default demo) the
+    percentile interval is narrow and should be read as a spread, not as coverage.
+    """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    if not isinstance(n_boot, (int, np.integer)) or n_boot < 1:
+        raise ValueError(f"n_boot must be a positive integer, got {n_boot!r}")
+    values = list(values)
+    require_columns(table, ["tokens", "label", "num_samples", "image", *values], "the aggregation over images")
+    rng = np.random.default_rng(seed)
+    keys = ["tokens", "label", "num_samples"]
+    per_image = table.groupby([*keys, "image"], sort=True, dropna=False)[values].mean().reset_index()
+    units = table.groupby([*keys, "image"], sort=True, dropna=False).size().rename("n_units").reset_index()
+    per_image = per_image.merge(units, on=[*keys, "image"])
+    extra = table.groupby(keys, sort=True, dropna=False).agg(
+        **{name: (name, "first") for name in ("estimator", "random") if name in table}
+    )
+    alpha = (1.0 - confidence) / 2.0
+    rows = []
+    for key, group in per_image.groupby(keys, sort=True, dropna=False):
+        row: dict[str, Any] = dict(zip(keys, key))
+        row["n_images"] = int(len(group))
+        row["n_units"] = int(group["n_units"].max())
+        for value in values:
+            samples = group[value].to_numpy(dtype=float)
+            samples = samples[np.isfinite(samples)]
+            if samples.size == 0:
+                row[value] = row[f"{value}_ci_low"] = row[f"{value}_ci_high"] = math.nan
+                continue
+            mean = float(samples.mean())
+            if samples.size >= 2:
+                index = rng.integers(0, samples.size, size=(n_boot, samples.size))
+                boot = samples[index].mean(axis=1)
+                low, high = np.quantile(boot, [alpha, 1.0 - alpha])
+            else:
+                low, high = _single_image_interval(table, key, value, mean, confidence)
+            row[value], row[f"{value}_ci_low"], row[f"{value}_ci_high"] = mean, float(low), float(high)
+        rows.append(row)
+    result = pd.DataFrame(rows)
+    if not extra.empty:
+        result = result.merge(extra.reset_index(), on=keys, how="left")
+    order = {label: i for i, label in enumerate(label_order(result["label"]))}
+    result = result.assign(_order=result["label"].map(order)).sort_values(["tokens", "_order", "num_samples"])
+    return result.drop(columns="_order").reset_index(drop=True)
+
+
+def _single_image_interval(
+    table: pd.DataFrame, key: tuple, value: str, mean: float, confidence: float
+) -> tuple[float, float]:
+    from scipy.stats import norm
+
+    tokens, label, num_samples = key
+    mask = (table["tokens"] == tokens) & (table["label"] == label) & (table["num_samples"] == num_samples)
+    units = table.loc[mask, value].to_numpy(dtype=float)
+    units = units[np.isfinite(units)]
+    if units.size < 2:
+        return math.nan, math.nan
+    half = float(norm.ppf(0.5 + confidence / 2.0)) * float(units.std(ddof=1)) / math.sqrt(units.size)
+    return mean - half, mean + half
+
+
+def summary_table(table: pd.DataFrame, *, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+    """The headline table: MSE with its CI, variance and bias² per token count, estimator and S.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        A results table.
+    confidence : float
+        Level of the bootstrap interval over images.
+    seed : int
+        Seed of the bootstrap.
+
+    Returns
+    -------
+    pandas.DataFrame
+        Columns ``tokens, label, S, images, MSE, MSE CI low, MSE CI high`` and, when the table has them,
+        ``variance, bias² (debiased)``, ``bias share`` (bias² / MSE).
+    """
+    values = [name for name in ("mse", "variance", "bias_sq") if name in table]
+    aggregated = aggregate_over_images(table, values, confidence=confidence, seed=seed)
+    columns = {
+        "tokens": "tokens", "label": "estimator", "num_samples": "S", "n_images": "images",
+        "mse": "MSE", "mse_ci_low": "MSE CI low", "mse_ci_high": "MSE CI high",
+        "variance": "variance", "bias_sq": "bias² (debiased)",
+    }
+    summary = aggregated[[c for c in columns if c in aggregated]].rename(columns=columns)
+    if "bias² (debiased)" in summary:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            summary["bias share"] = summary["bias² (debiased)"] / summary["MSE"]
+    return summary
+
+
+def mse_pivot(table: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
+    """Mean MSE over images (after heads and layers) as an estimator x (tokens, S) grid.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+    seed : int
+        Seed of the bootstrap (unused in the means; kept for a stable call).
+
+    Returns
+    -------
+    pandas.DataFrame
+        Index: estimator label in display order; columns: ``(tokens, S)``.
+    """
+    aggregated = aggregate_over_images(table, ["mse"], n_boot=1, seed=seed)
+    pivot = aggregated.pivot_table(index="label", columns=["tokens", "num_samples"], values="mse", aggfunc="first")
+    pivot = pivot.reindex(label_order(pivot.index))
+    pivot.index.name = "estimator"
+    pivot.columns.names = ["tokens", "S"]
+    return pivot
+
+
+def describe_data(table: pd.DataFrame, metadata: dict[str, Any] | None = None) -> str:
+    """One line naming the model and the data behind a table, for figure subtitles and the report.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+    metadata : dict, optional
+        Table metadata (``model`` is taken from it when the table has no ``model`` column).
+
+    Returns
+    -------
+    str
+        E.g. ``"dinov2-s14 · 2 images (astronaut, coffee) · layers 0, 5, 11 · 6 heads · R = 8"``.
+    """
+    metadata = metadata or {}
+    parts = []
+    models = sorted(set(table["model"].astype(str))) if "model" in table else []
+    model = ", ".join(models) if models else str(metadata.get("model", "model unknown"))
+    parts.append(model)
+    if "image" in table:
+        images = sorted(set(table["image"].astype(str)))
+        shown = ", ".join(images[:4]) + (", ..." if len(images) > 4 else "")
+        parts.append(f"{len(images)} image{'s' if len(images) != 1 else ''} ({shown})")
+    if "layer" in table:
+        layers = sorted(set(int(x) for x in table["layer"].dropna()))
+        parts.append(("layer " if len(layers) == 1 else "layers ") + _compact_ints(layers))
+    if "head" in table:
+        parts.append(f"{table['head'].nunique()} heads")
+    if "replicates" in table and table["replicates"].notna().any():
+        replicates = sorted(set(int(x) for x in table["replicates"].dropna()))
+        parts.append("R = " + ", ".join(map(str, replicates)))
+    return " · ".join(parts)
+
+
+def _compact_ints(values: Sequence[int]) -> str:
+    if len(values) > 3 and list(values) == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}"
+    return ", ".join(map(str, values))
