@@ -1,0 +1,124 @@
+"""Linear randomized attention, LARA (Zheng et al., ICML 2022, sec. 4 and app. G.3).
+
+C proposals ``q_c`` built from segment landmarks (C = ``num_samples``: "landmarks, the
+number of which is equal to the number of samples"), one sample ``omega_c ~ q_c`` each,
+combined per query by self-normalized multiple importance sampling (eq. 10 / 28) with the
+weighting functions of eq. 36-38.
+
+The draws are data-independent common random numbers, so that ``estimate`` is pure and the
+reference and batched forms consume the same draws:
+
+- ``eps : (R, ..., C, D)`` standard Gaussian noise, ``omega_c = mu_c + sigma eps_c``;
+- ``u : (R, ..., C)`` uniforms for the mixture proposal of eq. 32 only: the component
+  ``z_c = #{m : F_cm < u_c}`` by inverse CDF of ``pi_c`` (as in ``ra``);
+- ``sample="mean"`` draws nothing: ``proposal_slots : (R, ..., C, 0)`` is a zero-size array
+  whose shape carries C (``estimate`` has no other way to know it).
+
+Always ``C`` rows are drawn; the estimator uses the first ``C_eff`` of them
+(``C_eff = min(C, N)``, and ``min(C, N, M)`` for the key-landmark proposals eq. 34, 35),
+see :func:`randattn.estimators.lara.reference.effective_proposals`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from randattn._validation import check_positive_int
+from randattn.estimators.base import Draws, EstimatorSpec, Param
+from randattn.estimators.lara import batched, reference
+from randattn.estimators.lara.reference import PROPOSALS, SAMPLES, WEIGHTINGS
+
+__all__ = ["PARAMS", "SPEC", "draw", "PROPOSALS", "WEIGHTINGS", "SAMPLES"]
+
+PARAMS = {
+    "proposal": Param(
+        "eq34",
+        "proposal means: eq34 x~_c + y~_c (default); eq33 x~_c + sum_m softmax(x~_c.y_m) y_m; "
+        "eq35 x~_c + attention over key landmarks; eq32 the RA-like mixture; standard N(0, I)",
+        choices=PROPOSALS,
+    ),
+    "weighting": Param(
+        "decoupled",
+        "weighting functions: decoupled (eq. 38, default), balance heuristic (eq. 36), coupled (eq. 37), constant 1/C",
+        choices=WEIGHTINGS,
+    ),
+    "beta": Param(1.0, "coefficient of the decoupled correction (eq. 38; the paper uses 2 for vision)", kind=(int, float)),
+    "alpha_clamp": Param(
+        None, "None, or clip weights from below at this value as the official code does (1e-8)",
+        kind=(int, float, type(None)),
+    ),
+    "sample": Param("random", "random, or mean: omega_c = E_{q_c}[omega] (LARA G.3.3 eval mode)", choices=SAMPLES),
+    "noise": Param(
+        "paper",
+        "paper: eps ~ N(0, I); reference-code: the official code's N(0, I) in unscaled space = N(0, scale I)",
+        choices=("paper", "reference-code"),
+    ),
+}
+
+
+def draw(
+    q_shape: Sequence[int],
+    k_shape: Sequence[int],
+    *,
+    num_samples: int,
+    replicates: int = 1,
+    rng: np.random.Generator,
+    proposal: str = "eq34",
+    sample: str = "random",
+    **params: Any,
+) -> Draws:
+    """The draws of LARA with C = ``num_samples`` proposals (see the module docstring).
+
+    Returns
+    -------
+    Draws
+        ``eps : (R, ..., C, D)``; ``u : (R, ..., C)`` for ``proposal="eq32"`` (drawn before
+        ``eps``); ``proposal_slots : (R, ..., C, 0)`` only for ``sample="mean"``.
+    """
+    num_samples = check_positive_int("num_samples", num_samples)
+    prefix = (replicates, *q_shape[:-2], num_samples)
+    if sample == "mean":
+        return Draws({"proposal_slots": np.zeros((*prefix, 0))}, replicates)
+    arrays = {}
+    if proposal == "eq32":
+        arrays["u"] = rng.random(prefix)
+    arrays["eps"] = rng.standard_normal((*prefix, q_shape[-1]))
+    return Draws(arrays, replicates)
+
+
+def _is_random(params: Mapping[str, Any]) -> bool:
+    return params.get("sample", "random") != "mean"
+
+
+def _variants() -> dict[str, dict[str, Any]]:
+    """Every proposal x weighting, plus eval mode, the official code's noise and clipping, beta = 2."""
+    variants: dict[str, dict[str, Any]] = {
+        f"{p}-{w}": {"proposal": p, "weighting": w} for p in PROPOSALS for w in WEIGHTINGS
+    }
+    variants["eq34-decoupled-mean"] = {"proposal": "eq34", "weighting": "decoupled", "sample": "mean"}
+    variants["eq32-balance-mean"] = {"proposal": "eq32", "weighting": "balance", "sample": "mean"}
+    variants["eq35-decoupled-beta2"] = {"proposal": "eq35", "weighting": "decoupled", "beta": 2.0}
+    variants["eq34-decoupled-reference-code"] = {"proposal": "eq34", "weighting": "decoupled", "noise": "reference-code"}
+    variants["eq34-decoupled-clamp"] = {"proposal": "eq34", "weighting": "decoupled", "alpha_clamp": 1e-8}
+    variants["official-vit"] = {
+        "proposal": "eq35", "weighting": "decoupled", "beta": 2.0, "alpha_clamp": 1e-8, "noise": "reference-code",
+    }
+    return variants
+
+
+SPEC = EstimatorSpec(
+    name="lara",
+    summary="linear randomized attention: C landmark proposals, one sample each, self-normalized MIS",
+    source="Zheng et al. ICML 2022 (LARA) sec. 4, eq. 8-10, 28, app. G.3 eq. 32-38, Algorithm 3",
+    complexity=(
+        "O((N + M) C (D + Dv) + C^2 D); + N C^2 (coupled), + C M D (eq33, eq32), + C^2 M D (eq32 density)"
+    ),
+    params=PARAMS,
+    draw=draw,
+    reference=reference.estimate,
+    batched=batched.estimate,
+    is_random=_is_random,
+    variants=_variants(),
+)
