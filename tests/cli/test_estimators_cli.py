@@ -1,0 +1,33 @@
+"""`randattn estimators`: the catalogue as a table and as JSON."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from randattn.cli import main
+
+
+def test_estimators_table_lists_the_catalogue():
+    result = CliRunner().invoke(main, ["estimators"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    for name in ("softmax", "rfa", "ra", "trigonometric", "orthogonal", "simplex", "oprf", "reference-code"):
+        assert name in result.output
+
+
+def test_estimators_json_is_machine_readable():
+    result = CliRunner().invoke(main, ["estimators", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.output)
+    names = [r["name"] for r in records]
+    assert names[:3] == ["softmax", "rfa", "ra"]
+    rfa = records[1]
+    assert rfa["parameters"]["coupling"]["choices"] == ["iid", "orthogonal", "simplex", "orthogonal-plain-qr"]
+    assert rfa["complexity"].startswith("O(")
+
+
+def test_unknown_command_is_a_usage_error():
+    result = CliRunner().invoke(main, ["frobnicate"])
+    assert result.exit_code == 2
+    assert "No such command 'frobnicate'" in result.output

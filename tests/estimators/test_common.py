@@ -1,0 +1,224 @@
+"""The shared test base: every registered estimator variant, parametrized (STYLE sec. 10).
+
+Checks the contracts of ARCHITECTURE sec. 3: batched == reference with the same draws
+(float64, <= 1e-10), the replicate layout, seeded reproducibility, finiteness at ViT-like
+norms, and clear errors for bad input.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import randattn
+from randattn.estimators.rfa.reference import NonPositiveDenominatorWarning
+from randattn.testing import TOLERANCES, assert_close
+from conftest import all_variants, variant_id
+
+VARIANTS = all_variants()
+
+#: (id, q shape, k shape, v shape): batch dims, N != M, Dv != D, D not a power of two, N = 1
+SHAPES = [
+    ("b2x3-N13-M11-D8-Dv5", (2, 3, 13, 8), (2, 3, 11, 8), (2, 3, 11, 5)),
+    ("nobatch-N1-M7-D3-Dv2", (1, 3), (7, 3), (7, 2)),
+    ("b4-N29-M29-D6-Dv6", (4, 29, 6), (4, 29, 6), (4, 29, 6)),
+]
+
+
+def _samples(name: str, params: dict) -> int | None:
+    if not randattn.get_spec(name).needs_samples:
+        return None
+    # signed trigonometric features need more samples for a positive normalizer at these norms
+    return 64 if params.get("feature_map") == "trigonometric" else 6
+
+
+def _inputs(rng, q_shape, k_shape, v_shape, q_norm=None, k_norm=None):
+    q = rng.standard_normal(q_shape)
+    k = rng.standard_normal(k_shape)
+    v = rng.standard_normal(v_shape)
+    return q, k, v
+
+
+def _run(name, params, q, k, v, *, backend, seed=0, replicates=3, dtype=None, num_samples="auto"):
+    if num_samples == "auto":
+        num_samples = _samples(name, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonPositiveDenominatorWarning)
+        return randattn.estimate(
+            name, q, k, v, num_samples=num_samples, seed=seed, replicates=replicates,
+            backend=backend, dtype=dtype, **params,
+        )
+
+
+@pytest.mark.parametrize("case", VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_batched_matches_reference_float64(case, shape, rng):
+    name, _, params = case
+    _, q_shape, k_shape, v_shape = shape
+    q, k, v = _inputs(rng, q_shape, k_shape, v_shape)
+    ref = _run(name, params, q, k, v, backend="reference")
+    bat = _run(name, params, q, k, v, backend="torch", dtype=torch.float64)
+    assert ref.shape == (3, *q_shape[:-1], v_shape[-1])
+    assert isinstance(bat, torch.Tensor) and bat.dtype == torch.float64
+    atol, rtol = TOLERANCES["float64"]
+    assert_close(bat, ref, atol=atol, rtol=rtol, what=f"{name} {params}")
+
+
+@pytest.mark.parametrize("case", VARIANTS, ids=variant_id)
+def test_float32_batched_close_to_reference(case, rng):
+    """float32 tolerance: a few hundred ulps (see randattn.testing.TOLERANCES)."""
+    name, _, params = case
+    if params.get("feature_map") == "trigonometric":
+        pytest.skip("signed trigonometric sums cancel; float32 is not comparable at 1e-5 (checked in float64)")
+    q, k, v = _inputs(rng, (2, 13, 8), (2, 13, 8), (2, 13, 5))
+    ref = _run(name, params, q, k, v, backend="reference")
+    bat = _run(name, params, q, k, v, backend="torch", dtype=torch.float32)
+    assert bat.dtype == torch.float32
+    atol, rtol = TOLERANCES["float32"]
+    assert_close(bat, ref, atol=atol, rtol=rtol, what=f"{name} {params} float32")
+
+
+@pytest.mark.parametrize("case", VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_seed_reproducible_bit_for_bit(case, backend, rng):
+    name, _, params = case
+    q, k, v = _inputs(rng, (2, 9, 4), (2, 9, 4), (2, 9, 3))
+    first = np.asarray(_run(name, params, q, k, v, backend=backend, seed=7))
+    again = np.asarray(_run(name, params, q, k, v, backend=backend, seed=7))
+    assert np.array_equal(first, again, equal_nan=True)
+    other = np.asarray(_run(name, params, q, k, v, backend=backend, seed=8))
+    spec = randattn.get_spec(name)
+    if spec.is_random(spec.resolve_params(params)):
+        assert not np.array_equal(first, other), "different seeds gave identical draws"
+    else:
+        assert np.array_equal(first, other), "a deterministic estimator depends on the seed"
+
+
+@pytest.mark.parametrize("case", VARIANTS, ids=variant_id)
+def test_replicates_are_independent_and_squeezed(case, rng):
+    name, _, params = case
+    q, k, v = _inputs(rng, (9, 4), (9, 4), (9, 3))
+    single = _run(name, params, q, k, v, backend="reference", replicates=None)
+    assert single.shape == (9, 3)
+    many = _run(name, params, q, k, v, backend="reference", replicates=4)
+    assert many.shape == (4, 9, 3)
+    spec = randattn.get_spec(name)
+    if spec.is_random(spec.resolve_params(params)):
+        assert not np.allclose(many[0], many[1]), "replicates share their draws"
+
+
+def _vit_like(rng, n=50, d=64, q_max=30.0, k_max=150.0):
+    """Queries with norms up to 30 and keys up to 150 (a CLS-like key at 150), as in ViTs."""
+    def with_norms(norms):
+        x = rng.standard_normal((len(norms), d))
+        return x / np.linalg.norm(x, axis=-1, keepdims=True) * norms[:, None]
+
+    q = with_norms(rng.uniform(1.0, q_max, n))
+    k_norms = rng.uniform(1.0, 40.0, n)
+    k_norms[0] = k_max
+    k = with_norms(k_norms)
+    v = rng.standard_normal((n, d))
+    return q, k, v
+
+
+@pytest.mark.parametrize("case", VARIANTS, ids=variant_id)
+def test_stable_at_vit_norms(case, rng):
+    """Key norms up to 150, query norms up to 30, scale 1/8: finite in float32 and float64."""
+    name, _, params = case
+    q, k, v = _vit_like(rng)
+    ref = _run(name, params, q, k, v, backend="reference", replicates=2)
+    b64 = _run(name, params, q, k, v, backend="torch", dtype=torch.float64, replicates=2)
+    b32 = _run(name, params, q, k, v, backend="torch", dtype=torch.float32, replicates=2)
+    for what, out in (("reference", ref), ("float64", b64), ("float32", b32)):
+        assert np.isfinite(np.asarray(out)).all(), f"{name} {params}: non-finite {what} output"
+    if params.get("feature_map") != "trigonometric":
+        # signed features cancel catastrophically at these norms: only finiteness is meaningful
+        atol, rtol = TOLERANCES["float64"]
+        assert_close(b64, ref, atol=atol, rtol=rtol, what=f"{name} {params} at ViT norms")
+
+
+# ---------------------------------------------------------------------------------------
+# bad input: each error names the problem
+
+NAMES = randattn.list_estimators()
+
+
+def _call(name, q, k, v, **kw):
+    return randattn.estimate(name, q, k, v, num_samples=_samples(name, {}), seed=0, **kw)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(
+    "mutate, error, message",
+    [
+        (lambda q, k, v: (q[..., :3], k, v), ValueError, "same feature dim"),
+        (lambda q, k, v: (q, k, v[:-1]), ValueError, "same number of tokens"),
+        (lambda q, k, v: (np.where(q == q.max(), np.nan, q), k, v), ValueError, "NaN or infinite"),
+        (lambda q, k, v: (q, k, np.where(v == v.max(), np.inf, v)), ValueError, "NaN or infinite"),
+        (lambda q, k, v: (q[:0], k, v), ValueError, "empty sequence"),
+        (lambda q, k, v: (q, k[:0], v[:0]), ValueError, "empty sequence"),
+        (lambda q, k, v: (q.astype(np.int64), k, v), TypeError, "floating dtype"),
+        (lambda q, k, v: (q[None], k, v), ValueError, "same batch dims"),
+        (lambda q, k, v: (q[0], k, v), ValueError, r"shape \(\.\.\., tokens, features\)"),
+        (lambda q, k, v: (q.tolist(), k, v), TypeError, "numpy array or torch tensor"),
+    ],
+    ids=["D-mismatch", "M-mismatch", "nan", "inf", "empty-N", "empty-M", "int-dtype", "batch-mismatch", "1d", "list"],
+)
+def test_bad_input_is_named(name, mutate, error, message, rng):
+    q, k, v = rng.standard_normal((3, 6, 4))
+    q, k, v = mutate(q, k, v)
+    with pytest.raises(error, match=message):
+        _call(name, q, k, v)
+
+
+def test_unknown_estimator_lists_known(rng):
+    q, k, v = rng.standard_normal((3, 6, 4))
+    with pytest.raises(ValueError, match=r"unknown estimator 'performer'; known estimators: softmax, rfa, ra"):
+        randattn.estimate("performer", q, k, v)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unknown_parameter_is_named(name, rng):
+    q, k, v = rng.standard_normal((3, 6, 4))
+    with pytest.raises(ValueError, match=rf"unknown parameter\(s\) 'temperature' for estimator '{name}'"):
+        _call(name, q, k, v, temperature=2.0)
+
+
+def test_bad_choice_lists_allowed(rng):
+    q, k, v = rng.standard_normal((3, 6, 4))
+    with pytest.raises(ValueError, match=r"feature_map='relu' is not allowed; choose one of 'positive'"):
+        randattn.estimate("rfa", q, k, v, num_samples=4, feature_map="relu")
+
+
+@pytest.mark.parametrize("num_samples, error, message", [(None, ValueError, "needs num_samples"), (0, ValueError, ">= 1"), (2.5, TypeError, "integer")])
+def test_bad_num_samples(num_samples, error, message, rng):
+    q, k, v = rng.standard_normal((3, 6, 4))
+    with pytest.raises(error, match=message):
+        randattn.estimate("rfa", q, k, v, num_samples=num_samples)
+
+
+@pytest.mark.parametrize("scale, message", [(0.0, "positive"), (-1.0, "positive"), (float("nan"), "positive"), ("x", "positive real")])
+def test_bad_scale(scale, message, rng):
+    q, k, v = rng.standard_normal((3, 6, 4))
+    with pytest.raises((ValueError, TypeError), match=message):
+        randattn.estimate("softmax", q, k, v, scale=scale)
+
+
+def test_draws_of_another_shape_are_rejected(rng):
+    q, k, v = rng.standard_normal((3, 6, 4))
+    draws = randattn.draw("rfa", (2, 6, 4), (2, 6, 4), num_samples=5, seed=0)
+    with pytest.raises(ValueError, match="were the draws made for inputs of another shape"):
+        randattn.get_spec("rfa").reference(q, k, v, draws)
+
+
+def test_bad_backend_and_dtype(rng):
+    q, k, v = rng.standard_normal((3, 6, 4))
+    with pytest.raises(ValueError, match="backend='jax' is not allowed"):
+        randattn.estimate("softmax", q, k, v, backend="jax")
+    with pytest.raises(ValueError, match="backend='torch' only"):
+        randattn.estimate("softmax", q, k, v, dtype=torch.float32)
+    with pytest.raises(TypeError, match="floating torch dtype"):
+        randattn.estimate("softmax", q, k, v, backend="torch", dtype=torch.int32)
