@@ -56,6 +56,9 @@ __all__ = [
     "consolidate",
     "aggregate",
     "as_activations",
+    "count_cells",
+    "write_table",
+    "table_records",
 ]
 
 #: the sweep table's columns, in order (plotting code relies on these names)
@@ -788,3 +791,76 @@ def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0):
     columns = keys + ["mse", "mse_lo", "mse_hi", "bias_sq", "bias_sq_lo", "bias_sq_hi",
                       "variance", "variance_lo", "variance_hi", "units", "ci_over"]
     return pd.DataFrame.from_records(records, columns=columns)
+
+
+# ------------------------------------------------------------------------------------------------------------ output
+OUTPUT_FORMATS = (".parquet", ".csv", ".json")
+
+
+def count_cells(activations: Any, config: SweepConfig) -> int:
+    """Number of (image, layer, head, estimator config, S-group) cells ``config`` runs; validates the selection.
+
+    Raises
+    ------
+    ValueError
+        A selected layer, head or image that the activations do not hold.
+    """
+    acts = as_activations(activations)
+    _, heads, images, groups = _plan(acts, config)
+    return len(groups) * len(heads) * len(images)
+
+
+def table_records(table) -> list[dict[str, Any]]:
+    """Rows as JSON-ready dicts: numpy scalars become Python ones, NaN and inf become None (exact floats)."""
+    records = []
+    for record in table.to_dict(orient="records"):
+        clean = {}
+        for key, value in record.items():
+            if isinstance(value, np.generic):
+                value = value.item()
+            if isinstance(value, float) and not math.isfinite(value):
+                value = None
+            clean[key] = value
+        records.append(clean)
+    return records
+
+
+def write_table(table, path: str | os.PathLike, metadata: Mapping[str, Any]) -> tuple[Path, Path]:
+    """Write ``table`` to ``path`` (``.parquet``, ``.csv`` or ``.json`` records) and ``metadata`` beside it.
+
+    The metadata (master seed, command line, randattn version, config, ...) goes to the sidecar
+    ``<path>.meta.json`` for every format, and for parquet also into the file's schema metadata
+    under the key ``randattn``. Both writes are atomic.
+
+    Returns
+    -------
+    (table path, sidecar path)
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in OUTPUT_FORMATS:
+        raise ValueError(f"output {str(path)!r}: unknown suffix {path.suffix!r}; use one of {list(OUTPUT_FORMATS)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(dict(metadata), indent=2, sort_keys=True, default=str)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        if suffix == ".parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            arrow = pa.Table.from_pandas(table, preserve_index=False)
+            arrow = arrow.replace_schema_metadata({**(arrow.schema.metadata or {}), b"randattn": text.encode()})
+            pq.write_table(arrow, tmp)
+        elif suffix == ".csv":
+            table.to_csv(tmp, index=False)
+        else:
+            with open(tmp, "w") as fh:
+                json.dump(table_records(table), fh, indent=1)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    sidecar = path.with_name(path.name + ".meta.json")
+    _atomic_write_text(sidecar, text)
+    return path, sidecar
