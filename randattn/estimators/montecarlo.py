@@ -34,6 +34,7 @@ References
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 __all__ = [
+    "PARTITION_OF_UNITY_RTOL",
     "importance_sampling",
     "snis",
     "snis_weights",
@@ -96,6 +98,16 @@ def _as_float64(name: str, value: Any, layout: str, *, min_ndim: int, allow_neg_
         first = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"{name} contains {what}: first at index {first} of shape {array.shape}")
     return array
+
+
+def _finite_real(name: str, value: Any, *, positive: bool = False) -> float:
+    """``value`` as a float if it is a finite real number (and > 0 when ``positive``)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or (positive and number <= 0):
+        raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got {value!r}")
+    return number
 
 
 def _batch_shape(**shapes: tuple[int, ...]) -> tuple[int, ...]:
@@ -624,11 +636,8 @@ def power_heuristic(log_proposals: ArrayLike, power: float = 2.0) -> FloatArray:
     [0.1, 0.9]
     """
     log_proposals = _weighting_iv(log_proposals)
-    if isinstance(power, (bool, np.bool_)) or not np.isscalar(power) or not np.isreal(power):
-        raise TypeError(f"power must be a real number, got {power!r}")
-    if not (np.isfinite(power) and power > 0):
-        raise ValueError(f"power must be a finite number > 0, got {power!r}")
-    alpha, _ = _softmax(float(power) * log_proposals, axis=-2)
+    power = _finite_real("power", power, positive=True)
+    alpha, _ = _softmax(power * log_proposals, axis=-2)
     return alpha
 
 
@@ -679,10 +688,9 @@ def decoupled_heuristic(log_proposals: ArrayLike, query_scores: ArrayLike, beta:
     c = log_proposals.shape[-1]
     _check_size("query_scores", query_scores, -1, c, f"C = {c} proposals as log_proposals", "(..., C)")
     _batch_shape(log_proposals=log_proposals.shape[:-2], query_scores=query_scores.shape[:-1])
-    if isinstance(beta, (bool, np.bool_)) or not np.isscalar(beta) or not np.isreal(beta) or not np.isfinite(beta):
-        raise ValueError(f"beta must be a finite real number, got {beta!r}")
+    beta = _finite_real("beta", beta)
     balance, _ = _softmax(log_proposals, axis=-2)
-    correction = float(beta) * (query_scores - query_scores.mean(axis=-1, keepdims=True))
+    correction = beta * (query_scores - query_scores.mean(axis=-1, keepdims=True))
     return balance + correction[..., :, None]
 
 

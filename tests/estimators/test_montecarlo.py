@@ -583,7 +583,7 @@ BAD_INPUT = {
     ),
     "power-zero": (lambda: mc.power_heuristic(LOG_Q, power=0.0), r"power must be a finite number > 0, got 0.0"),
     "decoupled-scores-C": (lambda: mc.decoupled_heuristic(LOG_Q, [0.5, 0.5]), r"query_scores must have shape \(\.\.\., C\) with C = 3"),
-    "decoupled-beta-nan": (lambda: mc.decoupled_heuristic(LOG_Q, [0.2, 0.3, 0.5], beta=np.nan), r"beta must be a finite real number"),
+    "decoupled-beta-nan": (lambda: mc.decoupled_heuristic(LOG_Q, [0.2, 0.3, 0.5], beta=np.nan), r"beta must be a finite number, got nan"),
     "mis-alpha-sum": (lambda: mc.mis(np.zeros(3), LOG_Q, 1.5 * ALPHA, F[0, :3]), r"max deviation \|sum_c alpha\[\.\.\., c, j\] - 1\| = 0.5"),
     "mis-alpha-nan": (lambda: mc.mis(np.zeros(3), LOG_Q, np.where(np.eye(3) > 0, np.nan, ALPHA), F[0, :3]), r"alpha contains NaN"),
     "mis-f-C": (lambda: mc.mis(np.zeros(3), LOG_Q, ALPHA, F[0]), r"f must have shape \(\.\.\., C, Dv\) with C = 3 samples"),
@@ -617,6 +617,29 @@ def test_bad_input_raises_value_error(call, message):
 def test_non_real_input_raises_type_error(value):
     with pytest.raises(TypeError, match=r"log_weights must be a real numeric array"):
         mc.snis_weights(value)
+
+
+@pytest.mark.parametrize("power", ["2", True, 2 + 0j, None])
+def test_non_real_power_raises_type_error(power):
+    with pytest.raises(TypeError, match=r"power must be a real number"):
+        mc.power_heuristic(LOG_Q, power)
+
+
+# absolute (not shift-invariant) quantities that overflow float64 are returned and reported
+OVERFLOW = {
+    "importance_sampling": lambda: mc.importance_sampling([800.0, 0.0], [0.0, 0.0], np.ones((2, 1))),
+    "mis": lambda: mc.mis([800.0], [[0.0]], [[1.0]], [[1.0]]),
+    "snis_as_control_variate": lambda: mc.snis_as_control_variate([800.0, 0.0], np.ones((2, 1))).g,
+    "eva_per_key_terms": lambda: mc.eva_per_key_terms([400.0], [[400.0]], [[1.0]], [0.0]).h,
+}
+
+
+@pytest.mark.parametrize("call", OVERFLOW.values(), ids=OVERFLOW.keys())
+def test_overflow_is_reported_not_hidden(call):
+    with pytest.warns(RuntimeWarning, match="overflow") as record:
+        result = call()
+    assert _from_here(record)
+    assert not np.isfinite(result).all()
 
 
 @st.composite
