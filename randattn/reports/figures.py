@@ -167,6 +167,13 @@ def _token_values(table: pd.DataFrame) -> list[int]:
     return sorted(int(t) for t in table["tokens"].dropna().unique())
 
 
+def _band_text(aggregated: pd.DataFrame, confidence: float) -> str:
+    """What the shaded bands are: a bootstrap over images, or over heads when there is a single image."""
+    over = str(aggregated["ci_over"].iloc[0]) if "ci_over" in aggregated and len(aggregated) else "images"
+    units = int(aggregated["units"].max()) if "units" in aggregated and len(aggregated) else 0
+    return f"bands: {round(confidence * 100)}% percentile bootstrap CI over {units} {over}"
+
+
 def _drop_exact(aggregated: pd.DataFrame, value: str) -> tuple[pd.DataFrame, list[str]]:
     """Drop labels whose ``value`` is zero everywhere (exact estimators cannot appear on a log axis)."""
     exact = [
@@ -269,8 +276,7 @@ def mse_vs_samples_figure(
         ax.set_xlabel(_SAMPLES_LABEL)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel(f"{value.replace('_', ' ')} ({MSE_UNITS})" if value != "mse" else f"MSE ({MSE_UNITS})")
-    n_images = int(table["image"].nunique())
-    band = f"bands: {int(confidence * 100)}% bootstrap CI over {n_images} image{'s' if n_images != 1 else ''}"
+    band = _band_text(aggregated, confidence)
     _titles(
         fig,
         f"{'MSE' if value == 'mse' else value} of randomized attention vs exact softmax, by number of samples",
@@ -543,8 +549,8 @@ def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: 
     _titles(
         fig,
         "Random-feature attention (rfa): coupling and feature map",
-        f"{describe_data(rows, metadata)}\nmean over layers and heads per image, then over images; bands: 95% "
-        "bootstrap CI over images",
+        f"{describe_data(rows, metadata)}\nmean over layers and heads per image, then over images; "
+        f"{_band_text(aggregate_over_images(rows, ['mse'], n_boot=2, seed=seed), 0.95)}",
     )
     _legend(fig, [handles[v] for v in sorted(handles)], len(handles))
     return fig

@@ -10,7 +10,6 @@ bootstrap confidence interval over images.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ __all__ = [
     "Results",
     "read_results",
     "require_columns",
+    "AGGREGATED_VALUES",
     "aggregate_over_images",
     "summary_table",
     "mse_pivot",
@@ -44,7 +44,8 @@ PLOT_COLUMNS: tuple[str, ...] = ("image", "layer", "head", "tokens", "estimator"
 #: estimator families in the order the papers introduce them (colours and legends follow it)
 ESTIMATOR_ORDER: tuple[str, ...] = ("softmax", "rfa", "ra", "lara", "eva", "scatterbrain", "local")
 _READERS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "json"}
-#: where table metadata may live beside the table: ``results.csv`` -> ``results.meta.json`` or ``results.json``
+#: where table metadata may live beside the table: ``results.csv`` -> ``results.csv.meta.json`` (what
+#: :func:`randattn.analysis.sweep.write_table` writes) or ``results.meta.json``
 _SIDECAR_SUFFIXES = (".meta.json", ".metadata.json")
 _PARQUET_METADATA_KEYS = (b"randattn", b"randattn_metadata", b"metadata")
 
@@ -161,8 +162,10 @@ def _read_json(path: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
 
 
 def _read_sidecar(path: Path) -> dict[str, Any]:
-    for suffix in _SIDECAR_SUFFIXES:
-        sidecar = path.with_name(path.stem + suffix)
+    # write_table writes ``results.csv.meta.json``; hand-made sidecars may drop the table's suffix
+    candidates = [path.with_name(path.name + suffix) for suffix in _SIDECAR_SUFFIXES]
+    candidates += [path.with_name(path.stem + suffix) for suffix in _SIDECAR_SUFFIXES]
+    for sidecar in candidates:
         if sidecar.is_file():
             try:
                 with open(sidecar, encoding="utf-8") as handle:
@@ -233,100 +236,70 @@ def label_order(labels: Iterable[str]) -> list[str]:
     return sorted(set(map(str, labels)), key=key)
 
 
+#: the values :func:`randattn.analysis.sweep.aggregate` summarises
+AGGREGATED_VALUES: tuple[str, ...] = ("mse", "bias_sq", "variance")
+
+
 def aggregate_over_images(
     table: pd.DataFrame,
     values: Sequence[str] = ("mse",),
     *,
     confidence: float = 0.95,
     n_boot: int = 2000,
-    seed: int | np.random.Generator = 0,
+    seed: int = 0,
 ) -> pd.DataFrame:
-    """Mean over heads and layers of each image, then mean over images with a bootstrap CI (LARA app. H.1).
+    """Mean over heads and layers of each image, then over images with a bootstrap CI (LARA app. H.1).
+
+    A thin adapter over :func:`randattn.analysis.sweep.aggregate` (the one definition of the aggregation)
+    that renames its interval columns, adds ``n_images`` and ``random``, and sorts labels for display.
 
     Parameters
     ----------
     table : pandas.DataFrame
-        A results table with columns ``tokens, label, num_samples, image`` and ``values``.
+        A results table with columns ``estimator, label, tokens, num_samples, image, layer, head`` and
+        ``mse, bias_sq, variance``.
     values : sequence of str
-        Columns to aggregate (``mse``, ``variance``, ``bias_sq``, ...).
+        Which of ``mse``, ``bias_sq``, ``variance`` the caller needs (all three are computed).
     confidence : float
-        Level of the percentile bootstrap interval over images, in (0, 1).
+        Level of the percentile bootstrap interval, in (0, 1).
     n_boot : int
-        Bootstrap resamples of the images.
-    seed : int or numpy.random.Generator
-        Randomness of the bootstrap.
+        Bootstrap resamples.
+    seed : int
+        Seed of the bootstrap.
 
     Returns
     -------
     pandas.DataFrame
-        One row per ``(tokens, label, num_samples)`` with ``estimator``, ``random`` (when present),
-        ``n_images``, ``n_units`` (layer-head pairs per image) and, for every value ``x``, ``x`` (the mean
-        over images), ``x_ci_low`` and ``x_ci_high``. With a single image the interval is a normal interval
-        from the spread over layers and heads (``NaN`` with one unit).
+        One row per ``(tokens, label, num_samples)`` with ``estimator``, ``random`` (when the table has it),
+        ``n_images``, ``ci_over`` (``"images"``, or ``"heads"`` for a single image) and, for each value
+        ``x``, ``x`` (the mean over images), ``x_ci_low`` and ``x_ci_high`` (NaN with a single unit).
 
     Notes
     -----
-    With ``I`` images and per-image means :math:`m_i`, the estimate is :math:`\\bar m = I^{-1}\\sum_i m_i`
-    and the interval is the ``(1-confidence)/2`` and ``(1+confidence)/2`` quantiles of :math:`\\bar m`
-    over resamples of the images with replacement. With few images (two in the default demo) the
-    percentile interval is narrow and should be read as a spread, not as coverage.
+    With few images (two in the default demo) the percentile interval over images is narrow and is a
+    spread rather than a calibrated interval.
     """
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
-    if not isinstance(n_boot, (int, np.integer)) or n_boot < 1:
-        raise ValueError(f"n_boot must be a positive integer, got {n_boot!r}")
-    values = list(values)
-    require_columns(table, ["tokens", "label", "num_samples", "image", *values], "the aggregation over images")
-    rng = np.random.default_rng(seed)
-    keys = ["tokens", "label", "num_samples"]
-    per_image = table.groupby([*keys, "image"], sort=True, dropna=False)[values].mean().reset_index()
-    units = table.groupby([*keys, "image"], sort=True, dropna=False).size().rename("n_units").reset_index()
-    per_image = per_image.merge(units, on=[*keys, "image"])
-    extra = table.groupby(keys, sort=True, dropna=False).agg(
-        **{name: (name, "first") for name in ("estimator", "random") if name in table}
+    from randattn.analysis.sweep import aggregate
+
+    unknown = [value for value in values if value not in AGGREGATED_VALUES]
+    if unknown:
+        raise ValueError(f"values {unknown} cannot be aggregated; choose from {', '.join(AGGREGATED_VALUES)}")
+    require_columns(
+        table, ["estimator", "label", "tokens", "num_samples", "image", "layer", "head", *AGGREGATED_VALUES],
+        "the aggregation over images",
     )
-    alpha = (1.0 - confidence) / 2.0
-    rows = []
-    for key, group in per_image.groupby(keys, sort=True, dropna=False):
-        row: dict[str, Any] = dict(zip(keys, key))
-        row["n_images"] = int(len(group))
-        row["n_units"] = int(group["n_units"].max())
-        for value in values:
-            samples = group[value].to_numpy(dtype=float)
-            samples = samples[np.isfinite(samples)]
-            if samples.size == 0:
-                row[value] = row[f"{value}_ci_low"] = row[f"{value}_ci_high"] = math.nan
-                continue
-            mean = float(samples.mean())
-            if samples.size >= 2:
-                index = rng.integers(0, samples.size, size=(n_boot, samples.size))
-                boot = samples[index].mean(axis=1)
-                low, high = np.quantile(boot, [alpha, 1.0 - alpha])
-            else:
-                low, high = _single_image_interval(table, key, value, mean, confidence)
-            row[value], row[f"{value}_ci_low"], row[f"{value}_ci_high"] = mean, float(low), float(high)
-        rows.append(row)
-    result = pd.DataFrame(rows)
-    if not extra.empty:
-        result = result.merge(extra.reset_index(), on=keys, how="left")
+    keys = ["tokens", "label", "num_samples"]
+    result = aggregate(table, level=confidence, n_boot=n_boot, seed=seed)
+    result = result.rename(columns={f"{v}_{end}": f"{v}_ci_{name}" for v in AGGREGATED_VALUES
+                                    for end, name in (("lo", "low"), ("hi", "high"))})
+    images = table.groupby(keys, dropna=False)["image"].nunique().rename("n_images").reset_index()
+    result = result.merge(images, on=keys, how="left")
+    if "random" in table:
+        random = table.groupby(keys, dropna=False)["random"].first().reset_index()
+        result = result.merge(random, on=keys, how="left")
     order = {label: i for i, label in enumerate(label_order(result["label"]))}
     result = result.assign(_order=result["label"].map(order)).sort_values(["tokens", "_order", "num_samples"])
     return result.drop(columns="_order").reset_index(drop=True)
-
-
-def _single_image_interval(
-    table: pd.DataFrame, key: tuple, value: str, mean: float, confidence: float
-) -> tuple[float, float]:
-    from scipy.stats import norm
-
-    tokens, label, num_samples = key
-    mask = (table["tokens"] == tokens) & (table["label"] == label) & (table["num_samples"] == num_samples)
-    units = table.loc[mask, value].to_numpy(dtype=float)
-    units = units[np.isfinite(units)]
-    if units.size < 2:
-        return math.nan, math.nan
-    half = float(norm.ppf(0.5 + confidence / 2.0)) * float(units.std(ddof=1)) / math.sqrt(units.size)
-    return mean - half, mean + half
 
 
 def summary_table(table: pd.DataFrame, *, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
@@ -375,7 +348,7 @@ def mse_pivot(table: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
     pandas.DataFrame
         Index: estimator label in display order; columns: ``(tokens, S)``.
     """
-    aggregated = aggregate_over_images(table, ["mse"], n_boot=1, seed=seed)
+    aggregated = aggregate_over_images(table, ["mse"], n_boot=2, seed=seed)
     pivot = aggregated.pivot_table(index="label", columns=["tokens", "num_samples"], values="mse", aggfunc="first")
     pivot = pivot.reindex(label_order(pivot.index))
     pivot.index.name = "estimator"

@@ -1,0 +1,40 @@
+"""``randattn report``: a results table -> one self-contained HTML page (tables, figures, diagnostics)."""
+
+from __future__ import annotations
+
+import click
+
+from randattn.cli._common import abort, err_console
+
+
+@click.command("report")
+@click.argument("results", type=click.Path(dir_okay=False))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Folder for report.html.")
+@click.option("--name", default="report.html", show_default=True, help="File name of the page.")
+def command(results, out_dir, name):
+    """Write an HTML report of a results table (CSV, Parquet or JSON) that opens offline.
+
+    The page embeds its figures (PNG) and CSS, and lists the summary tables, importance-sampling
+    diagnostics, the command that produced the results and the software environment. Its path is printed
+    on stdout.
+    """
+    import sys
+
+    from randattn.reports.html import write_report
+    from randattn.reports.tables import ResultsError, read_results
+
+    if not name.endswith(".html") or "/" in name or "\\" in name:
+        abort(f"--name must be a file name ending in .html, got {name!r}")
+    try:
+        loaded = read_results(results)
+    except ResultsError as exc:
+        abort(str(exc))
+    command_line = loaded.metadata.get("command") or None
+    with err_console.status("rendering figures"):
+        try:
+            path = write_report(loaded.table, out_dir, metadata={**loaded.metadata,
+                                                                 "report_command": " ".join(sys.argv)},
+                                command=command_line, name=name)
+        except ResultsError as exc:
+            abort(str(exc))
+    click.echo(str(path))
