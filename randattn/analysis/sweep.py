@@ -276,7 +276,9 @@ def cell_seed(master_seed: int, image: str, layer: int, head: int, label_params_
     num_samples : int or None
         None for estimators that take no S.
     """
-    key = json.dumps([image, int(layer), int(head), name, label_params_json, num_samples], separators=(",", ":"))
+    samples = None if num_samples is None else int(num_samples)
+    key = json.dumps([str(image), int(layer), int(head), str(name), str(label_params_json), samples],
+                     separators=(",", ":"))
     digest = hashlib.sha256(key.encode()).digest()
     words = tuple(int.from_bytes(digest[i : i + 4], "little") for i in range(0, 32, 4))
     state = np.random.SeedSequence(int(master_seed), spawn_key=words).generate_state(2, dtype=np.uint32)
@@ -610,9 +612,11 @@ def read_parts(parts_dir: str | os.PathLike):
     paths = sorted(Path(parts_dir).glob("part-*.csv"))
     if not paths:
         return _coerce(pd.DataFrame({c: [] for c in COLUMNS}))
+    # pandas < 3 needs float_precision="round_trip" to read back exactly what it wrote; 3.x does by default
+    exact = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
     frames = [
         pd.read_csv(p, dtype={c: str for c in _STR_COLUMNS}, keep_default_na=False,
-                    na_values={c: ["", "nan", "NaN"] for c in _FLOAT_COLUMNS}, float_precision="round_trip")
+                    na_values={c: ["", "nan", "NaN"] for c in _FLOAT_COLUMNS}, **exact)
         for p in paths
     ]
     return _coerce(pd.concat(frames, ignore_index=True))

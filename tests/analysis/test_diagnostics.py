@@ -1,0 +1,75 @@
+"""Importance-sampling diagnostics: RFA weights, ESS, delta-method variance, Pareto k-hat."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import randattn
+from randattn.analysis.diagnostics import (
+    estimator_diagnostics,
+    pareto_khat,
+    rfa_snis_terms,
+    snis_diagnostics,
+)
+from randattn.estimators.montecarlo import kish_ess, snis_delta_method_variance
+
+
+@pytest.fixture
+def qkv(rng):
+    q, k = 0.6 * rng.normal(size=(2, 2, 11, 6))
+    v = rng.normal(size=(2, 9, 5))
+    return q, k[:, :9], v
+
+
+@pytest.mark.parametrize("feature_map", ["positive", "hyperbolic", "oprf", "regularized"])
+def test_rfa_terms_reproduce_the_estimate(qkv, feature_map):
+    q, k, v = qkv
+    draws = randattn.draw("rfa", q.shape, k.shape, num_samples=7, seed=3, replicates=3, feature_map=feature_map)
+    log_w, f = rfa_snis_terms(q, k, v, draws["omega"], feature_map=feature_map)
+    w = np.exp(log_w - log_w.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    est = randattn.estimate("rfa", q, k, v, num_samples=7, seed=3, replicates=3, feature_map=feature_map)
+    np.testing.assert_allclose(w @ f, est, rtol=0, atol=1e-12)
+
+
+def test_snis_diagnostics_agree_with_montecarlo(qkv):
+    q, k, v = qkv
+    draws = randattn.draw("rfa", q.shape, k.shape, num_samples=40, seed=5, replicates=2)
+    log_w, f = rfa_snis_terms(q, k, v, draws["omega"])
+    d = snis_diagnostics(log_w, f, khat_queries=4)
+    delta = snis_delta_method_variance(log_w, f[..., None, :, :]).mean(axis=(-2, -1)).mean(0)
+    np.testing.assert_allclose(d.delta_variance, delta, rtol=1e-10)
+    np.testing.assert_allclose(d.ess_mean, kish_ess(log_w).mean(axis=(0, -1)), rtol=1e-13)
+    assert d.num_weights == 40 and d.pareto_khat.shape == (2,)
+    assert np.all(np.isfinite(d.pareto_khat))
+
+
+def test_ess_of_equal_weights_is_the_sample_count():
+    d = snis_diagnostics(np.zeros((2, 3, 4, 30)), np.ones((2, 3, 30, 2)), khat_queries=0)
+    np.testing.assert_allclose(d.ess_mean, 30.0)
+    # the expanded delta-method sum cancels to within eps * |v|^2 * sum w^2 (see _delta_variance)
+    np.testing.assert_allclose(d.delta_variance, 0.0, rtol=0, atol=4 * np.finfo(float).eps)
+    assert np.isnan(d.pareto_khat).all()
+
+
+def test_pareto_khat_separates_light_and_heavy_tails(rng):
+    s = 2000
+    light = -0.5 * rng.standard_normal((4, s)) ** 2  # bounded weights: k-hat < 0.5
+    heavy = rng.exponential(scale=1.0, size=(4, s))  # Pareto(alpha=1) weights: k = 1
+    assert np.all(pareto_khat(light) < 0.5)
+    assert np.all(pareto_khat(heavy) > 0.7)
+
+
+def test_pareto_khat_is_nan_when_the_tail_is_too_short():
+    assert np.isnan(pareto_khat(np.zeros((3, 24)))).all()  # arviz tail of 24 weights holds only 4
+
+
+def test_estimators_without_weights_report_nan(qkv):
+    q, k, v = qkv
+    draws = randattn.draw("ra", q.shape, k.shape, num_samples=4, seed=0, replicates=2)
+    d = estimator_diagnostics("ra", q, k, v, draws, scale=None, params={})
+    assert d.ess_mean.shape == (2,) and np.isnan(d.ess_mean).all() and np.isnan(d.pareto_khat).all()
+    draws = randattn.draw("rfa", q.shape, k.shape, num_samples=4, seed=0, replicates=2)
+    d = estimator_diagnostics("rfa", q, k, v, draws, scale=None, params={"feature_map": "trigonometric"})
+    assert np.isnan(d.delta_variance).all()
