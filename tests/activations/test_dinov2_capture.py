@@ -68,7 +68,7 @@ def test_q_k_are_taken_before_the_graphs_scaling(dinov2):
         assert float(constants[mul.input[1]]) == pytest.approx(64**-0.25, rel=1e-7)
 
 
-@pytest.mark.parametrize(("size", "tokens"), [(196, 197), (224, 257), (336, 577), (392, 785)])
+@pytest.mark.parametrize(("size", "tokens"), [(196, 197), (336, 577), (392, 785)])
 def test_sizes_give_expected_token_counts(dinov2, size, tokens):
     image = load_images("skimage:coffee")
     out = dinov2.run(preprocess(image, size), (11,))
