@@ -61,9 +61,11 @@ def _proposal_means(x_lm: torch.Tensor, y_lm: torch.Tensor | None, y: torch.Tens
 def _sq_dist_to_mixture_means(omega: torch.Tensor, centre: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``|omega_j - centre_i - y_m|^2`` : (R, ..., I, J, M) for omega (R, ..., J, D), centre (..., I, D)."""
     d = omega.unsqueeze(-3) - centre.unsqueeze(0).unsqueeze(-2)  # (R, ..., I, J, D)
+    omega_y = omega @ y.transpose(-1, -2).unsqueeze(0)  # (R, ..., J, M)
+    centre_y = centre @ y.transpose(-1, -2)  # (..., I, M)
     y_sq = (y * y).sum(-1)
-    cross = d @ y.transpose(-1, -2).unsqueeze(0).unsqueeze(-3)  # (R, ..., I, J, M)
-    return (d * d).sum(-1).unsqueeze(-1) - 2.0 * cross + y_sq.unsqueeze(0).unsqueeze(-2).unsqueeze(-2)
+    return ((d * d).sum(-1).unsqueeze(-1) - 2.0 * omega_y.unsqueeze(-3)
+            + (2.0 * centre_y + y_sq.unsqueeze(-2)).unsqueeze(0).unsqueeze(-2))
 
 
 def _log_proposal_densities(

@@ -113,6 +113,22 @@ def _component_log_weights(x_lm: np.ndarray, y: np.ndarray) -> np.ndarray:
     return log_softmax(x_lm @ np.swapaxes(y, -1, -2), axis=-1)
 
 
+def _sq_dist_to_mixture_means(omega: np.ndarray, centre: np.ndarray, y: np.ndarray) -> np.ndarray:
+    r"""``|omega_j - centre_i - y_m|^2`` : (R, ..., I, J, M) for omega (R, ..., J, D), centre (..., I, D), y (..., M, D).
+
+    .. math::
+        \|\omega_j - c_i - y_m\|^2 = \|\omega_j - c_i\|^2 - 2\,\omega_j^\top y_m + 2\,c_i^\top y_m + \|y_m\|^2,
+
+    which costs ``O(I J D + (I + J) M D + I J M)`` instead of ``O(I J M D)``.
+    """
+    d = omega[..., None, :, :] - centre[None, ..., :, None, :]  # (R, ..., I, J, D)
+    omega_y = omega @ np.swapaxes(y, -1, -2)[None]  # (R, ..., J, M)
+    centre_y = centre @ np.swapaxes(y, -1, -2)  # (..., I, M)
+    y_sq = (y * y).sum(-1)  # (..., M)
+    return ((d * d).sum(-1)[..., None] - 2.0 * omega_y[..., None, :, :]
+            + (2.0 * centre_y + y_sq[..., None, :])[None, ..., :, None, :])
+
+
 def proposal_means(x_lm: np.ndarray, y_lm: np.ndarray | None, y: np.ndarray, proposal: str) -> np.ndarray:
     r"""Means ``mu_c`` of the proposals ``q_c = N(mu_c, I)`` (LARA app. G.3.1), ``(..., C, D)``.
 
@@ -161,8 +177,8 @@ def log_proposal_densities(
 
     Gaussian proposals (eq. 33-35, standard): :math:`\log \mathcal N(\omega_j; \mu_{c'}, I)`.
     The mixture of eq. 32, :math:`q_{c'}(\omega) = \sum_m \pi_{c'm}\, \mathcal N(\omega; \tilde x_{c'} + y_m, I)`,
-    is a logsumexp over its M components (``O(C^2 M D)``), with
-    :math:`\|\omega - \tilde x - y_m\|^2 = \|d\|^2 - 2 d^\top y_m + \|y_m\|^2`, :math:`d = \omega - \tilde x`.
+    is a logsumexp over its M components (``O(C^2 (M + D) + C M D)``), with the squared
+    distances of :func:`_sq_dist_to_mixture_means`.
 
     Parameters
     ----------
@@ -184,10 +200,7 @@ def log_proposal_densities(
         diff = omega[..., None, :, :] - mu[None, ..., :, None, :]  # (R, ..., C', J, D)
         return log_gaussian((diff * diff).sum(-1), dim)
     log_pi = _component_log_weights(x_lm, y)  # (..., C', M)
-    d = omega[..., None, :, :] - x_lm[None, ..., :, None, :]  # (R, ..., C', J, D)
-    y_sq = (y * y).sum(-1)  # (..., M)
-    sq = ((d * d).sum(-1)[..., None] - 2.0 * (d @ np.swapaxes(y, -1, -2)[None, ..., None, :, :])
-          + y_sq[None, ..., None, None, :])  # (R, ..., C', J, M)
+    sq = _sq_dist_to_mixture_means(omega, x_lm, y)  # (R, ..., C', J, M)
     return logsumexp(log_pi[None, ..., :, None, :] + log_gaussian(sq, dim), axis=-1)
 
 
@@ -527,10 +540,7 @@ def log_target_density(x: np.ndarray, y: np.ndarray, omega: np.ndarray) -> np.nd
     """
     dim = x.shape[-1]
     log_pi = log_softmax(x @ np.swapaxes(y, -1, -2), axis=-1)  # (..., N, M)
-    d = omega[..., None, :, :] - x[None, ..., :, None, :]  # (R, ..., N, C, D)
-    y_sq = (y * y).sum(-1)
-    sq = ((d * d).sum(-1)[..., None] - 2.0 * (d @ np.swapaxes(y, -1, -2)[None, ..., None, :, :])
-          + y_sq[None, ..., None, None, :])  # (R, ..., N, C, M): |omega_c - x_n - y_m|^2
+    sq = _sq_dist_to_mixture_means(omega, x, y)  # (R, ..., N, C, M): |omega_c - x_n - y_m|^2
     return logsumexp(log_pi[None, ..., :, None, :] + log_gaussian(sq, dim), axis=-1)
 
 

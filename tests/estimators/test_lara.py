@@ -1,0 +1,528 @@
+"""Tests for the LARA estimator: identities with the same draws, consistency, layout, bad input.
+
+Identities (exact to ``EXACT`` in float64, reference and batched): LARA with N(0, I)
+proposals and constant weights is RFA (LARA sec. 4.3); the non-self-normalized MIS with
+``C = N`` proposals ``q_c = p_c`` and ``alpha = delta`` is RA with one sample (sec. 4.3);
+the literal SNIS of eq. 10 equals the eq. 28 form the estimator computes (app. E); the
+official code's formula equals our ``alpha_clamp`` + ``reference-code`` variant.
+
+Monte Carlo comparisons use ``N_SE`` standard errors of the estimators' own replicates:
+under normality a correct estimator fails one comparison with probability ~3e-5 (one-sided)
+or ~6e-5 (two-sided); seeds are fixed, so a pass is reproducible.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from scipy.special import logsumexp, softmax
+
+import randattn
+from randattn.estimators import lara, ra, rfa
+from randattn.estimators.base import Draws
+from randattn.estimators.lara import batched as lara_b
+from randattn.estimators.lara import reference as lara_r
+from randattn.estimators.rfa.reference import NonPositiveDenominatorWarning
+from randattn.estimators.segments import segment_means
+from randattn.testing import TOLERANCES, assert_close
+
+EXACT = 1e-10  # the issue's float64 identity tolerance (observed differences ~1e-14)
+SUM_TO_ONE = 1e-12  # partition of unity, O(1) weights in float64
+N_SE = 4.0
+
+ignore_negative_normalizer = pytest.mark.filterwarnings(
+    "ignore::randattn.estimators.rfa.reference.NonPositiveDenominatorWarning"
+)
+BACKENDS = ("reference", "torch")
+
+
+def _qkv(rng, batch=(2, 3), n=13, m=11, d=8, dv=5, q_norm=None, k_norm=None):
+    q = rng.standard_normal((*batch, n, d))
+    k = rng.standard_normal((*batch, m, d))
+    v = rng.standard_normal((*batch, m, dv))
+    return q, k, v
+
+
+def _draw(q, k, num_samples, *, seed=0, replicates=3, **params):
+    spec = lara.SPEC
+    resolved = spec.resolve_params(params)
+    return lara.draw(q.shape, k.shape, num_samples=num_samples, replicates=replicates,
+                     rng=np.random.default_rng(seed), **resolved)
+
+
+def _estimate(backend, q, k, v, draws, **params):
+    """LARA by one backend, as float64 numpy."""
+    if backend == "reference":
+        return lara_r.estimate(q, k, v, draws, **params)
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    return lara_b.estimate(t(q), t(k), t(v), draws.to_torch(), **params).numpy()
+
+
+def _terms(backend, q, k, v, draws, **params):
+    if backend == "reference":
+        return lara_r.lara_terms(q, k, v, draws, **params)
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    return lara_b.lara_terms(t(q), t(k), t(v), draws.to_torch(), **params)
+
+
+def _module(backend):
+    return lara_r if backend == "reference" else lara_b
+
+
+def _np(a):
+    return a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+
+
+def _softmax_attention(q, k, v, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return softmax(scale * q @ np.swapaxes(k, -1, -2), axis=-1) @ v
+
+
+# ---------------------------------------------------------------------------------------
+# identities with the same draws
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weighting", ["constant", "balance"])
+@pytest.mark.parametrize("num_samples", [1, 6, 20], ids=lambda c: f"C{c}")
+def test_standard_proposals_with_constant_weights_are_rfa(backend, weighting, num_samples, rng):
+    """LARA sec. 4.3: all proposals N(0, I) and constant alpha give RFA with omega_c = eps_c.
+
+    With identical proposals the balance heuristic is 1/C as well. C = 20 > N = 13 uses the
+    first C_eff = 13 rows of the draws.
+    """
+    q, k, v = _qkv(rng)
+    draws = _draw(q, k, num_samples, proposal="standard")
+    out = _estimate(backend, q, k, v, draws, proposal="standard", weighting=weighting)
+    c_eff = min(num_samples, q.shape[-2])
+    rfa_draws = Draws({"omega": draws["eps"][..., :c_eff, :]}, draws.replicates)
+    if backend == "reference":
+        expected = rfa.reference.estimate(q, k, v, rfa_draws)
+    else:
+        t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+        expected = rfa.batched.estimate(t(q), t(k), t(v), rfa_draws.to_torch()).numpy()
+    assert_close(out, expected, atol=EXACT, rtol=EXACT, what=f"LARA(standard, {weighting}) vs RFA")
+
+
+def _ra_omegas(x, y, u, eps):
+    """RA's samples omega_n = x_n + y_{z_n} + eps_n (eq. 30), z_n by inverse CDF of pi_n, one per query."""
+    pi = softmax(x @ np.swapaxes(y, -1, -2), axis=-1)  # (..., N, M)
+    z = (np.cumsum(pi, axis=-1)[None] < u[..., 0, None]).sum(-1)  # (R, ..., N)
+    z = np.minimum(z, y.shape[-2] - 1)
+    picked = np.take_along_axis(np.broadcast_to(y, (u.shape[0], *y.shape)), z[..., None], axis=-2)
+    return x[None] + picked + eps[..., 0, :]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mis_with_ra_proposals_and_delta_weights_is_ra(backend, rng):
+    """LARA sec. 4.3: C = N proposals q_c = p_c (eq. 29), alpha_nc = delta_nc, eq. 8 without
+    self-normalization, is unbiased RA with S = 1 and the same component index and noise."""
+    q, k, v = _qkv(rng, batch=(2,), n=9, m=9, d=4, dv=3)
+    ra_draws = ra.draw(q.shape, k.shape, num_samples=1, replicates=4, rng=np.random.default_rng(3))
+    scale = q.shape[-1] ** -0.5
+    x, y = q * scale**0.5, k * scale**0.5
+    omega = _ra_omegas(x, y, ra_draws["u"], ra_draws["eps"])  # (R, ..., C = N, D)
+    log_q = lara_r.log_target_density(x, y, omega)  # [..., c', j] = log p_c'(omega_j): q_c = p_c
+    delta = np.broadcast_to(np.where(np.eye(q.shape[-2], dtype=bool), 0.0, -np.inf), log_q.shape).copy()
+    terms = lara_r.LaraTerms(x, y, v, omega, log_q, delta, None)
+    if backend == "reference":
+        out = lara_r.mis_estimate_eq8(terms)
+        expected = ra.reference.estimate(q, k, v, ra_draws)
+    else:
+        t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+        log_q_t = lara_b.log_target_density(t(x), t(y), t(omega))
+        terms = lara_r.LaraTerms(t(x), t(y), t(v), t(omega), log_q_t, t(delta), None)
+        out = lara_b.mis_estimate_eq8(terms).numpy()
+        expected = ra.batched.estimate(t(q), t(k), t(v), ra_draws.to_torch()).numpy()
+    assert_close(out, expected, atol=EXACT, rtol=EXACT, what="MIS(q_c = p_c, delta) vs RA")
+
+
+@ignore_negative_normalizer
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", sorted(lara.SPEC.variants))
+def test_literal_eq10_equals_eq28_form(backend, variant, rng):
+    """App. E: the SNIS of eq. 10 (p~_n, f_n, alpha) equals the alpha' form of eq. 28 that
+    ``estimate`` computes through the linear SNIS skeleton."""
+    params = lara.SPEC.variants[variant]
+    q, k, v = _qkv(rng, batch=(2,), n=10, m=7, d=4, dv=3)
+    draws = _draw(q, k, 5, **params)
+    out = _estimate(backend, q, k, v, draws, **params)
+    literal = _np(_module(backend).snis_estimate_eq10(_terms(backend, q, k, v, draws, **params)))
+    assert_close(out, literal, atol=EXACT, rtol=EXACT, what=f"eq. 28 vs eq. 10, {variant}")
+
+
+def test_mixture_density_equals_normalized_p_tilde(rng):
+    """Sec. 4.2: p_n = p~_n / sum_m exp(x_n.y_m), the mixture of eq. 29 in the form of eq. 15."""
+    q, k, v = _qkv(rng, batch=(2,), n=6, m=5, d=3, dv=2)
+    x, y = q * 3**-0.25, k * 3**-0.25
+    omega = rng.standard_normal((4, 2, 7, 3)) * 2.0
+    log_z = logsumexp(x @ np.swapaxes(y, -1, -2), axis=-1)[None, ..., None]  # (1, ..., N, 1)
+    assert_close(lara_r.log_target_density(x, y, omega), lara_r.log_unnormalized_target(x, y, omega) - log_z,
+                 atol=EXACT, rtol=EXACT, what="log p_n")
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    assert_close(lara_b.log_target_density(t(x), t(y), t(omega)), lara_r.log_target_density(x, y, omega),
+                 atol=EXACT, rtol=EXACT, what="batched log p_n")
+
+
+def _official_code(q, k, v, eps, num_landmarks, alpha_coeff=1.0):
+    """The official LARA forward (HKUNLP/efficient-attention ``lara.py``, mis_type='mis-opt',
+    1-D segment-mean landmarks, training mode), restated in numpy in the unscaled variables."""
+    d = q.shape[-1]
+    s = d**-0.5  # the official "data_normalizer"
+
+    def prm(data, w):  # prm_projection(data, w, normalize=False) -> (..., C_w, T)
+        return w @ np.swapaxes(s * data, -1, -2) - s * (data * data).sum(-1)[..., None, :] / 2.0
+
+    seg = lambda a: a.reshape(*a.shape[:-2], num_landmarks, -1, d).mean(-2)  # noqa: E731 (N divisible by C)
+    q_bar, k_bar = seg(q), seg(k)
+    mu = q_bar + k_bar
+    weights = mu + eps  # N(0, I) noise in the unscaled space
+    log_proj_q, log_proj_k = prm(q, weights), prm(k, weights)  # (..., C, N), (..., C, M)
+    kv_stats = softmax(log_proj_k, axis=-1) @ v
+    t_nc = softmax(s * q_bar @ np.swapaxes(q, -1, -2), axis=-1)  # (..., C, N): softmax over queries
+    log_proj_mu = prm(mu, weights)  # (..., C (sample), C (mu))
+    log_proposal = np.diagonal(log_proj_mu, axis1=-2, axis2=-1)[..., None]
+    balanced = np.exp(log_proposal - logsumexp(log_proj_mu, axis=-1, keepdims=True))
+    alpha = balanced + alpha_coeff * (t_nc - t_nc.mean(-2, keepdims=True))
+    log_alpha = np.log(np.maximum(alpha, 1e-8))
+    log_true_prob = log_proj_q + logsumexp(log_proj_k, axis=-1, keepdims=True)
+    sniw = softmax(log_alpha + log_true_prob - log_proposal, axis=-2)
+    return np.swapaxes(sniw, -1, -2) @ kv_stats
+
+
+@pytest.mark.parametrize("proposal_beta", [("eq34", 1.0), ("eq34", 2.0)], ids=["beta1", "beta2"])
+def test_reproduces_official_code(proposal_beta, rng):
+    """alpha_clamp=1e-8 + noise='reference-code' is the official code (N divisible by C)."""
+    proposal, beta = proposal_beta
+    q, k, v = _qkv(rng, batch=(2,), n=12, m=12, d=9, dv=4)
+    q, k = 3.0 * q, 3.0 * k  # some clipped weights
+    draws = _draw(q, k, 4, replicates=2)
+    params = dict(proposal=proposal, weighting="decoupled", beta=beta, alpha_clamp=1e-8, noise="reference-code")
+    ours = lara_r.estimate(q, k, v, draws, **params)
+    official = _official_code(q, k, v, draws["eps"], 4, alpha_coeff=beta)
+    assert_close(ours, official, atol=EXACT, rtol=EXACT, what="LARA vs official code")
+
+
+# ---------------------------------------------------------------------------------------
+# weighting functions
+
+
+def _random_log_proposals(rng, proposal, *, d=2, n=7, m=6, c=4, at_proposal_samples=True):
+    """log q_c'(omega_j) of real proposals at their own samples, or at arbitrary points."""
+    q, k, v = _qkv(rng, batch=(3,), n=n, m=m, d=d, dv=2)
+    draws = _draw(q, k, c, proposal=proposal, replicates=2)
+    terms = lara_r.lara_terms(q, k, v, draws, proposal=proposal)
+    if at_proposal_samples:
+        return terms.log_proposals, lara_r.query_scores(terms.x, segment_means(terms.x, c))
+    x, y = terms.x, terms.y
+    x_lm = segment_means(x, c)
+    y_lm = segment_means(y, c)
+    mu = lara_r.proposal_means(x_lm, y_lm, y, proposal)
+    omega = rng.standard_normal((2, 3, c, d)) * 1.5  # any points: the weights are functions of omega
+    return lara_r.log_proposal_densities(omega, x_lm, y, mu, proposal), lara_r.query_scores(x, x_lm)
+
+
+@pytest.mark.parametrize("weighting", ["balance", "coupled", "decoupled"])
+@pytest.mark.parametrize("proposal", ["eq34", "eq32"])
+@pytest.mark.parametrize("at_samples", [True, False], ids=["own-samples", "any-omega"])
+def test_weighting_functions_sum_to_one(weighting, proposal, at_samples, rng):
+    """sum_c alpha_nc(omega) = 1 for every query n and every omega (LARA eq. 9, app. F, G.3.2)."""
+    log_q, scores = _random_log_proposals(rng, proposal, at_proposal_samples=at_samples)
+    alpha = lara_r.weighting_functions(log_q, scores, weighting, beta=2.0 if weighting == "decoupled" else 1.0)
+    assert alpha.shape == (2, 3, 7, 4, 4)
+    assert_close(alpha.sum(-2), np.ones(alpha.sum(-2).shape), atol=SUM_TO_ONE, what=f"sum_c alpha ({weighting})")
+    if weighting != "balance":
+        # the query-specific correction is really there (D = 2 keeps the coupled q_c(omega) visible)
+        balance = lara_r.weighting_functions(log_q, scores, "balance")
+        assert np.abs(alpha - balance).max() > 1e-3
+
+
+def test_weighting_functions_match_montecarlo_helpers(rng):
+    """Balance and decoupled weights agree with the generic MIS helpers (independent code)."""
+    montecarlo = pytest.importorskip("randattn.estimators.montecarlo")
+    log_q, scores = _random_log_proposals(rng, "eq34")
+    ours = lara_r.weighting_functions(log_q, scores, "balance")
+    theirs = montecarlo.balance_heuristic(log_q)[..., None, :, :]
+    assert_close(ours, np.broadcast_to(theirs, ours.shape), atol=SUM_TO_ONE, what="balance")
+    ours = lara_r.weighting_functions(log_q, scores, "decoupled", beta=2.0)
+    theirs = montecarlo.decoupled_heuristic(log_q[..., None, :, :], scores[None], beta=2.0)
+    assert_close(ours, theirs, atol=SUM_TO_ONE, what="decoupled")
+
+
+@pytest.mark.parametrize("weighting", ["balance", "coupled", "decoupled", "constant"])
+@pytest.mark.parametrize("clamp", [None, 1e-8])
+def test_weights_at_own_samples_are_the_diagonal(weighting, clamp, rng):
+    """The estimator's log|alpha_nc(omega_c)| (log space, reference and batched) is the
+    diagonal of the full weighting functions."""
+    q, k, v = _qkv(rng, batch=(2,), n=9, m=8, d=2, dv=2)
+    params = dict(proposal="eq33", weighting=weighting, alpha_clamp=clamp)
+    draws = _draw(q, k, 4, **params)
+    terms = lara_r.lara_terms(q, k, v, draws, **params)
+    full = lara_r.weighting_functions(terms.log_proposals, lara_r.query_scores(terms.x, segment_means(terms.x, 4)), weighting)
+    diag = np.diagonal(full, axis1=-2, axis2=-1)
+    if clamp is not None:
+        diag = np.maximum(diag, clamp)
+    sign = np.ones(diag.shape) if terms.alpha_sign is None else terms.alpha_sign
+    assert_close(sign * np.exp(terms.log_abs_alpha), diag, atol=SUM_TO_ONE, what="reference alpha")
+    bt = _terms("torch", q, k, v, draws, **params)
+    assert_close(bt.log_abs_alpha, terms.log_abs_alpha, atol=EXACT, rtol=EXACT, what="batched log|alpha|")
+    assert (bt.alpha_sign is None) == (terms.alpha_sign is None)
+    if terms.alpha_sign is not None:
+        assert np.array_equal(_np(bt.alpha_sign), terms.alpha_sign)
+
+
+def test_query_scores_are_normalized_over_queries(rng):
+    """Our reading of eq. 37: r'_nc is a softmax over queries n, so sum_n r'_nc = 1."""
+    x = rng.standard_normal((3, 10, 4))
+    r = lara_r.query_scores(x, segment_means(x, 3))
+    assert_close(r.sum(-2), np.ones((3, 3)), atol=SUM_TO_ONE, what="sum_n r'")
+
+
+# ---------------------------------------------------------------------------------------
+# proposals, landmarks, draws layout
+
+
+def test_proposal_means_follow_the_equations(rng):
+    """eq. 33-35 from their definitions (eq. 35 summing over k~_c'); eq. 32's mean = eq. 33's."""
+    q, k, _ = _qkv(rng, batch=(), n=12, m=10, d=3)
+    x, y = q * 3**-0.25, k * 3**-0.25
+    x_lm, y_lm = segment_means(x, 4), segment_means(y, 4)
+    pi = np.exp(x_lm @ y.T) / np.exp(x_lm @ y.T).sum(-1, keepdims=True)
+    a = np.exp(y_lm @ y_lm.T) / np.exp(y_lm @ y_lm.T).sum(-1, keepdims=True)
+    expected = {
+        "eq33": x_lm + pi @ y, "eq32": x_lm + pi @ y, "eq34": x_lm + y_lm,
+        "eq35": x_lm + a @ y_lm, "standard": np.zeros_like(x_lm),
+    }  # fmt: skip
+    for proposal, mean in expected.items():
+        assert_close(lara_r.proposal_means(x_lm, y_lm, y, proposal), mean, atol=1e-14, what=proposal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("proposal", ["eq33", "eq34", "eq35", "standard"])
+@pytest.mark.parametrize("noise", ["paper", "reference-code"])
+def test_mean_mode_is_the_sample_with_zero_noise(backend, proposal, noise, rng):
+    """sample='mean' (G.3.3) passes omega_c = mu_c: the random estimator with eps = 0."""
+    q, k, v = _qkv(rng, batch=(2,), n=11, m=9, d=4, dv=3)
+    mean_draws = _draw(q, k, 5, sample="mean", replicates=2)
+    assert set(mean_draws.arrays) == {"proposal_slots"} and mean_draws["proposal_slots"].size == 0
+    zero = Draws({"eps": np.zeros((2, 2, 5, 4))}, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonPositiveDenominatorWarning)
+        mean = _estimate(backend, q, k, v, mean_draws, proposal=proposal, sample="mean", noise=noise)
+        zero_noise = _estimate(backend, q, k, v, zero, proposal=proposal, noise=noise)
+    assert_close(mean, zero_noise, atol=EXACT, rtol=EXACT, what=f"mean mode {proposal}")
+    assert np.array_equal(mean[0], mean[1])
+
+
+def test_reference_code_noise_scales_eps(rng):
+    """noise='reference-code': omega_c = mu_c + sqrt(scale) eps_c (N(0, I) in the unscaled space)."""
+    q, k, v = _qkv(rng, batch=(), n=8, m=8, d=16, dv=2)
+    draws = _draw(q, k, 4)
+    paper = lara_r.lara_terms(q, k, v, draws)
+    code = lara_r.lara_terms(q, k, v, draws, noise="reference-code")
+    mu = paper.omega - draws["eps"]
+    assert_close(code.omega, mu + 16**-0.25 * draws["eps"], atol=1e-14, what="omega")
+
+
+@pytest.mark.parametrize(
+    "proposal, n, m, c, c_eff",
+    [("eq34", 13, 11, 20, 11), ("eq34", 13, 11, 12, 11), ("eq33", 13, 11, 20, 13), ("standard", 5, 9, 7, 5), ("eq32", 13, 11, 12, 12)],
+)
+def test_more_proposals_than_tokens_use_the_first_rows(proposal, n, m, c, c_eff, rng):
+    """C > N (or > M for the key-landmark proposals) uses the first C_eff rows of the draws."""
+    assert lara_r.effective_proposals(n, m, c, proposal) == c_eff
+    q, k, v = _qkv(rng, batch=(2,), n=n, m=m, d=4, dv=3)
+    draws = _draw(q, k, c, proposal=proposal)
+    sliced = Draws({key: a[..., :c_eff, :] if a.ndim == 4 else a[..., :c_eff] for key, a in draws.arrays.items()}, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonPositiveDenominatorWarning)
+        for backend in BACKENDS:
+            full = _estimate(backend, q, k, v, draws, proposal=proposal)
+            first = _estimate(backend, q, k, v, sliced, proposal=proposal)
+            assert np.array_equal(full, first)
+    assert lara_r.lara_terms(q, k, v, draws, proposal=proposal).omega.shape == (3, 2, c_eff, 4)
+
+
+def test_eq32_component_sampling_by_inverse_cdf(rng):
+    """eq. 32: omega_c = x~_c + y_{z_c} + eps_c with z_c = #{m : F_cm < u_c}."""
+    q, k, v = _qkv(rng, batch=(), n=8, m=6, d=3, dv=2)
+    draws = _draw(q, k, 4, proposal="eq32", replicates=50)
+    terms = lara_r.lara_terms(q, k, v, draws, proposal="eq32")
+    x_lm = segment_means(terms.x, 4)
+    picked = terms.omega - x_lm - draws["eps"]  # (R, C, D): must be one of the y_m
+    dist = np.abs(picked[..., None, :] - terms.y[None, None]).max(-1)  # (R, C, M)
+    z = dist.argmin(-1)
+    assert np.all(dist.min(-1) < 1e-12)
+    cdf = np.cumsum(softmax(x_lm @ terms.y.T, axis=-1), axis=-1)
+    assert np.array_equal(z, np.minimum((cdf[None] < draws["u"][..., None]).sum(-1), 5))
+
+
+# ---------------------------------------------------------------------------------------
+# batched == reference, awkward sizes, large norms
+
+
+@ignore_negative_normalizer
+@pytest.mark.parametrize("variant", sorted(lara.SPEC.variants))
+@pytest.mark.parametrize("num_samples", [1, 6, 20], ids=lambda c: f"C{c}")
+def test_batched_matches_reference_every_variant(variant, num_samples, rng):
+    params = lara.SPEC.variants[variant]
+    q, k, v = _qkv(rng)
+    draws = _draw(q, k, num_samples, **params)
+    ref = _estimate("reference", q, k, v, draws, **params)
+    bat = _estimate("torch", q, k, v, draws, **params)
+    assert ref.shape == (3, 2, 3, 13, 5)
+    atol, rtol = TOLERANCES["float64"]
+    assert_close(bat, ref, atol=atol, rtol=rtol, what=f"{variant} C={num_samples}")
+
+
+def _vit_like(rng, n, d=64, q_max=30.0, k_max=150.0):
+    def with_norms(norms):
+        x = rng.standard_normal((2, len(norms), d))
+        return x / np.linalg.norm(x, axis=-1, keepdims=True) * norms[:, None]
+
+    q = with_norms(rng.uniform(1.0, q_max, n))
+    k_norms = rng.uniform(1.0, 40.0, n)
+    k_norms[0] = k_max  # a CLS-like key
+    return q, with_norms(k_norms), rng.standard_normal((2, n, d))
+
+
+@ignore_negative_normalizer
+@pytest.mark.parametrize("variant", ["eq34-decoupled", "eq32-coupled", "official-vit"])
+def test_uneven_segments_and_vit_norms(variant, rng):
+    """N = 197 tokens in C = 49 uneven segments, key norms up to 150 and query norms up to 30
+    (scale 1/8): finite in float64 and float32, batched == reference in float64."""
+    params = lara.SPEC.variants[variant]
+    q, k, v = _vit_like(rng, 197)
+    draws = _draw(q, k, 49, replicates=1, **params)
+    ref = _estimate("reference", q, k, v, draws, **params)
+    bat = _estimate("torch", q, k, v, draws, **params)
+    t32 = lambda a: torch.as_tensor(a, dtype=torch.float32)  # noqa: E731
+    b32 = lara_b.estimate(t32(q), t32(k), t32(v), draws.to_torch(dtype=torch.float32), **params)
+    assert np.isfinite(ref).all() and np.isfinite(bat).all()
+    assert torch.isfinite(b32).all()
+    atol, rtol = TOLERANCES["float64"]
+    assert_close(bat, ref, atol=atol, rtol=rtol, what=f"{variant} at ViT norms")
+
+
+def test_landmarks_of_197_tokens_in_49_segments(rng):
+    """array_split segments: one of 5 tokens then 48 of 4 (segments.py); eq. 34 means."""
+    q, k, v = _qkv(rng, batch=(), n=197, m=197, d=4, dv=2)
+    terms = lara_r.lara_terms(q, k, v, _draw(q, k, 49, sample="mean", replicates=1), sample="mean")
+    x, y = terms.x, terms.y
+    assert_close(terms.omega[0, 0], x[:5].mean(0) + y[:5].mean(0), atol=1e-14, what="first landmark")
+    assert_close(terms.omega[0, -1], x[-4:].mean(0) + y[-4:].mean(0), atol=1e-14, what="last landmark")
+
+
+# ---------------------------------------------------------------------------------------
+# consistency: error falls with C; unbiasedness of eq. 8
+
+
+def _per_replicate_error(params, q, k, v, num_samples, replicates, seed):
+    exact = _softmax_attention(q, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonPositiveDenominatorWarning)
+        est = randattn.estimate("lara", q, k, v, num_samples=num_samples, seed=seed, replicates=replicates, **params)
+    return ((est - exact) ** 2).mean(axis=(-1, -2))  # (R,): squared error averaged over queries and dims
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"weighting": "balance"}, {"weighting": "coupled"}, {"weighting": "decoupled", "alpha_clamp": 1e-8}],
+    ids=["balance", "coupled", "decoupled-clamp"],
+)
+def test_error_falls_as_proposals_approach_n(params):
+    """MSE(C = 2) > MSE(C = N) by more than N_SE standard errors of their difference.
+
+    Each MSE is a mean of R iid per-replicate squared errors; SE = std / sqrt(R); the two
+    runs use independent seeds, so SE_diff = sqrt(SE_2^2 + SE_N^2).
+
+    The unclipped decoupled weights (eq. 38) are left out on purpose: they can be negative,
+    the self-normalizer then comes near zero for some replicates and the squared error is
+    heavy-tailed (on this input its mean *rises* with C, 0.10 -> ~8, while its median falls,
+    0.083 -> 0.036), so a mean-based comparison is not meaningful for them. The official
+    code's clipping (alpha_clamp) removes the tail.
+    """
+    rng = np.random.default_rng(11)
+    q, k, v = _qkv(rng, batch=(), n=16, m=16, d=4, dv=3)
+    replicates = 400
+    small = _per_replicate_error(params, q, k, v, 2, replicates, seed=1)
+    full = _per_replicate_error(params, q, k, v, 16, replicates, seed=2)
+    se = np.sqrt(small.var(ddof=1) / replicates + full.var(ddof=1) / replicates)
+    assert small.mean() - full.mean() > N_SE * se, (
+        f"MSE C=2 {small.mean():.4g} vs C=N {full.mean():.4g}, SE of difference {se:.3g}"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weighting", ["balance", "coupled", "decoupled"])
+@pytest.mark.parametrize("proposal", ["eq34", "eq32"])
+def test_mis_eq8_is_unbiased(weighting, proposal):
+    """E[eq. 8] = softmax attention when sum_c alpha_nc = 1 (app. F), within N_SE SE per element.
+
+    Small norms (|x + y|^2 <= ~2) keep p_n / q_c bounded enough for a finite variance.
+    """
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, batch=(), n=6, m=5, d=2, dv=2)
+    q, k = 0.5 * q, 0.5 * k
+    replicates = 20000
+    params = dict(proposal=proposal, weighting=weighting)
+    draws = _draw(q, k, 3, replicates=replicates, seed=9, **params)
+    est = lara_r.mis_estimate_eq8(lara_r.lara_terms(q, k, v, draws, **params))
+    exact = _softmax_attention(q, k, v)
+    se = est.std(axis=0, ddof=1) / np.sqrt(replicates)
+    assert np.all(se < 0.02), f"SE {se.max():.3g} too large for a meaningful test"
+    z = np.abs(est.mean(0) - exact) / se
+    assert np.all(z < N_SE), f"max |mean - exact| / SE = {z.max():.2f} ({weighting}, {proposal})"
+
+
+# ---------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize(
+    "params, error, message",
+    [
+        ({"proposal": "nope"}, ValueError, r"proposal='nope' is not allowed; choose one of 'eq34', 'eq33', 'eq35', 'eq32', 'standard'"),
+        ({"weighting": "nope"}, ValueError, r"weighting='nope' is not allowed; choose one of 'decoupled', 'balance', 'coupled', 'constant'"),
+        ({"sample": "median"}, ValueError, r"sample='median' is not allowed"),
+        ({"noise": "nope"}, ValueError, r"noise='nope' is not allowed"),
+        ({"weighting": "balance", "beta": 2.0}, ValueError, r"beta=2.0 scales .* weighting='decoupled'"),
+        ({"beta": float("inf")}, ValueError, "beta must be finite"),
+        ({"alpha_clamp": 0.0}, ValueError, "alpha_clamp must be None or a finite number > 0"),
+        ({"alpha_clamp": "1e-8"}, TypeError, "alpha_clamp"),
+    ],
+    ids=["proposal", "weighting", "sample", "noise", "beta-not-decoupled", "beta-inf", "clamp-zero", "clamp-str"],
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_options_are_named(params, error, message, backend, rng):
+    q, k, v = _qkv(rng, batch=(), n=6, m=6, d=4, dv=2)
+    with pytest.raises(error, match=message):
+        randattn.estimate("lara", q, k, v, num_samples=3, seed=0, backend=backend, **params)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_draws_of_another_proposal_or_mode_are_rejected(backend, rng):
+    q, k, v = _qkv(rng, batch=(), n=6, m=6, d=4, dv=2)
+    eq34_draws = _draw(q, k, 3, replicates=1)
+    module = lara_r if backend == "reference" else lara_b
+    if backend == "torch":
+        q, k, v = (torch.as_tensor(a) for a in (q, k, v))
+    with pytest.raises(KeyError, match="draws have no 'u'"):
+        module.estimate(q, k, v, eq34_draws, proposal="eq32")
+    with pytest.raises(KeyError, match="draws have no 'proposal_slots'"):
+        module.estimate(q, k, v, eq34_draws, sample="mean")
+    with pytest.raises(ValueError, match="were the draws made for inputs of another shape"):
+        module.estimate(q[None], k[None], v[None], eq34_draws)
+
+
+def test_spec_catalogue_entry():
+    spec = randattn.get_spec("lara")
+    assert spec.is_random(spec.resolve_params({})) and not spec.is_random(spec.resolve_params({"sample": "mean"}))
+    combos = {(p["proposal"], p.get("weighting")) for p in spec.variants.values()}
+    assert {(p, w) for p in lara_r.PROPOSALS for w in lara_r.WEIGHTINGS} <= combos
+    assert spec.resolve_params({}) == {
+        "proposal": "eq34", "weighting": "decoupled", "beta": 1.0, "alpha_clamp": None, "sample": "random", "noise": "paper",
+    }  # fmt: skip
