@@ -39,7 +39,7 @@ ignore_negative_normalizer = pytest.mark.filterwarnings(
 BACKENDS = ("reference", "torch")
 
 
-def _qkv(rng, batch=(2, 3), n=13, m=11, d=8, dv=5, q_norm=None, k_norm=None):
+def _qkv(rng, batch=(2, 3), n=13, m=11, d=8, dv=5):
     q = rng.standard_normal((*batch, n, d))
     k = rng.standard_normal((*batch, m, d))
     v = rng.standard_normal((*batch, m, dv))
