@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["assert_close", "to_numpy", "TOLERANCES"]
+__all__ = ["assert_close", "to_numpy", "TOLERANCES", "all_variants", "variant_id"]
 
 #: (atol, rtol) per dtype for batched-vs-reference comparisons. float64: the issue's
 #: 1e-10 (observed differences are ~1e-14, summation order only). float32: a few hundred
@@ -49,3 +49,19 @@ def assert_close(actual: Any, expected: Any, *, atol: float, rtol: float = 0.0, 
             f"|diff| {diff[idx]:.3e} > {allowed[idx]:.3e} (atol={atol:g}, rtol={rtol:g}); "
             f"{bad.mean():.2%} of {a.size} elements out of tolerance; max |diff| {diff.max():.3e}"
         )
+
+
+def all_variants() -> list[tuple[str, str, dict]]:
+    """(estimator, variant name, params) for every registered estimator variant."""
+    from randattn.estimators.registry import get_spec, list_estimators
+
+    cases = []
+    for name in list_estimators():
+        variants = get_spec(name).variants or {"default": {}}
+        cases.extend((name, variant, dict(params)) for variant, params in variants.items())
+    return cases
+
+
+def variant_id(case: tuple[str, str, dict]) -> str:
+    """pytest id ``estimator[variant]``."""
+    return f"{case[0]}[{case[1]}]"
