@@ -82,11 +82,36 @@ def test_hooks_are_removed():
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
-def test_real_timm_vit(assert_close, tmp_path):
-    try:  # timm imports torchvision, which may be absent or broken beside this torch
-        import timm
-    except ImportError as exc:
-        pytest.skip(f"timm is not importable here: {exc}")
+@pytest.fixture
+def timm_module(monkeypatch):
+    """timm, importing beside a torchvision stub when the real one is absent or broken
+    (see torchvision_stub.py); every module imported here is removed again afterwards."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed (pip install --no-deps timm)")
+    before = set(sys.modules)
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # ImportError, or RuntimeError from a CUDA-only build
+        from torchvision_stub import stub_modules
+
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            monkeypatch.delitem(sys.modules, name)
+        for name, module in stub_modules().items():
+            monkeypatch.setitem(sys.modules, name, module)
+    for name in [m for m in sys.modules if m == "timm" or m.startswith("timm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield importlib.import_module("timm")
+    for name in set(sys.modules) - before:
+        if name.startswith(("timm", "torchvision")):
+            sys.modules.pop(name, None)
+
+
+def test_real_timm_vit(assert_close, tmp_path, timm_module):
+    timm = timm_module
     from randattn.activations.torch_vit import capture_timm, load_timm_model
 
     torch.manual_seed(0)
