@@ -402,9 +402,12 @@ def test_error_paths_many_inputs(seed, weight):
 def test_coefficients_are_consistent_in_samples_per_chunk():
     """S_c -> infinity: beta_c -> the chunk's exact average (SNIS), so exact-weight EVA -> softmax.
 
-    SNIS's MSE is O(1/S): from S_c = 4 to 256 it must fall by well over 16x (expected ~64x).
+    SNIS's MSE is O(1/S) once the importance weights have moderate variance: from S_c = 4 to
+    256 it must fall by over 16x (asymptotically 64x; ~30x observed here). Inputs of std 0.5
+    keep |x + y|^2 moderate (ARCHITECTURE sec. 9); at std 1 the weights are heavy-tailed and
+    the MSE falls only ~S^-1/2 over this range (pre-asymptotic), which is not a bug.
     """
-    q, k, v = qkv(12, 12, d=4, batch=(), seed=3)
+    q, k, v = qkv(12, 12, d=4, batch=(), seed=3, std=0.5)
     exact = softmax_ref.estimate(q, k, v)
     mse = {}
     for s_c in (4, 256):
