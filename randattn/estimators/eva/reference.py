@@ -196,6 +196,16 @@ def estimate(
     ----------
     EVA (Zheng et al., ICLR 2023) sec. 4.1 eq. 11-13, sec. 4.2 eq. 16, app. C eq. 26-28,
     Algorithm 1; app. G.1 (special cases).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from randattn.estimators import eva
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(3, 2, 16, 8))
+    >>> draws = eva.draw(q.shape, k.shape, num_samples=4, replicates=5, rng=rng)
+    >>> eva.reference.estimate(q, k, v, draws, window=4).shape
+    (5, 2, 16, 8)
     """
     check_eva_params(
         window=window, prefix_tokens=prefix_tokens, partition=partition, chunk_weight=chunk_weight,

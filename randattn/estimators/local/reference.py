@@ -64,6 +64,15 @@ def estimate(
     -----
     Equals softmax attention when the block covers every key (``window >= M - prefix_tokens``
     and no prefix query without a block). Cost ``O(N W (D + Dv))``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from randattn.estimators.local.reference import estimate
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(3, 16, 8))
+    >>> estimate(q, k, v, window=4).shape
+    (16, 8)
     """
     x, y, v, _, _ = prepare_reference(q, k, v, scale)
     layout = local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens)

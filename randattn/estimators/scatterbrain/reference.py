@@ -66,6 +66,16 @@ def estimate(
     Equal, with the same omega, to EVA with C = 1, ``proposal_mean="standard"``,
     ``samples_per_chunk=S`` and ``chunk_weight="rfa"`` (EVA app. G.5). Cost
     ``O(N W (D + Dv) + G M S D + N S Dv)`` with G the number of local blocks.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from randattn.estimators import scatterbrain
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(3, 16, 8))
+    >>> draws = scatterbrain.draw(q.shape, k.shape, num_samples=32, replicates=2, rng=rng)
+    >>> scatterbrain.reference.estimate(q, k, v, draws, window=4).shape
+    (2, 16, 8)
     """
     x, y, v, _, batch = prepare_reference(q, k, v, scale)
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
