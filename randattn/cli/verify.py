@@ -79,7 +79,8 @@ def command(pattern: str | None, quick: bool, seed: int, activations: str | None
                                "quick": quick, "data": None if data is None else data.description}, indent=2))
     else:
         table = Table(title="randattn verify", show_lines=False)
-        for col in ("check", "source", "method", "measured", "tolerance", "pass"):
+        table.add_column("check", no_wrap=True)
+        for col in ("source", "method", "measured", "tolerance", "pass"):
             table.add_column(col, overflow="fold")
         for check, result in zip(checks, results):
             mark = "[green]yes[/]" if result.passed else "[bold red]NO[/]"
