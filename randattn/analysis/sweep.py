@@ -412,7 +412,7 @@ class _Runner:
             out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params).detach().cpu().double().numpy()
             probs = None
             if with_probs:
-                teye = torch.as_tensor(np.ascontiguousarray(eye), device=dev, dtype=dt)
+                teye = torch.as_tensor(np.array(eye), device=dev, dtype=dt)  # a writable copy: eye may be a read-only broadcast
                 probs = spec.batched(tq, tk, teye, tdraws, scale=self.scale, **est.params).detach().cpu().double().numpy()
         return out, probs
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 from typing import NoReturn
 
 import click
 from rich.console import Console
 
-#: rich messages and progress go to stderr; data goes to stdout
-err_console = Console(stderr=True)
-out_console = Console()
+#: rich messages and progress go to stderr; data goes to stdout. Tables are wide: when the
+#: stream is not a terminal (CI logs, pipes) rich would fall back to 80 columns and elide
+#: the numbers, so a non-terminal gets a width that fits the summary tables.
+_PIPE_WIDTH = 200
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else _PIPE_WIDTH)
+out_console = Console(width=None if sys.stdout.isatty() else _PIPE_WIDTH)
 
 
 class UserError(click.ClickException):

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -174,11 +175,26 @@ def _run(activations, config, parts, resume, console):
             bar.update(task, completed=p.done, description=f"layer {p.layer} {p.label}{s}")
 
         try:
-            return run_sweep(activations, config, parts_dir=parts, resume=resume, progress=report)
+            # estimators warn per call (e.g. a non-positive normalizer); collect them and report
+            # each distinct warning once with its count instead of flooding the terminal
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                table = run_sweep(activations, config, parts_dir=parts, resume=resume, progress=report)
         except (FileExistsError, ValueError) as exc:
             if isinstance(exc, FileExistsError) or str(exc).startswith("cannot resume"):
                 abort(str(exc))
             raise
+    _report_warnings(caught, console)
+    return table
+
+
+def _report_warnings(caught, console) -> None:
+    """One line per distinct warning (numbers stripped), with how many calls raised it."""
+    from collections import Counter
+
+    counts = Counter((w.category.__name__, re.sub(r"\d+ of \d+", "some", str(w.message))) for w in caught)
+    for (category, message), count in counts.items():
+        console.print(f"[yellow]warning[/] ({count} estimator calls) {category}: {message}", highlight=False, markup=True)
 
 
 def _metadata(config, activations, out: Path) -> dict:

@@ -18,7 +18,6 @@ Layout (shared with ``batched`` and with :mod:`randattn.estimators.montecarlo`):
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,7 @@ from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
 from randattn.estimators.features.reference import positive_log_features
 from randattn.estimators.ra.reference import noise_std
-from randattn.estimators.rfa.reference import NonPositiveDenominatorWarning
+from randattn.estimators.snis import NonPositiveDenominatorWarning, warn_non_positive
 from randattn.estimators.segments import segment_means
 from randattn.estimators.snis.reference import feature_attention
 
@@ -408,16 +407,12 @@ def lara_terms(
     return LaraTerms(x, y, v, omega, log_q, log_abs_alpha, alpha_sign)
 
 
-def _warn_non_positive(sign: np.ndarray, stacklevel: int = 3) -> None:
-    bad = int((sign <= 0).sum())
-    if bad:
-        warnings.warn(
-            f"LARA's self-normalizer sum_c alpha'_nc xi(x_n, omega_c)^T sum_m xi(y_m, omega_c) is zero or "
-            f"negative for {bad} of {sign.size} queries (negative weighting functions, LARA eq. 37-38); "
-            "their outputs are not meaningful (alpha_clamp reproduces the official code's clipping)",
-            NonPositiveDenominatorWarning,
-            stacklevel=stacklevel,
-        )
+def _warn_non_positive(sign: Any, stacklevel: int = 4) -> None:
+    warn_non_positive(
+        sign,
+        "negative weighting functions, LARA eq. 37-38; alpha_clamp reproduces the official code's clipping",
+        stacklevel=stacklevel,
+    )
 
 
 def estimate(

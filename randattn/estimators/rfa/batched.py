@@ -9,7 +9,7 @@ import torch
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws
 from randattn.estimators.features.batched import log_features, oprf_optimal_a
-from randattn.estimators.rfa.reference import warn_non_positive
+from randattn.estimators.snis import warn_non_positive
 from randattn.estimators.snis.batched import feature_attention
 
 __all__ = ["estimate"]
@@ -34,5 +34,5 @@ def estimate(
     ly, sy = log_features(feature_map, y.unsqueeze(0), omega, oprf_a=a)
     out, sign = feature_attention(lx, ly, v.unsqueeze(0), q_sign=sx, k_sign=sy)
     if sx is not None:
-        warn_non_positive(sign)
+        warn_non_positive(sign, "signed trigonometric features")
     return out

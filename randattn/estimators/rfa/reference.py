@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
@@ -10,25 +9,10 @@ import numpy as np
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
 from randattn.estimators.features.reference import log_features, oprf_optimal_a
+from randattn.estimators.snis import NonPositiveDenominatorWarning, warn_non_positive
 from randattn.estimators.snis.reference import feature_attention
 
 __all__ = ["estimate", "NonPositiveDenominatorWarning"]
-
-
-class NonPositiveDenominatorWarning(RuntimeWarning):
-    """A signed-feature estimate whose normalizer is zero or negative for some queries."""
-
-
-def warn_non_positive(sign: Any, stacklevel: int = 3) -> None:
-    bad = int((sign <= 0).sum())
-    if bad:
-        total = int(np.prod(sign.shape))
-        warnings.warn(
-            f"the random-feature normalizer is zero or negative for {bad} of {total} queries "
-            "(signed trigonometric features); their outputs are not meaningful",
-            NonPositiveDenominatorWarning,
-            stacklevel=stacklevel,
-        )
 
 
 def estimate(
@@ -78,5 +62,5 @@ def estimate(
     ly, sy = log_features(feature_map, y[None], omega, oprf_a=a)
     out, sign = feature_attention(lx, ly, v[None], q_sign=sx, k_sign=sy)
     if sx is not None:
-        warn_non_positive(sign)
+        warn_non_positive(sign, "signed trigonometric features")
     return out

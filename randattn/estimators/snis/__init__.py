@@ -9,3 +9,37 @@ with query-side features ``a_nj = sign * exp(log_a)`` and key-side features
 RFA is this with random features; LARA adds ``log|alpha'_nc|`` and its sign to the query
 side (LARA eq. 28). It costs O((N + M) J Dv) and never builds an N x M matrix.
 """
+
+from __future__ import annotations
+
+
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+
+class NonPositiveDenominatorWarning(RuntimeWarning):
+    """A signed-feature or signed-weight estimate whose normalizer is zero or negative for some queries.
+
+    Raised by RFA with trigonometric features and by LARA with negative weighting
+    functions (eq. 37-38): those queries' outputs are not meaningful. Reported, not hidden
+    (no epsilon is added to the normalizer, ARCHITECTURE sec. 4).
+    """
+
+
+def warn_non_positive(sign: Any, why: str, stacklevel: int = 3) -> None:
+    """Warn once per call when any entry of the denominator signs ``sign`` is <= 0.
+
+    ``sign`` is a numpy array or torch tensor of any shape (one entry per query).
+    """
+    bad = int((sign <= 0).sum())
+    if bad:
+        total = int(np.prod(tuple(sign.shape)))
+        warnings.warn(
+            f"the estimator's normalizer is zero or negative for {bad} of {total} queries ({why}); "
+            "their outputs are not meaningful",
+            NonPositiveDenominatorWarning,
+            stacklevel=stacklevel,
+        )
