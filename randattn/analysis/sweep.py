@@ -31,7 +31,7 @@ import os
 import tempfile
 import time
 import tracemalloc
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -430,13 +430,12 @@ class _Runner:
 
             def one() -> None:
                 draws = _cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(1), group.num_samples)
-                out = spec.reference(q, k, v, draws, scale=self.scale, **est.params)
+                spec.reference(q, k, v, draws, scale=self.scale, **est.params)
                 if self.config.probabilities:
                     eye = np.broadcast_to(np.eye(m), (1, m, m))
                     spec.reference(q, k, eye, draws, scale=self.scale, **est.params)
                 if self.config.diagnostics and est.random:
                     estimator_diagnostics(est.name, q, k, v, draws, scale=self.scale, params=est.params, khat_queries=0)
-                del out
 
             import warnings
 

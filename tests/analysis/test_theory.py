@@ -17,7 +17,6 @@ from randattn.analysis.theory._base import MC_K_SE, MC_TEST_BUDGET, z_scores
 from randattn.estimators import ra as ra_pkg
 from randattn.estimators.base import Draws
 from randattn.estimators.features.reference import positive_log_features
-from randattn.estimators.lara import reference as lara_ref
 from randattn.estimators.ra import reference as ra_ref
 
 CHECKS = theory.registry()

@@ -10,7 +10,6 @@ import randattn
 from randattn.estimators.features import POSITIVE_MAPS
 from randattn.estimators.features import reference as fr
 from randattn.estimators.rfa import reference as rfa_ref
-from randattn.estimators.sampling import draw_omegas
 from randattn.testing import assert_close
 
 

@@ -22,12 +22,10 @@ from randattn.analysis.theory._base import (
     exact_result,
     heads_or_synthetic,
     mc_unbiased_result,
-    unit_norm_rows,
     z_scores,
 )
 from randattn.estimators import lara as lara_pkg
 from randattn.estimators import ra as ra_pkg
-from randattn.estimators import rfa as rfa_pkg
 from randattn.estimators.base import Draws
 from randattn.estimators.features.reference import hyperbolic_log_features, positive_log_features
 from randattn.estimators.lara import reference as lara_ref

@@ -29,7 +29,7 @@ from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
 from randattn.estimators.features.reference import positive_log_features
 from randattn.estimators.ra.reference import noise_std
-from randattn.estimators.snis import NonPositiveDenominatorWarning, warn_non_positive
+from randattn.estimators.snis import warn_non_positive
 from randattn.estimators.segments import segment_means
 from randattn.estimators.snis.reference import feature_attention
 
@@ -479,7 +479,7 @@ def estimate(
     :math:`O((N + M) C (D + D_v) + C^2 D)`, plus :math:`O(N C^2)` for ``coupled``,
     :math:`O(C M D)` for eq. 33 and :math:`O(C^2 M D)` for the eq. 32 mixture density; never
     an ``N x M`` matrix, no epsilon. A zero or negative normalizer (signed weights) emits
-    :class:`~randattn.estimators.rfa.reference.NonPositiveDenominatorWarning`.
+    :class:`~randattn.estimators.snis.NonPositiveDenominatorWarning`.
 
     References
     ----------

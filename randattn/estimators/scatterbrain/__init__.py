@@ -7,35 +7,17 @@ block plus prefix keys), renormalized. Draws ``omega : (R, ..., S, D)`` as for R
 
 from __future__ import annotations
 
-from typing import Sequence
 
-import numpy as np
 
-from randattn._validation import check_positive_int
-from randattn.estimators.base import Draws, EstimatorSpec, Param
+from randattn.estimators.base import EstimatorSpec
 from randattn.estimators.eva import LAYOUT_PARAMS
-from randattn.estimators.sampling import COUPLINGS, draw_omegas
+from randattn.estimators import rfa
 from randattn.estimators.scatterbrain import batched, reference
 
-PARAMS = {
-    **LAYOUT_PARAMS,
-    "coupling": Param("iid", "joint law of the S directions (orthogonal-plain-qr: biased, for comparison)", choices=COUPLINGS),
-}
+PARAMS = {**LAYOUT_PARAMS, "coupling": rfa.PARAMS["coupling"]}
 
-
-def draw(
-    q_shape: Sequence[int],
-    k_shape: Sequence[int],
-    *,
-    num_samples: int,
-    replicates: int = 1,
-    rng: np.random.Generator,
-    coupling: str = "iid",
-    **params,
-) -> Draws:
-    """``omega : (R, ..., S, D)``, shared by every local block."""
-    num_samples = check_positive_int("num_samples", num_samples)
-    return Draws({"omega": draw_omegas(rng, (replicates, *q_shape[:-2]), num_samples, q_shape[-1], coupling)}, replicates)
+#: the same random variables as RFA: ``omega : (R, ..., S, D)``, shared by every local block
+draw = rfa.draw
 
 
 SPEC = EstimatorSpec(

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from randattn.estimators.base import Draws, EstimatorSpec
 from randattn.estimators.softmax import batched, reference
 
