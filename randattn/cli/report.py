@@ -29,12 +29,11 @@ def command(results, out_dir, name):
         loaded = read_results(results)
     except ResultsError as exc:
         abort(str(exc))
-    command_line = loaded.metadata.get("command") or None
     with err_console.status("rendering figures"):
         try:
             path = write_report(loaded.table, out_dir, metadata={**loaded.metadata,
                                                                  "report_command": " ".join(sys.argv)},
-                                command=command_line, name=name)
+                                name=name)
         except ResultsError as exc:
             abort(str(exc))
     click.echo(str(path))

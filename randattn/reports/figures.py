@@ -30,6 +30,7 @@ from randattn.reports.tables import (
     PLOT_COLUMNS,
     ResultsError,
     aggregate_over_images,
+    approximate_labels,
     describe_data,
     label_order,
     require_columns,
@@ -175,12 +176,19 @@ def _band_text(aggregated: pd.DataFrame, confidence: float) -> str:
 
 
 def _drop_exact(aggregated: pd.DataFrame, value: str) -> tuple[pd.DataFrame, list[str]]:
-    """Drop labels whose ``value`` is zero everywhere (exact estimators cannot appear on a log axis)."""
-    exact = [
-        label for label, group in aggregated.groupby("label")
-        if not (group[value].to_numpy(dtype=float) > 0).any()
-    ]
-    return aggregated[~aggregated["label"].isin(exact)], exact
+    """Drop exact estimators: softmax (its error is float round-off, ~1e-13) and labels with ``value`` 0 everywhere.
+
+    Returns the remaining rows and notes such as ``"softmax (MSE ≤ 1.7e-13, round-off)"``.
+    """
+    notes, exact = [], []
+    for label, group in aggregated.groupby("label", sort=False):
+        values = group[value].to_numpy(dtype=float)
+        is_softmax = "estimator" in group and (group["estimator"].astype(str) == "softmax").all()
+        if is_softmax or not (values > 0).any():
+            exact.append(label)
+            largest = np.nanmax(values) if np.isfinite(values).any() else np.nan
+            notes.append(f"{label} ({value} {largest:.2g}, round-off)" if largest > 0 else f"{label} ({value} 0)")
+    return aggregated[~aggregated["label"].isin(exact)], notes
 
 
 def _select_labels(table: pd.DataFrame, labels: Sequence[str] | None) -> pd.DataFrame:
@@ -198,7 +206,7 @@ def _select_labels(table: pd.DataFrame, labels: Sequence[str] | None) -> pd.Data
 def _exact_note(exact: list[str]) -> str:
     if not exact:
         return ""
-    return f" · not drawn (exact, MSE 0): {', '.join(exact)}"
+    return f" · exact, not drawn: {', '.join(exact)}"
 
 
 def mse_vs_samples_figure(
@@ -364,8 +372,7 @@ def bias_variance_figure(
 
 
 def _default_heatmap_label(table: pd.DataFrame) -> str:
-    positive = table.groupby("label")["mse"].max()
-    candidates = [label for label in label_order(positive.index) if positive[label] > 0]
+    candidates = approximate_labels(table)
     if not candidates:
         raise ResultsError("the heatmap has nothing to draw: every estimator has MSE = 0")
     return candidates[0]

@@ -31,6 +31,7 @@ from randattn.reports.figures import (
 from randattn.reports.tables import (
     PLOT_COLUMNS,
     ResultsError,
+    approximate_labels,
     describe_data,
     label_order,
     mse_pivot,
@@ -231,8 +232,7 @@ def default_figures(table: pd.DataFrame, metadata: Mapping[str, Any] | None = No
             ))
         except ResultsError:
             pass  # a single rfa variant: nothing to compare
-    positive = table.groupby("label")["mse"].max()
-    for label in label_order(label for label in positive.index if positive[label] > 0):
+    for label in approximate_labels(table):
         s = int(table.loc[table["label"] == label, "num_samples"].max())
         figures.append(ReportFigure(
             f"heatmap-{_safe_name(label)}", f"MSE per layer and head: {label}, S = {s}",

