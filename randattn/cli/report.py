@@ -11,7 +11,8 @@ from randattn.cli._common import abort, err_console
 @click.argument("results", type=click.Path(dir_okay=False))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Folder for report.html.")
 @click.option("--name", default="report.html", show_default=True, help="File name of the page.")
-def command(results, out_dir, name):
+@click.option("--dpi", type=int, default=110, show_default=True, help="Resolution of the embedded figures.")
+def command(results, out_dir, name, dpi):
     """Write an HTML report of a results table (CSV, Parquet or JSON) that opens offline.
 
     The page embeds its figures (PNG) and CSS, and lists the summary tables, importance-sampling
@@ -25,6 +26,8 @@ def command(results, out_dir, name):
 
     if not name.endswith(".html") or "/" in name or "\\" in name:
         abort(f"--name must be a file name ending in .html, got {name!r}")
+    if dpi <= 0:
+        abort(f"--dpi must be positive, got {dpi}")
     try:
         loaded = read_results(results)
     except ResultsError as exc:
@@ -33,7 +36,7 @@ def command(results, out_dir, name):
         try:
             path = write_report(loaded.table, out_dir, metadata={**loaded.metadata,
                                                                  "report_command": " ".join(sys.argv)},
-                                name=name)
+                                name=name, dpi=dpi)
         except ResultsError as exc:
             abort(str(exc))
     click.echo(str(path))

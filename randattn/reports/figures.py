@@ -256,7 +256,10 @@ def mse_vs_samples_figure(
     handles: dict[str, Line2D] = {}
     for ax, n in zip(axes, tokens):
         panel = aggregated[aggregated["tokens"] == n]
-        all_s = sorted(panel["num_samples"].unique())
+        per_label = panel.groupby("label")["num_samples"].nunique()
+        swept = panel[panel["label"].map(per_label) > 1]
+        # the x axis spans the swept S; single-S labels (RA at S = 1) are horizontal lines across it
+        all_s = sorted((swept if not swept.empty else panel)["num_samples"].unique())
         for label in label_order(panel["label"]):
             rows = panel[panel["label"] == label].sort_values("num_samples")
             style = styles[label]

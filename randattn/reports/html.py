@@ -386,6 +386,7 @@ def write_report(
     command: str | None = None,
     name: str = "report.html",
     figures: Sequence[ReportFigure] | None = None,
+    dpi: int = 110,
 ) -> Path:
     """Write :func:`build_report` to ``out_dir / name`` (folder created; the write is atomic).
 
@@ -397,6 +398,8 @@ def write_report(
     command : str, optional
     name : str
     figures : sequence of ReportFigure, optional
+    dpi : int
+        Resolution of the embedded PNGs.
 
     Returns
     -------
@@ -405,7 +408,7 @@ def write_report(
     """
     import tempfile
 
-    text = build_report(table, metadata=metadata, command=command, figures=figures)
+    text = build_report(table, metadata=metadata, command=command, figures=figures, dpi=dpi)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out)

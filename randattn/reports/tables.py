@@ -403,8 +403,10 @@ def describe_data(table: pd.DataFrame, metadata: dict[str, Any] | None = None) -
         parts.append(("layer " if len(layers) == 1 else "layers ") + _compact_ints(layers))
     if "head" in table:
         parts.append(f"{table['head'].nunique()} heads")
-    if "replicates" in table and table["replicates"].notna().any():
-        replicates = sorted(set(int(x) for x in table["replicates"].dropna()))
+    random_rows = table[table["random"].astype(bool)] if "random" in table else table
+    if "replicates" in random_rows and random_rows["replicates"].notna().any():
+        # deterministic estimators run one replicate; R is the random estimators' count
+        replicates = sorted(set(int(x) for x in random_rows["replicates"].dropna()))
         parts.append("R = " + ", ".join(map(str, replicates)))
     return " · ".join(parts)
 

@@ -98,7 +98,7 @@ def test_plot_features_without_rfa_variants_exits_2(tmp_path):
 
 # ----------------------------------------------------------------------------------------------------- report
 def test_report_writes_one_self_contained_page(results, tmp_path):
-    result = invoke("report", str(results), "--out", str(tmp_path / "rep"))
+    result = invoke("report", str(results), "--out", str(tmp_path / "rep"), "--dpi", "40")
     assert result.exit_code == 0, result.output
     page_path = Path(result.stdout.strip())
     assert page_path == tmp_path / "rep" / "report.html"
