@@ -20,12 +20,13 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+
+from randattn._files import atomic_path
 
 __all__ = ["Activations", "load_activations", "save_activations", "make_activations", "FORMATS"]
 
@@ -279,10 +280,8 @@ def save_activations(acts: Activations, path: str | os.PathLike, *, dtype: str |
     meta["dtype"] = str(next(iter(flat.values())).dtype)
     text = json.dumps(meta, sort_keys=True)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    try:
+    with atomic_path(path) as tmp:
+        tmp_name = str(tmp)
         if fmt == "safetensors":
             from safetensors.numpy import save_file
 
@@ -294,11 +293,6 @@ def save_activations(acts: Activations, path: str | os.PathLike, *, dtype: str |
             import torch
 
             torch.save({**{k: torch.from_numpy(v.copy()) for k, v in flat.items()}, METADATA_KEY: text}, tmp_name)
-        os.replace(tmp_name, path)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
     return path
 
 

@@ -28,10 +28,11 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 import tracemalloc
 from dataclasses import dataclass, field
+
+from randattn._files import atomic_path, atomic_write_text
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -568,14 +569,7 @@ def _prepare_parts_dir(parts_dir: Path, acts, config: SweepConfig, resume: bool)
             )
         return
     parts_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True))
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(handle, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True))
 
 
 def _write_part(parts_dir: Path, rows: list[dict[str, Any]]) -> Path:
@@ -586,7 +580,7 @@ def _write_part(parts_dir: Path, rows: list[dict[str, Any]]) -> Path:
     name = f"part-L{first['layer']}-{hashlib.sha1(ident.encode()).hexdigest()[:16]}.csv"
     frame = _coerce(pd.DataFrame(rows, columns=list(COLUMNS)))
     path = parts_dir / name
-    _atomic_write_text(path, frame.to_csv(index=False))
+    atomic_write_text(path, frame.to_csv(index=False))
     return path
 
 
@@ -843,11 +837,8 @@ def write_table(table, path: str | os.PathLike, metadata: Mapping[str, Any]) -> 
     suffix = path.suffix.lower()
     if suffix not in OUTPUT_FORMATS:
         raise ValueError(f"output {str(path)!r}: unknown suffix {path.suffix!r}; use one of {list(OUTPUT_FORMATS)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(dict(metadata), indent=2, sort_keys=True, default=str)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    try:
+    with atomic_path(path) as tmp:
         if suffix == ".parquet":
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -860,10 +851,6 @@ def write_table(table, path: str | os.PathLike, metadata: Mapping[str, Any]) -> 
         else:
             with open(tmp, "w") as fh:
                 json.dump(table_records(table), fh, indent=1)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     sidecar = path.with_name(path.name + ".meta.json")
-    _atomic_write_text(sidecar, text)
+    atomic_write_text(sidecar, text)
     return path, sidecar

@@ -21,6 +21,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from randattn._files import atomic_write_text
+
 from randattn.reports.figures import (
     MSE_UNITS,
     bias_variance_figure,
@@ -406,20 +408,8 @@ def write_report(
     pathlib.Path
         The written file.
     """
-    import tempfile
-
     text = build_report(table, metadata=metadata, command=command, figures=figures, dpi=dpi)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private; a report is meant to be shared
-        os.replace(tmp, out / name)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write_text(out / name, text)
     return out / name
