@@ -12,8 +12,11 @@ form from the draws,
 
 computed from :mod:`randattn.estimators.features.reference` log-features (never N x M). For
 maps with L > 1 features per sample (hyperbolic) the ``S L`` feature columns are the "samples".
-Every other estimator (and signed trigonometric features) reports NaN: their weights are not
-exposed by the estimator API. Add an entry to :data:`WEIGHT_PROVIDERS` to extend.
+``lara`` provides the same from its eq. 28 weights ``alpha'_nc xi(x_n, w_c) sum_m xi(y_m, w_c)``
+(one sample per proposal) when they are all positive (balance, coupled, constant, clamped
+weighting); signed decoupled weights and every other estimator (EVA's one-sample chunk
+coefficients have no weights to diagnose; signed trigonometric features) report NaN. Add an
+entry to :data:`WEIGHT_PROVIDERS` to extend.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "estimator_diagnostics",
     "pareto_khat",
     "WEIGHT_PROVIDERS",
+    "snis_terms_from_log_features",
 ]
 
 #: k-hat above which the Monte Carlo variance estimate is not to be trusted (Vehtari et al. 2024, sec. 3)
@@ -120,11 +124,21 @@ def rfa_snis_terms(
     a = oprf_optimal_a(x, y)[None] if feature_map == "oprf" else None
     lx, _ = log_features(feature_map, x[None], omega, oprf_a=a)
     ly, _ = log_features(feature_map, y[None], omega, oprf_a=a)
-    lx = lx.reshape(*lx.shape[:-2], -1)  # (R, ..., N, J)
-    ly = ly.reshape(*ly.shape[:-2], -1)  # (R, ..., M, J)
+    return snis_terms_from_log_features(lx, ly, v[None])
+
+
+def snis_terms_from_log_features(log_qf: np.ndarray, log_kf: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    r"""SNIS log weights and per-sample values from positive log-features (ARCHITECTURE sec. 4).
+
+    ``log_qf : (R, ..., N, S, L)``, ``log_kf : (R, ..., M, S, L)``, ``v : (R or 1, ..., M, Dv)`` ->
+    ``log_w = log_qf + logsumexp_m log_kf`` ``(R, ..., N, J)`` and
+    ``f = sum_m softmax_m(log_kf) v_m`` ``(R, ..., J, Dv)``, J = S L.
+    """
+    lx = log_qf.reshape(*log_qf.shape[:-2], -1)  # (R, ..., N, J)
+    ly = log_kf.reshape(*log_kf.shape[:-2], -1)  # (R, ..., M, J)
     log_key_mass = logsumexp(ly, axis=-2)  # (R, ..., J)
     key_probs = np.exp(ly - log_key_mass[..., None, :])
-    f = np.swapaxes(key_probs, -1, -2) @ v[None]  # (R, ..., J, Dv)
+    f = np.swapaxes(key_probs, -1, -2) @ v  # (R, ..., J, Dv)
     return lx + log_key_mass[..., None, :], f
 
 
@@ -132,8 +146,26 @@ def _rfa_provider(q, k, v, draws, *, scale, params) -> tuple[np.ndarray, np.ndar
     return rfa_snis_terms(q, k, v, draws["omega"], scale=scale, feature_map=params.get("feature_map", "positive"))
 
 
+def _lara_provider(q, k, v, draws, *, scale, params) -> tuple[np.ndarray, np.ndarray] | None:
+    """LARA's weights alpha'_nc xi(x_n, w_c) sum_m xi(y_m, w_c) (eq. 28), when all are positive.
+
+    Signed weights (decoupled, eq. 38) make the SNIS a signed ratio for which Kish's ESS,
+    the delta method and k-hat are not defined: those calls report NaN.
+    """
+    from randattn.estimators.lara.reference import lara_terms, weighted_log_features
+
+    terms = lara_terms(q, k, v, draws, scale=scale, **params)
+    log_qf, log_kf, q_sign = weighted_log_features(terms)
+    if q_sign is not None and bool((q_sign <= 0).any()):
+        return None
+    return snis_terms_from_log_features(log_qf, log_kf, terms.v[None])
+
+
 #: estimator name -> ``provider(q, k, v, draws, *, scale, params) -> (log_w, f) | None``
-WEIGHT_PROVIDERS: Mapping[str, Callable[..., tuple[np.ndarray, np.ndarray] | None]] = {"rfa": _rfa_provider}
+WEIGHT_PROVIDERS: Mapping[str, Callable[..., tuple[np.ndarray, np.ndarray] | None]] = {
+    "rfa": _rfa_provider,
+    "lara": _lara_provider,
+}
 
 
 def _arviz_tail_length(num: int) -> int:

@@ -73,3 +73,33 @@ def test_estimators_without_weights_report_nan(qkv):
     draws = randattn.draw("rfa", q.shape, k.shape, num_samples=4, seed=0, replicates=2)
     d = estimator_diagnostics("rfa", q, k, v, draws, scale=None, params={"feature_map": "trigonometric"})
     assert np.isnan(d.delta_variance).all()
+
+
+def test_lara_diagnostics_use_its_eq28_weights_when_they_are_positive():
+    """Balance-heuristic LARA: the provider's SNIS terms reproduce the estimate exactly (so the
+    weights diagnosed are the estimator's own); signed decoupled weights report NaN."""
+    import randattn
+    from randattn.analysis.diagnostics import WEIGHT_PROVIDERS, estimator_diagnostics
+    from randattn.estimators.lara import reference as lara_ref
+    from randattn.estimators.montecarlo import snis
+
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((3, 2, 30, 8))
+    params = randattn.get_spec("lara").resolve_params({"weighting": "balance"})
+    draws = randattn.draw("lara", q.shape, k.shape, num_samples=6, seed=1, replicates=2, **params)
+    log_w, f = WEIGHT_PROVIDERS["lara"](q, k, v, draws, scale=None, params=params)
+    via_snis = snis(log_w, f[..., None, :, :])
+    np.testing.assert_allclose(via_snis, lara_ref.estimate(q, k, v, draws, **params), atol=1e-12)
+    diag = estimator_diagnostics("lara", q, k, v, draws, scale=None, params=params, khat_queries=0)
+    assert np.all((diag.ess_mean >= 1) & (diag.ess_mean <= 6))
+
+    # beta = 50: the query-specific correction of eq. 38 dominates, so some alpha_nc are negative
+    signed = randattn.get_spec("lara").resolve_params({"weighting": "decoupled", "beta": 50.0})
+    assert (lara_ref.lara_terms(q, k, v, draws, **signed).alpha_sign < 0).any()
+    rng_draws = randattn.draw("lara", q.shape, k.shape, num_samples=6, seed=1, replicates=2, **signed)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nan_diag = estimator_diagnostics("lara", q, k, v, rng_draws, scale=None, params=signed, khat_queries=0)
+    assert np.all(np.isnan(nan_diag.ess_mean))

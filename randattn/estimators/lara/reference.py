@@ -500,19 +500,29 @@ def estimate(
         q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta,
         alpha_clamp=alpha_clamp, sample=sample, noise=noise,
     )  # fmt: skip
+    log_qf, log_kf, q_sign = weighted_log_features(terms)
+    out, sign = feature_attention(log_qf, log_kf, terms.v[None], q_sign=q_sign)
+    if q_sign is not None:
+        _warn_non_positive(sign)
+    return out
+
+
+def weighted_log_features(terms: LaraTerms) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    r"""The SNIS log-features of LARA's eq. 28 form.
+
+    Returns ``(log_qf, log_kf, q_sign)`` with ``log_qf = log|alpha'_nc| + log xi(x_n, omega_c)``
+    ``(R, ..., N, C, 1)``, ``log_kf = log xi(y_m, omega_c)`` ``(R, ..., M, C, 1)`` and the sign of
+    :math:`\alpha'_{nc}` (None when every weight is positive by construction), where
+    :math:`\alpha'_{nc} = \alpha_{nc}(\omega_c)\, \mathcal N(\omega_c; 0, I) / q_c(\omega_c)`.
+    """
     omega, x, y = terms.omega, terms.x, terms.y
-    dim = x.shape[-1]
-    # log alpha' = log|alpha| + log N(omega_c; 0, I) - log q_c(omega_c)
-    log_std_normal = log_gaussian((omega * omega).sum(-1), dim)  # (R, ..., C)
+    log_std_normal = log_gaussian((omega * omega).sum(-1), x.shape[-1])  # (R, ..., C)
     log_q_own = np.diagonal(terms.log_proposals, axis1=-2, axis2=-1)
     log_alpha_prime = terms.log_abs_alpha + (log_std_normal - log_q_own)[..., None, :]  # (R, ..., N, C)
     log_qf, _ = positive_log_features(x[None], omega)  # (R, ..., N, C, 1)
     log_kf, _ = positive_log_features(y[None], omega)  # (R, ..., M, C, 1)
     q_sign = None if terms.alpha_sign is None else terms.alpha_sign[..., None]
-    out, sign = feature_attention(log_qf + log_alpha_prime[..., None], log_kf, v[None], q_sign=q_sign)
-    if q_sign is not None:
-        _warn_non_positive(sign)
-    return out
+    return log_qf + log_alpha_prime[..., None], log_kf, q_sign
 
 
 # ----------------------------------------------------------------------------------------
