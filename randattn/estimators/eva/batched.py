@@ -3,15 +3,17 @@
 Vectorized over replicates, batch dims, queries and chunks (chunks of a group are padded to
 a common length, padded keys get a log-feature of ``-inf``); a Python loop runs over chunk
 groups only (one per local block for the paper's partition, one for ``reference-code``).
+With one sample per chunk the coefficients are query-independent and are combined by a
+matrix product, so no ``N x C x Dv`` tensor is formed.
 The exact part gathers each query's ``E^n`` (``O(N |E| (D + Dv))``), never an N x M matrix.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
@@ -22,7 +24,7 @@ from randattn.estimators.features.batched import positive_log_features
 from randattn.estimators.ra.reference import noise_std
 from randattn.estimators.snis.batched import feature_attention
 
-__all__ = ["estimate", "exact_logits", "combine", "chunk_terms"]
+__all__ = ["estimate", "exact_logits", "combine", "chunk_terms", "GroupTerms"]
 
 
 def _index(array: Any, device: torch.device) -> torch.Tensor:
@@ -38,20 +40,46 @@ def exact_logits(x: torch.Tensor, y: torch.Tensor, layout: Partition) -> tuple[t
     return logits.masked_fill(~mask_t, float("-inf")), idx_t
 
 
-def combine(
-    e_logits: torch.Tensor, v_exact: torch.Tensor, chunk_logw: torch.Tensor, chunk_beta: torch.Tensor
-) -> torch.Tensor:
-    r"""Eq. 16 in log space: softmax over the union of exact logits and chunk log-weights.
+@dataclass(frozen=True)
+class GroupTerms:
+    """One chunk group's terms: its queries, chunk log-weights and control coefficients.
 
-    e_logits : (..., N, E), v_exact : (..., N, E, Dv), chunk_logw : (R, ..., N, C),
-    chunk_beta : (R, ..., N, C, Dv) -> (R, ..., N, Dv).
+    ``beta`` is ``(R, ..., C_g, Dv)`` when one sample per chunk makes it query-independent
+    (app. C; then no ``N x C x Dv`` tensor is ever formed), else ``(R, ..., n_g, C_g, Dv)``.
     """
-    reps = chunk_logw.shape[0]
+
+    queries: torch.Tensor  # (n_g,) query indices
+    logw: torch.Tensor  # (R, ..., n_g, C_g)
+    beta: torch.Tensor
+    shared: bool
+
+
+def combine(e_logits: torch.Tensor, v_exact: torch.Tensor, groups: list[GroupTerms]) -> torch.Tensor:
+    r"""Eq. 16 in log space: one normalization over the union of exact logits and chunk log-weights.
+
+    e_logits : (..., N, E), v_exact : (..., N, E, Dv), groups from :func:`chunk_terms` -> (R, ..., N, Dv).
+    Every term is taken relative to the per-query maximum over both sets, which cancels in the ratio.
+    """
+    reps = groups[0].logw.shape[0] if groups else 1
     e_logits = e_logits.unsqueeze(0).expand(reps, *e_logits.shape)
-    p = torch.softmax(torch.cat([e_logits, chunk_logw], dim=-1), dim=-1)
-    n_exact = e_logits.shape[-1]
-    local = (p[..., :n_exact].unsqueeze(-2) @ v_exact.unsqueeze(0)).squeeze(-2)
-    return local + (p[..., n_exact:].unsqueeze(-1) * chunk_beta).sum(-2)
+    # per-query maximum over both sets (the exact set may be empty: window = 0)
+    top = e_logits.amax(-1) if e_logits.shape[-1] else e_logits.new_full(e_logits.shape[:-1], float("-inf"))
+    top = top.clone()  # (R, ..., N); groups hold disjoint queries
+    for g in groups:
+        if g.logw.shape[-1]:
+            top[..., g.queries] = torch.maximum(top[..., g.queries], g.logw.amax(-1))
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w_exact = torch.exp(e_logits - top.unsqueeze(-1))
+    num = (w_exact.unsqueeze(-2) @ v_exact.unsqueeze(0)).squeeze(-2)  # (R, ..., N, Dv)
+    den = w_exact.sum(-1)  # (R, ..., N)
+    for g in groups:
+        if not g.logw.shape[-1]:
+            continue
+        w = torch.exp(g.logw - top[..., g.queries].unsqueeze(-1))  # (R, ..., n_g, C_g)
+        part = w @ g.beta if g.shared else (w.unsqueeze(-1) * g.beta).sum(-2)
+        num = num.index_add(-2, g.queries, part)
+        den = den.index_add(-1, g.queries, w.sum(-1))
+    return num / den.unsqueeze(-1)
 
 
 def chunk_terms(
@@ -66,25 +94,22 @@ def chunk_terms(
     chunk_weight: str,
     add_log_chunk_size: bool,
     proposal_mean: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Chunk log-weights ``(R, ..., N, C_max)`` (``-inf`` = no chunk) and coefficients ``(R, ..., N, C_max, Dv)``.
+) -> list[GroupTerms]:
+    r"""Per chunk group: chunk log-weights ``(R, ..., n_g, C_g)`` and coefficients (see :class:`GroupTerms`).
 
     ``eps : (R, ..., C, S_c, D)`` or None for the expected sample :math:`\omega_c = \mu_c`.
     See ``eva.reference.estimate`` for the equations.
     """
-    num_q, dim, dv = x.shape[-2], x.shape[-1], v.shape[-1]
+    dim = x.shape[-1]
     batch = x.shape[:-2]
-    c_max = layout.max_chunks
     ninf = float("-inf")
-    logw_parts, beta_parts, order = [], [], []
+    groups = []
     for group in layout.groups:
         qi = _index(group.queries, x.device)
         x_g = x[..., qi, :]  # (..., n_g, D)
         n_g, c_g = len(group.queries), len(group.chunks)
-        order.append(group.queries)
         if c_g == 0:
-            logw_parts.append(x.new_full((replicates, *batch, n_g, c_max), ninf))
-            beta_parts.append(x.new_zeros((replicates, *batch, n_g, c_max, dv)))
+            groups.append(GroupTerms(qi, x.new_zeros((replicates, *batch, n_g, 0)), x.new_zeros((replicates, *batch, 0, v.shape[-1])), True))
             continue
         kidx, kmask = pad_index_lists(group.chunks)
         sidx, smask = pad_index_lists(group.chunk_queries)
@@ -102,10 +127,17 @@ def chunk_terms(
         log_alpha = log_proposal_ratio(omega, mu, sigma)  # (R, ..., C_g, S_c)
         log_kf = positive_log_features(y_c.unsqueeze(0), omega)[0]  # (R, ..., C_g, L, S_c, 1)
         log_kf = log_kf.masked_fill(~kmask.unsqueeze(-1).unsqueeze(-1), ninf)
-        log_qf = positive_log_features(x_g.unsqueeze(-3).unsqueeze(0), omega)[0]  # (R, ..., C_g, n_g, S_c, 1)
-        log_qf = log_qf + log_alpha.unsqueeze(-2).unsqueeze(-1)
-        beta, _ = feature_attention(log_qf, log_kf, v_c.unsqueeze(0))  # (R, ..., C_g, n_g, Dv)
-        beta = beta.movedim(-3, -2)  # (R, ..., n_g, C_g, Dv)
+        shared = omega.shape[-2] == 1
+        log_qf = None
+        if shared:
+            # one sample: the query feature and alpha cancel in the SNIS ratio (app. C), so
+            # beta_c = softmax over the chunk's keys of log xi(y_m, omega_c), averaged values
+            beta = (torch.softmax(log_kf[..., 0, 0], dim=-1).unsqueeze(-2) @ v_c.unsqueeze(0)).squeeze(-2)  # (R, ..., C_g, Dv)
+        else:
+            log_qf = positive_log_features(x_g.unsqueeze(-3).unsqueeze(0), omega)[0]  # (R, ..., C_g, n_g, S_c, 1)
+            log_qf = log_qf + log_alpha.unsqueeze(-2).unsqueeze(-1)
+            beta, _ = feature_attention(log_qf, log_kf, v_c.unsqueeze(0))  # (R, ..., C_g, n_g, Dv)
+            beta = beta.movedim(-3, -2)  # (R, ..., n_g, C_g, Dv)
         if chunk_weight == "exact":
             scores = (x_g.unsqueeze(-3) @ y_c.transpose(-1, -2)).masked_fill(~kmask.unsqueeze(-2), ninf)
             logw = torch.logsumexp(scores, dim=-1).transpose(-1, -2).unsqueeze(0)  # (1, ..., n_g, C_g)
@@ -114,19 +146,14 @@ def chunk_terms(
             if add_log_chunk_size:
                 logw = logw + torch.log(sizes)
         else:
+            if log_qf is None:
+                log_qf = positive_log_features(x_g.unsqueeze(-3).unsqueeze(0), omega)[0]
+                log_qf = log_qf + log_alpha.unsqueeze(-2).unsqueeze(-1)
             log_mass = torch.logsumexp(log_kf[..., 0], dim=-2)  # (R, ..., C_g, S_c)
             logw = torch.logsumexp(log_qf[..., 0] + log_mass.unsqueeze(-2), dim=-1) - math.log(omega.shape[-2])
             logw = logw.transpose(-1, -2)  # (R, ..., n_g, C_g)
-        logw = logw.expand(replicates, *batch, n_g, c_g)
-        pad = c_max - c_g
-        logw_parts.append(torch.nn.functional.pad(logw, (0, pad), value=ninf))
-        beta_parts.append(torch.nn.functional.pad(beta, (0, 0, 0, pad), value=0.0))
-    order_t = torch.as_tensor(np.concatenate(order), device=x.device)
-    inverse = torch.empty_like(order_t)
-    inverse[order_t] = torch.arange(num_q, device=x.device)
-    logw_all = torch.cat(logw_parts, dim=-2).index_select(-2, inverse)
-    beta_all = torch.cat(beta_parts, dim=-3).index_select(-3, inverse)
-    return logw_all, beta_all
+        groups.append(GroupTerms(qi, logw.expand(replicates, *batch, n_g, c_g), beta, shared))
+    return groups
 
 
 def estimate(
@@ -164,8 +191,8 @@ def estimate(
         x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition
     )
     e_logits, e_idx = exact_logits(x, y, layout)
-    logw, beta = chunk_terms(
+    groups = chunk_terms(
         x, y, v, eps if sample == "random" else None, layout, replicates=draws.replicates, sigma=sigma,
         chunk_weight=chunk_weight, add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean,
     )
-    return combine(e_logits, v[..., e_idx, :], logw, beta)
+    return combine(e_logits, v[..., e_idx, :], groups)

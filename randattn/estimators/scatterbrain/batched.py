@@ -37,8 +37,8 @@ def estimate(
     layout = eva_partition(x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=1, partition="paper")
     e_logits, e_idx = exact_logits(x, y, layout)
     # omega ~ N(0, I) is EVA's eps with mu = 0 and sigma = 1: one chunk holding all S samples
-    logw, beta = chunk_terms(
+    groups = chunk_terms(
         x, y, v, omega.unsqueeze(-3), layout, replicates=draws.replicates, sigma=1.0,
         chunk_weight="rfa", add_log_chunk_size=False, proposal_mean="standard",
     )
-    return combine(e_logits, v[..., e_idx, :], logw, beta)
+    return combine(e_logits, v[..., e_idx, :], groups)
