@@ -70,7 +70,9 @@ def combine(e_logits: torch.Tensor, v_exact: torch.Tensor, groups: list[GroupTer
             top[..., g.queries] = torch.maximum(top[..., g.queries], g.logw.amax(-1))
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     w_exact = torch.exp(e_logits - top.unsqueeze(-1))
-    num = (w_exact.unsqueeze(-2) @ v_exact.unsqueeze(0)).squeeze(-2)  # (R, ..., N, Dv)
+    # replicates as matrix rows: (..., N, R, E) @ (..., N, E, Dv); broadcasting v_exact over a
+    # leading R would copy the local values once per replicate
+    num = (w_exact.movedim(0, -2) @ v_exact).movedim(-2, 0)  # (R, ..., N, Dv)
     den = w_exact.sum(-1)  # (R, ..., N)
     for g in groups:
         if not g.logw.shape[-1]:

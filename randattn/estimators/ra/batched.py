@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,17 +18,26 @@ _MAX_BLOCK = 1 << 25
 
 
 def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Sum over samples of f_n(omega) (eq. 6) for omega (R, ..., N, S, D), chunked over S."""
-    half_sq = 0.5 * (y * y).sum(-1)  # (..., M)
-    per_sample = max(1, omega[..., 0].numel() // omega.shape[-2] * y.shape[-2])
+    """Sum over samples of f_n(omega) (eq. 6) for omega (R, ..., N, S, D), chunked over S.
+
+    Queries and samples are folded into one matrix dimension so that each product is
+    ``(R, ..., N s, D) @ (..., D, M)``: a broadcasting matmul against ``(1, ..., 1, D, M)``
+    would materialize the keys (and values) once per query, ``R N D M`` elements.
+    """
+    reps, num_q, num_s, dim = omega.shape[0], omega.shape[-3], omega.shape[-2], omega.shape[-1]
+    batch = omega.shape[1:-3]
+    half_sq = 0.5 * (y * y).sum(-1).unsqueeze(-2)  # (..., 1, M)
+    per_sample = reps * max(1, math.prod(batch)) * num_q * y.shape[-2]
     chunk = max(1, _MAX_BLOCK // per_sample)
+    yt = y.transpose(-1, -2)  # (..., D, M)
     total = None
-    yt = y.unsqueeze(0).unsqueeze(-3).transpose(-1, -2)  # (1, ..., 1, D, M)
-    for start in range(0, omega.shape[-2], chunk):
+    for start in range(0, num_s, chunk):
         block = omega[..., start : start + chunk, :]
-        logits = block @ yt - half_sq.unsqueeze(0).unsqueeze(-2).unsqueeze(-2)
-        f = torch.softmax(logits, dim=-1) @ v.unsqueeze(0).unsqueeze(-3)  # (R, ..., N, s, Dv)
-        part = f.sum(-2)
+        s = block.shape[-2]
+        flat = block.reshape(reps, *batch, num_q * s, dim)
+        logits = flat @ yt - half_sq  # (R, ..., N s, M)
+        f = torch.softmax(logits, dim=-1) @ v  # (R, ..., N s, Dv)
+        part = f.reshape(reps, *batch, num_q, s, v.shape[-1]).sum(-2)
         total = part if total is None else total + part
     return total
 
