@@ -18,6 +18,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from randattn.analysis.sweep import COLUMNS
+
 __all__ = [
     "RESULT_COLUMNS",
     "PLOT_COLUMNS",
@@ -34,12 +36,8 @@ __all__ = [
     "describe_data",
 ]
 
-#: every column of a full results table, in order
-RESULT_COLUMNS: tuple[str, ...] = (
-    "model", "image", "layer", "head", "tokens", "estimator", "params", "label", "num_samples", "replicates",
-    "random", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
-    "ess_mean", "delta_var_ratio", "pareto_khat", "seconds", "seed",
-)
+#: every column of a full results table, in order: the sweep's schema, defined once
+RESULT_COLUMNS: tuple[str, ...] = COLUMNS
 #: the columns every figure needs
 PLOT_COLUMNS: tuple[str, ...] = ("image", "layer", "head", "tokens", "estimator", "label", "num_samples", "mse")
 #: estimator families in the order the papers introduce them (colours and legends follow it)
