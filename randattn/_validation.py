@@ -17,6 +17,8 @@ __all__ = [
     "check_qkv_shapes",
     "check_scale",
     "default_scale",
+    "available_devices",
+    "check_device",
 ]
 
 
@@ -122,3 +124,48 @@ def check_qkv_shapes(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], int, int,
     if not (qs[:-2] == ks[:-2] == vs[:-2]):
         raise ValueError(f"q, k and v must have the same batch dims: q {qs}, k {ks}, v {vs}")
     return qs[:-2], qs[-2], ks[-2], qs[-1], vs[-1]
+
+
+def available_devices() -> list[str]:
+    """torch devices usable here: ``cpu``, then ``cuda:i`` for every visible GPU, then ``mps`` if present."""
+    import torch
+
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        found.append("mps")
+    return found
+
+
+def check_device(device: Any) -> Any:
+    """Return ``torch.device(device)`` if it names a device usable here, else raise ``ValueError``.
+
+    The message names the device and lists those available (``torch.device("tpu")`` raises a
+    RuntimeError, and a CUDA device on a CPU-only torch fails later with an AssertionError:
+    neither says what to do).
+    """
+    import torch
+
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = device if isinstance(device, torch.device) else torch.device(str(device))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a torch device; available here: "
+                         f"{', '.join(available_devices())}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device={str(device)!r}: {why} (torch {torch.__version__}); available here: "
+                             f"{', '.join(available_devices())}")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                             f"available here: {', '.join(available_devices())}")
+        return dev
+    if dev.type == "mps" and "mps" in available_devices():
+        return dev
+    raise ValueError(f"device={str(device)!r} is not available here; available: {', '.join(available_devices())}")

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from randattn._validation import check_choice, check_positive_int, check_qkv_shapes
+from randattn._validation import check_choice, check_positive_int, check_qkv_shapes, check_device
 from randattn.estimators.base import Draws
 from randattn.estimators.registry import get_spec
 
@@ -36,6 +36,7 @@ def draw(
     """Make the random variables of estimator ``name`` for inputs of these shapes (float64 numpy)."""
     spec = get_spec(name)
     resolved = spec.resolve_params(params)
+    q_shape, k_shape = _check_draw_shapes(q_shape, k_shape)
     replicates = check_positive_int("replicates", replicates)
     if spec.needs_samples:
         if num_samples is None:
@@ -43,6 +44,26 @@ def draw(
         num_samples = check_positive_int("num_samples", num_samples)
     return spec.draw(tuple(q_shape), tuple(k_shape), num_samples=num_samples, replicates=replicates,
                      rng=_normalize_rng(seed), **resolved)
+
+
+def _check_draw_shapes(q_shape: Any, k_shape: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes ``(..., N, D)`` and ``(..., M, D)`` of positive integers with equal batch dims and D, as ``estimate`` needs."""
+    shapes = []
+    for name, shape in (("q_shape", q_shape), ("k_shape", k_shape)):
+        try:
+            dims = tuple(shape)
+        except TypeError:
+            raise TypeError(f"{name} must be a tuple of ints like (..., tokens, head_dim), got {shape!r}") from None
+        if len(dims) < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., tokens, head_dim), got {dims}")
+        for d in dims:
+            check_positive_int(f"every dim of {name} {dims}", d)
+        shapes.append(tuple(int(d) for d in dims))
+    q_shape, k_shape = shapes
+    if q_shape[:-2] != k_shape[:-2] or q_shape[-1] != k_shape[-1]:
+        raise ValueError(f"q_shape {q_shape} and k_shape {k_shape} must share the batch dims and head_dim "
+                         "(..., N, D) vs (..., M, D)")
+    return q_shape, k_shape
 
 
 def estimate(
@@ -118,6 +139,7 @@ def estimate(
         dtype = torch.float32 if dtype is None else dtype
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch dtype, got {dtype!r}")
+        device = check_device(device)
         to = lambda a: torch.as_tensor(np.asarray(a) if not isinstance(a, torch.Tensor) else a).to(device=device, dtype=dtype)  # noqa: E731
         out = spec.batched(to(q), to(k), to(v), draws.to_torch(device=device, dtype=dtype), scale=scale, **resolved)
     return out[0] if replicates is None else out

@@ -38,6 +38,9 @@ __all__ = [
     "pareto_khat",
     "WEIGHT_PROVIDERS",
     "snis_terms_from_log_features",
+    "ReplicateDiagnostics",
+    "replicate_snis_diagnostics",
+    "BATCHED_WEIGHT_PROVIDERS",
 ]
 
 #: k-hat above which the Monte Carlo variance estimate is not to be trusted (Vehtari et al. 2024, sec. 3)
@@ -184,10 +187,14 @@ def pareto_khat(log_weights: Any) -> np.ndarray:
     Returns
     -------
     (...) ndarray
-        :math:`\hat k` from ``arviz.psislw`` (generalized Pareto fit to the largest
-        ``ceil(min(J/5, 3 sqrt J))`` weights, Zhang & Stephens 2009 with the PSIS prior).
-        NaN when that tail has fewer than 5 weights (J < 25): arviz returns inf there, which
-        is not an estimate.
+        :math:`\hat k` as ``arviz.psislw`` computes it (generalized Pareto fit to the largest
+        ``ceil(min(J/5, 3 sqrt J))`` weights, Zhang & Stephens 2009 with the PSIS prior),
+        vectorized over rows: :func:`_gpd_shape_rows` is arviz's ``_gpdfit`` written for a
+        ``(rows, tail)`` array (arviz and arviz-stats loop over rows in Python, ~1 ms per
+        row, which dominated small sweeps). Rows the vectorized form does not cover (ties at
+        the cutoff, a cutoff below ``log(tiny)``, non-finite weights in the tail) go to
+        ``arviz.psislw`` itself, which is also the judge in the tests. NaN when the tail has
+        fewer than 5 weights (J < 25): arviz returns inf there, which is not an estimate.
 
     Notes
     -----
@@ -198,21 +205,62 @@ def pareto_khat(log_weights: Any) -> np.ndarray:
     References
     ----------
     Vehtari, Simpson, Gelman, Yao, Gabry (2024), Pareto smoothed importance sampling,
-    JMLR 25(72), sec. 3.
+    JMLR 25(72), sec. 3; Zhang & Stephens (2009), Technometrics 51(3).
     """
     lw = np.asarray(log_weights, dtype=np.float64)
     batch = lw.shape[:-1]
-    if _arviz_tail_length(lw.shape[-1]) <= 4:
+    num = lw.shape[-1]
+    tail = _arviz_tail_length(num)
+    if tail <= 4:
         return np.full(batch, np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # arviz's import-time FutureWarning and fit warnings
-        import arviz
+    rows = np.where(np.isfinite(lw), lw, -np.inf).reshape(-1, num)
+    k = np.full(rows.shape[0], np.nan)
+    if rows.shape[0] == 0:
+        return k.reshape(batch)
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = np.sort(rows - rows.max(-1, keepdims=True), axis=-1)
+    cutoff = x[:, num - tail - 1]
+    # the vectorized fit needs exactly `tail` weights strictly above a finite cutoff above log(tiny)
+    plain = (np.isfinite(x[:, num - tail :]).all(-1) & np.isfinite(cutoff) & (cutoff > _LOG_TINY)
+             & (x[:, num - tail] > cutoff))
+    if plain.any():
+        tails = np.exp(x[plain, num - tail :]) - np.exp(cutoff[plain])[:, None]
+        k[plain] = _gpd_shape_rows(tails)
+    rest = ~plain & np.isfinite(x[:, -1])
+    if rest.any():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # arviz's import-time FutureWarning and fit warnings
+            import arviz
 
-        rows = np.ascontiguousarray(lw.reshape(-1, lw.shape[-1]))
-        rows = np.where(np.isfinite(rows), rows, -np.inf)
-        _, k = arviz.psislw(rows)
-    k = np.asarray(k, dtype=np.float64).reshape(batch)
-    return np.where(np.isfinite(k), k, np.nan)
+            _, k_rest = arviz.psislw(np.ascontiguousarray(rows[rest]))
+        k[rest] = np.asarray(k_rest, dtype=np.float64)
+    return np.where(np.isfinite(k), k, np.nan).reshape(batch)
+
+
+_LOG_TINY = float(np.log(np.finfo(float).tiny))
+
+
+def _gpd_shape_rows(tails: np.ndarray) -> np.ndarray:
+    r"""Empirical-Bayes GPD shape of each row of ascending exceedances ``(B, n)`` (arviz ``_gpdfit``).
+
+    Zhang & Stephens (2009): a grid of :math:`m = 30 + \lfloor\sqrt n\rfloor` values of
+    :math:`b = -k/\sigma`, profile log-likelihood weights, posterior mean of b, then
+    :math:`\hat k = \mathrm{mean}\log(1 - b x)` shrunk towards 0.5 with the PSIS prior
+    :math:`(n \hat k + 10 \cdot 0.5)/(n + 10)`. Grid weights below ``10 eps`` are dropped
+    (set to 0) before normalizing, as arviz does.
+    """
+    n = tails.shape[-1]
+    m = 30 + int(n**0.5)
+    grid = 1.0 - np.sqrt(m / (np.arange(1, m + 1, dtype=float) - 0.5))  # (m,)
+    b = grid[None, :] / (3.0 * tails[:, int(n / 4 + 0.5) - 1])[:, None] + 1.0 / tails[:, -1][:, None]  # (B, m)
+    k_grid = np.log1p(-b[:, :, None] * tails[:, None, :]).mean(-1)  # (B, m)
+    log_lik = n * (np.log(-(b / k_grid)) - k_grid - 1.0)
+    weights = 1.0 / np.exp(log_lik[:, None, :] - log_lik[:, :, None]).sum(-1)
+    weights = np.where(weights >= 10 * np.finfo(float).eps, weights, 0.0)
+    weights /= weights.sum(-1, keepdims=True)
+    b_post = (b * weights).sum(-1)
+    k_post = np.log1p(-b_post[:, None] * tails).mean(-1)
+    return (n * k_post + 10 * 0.5) / (n + 10)
 
 
 def _delta_variance(weights: np.ndarray, f: np.ndarray) -> np.ndarray:
@@ -325,3 +373,150 @@ def estimator_diagnostics(
     if terms is None:
         return nan_diagnostics(batch)
     return snis_diagnostics(*terms, khat_queries=khat_queries)
+
+
+# ------------------------------------------------------------------------------------------ per-replicate (sweep)
+@dataclass(frozen=True)
+class ReplicateDiagnostics:
+    """Diagnostics per replicate, for the sweep (which joins replicate blocks before reducing).
+
+    Attributes
+    ----------
+    ess : (R, ...) ndarray
+        Kish ESS averaged over queries, per replicate.
+    delta_variance : (R, ...) ndarray
+        Delta-method variance averaged over queries and value dims, per replicate.
+    khat : (...) ndarray or None
+        Mean k-hat over the examined queries of the first replicate; None when not fitted.
+    """
+
+    ess: np.ndarray
+    delta_variance: np.ndarray
+    khat: np.ndarray | None
+
+
+def _rfa_terms_torch(q, k, v, draws, *, scale, params):
+    feature_map = params.get("feature_map", "positive")
+    if feature_map not in _POSITIVE_MAPS:
+        return None
+    from randattn.estimators._prepare import prepare_batched, to_torch_draws
+    from randattn.estimators.features.batched import log_features, oprf_optimal_a
+
+    x, y, v, _, _ = prepare_batched(q, k, v, scale)
+    omega = to_torch_draws(draws, x)["omega"]
+    a = oprf_optimal_a(x, y).unsqueeze(0) if feature_map == "oprf" else None
+    lx, _ = log_features(feature_map, x.unsqueeze(0), omega, oprf_a=a)
+    ly, _ = log_features(feature_map, y.unsqueeze(0), omega, oprf_a=a)
+    return _snis_terms_torch(lx, ly, v.unsqueeze(0))
+
+
+def _lara_terms_torch(q, k, v, draws, *, scale, params):
+    import torch
+
+    from randattn.estimators.lara.batched import lara_terms, weighted_log_features
+
+    terms = lara_terms(q, k, v, draws, scale=scale, **params)
+    log_qf, log_kf, q_sign = weighted_log_features(terms)
+    log_w, f = _snis_terms_torch(log_qf, log_kf, terms.v.unsqueeze(0))
+    if q_sign is not None:
+        # signed weights: undefined for the (replicate, batch element) holding a non-positive one
+        signed = (q_sign <= 0).flatten(start_dim=-3).any(-1)  # (R, ...)
+        log_w = torch.where(signed[..., None, None], torch.full_like(log_w, float("nan")), log_w)
+    return log_w, f
+
+
+def _snis_terms_torch(log_qf, log_kf, v):
+    """torch form of :func:`snis_terms_from_log_features`."""
+    import torch
+
+    lx = log_qf.reshape(*log_qf.shape[:-2], -1)
+    ly = log_kf.reshape(*log_kf.shape[:-2], -1)
+    log_key_mass = torch.logsumexp(ly, dim=-2)
+    key_probs = torch.exp(ly - log_key_mass.unsqueeze(-2))
+    return lx + log_key_mass.unsqueeze(-2), key_probs.transpose(-1, -2) @ v
+
+
+def _lara_terms_masked(q, k, v, draws, *, scale, params):
+    """numpy LARA terms with NaN log weights for each (replicate, batch element) holding a non-positive weight."""
+    from randattn.estimators.lara.reference import lara_terms, weighted_log_features
+
+    terms = lara_terms(q, k, v, draws, scale=scale, **params)
+    log_qf, log_kf, q_sign = weighted_log_features(terms)
+    log_w, f = snis_terms_from_log_features(log_qf, log_kf, terms.v[None])
+    if q_sign is not None:
+        signed = (q_sign <= 0).reshape(*q_sign.shape[:-3], -1).any(-1)
+        log_w = np.where(signed[..., None, None], np.nan, log_w)
+    return log_w, f
+
+
+#: per-(replicate, batch element) forms of WEIGHT_PROVIDERS, for the sweep
+_REFERENCE_MASKED: Mapping[str, Callable[..., Any]] = {"lara": _lara_terms_masked}
+
+#: estimator name -> torch ``provider(q, k, v, draws, *, scale, params) -> (log_w, f) | None`` (as WEIGHT_PROVIDERS)
+BATCHED_WEIGHT_PROVIDERS: Mapping[str, Callable[..., Any]] = {
+    "rfa": _rfa_terms_torch,
+    "lara": _lara_terms_torch,
+}
+
+
+def replicate_snis_diagnostics(
+    name: str, q: Any, k: Any, v: Any, draws: Any, *, scale: float | None, params: Mapping[str, Any],
+    khat_queries: int = 16, backend: str = "torch", device: Any = None, dtype: str = "float64",
+) -> ReplicateDiagnostics | None:
+    """Per-replicate ESS and delta-method variance (and k-hat) of estimator ``name``; None when undefined.
+
+    The weights come from the torch providers (:data:`BATCHED_WEIGHT_PROVIDERS`, in ``dtype``
+    on ``device``) or, with ``backend="reference"``, from the float64 numpy ones
+    (:data:`WEIGHT_PROVIDERS`); the reductions (the formulas of :func:`snis_diagnostics`) run
+    in torch float64 either way, so the sweep's numbers do not depend on how replicates are
+    blocked.
+
+    Parameters
+    ----------
+    name : str
+    q : (..., N, D)
+    k : (..., M, D)
+    v : (..., M, Dv)
+    draws : Draws
+        numpy draws.
+    scale : float or None
+    params : mapping
+    khat_queries : int
+        Queries of the first replicate on which k-hat is fitted (0: none).
+    backend : {"torch", "reference"}
+    device, dtype
+        Where and in which precision the torch providers run.
+    """
+    import torch
+
+    if backend == "reference":
+        provider = _REFERENCE_MASKED.get(name, WEIGHT_PROVIDERS.get(name))
+        terms = None if provider is None else provider(q, k, v, draws, scale=scale, params=params)
+        if terms is None:
+            return None
+        log_w, f = (torch.from_numpy(np.ascontiguousarray(t)) for t in terms)
+    else:
+        provider = BATCHED_WEIGHT_PROVIDERS.get(name)
+        if provider is None:
+            return None
+        dt = getattr(torch, dtype)
+        tq, tk, tv = (torch.as_tensor(np.asarray(a), device=device, dtype=dt) for a in (q, k, v))
+        with torch.no_grad():
+            terms = provider(tq, tk, tv, draws.to_torch(device=device, dtype=dt), scale=scale, params=params)
+        if terms is None:
+            return None
+        log_w, f = (t.to(torch.float64) for t in terms)
+    with torch.no_grad():
+        weights = torch.softmax(log_w, dim=-1)  # (R, ..., N, J)
+        w2 = weights * weights
+        ess = (1.0 / w2.sum(-1)).mean(-1)  # (R, ...)
+        mu = weights @ f
+        delta = w2 @ (f * f) - 2.0 * mu * (w2 @ f) + mu * mu * w2.sum(-1, keepdim=True)
+        delta = delta.clamp_min(0.0).mean(dim=(-2, -1))
+    khat = None
+    num_queries = log_w.shape[-2]
+    if khat_queries > 0 and num_queries > 0:
+        idx = np.unique(np.linspace(0, num_queries - 1, min(khat_queries, num_queries)).round().astype(int))
+        per_query = pareto_khat(log_w[0][..., torch.as_tensor(idx, device=log_w.device), :].cpu().numpy())
+        khat = per_query.mean(-1)  # NaN when any examined query has none (J < 25), as snis_diagnostics
+    return ReplicateDiagnostics(ess.cpu().numpy(), delta.cpu().numpy(), khat)

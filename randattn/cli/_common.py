@@ -30,3 +30,37 @@ def abort(message: str, code: int = 2) -> NoReturn:
     error = UserError(message)
     error.exit_code = code
     raise error
+
+
+def writable_output(path, what: str = "--out", *, directory: bool = False):
+    """Check, before any computing, that ``path`` (a file, or a folder with ``directory``) can be written.
+
+    Creates missing parent folders; a parent that is a file, a folder we cannot write or a
+    path that is itself a folder where a file is expected exits 2 with a message.
+    Returns ``path`` as a :class:`pathlib.Path`.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    path = Path(path)
+    folder = path if directory else path.parent
+    if not directory and path.is_dir():
+        abort(f"{what} {str(path)!r} is a folder; give a file name")
+    if directory and path.exists() and not path.is_dir():
+        abort(f"{what} {str(path)!r} is a file; give a folder")
+    for parent in [folder, *folder.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                abort(f"{what} {str(path)!r}: {str(parent)!r} is a file, not a folder")
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".randattn-write-test-"):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        abort(f"{what} {str(path)!r}: cannot write to {str(folder)!r} ({reason})")
+    if not directory and path.exists() and not os.access(path, os.W_OK):
+        abort(f"{what} {str(path)!r} exists and is not writable")
+    return path

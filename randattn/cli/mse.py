@@ -65,21 +65,28 @@ def parse_int_list(name: str, text: str | None) -> tuple[int, ...] | None:
 @click.option("--heads", default=None, help="Head indices (default: all).")
 @click.option("--images", default=None, help="Image indices (default: all).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Master seed; each cell's seed derives from it.")
-@click.option("--backend", type=click.Choice(["reference", "torch"]), default="reference", show_default=True)
+@click.option("--backend", type=click.Choice(["torch", "reference"]), default="torch", show_default=True,
+              help="torch: the batched estimators (checked against the reference, see --check-reference); "
+                   "reference: the float64 numpy definitions (slow).")
 @click.option("--device", default=None, help="torch device (cpu, cuda, cuda:1); torch backend only.")
-@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True,
-              help="torch dtype (the reference is always float64).")
-@click.option("--max-memory", default="2GiB", show_default=True, help="Approximate memory budget of one chunk.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float64"]), default="auto", show_default=True,
+              help="torch dtype; auto: float64 for signed-weight estimators (LARA decoupled, trigonometric RFA), "
+                   "float32 otherwise. The reference is always float64.")
+@click.option("--check-reference", "check_reference", default=0.02, show_default=True, type=float, metavar="FRACTION",
+              help="Re-run this fraction of units (at least one per estimator) on the float64 reference with the "
+                   "same draws and report the largest deviation; 0 turns it off.")
+@click.option("--max-memory", default="2GiB", show_default=True, help="Approximate memory budget of the estimator work.")
 @click.option("--probabilities/--no-probabilities", default=True, show_default=True,
               help="Also measure the MSE of the attention probabilities.")
 @click.option("--diagnostics/--no-diagnostics", default=True, show_default=True,
               help="Importance-sampling diagnostics (ESS, delta-method variance, Pareto k-hat) where available.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run with the same --out and options.")
-@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--overwrite", is_flag=True, help="Replace an existing --out table (and any unfinished run of it).")
+@click.option("--out", "out", type=click.Path(path_type=Path), default=None,
               help="Result table: .parquet, .csv or .json (metadata in <out>.meta.json).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def command(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images, seed, backend, device,
-            dtype, max_memory, probabilities, diagnostics, resume, out, as_json) -> None:
+            dtype, check_reference, max_memory, probabilities, diagnostics, resume, overwrite, out, as_json) -> None:
     """Measure bias, variance and MSE of estimators on the activations in ACTS.
 
     One row per (image, layer, head, estimator, S); summary averaged as LARA app. H.1
@@ -89,35 +96,51 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
     Examples:
       randattn mse acts.safetensors --estimators "rfa;ra" --samples 16,64 --out mse.parquet
       randattn mse acts.safetensors -e rfa:coupling=orthogonal -e ra:variant=biased --json
-      randattn mse acts.safetensors --backend torch --device cuda --out mse.csv --resume
+      randattn mse acts.safetensors --device cuda --out mse.csv --resume
+    \b
+    Exit codes: 0 ok, 2 bad usage or input (nothing is computed), 130 interrupted
+    (finished units are kept; the message gives the --resume command).
     """
-    from randattn.cli._common import err_console
+    from randattn.analysis.store import SweepLockedError, sweep_lock
+    from randattn.cli._common import abort, err_console
 
-    config, activations, parts = _prepare(acts, estimator_list, estimator_items, samples, replicates, layers, heads,
-                                          images, seed, backend, device, dtype, max_memory, probabilities,
-                                          diagnostics, resume, out)
-    table = _run(activations, config, parts, resume, err_console)
-    from randattn.analysis.sweep import aggregate, table_records, write_table
+    if resume and overwrite:
+        abort("--resume and --overwrite exclude each other")
+    config, activations = _prepare(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images,
+                                   seed, backend, device, dtype, check_reference, max_memory, probabilities,
+                                   diagnostics)
+    if out is None:
+        if resume:
+            abort("--resume needs --out (the interrupted run's output path)")
+        table = _run(activations, config, None, False, err_console)
+        _finish(table, config, activations, None, as_json)
+        return
+    out = _check_out(out)
+    parts = out.with_name(out.name + ".parts")
+    try:
+        with sweep_lock(out):
+            if _already_complete(out, parts, config, resume, overwrite):
+                from randattn.analysis.store import coerce
+                from randattn.reports.tables import read_results
 
-    summary = aggregate(table, seed=seed)
-    if out is not None:
-        metadata = _metadata(config, activations, out)
-        write_table(table, out, metadata)
-        shutil.rmtree(parts, ignore_errors=True)
-        err_console.print(f"wrote {len(table)} rows to [bold]{out}[/] (metadata: {out.name}.meta.json)", highlight=False)
-    if as_json:
-        click.echo(json.dumps(table_records(summary), indent=2))
-    else:
-        _print_summary(summary)
+                err_console.print(f"{out} already holds this run, complete; nothing to do", highlight=False)
+                _finish(coerce(read_results(out).table), config, activations, None, as_json)
+                return
+            if overwrite:
+                shutil.rmtree(parts, ignore_errors=True)
+            table = _run(activations, config, parts, resume, err_console)
+            _finish(table, config, activations, out, as_json)
+            shutil.rmtree(parts, ignore_errors=True)
+    except SweepLockedError as exc:
+        abort(str(exc))
 
 
 def _prepare(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images, seed, backend, device,
-             dtype, max_memory, probabilities, diagnostics, resume, out):
+             dtype, check_reference, max_memory, probabilities, diagnostics):
     """Parse and validate every option; user errors exit 2 with a message."""
-    from randattn.cli._common import abort
-
     from randattn.activations import load_activations
-    from randattn.analysis.sweep import OUTPUT_FORMATS, SweepConfig, count_cells, parse_estimator_list
+    from randattn.analysis.sweep import SweepConfig, count_cells, parse_estimator_list
+    from randattn.cli._common import abort
     from randattn.estimators.registry import list_estimators
 
     try:
@@ -129,6 +152,12 @@ def _prepare(acts, estimator_list, estimator_items, samples, replicates, layers,
         available = list_estimators()
         texts = [";".join(name for name in DEFAULT_ESTIMATORS if name in available)]
     try:
+        if backend == "torch":
+            from randattn._validation import check_device
+
+            check_device(device)
+        elif device not in (None, "cpu"):
+            raise ValueError(f"--device {device} needs --backend torch (the reference runs on the CPU)")
         estimators = parse_estimator_list(texts)
         num_samples = parse_int_list("--samples", samples)
         memory = parse_bytes(max_memory)
@@ -136,65 +165,173 @@ def _prepare(acts, estimator_list, estimator_items, samples, replicates, layers,
             estimators=estimators, num_samples=num_samples, replicates=replicates, seed=seed, backend=backend,
             device=device, dtype=dtype, max_memory=memory, layers=parse_int_list("--layers", layers),
             heads=parse_int_list("--heads", heads), images=parse_int_list("--images", images),
-            probabilities=probabilities, diagnostics=diagnostics,
+            probabilities=probabilities, diagnostics=diagnostics, check_reference=check_reference,
         )
         count_cells(activations, config)
     except (ValueError, TypeError) as exc:
-        abort(str(exc))
-    if backend == "torch" and device is not None and str(device).startswith("cuda"):
-        import torch
+        abort(str(exc).replace("device=", "--device ").replace("check_reference", "--check-reference"))
+    return config, activations
 
-        if not torch.cuda.is_available():
-            abort(f"--device {device}: CUDA is not available here")
-    parts = None
-    if out is not None:
-        if out.suffix.lower() not in OUTPUT_FORMATS:
-            abort(f"--out {str(out)!r}: unknown suffix {out.suffix!r}; use one of {', '.join(OUTPUT_FORMATS)}")
-        parts = out.with_name(out.name + ".parts")
-        if parts.exists() and not resume:
-            abort(f"{str(parts)!r} holds an unfinished run; add --resume to continue it, or delete the folder")
-    elif resume:
-        abort("--resume needs --out (the interrupted run's output path)")
-    return config, activations, parts
+
+def _check_out(out: Path) -> Path:
+    from randattn.analysis.sweep import OUTPUT_FORMATS
+    from randattn.cli._common import abort, writable_output
+
+    if out.suffix.lower() not in OUTPUT_FORMATS:
+        abort(f"--out {str(out)!r}: unknown suffix {out.suffix!r}; use one of {', '.join(OUTPUT_FORMATS)}")
+    return writable_output(out)
+
+
+def _already_complete(out: Path, parts: Path, config, resume: bool, overwrite: bool) -> bool:
+    """Apply the rules for an existing output; True when ``--resume`` finds the same run already finished.
+
+    Nothing finished is replaced without ``--overwrite``: an existing table refuses a plain run;
+    ``--resume`` on a finished table of the same settings does nothing, of other settings refuses.
+    """
+    from randattn.analysis.store import stored_unit_ids
+    from randattn.cli._common import abort
+
+    if parts.exists() and not stored_unit_ids(parts) and not resume:
+        shutil.rmtree(parts, ignore_errors=True)  # a run stopped before its first unit: nothing to keep
+    if overwrite:
+        return False
+    if stored_unit_ids(parts) and not resume:
+        abort(f"{str(parts)!r} holds an unfinished run; add --resume to continue it, or --overwrite to start afresh")
+    if out.exists():
+        if not resume:
+            abort(f"{str(out)!r} exists; pass --overwrite to replace it (or --resume to check it is complete)")
+        if parts.exists():
+            return False  # a finished table beside an unfinished rerun: the parts decide
+        stored = _stored_identity(out)
+        if stored != json.loads(json.dumps(config.identity())):
+            abort(f"{str(out)!r} holds a finished run with different settings; use --overwrite or another --out")
+        return True
+    return False
+
+
+def _stored_identity(out: Path):
+    sidecar = out.with_name(out.name + ".meta.json")
+    try:
+        return json.loads(sidecar.read_text())["config_identity"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _resume_command() -> str:
+    argv = [a for a in sys.argv[1:] if a != "--overwrite"]
+    if "--resume" not in argv:
+        argv.append("--resume")
+    return " ".join(map(_quote, ["randattn", *argv]))
 
 
 def _run(activations, config, parts, resume, console):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from randattn.analysis.execute import MemoryBudgetError
     from randattn.analysis.sweep import count_cells, run_sweep
     from randattn.cli._common import abort
 
     total = count_cells(activations, config)
+    state = {"done": 0}
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
                   transient=False) as bar:
         task = bar.add_task("mse", total=total)
 
         def report(p) -> None:
+            state["done"] = p.done
             s = "" if p.num_samples is None else f" S={p.num_samples}"
             bar.update(task, completed=p.done, description=f"layer {p.layer} {p.label}{s}")
 
         try:
-            # estimators warn per call (e.g. a non-positive normalizer); collect them and report
-            # each distinct warning once with its count instead of flooding the terminal
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                table = run_sweep(activations, config, parts_dir=parts, resume=resume, progress=report)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # run_sweep re-issues each distinct warning once; it returns them all
+                table = run_sweep(activations, config, parts_dir=parts, resume=resume, progress=report, lock=False,
+                                  resume_hint="--resume")
+        except KeyboardInterrupt:
+            bar.stop()
+            if parts is None:
+                console.print("[bold red]interrupted[/]: nothing was kept (no --out)", highlight=False)
+            else:
+                console.print(f"[bold red]interrupted[/]: {state['done']} of {total} cells are kept in {parts}\n"
+                              f"continue with:\n  {_resume_command()}", highlight=False)
+            raise SystemExit(130) from None
+        except MemoryBudgetError as exc:
+            abort(str(exc))
+        except MemoryError:
+            abort(f"out of memory; lower --max-memory (now {config.max_memory} bytes) so that work is split into "
+                  "smaller blocks, or use fewer --samples / --replicates")
+        except RuntimeError as exc:
+            if "memory" in str(exc).lower() and ("allocate" in str(exc).lower() or "out of" in str(exc).lower()):
+                abort(f"out of memory ({str(exc).splitlines()[0]}); lower --max-memory (now {config.max_memory} "
+                      "bytes) or use fewer --samples / --replicates")
+            raise
         except (FileExistsError, ValueError) as exc:
             if isinstance(exc, FileExistsError) or str(exc).startswith("cannot resume"):
                 abort(str(exc))
             raise
-    _report_warnings(caught, console)
+    _report_warnings(table.attrs.get("warnings", []), console)
     return table
 
 
-def _report_warnings(caught, console) -> None:
-    """One line per distinct warning (numbers stripped), with how many calls raised it."""
-    from collections import Counter
+def _report_warnings(records, console) -> None:
+    """One line per distinct warning, with how many units raised it."""
+    for r in records:
+        console.print(f"[yellow]warning[/] ({r['count']} units, {r['label']}) {r['category']}: {r['message']}",
+                      highlight=False, markup=True)
 
-    counts = Counter((w.category.__name__, re.sub(r"\d+ of \d+", "some", str(w.message))) for w in caught)
-    for (category, message), count in counts.items():
-        console.print(f"[yellow]warning[/] ({count} estimator calls) {category}: {message}", highlight=False, markup=True)
+
+def reference_check_summary(table) -> dict | None:
+    """The largest |batched - reference| over the checked units, per dtype, with its ratio to the cell's RMSE."""
+    import numpy as np
+
+    checked = table[np.isfinite(table["ref_max_abs_dev"])] if "ref_max_abs_dev" in table else table.iloc[:0]
+    if not len(checked):
+        return None
+    worst = checked.loc[checked["ref_max_abs_dev"].idxmax()]
+    ratio = checked["ref_max_abs_dev"] / np.sqrt(checked["mse"].clip(lower=1e-300))
+    worst_ratio = checked.loc[ratio.idxmax()]
+    return {
+        "units_checked": int(len(checked)),
+        "max_abs_dev": float(worst["ref_max_abs_dev"]),
+        "max_abs_dev_label": str(worst["label"]),
+        "max_dev_over_rmse": float(ratio.max()),
+        "max_dev_over_rmse_label": str(worst_ratio["label"]),
+        "max_dev_over_rmse_dtype": str(worst_ratio["dtype"]),
+        "tolerance_dev_over_rmse": REFERENCE_TOLERANCE,
+    }
+
+
+#: a batched result deviating from the reference by more than this fraction of the cell's RMSE is flagged:
+#: its rounding would then move the measured MSE by more than ~2 %
+REFERENCE_TOLERANCE = 0.01
+
+
+def _finish(table, config, activations, out, as_json) -> None:
+    from randattn.analysis.sweep import aggregate, table_records, write_table
+    from randattn.cli._common import err_console
+
+    summary = aggregate(table, seed=config.seed)
+    check = reference_check_summary(table)
+    if out is not None:
+        metadata = _metadata(config, activations, out)
+        metadata["warnings"] = table.attrs.get("warnings", [])
+        metadata["reference_check"] = check
+        write_table(table, out, metadata)
+        err_console.print(f"wrote {len(table)} rows to [bold]{out}[/] (metadata: {out.name}.meta.json)", highlight=False)
+    if check is not None:
+        flag = check["max_dev_over_rmse"] > REFERENCE_TOLERANCE
+        colour = "yellow" if flag else "green"
+        err_console.print(
+            f"[{colour}]reference check[/]: {check['units_checked']} units re-run on the float64 reference; largest "
+            f"|batched - reference| = {check['max_abs_dev']:.2e} ({check['max_abs_dev_label']}), at most "
+            f"{check['max_dev_over_rmse']:.1e} of a cell's RMSE ({check['max_dev_over_rmse_label']}, "
+            f"{check['max_dev_over_rmse_dtype']})"
+            + (f" -- above {REFERENCE_TOLERANCE:g}: rerun with --dtype float64" if flag else ""), highlight=False)
+    if as_json:
+        click.echo(json.dumps(table_records(summary), indent=2))
+    else:
+        _print_summary(summary)
 
 
 def _metadata(config, activations, out: Path) -> dict:
@@ -212,6 +349,7 @@ def _metadata(config, activations, out: Path) -> dict:
         "config": config.to_json(),
         "activations": {k: activations.metadata.get(k) for k in ("model", "layers", "heads", "head_dim", "tokens",
                                                                    "images", "scale", "source")},
+        "config_identity": config.identity(),
         "columns_doc": "see randattn.analysis.sweep.COLUMNS",
         "output": str(out),
     }

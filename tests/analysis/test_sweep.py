@@ -31,7 +31,7 @@ def acts(rng):
 def _config(**kw):
     base = dict(
         estimators=parse_estimator_list("rfa;rfa:coupling=orthogonal;ra;softmax"),
-        num_samples=(4, 8), replicates=3, seed=11, diagnostics=False,
+        num_samples=(4, 8), replicates=3, seed=11, diagnostics=False, backend="reference",
     )
     base.update(kw)
     return SweepConfig(**base)
@@ -65,19 +65,91 @@ def test_table_schema_and_deterministic_rows(acts):
     assert set(table.image) == {"cat", "dog"} and set(table.layer) == {0, 5}
 
 
-def test_seed_reproducibility_and_chunking_invariance(acts):
-    big = run_sweep(acts, _config(max_memory=2**34))
-    small = run_sweep(acts, _config(max_memory=1))  # one cell, one replicate at a time
-    pd.testing.assert_frame_equal(_without_time(big), _without_time(small))
+def _one_cell_replicate_budget(acts, config) -> int:
+    """The budget that makes every block a single (cell, replicate) of the largest unit."""
+    from randattn.analysis.execute import UnitRunner
+    from randattn.analysis.sweep import plan
+
+    runner = UnitRunner(acts, config)
+    return int(1.1 * max(runner.cell_bytes(u) for u in plan(acts, config)))  # calibration varies by a few bytes
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_rows_are_bitwise_independent_of_the_memory_budget(acts, backend):
+    from randattn.analysis.execute import CANONICAL_REPLICATES
+
+    every = parse_estimator_list("rfa;rfa:coupling=orthogonal;ra;softmax;lara;lara:weighting=balance;eva:window=4")
+    common = dict(backend=backend, diagnostics=True, khat_queries=2, estimators=every, layers=(5,),
+                  replicates=2 * CANONICAL_REPLICATES + 1)
+    config = _config(**common)
+    one_block = _one_cell_replicate_budget(acts, config) * 2 * CANONICAL_REPLICATES  # 2 heads x 8 replicates
+    big = run_sweep(acts, config)
+    small = run_sweep(acts, _config(**common, max_memory=one_block))
+    pd.testing.assert_frame_equal(_without_time(big), _without_time(small), check_exact=True)
+    # below one canonical block the split is finer: equal to rounding (float32 for the positive-weight
+    # configurations under dtype=auto: relative 1e-5 is ~100 float32 ulps accumulated over a few sums)
+    tiny = run_sweep(acts, _config(**common, images=(1,), max_memory=_one_cell_replicate_budget(acts, config)))
+    big = big[big.image == "dog"].reset_index(drop=True)
+    numeric = [c for c in big.columns if big[c].dtype == np.float64 and c not in ("seconds", "ref_max_abs_dev")]
+    rtol = 1e-9 if backend == "reference" else 1e-5
+    np.testing.assert_allclose(tiny[numeric].to_numpy(), big[numeric].to_numpy(), rtol=rtol, atol=1e-12)
     other = run_sweep(acts, _config(seed=12))
-    assert not np.allclose(other.mse[other.random], big.mse[big.random])
-    row = big.iloc[0]
+    base = run_sweep(acts, _config())
+    assert not np.allclose(other.mse[other.random], base.mse[base.random])
+    row = base.iloc[0]
     assert row["seed"] == cell_seed(11, row["image"], row["layer"], row["head"], row["params"], row["estimator"],
                                     row["num_samples"])
 
 
+def test_a_unit_that_cannot_fit_is_refused_before_computing(acts):
+    from randattn.analysis.sweep import MemoryBudgetError
+
+    calls = []
+    with pytest.raises(MemoryBudgetError, match="more than the memory budget of 1 B.*--max-memory"):
+        run_sweep(acts, _config(max_memory=1), progress=calls.append)
+    assert calls == []
+
+
+def test_auto_dtype_is_float64_for_signed_weights_only(acts):
+    table = run_sweep(acts, _config(backend="torch", estimators=parse_estimator_list(
+        "rfa;rfa:feature_map=trigonometric;lara;lara:weighting=balance;lara:alpha_clamp=1e-8"), num_samples=(4,)))
+    dtypes = table.groupby("label")["dtype"].unique().map(tuple).to_dict()
+    assert dtypes == {"rfa": ("float32",), "rfa:feature_map=trigonometric": ("float64",), "lara": ("float64",),
+                      "lara:weighting=balance": ("float32",), "lara:alpha_clamp=1e-08": ("float32",)}
+    ref = run_sweep(acts, _config(estimators=parse_estimator_list("rfa"), num_samples=(4,)))
+    assert set(ref["dtype"]) == {"float64"}
+
+
+def test_reference_check_reruns_the_first_unit_of_each_configuration(acts):
+    table = run_sweep(acts, _config(backend="torch", dtype="float64", check_reference=1e-12))
+    checked = table[np.isfinite(table.ref_max_abs_dev) & (table.num_samples == 4)]
+    # the first unit of each configuration (layer 0, first S, image cat): its first head only
+    assert sorted(checked.label) == sorted(["rfa", "rfa:coupling=orthogonal", "ra", "softmax"])
+    assert (checked.layer == 0).all() and (checked.image == "cat").all() and (checked["head"] == 0).all()
+    assert (checked.ref_max_abs_dev < 1e-10).all()  # float64 batched == reference with the same draws
+    everything = run_sweep(acts, _config(backend="torch", check_reference=1.0))
+    assert np.isfinite(everything.ref_max_abs_dev).sum() == everything.groupby(
+        ["layer", "label", "num_samples", "image"]).ngroups  # one checked row per unit and reported S
+    none = run_sweep(acts, _config(backend="torch", check_reference=0.0))
+    assert none.ref_max_abs_dev.isna().all()
+
+
+def test_warnings_are_counted_per_configuration():
+    rng = np.random.default_rng(3)
+    arrays = {0: (rng.normal(size=(1, 2, 30, 6)) * 3, rng.normal(size=(1, 2, 30, 6)) * 8, rng.normal(size=(1, 2, 30, 6)))}
+    acts = make_activations(arrays, {"scale": 0.5, "model": "synthetic"})
+    config = SweepConfig(estimators=parse_estimator_list("rfa:feature_map=trigonometric;rfa"), num_samples=(4,),
+                         replicates=8, seed=0, backend="reference", diagnostics=False)
+    with pytest.warns(RuntimeWarning, match="rfa:feature_map=trigonometric: .*normalizer.*\\(2 units\\)"):
+        table = run_sweep(acts, config)
+    records = table.attrs["warnings"]
+    assert len(records) == 1 and records[0]["label"] == "rfa:feature_map=trigonometric" and records[0]["count"] == 2
+    assert records[0]["category"] == "NonPositiveDenominatorWarning"
+
+
 def test_interrupted_sweep_resumes_to_the_same_table(acts, tmp_path):
-    config = _config(max_memory=1, diagnostics=True, khat_queries=2)
+    config = _config(diagnostics=True, khat_queries=2)
+    config = _config(diagnostics=True, khat_queries=2, max_memory=_one_cell_replicate_budget(acts, config))
     full = run_sweep(acts, config, parts_dir=tmp_path / "full")
 
     calls = []
@@ -94,7 +166,7 @@ def test_interrupted_sweep_resumes_to_the_same_table(acts, tmp_path):
     with pytest.raises(FileExistsError, match="resume=True"):
         run_sweep(acts, config, parts_dir=tmp_path / "cut")
     with pytest.raises(ValueError, match="different settings \\(seed\\)"):
-        run_sweep(acts, _config(max_memory=1, diagnostics=True, khat_queries=2, seed=3), parts_dir=tmp_path / "cut",
+        run_sweep(acts, _config(diagnostics=True, khat_queries=2, seed=3), parts_dir=tmp_path / "cut",
                   resume=True)
     resumed = run_sweep(acts, _config(max_memory=2**34, diagnostics=True, khat_queries=2), parts_dir=tmp_path / "cut",
                         resume=True)

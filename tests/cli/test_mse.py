@@ -49,10 +49,19 @@ def test_mse_resume_continues_with_same_out(acts_file, tmp_path):
     out = tmp_path / "res.csv"
     parts = tmp_path / "res.csv.parts"
     parts.mkdir()
+    (parts / "manifest.json").write_text("{}")  # a run stopped before its first unit: it must not block
+    result = _invoke(acts_file, "--estimators", "rfa", "--samples", "4", "--replicates", "3", "--out", out,
+                     "--no-diagnostics")
+    assert result.exit_code == 0, result.output
+    out.unlink()
+    parts.mkdir()
+    (parts / "part-L0-0123456789abcdef.parquet").write_bytes(b"")
     result = _invoke(acts_file, "--estimators", "rfa", "--samples", "4", "--replicates", "3", "--out", out)
     assert result.exit_code == 2
-    assert "holds an unfinished run; add --resume" in result.output
-    parts.rmdir()
+    assert "holds an unfinished run; add --resume to continue it, or --overwrite" in result.output
+    import shutil
+
+    shutil.rmtree(parts)
     result = _invoke(acts_file, "--estimators", "rfa", "--samples", "4", "--replicates", "3", "--out", out,
                      "--no-diagnostics", "--resume")
     assert result.exit_code == 0, result.output

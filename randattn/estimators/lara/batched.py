@@ -176,6 +176,15 @@ def estimate(
         q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta,
         alpha_clamp=alpha_clamp, sample=sample, noise=noise,
     )  # fmt: skip
+    log_qf, log_kf, q_sign = weighted_log_features(terms)
+    out, sign = feature_attention(log_qf, log_kf, terms.v.unsqueeze(0), q_sign=q_sign)
+    if q_sign is not None:
+        _warn_non_positive(sign)
+    return out
+
+
+def weighted_log_features(terms: LaraTerms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """torch form of ``reference.weighted_log_features``: ``(log_qf, log_kf, q_sign)`` of LARA's eq. 28."""
     omega, x, y = terms.omega, terms.x, terms.y
     log_std_normal = _log_gaussian((omega * omega).sum(-1), x.shape[-1])  # (R, ..., C)
     log_q_own = torch.diagonal(terms.log_proposals, dim1=-2, dim2=-1)
@@ -183,10 +192,7 @@ def estimate(
     log_qf, _ = positive_log_features(x.unsqueeze(0), omega)  # (R, ..., N, C, 1)
     log_kf, _ = positive_log_features(y.unsqueeze(0), omega)  # (R, ..., M, C, 1)
     q_sign = None if terms.alpha_sign is None else terms.alpha_sign.unsqueeze(-1)
-    out, sign = feature_attention(log_qf + log_alpha_prime.unsqueeze(-1), log_kf, v.unsqueeze(0), q_sign=q_sign)
-    if q_sign is not None:
-        _warn_non_positive(sign)
-    return out
+    return log_qf + log_alpha_prime.unsqueeze(-1), log_kf, q_sign
 
 
 # ----------------------------------------------------------------------------------------

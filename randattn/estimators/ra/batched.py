@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -13,8 +12,9 @@ from randattn.estimators.ra.reference import check_ra_params, noise_std
 
 __all__ = ["estimate"]
 
-#: cap on the elements of one (R, ..., N, S_chunk, M) logits block
-_MAX_BLOCK = 1 << 25
+#: cap on the elements of the (N, S_chunk, M) logits block of one replicate and batch element; the chunk
+#: depends on N and M only, so that a result does not change with how many replicates or heads run together
+_MAX_BLOCK = 1 << 21
 
 
 def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -27,9 +27,8 @@ def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tens
     reps, num_q, num_s, dim = omega.shape[0], omega.shape[-3], omega.shape[-2], omega.shape[-1]
     batch = omega.shape[1:-3]
     half_sq = 0.5 * (y * y).sum(-1).unsqueeze(-2)  # (..., 1, M)
-    per_sample = reps * max(1, math.prod(batch)) * num_q * y.shape[-2]
-    chunk = max(1, _MAX_BLOCK // per_sample)
-    yt = y.transpose(-1, -2)  # (..., D, M)
+    chunk = max(1, _MAX_BLOCK // (num_q * y.shape[-2]))
+    yt = y.transpose(-1, -2).contiguous()  # (..., D, M); a transposed view broadcast over R takes a BLAS path whose rounding depends on R
     total = None
     for start in range(0, num_s, chunk):
         block = omega[..., start : start + chunk, :]

@@ -1,0 +1,332 @@
+r"""Executing a unit: inputs -> draws -> estimates -> metrics -> rows (ARCHITECTURE sec. 11, "execute").
+
+:class:`UnitRunner` evaluates one :class:`~randattn.analysis.plan.Unit` (the cells of one
+layer, estimator configuration, S and image over the selected heads) by the estimator's
+batched torch form (the default; any device) or its float64 numpy reference, vectorized over
+the cells and the R replicates. The same runner serves the in-process executor and Dask
+workers.
+
+Reproducibility across memory budgets
+-------------------------------------
+The budget splits a unit into blocks of (cells, replicates). Every reduction is first taken
+per (replicate, cell) -- the squared error of the implied probabilities, Kish's ESS, the
+delta-method variance -- and the blocks are joined before any reduction over replicates, so a
+row is the same, bit for bit, whatever the budget (tested).
+
+Memory
+------
+The bytes of one (cell, replicate) are calibrated once per (configuration, S, shape) with
+tracemalloc on the float64 reference at two small sample counts and extrapolated linearly in
+S (every estimator's working set is affine in S), scaled by the torch dtype's itemsize, plus
+the stored estimates. A unit whose single (cell, replicate) exceeds ``max_memory`` is refused
+with :class:`MemoryBudgetError` before anything is computed.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from randattn.analysis.plan import EstimatorConfig, SweepConfig, Unit, replicate_rng
+from randattn.estimators.base import Draws
+
+__all__ = ["COLUMNS", "MemoryBudgetError", "UnitRunner", "format_bytes"]
+
+#: the sweep table's columns, in order (plotting code relies on these names)
+COLUMNS: tuple[str, ...] = (
+    "model", "image", "layer", "head", "tokens", "estimator", "params", "label", "num_samples", "replicates",
+    "random", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
+    "ess_mean", "delta_var_ratio", "pareto_khat", "dtype", "ref_max_abs_dev", "seconds", "seed",
+)
+
+#: replicates per estimator call whenever the memory budget allows (see UnitRunner.blocks)
+CANONICAL_REPLICATES = 8
+
+#: S at which the working set is measured (then extrapolated linearly in S)
+_CALIBRATION_SAMPLES = (8, 24)
+
+
+class MemoryBudgetError(ValueError):
+    """One (cell, replicate) of a unit needs more memory than ``max_memory`` allows."""
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.3g} TiB"  # pragma: no cover
+
+
+def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[int], reps: range, num_samples) -> Draws:
+    """Draws ``(len(reps), C, ...)`` for the cells with these seeds, replicate by replicate."""
+    per_cell = []
+    for seed in seeds:
+        per_rep = [
+            spec.draw(q_shape, k_shape, num_samples=num_samples, replicates=1, rng=replicate_rng(seed, r), **config.params)
+            for r in reps
+        ]
+        per_cell.append({key: np.concatenate([d.arrays[key] for d in per_rep], axis=0) for key in per_rep[0].arrays})
+    keys = per_cell[0].keys()
+    return Draws({key: np.stack([c[key] for c in per_cell], axis=1) for key in keys}, len(reps))
+
+
+def _slice_draws(draws: Draws, reps: slice, cells: slice) -> Draws:
+    arrays = {key: a[reps, cells] for key, a in draws.arrays.items()}
+    return Draws(arrays, len(range(draws.replicates)[reps]))
+
+
+def _measure_peak(func: Callable[[], Any]) -> int:
+    """Peak bytes traced by tracemalloc during ``func()`` (numpy reports its buffers)."""
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        func()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    return max(peak - base, 1)
+
+
+class UnitRunner:
+    """Evaluates units of one sweep over one activation set; holds per-run caches (not global state).
+
+    Parameters
+    ----------
+    acts : Activations
+    config : SweepConfig
+    """
+
+    def __init__(self, acts, config: SweepConfig) -> None:
+        from randattn.estimators.registry import get_spec
+
+        self.acts = acts
+        self.config = config
+        self.scale = acts.scale
+        self.specs = {e.name: get_spec(e.name) for e in config.estimators}
+        self._cell_bytes: dict[tuple, int] = {}
+        self._exact: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.torch = None
+        if config.backend == "torch":
+            import torch
+
+            self.torch = torch
+            self.device = torch.device(config.device) if config.device is not None else torch.device("cpu")
+
+    # ------------------------------------------------------------------------------------------------ inputs
+    def inputs(self, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """float64 ``q, k, v : (C, N, D)`` of the unit's heads."""
+        q, k, v = self.acts.qkv(unit.layer)
+        heads = list(unit.heads)
+        return (q[unit.image, heads].astype(np.float64), k[unit.image, heads].astype(np.float64),
+                v[unit.image, heads].astype(np.float64))
+
+    def exact(self, unit: Unit, q, k, v) -> tuple[np.ndarray, np.ndarray]:
+        """Exact float64 softmax probabilities ``(C, N, M)`` and output ``(C, N, Dv)``."""
+        from randattn.estimators.softmax.reference import attention_probabilities
+
+        probs = attention_probabilities(q, k, scale=self.scale)
+        return probs, probs @ v
+
+    def _dtype_name(self, est: EstimatorConfig) -> str:
+        return "float64" if self.config.backend == "reference" else est.torch_dtype_name(self.config.dtype)
+
+    # ------------------------------------------------------------------------------------------------ memory
+    def cell_bytes(self, unit: Unit) -> int:
+        """Approximate peak bytes of one (cell, replicate) of ``unit`` (see the module notes)."""
+        est = self.config.estimators[unit.est_index]
+        n, m, d = self.acts.shape[2], self.acts.shape[2], self.acts.shape[3]
+        key = (est.label, unit.num_samples, self.acts.shape[2:])
+        if key not in self._cell_bytes:
+            spec = self.specs[est.name]
+            q, k, v = (a[:1] for a in self.inputs(unit))
+
+            def peak_at(samples: int | None) -> int:
+                def one() -> None:
+                    draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(1), samples)
+                    spec.reference(q, k, v, draws, scale=self.scale, **est.params)
+                    if self.config.probabilities:
+                        spec.reference(q, k, np.broadcast_to(np.eye(m), (1, m, m)), draws, scale=self.scale,
+                                       **est.params)
+                    if self.config.diagnostics and est.random:
+                        from randattn.analysis.diagnostics import estimator_diagnostics
+
+                        estimator_diagnostics(est.name, q, k, v, draws, scale=self.scale, params=est.params,
+                                              khat_queries=0)
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # calibration only: the real run reports warnings
+                    return _measure_peak(one)
+
+            s = unit.num_samples
+            if s is None or s <= _CALIBRATION_SAMPLES[1]:
+                peak = peak_at(s)
+            else:
+                (s1, s2) = _CALIBRATION_SAMPLES
+                p1, p2 = peak_at(s1), peak_at(s2)
+                peak = int(max(p1, p2) + max(p2 - p1, 0) / (s2 - s1) * (s - s2))
+            itemsize = 4 if self._dtype_name(est) == "float32" else 8
+            scaled = peak * itemsize // 8 if self.config.backend == "torch" else peak
+            # stored per (cell, replicate): the float64 estimate, and the probability block with its float64 error
+            kept = 8 * n * v.shape[-1] + (n * m * (itemsize + 8) if self.config.probabilities else 0)
+            self._cell_bytes[key] = int(1.5 * scaled) + kept + 8 * (s or 1) * d
+        return self._cell_bytes[key]
+
+    def blocks(self, unit: Unit) -> list[tuple[slice, slice]]:
+        """(cells, replicates) blocks of ``unit`` under ``max_memory``.
+
+        Blocks are canonical -- every head of the unit and :data:`CANONICAL_REPLICATES`
+        replicates -- whenever the budget holds one such block: the estimators' BLAS calls then
+        see the same shapes whatever the budget, so rows are bitwise identical across budgets
+        (a batched matmul's rounding may depend on its batch size). Smaller budgets split
+        further, which can change results in the last bit.
+
+        Raises
+        ------
+        MemoryBudgetError
+            One (cell, replicate) alone exceeds the budget.
+        """
+        est = self.config.estimators[unit.est_index]
+        cells, reps = len(unit.heads), self.replicates(est)
+        per = self.cell_bytes(unit)
+        budget = self.config.max_memory
+        if per > budget:
+            s = "" if unit.num_samples is None else f" at S = {unit.num_samples}"
+            raise MemoryBudgetError(
+                f"one replicate of one head of {est.label}{s} with {self.acts.shape[2]} tokens needs about "
+                f"{format_bytes(per)}, more than the memory budget of {format_bytes(budget)}; "
+                "raise --max-memory or use fewer --samples"
+            )
+        canonical = min(CANONICAL_REPLICATES, reps)
+        if per * cells * canonical <= budget:
+            size = canonical
+        elif per * cells <= budget:
+            size = budget // (per * cells)
+        else:
+            size = budget // per
+            return [(slice(c, c + 1), slice(r, min(r + size, reps))) for c in range(cells)
+                    for r in range(0, reps, size)]
+        return [(slice(0, cells), slice(r, min(r + size, reps))) for r in range(0, reps, size)]
+
+    def replicates(self, est: EstimatorConfig) -> int:
+        return self.config.replicates if est.random else 1
+
+    # ------------------------------------------------------------------------------------------------ estimation
+    def _estimate_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs):
+        """Estimates ``(R_b, C_b, N, Dv)`` float64 and the probabilities' squared error ``(R_b, C_b)``."""
+        m = k.shape[-2]
+        if self.torch is None:
+            out = np.asarray(spec.reference(q, k, v, draws, scale=self.scale, **est.params), dtype=np.float64)
+            prob_sq = None
+            if self.config.probabilities:
+                eye = np.broadcast_to(np.eye(m), (*k.shape[:-1], m))
+                probs = np.asarray(spec.reference(q, k, eye, draws, scale=self.scale, **est.params), dtype=np.float64)
+                prob_sq = ((probs - exact_probs) ** 2).sum(axis=(-2, -1))
+            return out, prob_sq
+        torch = self.torch
+        dt = getattr(torch, self._dtype_name(est))
+        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
+        tdraws = draws.to_torch(device=self.device, dtype=dt)
+        with torch.no_grad():
+            out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params)
+            out = out.to(torch.float64).cpu().numpy()
+            prob_sq = None
+            if self.config.probabilities:
+                eye = torch.eye(m, device=self.device, dtype=dt).expand(*k.shape[:-1], m)
+                probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params)
+                exact = torch.as_tensor(exact_probs, device=self.device)
+                diff = probs.to(torch.float64) - exact
+                del probs
+                prob_sq = (diff * diff).sum(dim=(-2, -1)).cpu().numpy()
+                del diff
+        return out, prob_sq
+
+    def _diagnostics_block(self, est: EstimatorConfig, q, k, v, draws: Draws, first_block: bool):
+        """Per (replicate, cell) ESS and delta-method variance ``(R_b, C_b)``, and k-hat ``(C_b,)`` or None."""
+        from randattn.analysis.diagnostics import replicate_snis_diagnostics
+
+        return replicate_snis_diagnostics(
+            est.name, q, k, v, draws, scale=self.scale, params=est.params,
+            khat_queries=self.config.khat_queries if first_block else 0,
+            backend=self.config.backend, device=None if self.torch is None else self.device,
+            dtype=self._dtype_name(est),
+        )
+
+    def _reference_deviation(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, batched_out: np.ndarray) -> float:
+        """max |batched - reference| on the unit's first cell and replicate (same draws)."""
+        ref = spec.reference(q[:1], k[:1], v[:1], _slice_draws(draws, slice(0, 1), slice(0, 1)), scale=self.scale,
+                             **est.params)
+        return float(np.max(np.abs(np.asarray(ref, dtype=np.float64)[0, 0] - batched_out[0, 0])))
+
+    # ------------------------------------------------------------------------------------------------ a unit
+    def run(self, unit: Unit) -> list[dict[str, Any]]:
+        """The rows of ``unit`` (one per head and reported S), in head order."""
+        from randattn.analysis.metrics import relative_error, replicate_metrics
+
+        start = time.perf_counter()
+        config = self.config
+        est = config.estimators[unit.est_index]
+        spec = self.specs[est.name]
+        blocks = self.blocks(unit)
+        q, k, v = self.inputs(unit)
+        exact_probs, exact = self.exact(unit, q, k, v)
+        cells, reps = len(unit.heads), self.replicates(est)
+        n, dv = q.shape[-2], v.shape[-1]
+        out = np.empty((reps, cells, n, dv))
+        prob_sq = np.full((reps, cells), np.nan)
+        ess = np.full((reps, cells), np.nan)
+        delta = np.full((reps, cells), np.nan)
+        khat = np.full(cells, np.nan)
+        diagnose = config.diagnostics and est.random
+        ref_dev = np.nan
+        for cs, rs in blocks:
+            draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], unit.seeds[cs], range(rs.start, rs.stop),
+                               unit.num_samples)
+            block_out, block_prob = self._estimate_block(spec, est, q[cs], k[cs], v[cs], draws,
+                                                         exact_probs[cs] if config.probabilities else None)
+            out[rs, cs] = block_out
+            if block_prob is not None:
+                prob_sq[rs, cs] = block_prob
+            if diagnose:
+                diag = self._diagnostics_block(est, q[cs], k[cs], v[cs], draws, rs.start == 0)
+                if diag is not None:
+                    ess[rs, cs], delta[rs, cs] = diag.ess, diag.delta_variance
+                    if diag.khat is not None:
+                        khat[cs] = diag.khat
+            if unit.check_reference and rs.start == 0 and cs.start == 0 and self.torch is not None:
+                ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out)
+        metrics = replicate_metrics(out, exact, random=est.random)
+        used = out[: metrics.replicates]
+        rel = relative_error(used, exact)
+        prob_mse = prob_sq[: metrics.replicates].mean(0) / (n * k.shape[-2])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            delta_ratio = delta.mean(0) / metrics.variance
+        ess_mean = ess.mean(0)
+        seconds = (time.perf_counter() - start) / cells
+        rows = []
+        model = str(self.acts.metadata.get("model", "unknown"))
+        dtype = self._dtype_name(est)
+        for j, h in enumerate(unit.heads):
+            for s in unit.row_samples(config):
+                rows.append({
+                    "model": model, "image": unit.image_name, "layer": int(unit.layer), "head": int(h),
+                    "tokens": int(n), "estimator": est.name, "params": est.params_json, "label": est.label,
+                    "num_samples": int(s), "replicates": int(metrics.replicates), "random": bool(est.random),
+                    "mse": metrics.mse[j], "mse_se": metrics.mse_se[j], "variance": metrics.variance[j],
+                    "bias_sq": metrics.bias_sq[j], "bias_sq_naive": metrics.bias_sq_naive[j],
+                    "bias_sq_se": metrics.bias_sq_se[j], "rel_error": rel[j],
+                    "prob_mse": prob_mse[j] if config.probabilities else np.nan,
+                    "ess_mean": ess_mean[j], "delta_var_ratio": delta_ratio[j], "pareto_khat": khat[j],
+                    "dtype": dtype, "ref_max_abs_dev": ref_dev if j == 0 else np.nan,
+                    "seconds": seconds, "seed": int(unit.seeds[j]),
+                })
+        return rows

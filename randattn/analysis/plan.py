@@ -1,0 +1,403 @@
+r"""Planning a sweep: estimator configurations, the sweep configuration, cell seeds and units.
+
+Pure functions, no I/O (ARCHITECTURE sec. 11, "plan").
+
+A **cell** is one (image, layer, head) input with one estimator configuration and one sample
+count S; it yields one row of the tidy table. A **unit** is the cells of one (layer,
+estimator configuration, S, image) over every selected head: the grain of execution,
+persistence and resume. A unit's rows depend only on its identity, the master seed and the
+inputs, never on the memory budget, the executor or the order units run in:
+
+- each cell's seed comes from the master seed and the cell's identity (:func:`cell_seed`),
+  and replicate r of a cell draws from ``SeedSequence(cell_seed, spawn_key=(r,))``
+  (:func:`replicate_rng`);
+- the memory budget only splits a unit's replicates into blocks, and every reduction is
+  taken per (replicate, cell) before the blocks are joined (see
+  :mod:`randattn.analysis.execute`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from randattn._validation import check_choice, check_positive_int
+
+__all__ = [
+    "BACKENDS",
+    "DTYPES",
+    "EstimatorConfig",
+    "SweepConfig",
+    "SweepProgress",
+    "Unit",
+    "estimator_config",
+    "parse_estimator_list",
+    "cell_seed",
+    "replicate_rng",
+    "plan_units",
+    "select",
+    "total_cells",
+]
+
+BACKENDS = ("torch", "reference")
+#: ``auto``: float64 for configurations whose weights can be negative (their float32 rounding is not
+#: small against the error being measured), float32 otherwise; see :func:`EstimatorConfig.torch_dtype`
+DTYPES = ("auto", "float32", "float64")
+
+
+# ------------------------------------------------------------------------------------------ estimator configurations
+@dataclass(frozen=True)
+class EstimatorConfig:
+    """One estimator with resolved parameters.
+
+    Attributes
+    ----------
+    name : str
+        Registry name.
+    params : dict
+        Every parameter, defaults filled in (``spec.resolve_params``).
+    label : str
+        ``name`` when all parameters are defaults, else ``name:p=v,...`` listing the non-default
+        ones in the spec's parameter order (e.g. ``rfa:coupling=orthogonal``).
+    params_json : str
+        Canonical JSON of ``params`` (sorted keys, no spaces).
+    random : bool
+        ``spec.is_random(params)``.
+    needs_samples : bool
+        Whether S matters; S-free estimators (softmax, local) are run once and reported at every S.
+    """
+
+    name: str
+    params: Mapping[str, Any] = field(hash=False, compare=False)
+    label: str
+    params_json: str
+    random: bool
+    needs_samples: bool
+
+    @property
+    def signed_weights(self) -> bool:
+        """Whether the estimator's weights can be negative, so that its sums cancel.
+
+        LARA's decoupled weights (eq. 38) without ``alpha_clamp`` and the trigonometric
+        feature map are signed; in float32 their cancelling sums lose digits that are not
+        small against the MSE being measured (up to 2e-2 absolute on DINOv2 layer 3).
+        """
+        p = self.params
+        if self.name == "lara":
+            return p.get("weighting") == "decoupled" and p.get("alpha_clamp") is None
+        return p.get("feature_map") == "trigonometric"
+
+    def torch_dtype_name(self, dtype: str) -> str:
+        """The torch dtype used for this configuration under the sweep's ``dtype`` setting."""
+        if dtype != "auto":
+            return dtype
+        return "float64" if self.signed_weights else "float32"
+
+
+def estimator_config(name: str, params: Mapping[str, Any] | None = None) -> EstimatorConfig:
+    """Resolve ``name`` (optionally ``"name:p=v,..."``) and ``params`` into an :class:`EstimatorConfig`.
+
+    Raises
+    ------
+    ValueError
+        Unknown estimator or parameter, or a disallowed value (message from the registry).
+    """
+    from randattn.estimators.registry import get_spec, parse_estimator
+
+    parsed_name, parsed = parse_estimator(name)
+    given = {**parsed, **dict(params or {})}
+    spec = get_spec(parsed_name)
+    resolved = spec.resolve_params(given)
+    non_default = [f"{p}={_fmt(resolved[p])}" for p, param in spec.params.items() if resolved[p] != param.default]
+    label = parsed_name + (":" + ",".join(non_default) if non_default else "")
+    return EstimatorConfig(
+        name=parsed_name,
+        params=resolved,
+        label=label,
+        params_json=json.dumps(resolved, sort_keys=True, separators=(",", ":"), default=str),
+        random=bool(spec.is_random(resolved)),
+        needs_samples=bool(spec.needs_samples),
+    )
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def parse_estimator_list(texts: str | Iterable[str]) -> tuple[EstimatorConfig, ...]:
+    """Parse ``"rfa:coupling=orthogonal;ra"`` (``;``-separated) or several such strings.
+
+    Duplicates (same label) are dropped, keeping the first.
+    """
+    if isinstance(texts, str):
+        texts = [texts]
+    configs: list[EstimatorConfig] = []
+    for text in texts:
+        for item in filter(None, (part.strip() for part in str(text).split(";"))):
+            config = estimator_config(item)
+            if config.label not in {c.label for c in configs}:
+                configs.append(config)
+    if not configs:
+        raise ValueError("no estimators given (e.g. 'rfa;ra' or 'rfa:coupling=orthogonal')")
+    return tuple(configs)
+
+
+# ---------------------------------------------------------------------------------------------------- sweep config
+@dataclass(frozen=True)
+class SweepConfig:
+    """What to run.
+
+    Attributes
+    ----------
+    estimators : tuple of EstimatorConfig
+    num_samples : tuple of int
+        Sample counts S.
+    replicates : int
+        R for random estimators (deterministic ones use 1).
+    seed : int
+        Master seed (non-negative).
+    backend : {"torch", "reference"}
+        torch: the batched estimators (the default); reference: the float64 numpy definitions.
+    device : str or None
+        torch device (``"cuda"``, ``"cpu"``); torch backend only.
+    dtype : {"auto", "float32", "float64"}
+        torch dtype; ``auto`` is float64 for signed-weight configurations
+        (:attr:`EstimatorConfig.signed_weights`) and float32 otherwise. The reference is
+        always float64.
+    max_memory : int
+        Approximate peak bytes of the estimator work of one unit (see
+        :mod:`randattn.analysis.execute`).
+    layers, heads, images : tuple of int or None
+        Layer ids, head indices and image indices to run; None for all.
+    probabilities : bool
+        Also measure the MSE of the implied attention probabilities (an extra estimator
+        call with ``v = I_M``).
+    diagnostics : bool
+        Importance-sampling diagnostics where available (:mod:`randattn.analysis.diagnostics`).
+    khat_queries : int
+        Queries per cell on which Pareto k-hat is fitted.
+    check_reference : float in [0, 1]
+        torch backend: the fraction of units whose first cell and replicate are re-run on the
+        float64 reference with the same draws (at least the first unit of every estimator
+        configuration when > 0); the largest deviation goes to the ``ref_max_abs_dev`` column.
+    """
+
+    estimators: tuple[EstimatorConfig, ...]
+    num_samples: tuple[int, ...]
+    replicates: int = 16
+    seed: int = 0
+    backend: str = "torch"
+    device: str | None = None
+    dtype: str = "auto"
+    max_memory: int = 2**30
+    layers: tuple[int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+    images: tuple[int, ...] | None = None
+    probabilities: bool = True
+    diagnostics: bool = True
+    khat_queries: int = 16
+    check_reference: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not self.estimators or not all(isinstance(e, EstimatorConfig) for e in self.estimators):
+            raise TypeError("estimators must be a non-empty tuple of EstimatorConfig (see estimator_config)")
+        if not self.num_samples:
+            raise ValueError("num_samples must list at least one sample count")
+        for s in self.num_samples:
+            check_positive_int("num_samples", s)
+        check_positive_int("replicates", self.replicates)
+        check_positive_int("seed", self.seed, minimum=0)
+        check_positive_int("max_memory", self.max_memory)
+        check_choice("backend", self.backend, BACKENDS)
+        check_choice("dtype", self.dtype, DTYPES)
+        if self.backend == "reference" and self.device not in (None, "cpu"):
+            raise ValueError(f"device={self.device!r} needs backend='torch' (the reference runs on the CPU)")
+        check_positive_int("khat_queries", self.khat_queries, minimum=0)
+        fraction = self.check_reference
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= float(fraction) <= 1.0:
+            raise ValueError(f"check_reference must be a fraction in [0, 1], got {fraction!r}")
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that determine the results (for the manifest; excludes device and memory budget)."""
+        return {
+            "estimators": [e.label for e in self.estimators],
+            "params": [e.params_json for e in self.estimators],
+            "num_samples": list(self.num_samples),
+            "replicates": self.replicates,
+            "seed": self.seed,
+            "backend": self.backend,
+            "dtype": self.dtype if self.backend == "torch" else "float64",
+            "layers": None if self.layers is None else list(self.layers),
+            "heads": None if self.heads is None else list(self.heads),
+            "images": None if self.images is None else list(self.images),
+            "probabilities": self.probabilities,
+            "diagnostics": self.diagnostics,
+            "khat_queries": self.khat_queries,
+            "check_reference": float(self.check_reference) if self.backend == "torch" else 0.0,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything, JSON-serialisable (stored in the output metadata)."""
+        data = self.identity()
+        data.update(device=self.device, max_memory=self.max_memory)
+        return data
+
+
+@dataclass(frozen=True)
+class SweepProgress:
+    """Reported after every finished unit: cells done so far out of the total."""
+
+    done: int
+    total: int
+    layer: int
+    label: str
+    num_samples: int | None
+    cells: int
+    seconds: float
+
+
+# ------------------------------------------------------------------------------------------------------------ seeds
+def cell_seed(master_seed: int, image: str, layer: int, head: int, label_params_json: str, name: str, num_samples: int | None) -> int:
+    """The seed of one cell, from the master seed and the cell's identity only.
+
+    ``SeedSequence(master_seed, spawn_key=sha256(identity) as 8 uint32 words)`` ->
+    a 63-bit int, so it fits the table's int64 ``seed`` column.
+
+    Parameters
+    ----------
+    master_seed : int
+    image : str
+        Image name.
+    layer, head : int
+    label_params_json : str
+        Canonical JSON of the resolved parameters.
+    name : str
+        Estimator name.
+    num_samples : int or None
+        None for estimators that take no S.
+    """
+    samples = None if num_samples is None else int(num_samples)
+    key = json.dumps([str(image), int(layer), int(head), str(name), str(label_params_json), samples],
+                     separators=(",", ":"))
+    digest = hashlib.sha256(key.encode()).digest()
+    words = tuple(int.from_bytes(digest[i : i + 4], "little") for i in range(0, 32, 4))
+    state = np.random.SeedSequence(int(master_seed), spawn_key=words).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 31) | (int(state[1]) >> 1)
+
+
+def replicate_rng(seed: int, replicate: int) -> np.random.Generator:
+    """The generator of replicate ``replicate`` of the cell with this ``seed``."""
+    return np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(int(replicate),)))
+
+
+# ------------------------------------------------------------------------------------------------------------ units
+@dataclass(frozen=True)
+class Unit:
+    """The cells of one (layer, estimator configuration, S, image) over the selected heads.
+
+    Attributes
+    ----------
+    layer : int
+    est_index : int
+        Index into ``SweepConfig.estimators``.
+    num_samples : int or None
+        None for estimators that take no S (their rows are repeated for every S).
+    image : int
+        Image index in the activations.
+    image_name : str
+    heads : tuple of int
+    label : str
+        The estimator configuration's label.
+    seeds : tuple of int
+        :func:`cell_seed` of each head's cell, in ``heads`` order.
+    check_reference : bool
+        Whether this unit's first cell and replicate are re-run on the reference.
+    """
+
+    layer: int
+    est_index: int
+    num_samples: int | None
+    image: int
+    image_name: str
+    heads: tuple[int, ...]
+    label: str
+    seeds: tuple[int, ...]
+    check_reference: bool = False
+
+    @property
+    def uid(self) -> str:
+        """Stable id: the layer, then a digest of the configuration, S, image and heads."""
+        key = json.dumps([self.layer, self.label, self.num_samples, self.image_name, list(self.heads)],
+                         separators=(",", ":"))
+        return f"L{self.layer}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+
+    def row_samples(self, config: SweepConfig) -> tuple[int, ...]:
+        """The S values this unit's rows are reported at."""
+        return config.num_samples if self.num_samples is None else (self.num_samples,)
+
+
+def select(name: str, chosen: tuple[int, ...] | None, available: Sequence[int]) -> tuple[int, ...]:
+    """``chosen`` (deduplicated) after checking each is ``available``; all of them when None."""
+    if chosen is None:
+        return tuple(available)
+    bad = [c for c in chosen if c not in available]
+    if bad:
+        raise ValueError(f"{name} {bad} not in the activations; available: {list(available)}")
+    return tuple(dict.fromkeys(chosen))
+
+
+def _checked(uid: str, seed: int, fraction: float) -> bool:
+    """A uniform in [0, 1) from the unit id and master seed, below ``fraction``."""
+    digest = hashlib.sha256(f"{seed}:{uid}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2.0**64 < fraction
+
+
+def plan_units(
+    layers_available: Sequence[int], num_heads: int, image_names: Sequence[str], config: SweepConfig
+) -> list[Unit]:
+    """Every unit of ``config`` in canonical order (layer, estimator, S, image).
+
+    Parameters
+    ----------
+    layers_available : sequence of int
+        Layer ids the activations hold.
+    num_heads : int
+    image_names : sequence of str
+        Image names in array order.
+    config : SweepConfig
+
+    Raises
+    ------
+    ValueError
+        A selected layer, head or image the activations do not hold.
+    """
+    layers = select("layers", config.layers, list(layers_available))
+    heads = select("heads", config.heads, range(num_heads))
+    images = select("images", config.images, range(len(image_names)))
+    fraction = float(config.check_reference) if config.backend == "torch" else 0.0
+    units, first_of_config = [], set()
+    for layer in layers:
+        for i, est in enumerate(config.estimators):
+            for s in (config.num_samples if est.needs_samples else (None,)):
+                for image in images:
+                    name = image_names[image]
+                    seeds = tuple(
+                        cell_seed(config.seed, name, layer, h, est.params_json, est.name, s) for h in heads
+                    )
+                    unit = Unit(layer, i, s, image, name, heads, est.label, seeds)
+                    check = fraction > 0 and (est.label not in first_of_config
+                                              or _checked(unit.uid, config.seed, fraction))
+                    first_of_config.add(est.label)
+                    units.append(Unit(layer, i, s, image, name, heads, est.label, seeds, check))
+    return units
+
+
+def total_cells(units: Sequence[Unit]) -> int:
+    """Number of cells (one per head) in ``units``."""
+    return sum(len(u.heads) for u in units)

@@ -1,0 +1,202 @@
+r"""Storing a sweep: one Parquet part per finished unit, a manifest, a lock, consolidation.
+
+ARCHITECTURE sec. 11, "store". A parts folder holds ``manifest.json`` (the configuration and
+a fingerprint of the activations) and ``part-<unit id>.parquet`` files, each written under a
+temporary name and renamed when complete, so a process killed mid-write leaves no partial
+part. Resume = the planned units minus the stored unit ids. :func:`consolidate` sorts the rows
+into the canonical table, identical whatever executor or order produced the parts.
+
+A sweep's output is protected by a lock (:func:`sweep_lock`, the ``filelock`` library): a
+second writer is refused with :class:`SweepLockedError`, naming the process that holds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from randattn._files import atomic_path, atomic_write_text
+from randattn.analysis.execute import COLUMNS
+
+__all__ = [
+    "MANIFEST",
+    "SweepLockedError",
+    "sweep_lock",
+    "prepare_parts_dir",
+    "stored_unit_ids",
+    "write_part",
+    "read_parts",
+    "coerce",
+    "consolidate",
+    "empty_table",
+]
+
+MANIFEST = "manifest.json"
+_PART_PREFIX, _PART_SUFFIX = "part-", ".parquet"
+_STR_COLUMNS = ("model", "image", "estimator", "params", "label", "dtype")
+_INT_COLUMNS = ("layer", "head", "tokens", "num_samples", "replicates", "seed")
+_BOOL_COLUMNS = ("random",)
+_FLOAT_COLUMNS = tuple(c for c in COLUMNS if c not in _STR_COLUMNS + _INT_COLUMNS + _BOOL_COLUMNS)
+
+
+class SweepLockedError(RuntimeError):
+    """Another process holds the lock of this sweep output."""
+
+
+# ------------------------------------------------------------------------------------------------------------ lock
+def _lock_paths(target: Path) -> tuple[Path, Path]:
+    return target.with_name(f".{target.name}.lock"), target.with_name(f".{target.name}.owner.json")
+
+
+@contextmanager
+def sweep_lock(target: str | os.PathLike) -> Iterator[None]:
+    """Hold the lock of the sweep output ``target`` (a parts folder or table path) for the block.
+
+    The lock is ``.<name>.lock`` beside ``target`` (``filelock.FileLock``, an OS lock released
+    when the process dies, even by SIGKILL); who holds it is written to
+    ``.<name>.owner.json`` so a refused writer can say which process it is.
+
+    Raises
+    ------
+    SweepLockedError
+        Another process holds the lock.
+    """
+    from filelock import FileLock, Timeout
+
+    target = Path(target)
+    lock_path, owner_path = _lock_paths(target)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise SweepLockedError(f"{str(target)!r} is being written by another randattn process ({_owner(owner_path)}); "
+                               "wait for it to finish, or write to another --out") from None
+    try:
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "command": " ".join(sys.argv)}
+        atomic_write_text(owner_path, json.dumps(owner))
+        yield
+    finally:
+        try:
+            owner_path.unlink()
+        except FileNotFoundError:
+            pass
+        lock.release()
+
+
+def _owner(owner_path: Path) -> str:
+    try:
+        owner = json.loads(owner_path.read_text())
+        return f"pid {owner['pid']} on {owner['host']}, started {owner['started']}: {owner['command']}"
+    except (OSError, ValueError, KeyError):
+        return "process unknown"
+
+
+# ------------------------------------------------------------------------------------------------------------ parts
+def prepare_parts_dir(parts_dir: str | os.PathLike, manifest: Mapping[str, Any], resume: bool,
+                      resume_hint: str = "resume=True") -> None:
+    """Create ``parts_dir`` with its manifest, or check the stored manifest when resuming.
+
+    A folder holding no part (a run stopped before its first unit finished) never blocks a
+    new run: it is started afresh.
+
+    Raises
+    ------
+    FileExistsError
+        ``parts_dir`` holds parts and ``resume`` is False.
+    ValueError
+        Resuming with settings that differ from the stored ones (the message names them).
+    """
+    parts_dir = Path(parts_dir)
+    path = parts_dir / MANIFEST
+    if path.exists() and stored_unit_ids(parts_dir):
+        if not resume:
+            raise FileExistsError(
+                f"{str(parts_dir)!r} already holds a sweep; pass {resume_hint} to continue it or remove the folder"
+            )
+        old = json.loads(path.read_text())
+        new = json.loads(json.dumps(manifest, default=str))  # the same JSON normal form as the stored one
+        changed = sorted(
+            key
+            for part in ("config", "activations")
+            for key in set(old.get(part, {})) | set(new.get(part, {}))
+            if old.get(part, {}).get(key) != new.get(part, {}).get(key)
+        )
+        if changed:
+            raise ValueError(
+                f"cannot resume {str(parts_dir)!r}: it was started with different settings ({', '.join(changed)}); "
+                "use the same options or a new output"
+            )
+        return
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True, default=str))
+
+
+def stored_unit_ids(parts_dir: str | os.PathLike) -> set[str]:
+    """Ids of the units whose part is complete in ``parts_dir`` (temporary files are not parts)."""
+    parts_dir = Path(parts_dir)
+    if not parts_dir.is_dir():
+        return set()
+    return {p.name[len(_PART_PREFIX) : -len(_PART_SUFFIX)] for p in parts_dir.glob(f"{_PART_PREFIX}*{_PART_SUFFIX}")}
+
+
+def write_part(parts_dir: str | os.PathLike, uid: str, rows: Sequence[Mapping[str, Any]]) -> Path:
+    """Write one unit's rows as ``part-<uid>.parquet``, atomically."""
+    import pandas as pd
+
+    frame = coerce(pd.DataFrame(list(rows), columns=list(COLUMNS)))
+    path = Path(parts_dir) / f"{_PART_PREFIX}{uid}{_PART_SUFFIX}"
+    with atomic_path(path) as tmp:
+        frame.to_parquet(tmp, index=False)
+    return path
+
+
+def empty_table():
+    """A table with :data:`COLUMNS` and no rows."""
+    import pandas as pd
+
+    return coerce(pd.DataFrame({c: [] for c in COLUMNS}))
+
+
+def read_parts(parts_dir: str | os.PathLike):
+    """All rows written so far under ``parts_dir`` (unsorted), as a DataFrame with :data:`COLUMNS`."""
+    import pandas as pd
+
+    paths = sorted(Path(parts_dir).glob(f"{_PART_PREFIX}*{_PART_SUFFIX}"))
+    if not paths:
+        return empty_table()
+    return coerce(pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True))
+
+
+def coerce(frame):
+    """Column dtypes of the sweep table (the same whether built in memory or read from parts)."""
+    frame = frame.reindex(columns=list(COLUMNS)).copy()
+    for c in _STR_COLUMNS:
+        frame[c] = frame[c].astype(str)
+    for c in _INT_COLUMNS:
+        frame[c] = frame[c].astype("int64")
+    for c in _BOOL_COLUMNS:
+        frame[c] = frame[c].astype(bool)
+    for c in _FLOAT_COLUMNS:
+        frame[c] = frame[c].astype("float64")
+    return frame
+
+
+def consolidate(table, estimator_labels: Sequence[str], image_names: Sequence[str] = ()):
+    """The canonical table: duplicates dropped, sorted by layer, estimator, S, image, head."""
+    keys = ["layer", "label", "num_samples", "image", "head"]
+    table = coerce(table).drop_duplicates(subset=keys, keep="first")
+    est_order = {label: i for i, label in enumerate(estimator_labels)}
+    image_order = {name: i for i, name in enumerate(image_names)}
+    order = table.assign(
+        _est=table["label"].map(est_order),
+        _img=table["image"].map(image_order) if image_order else 0,
+    ).sort_values(["layer", "_est", "num_samples", "_img", "head"], kind="stable")
+    return order.drop(columns=["_est", "_img"]).reset_index(drop=True)
