@@ -77,6 +77,7 @@ pre { background: #f6f6f6; padding: 0.7em; overflow-x: auto; font-size: 0.85em; 
 .warning { background: #fff4e5; border-left: 4px solid #f0a030; padding: 0.5em 0.8em; margin: 0.5em 0; }
 .ok { background: #eef8ee; border-left: 4px solid #4a4; padding: 0.5em 0.8em; margin: 0.5em 0; }
 .scroll { overflow-x: auto; }
+th[title], td[title], table.diagnostics td { text-align: left; }
 .spec { font-family: ui-monospace, monospace; color: #555; font-size: 0.9em; }
 td.flag { background: #fff4e5 !important; } td.na { color: #666; font-style: italic; }
 """
@@ -525,17 +526,19 @@ def _diagnostics_html(table: pd.DataFrame, metadata: Mapping[str, Any], names: M
     else:
         khat_col = f"k-hat > {KHAT_THRESHOLD:g}"
         ratio_col = f"ratio outside [{low:g}, {high:g}]"
-        diagnosed = table[[c for c in ("pareto_khat", "delta_var_ratio") if c in table]].notna().any(axis=1)
-        cells = table.loc[diagnosed].groupby("label").size()
+        # counted over the cells where each diagnostic exists (a NaN k-hat is neither good nor bad)
+        khat_cells = table[table["pareto_khat"].notna()].groupby("label").size() if "pareto_khat" in table else {}
+        ratio_cells = (table[table["delta_var_ratio"].notna()].groupby("label").size()
+                       if "delta_var_ratio" in table else {})
         for label in label_order(flagged["estimator"]):
             rows = flagged[flagged["estimator"] == label]
             reasons = []
             if rows[khat_col].sum():
-                reasons.append(f"{int(rows[khat_col].sum())} of {cells[label]} diagnosed cells with k-hat &gt; "
-                               f"{KHAT_THRESHOLD:g} (max {rows['max k-hat'].max():.2f})")
+                reasons.append(f"{int(rows[khat_col].sum())} of {khat_cells[label]} cells with a k-hat have k-hat "
+                               f"&gt; {KHAT_THRESHOLD:g} (max {rows['max k-hat'].max():.2f})")
             if rows[ratio_col].sum():
-                reasons.append(f"{int(rows[ratio_col].sum())} of {cells[label]} diagnosed cells with the variance "
-                               "ratio outside the band")
+                reasons.append(f"{int(rows[ratio_col].sum())} of {ratio_cells[label]} cells with a variance ratio "
+                               "have it outside the band")
             settings = "; ".join(f"N = {t}, S = {s}" for t, s in zip(rows["tokens"], rows["S"]))
             out.append(f'<p class="warning"><b title="{esc(label)}">{esc(names.get(label, label))}</b>: '
                        f'{"; ".join(reasons)} (settings: {esc(settings)}).</p>')
