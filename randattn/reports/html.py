@@ -265,8 +265,9 @@ def _not_computed_reason(rows: pd.DataFrame, column: str, metadata: Mapping[str,
     """Why ``column`` (``pareto_khat``, ``delta_var_ratio`` or ``ess_mean``) is NaN in every one of ``rows``."""
     import json as _json
 
-    config = metadata.get("config") if isinstance(metadata.get("config"), Mapping) else {}
-    if metadata.get("diagnostics") is False or config.get("diagnostics") is False:
+    # the sweep (and demo) configurations record whether diagnostics were asked for
+    places = [metadata, metadata.get("config"), metadata.get("demo"), *(metadata.get("sweeps") or [])]
+    if any(isinstance(place, Mapping) and place.get("diagnostics") is False for place in places):
         return "diagnostics were turned off for this run"
     if column not in rows:
         return "the table has no such column"
