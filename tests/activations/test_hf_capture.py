@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "dinov2": ("Dinov2Config", "Dinov2Model", {}, 1),
     "dinov2-registers": ("Dinov2WithRegistersConfig", "Dinov2WithRegistersModel", {"num_register_tokens": 3}, 4),
     "clip-vision": ("CLIPVisionConfig", "CLIPVisionModel", {}, 1),
+    "siglip-vision": ("SiglipVisionConfig", "SiglipVisionModel", {}, 0),  # no CLS token
 }
 
 
@@ -104,3 +105,15 @@ def test_unsupported_and_missing_models(tmp_path):
         load_hf_model(tmp_path / "beit", local_files_only=True)
     with pytest.raises(ValueError, match="cannot load a transformers config from"):
         load_hf_model(tmp_path / "nothing-here", local_files_only=True)
+
+
+def test_preprocessing_from_the_checkpoint_or_defaults(tmp_path):
+    import json
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "ViTImageProcessor", "image_mean": [0.5, 0.5, 0.5], "image_std": [0.25, 0.5, 0.5],
+        "size": {"height": 48, "width": 48}}))
+    found = hf_preprocessing(tmp_path)
+    assert (found["mean"], found["std"], found["size"]) == ((0.5, 0.5, 0.5), (0.25, 0.5, 0.5), 48)
+    (tmp_path / "preprocessor_config.json").unlink()
+    assert hf_preprocessing(tmp_path)["mean"] == (0.485, 0.456, 0.406)  # ImageNet when the folder has none
