@@ -591,7 +591,8 @@ def _label_tooltips(page_part: str, names: Mapping[str, str]) -> str:
     esc = html.escape
     for label, name in names.items():
         for tag in ("th", "td"):
-            page_part = page_part.replace(f"<{tag}>{esc(name)}</{tag}>",
+            # pandas escapes <, > and & in cells but not quotes
+            page_part = page_part.replace(f"<{tag}>{esc(name, quote=False)}</{tag}>",
                                           f'<{tag} title="{esc(label)}">{esc(name)}</{tag}>')
     return page_part
 
