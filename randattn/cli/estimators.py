@@ -11,6 +11,7 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print the catalogue as JSON on stdout.")
 def command(as_json: bool) -> None:
     """List every estimator: parameters with defaults and choices, complexity, randomness."""
+    from rich.markup import escape
     from rich.table import Table
 
     from randattn.cli._common import out_console
@@ -22,15 +23,16 @@ def command(as_json: bool) -> None:
         return
     table = Table(title="randattn estimators", show_lines=True)
     table.add_column("name", style="bold")
-    table.add_column("what it is")
-    table.add_column("parameters (default; choices)")
-    table.add_column("complexity")
+    table.add_column("what it is", max_width=44)
+    table.add_column("parameters: what each means (default; choices)")
+    table.add_column("complexity", max_width=22)
     table.add_column("random")
     for record in records:
         params = []
         for pname, p in record["parameters"].items():
-            choices = f"; {' | '.join(map(str, p['choices']))}" if p["choices"] else ""
-            params.append(f"{pname}={p['default']!r}{choices}")
+            choices = f"; choices {' | '.join(map(str, p['choices']))}" if p["choices"] else ""
+            doc = f"\n  [dim]{escape(str(p['doc']))}[/]" if p.get("doc") else ""
+            params.append(f"[bold]{escape(pname)}[/] (default {escape(repr(p['default']))}{escape(choices)}){doc}")
         table.add_row(
             record["name"],
             f"{record['summary']}\n[dim]{record['source']}[/]",

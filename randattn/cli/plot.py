@@ -25,7 +25,8 @@ def _parse_formats(text: str) -> tuple[str, ...]:
                    "(layer x head MSE), features (rfa couplings and feature maps, Performer Fig. 4), or all.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Folder for the figures.")
 @click.option("--format", "formats", default="png,svg", show_default=True, help="Comma-separated: png, svg, pdf.")
-@click.option("--label", default=None, help="Heatmap: estimator label, e.g. 'rfa:coupling=orthogonal'.")
+@click.option("--label", default=None, help="Heatmap: the estimator's spec (the table's label column), e.g. 'rfa:coupling=orthogonal'; "
+                   "figures show it by its readable name, e.g. 'Performer (FAVOR+, orthogonal)'.")
 @click.option("--samples", "num_samples", type=int, default=None, help="Heatmap: the number of samples S.")
 @click.option("--dpi", type=int, default=150, show_default=True, help="Resolution of PNG files.")
 def command(results, kinds, out_dir, formats, label, num_samples, dpi):

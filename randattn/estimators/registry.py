@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from randattn.estimators.base import EstimatorSpec
+from randattn.estimators.names import display_name  # noqa: F401  (readable names live beside the registry)
 
 __all__ = ["get_spec", "list_estimators", "catalogue", "parse_estimator"]
 

@@ -32,6 +32,7 @@ from randattn.reports.tables import (
     aggregate_over_images,
     approximate_labels,
     describe_data,
+    display_names,
     label_order,
     require_columns,
 )
@@ -118,7 +119,8 @@ def save_figure(
         path = base.with_name(base.name + "." + fmt)
         # metadata without dates keeps repeated runs byte-stable
         metadata = {"Date": None} if fmt in ("svg", "pdf") else {}
-        fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata)
+        # the layouts keep every text inside the canvas (tested); "tight" is the backstop for unusual tables
+        fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata, bbox_inches="tight", pad_inches=0.05)
         written.append(path)
     return written
 
@@ -175,7 +177,8 @@ def _band_text(aggregated: pd.DataFrame, confidence: float) -> str:
     return f"bands: {round(confidence * 100)}% percentile bootstrap CI over {units} {over}"
 
 
-def _drop_exact(aggregated: pd.DataFrame, value: str) -> tuple[pd.DataFrame, list[str]]:
+def _drop_exact(aggregated: pd.DataFrame, value: str,
+                names: dict[str, str] | None = None) -> tuple[pd.DataFrame, list[str]]:
     """Drop exact estimators: softmax (its error is float round-off, ~1e-13) and labels with ``value`` 0 everywhere.
 
     Returns the remaining rows and notes such as ``"softmax (MSE ≤ 1.7e-13, round-off)"``.
@@ -187,7 +190,8 @@ def _drop_exact(aggregated: pd.DataFrame, value: str) -> tuple[pd.DataFrame, lis
         if is_softmax or not (values > 0).any():
             exact.append(label)
             largest = np.nanmax(values) if np.isfinite(values).any() else np.nan
-            notes.append(f"{label} ({value} {largest:.2g}, round-off)" if largest > 0 else f"{label} ({value} 0)")
+            shown = (names or {}).get(label, label)
+            notes.append(f"{shown} ({value} {largest:.2g}, round-off)" if largest > 0 else f"{shown} ({value} 0)")
     return aggregated[~aggregated["label"].isin(exact)], notes
 
 
@@ -247,7 +251,8 @@ def mse_vs_samples_figure(
     require_columns(table, [*PLOT_COLUMNS, value], "the MSE-vs-samples figure")
     table = _select_labels(table, labels)
     aggregated = aggregate_over_images(table, [value], confidence=confidence, seed=seed)
-    aggregated, exact = _drop_exact(aggregated, value)
+    names = display_names(table)
+    aggregated, exact = _drop_exact(aggregated, value, names)
     if aggregated.empty:
         raise ResultsError(f"the MSE-vs-samples figure has nothing to draw: every estimator has {value} = 0")
     tokens = _token_values(aggregated)
@@ -271,11 +276,11 @@ def mse_vs_samples_figure(
                 ax.axhline(y[0], color=style["color"], linestyle="--", linewidth=1.5)
                 ax.axhspan(low[0], high[0], color=style["color"], alpha=0.12, linewidth=0)
                 handles.setdefault(label, Line2D([], [], color=style["color"], linestyle="--",
-                                                 label=f"{label} (S = {s} only)"))
+                                                 label=f"{names[label]} (S = {s} only)"))
                 continue
             s = rows["num_samples"].to_numpy(dtype=float)
             (line,) = ax.plot(s, y, color=style["color"], marker=style["marker"], markersize=4, linewidth=1.6,
-                              label=label)
+                              label=names[label])
             if np.isfinite(low).all() and np.isfinite(high).all():
                 ax.fill_between(s, low, high, color=style["color"], alpha=0.18, linewidth=0)
             handles.setdefault(label, line)
@@ -328,7 +333,8 @@ def bias_variance_figure(
     require_columns(table, [*PLOT_COLUMNS, "variance", "bias_sq"], "the bias/variance figure")
     table = _select_labels(table, labels)
     aggregated = aggregate_over_images(table, ["mse", "variance", "bias_sq"], n_boot=1, seed=seed)
-    aggregated, exact = _drop_exact(aggregated, "mse")
+    names = display_names(table)
+    aggregated, exact = _drop_exact(aggregated, "mse", names)
     if aggregated.empty:
         raise ResultsError("the bias/variance figure has nothing to draw: every estimator has MSE = 0")
     tokens = _token_values(aggregated)
@@ -363,7 +369,7 @@ def bias_variance_figure(
         f"{describe_data(table, metadata)}\nsolid: variance · dashed: debiased bias² (gaps: ≤ 0, below the "
         f"replicate noise) · dotted: MSE{_exact_note(exact)}",
     )
-    handles = [Line2D([], [], color=styles[label]["color"], marker=styles[label]["marker"], label=label)
+    handles = [Line2D([], [], color=styles[label]["color"], marker=styles[label]["marker"], label=names[label])
                for label in label_order(aggregated["label"])]
     handles += [
         Line2D([], [], color="0.3", linewidth=1.6, label="variance"),
@@ -431,7 +437,8 @@ def heatmap_figure(
     heads = sorted(int(x) for x in rows["head"].unique())
     annotate = len(layers) * len(heads) <= 96 if annotate is None else annotate
     fig = Figure(
-        figsize=(max(3.4, 0.55 * len(heads) + 1.6) * len(tokens) + 1.2, max(3.0, 0.42 * len(layers) + 2.4)),
+        # at least 3.6 in tall: the colour bar (and its two-line label) needs that height beside one layer
+        figsize=(max(3.4, 0.55 * len(heads) + 1.6) * len(tokens) + 1.4, max(3.6, 0.42 * len(layers) + 2.6)),
         layout="constrained",
     )
     axes = fig.subplots(1, len(tokens), squeeze=False).ravel().tolist()
@@ -455,10 +462,11 @@ def heatmap_figure(
                     if np.isfinite(shown[i, j]):
                         ax.text(j, i, f"{shown[i, j]:.2g}", ha="center", va="center", fontsize=7,
                                 color="white" if shown[i, j] < log_mid else "black")
-    fig.colorbar(image, ax=axes, label=f"MSE ({MSE_UNITS}, log scale)", shrink=0.9)
+    fig.colorbar(image, ax=axes, label=f"MSE, log scale\n({MSE_UNITS})", shrink=0.9)
+    shown = display_names(table).get(label, label)
     _titles(
         fig,
-        f"MSE per layer and head: {label}, S = {num_samples}",
+        f"MSE per layer and head: {shown}, S = {num_samples}" + (f" [{label}]" if shown != label else ""),
         f"{describe_data(table, metadata)}\nmean over images; darker is more accurate",
     )
     return fig

@@ -35,6 +35,7 @@ from randattn.reports.tables import (
     ResultsError,
     approximate_labels,
     describe_data,
+    display_names,
     label_order,
     mse_pivot,
     require_columns,
@@ -48,6 +49,9 @@ __all__ = [
     "environment_info",
     "figure_data_uri",
     "diagnostics_summary",
+    "diagnostics_overview",
+    "warnings_summary",
+    "WARNING_EXPLANATIONS",
     "default_figures",
     "build_report",
     "write_report",
@@ -73,7 +77,31 @@ pre { background: #f6f6f6; padding: 0.7em; overflow-x: auto; font-size: 0.85em; 
 .warning { background: #fff4e5; border-left: 4px solid #f0a030; padding: 0.5em 0.8em; margin: 0.5em 0; }
 .ok { background: #eef8ee; border-left: 4px solid #4a4; padding: 0.5em 0.8em; margin: 0.5em 0; }
 .scroll { overflow-x: auto; }
+th[title], td[title], table.diagnostics td { text-align: left; }
+.spec { font-family: ui-monospace, monospace; color: #555; font-size: 0.9em; }
+td.flag { background: #fff4e5 !important; } td.na { color: #666; font-style: italic; }
 """
+
+#: warning category -> what it means for the results (shown in the report's warnings section)
+WARNING_EXPLANATIONS: dict[str, str] = {
+    "NonPositiveDenominatorWarning": (
+        "The estimate's self-normalizer was zero or negative for some queries, so their outputs are not "
+        "meaningful (sign kept exactly, no epsilon added). LARA's decoupled weights (eq. 38, the paper's default) "
+        "can be negative, and trigonometric random features are signed; on ViT keys this makes the error "
+        "heavy-tailed and can make it rise with S. LARA with alpha_clamp=1e-8 (the official code's clipping) "
+        "or weighting=balance (eq. 36) converges; see the README's findings."
+    ),
+    "RuntimeWarning": (
+        "A numerical or statistical caveat raised while computing the results (e.g. too few replicates for a "
+        "variance or a jackknife standard error); the affected values are NaN, not guessed."
+    ),
+    "UserWarning": "A caveat raised while computing the results; read the message.",
+}
+
+#: minimum number of weights per query for a Pareto k-hat (arviz fits a tail of ceil(min(J/5, 3 sqrt J)) >= 5)
+_KHAT_MIN_WEIGHTS = 25
+#: rfa feature maps whose features are signed (no importance weights)
+_SIGNED_FEATURE_MAPS = ("trigonometric",)
 
 
 @dataclass(frozen=True)
@@ -195,6 +223,132 @@ def diagnostics_summary(
             .drop(columns="_o").reset_index(drop=True))
 
 
+def warnings_summary(metadata: Mapping[str, Any] | None) -> pd.DataFrame:
+    """The warnings recorded in the table's metadata, one row per distinct (category, estimator, message).
+
+    Parameters
+    ----------
+    metadata : dict or None
+        Table metadata; its ``"warnings"`` entry is a list of
+        ``{"category": str, "message": str, "count": int, "label": str}`` (label optional).
+
+    Returns
+    -------
+    pandas.DataFrame
+        Columns ``category, label, message, count, meaning`` (``meaning`` from :data:`WARNING_EXPLANATIONS`);
+        counts of repeated entries are summed. Empty when none were recorded.
+    """
+    records = (metadata or {}).get("warnings") or []
+    if isinstance(records, Mapping):
+        records = [records]
+    rows: dict[tuple[str, str, str], int] = {}
+    for record in records if isinstance(records, (list, tuple)) else []:
+        if not isinstance(record, Mapping):
+            continue
+        key = (str(record.get("category") or "Warning"), str(record.get("label") or ""),
+               str(record.get("message") or ""))
+        try:
+            count = int(record.get("count", 1))
+        except (TypeError, ValueError):
+            count = 1
+        rows[key] = rows.get(key, 0) + count
+    frame = pd.DataFrame(
+        [{"category": c, "label": lab, "message": m, "count": n,
+          "meaning": WARNING_EXPLANATIONS.get(c, "No explanation recorded for this category; read the message.")}
+         for (c, lab, m), n in rows.items()],
+        columns=["category", "label", "message", "count", "meaning"],
+    )
+    return frame.sort_values(["category", "label", "message"], kind="stable").reset_index(drop=True)
+
+
+def _not_computed_reason(rows: pd.DataFrame, column: str, metadata: Mapping[str, Any]) -> str:
+    """Why ``column`` (``pareto_khat``, ``delta_var_ratio`` or ``ess_mean``) is NaN in every one of ``rows``."""
+    import json as _json
+
+    # the sweep (and demo) configurations record whether diagnostics were asked for
+    places = [metadata, metadata.get("config"), metadata.get("demo"), *(metadata.get("sweeps") or [])]
+    if any(isinstance(place, Mapping) and place.get("diagnostics") is False for place in places):
+        return "diagnostics were turned off for this run"
+    if column not in rows:
+        return "the table has no such column"
+    if "random" in rows and not rows["random"].astype(bool).any():
+        return "deterministic estimator (no draws, no importance weights)"
+    name = str(rows["estimator"].iloc[0]) if "estimator" in rows else str(rows["label"].iloc[0]).split(":")[0]
+    params: dict[str, Any] = {}
+    if "params" in rows:
+        try:
+            value = _json.loads(str(rows["params"].iloc[0]))
+            params = value if isinstance(value, dict) else {}
+        except ValueError:
+            params = {}
+    if name == "rfa" and params.get("feature_map") in _SIGNED_FEATURE_MAPS:
+        return "signed trigonometric features (no importance weights)"
+    if name == "lara" and params.get("weighting", "decoupled") == "decoupled" and params.get("alpha_clamp") is None:
+        return "signed weights (LARA's decoupled weighting, eq. 38, can be negative)"
+    if name not in ("rfa", "lara"):
+        return f"not defined for {name} (no self-normalized importance weights to diagnose)"
+    if column == "pareto_khat":
+        s = int(rows["num_samples"].max())
+        per_sample = 2 if params.get("feature_map") == "hyperbolic" else 1
+        if s * per_sample < _KHAT_MIN_WEIGHTS:
+            return (f"S = {s} is below the minimum tail size (k-hat needs at least {_KHAT_MIN_WEIGHTS} weights per "
+                    "query for a Pareto tail of 5)")
+    return "not available for these cells (e.g. some weights not positive)"
+
+
+def diagnostics_overview(table: pd.DataFrame, metadata: Mapping[str, Any] | None = None, *,
+                         khat_threshold: float = KHAT_THRESHOLD,
+                         ratio_band: tuple[float, float] = DELTA_RATIO_BAND) -> pd.DataFrame:
+    """Every estimator and S with its diagnostics, or why they were not computed.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+    metadata : dict, optional
+    khat_threshold : float
+    ratio_band : (float, float)
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per ``(label, S)`` (over all token counts) in display order: ``label``, ``estimator``
+        (readable name), ``S``, ``cells``, ``k-hat``, ``variance ratio``, ``ESS`` (text: a count of flagged
+        cells out of the diagnosed ones, or ``"not computed: <why>"``), and ``flagged`` (bool).
+    """
+    metadata = dict(metadata or {})
+    low, high = ratio_band
+    names = display_names(table)
+    rows = []
+    for label in label_order(table["label"]):
+        for s, group in table[table["label"] == label].groupby("num_samples", sort=True):
+            texts, flagged = {}, False
+            for column, title in (("pareto_khat", "k-hat"), ("delta_var_ratio", "variance ratio"),
+                                  ("ess_mean", "ESS")):
+                values = group[column].astype(float) if column in group else pd.Series(dtype=float)
+                finite = values[np.isfinite(values)]
+                if finite.empty:
+                    texts[title] = f"{title} not computed: {_not_computed_reason(group, column, metadata)}"
+                    continue
+                missing = len(group) - len(finite)
+                tail = f"; {missing} cells not computed" if missing else ""
+                if column == "pareto_khat":
+                    bad = int((finite > khat_threshold).sum())
+                    flagged |= bad > 0
+                    texts[title] = (f"{bad} of {len(finite)} cells > {khat_threshold:g} "
+                                    f"(max {finite.max():.2f}){tail}")
+                elif column == "delta_var_ratio":
+                    bad = int(((finite < low) | (finite > high)).sum())
+                    flagged |= bad > 0
+                    texts[title] = (f"{bad} of {len(finite)} cells outside [{low:g}, {high:g}] "
+                                    f"(median {finite.median():.2f}){tail}")
+                else:
+                    texts[title] = f"median {finite.median():.3g} of S = {int(s)}{tail}"
+            rows.append({"label": label, "estimator": names.get(label, label), "S": int(s), "cells": len(group),
+                         **texts, "flagged": flagged})
+    return pd.DataFrame(rows, columns=["label", "estimator", "S", "cells", "k-hat", "variance ratio", "ESS",
+                                       "flagged"])
+
+
 def default_figures(table: pd.DataFrame, metadata: Mapping[str, Any] | None = None) -> list[ReportFigure]:
     """Every figure the table supports: MSE vs S, bias²/variance, rfa features, one heatmap per estimator.
 
@@ -234,10 +388,11 @@ def default_figures(table: pd.DataFrame, metadata: Mapping[str, Any] | None = No
             ))
         except ResultsError:
             pass  # a single rfa variant: nothing to compare
+    names = display_names(table)
     for label in approximate_labels(table):
         s = int(table.loc[table["label"] == label, "num_samples"].max())
         figures.append(ReportFigure(
-            f"heatmap-{_safe_name(label)}", f"MSE per layer and head: {label}, S = {s}",
+            f"heatmap-{_safe_name(label)}", f"MSE per layer and head: {names.get(label, label)}, S = {s}",
             "Which layers and heads are hard for this estimator (mean over images; log colour scale).",
             heatmap_figure(table, label=label, num_samples=s, metadata=metadata),
         ))
@@ -300,7 +455,11 @@ def build_report(
     command = command if command is not None else _metadata_command(metadata)
     figures = default_figures(table, metadata) if figures is None else list(figures)
     environment = environment_info() if environment is None else dict(environment)
+    names = display_names(table)
     esc = html.escape
+    pivot = mse_pivot(table).rename(columns=str).map(_format_number)
+    pivot.index = [names.get(label, label) for label in pivot.index]
+    pivot.index.name = "estimator"
     parts = [
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -309,13 +468,15 @@ def build_report(
         f"<p>All errors are per output element, in {esc(MSE_UNITS)}, measured against exact float64 softmax attention on the same q, k, v, and "
         "aggregated as in LARA app. H.1: per (layer, head, image), then the mean over heads and layers of each "
         "image, then the mean over images with a percentile bootstrap interval over images.</p>",
-        '<nav><a href="#summary">summary</a> · <a href="#figures">figures</a> · '
-        '<a href="#diagnostics">diagnostics</a> · <a href="#provenance">provenance</a></nav>',
+        '<nav><a href="#summary">summary</a> · <a href="#figures">figures</a> · <a href="#warnings">warnings</a> '
+        '· <a href="#diagnostics">diagnostics</a> · <a href="#provenance">provenance</a></nav>',
         '<h2 id="summary">Summary</h2>',
+        "<p>Estimators are named as in their papers; hover a name for the exact spec (the <code>spec</code> "
+        "column holds it too).</p>",
         "<h3>Mean MSE by estimator, token count and samples S</h3>",
-        _table_html(mse_pivot(table).rename(columns=str).map(_format_number), index=True),
+        _label_tooltips(_table_html(pivot, index=True), names),
         "<h3>MSE with bootstrap interval, variance and debiased bias²</h3>",
-        _table_html(summary_table(table)),
+        _label_tooltips(_table_html(summary_table(table)), names),
         '<h2 id="figures">Figures</h2>',
     ]
     for item in figures:
@@ -324,7 +485,8 @@ def build_report(
             f'<img alt="{esc(item.title)}" src="{figure_data_uri(item.figure, dpi=dpi)}">',
             f"<figcaption>{esc(item.caption)}</figcaption></figure>",
         ]
-    parts += ['<h2 id="diagnostics">Diagnostics</h2>', *_diagnostics_html(table)]
+    parts += ['<h2 id="warnings">Warnings</h2>', *_warnings_html(metadata, names)]
+    parts += ['<h2 id="diagnostics">Diagnostics</h2>', *_diagnostics_html(table, metadata, names)]
     parts += [
         '<h2 id="provenance">Provenance</h2>',
         "<h3>Command</h3>", f"<pre>{esc(command or 'not recorded')}</pre>",
@@ -347,37 +509,92 @@ def _metadata_command(metadata: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _diagnostics_html(table: pd.DataFrame) -> list[str]:
+def _diagnostics_html(table: pd.DataFrame, metadata: Mapping[str, Any], names: Mapping[str, str]) -> list[str]:
     esc = html.escape
+    low, high = DELTA_RATIO_BAND
+    out = [f"<p>Importance-sampling diagnostics of every estimator and S. Pareto k-hat &gt; {KHAT_THRESHOLD:g} "
+           "means the importance weights are so heavy-tailed that the replicate variance (and so the MSE) is not a "
+           "reliable estimate; a delta-method / replicate variance ratio outside "
+           f"[{low:g}, {high:g}] means the two variance estimates disagree; ESS is Kish's effective sample size "
+           "per query. Where a diagnostic is not defined the table says why.</p>"]
     flagged = diagnostics_summary(table)
-    has_any = any(c in table and table[c].notna().any() for c in ("pareto_khat", "delta_var_ratio"))
-    if not has_any:
-        return ['<p class="ok">No importance-sampling diagnostics in this table (columns absent or all NaN).</p>']
     if flagged.empty:
-        return [f'<p class="ok">No cell has Pareto k-hat &gt; {KHAT_THRESHOLD:g} or a delta-method/replicate '
-                f"variance ratio outside [{DELTA_RATIO_BAND[0]:g}, {DELTA_RATIO_BAND[1]:g}].</p>"]
-    khat_col = f"k-hat > {KHAT_THRESHOLD:g}"
-    ratio_col = f"ratio outside [{DELTA_RATIO_BAND[0]:g}, {DELTA_RATIO_BAND[1]:g}]"
-    out = [f"<p>Pareto k-hat &gt; {KHAT_THRESHOLD:g} means the importance weights are so heavy-tailed that the "
-           "replicate variance (and so the MSE) is not a reliable estimate; a delta-method / replicate variance "
-           f"ratio outside [{DELTA_RATIO_BAND[0]:g}, {DELTA_RATIO_BAND[1]:g}] means the two variance estimates "
-           "disagree.</p>"]
-    diagnosed = table[[c for c in ("pareto_khat", "delta_var_ratio") if c in table]].notna().any(axis=1)
-    cells = table.loc[diagnosed].groupby("label").size()
-    for label in label_order(flagged["estimator"]):
-        rows = flagged[flagged["estimator"] == label]
-        reasons = []
-        if rows[khat_col].sum():
-            reasons.append(f"{int(rows[khat_col].sum())} of {cells[label]} cells with k-hat &gt; "
-                           f"{KHAT_THRESHOLD:g} (max {rows['max k-hat'].max():.2f})")
-        if rows[ratio_col].sum():
-            reasons.append(f"{int(rows[ratio_col].sum())} of {cells[label]} cells with the variance ratio outside "
-                           "the band")
-        settings = "; ".join(f"N = {t}, S = {s}" for t, s in zip(rows["tokens"], rows["S"]))
-        out.append(f'<p class="warning"><b>{esc(label)}</b>: {"; ".join(reasons)} '
-                   f"(settings: {esc(settings)}).</p>")
-    out.append("<details><summary>per setting</summary>" + _table_html(flagged) + "</details>")
+        has_any = any(c in table and table[c].notna().any() for c in ("pareto_khat", "delta_var_ratio"))
+        out.append(f'<p class="ok">No diagnosed cell has Pareto k-hat &gt; {KHAT_THRESHOLD:g} or a variance ratio '
+                   f"outside [{low:g}, {high:g}].</p>" if has_any else
+                   '<p class="ok">No importance-sampling diagnostics in this table (columns absent or all NaN); '
+                   "the table below says why for each estimator.</p>")
+    else:
+        khat_col = f"k-hat > {KHAT_THRESHOLD:g}"
+        ratio_col = f"ratio outside [{low:g}, {high:g}]"
+        # counted over the cells where each diagnostic exists (a NaN k-hat is neither good nor bad)
+        khat_cells = table[table["pareto_khat"].notna()].groupby("label").size() if "pareto_khat" in table else {}
+        ratio_cells = (table[table["delta_var_ratio"].notna()].groupby("label").size()
+                       if "delta_var_ratio" in table else {})
+        for label in label_order(flagged["estimator"]):
+            rows = flagged[flagged["estimator"] == label]
+            reasons = []
+            if rows[khat_col].sum():
+                reasons.append(f"{int(rows[khat_col].sum())} of {khat_cells[label]} cells with a k-hat have k-hat "
+                               f"&gt; {KHAT_THRESHOLD:g} (max {rows['max k-hat'].max():.2f})")
+            if rows[ratio_col].sum():
+                reasons.append(f"{int(rows[ratio_col].sum())} of {ratio_cells[label]} cells with a variance ratio "
+                               "have it outside the band")
+            settings = "; ".join(f"N = {t}, S = {s}" for t, s in zip(rows["tokens"], rows["S"]))
+            out.append(f'<p class="warning"><b title="{esc(label)}">{esc(names.get(label, label))}</b>: '
+                       f'{"; ".join(reasons)} (settings: {esc(settings)}).</p>')
+    overview = diagnostics_overview(table, metadata)
+    out.append('<h3>Per estimator and S</h3><div class="scroll"><table class="dataframe results diagnostics">'
+               "<thead><tr><th>estimator</th><th>S</th><th>cells</th><th>Pareto k-hat</th>"
+               "<th>delta-method / replicate variance</th><th>ESS</th></tr></thead><tbody>")
+    for row in overview.itertuples(index=False):
+        cells_html = []
+        for text in (row[4], row[5], row[6]):
+            count = str(text).split(" of ", 1)[0]
+            klass = ("na" if " not computed: " in str(text)
+                     else "flag" if count.isdigit() and int(count) > 0 and " of " in str(text) else "")
+            cells_html.append(f'<td class="{klass}">{esc(str(text))}</td>' if klass else f"<td>{esc(str(text))}</td>")
+        out.append(f'<tr><th title="{esc(row.label)}">{esc(row.estimator)}</th><td>{row.S}</td>'
+                   f"<td>{row.cells}</td>{''.join(cells_html)}</tr>")
+    out.append("</tbody></table></div>")
+    if not flagged.empty:
+        shown = flagged.assign(estimator=flagged["estimator"].map(lambda lab: names.get(lab, lab)))
+        out.append("<details><summary>flagged settings, per token count</summary>" + _table_html(shown)
+                   + "</details>")
     return out
+
+
+def _warnings_html(metadata: Mapping[str, Any], names: Mapping[str, str]) -> list[str]:
+    esc = html.escape
+    if "warnings" not in metadata:
+        return ['<p class="ok">The results carry no record of warnings (the metadata has no "warnings" entry; '
+                "tables written before randattn recorded them show none here, so check the run's terminal "
+                "output).</p>"]
+    frame = warnings_summary(metadata)
+    if frame.empty:
+        return ['<p class="ok">No warnings were raised while computing these results.</p>']
+    out = [f"<p>{int(frame['count'].sum())} warning(s) of {len(frame)} distinct kind(s) were raised while computing "
+           "these results. Each is listed once with how often it occurred and what it means.</p>"]
+    for category, group in frame.groupby("category", sort=False):
+        out.append(f'<div class="warning"><b>{esc(category)}</b> ({int(group["count"].sum())} times): '
+                   f"{esc(group['meaning'].iloc[0])}<ul>")
+        for row in group.itertuples(index=False):
+            who = (f'<span title="{esc(row.label)}">{esc(names.get(row.label, row.label))}</span>: '
+                   if row.label else "")
+            out.append(f"<li>{who}{row.count} × <q>{esc(row.message)}</q></li>")
+        out.append("</ul></div>")
+    return out
+
+
+def _label_tooltips(page_part: str, names: Mapping[str, str]) -> str:
+    """Put each label's exact spec in a ``title`` tooltip on the table cells that show its readable name."""
+    esc = html.escape
+    for label, name in names.items():
+        for tag in ("th", "td"):
+            # pandas escapes <, > and & in cells but not quotes
+            page_part = page_part.replace(f"<{tag}>{esc(name, quote=False)}</{tag}>",
+                                          f'<{tag} title="{esc(label)}">{esc(name)}</{tag}>')
+    return page_part
 
 
 def write_report(

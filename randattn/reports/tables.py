@@ -34,6 +34,7 @@ __all__ = [
     "mse_pivot",
     "label_order",
     "describe_data",
+    "display_names",
 ]
 
 #: every column of a full results table, in order: the sweep's schema, defined once
@@ -214,6 +215,36 @@ def require_columns(table: pd.DataFrame, columns: Iterable[str], what: str) -> N
         raise ResultsError(f"{what} needs at least one row; the table is empty")
 
 
+def display_names(table: pd.DataFrame) -> dict[str, str]:
+    """Readable name of every label of ``table`` (:func:`randattn.estimators.names.display_name`).
+
+    The name is built from the row's ``params`` JSON (all parameters, resolved) when the table has that column,
+    else from the label text. Two labels that would share a name keep it with their spec in brackets, so a
+    legend never merges two configurations.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        With a ``label`` column (``params`` optional).
+
+    Returns
+    -------
+    dict
+        label -> readable name, e.g. ``"rfa:coupling=orthogonal"`` -> ``"Performer (FAVOR+, orthogonal)"``.
+    """
+    from randattn.estimators.names import display_name_of_label
+
+    if "params" in table:
+        firsts = table.drop_duplicates("label").set_index("label")["params"]
+        names = {str(label): display_name_of_label(str(label), firsts[label]) for label in firsts.index}
+    else:
+        names = {str(label): display_name_of_label(str(label)) for label in table["label"].unique()}
+    counts: dict[str, int] = {}
+    for name in names.values():
+        counts[name] = counts.get(name, 0) + 1
+    return {label: name if counts[name] == 1 else f"{name} [{label}]" for label, name in names.items()}
+
+
 def label_order(labels: Iterable[str]) -> list[str]:
     """Labels sorted by estimator family (softmax, rfa, ra, lara, eva, ...), then by text.
 
@@ -334,7 +365,8 @@ def summary_table(table: pd.DataFrame, *, confidence: float = 0.95, seed: int = 
     Returns
     -------
     pandas.DataFrame
-        Columns ``tokens, label, S, images, MSE, MSE CI low, MSE CI high`` and, when the table has them,
+        Columns ``tokens, estimator`` (readable name, :func:`display_names`), ``spec`` (the exact label),
+        ``S, images, MSE, MSE CI low, MSE CI high`` and, when the table has them,
         ``variance, bias² (debiased)``, ``bias share`` (bias² / MSE).
     """
     values = [name for name in ("mse", "variance", "bias_sq") if name in table]
@@ -345,6 +377,8 @@ def summary_table(table: pd.DataFrame, *, confidence: float = 0.95, seed: int = 
         "variance": "variance", "bias_sq": "bias² (debiased)",
     }
     summary = aggregated[[c for c in columns if c in aggregated]].rename(columns=columns)
+    summary.insert(2, "spec", summary["estimator"])
+    summary["estimator"] = summary["spec"].map(display_names(table))
     if "bias² (debiased)" in summary:
         with np.errstate(divide="ignore", invalid="ignore"):
             summary["bias share"] = summary["bias² (debiased)"] / summary["MSE"]

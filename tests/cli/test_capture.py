@@ -73,3 +73,39 @@ def test_missing_vit_extra_names_the_install(tmp_path, monkeypatch):
     result = _run("--images", "skimage:astronaut", "--out", str(tmp_path / "a.safetensors"))
     assert result.exit_code == 2, result.output
     assert 'pip install "randattn[vit]"' in " ".join(result.stderr.split())
+
+
+def test_capture_hf_folder(tmp_path):
+    """--hf with a save_pretrained folder (tiny random ViT; no download): grid and prefix tokens recorded."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from randattn.activations.io import load_activations
+
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                    image_size=32, patch_size=8)
+    transformers.ViTModel(config).save_pretrained(tmp_path / "vit")
+    out = tmp_path / "acts.safetensors"
+    result = _run("--hf", str(tmp_path / "vit"), "--images", "skimage:astronaut", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    acts = load_activations(out)
+    assert acts.shape == (1, 4, 17, 8) and acts.layers == (0, 1) and acts.scale == 8**-0.5
+    assert acts.metadata["grid"] == [4, 4] and acts.metadata["prefix_tokens"] == 1
+    assert acts.metadata["model"] == f"hf:{tmp_path / 'vit'}"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--hf", "x", "--timm", "vit_small_patch16_224"], "use either --timm NAME or --hf PATH_OR_NAME, not both"),
+        (["--hf", "/no/such/model"], "cannot load a transformers config from '/no/such/model'"),
+    ],
+    ids=["hf-and-timm", "hf-missing"],
+)
+def test_bad_hf_input_exits_2(tmp_path, args, message, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a path that is no folder must not reach for the network
+    result = _run(*args, "--images", "skimage:astronaut", "--out", str(tmp_path / "a.safetensors"))
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.stderr.split())

@@ -31,3 +31,16 @@ def test_unknown_command_is_a_usage_error():
     result = CliRunner().invoke(main, ["frobnicate"])
     assert result.exit_code == 2
     assert "No such command 'frobnicate'" in result.output
+
+
+def test_estimators_table_shows_each_parameters_description_default_and_choices():
+    from randattn.estimators.registry import get_spec
+
+    result = CliRunner().invoke(main, ["estimators"], catch_exceptions=False, terminal_width=400)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.replace("│", " ").split())
+    lara = get_spec("lara").params
+    for pname in ("weighting", "beta", "alpha_clamp"):
+        assert f"{pname} (default {lara[pname].default!r}" in text
+        assert " ".join(lara[pname].doc.split()[:6]) in text  # the description, as --json has it
+    assert "choices decoupled | balance | coupled | constant" in text

@@ -53,7 +53,8 @@ def test_plot_heatmap_label_and_samples(results, tmp_path):
     result = invoke("plot", str(results), "--kind", "heatmap", "--label", "lara", "--samples", "16",
                     "--out", str(tmp_path), "--format", "svg")
     assert result.exit_code == 0, result.output
-    assert "lara, S = 16" in (tmp_path / "heatmap.svg").read_text(encoding="utf-8")
+    svg = (tmp_path / "heatmap.svg").read_text(encoding="utf-8")
+    assert "LARA (paper, decoupled β=1)" in svg and "S = 16 [lara]" in svg  # readable name, spec kept
 
 
 @pytest.mark.parametrize(
@@ -153,7 +154,11 @@ def test_run_demo_with_fake_capture_and_real_sweep(tmp_path):
     assert len(table) == 2 * 2 * 2 * 2 * (2 + 2 + 1)  # sizes x images x layers x heads x (softmax, rfa at 2 S; ra)
     assert {"table", "metadata", "figure.png", "figure.svg", "report"} <= set(result.files)
     assert all(path.exists() for path in result.files.values())
-    assert "randattn demo (test)" in result.files["report"].read_text(encoding="utf-8")
+    page = result.files["report"].read_text(encoding="utf-8")
+    assert "randattn demo (test)" in page
+    # readable names with the exact spec as tooltip; diagnostics say why they are missing
+    assert '<th title="rfa">Performer (FAVOR+, iid)</th>' in page and ">RA (unbiased)<" in page
+    assert "k-hat not computed: diagnostics were turned off for this run" in page
     assert {step.name for step in steps} >= {"loading model", "capture", "sweep N=5", "sweep N=10", "report"}
     assert set(result.seconds) == {"capture", "sweep", "report", "total"}
 

@@ -47,9 +47,11 @@ def test_mse_vs_samples_one_panel_per_token_count_one_line_per_label(table):
         assert len(ax.collections) == RANDOM_LABELS  # one CI band per line
     assert fig.axes[0].get_ylabel() == "MSE (squared output units)"
     title = fig.get_suptitle()
-    assert "dinov2-s14" in title and "2 images" in title and "exact, not drawn: softmax (mse 0)" in title
+    assert "dinov2-s14" in title and "2 images" in title and "exact, not drawn: Softmax (exact) (mse 0)" in " ".join(title.split())
     legend_texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert legend_texts[0] == "rfa" and "eva" in legend_texts and "softmax" not in legend_texts
+    # readable names (randattn.estimators.names), not registry specs
+    assert legend_texts[0] == "Performer (FAVOR+, iid)" and "LARA (paper, decoupled β=1)" in legend_texts
+    assert any(t.startswith("EVA (") for t in legend_texts) and not any("Softmax" in t for t in legend_texts)
 
 
 def test_mse_vs_samples_line_values_are_the_mean_over_images_of_layer_head_means(table):
@@ -67,7 +69,7 @@ def test_a_label_with_a_single_sample_count_is_a_horizontal_line(table):
     ax = fig.axes[0]
     flat = [line for line in ax.get_lines() if np.ptp(line.get_ydata()) == 0 and line.get_linestyle() == "--"]
     assert len(flat) == 1
-    assert any("ra (S = 16 only)" == t.get_text() for t in fig.legends[0].get_texts())
+    assert any("RA (unbiased) (S = 16 only)" == t.get_text() for t in fig.legends[0].get_texts())
 
 
 def test_bias_variance_has_variance_bias_and_mse_lines_per_label(table):
@@ -88,12 +90,12 @@ def test_heatmap_shows_layers_by_heads_with_a_shared_log_colour_bar(table):
     rows = table[(table["label"] == "lara") & (table["num_samples"] == 32) & (table["tokens"] == 197)]
     expected = rows.groupby(["layer", "head"])["mse"].mean().unstack().to_numpy()
     np.testing.assert_allclose(np.asarray(data), expected, rtol=1e-12)
-    assert "lara, S = 32" in fig.get_suptitle()
-    assert fig.axes[-1].get_ylabel() == "MSE (squared output units, log scale)"
+    assert "LARA (paper, decoupled β=1), S = 32 [lara]" in " ".join(fig.get_suptitle().split())
+    assert fig.axes[-1].get_ylabel() == "MSE, log scale\n(squared output units)"
 
 
 def test_heatmap_defaults_to_the_first_random_estimator_and_the_largest_s(table):
-    assert "rfa, S = 64" in heatmap_figure(table).get_suptitle()
+    assert "Performer (FAVOR+, iid), S = 64" in " ".join(heatmap_figure(table).get_suptitle().split())
 
 
 def test_heatmap_rejects_an_unmeasured_s(table):
@@ -192,3 +194,37 @@ def test_read_results_errors(tmp_path, name, content, message):
         path.write_text(content)
     with pytest.raises(ResultsError, match=message):
         read_results(path)
+
+
+def _outside_canvas(fig) -> list[str]:
+    """Every drawn text (axes with their tick and axis labels, colour bars, legends, titles) not inside the canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    width, height = fig.bbox.width, fig.bbox.height
+    boxes = [(f"axes {ax.get_title() or ax.get_ylabel()!r}", ax.get_tightbbox(renderer)) for ax in fig.axes]
+    boxes += [("legend", legend.get_window_extent(renderer)) for legend in fig.legends]
+    boxes += [(f"text {text.get_text()[:40]!r}", text.get_window_extent(renderer)) for text in fig.texts]
+    if fig._suptitle is not None:
+        boxes.append(("suptitle", fig._suptitle.get_window_extent(renderer)))
+    # half a pixel of slack for anti-aliasing
+    return [f"{what}: {box}" for what, box in boxes
+            if box.x0 < -0.5 or box.y0 < -0.5 or box.x1 > width + 0.5 or box.y1 > height + 0.5]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(tokens=TOKENS, samples=(16, 64), heads=2, layers=(0, 11)),
+     dict(tokens=(197,), samples=(16,), heads=1, layers=(0,))],  # one layer: the colour-bar label was cut off
+    ids=["full", "one-cell"],
+)
+@pytest.mark.parametrize("kind", sorted(FIGURE_KINDS))
+def test_no_text_is_clipped(kind, shape):
+    table = make_results_table(**shape)
+    try:
+        fig = make_figure(kind, table)
+    except ResultsError:
+        pytest.skip(f"{kind} has nothing to draw for this table")
+    assert _outside_canvas(fig) == []

@@ -12,8 +12,10 @@ from matplotlib.image import imread
 
 from randattn.reports.html import (
     build_report,
+    diagnostics_overview,
     diagnostics_summary,
     environment_info,
+    warnings_summary,
     write_report,
 )
 from randattn.reports.tables import ResultsError, summary_table
@@ -58,7 +60,8 @@ def test_figures_are_embedded_png_that_decode(page):
 def test_summary_tables_hold_the_aggregated_numbers(table, page):
     summary = summary_table(table)
     assert page.count('<table class="dataframe results"') >= 3
-    rfa = summary[(summary["estimator"] == "rfa") & (summary["S"] == 16)]["MSE"].iloc[0]
+    rfa = summary[(summary["spec"] == "rfa") & (summary["S"] == 16)]["MSE"].iloc[0]
+    assert set(summary.loc[summary["spec"] == "rfa", "estimator"]) == {"Performer (FAVOR+, iid)"}
     assert f"{rfa:.3g}" in page
     assert "bias² (debiased)" in page and "MSE CI low" in page
 
@@ -113,3 +116,61 @@ def test_report_needs_the_plot_columns(table):
 def test_environment_lists_versions_without_importing():
     info = environment_info()
     assert {"python", "platform", "numpy", "torch", "randattn"} <= set(info)
+
+
+# ------------------------------------------------------------------------------------ warnings and diagnostics
+WARNINGS = [
+    {"category": "NonPositiveDenominatorWarning", "label": "lara", "count": 38,
+     "message": "the estimator's normalizer is zero or negative for 3 of 197 queries"},
+    {"category": "NonPositiveDenominatorWarning", "label": "lara", "count": 2,
+     "message": "the estimator's normalizer is zero or negative for 3 of 197 queries"},
+    {"category": "SomethingNewWarning", "message": "<odd>", "count": 1},
+]
+
+
+@pytest.fixture(scope="module")
+def nan_table():
+    """k-hat where randattn leaves it NaN: signed LARA weights, rfa at S = 16 (tail too short), EVA, softmax."""
+    table = make_results_table(tokens=(197,), samples=(16, 64), heads=1, layers=(0,),
+                               labels=["softmax", "rfa", "lara", "eva"])
+    table.loc[table["label"].isin(["lara", "eva"]), ["pareto_khat", "delta_var_ratio", "ess_mean"]] = np.nan
+    table.loc[(table["label"] == "rfa") & (table["num_samples"] == 16), "pareto_khat"] = np.nan
+    return table
+
+
+def test_warnings_are_listed_once_with_counts_and_meaning(nan_table):
+    summary = warnings_summary({"warnings": WARNINGS})
+    assert summary["count"].tolist() == [40, 1]  # the two identical LARA entries are merged
+    page = build_report(nan_table, metadata={"warnings": WARNINGS}, environment=ENV, figures=[])
+    section = page[page.index('id="warnings"'):page.index('id="diagnostics"')]
+    assert "NonPositiveDenominatorWarning</b> (40 times)" in section
+    assert "LARA&#x27;s decoupled weights (eq. 38" in section  # the meaning, not just the name
+    assert 'title="lara">LARA (paper, decoupled β=1)</span>: 40 ×' in section
+    assert "&lt;odd&gt;" in section and "No explanation recorded for this category" in section
+
+
+@pytest.mark.parametrize(("metadata", "text"), [({}, "carry no record of warnings"),
+                                                 ({"warnings": []}, "No warnings were raised")])
+def test_no_warnings_says_which_case(nan_table, metadata, text):
+    page = build_report(nan_table, metadata=metadata, environment=ENV, figures=[])
+    assert text in page[page.index('id="warnings"'):page.index('id="diagnostics"')]
+
+
+def test_diagnostics_say_why_they_were_not_computed(nan_table):
+    overview = diagnostics_overview(nan_table).set_index(["label", "S"])
+    assert overview.loc[("softmax", 16), "k-hat"] == (
+        "k-hat not computed: deterministic estimator (no draws, no importance weights)")
+    assert overview.loc[("lara", 64), "k-hat"] == (
+        "k-hat not computed: signed weights (LARA's decoupled weighting, eq. 38, can be negative)")
+    assert overview.loc[("eva", 64), "variance ratio"].startswith("variance ratio not computed: not defined for eva")
+    assert overview.loc[("rfa", 16), "k-hat"].startswith("k-hat not computed: S = 16 is below the minimum tail size")
+    ratios = nan_table.loc[(nan_table["label"] == "rfa") & (nan_table["num_samples"] == 16), "delta_var_ratio"]
+    outside = int(((ratios < 0.5) | (ratios > 2)).sum())
+    assert overview.loc[("rfa", 16), "variance ratio"] == (
+        f"{outside} of {len(ratios)} cells outside [0.5, 2] (median {ratios.median():.2f})")
+    page = build_report(nan_table, environment=ENV, figures=[])
+    section = page[page.index('id="diagnostics"'):page.index('id="provenance"')]
+    assert section.count('<th title="') == len(overview)  # every estimator and S has a row, spec in a tooltip
+    # a NaN k-hat is never reported as a clean count
+    khat_cells = re.findall(r"<td[^>]*>(\d+) of (\d+) cells &gt; 0.7", section)
+    assert len(khat_cells) == 1  # rfa at S = 64 only
