@@ -183,6 +183,7 @@ def run_sweep(
     progress: Callable[[SweepProgress], None] | None = None,
     lock: bool = True,
     resume_hint: str = "resume=True",
+    scheduler: Any = None,
 ):
     r"""Run every cell of ``config`` over ``activations``; return the tidy table.
 
@@ -205,6 +206,11 @@ def run_sweep(
         pass False when the caller holds it already.
     resume_hint : str
         How the message of a refused non-resumed run tells the user to resume.
+    scheduler : None, str or distributed.Client
+        Where units run (:mod:`randattn.analysis.executors`): None or ``"local"`` (this process),
+        ``"processes:N"`` (a local Dask cluster of N worker processes), ``"tcp://HOST:PORT"`` (a
+        running Dask scheduler) or a ``distributed.Client``. With Dask, ``activations`` must be a
+        path that every worker can read. The table is the same whatever the scheduler.
 
     Returns
     -------
@@ -240,28 +246,29 @@ def run_sweep(
     parts = Path(parts_dir) if parts_dir is not None else None
     context = sweep_lock(parts) if parts is not None and lock else nullcontext()
     with context:
-        done: set[str] = set()
+        stored: set[str] = set()
         if parts is not None:
             prepare_parts_dir(parts, _manifest(acts, config), resume, resume_hint)
-            done = stored_unit_ids(parts)
-        todo = [u for u in units if u.uid not in done]
+            stored = stored_unit_ids(parts)
+        todo = [u for u in units if u.uid not in stored]
         runner = UnitRunner(acts, config)
         _check_memory(runner, todo)
         total = total_cells(units)
-        finished = total - total_cells(todo)
+        state = {"finished": total - total_cells(todo), "t0": time.perf_counter()}
         new_rows: list[dict[str, Any]] = []
         caught: list[tuple[str, str, str]] = []
-        for unit in todo:
-            t0 = time.perf_counter()
-            rows, unit_warnings = _run_recording(runner, unit)
-            if parts is not None:
-                write_part(parts, unit.uid, rows)
+
+        def done(unit: Unit, rows: list[dict[str, Any]], unit_warnings: list[tuple[str, str]]) -> None:
             new_rows.extend(rows)
             caught.extend((c, m, unit.label) for c, m in unit_warnings)
-            finished += len(unit.heads)
+            state["finished"] += len(unit.heads)
             if progress is not None:
-                progress(SweepProgress(finished, total, unit.layer, unit.label, unit.num_samples, len(unit.heads),
-                                       time.perf_counter() - t0))
+                now = time.perf_counter()
+                progress(SweepProgress(state["finished"], total, unit.layer, unit.label, unit.num_samples,
+                                       len(unit.heads), now - state["t0"]))
+                state["t0"] = now
+
+        _execute(runner, todo, parts, activations, config, scheduler, done)
         if parts is not None:
             table = read_parts(parts)  # exactly what is on disk, so a resumed run matches bit for bit
         else:
@@ -272,6 +279,31 @@ def run_sweep(
         warnings.warn(f"{record['label']}: {record['message']} ({record['count']} units)",
                       _warning_category(record["category"]), stacklevel=2)
     return table
+
+
+def _execute(runner: UnitRunner, units: list[Unit], parts: Path | None, activations: Any, config: SweepConfig,
+             scheduler: Any, done: Callable[..., None]) -> None:
+    """Run ``units`` in this process or on Dask, calling ``done(unit, rows, warnings)`` as each finishes."""
+    from randattn.analysis.executors import Scheduler, dask_client, parse_scheduler, run_units_dask
+
+    if not units:
+        return
+    client = None if scheduler is None or isinstance(scheduler, (str, Scheduler)) else scheduler
+    spec = None if client is not None else (scheduler if isinstance(scheduler, Scheduler) else parse_scheduler(scheduler))
+    if client is None and spec.kind == "local":
+        for unit in units:
+            rows, unit_warnings = _run_recording(runner, unit)
+            if parts is not None:
+                write_part(parts, unit.uid, rows)
+            done(unit, rows, unit_warnings)
+        return
+    if not isinstance(activations, (str, os.PathLike)):
+        raise ValueError("a Dask scheduler needs the activations as a file path that every worker can read")
+    if client is not None:
+        run_units_dask(client, activations, config, units, parts, on_done=done)
+        return
+    with dask_client(spec) as own:
+        run_units_dask(own, activations, config, units, parts, on_done=done)
 
 
 def _warning_category(name: str) -> type[Warning]:

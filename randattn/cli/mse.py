@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -84,9 +85,14 @@ def parse_int_list(name: str, text: str | None) -> tuple[int, ...] | None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out table (and any unfinished run of it).")
 @click.option("--out", "out", type=click.Path(path_type=Path), default=None,
               help="Result table: .parquet, .csv or .json (metadata in <out>.meta.json).")
+@click.option("--scheduler", default="local", show_default=True, metavar="WHERE",
+              help="Where units run: local (this process), processes:N (a local Dask cluster of N worker "
+                   "processes) or tcp://HOST:PORT (a running Dask scheduler; ACTS must be readable by every worker). "
+                   "The table is the same whatever the scheduler.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def command(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images, seed, backend, device,
-            dtype, check_reference, max_memory, probabilities, diagnostics, resume, overwrite, out, as_json) -> None:
+            dtype, check_reference, max_memory, probabilities, diagnostics, resume, overwrite, out, scheduler,
+            as_json) -> None:
     """Measure bias, variance and MSE of estimators on the activations in ACTS.
 
     One row per (image, layer, head, estimator, S); summary averaged as LARA app. H.1
@@ -104,15 +110,21 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
     from randattn.analysis.store import SweepLockedError, sweep_lock
     from randattn.cli._common import abort, err_console
 
+    from randattn.analysis.executors import parse_scheduler
+
     if resume and overwrite:
         abort("--resume and --overwrite exclude each other")
+    try:
+        where = parse_scheduler(scheduler)
+    except ValueError as exc:
+        abort(str(exc))
     config, activations = _prepare(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images,
                                    seed, backend, device, dtype, check_reference, max_memory, probabilities,
                                    diagnostics)
     if out is None:
         if resume:
             abort("--resume needs --out (the interrupted run's output path)")
-        table = _run(activations, config, None, False, err_console)
+        table = _run(activations, config, None, False, err_console, where, acts)
         _finish(table, config, activations, None, as_json)
         return
     out = _check_out(out)
@@ -128,7 +140,7 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
                 return
             if overwrite:
                 shutil.rmtree(parts, ignore_errors=True)
-            table = _run(activations, config, parts, resume, err_console)
+            table = _run(activations, config, parts, resume, err_console, where, acts)
             _finish(table, config, activations, out, as_json)
             shutil.rmtree(parts, ignore_errors=True)
     except SweepLockedError as exc:
@@ -224,7 +236,7 @@ def _resume_command() -> str:
     return " ".join(map(_quote, ["randattn", *argv]))
 
 
-def _run(activations, config, parts, resume, console):
+def _run(activations, config, parts, resume, console, where=None, source=None):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from randattn.analysis.execute import MemoryBudgetError
@@ -244,10 +256,11 @@ def _run(activations, config, parts, resume, console):
             bar.update(task, completed=p.done, description=f"layer {p.layer} {p.label}{s}")
 
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _client(where, console) as client:
                 warnings.simplefilter("ignore")  # run_sweep re-issues each distinct warning once; it returns them all
-                table = run_sweep(activations, config, parts_dir=parts, resume=resume, progress=report, lock=False,
-                                  resume_hint="--resume")
+                table = run_sweep(source if client is not None else activations, config, parts_dir=parts,
+                                  resume=resume, progress=report, lock=False, resume_hint="--resume",
+                                  scheduler=client)
         except KeyboardInterrupt:
             bar.stop()
             if parts is None:
@@ -266,12 +279,38 @@ def _run(activations, config, parts, resume, console):
                 abort(f"out of memory ({str(exc).splitlines()[0]}); lower --max-memory (now {config.max_memory} "
                       "bytes) or use fewer --samples / --replicates")
             raise
-        except (FileExistsError, ValueError) as exc:
-            if isinstance(exc, FileExistsError) or str(exc).startswith("cannot resume"):
-                abort(str(exc))
-            raise
+        except (FileExistsError, ValueError) as exc:  # bad input found while running (also raised by a Dask unit)
+            kept = "" if parts is None else f"; finished units are kept in {parts} for --resume"
+            abort(str(exc) + ("" if isinstance(exc, FileExistsError) or str(exc).startswith("cannot resume") else kept))
     _report_warnings(table.attrs.get("warnings", []), console)
     return table
+
+
+@contextlib.contextmanager
+def _client(where, console):
+    """A Dask client for a non-local scheduler (its dashboard address printed), else None."""
+    if where is None or where.kind == "local":
+        yield None
+        return
+    from randattn.analysis.executors import dask_client
+    from randattn.cli._common import abort
+
+    try:
+        manager = dask_client(where)
+        client = manager.__enter__()
+    except ValueError as exc:
+        abort(str(exc))
+    try:
+        workers = len(client.scheduler_info().get("workers", {}))
+        link = getattr(client, "dashboard_link", None)
+        console.print(f"Dask: {workers} workers at {client.scheduler.address}"
+                      + (f"; dashboard {link}" if link else ""), highlight=False)
+        yield client
+    except BaseException:
+        if not manager.__exit__(*sys.exc_info()):
+            raise
+    else:
+        manager.__exit__(None, None, None)
 
 
 def _report_warnings(records, console) -> None:

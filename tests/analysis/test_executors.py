@@ -1,0 +1,153 @@
+"""Sweeps on Dask: the same table as in-process, resume across executors, a killed worker, a failing unit."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pandas as pd
+import pytest
+
+distributed = pytest.importorskip("distributed")
+
+from click.testing import CliRunner  # noqa: E402
+
+from randattn.activations import make_activations, save_activations  # noqa: E402
+from randattn.analysis.executors import parse_scheduler  # noqa: E402
+from randattn.analysis.sweep import SweepConfig, parse_estimator_list, read_parts, run_sweep  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def client():
+    """One 2-process LocalCluster for the module (starting one costs seconds)."""
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                                  silence_logs=40) as cluster, distributed.Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def acts_path(tmp_path_factory):
+    rng = np.random.default_rng(7)
+    arrays = {layer: tuple(rng.normal(size=(2, 2, 40, 8)) for _ in range(3)) for layer in (0, 1, 2)}
+    acts = make_activations(arrays, {"scale": 0.3, "model": "synthetic", "images": ["cat", "dog"]})
+    return save_activations(acts, tmp_path_factory.mktemp("dask") / "acts.safetensors")
+
+
+def _config(**kw):
+    base = dict(estimators=parse_estimator_list("rfa:coupling=orthogonal;lara:weighting=balance;ra"),
+                num_samples=(4, 16), replicates=4, seed=5, khat_queries=4)
+    base.update(kw)
+    return SweepConfig(**base)
+
+
+def _same(a, b):
+    pd.testing.assert_frame_equal(a.drop(columns="seconds"), b.drop(columns="seconds"), check_exact=True)
+
+
+@pytest.fixture(scope="module")
+def local_table(acts_path):
+    return run_sweep(acts_path, _config())
+
+
+def test_parse_scheduler():
+    assert parse_scheduler("local").kind == "local" and parse_scheduler(None).kind == "local"
+    assert parse_scheduler("processes:3").workers == 3
+    assert parse_scheduler("tcp://10.0.0.1:8786").address == "tcp://10.0.0.1:8786"
+    for bad in ("processes:0", "processes", "threads:2", "http://x"):
+        with pytest.raises(ValueError, match="--scheduler"):
+            parse_scheduler(bad)
+
+
+def test_dask_table_is_identical_to_local(acts_path, client, local_table, tmp_path):
+    table = run_sweep(acts_path, _config(), scheduler=client, parts_dir=tmp_path / "parts")
+    _same(local_table, table)
+    # every unit's part was written by a worker, atomically (no temporary files left)
+    assert len(list((tmp_path / "parts").glob("part-*.parquet"))) == 3 * 2 * 3 * 2 - 0  # layers x S x configs x images
+    assert not list((tmp_path / "parts").glob(".*.tmp"))
+
+
+def test_resumed_dask_run_equals_uninterrupted_local_run(acts_path, client, local_table, tmp_path):
+    seen = []
+
+    def stop(progress):
+        seen.append(progress)
+        if len(seen) == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(acts_path, _config(), scheduler=client, parts_dir=tmp_path / "p", progress=stop)
+    kept = read_parts(tmp_path / "p")
+    assert 0 < len(kept) < len(local_table)
+    _same(local_table, run_sweep(acts_path, _config(), scheduler=client, parts_dir=tmp_path / "p", resume=True))
+
+
+def test_a_worker_killed_mid_run_loses_only_its_unit(acts_path, client, local_table):
+    pids = client.run(os.getpid)
+    killed = []
+
+    def kill_one(progress):
+        if not killed:
+            victim = sorted(pids.values())[0]
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
+
+    table = run_sweep(acts_path, _config(), scheduler=client, progress=kill_one)
+    assert killed
+    _same(local_table, table)
+    client.wait_for_workers(2, timeout=60)
+    assert killed[0] not in client.run(os.getpid).values()  # the nanny started a new worker process
+
+
+def _fail_layer_one(dask_worker=None):
+    from randattn.analysis import execute
+
+    original = execute.UnitRunner.run
+
+    def run(self, unit):
+        if unit.layer == 1:
+            raise ValueError(f"bad input in layer {unit.layer}")
+        return original(self, unit)
+
+    execute.UnitRunner.run = run
+
+
+def _restore(dask_worker=None):
+    import importlib
+
+    from randattn.analysis import execute
+
+    importlib.reload(execute)
+
+
+def test_a_failing_unit_fails_the_run_with_its_message_and_keeps_finished_parts(acts_path, client, tmp_path):
+    from randattn.cli import main
+
+    client.run(_fail_layer_one)
+    try:
+        with pytest.raises(ValueError, match="bad input in layer 1"):
+            run_sweep(acts_path, _config(), scheduler=client, parts_dir=tmp_path / "p")
+        # the CLI through a running scheduler: exit 2 with the unit's message; finished parts stay for --resume
+        out = tmp_path / "cli.parquet"
+        result = CliRunner().invoke(main, ["mse", str(acts_path), "-e", "rfa", "--samples", "4", "--replicates", "3",
+                                           "--scheduler", client.scheduler.address, "--out", str(out)])
+        assert result.exit_code == 2, result.output
+        assert "bad input in layer 1" in result.output
+        assert not out.exists()
+    finally:
+        client.run(_restore)
+
+
+def test_cli_scheduler_address_gives_the_local_table(acts_path, client, tmp_path):
+    from randattn.cli import main
+
+    args = ["mse", str(acts_path), "-e", "rfa:coupling=orthogonal", "--samples", "4", "--replicates", "3"]
+    local = tmp_path / "local.parquet"
+    remote = tmp_path / "remote.parquet"
+    assert CliRunner().invoke(main, [*args, "--out", str(local)]).exit_code == 0
+    result = CliRunner().invoke(main, [*args, "--out", str(remote), "--scheduler", client.scheduler.address])
+    assert result.exit_code == 0, result.output
+    assert "Dask: 2 workers" in result.output
+    _same(pd.read_parquet(local), pd.read_parquet(remote))
+    bad = CliRunner().invoke(main, [*args, "--scheduler", "nonsense"])
+    assert bad.exit_code == 2 and "--scheduler 'nonsense' is not understood" in bad.output
