@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from randattn.analysis.theory import _eva, _lara, _performer
+from randattn.analysis.theory import _eva, _lara, _performer, _stability
 from randattn.analysis.theory._base import (
     EXACT_RTOL,
     MC_K_SE,
@@ -67,7 +67,7 @@ _SYNTH_MC = "synthetic (variance grows like exp(|x+y|^2): needs small norms)"
 
 
 def registry() -> tuple[Check, ...]:
-    """Every documented check, in table order (LARA, EVA, Performer, OPRF, SNIS)."""
+    """Every documented check, in table order (LARA, EVA, Performer, OPRF, SNIS, numerics)."""
     return (
         # ---------------- LARA
         Check("lara.prop3.1.mixture", "N(w;0,I) sum_m xi(x,w) xi(y_m,w) / Z = sum_m pi_m N(w; x + y_m, I) pointwise",
@@ -155,6 +155,12 @@ def registry() -> tuple[Check, ...]:
         Check("snis.delta-method-variance", "delta-method variance = replicate variance for RFA at large S",
               "Owen 2013 sec. 9.2; LARA app. D eq. 19-20", _MC, _performer.snis_delta_method, max_tested=6,
               synthetic_note="synthetic (moderate weights, |x+y|^2 <= 1.6)"),
+        # ---------------- numerics
+        Check("numerics.large-norm-stability",
+              "every registered estimator is finite at key norms >= 150, float32 and float64; batched = reference "
+              "within its dtype's tolerance; softmax = verify's own exact softmax",
+              "ARCHITECTURE sec. 3 (ViT norms); engineering rule 3", _EXACT, _stability.large_norm_stability,
+              synthetic_note="synthetic (key norms 150..160)"),
     )
 
 

@@ -16,6 +16,7 @@ from randattn.analysis.theory._base import (
     CheckResult,
     HeadData,
     VerifyData,
+    exact_attention,
     exact_result,
     heads_or_synthetic,
     mc_unbiased_result,
@@ -36,7 +37,6 @@ from randattn.estimators.montecarlo import (
 from randattn.estimators.rfa import reference as rfa_ref
 from randattn.estimators.scatterbrain import reference as scatterbrain_ref
 from randattn.estimators.segments import segment_bounds
-from randattn.estimators.softmax import reference as softmax_ref
 
 _LOG_2PI = float(np.log(2.0 * np.pi))
 
@@ -86,7 +86,7 @@ def g1_eva_full_window_is_softmax(rng: np.random.Generator, quick: bool, data: V
         params = {"window": head.k.shape[0]} if eva_params is None else eva_params
         draws = eva_pkg.draw(head.q.shape, head.k.shape, num_samples=3, replicates=2, rng=rng, **params)
         got.append(eva_ref.estimate(head.q, head.k, head.v, draws, scale=head.scale, **params).ravel())
-        want.append(softmax_ref.estimate(head.q, head.k, head.v, draws, scale=head.scale).ravel())
+        want.append(np.broadcast_to(exact_attention(head.q, head.k, head.v, head.scale), (2, head.q.shape[0], head.v.shape[1])).ravel())
     return exact_result("eva.G.1.softmax-window", np.concatenate(got), np.concatenate(want),
                         f"EVA with window = M (C=3 requested) vs softmax ({where})")
 
@@ -101,7 +101,7 @@ def g1_eva_singleton_chunks_is_softmax(rng: np.random.Generator, quick: bool, da
     for head in heads:
         draws = eva_pkg.draw(head.q.shape, head.k.shape, num_samples=head.k.shape[0], replicates=2, rng=rng, **params)
         got.append(eva_ref.estimate(head.q, head.k, head.v, draws, scale=head.scale, **params).ravel())
-        want.append(softmax_ref.estimate(head.q, head.k, head.v, draws, scale=head.scale).ravel())
+        want.append(np.broadcast_to(exact_attention(head.q, head.k, head.v, head.scale), (2, head.q.shape[0], head.v.shape[1])).ravel())
     return exact_result("eva.G.1.softmax-C=M", np.concatenate(got), np.concatenate(want),
                         f"EVA {params}, C = M vs softmax ({where})")
 
@@ -187,7 +187,7 @@ def prop1_optimal_beta_is_softmax(rng: np.random.Generator, quick: bool, data: V
             mean_h = np.exp(y @ x[n] - log_z[n])  # E[h_m] = exp(x.y_m) / Z (eq. 22)
             beta = beta_fn(terms.g, terms.h, v)
             got.append(control_variate(terms.g, terms.h, mean_h, beta).sum(0))
-        want.append(softmax_ref.estimate(head.q, head.k, head.v, None, scale=head.scale))
+        want.append(exact_attention(head.q, head.k, head.v, head.scale))
     return exact_result("eva.prop1.optimal-beta-exact", np.concatenate([g.ravel() for g in got]),
                         np.concatenate([w.ravel() for w in want]), f"sum_m g~_m with beta_m = v_m vs softmax ({where})")
 
