@@ -345,3 +345,94 @@ def test_random_feature_chunk_mass_is_unbiased_for_the_exact_mass(which, rng):
     assert np.abs(z).max() <= 4.5, z
     # and the test has power: S times the mass (a dropped log S) is far outside
     assert (np.abs((s * w.mean(0) - truth) / (s * w.std(0, ddof=1) / np.sqrt(reps))) > 4.5).all()
+
+
+# ----------------------------------------------------------------------------- edge cases found by mutation testing
+
+
+def test_ra_component_index_is_clamped_when_u_exceeds_the_rounded_total_mass():
+    """u just below 1 above a cumulative sum that rounds below 1: the last component, not an index error."""
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        q, k = rng.standard_normal((1, 3)), rng.standard_normal((7, 3))
+        pi = softmax(SCALE * (k @ q[0]))
+        if np.cumsum(pi)[-1] < np.nextafter(1.0, 0.0):
+            break
+    else:
+        pytest.skip("no rounded-down total mass found")
+    v = rng.standard_normal((7, 2))
+    u = np.full((1, 1, 1), np.nextafter(1.0, 0.0))
+    eps = rng.standard_normal((1, 1, 1, 3))
+    got = ra_ref.estimate(q, k, v, Draws({"u": u, "eps": eps}, 1), scale=SCALE)
+    x, y = q * np.sqrt(SCALE), k * np.sqrt(SCALE)
+    assert_close(got[0, 0], f_n(x[0] + y[-1] + eps[0, 0, 0], y, v), atol=1e-12, rtol=1e-10)
+
+
+def test_smreg_and_exact_kernel_with_batch_dims_and_at_z_zero():
+    """SMREG(x, y) = e^{-(|x|^2+|y|^2)/2} E_u e^{kappa u_1}, kappa = sqrt(D)|x+y| (Performer Thm. 1), by
+    quadrature over u_1 (density ~ (1-t^2)^((D-3)/2)); at x + y = 0 the expectation is 1."""
+    from scipy import integrate
+    from scipy.special import betaln
+
+    from randattn.estimators.features import reference as fr
+
+    rng = np.random.default_rng(12)
+    d = 5
+    x = 0.4 * rng.standard_normal((2, 3, d))
+    y = 0.4 * rng.standard_normal((2, 4, d))
+    y[1, 0] = -x[1, 2]  # kappa = 0 for this pair
+    log_norm = betaln(0.5, (d - 1) / 2)
+
+    def log_mean(kappa):
+        val, _ = integrate.quad(lambda t: np.exp(kappa * t - log_norm) * (1 - t * t) ** ((d - 3) / 2), -1, 1)
+        return np.log(val)
+
+    expected = np.empty((2, 3, 4))
+    for b in range(2):
+        for n in range(3):
+            for m in range(4):
+                kappa = np.sqrt(d) * np.linalg.norm(x[b, n] + y[b, m])
+                expected[b, n, m] = log_mean(kappa) - 0.5 * (x[b, n] @ x[b, n] + y[b, m] @ y[b, m])
+    with np.errstate(all="raise"):
+        got = fr.log_smreg(x, y)
+    assert_close(got, expected, atol=1e-8, rtol=1e-8)
+    assert_close(fr.exact_kernel("positive", x, y), np.exp(np.einsum("bnd,bmd->bnm", x, y)), atol=0, rtol=1e-13)
+    with pytest.raises(ValueError, match="feature_map"):
+        fr.exact_kernel("nope", x, y)
+
+
+def test_lara_literal_eq8_and_eq10_with_batch_dims(rng):
+    """mis_estimate_eq8 = sum_c alpha_nc (p_n/q_c)(omega_c) f_n(omega_c), snis_estimate_eq10 its self-normalized
+    form, with the exact RA mixture p_n = sum_m pi_nm N(x_n + y_m, I) written out; batch of 2 heads."""
+    num_c, reps = 3, 2
+    qs, ks, vs = [], [], []
+    for _ in range(2):
+        q, k, v, _, _ = inputs(rng)
+        qs.append(q), ks.append(k), vs.append(v)
+    q, k, v = np.stack(qs), np.stack(ks), np.stack(vs)
+    eps = rng.standard_normal((reps, 2, num_c, 2))
+    terms = lara_ref.lara_terms(q, k, v, Draws({"eps": eps}, reps), scale=SCALE, proposal="eq34", weighting="coupled")
+    got8, got10 = lara_ref.mis_estimate_eq8(terms), lara_ref.snis_estimate_eq10(terms)
+    want8, want10 = np.empty_like(got8), np.empty_like(got10)
+    for r in range(reps):
+        for b in range(2):
+            x, y = q[b] * np.sqrt(SCALE), k[b] * np.sqrt(SCALE)
+            xl, yl = landmarks(x, num_c), landmarks(y, num_c)
+            mus = xl + yl
+            omegas = mus + eps[r, b]
+            r_prime = np.array([softmax(x @ xl[c]) for c in range(num_c)]).T
+            for n in range(len(x)):
+                pi = softmax(y @ x[n])
+                num8, num10, den10 = 0.0, 0.0, 0.0
+                for c, w in enumerate(omegas):
+                    qd = np.array([normal_pdf(w, mus[j]) for j in range(num_c)])
+                    bal = qd / qd.sum()
+                    alpha = bal[c] + qd[c] * (r_prime[n, c] - bal @ r_prime[n])
+                    p_n = sum(pi[m] * normal_pdf(w, x[n] + y[m]) for m in range(len(y)))
+                    p_tilde = normal_pdf(w, 0.0) * xi(x[n], w) * sum(xi(ym, w) for ym in y)
+                    num8 = num8 + alpha * p_n / qd[c] * f_n(w, y, v[b])
+                    num10 = num10 + alpha * p_tilde / qd[c] * f_n(w, y, v[b])
+                    den10 += alpha * p_tilde / qd[c]
+                want8[r, b, n], want10[r, b, n] = num8, num10 / den10
+    assert_close(got8, want8, atol=1e-11, rtol=1e-9)
+    assert_close(got10, want10, atol=1e-11, rtol=1e-9)
