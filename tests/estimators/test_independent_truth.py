@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.special import logsumexp, softmax
+from scipy.special import log_softmax, logsumexp, softmax
 
 from randattn.estimators.base import Draws
 from randattn.estimators.eva import reference as eva_ref
@@ -355,8 +355,9 @@ def test_ra_component_index_is_clamped_when_u_exceeds_the_rounded_total_mass():
     rng = np.random.default_rng(11)
     for _ in range(200):
         q, k = rng.standard_normal((1, 3)), rng.standard_normal((7, 3))
-        pi = softmax(SCALE * (k @ q[0]))
-        if np.cumsum(pi)[-1] < np.nextafter(1.0, 0.0):
+        x, y = q * np.sqrt(SCALE), k * np.sqrt(SCALE)
+        pi = np.exp(log_softmax(x @ y.T, axis=-1))  # LARA eq. 29's weights, rounded as an RA sampler would
+        if np.cumsum(pi, axis=-1)[0, -1] < np.nextafter(1.0, 0.0):
             break
     else:
         pytest.skip("no rounded-down total mass found")
@@ -364,7 +365,6 @@ def test_ra_component_index_is_clamped_when_u_exceeds_the_rounded_total_mass():
     u = np.full((1, 1, 1), np.nextafter(1.0, 0.0))
     eps = rng.standard_normal((1, 1, 1, 3))
     got = ra_ref.estimate(q, k, v, Draws({"u": u, "eps": eps}, 1), scale=SCALE)
-    x, y = q * np.sqrt(SCALE), k * np.sqrt(SCALE)
     assert_close(got[0, 0], f_n(x[0] + y[-1] + eps[0, 0, 0], y, v), atol=1e-12, rtol=1e-10)
 
 
@@ -397,11 +397,12 @@ def test_smreg_and_exact_kernel_with_batch_dims_and_at_z_zero():
         got = fr.log_smreg(x, y)
     assert_close(got, expected, atol=1e-8, rtol=1e-8)
     assert_close(fr.exact_kernel("positive", x, y), np.exp(np.einsum("bnd,bmd->bnm", x, y)), atol=0, rtol=1e-13)
-    with pytest.raises(ValueError, match="feature_map"):
+    with pytest.raises(ValueError, match=r"^feature_map='nope' is not allowed"):
         fr.exact_kernel("nope", x, y)
 
 
-def test_lara_literal_eq8_and_eq10_with_batch_dims(rng):
+@pytest.mark.parametrize("weighting", ["coupled", "decoupled"])
+def test_lara_literal_eq8_and_eq10_with_batch_dims(weighting, rng):
     """mis_estimate_eq8 = sum_c alpha_nc (p_n/q_c)(omega_c) f_n(omega_c), snis_estimate_eq10 its self-normalized
     form, with the exact RA mixture p_n = sum_m pi_nm N(x_n + y_m, I) written out; batch of 2 heads."""
     num_c, reps = 3, 2
@@ -411,9 +412,12 @@ def test_lara_literal_eq8_and_eq10_with_batch_dims(rng):
         qs.append(q), ks.append(k), vs.append(v)
     q, k, v = np.stack(qs), np.stack(ks), np.stack(vs)
     eps = rng.standard_normal((reps, 2, num_c, 2))
-    terms = lara_ref.lara_terms(q, k, v, Draws({"eps": eps}, reps), scale=SCALE, proposal="eq34", weighting="coupled")
+    beta = 3.0 if weighting == "decoupled" else 1.0  # beta = 3: some weights negative (signed MIS)
+    terms = lara_ref.lara_terms(q, k, v, Draws({"eps": eps}, reps), scale=SCALE, proposal="eq34",
+                                weighting=weighting, beta=beta)
     got8, got10 = lara_ref.mis_estimate_eq8(terms), lara_ref.snis_estimate_eq10(terms)
     want8, want10 = np.empty_like(got8), np.empty_like(got10)
+    signs = []
     for r in range(reps):
         for b in range(2):
             x, y = q[b] * np.sqrt(SCALE), k[b] * np.sqrt(SCALE)
@@ -427,7 +431,11 @@ def test_lara_literal_eq8_and_eq10_with_batch_dims(rng):
                 for c, w in enumerate(omegas):
                     qd = np.array([normal_pdf(w, mus[j]) for j in range(num_c)])
                     bal = qd / qd.sum()
-                    alpha = bal[c] + qd[c] * (r_prime[n, c] - bal @ r_prime[n])
+                    if weighting == "coupled":
+                        alpha = bal[c] + qd[c] * (r_prime[n, c] - bal @ r_prime[n])
+                    else:
+                        alpha = bal[c] + beta * (r_prime[n, c] - r_prime[n].mean())
+                    signs.append(np.sign(alpha))
                     p_n = sum(pi[m] * normal_pdf(w, x[n] + y[m]) for m in range(len(y)))
                     p_tilde = normal_pdf(w, 0.0) * xi(x[n], w) * sum(xi(ym, w) for ym in y)
                     num8 = num8 + alpha * p_n / qd[c] * f_n(w, y, v[b])
@@ -436,3 +444,10 @@ def test_lara_literal_eq8_and_eq10_with_batch_dims(rng):
                 want8[r, b, n], want10[r, b, n] = num8, num10 / den10
     assert_close(got8, want8, atol=1e-11, rtol=1e-9)
     assert_close(got10, want10, atol=1e-11, rtol=1e-9)
+    if weighting == "decoupled":
+        assert min(signs) < 0  # the signed path is exercised
+    # eq. 10 is invariant to a per-query factor on the weights, however large (log space, row-wise shift)
+    offset = np.array([800.0, -800.0, 0.0, 300.0, -300.0])[None, None, :, None]
+    shifted = lara_ref.LaraTerms(terms.x, terms.y, terms.v, terms.omega, terms.log_proposals,
+                                 terms.log_abs_alpha + offset, terms.alpha_sign)
+    assert_close(lara_ref.snis_estimate_eq10(shifted), got10, atol=1e-11, rtol=1e-9)
