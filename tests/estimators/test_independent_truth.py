@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.special import log_softmax, logsumexp, softmax
+from scipy.special import log_softmax, softmax
 
 from randattn.estimators.base import Draws
 from randattn.estimators.eva import reference as eva_ref
