@@ -77,7 +77,7 @@ def test_deterministic_metrics_use_the_first_replicate_per_batch_element(rng):
 def test_one_random_replicate_warns_at_the_caller_and_reports_nan(rng):
     est = rng.standard_normal((1, 2, 3, 2))
     ex = rng.standard_normal((2, 3, 2))
-    with pytest.warns(RuntimeWarning, match=r"replicate_metrics: a random estimator needs R >= 2 replicates.*NaN") as rec:
+    with pytest.warns(RuntimeWarning, match=r"^replicate_metrics: a random estimator needs R >= 2 replicates.*NaN$") as rec:
         got = replicate_metrics(est, ex)
     assert _at_caller(rec[0].filename)
     np.testing.assert_allclose(got.mse, ((est[0] - ex) ** 2).mean(axis=(-2, -1)), rtol=1e-12)
@@ -90,7 +90,7 @@ def test_one_random_replicate_warns_at_the_caller_and_reports_nan(rng):
 
 def test_two_replicates_warn_about_the_jackknife_and_three_do_not(rng):
     ex = rng.standard_normal((3, 2))
-    with pytest.warns(RuntimeWarning, match=r"replicate_metrics: the jackknife SE of the debiased bias\^2 needs R >= 3.*NaN") as rec:
+    with pytest.warns(RuntimeWarning, match=r"^replicate_metrics: the jackknife SE of the debiased bias\^2 needs R >= 3.*NaN$") as rec:
         two = replicate_metrics(rng.standard_normal((2, 3, 2)), ex)
     assert _at_caller(rec[0].filename)
     assert np.isnan(two.bias_sq_se) and np.isfinite(two.variance)
@@ -136,3 +136,11 @@ def test_relative_error_of_a_zero_output_is_inf_without_a_warning():
         warnings.simplefilter("error")
         assert np.isinf(relative_error(est[:1], ex))
         assert np.isnan(relative_error(est[1:], ex))
+
+
+def test_metric_confidence_intervals_use_their_own_standard_errors(rng):
+    got = replicate_metrics(rng.standard_normal((5, 2, 3, 2)), rng.standard_normal((2, 3, 2)))
+    for (lo, hi), centre, se in ((got.mse_ci(), got.mse, got.mse_se), (got.bias_sq_ci(0.9), got.bias_sq, got.bias_sq_se)):
+        half = norm.ppf(0.975 if se is got.mse_se else 0.95) * se
+        np.testing.assert_allclose(lo, centre - half, rtol=1e-13)
+        np.testing.assert_allclose(hi, centre + half, rtol=1e-13)

@@ -416,6 +416,11 @@ def test_lara_literal_eq8_and_eq10_with_batch_dims(weighting, rng):
     terms = lara_ref.lara_terms(q, k, v, Draws({"eps": eps}, reps), scale=SCALE, proposal="eq34",
                                 weighting=weighting, beta=beta)
     got8, got10 = lara_ref.mis_estimate_eq8(terms), lara_ref.snis_estimate_eq10(terms)
+    # two batch dims (2, 1): the literal forms must not confuse batch axes with proposal axes
+    terms2 = lara_ref.lara_terms(q[:, None], k[:, None], v[:, None], Draws({"eps": eps[:, :, None]}, reps), scale=SCALE,
+                                 proposal="eq34", weighting=weighting, beta=beta)
+    assert_close(lara_ref.mis_estimate_eq8(terms2)[:, :, 0], got8, atol=1e-12, rtol=1e-10)
+    assert_close(lara_ref.snis_estimate_eq10(terms2)[:, :, 0], got10, atol=1e-12, rtol=1e-10)
     want8, want10 = np.empty_like(got8), np.empty_like(got10)
     signs = []
     for r in range(reps):
