@@ -140,7 +140,9 @@ def test_relative_error_of_a_zero_output_is_inf_without_a_warning():
 
 def test_metric_confidence_intervals_use_their_own_standard_errors(rng):
     got = replicate_metrics(rng.standard_normal((5, 2, 3, 2)), rng.standard_normal((2, 3, 2)))
-    for (lo, hi), centre, se in ((got.mse_ci(), got.mse, got.mse_se), (got.bias_sq_ci(0.9), got.bias_sq, got.bias_sq_se)):
-        half = norm.ppf(0.975 if se is got.mse_se else 0.95) * se
+    cases = [(got.mse_ci(), got.mse, got.mse_se, 0.95), (got.mse_ci(0.8), got.mse, got.mse_se, 0.8),
+             (got.bias_sq_ci(), got.bias_sq, got.bias_sq_se, 0.95), (got.bias_sq_ci(0.9), got.bias_sq, got.bias_sq_se, 0.9)]
+    for (lo, hi), centre, se, level in cases:
+        half = norm.ppf(0.5 + level / 2) * se
         np.testing.assert_allclose(lo, centre - half, rtol=1e-13)
         np.testing.assert_allclose(hi, centre + half, rtol=1e-13)
