@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from randattn.analysis.theory import _eva, _lara, _performer
+from randattn.analysis.theory import _eva, _lara, _performer, _stability
 from randattn.analysis.theory._base import (
     EXACT_RTOL,
     MC_K_SE,
@@ -67,7 +67,7 @@ _SYNTH_MC = "synthetic (variance grows like exp(|x+y|^2): needs small norms)"
 
 
 def registry() -> tuple[Check, ...]:
-    """Every documented check, in table order (LARA, EVA, Performer, OPRF, SNIS)."""
+    """Every documented check, in table order (LARA, EVA, Performer, OPRF, SNIS, numerics)."""
     return (
         # ---------------- LARA
         Check("lara.prop3.1.mixture", "N(w;0,I) sum_m xi(x,w) xi(y_m,w) / Z = sum_m pi_m N(w; x + y_m, I) pointwise",
@@ -104,10 +104,14 @@ def registry() -> tuple[Check, ...]:
               "EVA app. B.3 eq. 22", _MC, _eva.b3_per_key_mean, max_tested=10, synthetic_note=_SYNTH_MC),
         Check("eva.B.1.optimal-cv-coefficient", "beta* = Cov[h,g]/Var[h] minimizes Tr Var[g - beta h]",
               "EVA app. B.1 eq. 19-20", _CLOSED, _eva.b1_optimal_cv_coefficient),
-        Check("eva.lemma3.partition", "weighted chunk means: J(beta_1..beta_C) <= J(shared beta), any alpha",
-              "EVA Lemma 3, app. B.5 eq. 24-25", _CLOSED, _eva.lemma3_partition),
-        Check("eva.prop2.eq10-minimizer", "eq. 10 beta_c* minimizes the attention-weighted MSE J (eq. 9)",
-              "EVA Prop. 2, eq. 9-10, app. B.6", _CLOSED, _eva.prop2_eq10_minimizer, uses_data=True),
+        Check("eva.lemma3.partition", "weighted chunk means: J(beta_1..beta_C) <= J(shared beta), any alpha; "
+              "the package's EVA coefficients estimate them",
+              "EVA Lemma 3, app. B.5 eq. 24-25", _MC, _eva.lemma3_partition, max_tested=_eva.CHUNK_MC_TESTED,
+              synthetic_note=_SYNTH_MC),
+        Check("eva.prop2.eq10-minimizer", "eq. 10 beta_c* minimizes the attention-weighted MSE J (eq. 9); "
+              "the package's EVA coefficients estimate it",
+              "EVA Prop. 2, eq. 9-10, app. B.6", _MC, _eva.prop2_eq10_minimizer, uses_data=True,
+              max_tested=_eva.CHUNK_MC_TESTED),
         Check("eva.G.1.rfa", "|E| = 0, C = 1: EVA = RFA (same omega)", "EVA app. G.1", _EXACT,
               _eva.g1_eva_is_rfa, uses_data=True),
         Check("eva.G.1.softmax-window", "|E| = M: EVA = softmax attention", "EVA app. G.1", _EXACT,
@@ -141,7 +145,8 @@ def registry() -> tuple[Check, ...]:
               max_tested=3, synthetic_note=_SYNTH_MC),
         Check("performer.thm2.printed-bound-infeasible",
               "eq. 10 as printed (gap (1-1/m) 2/(d+2) SM^2) is negative at small |z|: erratum (passes when found)",
-              "Performer Thm. 2 eq. 10; Thm. 6 eq. 42, 74", _CLOSED, _performer.thm2_printed_infeasible),
+              "Performer Thm. 2 eq. 10; Thm. 6 eq. 42, 74", _MC, _performer.thm2_printed_infeasible, max_tested=1,
+              synthetic_note=_SYNTH_MC),
         # ---------------- OPRF
         Check("oprf.unbiased", "E[f(w,x) f(w,y)] = exp(x.y) for A < 1/4 (A* and A = -0.2)",
               "Likhosherstov et al. 2022 (OPRF)", _MC, _performer.oprf_unbiased, max_tested=12,
@@ -155,6 +160,12 @@ def registry() -> tuple[Check, ...]:
         Check("snis.delta-method-variance", "delta-method variance = replicate variance for RFA at large S",
               "Owen 2013 sec. 9.2; LARA app. D eq. 19-20", _MC, _performer.snis_delta_method, max_tested=6,
               synthetic_note="synthetic (moderate weights, |x+y|^2 <= 1.6)"),
+        # ---------------- numerics
+        Check("numerics.large-norm-stability",
+              "every registered estimator is finite at key norms >= 150, float32 and float64; batched = reference "
+              "within its dtype's tolerance; softmax = verify's own exact softmax",
+              "ARCHITECTURE sec. 3 (ViT norms); engineering rule 3", _EXACT, _stability.large_norm_stability,
+              synthetic_note="synthetic (key norms 150..160)"),
     )
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from scipy.special import softmax
 
 __all__ = [
     "METHODS",
@@ -41,8 +42,10 @@ __all__ = [
     "Check",
     "HeadData",
     "VerifyData",
+    "exact_attention",
     "z_scores",
     "mc_unbiased_result",
+    "rare_component_se_floor",
     "exact_result",
     "unit_norm_rows",
     "data_from_activations",
@@ -201,7 +204,22 @@ def select_checks(checks: Sequence[Check], pattern: str | None) -> list[Check]:
     return [c for c in checks if fnmatch.fnmatchcase(c.name, glob)]
 
 
-def z_scores(samples: np.ndarray, target: np.ndarray, *, floor: float = 1e-12) -> tuple[np.ndarray, np.ndarray]:
+def exact_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    r"""``verify``'s own ground truth: softmax attention in float64, ``(..., N, Dv)``.
+
+    .. math:: \mathrm{softmax}_m(\mathrm{scale}\; q_n^\top k_m)\, v_m
+
+    Written here on purpose, from the unscaled ``q, k`` and the logit temperature, with no
+    code shared with the estimators (not their input preparation, not ``softmax.reference``):
+    a wrong temperature convention or a wrong preparation in the package cannot cancel out.
+    """
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    logits = float(scale) * (q @ np.swapaxes(k, -1, -2))
+    return softmax(logits, axis=-1) @ v
+
+
+def z_scores(samples: np.ndarray, target: np.ndarray, *, floor: float = 1e-12,
+             se_floor: np.ndarray | float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     r"""z-scores of replicate means against a target, and their standard errors.
 
     Parameters
@@ -213,22 +231,66 @@ def z_scores(samples: np.ndarray, target: np.ndarray, *, floor: float = 1e-12) -
     floor : float
         An absolute SE floor relative to ``max(1, |target|)``: an estimator with (numerically)
         zero variance is compared to rounding, not divided by zero.
+    se_floor : (...) array or float
+        An absolute SE term from a closed-form bound, for what the sample SE cannot see: rare
+        mixture components drawn (far) fewer times than expected (see
+        :func:`rare_component_se_floor`). Added in quadrature.
 
     Returns
     -------
     z : (...) ; se : (...)
-        .. math:: z = \frac{\bar y - t}{\sqrt{s^2/R + (\text{floor}\,\max(1, |t|))^2}}.
+        .. math:: z = \frac{\bar y - t}{\sqrt{s^2/R + \text{se\_floor}^2 + (\text{floor}\,\max(1, |t|))^2}}.
     """
     r = samples.shape[0]
     se = samples.std(0, ddof=1) / np.sqrt(r)
-    se_eff = np.sqrt(se**2 + (floor * np.maximum(1.0, np.abs(target))) ** 2)
+    se_eff = np.sqrt(se**2 + np.square(se_floor) + (floor * np.maximum(1.0, np.abs(target))) ** 2)
     return (samples.mean(0) - target) / se_eff, se
 
 
-def mc_unbiased_result(name: str, samples: np.ndarray, target: np.ndarray, what: str) -> CheckResult:
-    """Pass when every element's |z| <= MC_K_SE; report the detectable bias at 90% power."""
-    z, se = z_scores(samples, target)
+def rare_component_se_floor(pi: np.ndarray, v: np.ndarray, draws: int, *, min_expected: float = 30.0) -> np.ndarray:
+    r"""SE floor of a mean of ``draws`` values ``f(omega)``, ``omega`` from a mixture with rare components.
+
+    A component ``m`` of mass ``pi_m`` is drawn ``Poisson(draws pi_m)`` times; when that expected
+    count is small the sample variance usually misses it (nothing drawn: the sample SE can be
+    tiny while the mean is off by ``pi_m |mu_m - mu|``). The count's own fluctuation moves the
+    mean by :math:`\sqrt{\pi_m / \text{draws}}\; |\mu_m - \mu|`, and for a value that is a convex
+    combination of the rows of ``v`` (RA's ``f_n``, LARA eq. 6), :math:`|\mu_m - \mu| \le` the
+    value range of that output dimension. Summed over the rare components:
+
+    .. math:: \mathrm{floor}_{nd}^2 = \frac{\mathrm{range}_d(v)^2}{\text{draws}} \sum_{m:\ \text{draws}\, \pi_{nm} < \text{min\_expected}} \pi_{nm}.
+
+    Components expected ``min_expected`` (30) times or more are left to the sample SE
+    (relative error ~ 1/sqrt(count)). The floor is 0 when no component is rare, so the
+    synthetic checks keep their power; it makes ``z`` conservative, never anti-conservative.
+
+    Parameters
+    ----------
+    pi : (N, M)
+        Mixture weights per query (rows sum to one).
+    v : (M, Dv)
+    draws : int
+        Total draws per query behind the mean (replicates x samples).
+
+    Returns
+    -------
+    (N, Dv) array
+    """
+    pi = np.asarray(pi, dtype=np.float64)
+    value_range = np.ptp(np.asarray(v, dtype=np.float64), axis=0)  # (Dv,)
+    rare_mass = np.where(draws * pi < min_expected, pi, 0.0).sum(-1)  # (N,)
+    return np.sqrt(rare_mass[:, None] / draws) * value_range[None, :]
+
+
+def mc_unbiased_result(name: str, samples: np.ndarray, target: np.ndarray, what: str,
+                       se_floor: np.ndarray | float = 0.0) -> CheckResult:
+    """Pass when every element's |z| <= MC_K_SE; report the detectable bias at 90% power.
+
+    ``se_floor`` (same shape as ``target``, or scalar) is added to the sample SE in quadrature
+    (:func:`z_scores`).
+    """
+    z, se = z_scores(samples, target, se_floor=se_floor)
     worst = float(np.abs(z).max())
+    se = np.sqrt(se**2 + np.square(se_floor))
     detect = (MC_K_SE + 1.28) * float(se.max())
     details = (
         f"{what}; R={samples.shape[0]} replicates, {z.size} elements; max |z| at a mean off by "

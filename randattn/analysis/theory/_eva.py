@@ -13,9 +13,11 @@ from scipy import optimize
 from scipy.special import logsumexp, softmax
 
 from randattn.analysis.theory._base import (
+    MC_K_SE,
     CheckResult,
     HeadData,
     VerifyData,
+    exact_attention,
     exact_result,
     heads_or_synthetic,
     mc_unbiased_result,
@@ -36,7 +38,6 @@ from randattn.estimators.montecarlo import (
 from randattn.estimators.rfa import reference as rfa_ref
 from randattn.estimators.scatterbrain import reference as scatterbrain_ref
 from randattn.estimators.segments import segment_bounds
-from randattn.estimators.softmax import reference as softmax_ref
 
 _LOG_2PI = float(np.log(2.0 * np.pi))
 
@@ -86,7 +87,7 @@ def g1_eva_full_window_is_softmax(rng: np.random.Generator, quick: bool, data: V
         params = {"window": head.k.shape[0]} if eva_params is None else eva_params
         draws = eva_pkg.draw(head.q.shape, head.k.shape, num_samples=3, replicates=2, rng=rng, **params)
         got.append(eva_ref.estimate(head.q, head.k, head.v, draws, scale=head.scale, **params).ravel())
-        want.append(softmax_ref.estimate(head.q, head.k, head.v, draws, scale=head.scale).ravel())
+        want.append(np.broadcast_to(exact_attention(head.q, head.k, head.v, head.scale), (2, head.q.shape[0], head.v.shape[1])).ravel())
     return exact_result("eva.G.1.softmax-window", np.concatenate(got), np.concatenate(want),
                         f"EVA with window = M (C=3 requested) vs softmax ({where})")
 
@@ -101,7 +102,7 @@ def g1_eva_singleton_chunks_is_softmax(rng: np.random.Generator, quick: bool, da
     for head in heads:
         draws = eva_pkg.draw(head.q.shape, head.k.shape, num_samples=head.k.shape[0], replicates=2, rng=rng, **params)
         got.append(eva_ref.estimate(head.q, head.k, head.v, draws, scale=head.scale, **params).ravel())
-        want.append(softmax_ref.estimate(head.q, head.k, head.v, draws, scale=head.scale).ravel())
+        want.append(np.broadcast_to(exact_attention(head.q, head.k, head.v, head.scale), (2, head.q.shape[0], head.v.shape[1])).ravel())
     return exact_result("eva.G.1.softmax-C=M", np.concatenate(got), np.concatenate(want),
                         f"EVA {params}, C = M vs softmax ({where})")
 
@@ -187,7 +188,7 @@ def prop1_optimal_beta_is_softmax(rng: np.random.Generator, quick: bool, data: V
             mean_h = np.exp(y @ x[n] - log_z[n])  # E[h_m] = exp(x.y_m) / Z (eq. 22)
             beta = beta_fn(terms.g, terms.h, v)
             got.append(control_variate(terms.g, terms.h, mean_h, beta).sum(0))
-        want.append(softmax_ref.estimate(head.q, head.k, head.v, None, scale=head.scale))
+        want.append(exact_attention(head.q, head.k, head.v, head.scale))
     return exact_result("eva.prop1.optimal-beta-exact", np.concatenate([g.ravel() for g in got]),
                         np.concatenate([w.ravel() for w in want]), f"sum_m g~_m with beta_m = v_m vs softmax ({where})")
 
@@ -223,6 +224,62 @@ def b3_per_key_mean(rng: np.random.Generator, quick: bool, data: VerifyData | No
     return mc_unbiased_result("eva.B.3.per-key-mean", np.concatenate(samples, 1), np.concatenate(targets),
                               "h_m with q = N(mu, I), S=4 vs exp(x.y_m)/Z (synthetic, 2 queries x 5 keys)")
 
+
+
+# ---------------------------------------------------------------------------------------
+# the package's EVA against the closed-form chunk coefficients (Monte Carlo)
+
+#: queries tested x (Dv + 1) statistics x chunks by :func:`package_chunk_coefficients_mc`
+CHUNK_MC_TESTED = 4 * 3 * 2
+
+
+def eva_rfa_chunk(q, k, v, scale, replicates, rng) -> np.ndarray:
+    """The package's EVA (reference form): window 4, one chunk, ``chunk_weight="rfa"``, proposal mean
+    eq. 28, the official code's noise sigma = sqrt(scale) != 1, S_c = 4 samples: ``(R, N, Dv)``."""
+    params = {"window": 4, "chunk_weight": "rfa", "proposal_mean": "sum", "noise": "reference-code",
+              "samples_per_chunk": 4}
+    draws = eva_pkg.draw(q.shape, k.shape, num_samples=1, replicates=replicates, rng=rng, **params)
+    return eva_ref.estimate(q, k, v, draws, scale=scale, **params)
+
+
+def package_chunk_coefficients_mc(rng: np.random.Generator, quick: bool, closed_form: Callable, *,
+                                  eva_estimate: Callable = eva_rfa_chunk) -> tuple[np.ndarray, np.ndarray, str]:
+    r"""Samples and targets comparing closed-form chunk coefficients with the package's EVA.
+
+    For query n of a local block E (4 tokens) and a chunk P_c of the other keys, EVA with the
+    RFA chunk weight returns :math:`(\sum_E e^{x_n^\top y_m} v_m + \hat N_c) / (\sum_E e^{x_n^\top y_m} + \hat W_c)`
+    with :math:`\hat W_c` the importance-sampling estimate of the chunk's mass and
+    :math:`\hat N_c = \hat W_c \hat\beta_c`. An extra value column, 1 on E and 0 on P_c, gives
+    :math:`\hat W_c`, then :math:`\hat N_c`. Both are unbiased (EVA app. C), so
+    :math:`\mathbb E[\hat N_c - \beta_c^* \hat W_c] = 0` exactly when ``closed_form`` gives
+    eq. 10's :math:`\beta_c^* = \mathbb E \hat N_c / \mathbb E \hat W_c`, and
+    :math:`\mathbb E[\hat W_c] = \sum_{P_c} e^{x_n^\top y_m}`.
+
+    ``closed_form(x_n, y, v, chunks) -> (C, Dv)``. Synthetic N = M = 8, D = 3, Dv = 2, norms ~0.4
+    (light tails), E = keys 0..3, chunks {4, 5} and {6, 7}; returns ``samples (R, 24)``,
+    ``targets (24,)`` and a description.
+    """
+    reps = 1000 if quick else 4000
+    n, d, dv = 8, 3, 2
+    q, k = 0.4 * rng.standard_normal((n, d)), 0.4 * rng.standard_normal((n, d))
+    v, scale = rng.standard_normal((n, dv)), d**-0.5
+    x, y = q * np.sqrt(scale), k * np.sqrt(scale)
+    exact, chunks = np.arange(4), [np.arange(4, 6), np.arange(6, 8)]
+    e_logits = x[:4] @ y[exact].T  # (4, |E|)
+    e_mass, e_v = np.exp(e_logits).sum(-1), np.exp(e_logits) @ v[exact]
+    samples, targets = [], []
+    for c, keys in enumerate(chunks):
+        sub = np.concatenate([exact, keys])  # the block, then the chunk: EVA's layout puts P_c in block 0's complement
+        v_aug = np.concatenate([v[sub], (np.arange(len(sub)) < 4)[:, None].astype(float)], axis=1)
+        out = eva_estimate(q[sub], k[sub], v_aug, scale, reps, rng)[:, :4]  # (R, 4, Dv + 1), block 0
+        w_hat = e_mass * (1.0 / out[..., -1] - 1.0)  # (R, 4)
+        n_hat = out[..., :dv] * (e_mass + w_hat)[..., None] - e_v  # (R, 4, Dv)
+        beta = np.stack([np.asarray(closed_form(x[i], y, v, chunks))[c] for i in range(4)])  # (4, Dv)
+        samples += [(n_hat - beta[None] * w_hat[..., None]).reshape(reps, -1), w_hat]
+        targets += [np.zeros(4 * dv), np.exp(x[:4] @ y[keys].T).sum(-1)]
+    what = ("package EVA (rfa chunk weight, sigma = sqrt(scale), S_c = 4): E[N_c - beta_c W_c] = 0 and "
+            "E[W_c] = chunk mass, 4 queries x 2 chunks (synthetic N = M = 8)")
+    return np.concatenate(samples, 1), np.concatenate(targets), what
 
 # ---------------------------------------------------------------------------------------
 # B.1, Lemma 3, Prop. 2: optimal coefficients (closed form vs numerical optimization)
@@ -271,7 +328,7 @@ def _chunks(m: int, num_chunks: int) -> list[np.ndarray]:
 
 
 def lemma3_partition(rng: np.random.Generator, quick: bool, data: VerifyData | None, *,
-                     coefficient_fn: Callable = weighted_chunk_means) -> CheckResult:
+                     coefficient_fn: Callable = weighted_chunk_means, mc: dict | None = None) -> CheckResult:
     r"""EVA Lemma 3 (app. B.5): partitioned :math:`\beta_c^*` (alpha-weighted chunk means) attain a
     weighted MSE no larger than any shared :math:`\beta`.
 
@@ -280,11 +337,19 @@ def lemma3_partition(rng: np.random.Generator, quick: bool, data: VerifyData | N
     best shared beta (the alpha-weighted mean), and the decomposition
     :math:`J(\beta) = J(\beta^*) + \sum_c A_c \|\beta - \beta_c^*\|^2` holds to rounding.
     Measured: the worst violation of either, relative to J.
+
+    Package code: the same ``coefficient_fn`` with :math:`\alpha_m = e^{x^\top y_m}`, :math:`\beta_m^* = v_m`
+    must be what the package's EVA estimates (:func:`package_chunk_coefficients_mc`, Monte Carlo
+    at ``MC_K_SE``; ``mc`` passes ``eva_estimate`` to it). Passes when both hold.
     """
     alpha = rng.dirichlet(np.ones(12))
     beta_star = rng.standard_normal((12, 3))
     chunks = _chunks(12, 3)
     betas = np.asarray(coefficient_fn(alpha, beta_star, chunks))
+    # the package's EVA coefficients estimate the lemma's weighted chunk means with alpha_m = exp(x.y_m), beta_m* = v_m
+    mc_samples, mc_targets, mc_what = package_chunk_coefficients_mc(
+        rng, quick, lambda x_n, y, v, ch: coefficient_fn(np.exp(y @ x_n), v, ch), **(mc or {}))
+    mc_res = mc_unbiased_result("eva.lemma3.partition", mc_samples, mc_targets, mc_what)
     j_part = _weighted_mse(betas, alpha, beta_star, chunks)
     shared = np.concatenate([rng.standard_normal((200, 3)), (alpha @ beta_star)[None]])
     worst = 0.0
@@ -292,9 +357,11 @@ def lemma3_partition(rng: np.random.Generator, quick: bool, data: VerifyData | N
         j_shared = _weighted_mse(np.broadcast_to(beta, betas.shape), alpha, beta_star, chunks)
         decomposition = j_part + sum(alpha[c].sum() * ((beta - betas[i]) ** 2).sum() for i, c in enumerate(chunks))
         worst = max(worst, (j_part - j_shared) / j_shared, abs(decomposition - j_shared) / j_shared)
-    return CheckResult("eva.lemma3.partition", worst, 1e-12, worst <= 1e-12,
-                       f"J(partitioned) = {j_part:.4g}; {len(shared)} shared coefficients; max relative violation",
-                       tested=len(shared))
+    return CheckResult("eva.lemma3.partition", worst, 1e-12, worst <= 1e-12 and mc_res.passed,
+                       f"J(partitioned) = {j_part:.4g}; {len(shared)} shared coefficients; max relative violation; "
+                       f"Monte Carlo vs the package: max |z| = {mc_res.measured:.3g} <= {MC_K_SE:g} "
+                       f"({'ok' if mc_res.passed else 'FAILED'}; {mc_res.details})",
+                       tested=mc_res.tested)
 
 
 def eq10_coefficients(x_n: np.ndarray, y: np.ndarray, v: np.ndarray, chunks: list[np.ndarray]) -> np.ndarray:
@@ -305,7 +372,7 @@ def eq10_coefficients(x_n: np.ndarray, y: np.ndarray, v: np.ndarray, chunks: lis
 
 
 def prop2_eq10_minimizer(rng: np.random.Generator, quick: bool, data: VerifyData | None, *,
-                         coefficient_fn: Callable = eq10_coefficients) -> CheckResult:
+                         coefficient_fn: Callable = eq10_coefficients, mc: dict | None = None) -> CheckResult:
     r"""EVA Prop. 2 (eq. 9-10, app. B.6): eq. 10's :math:`\beta_c^*` minimizes the attention-weighted MSE
     :math:`J = \sum_c \sum_{m \in P_c} \pi_m \|\beta_c - v_m\|^2`, hence beats any shared beta.
 
@@ -313,6 +380,10 @@ def prop2_eq10_minimizer(rng: np.random.Generator, quick: bool, data: VerifyData
     queries per head, C = 4 contiguous chunks; also J(beta*) <= J(shared) for the best shared
     coefficient (softmax attention itself) and 20 random ones. Measured: the worst of the
     relative coefficient distance and the relative excess of J.
+
+    Package code: the package's EVA control coefficients must estimate ``coefficient_fn``'s
+    :math:`\beta_c^*` (:func:`package_chunk_coefficients_mc`, Monte Carlo at ``MC_K_SE`` on
+    synthetic inputs; ``mc`` passes ``eva_estimate`` to it). Passes when both hold.
     """
     heads, where = heads_or_synthetic(data, lambda: _synthetic_heads(rng))
     worst, dist_max = 0.0, 0.0
@@ -334,6 +405,10 @@ def prop2_eq10_minimizer(rng: np.random.Generator, quick: bool, data: VerifyData
             excess_shared = max((j_star - objective(np.broadcast_to(b, betas.shape).ravel())) / max(j_star, 1e-300)
                                 for b in shared)
             worst = max(worst, dist, (j_star - res.fun) / max(res.fun, 1e-300), excess_shared)
-    return CheckResult("eva.prop2.eq10-minimizer", worst, 1e-6, worst <= 1e-6,
-                       f"|beta* - beta_numerical| <= {dist_max:.1e} (relative); J(beta*) <= J(numerical), J(shared) ({where})",
-                       tested=2 * len(heads))
+    mc_samples, mc_targets, mc_what = package_chunk_coefficients_mc(rng, quick, coefficient_fn, **(mc or {}))
+    mc_res = mc_unbiased_result("eva.prop2.eq10-minimizer", mc_samples, mc_targets, mc_what)
+    return CheckResult("eva.prop2.eq10-minimizer", worst, 1e-6, worst <= 1e-6 and mc_res.passed,
+                       f"|beta* - beta_numerical| <= {dist_max:.1e} (relative); J(beta*) <= J(numerical), J(shared) ({where}); "
+                       f"Monte Carlo vs the package: max |z| = {mc_res.measured:.3g} <= {MC_K_SE:g} "
+                       f"({'ok' if mc_res.passed else 'FAILED'}; {mc_res.details})",
+                       tested=mc_res.tested)

@@ -313,18 +313,31 @@ def thm2_orthogonal_mse(rng: np.random.Generator, quick: bool, data: VerifyData 
 
 
 def thm2_printed_infeasible(rng: np.random.Generator, quick: bool, data: VerifyData | None, *,
-                            gap: Callable = thm2_gap_printed) -> CheckResult:
+                            gap: Callable = thm2_gap_printed, kernel_fn: Callable = kernel_estimate) -> CheckResult:
     r"""Performer Thm. 2 (eq. 10) *as printed* cannot hold at small |z|: its right side is negative.
 
     Closed form: d = m = 4, x = y = 0.1 e_1 (|z|^2 = 0.04): MSE_iid (Lemma 2) minus the printed gap
     (1 - 1/m) 2/(d+2) SM^2 is < 0, but an MSE is >= 0. Passes when the printed bound is found
     negative (an erratum the table reports; :func:`thm2_orthogonal_mse` checks the corrected bound).
+
+    Package code: the Lemma 2 MSE_iid the conclusion rests on must be the package's: the squared
+    error of ``kernel_fn`` (``features.reference.kernel_estimate``, positive features, m = 4 iid)
+    at this point, by Monte Carlo (|z| <= ``MC_K_SE``, one element), and the package's orthogonal
+    features' MSE is then >= 0 > the printed bound.
     """
     x = np.array([[0.1, 0.0, 0.0, 0.0]])
-    bound = float((lemma2_mse("positive", x, x, 4) - gap(x, x, 4, 4))[0])
+    mse_iid = float(lemma2_mse("positive", x, x, 4)[0])
+    bound = float(mse_iid - gap(x, x, 4, 4)[0])
     sm2 = float(np.exp(2 * (x * x).sum()))
-    return CheckResult("performer.thm2.printed-bound-infeasible", -bound / sm2, 0.0, bound < 0,
-                       f"MSE_iid - gap = {bound:.4g} (SM^2 = {sm2:.4g}); measured = -(bound)/SM^2 > 0 means infeasible",
+    reps = 5000 if quick else 20000
+    omega = draw_omegas(rng, (reps,), 4, 4, "iid")
+    sq_err = (kernel_fn("positive", x, x, omega)[:, 0, 0] - np.sqrt(sm2)) ** 2
+    z, se = z_scores(sq_err[:, None], np.array([mse_iid]))
+    mc_ok = bool(abs(z[0]) <= MC_K_SE)
+    return CheckResult("performer.thm2.printed-bound-infeasible", -bound / sm2, 0.0, bound < 0 and mc_ok,
+                       f"MSE_iid - gap = {bound:.4g} (SM^2 = {sm2:.4g}); measured = -(bound)/SM^2 > 0 means infeasible; "
+                       f"package iid features: MSE {sq_err.mean():.4g} vs Lemma 2 {mse_iid:.4g}, z = {float(z[0]):.2f} "
+                       f"(|z| <= {MC_K_SE:g}: {'ok' if mc_ok else 'FAILED'}; R={reps})",
                        comparison=">", tested=1)
 
 
