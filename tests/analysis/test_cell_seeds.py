@@ -37,7 +37,8 @@ def same_head_everywhere():
 
 def _table(acts, replicates):
     config = SweepConfig(estimators=tuple(estimator_config(label) for label in LABELS), num_samples=(3, 5),
-                         replicates=replicates, seed=4, diagnostics=False, probabilities=False)
+                         replicates=replicates, seed=4, diagnostics=False, probabilities=False,
+                         backend="reference")
     return run_sweep(acts, config)
 
 
