@@ -20,12 +20,20 @@ from randattn._validation import check_positive_int
 from randattn.estimators.base import Draws, EstimatorSpec, Param
 from randattn.estimators.eva import batched, reference
 from randattn.estimators.eva.partition import PARTITIONS
+from randattn.estimators.grid import LAYOUTS
 from randattn.estimators.eva.reference import CHUNK_WEIGHTS, NOISES, PROPOSAL_MEANS, SAMPLES
 
 #: the shared layout parameters of eva, scatterbrain and local
 LAYOUT_PARAMS = {
-    "window": Param(49, "local block size W >= 0 (EVA's 7x7 vision window; clipped to the sequence; 0 = no local block)", kind=int),
+    "window": Param(
+        49,
+        "local block size W >= 0 in tokens (clipped; 0 = no local block); with layout=grid and a grid, s x s windows, "
+        "W = s^2 (49 = 7x7, EVA's DeiT window)",
+        kind=int,
+    ),
     "prefix_tokens": Param(0, "leading keys exact for every query (1 = a ViT's CLS token); prefix queries attend exactly to them only", kind=int),
+    "layout": Param("grid", "grid: 2-D windows (and EVA's 2-D chunks) on the patch grid when one is given; sequence: 1-D blocks", choices=LAYOUTS),
+    "grid": Param(None, "patch grid 'HxW' (rows x columns) of the tokens after the prefix; None = unknown (1-D blocks)"),
 }
 
 PARAMS = {
