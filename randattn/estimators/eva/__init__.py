@@ -98,6 +98,12 @@ def _variants() -> dict[str, dict]:
             "cls-multi-sample-rfa": {"window": 4, "prefix_tokens": 1, "samples_per_chunk": 2, "chunk_weight": "rfa"},
             "no-window": {"window": 0},
             "no-window-cls": {"window": 0, "prefix_tokens": 1, "chunk_weight": "mean-key"},
+            # layout="grid" (the default) with a grid: s x s windows and 2-D chunks; tokens = prefix + h*w
+            "grid-3x4-cls": {"window": 4, "prefix_tokens": 1, "grid": "3x4"},
+            "grid-3x5-reference-code-mean-key": {"window": 4, "grid": "3x5", "partition": "reference-code", "chunk_weight": "mean-key"},
+            "grid-2x2-prefix5-rfa-multi-sample": {"window": 1, "prefix_tokens": 5, "grid": "2x2", "chunk_weight": "rfa", "samples_per_chunk": 2},
+            "grid-8x8-7x7-window": {"grid": "8x8"},
+            "grid-no-window-cls": {"window": 0, "prefix_tokens": 1, "grid": "3x4", "chunk_weight": "mean-key", "sample": "mean"},
         }
     )
     return variants

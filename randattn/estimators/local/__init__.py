@@ -37,5 +37,8 @@ SPEC = EstimatorSpec(
         "window-1": {"window": 1},
         "cls": {"window": 4, "prefix_tokens": 1},
         "cls-only": {"window": 0, "prefix_tokens": 1},
+        "grid-3x4-cls": {"window": 4, "prefix_tokens": 1, "grid": "3x4"},
+        "grid-5x3": {"window": 4, "grid": "5x3"},
+        "grid-8x8-7x7-window": {"grid": "8x8"},
     },
 )

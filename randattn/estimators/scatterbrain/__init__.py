@@ -35,5 +35,7 @@ SPEC = EstimatorSpec(
         "window-4-orthogonal": {"window": 4, "coupling": "orthogonal"},
         "cls": {"window": 4, "prefix_tokens": 1},
         "no-window": {"window": 0},
+        "grid-3x4-cls": {"window": 4, "prefix_tokens": 1, "grid": "3x4"},
+        "grid-3x5-orthogonal": {"window": 4, "grid": "3x5", "coupling": "orthogonal"},
     },
 )
