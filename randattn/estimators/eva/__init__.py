@@ -7,7 +7,9 @@ eq. 13; mean-pooled key, eq. 16; or its RFA estimate). ``num_samples`` is C. The
 data-independent standard normals ``eps : (R, ..., C, S_c, D)``; ``omega = mu_c + sigma eps``
 is formed inside ``estimate`` for each query block (common random numbers across blocks).
 The block/chunk layout and every choice the paper leaves open are documented in
-:mod:`randattn.estimators.eva.partition`.
+:mod:`randattn.estimators.eva.partition`: with ``layout="grid"`` (default) and a ``grid="HxW"``
+the local blocks are ``s x s`` windows of the patch grid (``window = s^2``, 49 = 7x7) and the
+chunks are 2-D tiles (app. C "2D windows for images"); without a grid, 1-D contiguous blocks.
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ SPEC = EstimatorSpec(
     source="Zheng et al. ICLR 2023 (EVA) sec. 4 eq. 11-16, app. C eq. 26-28, Algorithm 1, app. G.1",
     complexity=(
         "O(N W (D + Dv) + G M S_c D + N C S_c (D + Dv)), G = ceil(M / W) chunk groups for partition=paper "
-        "(each block re-chunks its complement), G = 1 for reference-code; chunk_weight=exact adds O(N M D); "
-        "C = num_samples, S_c = samples_per_chunk"
+        "(each block re-chunks its complement: O(M^2 / W)), G = 1 for reference-code (linear); "
+        "chunk_weight=exact adds O(N M D); C = num_samples, S_c = samples_per_chunk; same in the grid layout"
     ),
     params=PARAMS,
     draw=draw,

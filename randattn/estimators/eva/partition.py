@@ -32,6 +32,29 @@ Layout (the choices the paper leaves open are marked *choice*):
   N = M). When there are no body queries (all queries are prefix tokens) a chunk pools all
   queries.
 
+**Grid layout** (``grid=(h, w)``, from ``layout="grid"`` and a known patch grid; EVA sec. 4.2 /
+app. C: "the input sequence is first chunked into multiple blocks (or 2D windows for images)").
+The tokens are ``P`` prefix tokens then the ``h x w`` patches in raster order (the convention of
+:mod:`randattn.activations.io`), and ``N = M = P + h w`` (self-attention; anything else is a
+ValueError naming ``grid``). Tiles are cut by :mod:`randattn.estimators.grid`:
+
+- **Local windows**: ``s x s`` tiles of the patch grid with ``W = s^2`` (``window`` must be a
+  perfect square: 49 = 7x7, the DeiT setting of EVA sec. 5.1); tiles start at the top-left and
+  the last tile row/column is smaller when ``s`` does not divide ``h``/``w`` (*choice*: the
+  official code asserts divisibility). Body query ``i`` is body key ``i``'s patch and takes its
+  window. ``s >= max(h, w)`` is one window (clipped).
+- **Chunks**: ``t x t`` tiles with the smallest ``t`` giving at most ``C`` tiles
+  (:func:`randattn.estimators.grid.tile_side_for_count`; the official code's
+  ``rf_win_size = int(sqrt(N / num_landmarks))`` in ``efficient_attention/eva.py`` of
+  HKUNLP/efficient-attention, which gives the same ``t`` on divisible grids, e.g. 2x2 chunks for
+  C = 49 on 14x14). ``partition="paper"``: the chunks of a query are the tiles minus its own
+  window (tiles left empty are dropped, so ``C_g <= C``; *choice*: a 2-D complement cannot be
+  re-split into equal contiguous pieces); ``"reference-code"``: the tiles of all patches, as the
+  official code.
+- **Prefix tokens**: as in 1-D (exact for every query; prefix queries have no window and are
+  estimated from the chunks). *Choice*: the official vision models have no CLS token
+  (``vit/models/efficient_vit.py`` comments it out and mean-pools), so the paper states none.
+
 Queries that share their chunks form a :class:`ChunkGroup` (one per block for the paper's
 partition, a single group for ``reference-code``): the per-chunk coefficients and proposals
 are computed once per group.
@@ -81,7 +104,7 @@ class ChunkGroup:
     chunk_queries: tuple[np.ndarray, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity hash: cached per shape, arrays are not hashable
 class Partition:
     """The exact sets and chunk partitions of all queries; see the module docstring.
 
@@ -156,7 +179,6 @@ def _check_grid_shapes(num_queries: int, num_keys: int, prefix_tokens: int, grid
         )
 
 
-@lru_cache(maxsize=64)
 def eva_partition(
     num_queries: int,
     num_keys: int,
@@ -165,7 +187,7 @@ def eva_partition(
     prefix_tokens: int = 0,
     num_chunks: int = 1,
     partition: str = "paper",
-    grid: tuple[int, int] | None = None,
+    grid: tuple[int, int] | str | None = None,
 ) -> Partition:
     r"""The exact sets ``E^n`` and chunks ``P_c^n`` of every query (EVA sec. 4.2, app. C).
 
@@ -209,9 +231,17 @@ def eva_partition(
     window, prefix_tokens = check_layout_params(window, prefix_tokens)
     num_chunks = check_positive_int("num_chunks", num_chunks)
     check_choice("partition", partition, PARTITIONS)
+    grid = parse_grid(grid)
     if grid is not None:
-        grid = parse_grid(grid)
         _check_grid_shapes(num_queries, num_keys, prefix_tokens, grid)
+    return _eva_partition(num_queries, num_keys, window, prefix_tokens, num_chunks, partition, grid)
+
+
+@lru_cache(maxsize=64)
+def _eva_partition(
+    num_queries: int, num_keys: int, window: int, prefix_tokens: int, num_chunks: int, partition: str, grid: tuple[int, int] | None
+) -> Partition:
+    """:func:`eva_partition` on validated arguments, cached (the layout depends on shapes only)."""
 
     pq, pk = min(prefix_tokens, num_queries), min(prefix_tokens, num_keys)
     nb, mb = num_queries - pq, num_keys - pk
@@ -309,7 +339,6 @@ class PaddedPartition:
     query_slot: np.ndarray
 
 
-@lru_cache(maxsize=64)
 def padded_partition(
     num_queries: int,
     num_keys: int,
@@ -318,12 +347,18 @@ def padded_partition(
     prefix_tokens: int = 0,
     num_chunks: int = 1,
     partition: str = "paper",
-    grid: tuple[int, int] | None = None,
+    grid: tuple[int, int] | str | None = None,
 ) -> PaddedPartition:
     """:func:`eva_partition` (same arguments) as padded arrays; cached, treat as read-only."""
     layout = eva_partition(
         num_queries, num_keys, window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition, grid=grid
     )
+    return _padded(layout)
+
+
+@lru_cache(maxsize=64)
+def _padded(layout: Partition) -> PaddedPartition:
+    num_queries = layout.num_queries
     blocks = layout.blocks()
     bq, bq_mask = pad_index_lists([q for q, _ in blocks])
     bk, bk_mask = pad_index_lists([e for _, e in blocks])
