@@ -146,6 +146,18 @@ def _chunk_terms(x, y, v, y_sq, eps, pad: PaddedPartition, groups: torch.Tensor,
     return ChunkTerms(k_land, sizes, omega, log_alpha, log_mass, v_mean)
 
 
+def _with_chunks(rows: torch.Tensor, index: torch.Tensor, chunk_rows: torch.Tensor, shared: bool) -> torch.Tensor:
+    """``[rows[..., index[b], :]; chunk_rows[..., g(b), :, :]]`` per block ``b``: ``(..., b, E + C, width)``.
+
+    ``chunk_rows (..., g, C, width)`` holds one group (``shared``: broadcast to every block) or
+    one group per block.
+    """
+    exact = _gather(rows, index)  # (..., b, E, width)
+    if shared:
+        chunk_rows = chunk_rows.expand(*chunk_rows.shape[:-3], index.shape[0], *chunk_rows.shape[-2:])
+    return torch.cat([exact, chunk_rows], dim=-2)
+
+
 def _slice_size(pad: PaddedPartition, reps: int, batch_numel: int, samples: int, dv: int, dim: int, exact_weight: bool, per_group: bool) -> int:
     """Blocks per slice so that the largest per-slice tensor stays under :data:`WORK_ELEMENTS`."""
     num_blocks, q = pad.block_queries.shape
@@ -185,7 +197,6 @@ def eva_attention(
     samples = 1 if eps is None else eps.shape[-2]
     shared_groups = num_groups == 1
     y_sq, x_sq = (y * y).sum(-1), (x * x).sum(-1)  # (..., M), (..., N)
-    num_keys = y.shape[-2]
     slice_blocks = _slice_size(pad, replicates, batch_numel, samples, dv, dim, chunk_weight == "exact", not shared_groups)
     all_terms = None
     if shared_groups:
@@ -204,7 +215,6 @@ def eva_attention(
         x_b = _gather(x, bq)  # (..., b, Q, D)
         num_e, num_b = bk.shape[-1], bk.shape[0]
         chunk_ok = terms.sizes > 0  # (g, C)
-        ok = chunk_ok.unsqueeze(-2)  # (g, 1, C)
 
         def per_block(a: torch.Tensor, dim: int) -> torch.Tensor:  # group terms -> blocks (dim = the group axis)
             return a.expand(*a.shape[:dim], num_b, *a.shape[dim + 1:]) if shared_groups else a
@@ -216,16 +226,9 @@ def eva_attention(
             omega_flat = terms.omega.reshape(*terms.omega.shape[:-4], g_, c_ * samples, dim)
             log_qf = _projections(x_b, omega_flat, grouped=True) - 0.5 * _gather_last(x_sq, bq).unsqueeze(-1)
             log_qf = log_qf.reshape(*log_qf.shape[:-1], c_, samples) + terms.log_alpha.unsqueeze(-3)
-        # each block's [exact keys E; its group's chunks C] as one index into [keys; chunk rows]
-        num_c = terms.sizes.shape[-1]
-        if shared_groups:
-            chunk_rows = (num_keys + torch.arange(num_c, device=dev)).expand(num_b, num_c)
-        else:
-            chunk_rows = num_keys + torch.arange(num_b * num_c, device=dev).reshape(num_b, num_c)
-        joint = torch.cat([bk, chunk_rows], dim=-1)  # (b, E + C)
         if chunk_weight == "mean-key":
             # exact logits and eq. 16 weights x_n . k~_c from one product with [exact keys; chunk landmarks]
-            keys = _gather(torch.cat([y, terms.k_land.flatten(-3, -2)], dim=-2), joint)  # (..., b, E + C, D)
+            keys = _with_chunks(y, bk, terms.k_land, shared_groups)  # (..., b, E + C, D)
             logits = (x_b @ keys.transpose(-1, -2)).unsqueeze(0)  # (1, ..., b, Q, E + C)
             if add_log_chunk_size:
                 logits[..., num_e:] += torch.log(terms.sizes.clamp(min=1)).unsqueeze(-2)
@@ -249,12 +252,11 @@ def eva_attention(
         # eq. 16: one softmax over the exact logits and the chunk log-weights of each query
         probs = torch.softmax(logits, dim=-1)  # (R|1, ..., b, Q, E + C)
         v_mean = terms.v_mean  # (R', ..., g, C, S, Dv)
-        reps_out = max(probs.shape[0], v_mean.shape[0])
         if samples == 1:
             # beta_c is query-independent: one product with [exact values; chunk coefficients]
-            v_chunks = v_mean[..., 0, :].flatten(-3, -2)  # (R', ..., g C, Dv)
-            source = torch.cat([v.unsqueeze(0).expand(v_chunks.shape[0], *v.shape), v_chunks], dim=-2)
-            out = probs @ _gather(source, joint)  # (R, ..., b, Q, Dv)
+            v_chunks = v_mean[..., 0, :]  # (R', ..., g, C, Dv)
+            v_rows = v.unsqueeze(0).expand(v_chunks.shape[0], *v.shape)
+            out = probs @ _with_chunks(v_rows, bk, v_chunks, shared_groups)  # (R, ..., b, Q, Dv)
         else:
             mix = torch.softmax(log_qf + terms.log_mass.unsqueeze(-3), dim=-1)  # w_ncs: (R, ..., b, Q, C, S)
             weights = (probs[..., num_e:].unsqueeze(-1) * mix).flatten(-2)  # (R, ..., b, Q, C*S)
