@@ -32,8 +32,10 @@ ATOL64 = 1e-10
 #: (grid, prefix, window, chunks): non-square, square, the DeiT 7x7 window on 14x14 and 28x28
 CASES = [
     ((3, 5), 0, 4, 3), ((3, 5), 1, 4, 4), ((3, 5), 5, 4, 2), ((4, 4), 1, 4, 4), ((5, 3), 1, 9, 2),
-    ((14, 14), 1, 49, 49), ((14, 14), 0, 49, 16), ((28, 28), 1, 49, 49),
+    ((14, 14), 1, 49, 49), ((14, 14), 0, 49, 16), pytest.param(((28, 28), 1, 49, 49), marks=pytest.mark.slow, id="28x28-p1-W49-C49"),
 ]
+#: the cases without pytest.param wrappers, for tests that build their own parameters
+PLAIN_CASES = [c.values[0] if hasattr(c, "values") else c for c in CASES]
 
 
 def case_id(case) -> str:
@@ -138,10 +140,10 @@ VARIANTS = [
 
 
 def _grid_cases():
-    """Every variant on the small grids; on 14x14 and 28x28 the default and mean-key (the rest is ``slow``)."""
-    for case in CASES:
+    """Every variant on the small grids; on 14x14 the default (the rest, and 28x28, is ``slow``)."""
+    for case in PLAIN_CASES:
         for variant in VARIANTS:
-            big = case[0][0] >= 14 and variant not in ({}, {"chunk_weight": "mean-key"})
+            big = case[0][0] >= 28 or (case[0][0] >= 14 and variant != {})
             yield pytest.param(case, variant, id=f"{case_id(case)}-{variant}", marks=[pytest.mark.slow] if big else [])
 
 
@@ -157,7 +159,7 @@ def test_batched_matches_reference_on_the_grid(case, variant):
 
 
 @pytest.mark.parametrize("weight", ["exact", "mean-key"])
-@pytest.mark.parametrize("case", CASES[:5] + [pytest.param(CASES[5], marks=pytest.mark.slow)], ids=case_id)
+@pytest.mark.parametrize("case", PLAIN_CASES[:5] + [pytest.param(PLAIN_CASES[5], marks=pytest.mark.slow)], ids=case_id)
 def test_single_patch_chunks_recover_softmax_on_the_grid(case, weight):
     """C >= h w: every 2-D chunk is one patch, beta = v_m (Prop. 1), weight exp(x.y_m) for both weights: softmax."""
     grid, prefix, window, _ = case
@@ -196,7 +198,7 @@ def test_no_window_one_chunk_standard_proposal_is_rfa_on_the_grid(grid):
     assert_close(b, expected, atol=ATOL64, what="batched")
 
 
-@pytest.mark.parametrize("case", CASES[:6], ids=case_id)
+@pytest.mark.parametrize("case", PLAIN_CASES[:6], ids=case_id)
 def test_scatterbrain_is_eva_with_one_chunk_on_the_grid(case):
     """EVA app. G.5 on the grid: C = 1, N(0, I), S samples, rfa chunk weight == Scatterbrain (eq. 30)."""
     grid, prefix, window, _ = case
