@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from randattn._validation import check_choice
+
 __all__ = ["LAYOUTS", "parse_grid", "resolve_grid", "tile_of_tokens", "tiles", "tile_side_for_count", "window_side"]
 
 #: ``grid``: 2-D windows/chunks on the patch grid; ``sequence``: 1-D contiguous blocks of the token axis
@@ -65,9 +67,10 @@ def parse_grid(grid: Any, name: str = "grid") -> tuple[int, int] | None:
 
 
 def resolve_grid(layout: str, grid: Any) -> tuple[int, int] | None:
-    """The grid in force: ``(h, w)`` for ``layout="grid"`` with a grid given, else None (sequence)."""
-    from randattn._validation import check_choice
+    """The grid in force: ``(h, w)`` for ``layout="grid"`` with a grid given, else None (sequence).
 
+    Validates both (ValueError/TypeError naming ``layout`` or ``grid``).
+    """
     check_choice("layout", layout, LAYOUTS)
     parsed = parse_grid(grid)
     return parsed if layout == "grid" else None
