@@ -46,13 +46,13 @@ def _t(array: Any, device: torch.device) -> torch.Tensor:
 def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``t[..., index, :]`` for an integer ``index`` of any shape, rows copied whole.
 
-    As an embedding lookup over the flattened leading dims (about twice as fast on CPU as
-    ``index_select`` on a middle dim, and several times faster than advanced indexing).
+    One ``index_select`` of whole rows of the 2-D ``(prod(...) * rows, width)`` view (on CPU
+    several times faster than ``index_select`` on a middle dim or advanced indexing).
     """
     lead, rows, width = t.shape[:-2], t.shape[-2], t.shape[-1]
     count = math.prod(lead)
     flat_index = index.reshape(1, -1) + (torch.arange(count, device=t.device) * rows).unsqueeze(-1)
-    out = torch.nn.functional.embedding(flat_index, t.reshape(count * rows, width))
+    out = t.reshape(count * rows, width).index_select(0, flat_index.reshape(-1))
     return out.reshape(*lead, *index.shape, width)
 
 
@@ -149,13 +149,16 @@ def _chunk_terms(x, y, v, y_sq, eps, pad: PaddedPartition, groups: torch.Tensor,
 def _with_chunks(rows: torch.Tensor, index: torch.Tensor, chunk_rows: torch.Tensor, shared: bool) -> torch.Tensor:
     """``[rows[..., index[b], :]; chunk_rows[..., g(b), :, :]]`` per block ``b``: ``(..., b, E + C, width)``.
 
-    ``chunk_rows (..., g, C, width)`` holds one group (``shared``: broadcast to every block) or
-    one group per block.
+    ``chunk_rows (..., g, C, width)`` holds one group (``shared``: the same C rows for every
+    block, gathered from ``[rows; chunk rows]`` by one lookup; concatenating a broadcast view
+    instead is a slow strided copy) or one group per block.
     """
-    exact = _gather(rows, index)  # (..., b, E, width)
     if shared:
-        chunk_rows = chunk_rows.expand(*chunk_rows.shape[:-3], index.shape[0], *chunk_rows.shape[-2:])
-    return torch.cat([exact, chunk_rows], dim=-2)
+        num_rows, num_c = rows.shape[-2], chunk_rows.shape[-2]
+        source = torch.cat([rows, chunk_rows[..., 0, :, :]], dim=-2)  # (..., M + C, width)
+        chunk_index = (num_rows + torch.arange(num_c, device=index.device)).expand(index.shape[0], num_c)
+        return _gather(source, torch.cat([index, chunk_index], dim=-1))
+    return torch.cat([_gather(rows, index), chunk_rows], dim=-2)
 
 
 def _slice_size(pad: PaddedPartition, reps: int, batch_numel: int, samples: int, dv: int, dim: int, exact_weight: bool, per_group: bool) -> int:
