@@ -4,6 +4,13 @@ Heavy optional dependencies (onnx, onnxruntime, scikit-image, Pillow, timm) are 
 that need them, so ``import randattn.activations`` stays light.
 """
 
-from randattn.activations.io import Activations, load_activations, make_activations, save_activations
+from randattn.activations.io import (
+    Activations,
+    NoGridWarning,
+    infer_grid,
+    load_activations,
+    make_activations,
+    save_activations,
+)
 
-__all__ = ["Activations", "load_activations", "make_activations", "save_activations"]
+__all__ = ["Activations", "NoGridWarning", "infer_grid", "load_activations", "make_activations", "save_activations"]

@@ -251,6 +251,9 @@ def capture_dinov2(
         "scale": DINOV2_SCALE,
         "images": [image.name for image in images],
         "input_size": [size, size],
+        # token axis: CLS, then the (size/14) x (size/14) patches row-major (DINOv2 ViT-S/14 has no registers)
+        "prefix_tokens": 1,
+        "grid": [size // PATCH_SIZE, size // PATCH_SIZE],
         "preprocess": "PIL ImageOps.fit bicubic (shorter side to size, center crop), ImageNet mean/std",
         "layers": list(layers),
         "randattn_version": _version(),

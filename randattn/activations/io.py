@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -28,7 +29,9 @@ import numpy as np
 
 from randattn._files import atomic_path
 
-__all__ = ["Activations", "load_activations", "save_activations", "make_activations", "FORMATS"]
+__all__ = [
+    "Activations", "load_activations", "save_activations", "make_activations", "infer_grid", "NoGridWarning", "FORMATS",
+]
 
 #: file suffix -> container format
 FORMATS: dict[str, str] = {".safetensors": "safetensors", ".npz": "npz", ".pt": "pt"}
@@ -76,6 +79,17 @@ class Activations:
     def scale(self) -> float:
         """Softmax temperature: attention logits are ``scale * q . k``."""
         return float(self.metadata["scale"])
+
+    @property
+    def grid(self) -> tuple[int, int] | None:
+        """Patch grid ``(rows, columns)`` of the tokens after the prefix, or None when the file does not say."""
+        grid = self.metadata.get("grid")
+        return None if grid is None else (int(grid[0]), int(grid[1]))
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Leading non-patch tokens (CLS, registers) before the patch grid; 0 when unknown."""
+        return int(self.metadata.get("prefix_tokens") or 0)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -234,7 +248,66 @@ def _check_metadata(meta: dict, per_layer: dict, where: str) -> dict:
     meta.setdefault("source", "unknown")
     meta.setdefault("randattn_version", _version())
     meta["dtype"] = str(first.dtype)
+    _check_layout(meta, tokens, where)
     return meta
+
+
+class NoGridWarning(UserWarning):
+    """Activations without a recorded patch grid: estimators fall back to 1-D (sequence) windows."""
+
+
+_warned_no_grid = False
+
+
+def _check_layout(meta: dict, tokens: int, where: str) -> None:
+    """Validate ``grid`` / ``prefix_tokens`` (module docstring), normalising ``grid`` to ``[h, w]``."""
+    prefix = meta.get("prefix_tokens")
+    if prefix is not None:
+        if isinstance(prefix, bool) or not isinstance(prefix, (int, np.integer)) or not 0 <= prefix <= tokens:
+            raise ValueError(
+                f"{where}: metadata 'prefix_tokens' must be an integer in [0, tokens={tokens}] (CLS and register "
+                f"tokens before the patches), got {prefix!r}"
+            )
+        meta["prefix_tokens"] = int(prefix)
+    grid = meta.get("grid")
+    if grid is None:
+        return
+    ok = isinstance(grid, (list, tuple)) and len(grid) == 2
+    ok = ok and all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) and a >= 1 for a in grid)
+    if not ok:
+        raise ValueError(f"{where}: metadata 'grid' must be [rows, columns] of positive integers, got {grid!r}")
+    if prefix is None:
+        raise ValueError(
+            f"{where}: metadata 'grid' is {list(grid)!r} but 'prefix_tokens' is missing; say how many tokens "
+            "(CLS, registers) come before the patch grid"
+        )
+    h, w = int(grid[0]), int(grid[1])
+    if meta["prefix_tokens"] + h * w != tokens:
+        raise ValueError(
+            f"{where}: metadata 'grid' {[h, w]} and 'prefix_tokens' {meta['prefix_tokens']} give "
+            f"{meta['prefix_tokens']} + {h}*{w} = {meta['prefix_tokens'] + h * w} tokens, but the arrays have {tokens}"
+        )
+    meta["grid"] = [h, w]
+
+
+def infer_grid(tokens: int, prefix_tokens: int = 1) -> tuple[int, tuple[int, int]] | None:
+    """The square-grid reading of ``tokens``: ``(prefix_tokens, (s, s))`` when ``tokens - prefix_tokens = s^2``.
+
+    An explicit option for files without a recorded grid (:class:`NoGridWarning`), never applied silently:
+    a ViT with one CLS token on a square image has ``1 + s^2`` tokens (197 = 1 + 14^2, 785 = 1 + 28^2).
+    Returns None when ``tokens - prefix_tokens`` is not a positive perfect square (e.g. register tokens or a
+    non-square image: record the grid at capture instead).
+
+    Examples
+    --------
+    >>> infer_grid(197), infer_grid(785), infer_grid(200), infer_grid(196, prefix_tokens=0)
+    ((1, (14, 14)), (1, (28, 28)), None, (0, (14, 14)))
+    """
+    body = int(tokens) - int(prefix_tokens)
+    if body < 1 or prefix_tokens < 0:
+        return None
+    side = math.isqrt(body)
+    return (int(prefix_tokens), (side, side)) if side * side == body else None
 
 
 def _normalise(value: Any) -> Any:
@@ -360,7 +433,18 @@ def load_activations(path: str | os.PathLike) -> Activations:
         raise ValueError(f"{where}: metadata is not valid JSON: {exc}") from exc
     if not isinstance(meta, dict):
         raise ValueError(f"{where}: metadata must be a JSON object, got {type(meta).__name__}")
-    return make_activations(arrays, meta, where=where)
+    acts = make_activations(arrays, meta, where=where)
+    global _warned_no_grid
+    if acts.grid is None and not _warned_no_grid:
+        _warned_no_grid = True
+        warnings.warn(
+            f"{where}: no patch 'grid' in the metadata (a file from before the token layout was recorded); "
+            "estimators use 1-D (sequence) windows. Re-capture, or pass grid=HxW and prefix_tokens "
+            "(randattn.activations.io.infer_grid gives the square-grid reading). Said once per process.",
+            NoGridWarning,
+            stacklevel=2,
+        )
+    return acts
 
 
 def _load_iv(path: Any) -> Path:

@@ -204,5 +204,31 @@ def capture_timm(
         "input_size": [size, size],
         "layers": chosen,
         "randattn_version": _version(),
+        **_token_layout(model, size, arrays[chosen[0]][0].shape[2]),
     }
     return make_activations(arrays, metadata, where=f"timm capture of {name}")
+
+
+def _token_layout(model, size: int, tokens: int) -> dict:
+    """``{"prefix_tokens": P, "grid": [h, w]}`` from timm's ``num_prefix_tokens`` and ``patch_embed``.
+
+    The grid is the patch grid of a ``size x size`` input (``patch_embed.grid_size`` when ``size`` is the
+    model's own input size, ``size // patch_size`` otherwise); recorded only when ``P + h w`` equals the
+    captured token count (models that pool or drop tokens get no layout, i.e. 1-D behaviour).
+    """
+    embed = getattr(model, "patch_embed", None)
+    prefix = getattr(model, "num_prefix_tokens", None)
+    if embed is None or prefix is None:
+        return {}
+    patch = getattr(embed, "patch_size", None)
+    grid = getattr(embed, "grid_size", None)
+    img = getattr(embed, "img_size", None)
+    if patch is not None and (img is None or tuple(img) != (size, size)):
+        ph, pw = (patch, patch) if isinstance(patch, int) else tuple(patch)
+        grid = (size // ph, size // pw)
+    if grid is None:
+        return {}
+    h, w = int(grid[0]), int(grid[1])
+    if int(prefix) + h * w != tokens:
+        return {}
+    return {"prefix_tokens": int(prefix), "grid": [h, w]}

@@ -84,6 +84,7 @@ def test_capture_and_file_round_trip(dinov2, tmp_path):
     assert acts.layers == (0, 11) and acts.shape == (2, 6, 197, 64) and acts.scale == 0.125
     assert acts.images == ("skimage:astronaut", "skimage:camera")
     assert acts.metadata["model"] == "dinov2-s14" and acts.metadata["input_size"] == [196, 196]
+    assert acts.grid == (14, 14) and acts.prefix_tokens == 1, "CLS then the 196/14 x 196/14 patches"
     # one image at a time gives the same numbers as the batch member
     alone = dinov2.run(preprocess(load_images("skimage:camera"), 196), (11,))[11]["k"][0]
     np.testing.assert_array_equal(acts.k(11)[1], alone)

@@ -124,3 +124,4 @@ def test_real_timm_vit(assert_close, tmp_path, timm_module):
     loaded = load_timm_model("vit_tiny_patch16_224", checkpoint, img_size=32, patch_size=8, depth=2)
     acts = capture_timm(loaded, "skimage:astronaut", 32, "all", name="vit_tiny_patch16_224")
     assert acts.shape == (1, 3, 17, 64) and acts.scale == 64**-0.5
+    assert acts.grid == (4, 4) and acts.prefix_tokens == 1, "32 px / patch 8: CLS then 4 x 4 patches"

@@ -34,6 +34,22 @@ def _samples(name: str, params: dict) -> int | None:
     return 64 if params.get("feature_map") == "trigonometric" else 6
 
 
+def _fit(params: dict, *shapes):
+    """Shapes with their token axis set to ``prefix_tokens + h*w`` when a variant lays tokens on a grid.
+
+    A grid fixes the token count (queries = keys), so grid variants (EVA/Scatterbrain/local
+    ``grid="HxW"``) run every contract on inputs of their own length.
+    """
+    from randattn.estimators.grid import parse_grid
+
+    grid = parse_grid(params.get("grid"))
+    if grid is None or params.get("layout", "grid") != "grid":
+        return shapes if len(shapes) > 1 else shapes[0]
+    tokens = params.get("prefix_tokens", 0) + grid[0] * grid[1]
+    fitted = tuple((*shape[:-2], tokens, shape[-1]) for shape in shapes)
+    return fitted if len(fitted) > 1 else fitted[0]
+
+
 def _inputs(rng, q_shape, k_shape, v_shape, q_norm=None, k_norm=None):
     q = rng.standard_normal(q_shape)
     k = rng.standard_normal(k_shape)
@@ -57,6 +73,7 @@ def _run(name, params, q, k, v, *, backend, seed=0, replicates=3, dtype=None, nu
 def test_batched_matches_reference_float64(case, shape, rng):
     name, _, params = case
     _, q_shape, k_shape, v_shape = shape
+    q_shape, k_shape, v_shape = _fit(params, q_shape, k_shape, v_shape)
     q, k, v = _inputs(rng, q_shape, k_shape, v_shape)
     ref = _run(name, params, q, k, v, backend="reference")
     bat = _run(name, params, q, k, v, backend="torch", dtype=torch.float64)
@@ -72,7 +89,7 @@ def test_float32_batched_close_to_reference(case, rng):
     name, _, params = case
     if params.get("feature_map") == "trigonometric":
         pytest.skip("signed trigonometric sums cancel; float32 is not comparable at 1e-5 (checked in float64)")
-    q, k, v = _inputs(rng, (2, 13, 8), (2, 13, 8), (2, 13, 5))
+    q, k, v = _inputs(rng, *_fit(params, (2, 13, 8), (2, 13, 8), (2, 13, 5)))
     ref = _run(name, params, q, k, v, backend="reference")
     bat = _run(name, params, q, k, v, backend="torch", dtype=torch.float32)
     assert bat.dtype == torch.float32
@@ -85,7 +102,7 @@ def test_float32_batched_close_to_reference(case, rng):
 def test_seed_reproducible_bit_for_bit(case, backend, rng):
     name, _, params = case
     # 64 tokens: longer than EVA's default window (49), which would otherwise make it exact
-    q, k, v = _inputs(rng, (2, 64, 4), (2, 64, 4), (2, 64, 3))
+    q, k, v = _inputs(rng, *_fit(params, (2, 64, 4), (2, 64, 4), (2, 64, 3)))
     first = np.asarray(_run(name, params, q, k, v, backend=backend, seed=7))
     again = np.asarray(_run(name, params, q, k, v, backend=backend, seed=7))
     assert np.array_equal(first, again, equal_nan=True)
@@ -100,11 +117,12 @@ def test_seed_reproducible_bit_for_bit(case, backend, rng):
 @pytest.mark.parametrize("case", VARIANTS, ids=variant_id)
 def test_replicates_are_independent_and_squeezed(case, rng):
     name, _, params = case
-    q, k, v = _inputs(rng, (64, 4), (64, 4), (64, 3))
+    q, k, v = _inputs(rng, *_fit(params, (64, 4), (64, 4), (64, 3)))
+    tokens = q.shape[0]
     single = _run(name, params, q, k, v, backend="reference", replicates=None)
-    assert single.shape == (64, 3)
+    assert single.shape == (tokens, 3)
     many = _run(name, params, q, k, v, backend="reference", replicates=4)
-    assert many.shape == (4, 64, 3)
+    assert many.shape == (4, tokens, 3)
     spec = randattn.get_spec(name)
     if spec.is_random(spec.resolve_params(params)):
         assert not np.allclose(many[0], many[1]), "replicates share their draws"
@@ -128,7 +146,7 @@ def _vit_like(rng, n=50, d=64, q_max=30.0, k_max=150.0):
 def test_stable_at_vit_norms(case, rng):
     """Key norms up to 150, query norms up to 30, scale 1/8: finite in float32 and float64."""
     name, _, params = case
-    q, k, v = _vit_like(rng)
+    q, k, v = _vit_like(rng, n=_fit(params, (50, 64))[0])
     ref = _run(name, params, q, k, v, backend="reference", replicates=2)
     b64 = _run(name, params, q, k, v, backend="torch", dtype=torch.float64, replicates=2)
     b32 = _run(name, params, q, k, v, backend="torch", dtype=torch.float32, replicates=2)

@@ -131,8 +131,19 @@ def test_window_zero_and_oversized_window():
 # ---------------------------------------------------------------------------------------
 
 VARIANT_CASES = [(name, variant) for name in ESTIMATORS for variant in get_spec(name).variants]
-#: every variant on N = M and N > M; the other shapes on variants that exercise each layout option
-SHAPE_CASES = [(n, v, s) for n, v in VARIANT_CASES for s in ("N13-M13", "N13-M11")] + [
+
+
+def _grid_tokens(params) -> int | None:
+    """prefix + h*w of a grid variant (its token count is fixed), None for 1-D variants."""
+    from randattn.estimators.grid import parse_grid
+
+    grid = parse_grid(params.get("grid"))
+    return None if grid is None else params.get("prefix_tokens", 0) + grid[0] * grid[1]
+
+
+#: every 1-D variant on N = M and N > M; the other shapes on variants that exercise each layout option
+#: (grid variants fix N = M = prefix + h*w: tests/estimators/test_eva_grid.py and test_common.py)
+SHAPE_CASES = [(n, v, s) for n, v in VARIANT_CASES if _grid_tokens(get_spec(n).variants[v]) is None for s in ("N13-M13", "N13-M11")] + [
     (n, v, s)
     for n, v in [("eva", "default"), ("eva", "paper-rfa-sum-random"), ("eva", "reference-code-mean-key-half-random"),
                  ("eva", "cls-multi-sample-rfa"), ("eva", "no-window-cls"), ("eva", "multi-sample-exact"),
@@ -421,21 +432,21 @@ def test_coefficients_are_consistent_in_samples_per_chunk():
 # numerics: large norms, convex combinations
 # ---------------------------------------------------------------------------------------
 
-def _large_norm_inputs(seed=0):
+def _large_norm_inputs(seed=0, n=21):
     """D = 64, scale D^-1/2, key norms up to 150, query norms up to 30 (real ViT keys exceed 100)."""
     rng = np.random.default_rng(seed)
-    q = rng.normal(size=(2, 21, 64))
-    k = rng.normal(size=(2, 21, 64))
-    q *= np.linspace(1, 30, 21)[:, None] / np.linalg.norm(q, axis=-1, keepdims=True)
-    k *= np.linspace(1, 150, 21)[:, None] / np.linalg.norm(k, axis=-1, keepdims=True)
-    return q, k, rng.normal(size=(2, 21, 3))
+    q = rng.normal(size=(2, n, 64))
+    k = rng.normal(size=(2, n, 64))
+    q *= np.linspace(1, 30, n)[:, None] / np.linalg.norm(q, axis=-1, keepdims=True)
+    k *= np.linspace(1, 150, n)[:, None] / np.linalg.norm(k, axis=-1, keepdims=True)
+    return q, k, rng.normal(size=(2, n, 3))
 
 
 @pytest.mark.parametrize("name,variant", VARIANT_CASES, ids=[f"{a}-{b}" for a, b in VARIANT_CASES])
 def test_finite_convex_combination_at_large_norms(name, variant):
     spec = get_spec(name)
     params = spec.resolve_params(spec.variants[variant])
-    q, k, v = _large_norm_inputs()
+    q, k, v = _large_norm_inputs(n=_grid_tokens(params) or 21)
     draws = spec.draw(q.shape, k.shape, num_samples=5, replicates=2, rng=np.random.default_rng(3), **params)
     lo, hi = v.min(-2)[:, None, :], v.max(-2)[:, None, :]
     outputs = {"reference": spec.reference(q, k, v, draws, **params)}

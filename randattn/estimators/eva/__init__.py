@@ -7,7 +7,9 @@ eq. 13; mean-pooled key, eq. 16; or its RFA estimate). ``num_samples`` is C. The
 data-independent standard normals ``eps : (R, ..., C, S_c, D)``; ``omega = mu_c + sigma eps``
 is formed inside ``estimate`` for each query block (common random numbers across blocks).
 The block/chunk layout and every choice the paper leaves open are documented in
-:mod:`randattn.estimators.eva.partition`.
+:mod:`randattn.estimators.eva.partition`: with ``layout="grid"`` (default) and a ``grid="HxW"``
+the local blocks are ``s x s`` windows of the patch grid (``window = s^2``, 49 = 7x7) and the
+chunks are 2-D tiles (app. C "2D windows for images"); without a grid, 1-D contiguous blocks.
 """
 
 from __future__ import annotations
@@ -20,12 +22,20 @@ from randattn._validation import check_positive_int
 from randattn.estimators.base import Draws, EstimatorSpec, Param
 from randattn.estimators.eva import batched, reference
 from randattn.estimators.eva.partition import PARTITIONS
+from randattn.estimators.grid import LAYOUTS
 from randattn.estimators.eva.reference import CHUNK_WEIGHTS, NOISES, PROPOSAL_MEANS, SAMPLES
 
 #: the shared layout parameters of eva, scatterbrain and local
 LAYOUT_PARAMS = {
-    "window": Param(49, "local block size W >= 0 (EVA's 7x7 vision window; clipped to the sequence; 0 = no local block)", kind=int),
+    "window": Param(
+        49,
+        "local block size W >= 0 in tokens (clipped; 0 = no local block); with layout=grid and a grid, s x s windows, "
+        "W = s^2 (49 = 7x7, EVA's DeiT window)",
+        kind=int,
+    ),
     "prefix_tokens": Param(0, "leading keys exact for every query (1 = a ViT's CLS token); prefix queries attend exactly to them only", kind=int),
+    "layout": Param("grid", "grid: 2-D windows (and EVA's 2-D chunks) on the patch grid when one is given; sequence: 1-D blocks", choices=LAYOUTS),
+    "grid": Param(None, "patch grid 'HxW' (rows x columns) of the tokens after the prefix; None = unknown (1-D blocks)"),
 }
 
 PARAMS = {
@@ -90,6 +100,12 @@ def _variants() -> dict[str, dict]:
             "cls-multi-sample-rfa": {"window": 4, "prefix_tokens": 1, "samples_per_chunk": 2, "chunk_weight": "rfa"},
             "no-window": {"window": 0},
             "no-window-cls": {"window": 0, "prefix_tokens": 1, "chunk_weight": "mean-key"},
+            # layout="grid" (the default) with a grid: s x s windows and 2-D chunks; tokens = prefix + h*w
+            "grid-3x4-cls": {"window": 4, "prefix_tokens": 1, "grid": "3x4"},
+            "grid-3x5-reference-code-mean-key": {"window": 4, "grid": "3x5", "partition": "reference-code", "chunk_weight": "mean-key"},
+            "grid-2x2-prefix5-rfa-multi-sample": {"window": 1, "prefix_tokens": 5, "grid": "2x2", "chunk_weight": "rfa", "samples_per_chunk": 2},
+            "grid-8x8-7x7-window": {"grid": "8x8"},
+            "grid-no-window-cls": {"window": 0, "prefix_tokens": 1, "grid": "3x4", "chunk_weight": "mean-key", "sample": "mean"},
         }
     )
     return variants
@@ -101,8 +117,8 @@ SPEC = EstimatorSpec(
     source="Zheng et al. ICLR 2023 (EVA) sec. 4 eq. 11-16, app. C eq. 26-28, Algorithm 1, app. G.1",
     complexity=(
         "O(N W (D + Dv) + G M S_c D + N C S_c (D + Dv)), G = ceil(M / W) chunk groups for partition=paper "
-        "(each block re-chunks its complement), G = 1 for reference-code; chunk_weight=exact adds O(N M D); "
-        "C = num_samples, S_c = samples_per_chunk"
+        "(each block re-chunks its complement: O(M^2 / W)), G = 1 for reference-code (linear); "
+        "chunk_weight=exact adds O(N M D); C = num_samples, S_c = samples_per_chunk; same in the grid layout"
     ),
     params=PARAMS,
     draw=draw,

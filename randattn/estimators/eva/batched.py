@@ -1,11 +1,21 @@
-"""EVA in torch (batched form of ``eva.reference``).
+r"""EVA in torch (batched form of ``eva.reference``).
 
-Vectorized over replicates, batch dims, queries and chunks (chunks of a group are padded to
-a common length, padded keys get a log-feature of ``-inf``); a Python loop runs over chunk
-groups only (one per local block for the paper's partition, one for ``reference-code``).
-With one sample per chunk the coefficients are query-independent and are combined by a
-matrix product, so no ``N x C x Dv`` tensor is formed.
-The exact part gathers each query's ``E^n`` (``O(N |E| (D + Dv))``), never an N x M matrix.
+Vectorized over replicates, batch dims, local blocks, chunks and samples: the partition
+(:func:`randattn.estimators.eva.partition.padded_partition`) is a set of padded index arrays,
+padded keys get a log-weight of ``-inf``. No Python loop runs over blocks or chunks; the only
+loop is over *slices* of blocks, so that the working set stays under :data:`WORK_ELEMENTS`
+(one slice unless the per-group chunk terms of ``partition="paper"`` or the quadratic
+``chunk_weight="exact"`` would exceed it).
+
+Per chunk ``c`` and sample ``s`` the key side is reduced once to a log-mass
+:math:`A_{cs} = \log\sum_{m \in P_c} \xi(y_m, \omega_{cs})` and a value mean
+:math:`\bar v_{cs} = \sum_m \xi(y_m,\omega_{cs}) v_m / e^{A_{cs}}`; the SNIS coefficient of
+query ``n`` is then :math:`\beta_{nc} = \sum_s w_{ncs} \bar v_{cs}` with
+:math:`w_{ncs} \propto \alpha_{cs}\,\xi(x_n, \omega_{cs}) e^{A_{cs}}` (EVA app. C), and the
+output :math:`\sum_c p_{nc} \beta_{nc}` is one matrix product of the weights
+:math:`p_{nc} w_{ncs}` with :math:`\bar v`, so no ``N x C x Dv`` tensor is formed. With one
+sample per chunk :math:`w = 1` and :math:`\beta_c` is query-independent.
+The exact part multiplies each block's queries with its exact keys, ``O(N |E| (D + Dv))``.
 """
 
 from __future__ import annotations
@@ -18,144 +28,255 @@ import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws
-from randattn.estimators.eva.partition import Partition, eva_partition, pad_index_lists
+from randattn.estimators.eva.partition import PaddedPartition, padded_partition
 from randattn.estimators.eva.reference import check_eva_params, chunk_proposal_mean, log_proposal_ratio
-from randattn.estimators.features.batched import positive_log_features
+from randattn.estimators.grid import resolve_grid
 from randattn.estimators.ra.reference import noise_std
-from randattn.estimators.snis.batched import feature_attention
 
-__all__ = ["estimate", "exact_logits", "combine", "chunk_terms", "GroupTerms"]
+__all__ = ["estimate", "eva_attention", "block_exact_attention", "WORK_ELEMENTS"]
+
+#: elements of the largest intermediate tensor of one slice of blocks (2^25: 128 MiB in float32)
+WORK_ELEMENTS = 2**25
 
 
-def _index(array: Any, device: torch.device) -> torch.Tensor:
+def _t(array: Any, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(array, device=device)
 
 
-def exact_logits(x: torch.Tensor, y: torch.Tensor, layout: Partition) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits, index)``: ``x_n·y_m`` for ``m in E^n`` as ``(..., N, E_max)`` (``-inf`` padding) and ``(N, E_max)`` key indices."""
-    idx, mask = pad_index_lists(layout.exact_keys)
-    idx_t, mask_t = _index(idx, x.device), _index(mask, x.device)
-    y_e = y[..., idx_t, :]  # (..., N, E_max, D)
-    logits = (x.unsqueeze(-2) @ y_e.transpose(-1, -2)).squeeze(-2)
-    return logits.masked_fill(~mask_t, float("-inf")), idx_t
+def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[..., index, :]`` for an integer ``index`` of any shape, rows copied whole.
+
+    One ``index_select`` of whole rows of the 2-D ``(prod(...) * rows, width)`` view (on CPU
+    several times faster than ``index_select`` on a middle dim or advanced indexing).
+    """
+    lead, rows, width = t.shape[:-2], t.shape[-2], t.shape[-1]
+    count = math.prod(lead)
+    flat_index = index.reshape(1, -1) + (torch.arange(count, device=t.device) * rows).unsqueeze(-1)
+    out = t.reshape(count * rows, width).index_select(0, flat_index.reshape(-1))
+    return out.reshape(*lead, *index.shape, width)
+
+
+def _gather_last(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[..., index]`` for an integer ``index`` of any shape."""
+    return t.index_select(-1, index.reshape(-1)).reshape(*t.shape[:-1], *index.shape)
+
+
+def _group_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a (..., n, Q, D) @ b (..., g, K, D)^T -> (..., n, Q, K)`` with ``g`` in {1, n}.
+
+    ``g = 1`` (one chunk group shared by every block) is one flat product; broadcasting it
+    over ``n`` in ``torch.matmul`` would copy ``b`` once per block.
+    """
+    if b.shape[-3] == 1 and a.shape[-3] != 1:
+        flat = a.reshape(*a.shape[:-3], a.shape[-3] * a.shape[-2], a.shape[-1]) @ b[..., 0, :, :].transpose(-1, -2)
+        return flat.reshape(*a.shape[:-1], b.shape[-2])
+    return a @ b.transpose(-1, -2)
+
+
+def _group_mix(p: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """``p (..., n, Q, K) @ vals (..., g, K, Dv) -> (..., n, Q, Dv)`` with ``g`` in {1, n}."""
+    if vals.shape[-3] == 1 and p.shape[-3] != 1:
+        flat = p.reshape(*p.shape[:-3], p.shape[-3] * p.shape[-2], p.shape[-1]) @ vals[..., 0, :, :]
+        return flat.reshape(*p.shape[:-1], vals.shape[-1])
+    return p @ vals
+
+
+def _rows_matmul(p: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """``p (R, ..., Q, K) @ vals (..., K, Dv)`` with the replicates as matrix rows (no copy of ``vals`` per replicate)."""
+    reps = p.shape[0]
+    rows = p.movedim(0, -3).reshape(*p.shape[1:-2], reps * p.shape[-2], p.shape[-1])
+    out = rows @ vals
+    return out.reshape(*p.shape[1:-2], reps, p.shape[-2], vals.shape[-1]).movedim(-3, 0)
+
+
+def _projections(a: torch.Tensor, w: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """``a (..., n, Q, D) . w (R, ..., g, K, D) -> (R, ..., n, Q, K)``, replicates as matrix columns.
+
+    ``grouped``: ``g`` pairs with ``n`` (``g in {1, n}``, via :func:`_group_matmul`); else the
+    two share all their dims. Putting ``R`` into the columns avoids copying ``a`` per replicate.
+    """
+    reps, k = w.shape[0], w.shape[-2]
+    cols = w.movedim(0, -3).reshape(*w.shape[1:-2], reps * k, w.shape[-1])
+    out = _group_matmul(a, cols) if grouped else a @ cols.transpose(-1, -2)
+    return out.reshape(*out.shape[:-1], reps, k).movedim(-2, 0)
 
 
 @dataclass(frozen=True)
-class GroupTerms:
-    """One chunk group's terms: its queries, chunk log-weights and control coefficients.
+class ChunkTerms:
+    """Per chunk group (``G``), chunk (``C``) and sample (``S``): the key-side reductions.
 
-    ``beta`` is ``(R, ..., C_g, Dv)`` when one sample per chunk makes it query-independent
-    (app. C; then no ``N x C x Dv`` tensor is ever formed), else ``(R, ..., n_g, C_g, Dv)``.
+    ``k_land (..., G, C, D)``, ``sizes (G, C)``, ``omega (R', ..., G, C, S, D)``,
+    ``log_alpha (R', ..., G, C, S)``, ``log_mass (R', ..., G, C, S)`` (0 for empty chunks),
+    ``v_mean (R', ..., G, C, S, Dv)``; ``R'`` is R, or 1 for the deterministic expected sample.
     """
 
-    queries: torch.Tensor  # (n_g,) query indices
-    logw: torch.Tensor  # (R, ..., n_g, C_g)
-    beta: torch.Tensor
-    shared: bool
+    k_land: torch.Tensor
+    sizes: torch.Tensor
+    omega: torch.Tensor
+    log_alpha: torch.Tensor
+    log_mass: torch.Tensor
+    v_mean: torch.Tensor
 
 
-def combine(e_logits: torch.Tensor, v_exact: torch.Tensor, groups: list[GroupTerms]) -> torch.Tensor:
-    r"""Eq. 16 in log space: one normalization over the union of exact logits and chunk log-weights.
+def _chunk_terms(x, y, v, y_sq, eps, pad: PaddedPartition, groups: torch.Tensor, *, sigma: float, proposal_mean: str) -> ChunkTerms:
+    """Key-side terms of the chunk groups ``groups`` (EVA eq. 28 proposal, app. C SNIS)."""
+    dev = x.device
+    ck, ckm = _t(pad.chunk_keys, dev)[groups], _t(pad.chunk_key_mask, dev)[groups]  # (G, C, L)
+    cs, csm = _t(pad.chunk_sources, dev)[groups], _t(pad.chunk_source_mask, dev)[groups]
+    kf, sf = ckm.to(x.dtype), csm.to(x.dtype)
+    sizes = kf.sum(-1)  # (G, C)
+    y_c, v_c = _gather(y, ck), _gather(v, ck)  # (..., G, C, L, D / Dv)
+    # masked means as products (G, C, 1, L) @ (..., G, C, L, D): no masked copy of the keys
+    k_land = (kf.unsqueeze(-2) @ y_c).squeeze(-2) / sizes.clamp(min=1).unsqueeze(-1)  # (..., G, C, D)
+    q_land = (sf.unsqueeze(-2) @ _gather(x, cs)).squeeze(-2) / sf.sum(-1).clamp(min=1).unsqueeze(-1)
+    mu = chunk_proposal_mean(proposal_mean, q_land, k_land).unsqueeze(0).unsqueeze(-2)  # (1, ..., G, C, 1, D)
+    num_chunks = ck.shape[-2]
+    if eps is not None:
+        omega = mu + sigma * eps[..., :num_chunks, :, :].unsqueeze(-4)  # (R, ..., G, C, S, D)
+    else:
+        omega = mu
+    log_alpha = log_proposal_ratio(omega, mu, sigma)  # (R', ..., G, C, S)
+    # log xi(y_m, omega_cs) = omega_cs . y_m - |y_m|^2 / 2 (Performer eq. 7): (R', ..., G, C, L, S)
+    log_kf = _projections(y_c, omega, grouped=False) - 0.5 * _gather_last(y_sq, ck).unsqueeze(0).unsqueeze(-1)
+    log_kf = log_kf.masked_fill(~ckm.unsqueeze(-1), float("-inf"))
+    log_mass = torch.logsumexp(log_kf, dim=-2)  # (R', ..., G, C, S)
+    log_mass = torch.where(sizes.unsqueeze(-1) > 0, log_mass, torch.zeros_like(log_mass))  # empty chunks: weight -inf later
+    key_probs = torch.exp(log_kf - log_mass.unsqueeze(-2))  # (R', ..., G, C, L, S)
+    v_mean = _rows_matmul(key_probs.transpose(-1, -2), v_c)  # (R', ..., G, C, S, Dv)
+    return ChunkTerms(k_land, sizes, omega, log_alpha, log_mass, v_mean)
 
-    e_logits : (..., N, E), v_exact : (..., N, E, Dv), groups from :func:`chunk_terms` -> (R, ..., N, Dv).
-    Every term is taken relative to the per-query maximum over both sets, which cancels in the ratio.
+
+def _with_chunks(rows: torch.Tensor, index: torch.Tensor, chunk_rows: torch.Tensor, shared: bool) -> torch.Tensor:
+    """``[rows[..., index[b], :]; chunk_rows[..., g(b), :, :]]`` per block ``b``: ``(..., b, E + C, width)``.
+
+    ``chunk_rows (..., g, C, width)`` holds one group (``shared``: the same C rows for every
+    block, gathered from ``[rows; chunk rows]`` by one lookup; concatenating a broadcast view
+    instead is a slow strided copy) or one group per block.
     """
-    reps = groups[0].logw.shape[0] if groups else 1
-    e_logits = e_logits.unsqueeze(0).expand(reps, *e_logits.shape)
-    # per-query maximum over both sets (the exact set may be empty: window = 0)
-    top = e_logits.amax(-1) if e_logits.shape[-1] else e_logits.new_full(e_logits.shape[:-1], float("-inf"))
-    top = top.clone()  # (R, ..., N); groups hold disjoint queries
-    for g in groups:
-        if g.logw.shape[-1]:
-            top[..., g.queries] = torch.maximum(top[..., g.queries], g.logw.amax(-1))
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w_exact = torch.exp(e_logits - top.unsqueeze(-1))
-    # replicates as matrix rows: (..., N, R, E) @ (..., N, E, Dv); broadcasting v_exact over a
-    # leading R would copy the local values once per replicate
-    num = (w_exact.movedim(0, -2) @ v_exact).movedim(-2, 0)  # (R, ..., N, Dv)
-    den = w_exact.sum(-1)  # (R, ..., N)
-    for g in groups:
-        if not g.logw.shape[-1]:
-            continue
-        w = torch.exp(g.logw - top[..., g.queries].unsqueeze(-1))  # (R, ..., n_g, C_g)
-        part = w @ g.beta if g.shared else (w.unsqueeze(-1) * g.beta).sum(-2)
-        num = num.index_add(-2, g.queries, part)
-        den = den.index_add(-1, g.queries, w.sum(-1))
-    return num / den.unsqueeze(-1)
+    if shared:
+        num_rows, num_c = rows.shape[-2], chunk_rows.shape[-2]
+        source = torch.cat([rows, chunk_rows[..., 0, :, :]], dim=-2)  # (..., M + C, width)
+        chunk_index = (num_rows + torch.arange(num_c, device=index.device)).expand(index.shape[0], num_c)
+        return _gather(source, torch.cat([index, chunk_index], dim=-1))
+    return torch.cat([_gather(rows, index), chunk_rows], dim=-2)
 
 
-def chunk_terms(
+def _slice_size(pad: PaddedPartition, reps: int, batch_numel: int, samples: int, dv: int, dim: int, exact_weight: bool, per_group: bool) -> int:
+    """Blocks per slice so that the largest per-slice tensor stays under :data:`WORK_ELEMENTS`."""
+    num_blocks, q = pad.block_queries.shape
+    e = pad.block_keys.shape[1]
+    _, c, l = pad.chunk_keys.shape
+    per_block = reps * batch_numel * q * (e + c * samples + max(dim, dv))
+    if exact_weight:
+        per_block += batch_numel * q * c * l
+    if per_group:
+        per_block += reps * batch_numel * c * l * (samples + max(dim, dv))
+    return max(1, min(num_blocks, WORK_ELEMENTS // max(per_block, 1)))
+
+
+def eva_attention(
     x: torch.Tensor,
     y: torch.Tensor,
     v: torch.Tensor,
     eps: torch.Tensor | None,
-    layout: Partition,
+    pad: PaddedPartition,
     *,
     replicates: int,
     sigma: float,
     chunk_weight: str,
     add_log_chunk_size: bool,
     proposal_mean: str,
-) -> list[GroupTerms]:
-    r"""Per chunk group: chunk log-weights ``(R, ..., n_g, C_g)`` and coefficients (see :class:`GroupTerms`).
+) -> torch.Tensor:
+    r"""EVA (eq. 16 with app. C coefficients) from prepared inputs and a padded partition -> (R, ..., N, Dv).
 
-    ``eps : (R, ..., C, S_c, D)`` or None for the expected sample :math:`\omega_c = \mu_c`.
-    See ``eva.reference.estimate`` for the equations.
+    ``x, y`` are the scaled queries/keys ``(..., N|M, D)``, ``eps : (R, ..., C, S, D)`` the
+    standard normals (None for the expected sample :math:`\omega_c = \mu_c`). See
+    ``eva.reference.estimate`` for the equations; this is the same arithmetic regrouped.
     """
-    dim = x.shape[-1]
+    dev, dim, dv = x.device, x.shape[-1], v.shape[-1]
     batch = x.shape[:-2]
-    ninf = float("-inf")
-    groups = []
-    for group in layout.groups:
-        qi = _index(group.queries, x.device)
-        x_g = x[..., qi, :]  # (..., n_g, D)
-        n_g, c_g = len(group.queries), len(group.chunks)
-        if c_g == 0:
-            groups.append(GroupTerms(qi, x.new_zeros((replicates, *batch, n_g, 0)), x.new_zeros((replicates, *batch, 0, v.shape[-1])), True))
-            continue
-        kidx, kmask = pad_index_lists(group.chunks)
-        sidx, smask = pad_index_lists(group.chunk_queries)
-        kidx, kmask, sidx, smask = (_index(a, x.device) for a in (kidx, kmask, sidx, smask))
-        y_c, v_c = y[..., kidx, :], v[..., kidx, :]  # (..., C_g, L, D / Dv)
-        kfloat, sfloat = kmask.to(x.dtype), smask.to(x.dtype)
-        sizes = kfloat.sum(-1)  # (C_g,)
-        k_land = (y_c * kfloat.unsqueeze(-1)).sum(-2) / sizes.unsqueeze(-1)  # (..., C_g, D)
-        q_land = (x[..., sidx, :] * sfloat.unsqueeze(-1)).sum(-2) / sfloat.sum(-1).unsqueeze(-1)
-        mu = chunk_proposal_mean(proposal_mean, q_land, k_land).unsqueeze(0).unsqueeze(-2)  # (1, ..., C_g, 1, D)
-        if eps is not None:
-            omega = mu + sigma * eps[..., :c_g, :, :]  # (R, ..., C_g, S_c, D)
+    batch_numel = math.prod(batch)
+    num_groups = pad.chunk_keys.shape[0]
+    samples = 1 if eps is None else eps.shape[-2]
+    shared_groups = num_groups == 1
+    y_sq, x_sq = (y * y).sum(-1), (x * x).sum(-1)  # (..., M), (..., N)
+    slice_blocks = _slice_size(pad, replicates, batch_numel, samples, dv, dim, chunk_weight == "exact", not shared_groups)
+    all_terms = None
+    if shared_groups:
+        all_terms = _chunk_terms(x, y, v, y_sq, eps, pad, _t([0], dev), sigma=sigma, proposal_mean=proposal_mean)
+
+    bq_all, bk_all = _t(pad.block_queries, dev), _t(pad.block_keys, dev)
+    bkm_all, gob_all = _t(pad.block_key_mask, dev), _t(pad.group_of_block, dev)
+    pieces = []
+    for start in range(0, bq_all.shape[0], slice_blocks):
+        sl = slice(start, start + slice_blocks)
+        bq, bk, bkm = bq_all[sl], bk_all[sl], bkm_all[sl]
+        if shared_groups:
+            terms = all_terms
         else:
-            omega = mu.expand(replicates, *batch, c_g, 1, dim)
-        log_alpha = log_proposal_ratio(omega, mu, sigma)  # (R, ..., C_g, S_c)
-        log_kf = positive_log_features(y_c.unsqueeze(0), omega)[0]  # (R, ..., C_g, L, S_c, 1)
-        log_kf = log_kf.masked_fill(~kmask.unsqueeze(-1).unsqueeze(-1), ninf)
-        shared = omega.shape[-2] == 1
+            terms = _chunk_terms(x, y, v, y_sq, eps, pad, gob_all[sl], sigma=sigma, proposal_mean=proposal_mean)
+        x_b = _gather(x, bq)  # (..., b, Q, D)
+        num_e, num_b = bk.shape[-1], bk.shape[0]
+        chunk_ok = terms.sizes > 0  # (g, C)
+
+        def per_block(a: torch.Tensor, dim: int) -> torch.Tensor:  # group terms -> blocks (dim = the group axis)
+            return a.expand(*a.shape[:dim], num_b, *a.shape[dim + 1:]) if shared_groups else a
+
         log_qf = None
-        if shared:
-            # one sample: the query feature and alpha cancel in the SNIS ratio (app. C), so
-            # beta_c = softmax over the chunk's keys of log xi(y_m, omega_c), averaged values
-            beta = (torch.softmax(log_kf[..., 0, 0], dim=-1).unsqueeze(-2) @ v_c.unsqueeze(0)).squeeze(-2)  # (R, ..., C_g, Dv)
-        else:
-            log_qf = positive_log_features(x_g.unsqueeze(-3).unsqueeze(0), omega)[0]  # (R, ..., C_g, n_g, S_c, 1)
-            log_qf = log_qf + log_alpha.unsqueeze(-2).unsqueeze(-1)
-            beta, _ = feature_attention(log_qf, log_kf, v_c.unsqueeze(0))  # (R, ..., C_g, n_g, Dv)
-            beta = beta.movedim(-3, -2)  # (R, ..., n_g, C_g, Dv)
-        if chunk_weight == "exact":
-            scores = (x_g.unsqueeze(-3) @ y_c.transpose(-1, -2)).masked_fill(~kmask.unsqueeze(-2), ninf)
-            logw = torch.logsumexp(scores, dim=-1).transpose(-1, -2).unsqueeze(0)  # (1, ..., n_g, C_g)
-        elif chunk_weight == "mean-key":
-            logw = (x_g @ k_land.transpose(-1, -2)).unsqueeze(0)
+        if chunk_weight == "rfa" or samples > 1:
+            # log alpha_cs + log xi(x_n, omega_cs): (R', ..., b, Q, C, S)
+            g_, c_ = terms.omega.shape[-4], terms.omega.shape[-3]
+            omega_flat = terms.omega.reshape(*terms.omega.shape[:-4], g_, c_ * samples, dim)
+            log_qf = _projections(x_b, omega_flat, grouped=True) - 0.5 * _gather_last(x_sq, bq).unsqueeze(-1)
+            log_qf = log_qf.reshape(*log_qf.shape[:-1], c_, samples) + terms.log_alpha.unsqueeze(-3)
+        if chunk_weight == "mean-key":
+            # exact logits and eq. 16 weights x_n . k~_c from one product with [exact keys; chunk landmarks]
+            keys = _with_chunks(y, bk, terms.k_land, shared_groups)  # (..., b, E + C, D)
+            logits = (x_b @ keys.transpose(-1, -2)).unsqueeze(0)  # (1, ..., b, Q, E + C)
             if add_log_chunk_size:
-                logw = logw + torch.log(sizes)
+                logits[..., num_e:] += torch.log(terms.sizes.clamp(min=1)).unsqueeze(-2)
         else:
-            if log_qf is None:
-                log_qf = positive_log_features(x_g.unsqueeze(-3).unsqueeze(0), omega)[0]
-                log_qf = log_qf + log_alpha.unsqueeze(-2).unsqueeze(-1)
-            log_mass = torch.logsumexp(log_kf[..., 0], dim=-2)  # (R, ..., C_g, S_c)
-            logw = torch.logsumexp(log_qf[..., 0] + log_mass.unsqueeze(-2), dim=-1) - math.log(omega.shape[-2])
-            logw = logw.transpose(-1, -2)  # (R, ..., n_g, C_g)
-        groups.append(GroupTerms(qi, logw.expand(replicates, *batch, n_g, c_g), beta, shared))
-    return groups
+            e_logits = x_b @ _gather(y, bk).transpose(-1, -2)  # (..., b, Q, E)
+            if chunk_weight == "exact":
+                groups = gob_all[sl] if not shared_groups else _t([0], dev)
+                ck = _t(pad.chunk_keys, dev)[groups]  # (g, C, L)
+                y_c = _gather(y, ck.reshape(ck.shape[0], -1))  # (..., g, C*L, D)
+                scores = _group_matmul(x_b, y_c).reshape(*x_b.shape[:-1], ck.shape[-2], ck.shape[-1])
+                scores = scores.masked_fill(~_t(pad.chunk_key_mask, dev)[groups].unsqueeze(-3), float("-inf"))
+                logw = torch.logsumexp(scores, dim=-1).unsqueeze(0)  # (1, ..., b, Q, C)
+            else:  # rfa: log (1/S) sum_s alpha xi(x, w_s) sum_m xi(y_m, w_s)
+                logw = torch.logsumexp(log_qf + terms.log_mass.unsqueeze(-3), dim=-1) - math.log(samples)
+            logits = torch.cat([e_logits.unsqueeze(0).expand(logw.shape[0], *e_logits.shape), logw], dim=-1)
+        # padding: missing exact keys and missing chunks get -inf
+        valid = torch.cat([bkm, per_block(chunk_ok, 0)], dim=-1)  # (b, E + C)
+        if not bool(valid.all()):
+            logits.masked_fill_(~valid.unsqueeze(-2), float("-inf"))
+
+        # eq. 16: one softmax over the exact logits and the chunk log-weights of each query
+        probs = torch.softmax(logits, dim=-1)  # (R|1, ..., b, Q, E + C)
+        v_mean = terms.v_mean  # (R', ..., g, C, S, Dv)
+        if samples == 1:
+            # beta_c is query-independent: one product with [exact values; chunk coefficients]
+            v_chunks = v_mean[..., 0, :]  # (R', ..., g, C, Dv)
+            v_rows = v.unsqueeze(0).expand(v_chunks.shape[0], *v.shape)
+            out = probs @ _with_chunks(v_rows, bk, v_chunks, shared_groups)  # (R, ..., b, Q, Dv)
+        else:
+            mix = torch.softmax(log_qf + terms.log_mass.unsqueeze(-3), dim=-1)  # w_ncs: (R, ..., b, Q, C, S)
+            weights = (probs[..., num_e:].unsqueeze(-1) * mix).flatten(-2)  # (R, ..., b, Q, C*S)
+            v_flat = v_mean.flatten(-3, -2)  # (R, ..., g, C*S, Dv)
+            out = _rows_matmul(probs[..., :num_e], _gather(v, bk)) + _group_mix(weights, v_flat)
+        pieces.append(out.expand(replicates, *out.shape[1:]))
+    out = torch.cat(pieces, dim=-3) if len(pieces) > 1 else pieces[0]  # (R, ..., B, Q, Dv)
+    return _gather(out.flatten(-3, -2), _t(pad.query_slot, dev))
+
+
+def block_exact_attention(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, pad: PaddedPartition) -> torch.Tensor:
+    """Softmax over each query's exact set ``E^n`` alone (local attention) -> (..., N, Dv)."""
+    dev = x.device
+    bq, bk, bkm = _t(pad.block_queries, dev), _t(pad.block_keys, dev), _t(pad.block_key_mask, dev)
+    logits = (_gather(x, bq) @ _gather(y, bk).transpose(-1, -2)).masked_fill(~bkm.unsqueeze(-2), float("-inf"))
+    out = torch.softmax(logits, dim=-1) @ _gather(v, bk)  # (..., B, Q, Dv)
+    return _gather(out.flatten(-3, -2), _t(pad.query_slot, dev))
 
 
 def estimate(
@@ -167,6 +288,8 @@ def estimate(
     scale: float | None = None,
     window: int = 49,
     prefix_tokens: int = 0,
+    layout: str = "grid",
+    grid: Any = None,
     partition: str = "paper",
     chunk_weight: str = "exact",
     add_log_chunk_size: bool = False,
@@ -177,7 +300,7 @@ def estimate(
 ) -> torch.Tensor:
     """EVA over (R, ..., N, Dv); same signature, equations and layout as ``eva.reference.estimate``."""
     check_eva_params(
-        window=window, prefix_tokens=prefix_tokens, partition=partition, chunk_weight=chunk_weight,
+        window=window, prefix_tokens=prefix_tokens, layout=layout, grid=grid, partition=partition, chunk_weight=chunk_weight,
         add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean, sample=sample, noise=noise,
         samples_per_chunk=samples_per_chunk,
     )
@@ -189,12 +312,11 @@ def estimate(
     num_chunks = eps.shape[-3]
     if num_chunks < 1:
         raise ValueError(f"draws['eps'] has C = {num_chunks} chunks; EVA needs num_samples = C >= 1")
-    layout = eva_partition(
-        x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition
+    pad = padded_partition(
+        x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition,
+        grid=resolve_grid(layout, grid),
     )
-    e_logits, e_idx = exact_logits(x, y, layout)
-    groups = chunk_terms(
-        x, y, v, eps if sample == "random" else None, layout, replicates=draws.replicates, sigma=sigma,
+    return eva_attention(
+        x, y, v, eps if sample == "random" else None, pad, replicates=draws.replicates, sigma=sigma,
         chunk_weight=chunk_weight, add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean,
     )
-    return combine(e_logits, v[..., e_idx, :], groups)

@@ -16,6 +16,7 @@ from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
 from randattn.estimators.eva.partition import PARTITIONS, check_layout_params, eva_partition
 from randattn.estimators.features.reference import positive_log_features
+from randattn.estimators.grid import resolve_grid, window_side
 from randattn.estimators.ra.reference import noise_std
 from randattn.estimators.snis.reference import feature_attention
 
@@ -43,6 +44,8 @@ def check_eva_params(
     window: int,
     prefix_tokens: int,
     partition: str,
+    layout: str = "grid",
+    grid: Any = None,
     chunk_weight: str,
     add_log_chunk_size: bool,
     proposal_mean: str,
@@ -51,7 +54,9 @@ def check_eva_params(
     samples_per_chunk: int,
 ) -> None:
     """Validate EVA's options in one place (ValueError/TypeError naming the argument and the allowed values)."""
-    check_layout_params(window, prefix_tokens)
+    window, _ = check_layout_params(window, prefix_tokens)
+    if resolve_grid(layout, grid) is not None and window > 0:
+        window_side(window)
     check_choice("partition", partition, PARTITIONS)
     check_choice("chunk_weight", chunk_weight, CHUNK_WEIGHTS)
     check_choice("proposal_mean", proposal_mean, PROPOSAL_MEANS)
@@ -107,6 +112,8 @@ def estimate(
     scale: float | None = None,
     window: int = 49,
     prefix_tokens: int = 0,
+    layout: str = "grid",
+    grid: Any = None,
     partition: str = "paper",
     chunk_weight: str = "exact",
     add_log_chunk_size: bool = False,
@@ -158,10 +165,18 @@ def estimate(
     scale : float, optional
         Temperature; default ``D ** -0.5``.
     window : int
-        W >= 0, local block size (default 49, EVA's 7x7 vision window; clipped to the sequence).
+        W >= 0, local block size in tokens (default 49; clipped to the sequence). With a grid
+        (``layout="grid"``) the blocks are s x s windows of the patch grid and ``W = s^2``
+        must be a perfect square (49 = 7x7, EVA's DeiT window, sec. 5.1 / app. E).
     prefix_tokens : int
         Keys exact for every query (1 for a ViT's CLS token); the prefix queries' exact set is
         the prefix keys alone.
+    layout : {"grid", "sequence"}
+        ``grid``: 2-D windows and 2-D chunks on ``grid`` (when one is given; EVA app. C "2D
+        windows for images"); ``sequence``: 1-D contiguous blocks and chunks.
+    grid : (h, w), "HxW" or None
+        The patch grid of the body tokens (``N = M = prefix_tokens + h w``, raster order).
+        None: no grid known, 1-D behaviour. See :mod:`randattn.estimators.eva.partition`.
     partition : {"paper", "reference-code"}
         Chunks of :math:`[M] \setminus E^n` (paper) or of all non-prefix keys (official code).
     chunk_weight : {"exact", "mean-key", "rfa"}
@@ -208,7 +223,7 @@ def estimate(
     (5, 2, 16, 8)
     """
     check_eva_params(
-        window=window, prefix_tokens=prefix_tokens, partition=partition, chunk_weight=chunk_weight,
+        window=window, prefix_tokens=prefix_tokens, layout=layout, grid=grid, partition=partition, chunk_weight=chunk_weight,
         add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean, sample=sample, noise=noise,
         samples_per_chunk=samples_per_chunk,
     )
@@ -217,13 +232,16 @@ def estimate(
     num_q, num_k, dim = x.shape[-2], y.shape[-2], x.shape[-1]
     eps, num_chunks = _eps_and_chunks(draws, batch, dim, sample, samples_per_chunk)
     reps = draws.replicates
-    layout = eva_partition(num_q, num_k, window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition)
+    parts = eva_partition(
+        num_q, num_k, window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition,
+        grid=resolve_grid(layout, grid),
+    )
 
-    c_max = layout.max_chunks
+    c_max = parts.max_chunks
     lead = (reps, *batch)
     chunk_logw = np.full((*lead, num_q, c_max), -np.inf)  # log W_nc; -inf = no such chunk
     chunk_beta = np.zeros((*lead, num_q, c_max, v.shape[-1]))  # beta_nc
-    for group in layout.groups:
+    for group in parts.groups:
         qi = group.queries
         x_g = x[..., qi, :]  # (..., n_g, D)
         for c, (keys, sources) in enumerate(zip(group.chunks, group.chunk_queries)):
@@ -252,7 +270,7 @@ def estimate(
             chunk_beta[..., qi, c, :] = beta
 
     out = np.empty((*lead, num_q, v.shape[-1]))
-    for qi, exact in layout.blocks():
+    for qi, exact in parts.blocks():
         e_logits = np.broadcast_to((x[..., qi, :] @ np.swapaxes(y[..., exact, :], -1, -2))[None], (*lead, len(qi), len(exact)))
         logits = np.concatenate([e_logits, chunk_logw[..., qi, :]], axis=-1)  # (R, ..., n_b, |E| + C)
         p = softmax(logits, axis=-1)

@@ -1,7 +1,8 @@
 """Block-local exact attention: EVA's exact part ``E^n`` alone, renormalized (EVA app. E.1 "Local").
 
 Deterministic; the sparse baseline that EVA and Scatterbrain add estimates to. Blocks,
-prefix (CLS) keys and the N != M mapping as in :mod:`randattn.estimators.eva.partition`.
+prefix (CLS) keys and the N != M mapping as in :mod:`randattn.estimators.eva.partition`; with
+``layout="grid"`` and ``grid="HxW"`` the blocks are ``s x s`` windows of the patch grid (``window = s^2``).
 """
 
 from __future__ import annotations
@@ -37,5 +38,8 @@ SPEC = EstimatorSpec(
         "window-1": {"window": 1},
         "cls": {"window": 4, "prefix_tokens": 1},
         "cls-only": {"window": 0, "prefix_tokens": 1},
+        "grid-3x4-cls": {"window": 4, "prefix_tokens": 1, "grid": "3x4"},
+        "grid-5x3": {"window": 4, "grid": "5x3"},
+        "grid-8x8-7x7-window": {"grid": "8x8"},
     },
 )

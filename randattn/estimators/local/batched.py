@@ -1,4 +1,4 @@
-"""Block-local exact attention in torch (batched form of ``local.reference``): gathers each query's block."""
+"""Block-local exact attention in torch (batched form of ``local.reference``): one product per block."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import torch
 
 from randattn.estimators._prepare import prepare_batched
 from randattn.estimators.base import Draws
-from randattn.estimators.eva.batched import exact_logits
+from randattn.estimators.eva.batched import block_exact_attention
+from randattn.estimators.eva.partition import padded_partition
+from randattn.estimators.grid import resolve_grid
 from randattn.estimators.local.reference import local_layout
 
 __all__ = ["estimate"]
@@ -23,12 +25,15 @@ def estimate(
     scale: float | None = None,
     window: int = 49,
     prefix_tokens: int = 0,
+    layout: str = "grid",
+    grid: Any = None,
 ) -> torch.Tensor:
     """Local attention; (R, ..., N, Dv) with draws, else (..., N, Dv). See ``local.reference``."""
     x, y, v, _, _ = prepare_batched(q, k, v, scale)
-    layout = local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens)
-    logits, idx = exact_logits(x, y, layout)  # (..., N, E_max), -inf padding
-    out = (torch.softmax(logits, dim=-1).unsqueeze(-2) @ v[..., idx, :]).squeeze(-2)
+    grid = resolve_grid(layout, grid)
+    local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens, grid)  # validates: no empty block
+    pad = padded_partition(x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=1, grid=grid)
+    out = block_exact_attention(x, y, v, pad)
     if draws is None:
         return out
     return out.unsqueeze(0).expand(draws.replicates, *out.shape).clone()

@@ -10,14 +10,15 @@ from scipy.special import softmax
 from randattn.estimators._prepare import prepare_reference
 from randattn.estimators.base import Draws
 from randattn.estimators.eva.partition import Partition, check_layout_params, eva_partition
+from randattn.estimators.grid import resolve_grid
 
 __all__ = ["estimate", "local_layout"]
 
 
-def local_layout(num_queries: int, num_keys: int, window: int, prefix_tokens: int) -> Partition:
-    """EVA's exact sets ``E^n``; ValueError when some query would attend to no key."""
+def local_layout(num_queries: int, num_keys: int, window: int, prefix_tokens: int, grid: tuple[int, int] | None = None) -> Partition:
+    """EVA's exact sets ``E^n`` (1-D blocks, or windows of ``grid``); ValueError when some query would attend to no key."""
     window, prefix_tokens = check_layout_params(window, prefix_tokens)
-    layout = eva_partition(num_queries, num_keys, window=window, prefix_tokens=prefix_tokens, num_chunks=1)
+    layout = eva_partition(num_queries, num_keys, window=window, prefix_tokens=prefix_tokens, num_chunks=1, grid=grid)
     empty = [n for n, e in enumerate(layout.exact_keys) if len(e) == 0]
     if empty:
         raise ValueError(
@@ -37,6 +38,8 @@ def estimate(
     scale: float | None = None,
     window: int = 49,
     prefix_tokens: int = 0,
+    layout: str = "grid",
+    grid: Any = None,
 ) -> np.ndarray:
     r"""Softmax attention restricted to each query's local block (EVA's :math:`E^n` alone).
 
@@ -55,6 +58,10 @@ def estimate(
         the prefix (CLS) keys are those of :mod:`randattn.estimators.eva.partition`.
     prefix_tokens : int
         Keys in every query's block; prefix queries attend to the prefix keys only.
+    layout : {"grid", "sequence"}
+        ``grid``: s x s windows of ``grid`` (``window = s^2``, 49 = 7x7) when a grid is given.
+    grid : (h, w), "HxW" or None
+        Patch grid of the body tokens; None = 1-D blocks.
 
     Returns
     -------
@@ -75,9 +82,9 @@ def estimate(
     (16, 8)
     """
     x, y, v, _, _ = prepare_reference(q, k, v, scale)
-    layout = local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens)
+    parts = local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens, resolve_grid(layout, grid))
     out = np.empty((*x.shape[:-1], v.shape[-1]))
-    for qi, exact in layout.blocks():
+    for qi, exact in parts.blocks():
         p = softmax(x[..., qi, :] @ np.swapaxes(y[..., exact, :], -1, -2), axis=-1)
         out[..., qi, :] = p @ v[..., exact, :]
     if draws is None:

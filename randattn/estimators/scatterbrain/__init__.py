@@ -2,7 +2,8 @@
 
 Positive random features with omega ~ N(0, I) (S samples, any coupling of
 ``randattn.estimators.sampling``) off the local support, exact scores on it (EVA's local
-block plus prefix keys), renormalized. Draws ``omega : (R, ..., S, D)`` as for RFA.
+block plus prefix keys), renormalized. Draws ``omega : (R, ..., S, D)`` as for RFA. With
+``layout="grid"`` and ``grid="HxW"`` the local blocks are EVA's ``s x s`` windows (``window = s^2``).
 """
 
 from __future__ import annotations
@@ -35,5 +36,7 @@ SPEC = EstimatorSpec(
         "window-4-orthogonal": {"window": 4, "coupling": "orthogonal"},
         "cls": {"window": 4, "prefix_tokens": 1},
         "no-window": {"window": 0},
+        "grid-3x4-cls": {"window": 4, "prefix_tokens": 1, "grid": "3x4"},
+        "grid-3x5-orthogonal": {"window": 4, "grid": "3x5", "coupling": "orthogonal"},
     },
 )

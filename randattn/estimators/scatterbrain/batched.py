@@ -13,8 +13,9 @@ import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws
-from randattn.estimators.eva.batched import chunk_terms, combine, exact_logits
-from randattn.estimators.eva.partition import eva_partition
+from randattn.estimators.eva.batched import eva_attention
+from randattn.estimators.eva.partition import padded_partition
+from randattn.estimators.grid import resolve_grid
 
 __all__ = ["estimate"]
 
@@ -28,17 +29,20 @@ def estimate(
     scale: float | None = None,
     window: int = 49,
     prefix_tokens: int = 0,
+    layout: str = "grid",
+    grid: Any = None,
     coupling: str = "iid",
 ) -> torch.Tensor:
     """Scatterbrain over (R, ..., N, Dv); same signature and layout as ``scatterbrain.reference.estimate``."""
     x, y, v, _, batch = prepare_batched(q, k, v, scale)
     draws = to_torch_draws(draws, x)
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
-    layout = eva_partition(x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=1, partition="paper")
-    e_logits, e_idx = exact_logits(x, y, layout)
+    pad = padded_partition(
+        x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=1, partition="paper",
+        grid=resolve_grid(layout, grid),
+    )
     # omega ~ N(0, I) is EVA's eps with mu = 0 and sigma = 1: one chunk holding all S samples
-    groups = chunk_terms(
-        x, y, v, omega.unsqueeze(-3), layout, replicates=draws.replicates, sigma=1.0,
+    return eva_attention(
+        x, y, v, omega.unsqueeze(-3), pad, replicates=draws.replicates, sigma=1.0,
         chunk_weight="rfa", add_log_chunk_size=False, proposal_mean="standard",
     )
-    return combine(e_logits, v[..., e_idx, :], groups)

@@ -11,6 +11,7 @@ from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
 from randattn.estimators.eva.partition import eva_partition
 from randattn.estimators.features.reference import positive_log_features
+from randattn.estimators.grid import resolve_grid
 from randattn.estimators.snis.reference import feature_attention
 
 __all__ = ["estimate"]
@@ -25,6 +26,8 @@ def estimate(
     scale: float | None = None,
     window: int = 49,
     prefix_tokens: int = 0,
+    layout: str = "grid",
+    grid: Any = None,
     coupling: str = "iid",
 ) -> np.ndarray:
     r"""Scatterbrain: random features off the local support, exact scores on it, renormalized (EVA eq. 29-30).
@@ -54,6 +57,10 @@ def estimate(
         Local block size W >= 0 (default 49, clipped to the sequence).
     prefix_tokens : int
         Keys on every query's support (CLS).
+    layout : {"grid", "sequence"}
+        ``grid``: s x s windows of ``grid`` (``window = s^2``, 49 = 7x7) when a grid is given.
+    grid : (h, w), "HxW" or None
+        Patch grid of the body tokens; None = 1-D blocks.
     coupling : str
         Only used by ``draw``.
 
@@ -81,9 +88,11 @@ def estimate(
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
     num_q, num_k = x.shape[-2], y.shape[-2]
     lead = (draws.replicates, *batch)
-    layout = eva_partition(num_q, num_k, window=window, prefix_tokens=prefix_tokens, num_chunks=1, partition="paper")
+    parts = eva_partition(
+        num_q, num_k, window=window, prefix_tokens=prefix_tokens, num_chunks=1, partition="paper", grid=resolve_grid(layout, grid)
+    )
     out = np.empty((*lead, num_q, v.shape[-1]))
-    for qi, exact in layout.blocks():
+    for qi, exact in parts.blocks():
         rest = np.setdiff1d(np.arange(num_k), exact)  # m not in Supp_n(S)
         e_logits = np.broadcast_to((x[..., qi, :] @ np.swapaxes(y[..., exact, :], -1, -2))[None], (*lead, len(qi), len(exact)))
         if len(rest) == 0:
