@@ -479,7 +479,13 @@ def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
 def _read_pt(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
     import torch
 
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch's unpickler refusing a non-tensor object: keep its first plain line
+        if "weights_only" in str(exc) or type(exc).__name__ == "UnpicklingError":
+            raise ValueError("it holds objects other than tensors and strings (loaded with weights_only=True, "
+                             "which refuses arbitrary pickled code); save a dict of tensors") from None
+        raise
     if not isinstance(data, dict):
         raise ValueError(f"expected a dict of tensors, got {type(data).__name__}")
     text = data.pop(METADATA_KEY, None)
@@ -489,5 +495,10 @@ def _read_pt(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
     for key, value in data.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"key {key!r} holds a {type(value).__name__}, not a tensor")
-        arrays[key] = value.detach().numpy()
+        if value.dtype in (torch.bfloat16, torch.float16):
+            value = value.float()  # numpy has no bfloat16; float16 -> float32 too, exactly (upcasts are exact)
+        try:
+            arrays[key] = value.detach().numpy()
+        except (TypeError, RuntimeError) as exc:
+            raise ValueError(f"key {key!r} has dtype {value.dtype}, which cannot be read ({exc})") from None
     return arrays, text

@@ -149,3 +149,35 @@ def test_bad_json_and_save_arguments(tmp_path):
         save_activations(_acts(), tmp_path / "a.h5")
     with pytest.raises(TypeError, match="acts must be an Activations, got dict"):
         save_activations({}, tmp_path / "a.safetensors")
+
+
+def _pt_file(tmp_path, tensors, name="acts.pt"):
+    import json
+
+    import torch
+
+    path = tmp_path / name
+    torch.save({**tensors, "__metadata__": json.dumps({"scale": 0.25})}, path)
+    return path
+
+
+def test_pt_bfloat16_is_upcast_exactly(tmp_path):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g).to(torch.bfloat16) for _ in range(3))
+    acts = load_activations(_pt_file(tmp_path, {"layer0.q": q, "layer0.k": k, "layer0.v": v}))
+    np.testing.assert_array_equal(acts.q(0), q.float().numpy())  # bfloat16 -> float32 is exact
+    assert acts.q(0).dtype == np.float32
+
+
+def test_pt_with_pickled_code_is_refused_in_one_clean_line(tmp_path):
+    import torch
+
+    path = tmp_path / "evil.pt"
+    torch.save({"layer0.q": torch.zeros(1, 1, 2, 2), "hook": print}, path)
+    with pytest.raises(ValueError) as info:
+        load_activations(path)
+    message = str(info.value)
+    assert "evil.pt" in message and "weights_only=True" in message
+    assert "\n" not in message and "\x1b" not in message  # one line, no ANSI escapes
