@@ -55,6 +55,21 @@ PARAMS = {
         "paper: eps ~ N(0, I); reference-code: the official code's N(0, I) in unscaled space = N(0, scale I)",
         choices=("paper", "reference-code"),
     ),
+    "layout": Param(
+        "grid",
+        "landmarks from 2-D blocks of the patch grid (grid, LARA app. G.4 '2D average pooling') when the grid "
+        "is known, else from contiguous 1-D segments (sequence, app. G.3.1)",
+        choices=("grid", "sequence"),
+    ),
+    "grid": Param(
+        None,
+        "patch grid (h, w) or 'HxW' (e.g. 14x14) of the tokens after prefix_tokens; None: no grid known (1-D segments)",
+        kind=(tuple, list, str, type(None)),
+    ),
+    "prefix_tokens": Param(
+        0, "leading tokens (CLS, registers) before the h*w patches; with a grid they are in no landmark block",
+        kind=int,
+    ),
 }
 
 
@@ -93,7 +108,7 @@ def _is_random(params: Mapping[str, Any]) -> bool:
 
 
 def _variants() -> dict[str, dict[str, Any]]:
-    """Every proposal x weighting, plus eval mode, the official code's noise and clipping, beta = 2."""
+    """Every proposal x weighting, plus eval mode, the official code's noise and clipping, beta = 2, grid landmarks."""
     variants: dict[str, dict[str, Any]] = {
         f"{p}-{w}": {"proposal": p, "weighting": w} for p in PROPOSALS for w in WEIGHTINGS
     }
@@ -105,6 +120,11 @@ def _variants() -> dict[str, dict[str, Any]]:
     variants["official-vit"] = {
         "proposal": "eq35", "weighting": "decoupled", "beta": 2.0, "alpha_clamp": 1e-8, "noise": "reference-code",
     }
+    # 2-D landmarks (app. G.4); the grids fit the common suite's 13-token inputs, which refit them to other lengths
+    variants["eq34-decoupled-grid"] = {"proposal": "eq34", "weighting": "decoupled", "grid": (3, 4), "prefix_tokens": 1}
+    variants["eq35-balance-grid"] = {"proposal": "eq35", "weighting": "balance", "grid": "1x13", "prefix_tokens": 0}
+    variants["eq32-coupled-grid"] = {"proposal": "eq32", "weighting": "coupled", "grid": (2, 4), "prefix_tokens": 5}
+    variants["official-vit-grid"] = {**variants["official-vit"], "grid": (3, 4), "prefix_tokens": 1}
     return variants
 
 

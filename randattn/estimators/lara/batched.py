@@ -15,11 +15,11 @@ from randattn.estimators._prepare import check_draw_array, prepare_batched, to_t
 from randattn.estimators.base import Draws
 from randattn.estimators.features.batched import positive_log_features
 from randattn.estimators.lara.reference import (
-    _KEY_LANDMARK_PROPOSALS,
     LaraTerms,
     _warn_non_positive,
     check_lara_params,
     effective_proposals,
+    landmarks,
 )
 from randattn.estimators.ra.reference import noise_std
 from randattn.estimators.segments import segment_means_torch
@@ -121,9 +121,13 @@ def lara_terms(
     alpha_clamp: float | None = None,
     sample: str = "random",
     noise: str = "paper",
+    layout: str = "grid",
+    grid: Any = None,
+    prefix_tokens: int = 0,
 ) -> LaraTerms:
     """Torch form of ``reference.lara_terms`` (tensors in a :class:`~randattn.estimators.lara.reference.LaraTerms`)."""
-    check_lara_params(proposal, weighting, beta, alpha_clamp, sample, noise)
+    check_lara_params(proposal, weighting, beta, alpha_clamp, sample, noise, layout, grid, prefix_tokens)
+    layout_kw = dict(layout=layout, grid=grid, prefix_tokens=prefix_tokens)
     x, y, v, scale, batch = prepare_batched(q, k, v, scale)
     sigma = noise_std(noise, scale)
     num_q, num_k, dim = x.shape[-2], y.shape[-2], x.shape[-1]
@@ -132,9 +136,8 @@ def lara_terms(
         drawn = check_draw_array(draws, "proposal_slots", batch, (None, 0)).shape[-2]
     else:
         drawn = check_draw_array(draws, "eps", batch, (None, dim)).shape[-2]
-    num_c = effective_proposals(num_q, num_k, drawn, proposal)
-    x_lm = segment_means_torch(x, num_c)
-    y_lm = segment_means_torch(y, num_c) if proposal in _KEY_LANDMARK_PROPOSALS else None
+    num_c = effective_proposals(num_q, num_k, drawn, proposal, **layout_kw)
+    x_lm, y_lm = landmarks(x, y, num_c, proposal, means=segment_means_torch, **layout_kw)
     mu = _proposal_means(x_lm, y_lm, y, proposal)
     if sample == "mean":
         omega = mu.unsqueeze(0).expand(draws.replicates, *mu.shape).contiguous()
@@ -154,7 +157,7 @@ def lara_terms(
     log_q = _log_proposal_densities(omega, x_lm, y, mu, proposal)
     scores = torch.softmax(x @ x_lm.transpose(-1, -2), dim=-2)  # r'_nc, softmax over queries n
     log_abs_alpha, alpha_sign = _log_alpha_at_samples(log_q, scores, weighting, beta, alpha_clamp)
-    return LaraTerms(x, y, v, omega, log_q, log_abs_alpha, alpha_sign)
+    return LaraTerms(x, y, v, omega, log_q, log_abs_alpha, alpha_sign, x_lm)
 
 
 def estimate(
@@ -170,11 +173,14 @@ def estimate(
     alpha_clamp: float | None = None,
     sample: str = "random",
     noise: str = "paper",
+    layout: str = "grid",
+    grid: Any = None,
+    prefix_tokens: int = 0,
 ) -> torch.Tensor:
     """LARA over (R, ..., N, Dv); same signature, draws and layout as ``lara.reference.estimate``."""
     terms = lara_terms(
         q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta,
-        alpha_clamp=alpha_clamp, sample=sample, noise=noise,
+        alpha_clamp=alpha_clamp, sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens,
     )  # fmt: skip
     omega, x, y = terms.omega, terms.x, terms.y
     log_std_normal = _log_gaussian((omega * omega).sum(-1), x.shape[-1])  # (R, ..., C)
