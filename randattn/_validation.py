@@ -77,7 +77,9 @@ def _shape_dtype(name: str, array: Any) -> tuple[tuple[int, ...], Any, bool]:
     else:
         import torch
 
-        finite = bool(torch.isfinite(array).all())
+        # one reduction instead of three elementwise passes: NaN/inf make the sum non-finite, and a
+        # non-finite sum (possibly an overflow of finite values) falls back to the elementwise check
+        finite = bool(torch.isfinite(array.sum())) or bool(torch.isfinite(array).all())
     return shape, dtype, finite
 
 

@@ -7,6 +7,7 @@ norms, and clear errors for bad input.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -41,7 +42,23 @@ def _inputs(rng, q_shape, k_shape, v_shape, q_norm=None, k_norm=None):
     return q, k, v
 
 
+def _fit_grid(params, n, m):
+    """A variant with a patch ``grid`` refit to the inputs' n tokens: its prefix kept (at most
+    n - 1), the patches as the most nearly square h x w grid (h the largest divisor <= sqrt, so
+    13 tokens with one prefix token are 3 x 4 and a prime count is 1 x p). A grid describes one
+    token set (self-attention), so shapes with N != M are skipped for grid variants."""
+    if params.get("grid") is None:
+        return params
+    if n != m:
+        pytest.skip("a patch grid describes the tokens of self-attention (N == M)")
+    prefix = min(params.get("prefix_tokens", 0), n - 1)
+    patches = n - prefix
+    h = max(d for d in range(1, math.isqrt(patches) + 1) if patches % d == 0)
+    return {**params, "grid": (h, patches // h), "prefix_tokens": prefix}
+
+
 def _run(name, params, q, k, v, *, backend, seed=0, replicates=3, dtype=None, num_samples="auto"):
+    params = _fit_grid(params, q.shape[-2], k.shape[-2])
     if num_samples == "auto":
         num_samples = _samples(name, params)
     with warnings.catch_warnings():

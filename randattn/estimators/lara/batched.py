@@ -108,27 +108,16 @@ def _log_alpha_at_samples(
     return torch.log(alpha.abs()), torch.sign(alpha)
 
 
-def lara_terms(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    proposal: str = "eq34",
-    weighting: str = "decoupled",
-    beta: float = 1.0,
-    alpha_clamp: float | None = None,
-    sample: str = "random",
-    noise: str = "paper",
-    layout: str = "grid",
-    grid: Any = None,
-    prefix_tokens: int = 0,
-) -> LaraTerms:
-    """Torch form of ``reference.lara_terms`` (tensors in a :class:`~randattn.estimators.lara.reference.LaraTerms`)."""
+def _proposals(
+    q: Any, k: Any, v: Any, draws: Draws, *, scale, proposal, weighting, beta, alpha_clamp, sample, noise,
+    layout, grid, prefix_tokens, work_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``(x, y, v, x_lm, omega, log_q)`` of Algorithm 3 up to the proposal densities, in ``work_dtype``."""
     check_lara_params(proposal, weighting, beta, alpha_clamp, sample, noise, layout, grid, prefix_tokens)
     layout_kw = dict(layout=layout, grid=grid, prefix_tokens=prefix_tokens)
     x, y, v, scale, batch = prepare_batched(q, k, v, scale)
+    if work_dtype is not None and x.dtype != work_dtype:
+        x, y, v = x.to(work_dtype), y.to(work_dtype), v.to(work_dtype)
     sigma = noise_std(noise, scale)
     num_q, num_k, dim = x.shape[-2], y.shape[-2], x.shape[-1]
     draws = to_torch_draws(draws, x)
@@ -155,9 +144,60 @@ def lara_terms(
         else:
             omega = mu.unsqueeze(0) + sigma * eps
     log_q = _log_proposal_densities(omega, x_lm, y, mu, proposal)
+    return x, y, v, x_lm, omega, log_q
+
+
+def lara_terms(
+    q: Any,
+    k: Any,
+    v: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    proposal: str = "eq34",
+    weighting: str = "decoupled",
+    beta: float = 1.0,
+    alpha_clamp: float | None = None,
+    sample: str = "random",
+    noise: str = "paper",
+    layout: str = "grid",
+    grid: Any = None,
+    prefix_tokens: int = 0,
+) -> LaraTerms:
+    """Torch form of ``reference.lara_terms`` (tensors in a :class:`~randattn.estimators.lara.reference.LaraTerms`)."""
+    x, y, v, x_lm, omega, log_q = _proposals(
+        q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+        sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens,
+    )  # fmt: skip
     scores = torch.softmax(x @ x_lm.transpose(-1, -2), dim=-2)  # r'_nc, softmax over queries n
     log_abs_alpha, alpha_sign = _log_alpha_at_samples(log_q, scores, weighting, beta, alpha_clamp)
     return LaraTerms(x, y, v, omega, log_q, log_abs_alpha, alpha_sign, x_lm)
+
+
+def _is_signed(weighting: str, alpha_clamp: float | None) -> bool:
+    return weighting in ("decoupled", "coupled") and alpha_clamp is None
+
+
+def _query_weights_t(
+    x: torch.Tensor, x_lm: torch.Tensor, log_q: torch.Tensor, weighting: str, beta: float, alpha_clamp: float | None
+) -> torch.Tensor:
+    """``alpha_nc(omega_c)`` transposed, ``(R, ..., C, N)``, for the query-dependent weightings (eq. 37, 38).
+
+    Same formulas as :func:`_log_alpha_at_samples`, kept linear (not in log space): the
+    estimate multiplies them onto exponentials already shifted to at most 1.
+    """
+    scores_t = torch.softmax(x_lm @ x.transpose(-1, -2), dim=-1).unsqueeze(0)  # (1, ..., C, N): r'_nc, over n
+    b = torch.softmax(log_q, dim=-2)  # (R, ..., C', J): b_c'(omega_j)
+    b_own = torch.diagonal(b, dim1=-2, dim2=-1).unsqueeze(-1)  # (R, ..., C, 1)
+    if weighting == "decoupled":
+        alpha = (scores_t - scores_t.mean(-2, keepdim=True)).mul_(beta) + b_own
+    else:  # coupled, eq. 37 at omega_c: sum_c' r'_nc' b_c'(omega_c)
+        average = b.transpose(-1, -2) @ scores_t  # (R, ..., J, N)
+        q_own = torch.exp(torch.diagonal(log_q, dim1=-2, dim2=-1)).unsqueeze(-1)
+        alpha = (scores_t - average).mul_(q_own).add_(b_own)
+    if alpha_clamp is not None:
+        alpha = alpha.clamp_(min=alpha_clamp)
+    return alpha
 
 
 def estimate(
@@ -177,22 +217,63 @@ def estimate(
     grid: Any = None,
     prefix_tokens: int = 0,
 ) -> torch.Tensor:
-    """LARA over (R, ..., N, Dv); same signature, draws and layout as ``lara.reference.estimate``."""
-    terms = lara_terms(
-        q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta,
-        alpha_clamp=alpha_clamp, sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens,
+    r"""LARA over (R, ..., N, Dv); same signature, draws and layout as ``lara.reference.estimate``.
+
+    The eq. 28 form, fused so that each ``(C, N)`` or ``(C, M)`` array is passed over a few
+    times only (the reference goes through the generic log-space SNIS skeleton):
+
+    - keys: :math:`E_{cm} = \exp(\omega_c^\top y_m - \|y_m\|^2/2 - s_c)` with
+      :math:`s_c = \max_m(\cdot)`, and one product :math:`E\,[v, 1]` gives
+      :math:`\sum_m \xi(y_m, \omega_c) v_m` and :math:`\sum_m \xi(y_m, \omega_c)` (times :math:`e^{-s_c}`);
+    - queries: :math:`P_{cn} = \omega_c^\top x_n + s_c + \log\mathcal N(\omega_c; 0, I) - \log q_c(\omega_c)`
+      (plus :math:`\log\alpha_c` when the weights do not depend on n), shifted by its maximum
+      over c; the factor :math:`e^{-\|x_n\|^2/2}` is common to numerator and denominator and
+      dropped; query-dependent weights (eq. 37, 38) multiply :math:`e^{P}` with their sign;
+    - one product :math:`W^\top [E v, E 1]` and a division.
+
+    Precision: signed weights (``decoupled`` or ``coupled`` without ``alpha_clamp``) make the
+    normalizer a cancelling sum whose float32 rounding error (exponents of order
+    :math:`10^3` at ViT key norms, each rounded to ~1e-4 relative) is amplified by
+    :math:`\sum_c |w_{nc}| / |\sum_c w_{nc}|`: 2e-2 .. 1e-1 absolute on DINOv2 layer 3. So inputs
+    of lower precision are computed in float64 there and the output is returned in their dtype;
+    positive weightings stay in the input dtype (their sums do not cancel).
+    """
+    signed = _is_signed(weighting, alpha_clamp)
+    in_dtype = q.dtype if isinstance(q, torch.Tensor) else torch.float64
+    work = torch.float64 if signed and in_dtype in (torch.float32, torch.float16, torch.bfloat16) else None
+    x, y, v, x_lm, omega, log_q = _proposals(
+        q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+        sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens, work_dtype=work,
     )  # fmt: skip
-    omega, x, y = terms.omega, terms.x, terms.y
-    log_std_normal = _log_gaussian((omega * omega).sum(-1), x.shape[-1])  # (R, ..., C)
-    log_q_own = torch.diagonal(terms.log_proposals, dim1=-2, dim2=-1)
-    log_alpha_prime = terms.log_abs_alpha + (log_std_normal - log_q_own).unsqueeze(-2)
-    log_qf, _ = positive_log_features(x.unsqueeze(0), omega)  # (R, ..., N, C, 1)
-    log_kf, _ = positive_log_features(y.unsqueeze(0), omega)  # (R, ..., M, C, 1)
-    q_sign = None if terms.alpha_sign is None else terms.alpha_sign.unsqueeze(-1)
-    out, sign = feature_attention(log_qf + log_alpha_prime.unsqueeze(-1), log_kf, v.unsqueeze(0), q_sign=q_sign)
-    if q_sign is not None:
-        _warn_non_positive(sign)
-    return out
+    dim = x.shape[-1]
+    # keys: E = exp(log xi(y_m, omega_c) - s_c) : (R, ..., C, M), and [E v, E 1] : (R, ..., C, Dv + 1)
+    key_log = omega @ y.transpose(-1, -2).unsqueeze(0)
+    key_log.sub_((0.5 * (y * y).sum(-1)).unsqueeze(-2).unsqueeze(0))
+    key_shift = key_log.amax(-1, keepdim=True)
+    key_exp = key_log.sub_(key_shift).exp_()
+    v_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).unsqueeze(0)
+    key_stats = key_exp @ v_one
+    del key_log, key_exp
+    # per-sample log terms: log N(omega_c; 0, I) - log q_c(omega_c) + s_c : (R, ..., C)
+    log_q_own = torch.diagonal(log_q, dim1=-2, dim2=-1)
+    row = _log_gaussian((omega * omega).sum(-1), dim) - log_q_own + key_shift.squeeze(-1)
+    per_query = weighting in ("decoupled", "coupled")
+    if not per_query:
+        log_alpha = _log_alpha_at_samples(log_q, x[..., :1, :1].expand(*x.shape[:-2], 1, 1), weighting, beta,
+                                          alpha_clamp)[0][..., 0, :]  # (R, ..., C): the same for every n
+        row = row + log_alpha
+    # queries: exp(omega_c . x_n + row_c - max_c) : (R, ..., C, N)
+    weights = omega @ x.transpose(-1, -2).unsqueeze(0)
+    weights.add_(row.unsqueeze(-1))
+    weights.sub_(weights.amax(-2, keepdim=True)).exp_()
+    if per_query:
+        weights.mul_(_query_weights_t(x, x_lm, log_q, weighting, beta, alpha_clamp))
+    sums = weights.transpose(-1, -2) @ key_stats  # (R, ..., N, Dv + 1)
+    den = sums[..., -1:]
+    out = sums[..., :-1] / den
+    if signed:
+        _warn_non_positive(torch.sign(den[..., 0]))
+    return out.to(in_dtype) if work is not None else out
 
 
 # ----------------------------------------------------------------------------------------
