@@ -58,13 +58,22 @@ def _proposal_means(x_lm: torch.Tensor, y_lm: torch.Tensor | None, y: torch.Tens
     return x_lm + torch.exp(_component_log_weights(x_lm, y)) @ y
 
 
+def _pairwise_sq_dist(centre: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """``|omega_j - centre_i|^2`` : (R, ..., I, J) for centre (..., I, D), omega (R, ..., J, D).
+
+    ``torch.cdist`` without the matrix-product expansion: differences are taken directly (no
+    cancellation of ``|omega|^2 - 2 omega.mu + |mu|^2`` at norms ~ 50) and no (I, J, D) tensor.
+    """
+    centre = centre.unsqueeze(0).expand(omega.shape[0], *centre.shape)
+    return torch.cdist(centre, omega, compute_mode="donot_use_mm_for_euclid_dist").square()
+
+
 def _sq_dist_to_mixture_means(omega: torch.Tensor, centre: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``|omega_j - centre_i - y_m|^2`` : (R, ..., I, J, M) for omega (R, ..., J, D), centre (..., I, D)."""
-    d = omega.unsqueeze(-3) - centre.unsqueeze(0).unsqueeze(-2)  # (R, ..., I, J, D)
     omega_y = omega @ y.transpose(-1, -2).unsqueeze(0)  # (R, ..., J, M)
     centre_y = centre @ y.transpose(-1, -2)  # (..., I, M)
     y_sq = (y * y).sum(-1)
-    return ((d * d).sum(-1).unsqueeze(-1) - 2.0 * omega_y.unsqueeze(-3)
+    return (_pairwise_sq_dist(centre, omega).unsqueeze(-1) - 2.0 * omega_y.unsqueeze(-3)
             + (2.0 * centre_y + y_sq.unsqueeze(-2)).unsqueeze(0).unsqueeze(-2))
 
 
@@ -74,8 +83,7 @@ def _log_proposal_densities(
     """``log q_c'(omega_j)`` (R, ..., C', J); see ``reference.log_proposal_densities``."""
     dim = omega.shape[-1]
     if proposal != "eq32":
-        diff = omega.unsqueeze(-3) - mu.unsqueeze(0).unsqueeze(-2)  # (R, ..., C', J, D)
-        return _log_gaussian((diff * diff).sum(-1), dim)
+        return _log_gaussian(_pairwise_sq_dist(mu, omega), dim)
     log_pi = _component_log_weights(x_lm, y).unsqueeze(0).unsqueeze(-2)  # (1, ..., C', 1, M)
     return torch.logsumexp(log_pi + _log_gaussian(_sq_dist_to_mixture_means(omega, x_lm, y), dim), dim=-1)
 
@@ -110,14 +118,12 @@ def _log_alpha_at_samples(
 
 def _proposals(
     q: Any, k: Any, v: Any, draws: Draws, *, scale, proposal, weighting, beta, alpha_clamp, sample, noise,
-    layout, grid, prefix_tokens, work_dtype: torch.dtype | None = None,
+    layout, grid, prefix_tokens,
 ) -> tuple[torch.Tensor, ...]:
-    """``(x, y, v, x_lm, omega, log_q)`` of Algorithm 3 up to the proposal densities, in ``work_dtype``."""
+    """``(x, y, v, x_lm, omega, log_q)`` of Algorithm 3, up to the proposal densities."""
     check_lara_params(proposal, weighting, beta, alpha_clamp, sample, noise, layout, grid, prefix_tokens)
     layout_kw = dict(layout=layout, grid=grid, prefix_tokens=prefix_tokens)
     x, y, v, scale, batch = prepare_batched(q, k, v, scale)
-    if work_dtype is not None and x.dtype != work_dtype:
-        x, y, v = x.to(work_dtype), y.to(work_dtype), v.to(work_dtype)
     sigma = noise_std(noise, scale)
     num_q, num_k, dim = x.shape[-2], y.shape[-2], x.shape[-1]
     draws = to_torch_draws(draws, x)
@@ -186,15 +192,19 @@ def _query_weights_t(
     Same formulas as :func:`_log_alpha_at_samples`, kept linear (not in log space): the
     estimate multiplies them onto exponentials already shifted to at most 1.
     """
-    scores_t = torch.softmax(x_lm @ x.transpose(-1, -2), dim=-1).unsqueeze(0)  # (1, ..., C, N): r'_nc, over n
+    # r'_nc, a softmax over queries n (eq. 37), in place: fresh (C, N) buffers cost page faults
+    scores_t = (x_lm @ x.transpose(-1, -2)).unsqueeze(0)  # (1, ..., C, N)
+    scores_t.sub_(scores_t.amax(-1, keepdim=True)).exp_()
+    scores_t.div_(scores_t.sum(-1, keepdim=True))
     b = torch.softmax(log_q, dim=-2)  # (R, ..., C', J): b_c'(omega_j)
     b_own = torch.diagonal(b, dim1=-2, dim2=-1).unsqueeze(-1)  # (R, ..., C, 1)
     if weighting == "decoupled":
-        alpha = (scores_t - scores_t.mean(-2, keepdim=True)).mul_(beta) + b_own
+        alpha = scores_t.sub_(scores_t.mean(-2, keepdim=True)).mul_(beta)
     else:  # coupled, eq. 37 at omega_c: sum_c' r'_nc' b_c'(omega_c)
         average = b.transpose(-1, -2) @ scores_t  # (R, ..., J, N)
         q_own = torch.exp(torch.diagonal(log_q, dim1=-2, dim2=-1)).unsqueeze(-1)
-        alpha = (scores_t - average).mul_(q_own).add_(b_own)
+        alpha = (scores_t - average).mul_(q_own)
+    alpha = alpha.add_(b_own) if alpha.shape[0] == b_own.shape[0] else alpha + b_own
     if alpha_clamp is not None:
         alpha = alpha.clamp_(min=alpha_clamp)
     return alpha
@@ -240,19 +250,25 @@ def estimate(
     """
     signed = _is_signed(weighting, alpha_clamp)
     in_dtype = q.dtype if isinstance(q, torch.Tensor) else torch.float64
-    work = torch.float64 if signed and in_dtype in (torch.float32, torch.float16, torch.bfloat16) else None
+    work = None
+    if signed and in_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        # before the temperature scaling, so that x = sqrt(scale) q is not rounded to float32 either
+        work = torch.float64
+        q, k, v = (a.to(work) if isinstance(a, torch.Tensor) else a for a in (q, k, v))
     x, y, v, x_lm, omega, log_q = _proposals(
         q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-        sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens, work_dtype=work,
+        sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens,
     )  # fmt: skip
-    dim = x.shape[-1]
+    dim, dim_v = x.shape[-1], v.shape[-1]
     # keys: E = exp(log xi(y_m, omega_c) - s_c) : (R, ..., C, M), and [E v, E 1] : (R, ..., C, Dv + 1)
     key_log = omega @ y.transpose(-1, -2).unsqueeze(0)
-    key_log.sub_((0.5 * (y * y).sum(-1)).unsqueeze(-2).unsqueeze(0))
+    key_log.sub_((0.5 * torch.linalg.vector_norm(y, dim=-1).square()).unsqueeze(-2).unsqueeze(0))
     key_shift = key_log.amax(-1, keepdim=True)
     key_exp = key_log.sub_(key_shift).exp_()
-    v_one = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1).unsqueeze(0)
-    key_stats = key_exp @ v_one
+    v_one = v.new_empty((*v.shape[:-1], dim_v + 1))
+    v_one[..., :dim_v] = v
+    v_one[..., dim_v] = 1.0
+    key_stats = key_exp @ v_one.unsqueeze(0)
     del key_log, key_exp
     # per-sample log terms: log N(omega_c; 0, I) - log q_c(omega_c) + s_c : (R, ..., C)
     log_q_own = torch.diagonal(log_q, dim1=-2, dim2=-1)
@@ -270,10 +286,10 @@ def estimate(
         weights.mul_(_query_weights_t(x, x_lm, log_q, weighting, beta, alpha_clamp))
     sums = weights.transpose(-1, -2) @ key_stats  # (R, ..., N, Dv + 1)
     den = sums[..., -1:]
-    out = sums[..., :-1] / den
     if signed:
         _warn_non_positive(torch.sign(den[..., 0]))
-    return out.to(in_dtype) if work is not None else out
+    # the division writes the result in the caller's dtype directly (one pass, no float64 copy)
+    return torch.div(sums[..., :-1], den, out=torch.empty(sums[..., :-1].shape, dtype=in_dtype, device=sums.device))
 
 
 # ----------------------------------------------------------------------------------------
