@@ -547,6 +547,8 @@ def test_spec_catalogue_entry():
 GRIDS = [(3, 5), (14, 14), (28, 28)]
 PREFIXES = [0, 1, 5]
 _grid_id = lambda g: f"{g[0]}x{g[1]}"  # noqa: E731
+#: the 785-token grid (28 x 28 + prefix) costs ~1 s per quadratic check: under ``-m slow``
+GRID_PARAMS = [pytest.param(g, id=_grid_id(g), marks=pytest.mark.slow if g == (28, 28) else ()) for g in GRIDS]
 
 
 def _grid_qkv(rng, grid, prefix, d=4, dv=3):
@@ -555,7 +557,7 @@ def _grid_qkv(rng, grid, prefix, d=4, dv=3):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("grid", GRIDS, ids=_grid_id)
+@pytest.mark.parametrize("grid", GRID_PARAMS)
 @pytest.mark.parametrize("prefix", PREFIXES)
 def test_grid_standard_proposals_with_constant_weights_are_rfa(backend, grid, prefix, rng):
     """Sec. 4.3 with grid landmarks: N(0, I) proposals and constant weights are RFA with
@@ -603,7 +605,7 @@ def _grid_variant(grid, prefix, offset=0):
 
 @ignore_negative_normalizer
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("grid", GRIDS, ids=_grid_id)
+@pytest.mark.parametrize("grid", GRID_PARAMS)
 @pytest.mark.parametrize("prefix", PREFIXES)
 def test_grid_literal_eq10_equals_eq28_form(backend, grid, prefix, rng):
     """App. E with grid landmarks (non-square, square, 785-token grids; 0, 1, 5 prefix tokens),
@@ -619,7 +621,7 @@ def test_grid_literal_eq10_equals_eq28_form(backend, grid, prefix, rng):
 
 @ignore_negative_normalizer
 @pytest.mark.parametrize("offset", [0, 3])
-@pytest.mark.parametrize("grid", GRIDS, ids=_grid_id)
+@pytest.mark.parametrize("grid", GRID_PARAMS)
 @pytest.mark.parametrize("prefix", PREFIXES)
 def test_grid_batched_matches_reference(offset, grid, prefix, rng):
     """Batched == reference (float64) with grid landmarks; the common suite adds every grid variant on small shapes."""

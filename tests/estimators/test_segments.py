@@ -51,8 +51,8 @@ def test_c_that_is_no_product_of_divisors_is_kept_exactly():
     assert np.array_equal(seg[13], [27, 27, 27, 28, 28, 28, 29, 29, 29, 30, 30, 30, 31, 31])
 
 
-@pytest.mark.parametrize("grid", [(3, 5), (5, 3), (14, 14), (28, 28), (1, 13), (7, 1), (16, 9)], ids=lambda g: f"{g[0]}x{g[1]}")
-@pytest.mark.parametrize("num_segments", [1, 2, 5, 7, 16, 32, 49, 64, 128, 256, 10_000])
+@pytest.mark.parametrize("grid", [(3, 5), (5, 3), (14, 14), (1, 13), (16, 9)], ids=lambda g: f"{g[0]}x{g[1]}")
+@pytest.mark.parametrize("num_segments", [1, 2, 7, 32, 64, 128, 10_000])
 def test_blocks_tile_the_grid_as_even_rectangles(grid, num_segments):
     """min(C, h w) non-overlapping rectangles covering every patch once, in raster order; within
     a block row heights are equal, and widths (heights) of blocks differ by at most one."""

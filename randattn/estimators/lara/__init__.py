@@ -15,8 +15,21 @@ reference and batched forms consume the same draws:
   whose shape carries C (``estimate`` has no other way to know it).
 
 Always ``C`` rows are drawn; the estimator uses the first ``C_eff`` of them
-(``C_eff = min(C, N)``, and ``min(C, N, M)`` for the key-landmark proposals eq. 34, 35),
-see :func:`randattn.estimators.lara.reference.effective_proposals`.
+(``C_eff = min(C, N)``, and ``min(C, N, M)`` for the key-landmark proposals eq. 34, 35;
+``min(C, h w)`` with a patch grid), see :func:`randattn.estimators.lara.reference.effective_proposals`.
+
+Landmarks (``layout``, ``grid``, ``prefix_tokens``): on images the paper pools 2-D blocks of
+the patch grid (app. G.4, "2D average pooling (the same as segments)"); with ``grid=(h, w)``
+(or ``"HxW"``) the C landmarks are means of C non-overlapping blocks of the ``h x w`` patches,
+the ``prefix_tokens`` leading tokens (CLS, registers) being in no block; without a grid, or
+with ``layout="sequence"``, they are means of C contiguous 1-D segments (app. G.3.1). The
+convention (block shapes, uneven grids, C not a product of divisors, prefix tokens) and its
+source are in :mod:`randattn.estimators.segments`.
+
+Precision: the batched form computes signed weightings (``decoupled``/``coupled`` without
+``alpha_clamp``) in float64 whatever the input dtype (their self-normalizer cancels); pass the
+draws in float64 too (``Draws.to_torch(dtype=torch.float64)``) for results equal to the
+reference's on float32 activations.
 """
 
 from __future__ import annotations
