@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

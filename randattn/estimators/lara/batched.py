@@ -23,7 +23,6 @@ from randattn.estimators.lara.reference import (
 )
 from randattn.estimators.ra.reference import noise_std
 from randattn.estimators.segments import segment_means_torch
-from randattn.estimators.snis.batched import feature_attention
 
 __all__ = [
     "lara_terms",
