@@ -13,6 +13,7 @@ or ~6e-5 (two-sided); seeds are fixed, so a pass is reproducible.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -66,6 +67,17 @@ def _terms(backend, q, k, v, draws, **params):
         return lara_r.lara_terms(q, k, v, draws, **params)
     t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
     return lara_b.lara_terms(t(q), t(k), t(v), draws.to_torch(), **params)
+
+
+def _fit_grid(params, n):
+    """A grid variant refit to ``n`` tokens: its prefix kept (at most n - 1), the patches as the
+    most nearly square h x w grid (h the largest divisor <= sqrt); other variants unchanged."""
+    if params.get("grid") is None:
+        return params
+    prefix = min(params.get("prefix_tokens", 0), n - 1)
+    patches = n - prefix
+    h = max(d for d in range(1, math.isqrt(patches) + 1) if patches % d == 0)
+    return {**params, "grid": (h, patches // h), "prefix_tokens": prefix}
 
 
 def _module(backend):
@@ -146,8 +158,8 @@ def test_mis_with_ra_proposals_and_delta_weights_is_ra(backend, rng):
 def test_literal_eq10_equals_eq28_form(backend, variant, rng):
     """App. E: the SNIS of eq. 10 (p~_n, f_n, alpha) equals the alpha' form of eq. 28 that
     ``estimate`` computes through the linear SNIS skeleton."""
-    params = lara.SPEC.variants[variant]
-    q, k, v = _qkv(rng, batch=(2,), n=10, m=7, d=4, dv=3)
+    params = _fit_grid(lara.SPEC.variants[variant], 10)
+    q, k, v = _qkv(rng, batch=(2,), n=10, m=10 if "grid" in params else 7, d=4, dv=3)  # a grid is of N = M tokens
     draws = _draw(q, k, 5, **params)
     out = _estimate(backend, q, k, v, draws, **params)
     literal = _np(_module(backend).snis_estimate_eq10(_terms(backend, q, k, v, draws, **params)))
@@ -368,8 +380,8 @@ def test_eq32_component_sampling_by_inverse_cdf(rng):
 @pytest.mark.parametrize("variant", sorted(lara.SPEC.variants))
 @pytest.mark.parametrize("num_samples", [1, 6, 20], ids=lambda c: f"C{c}")
 def test_batched_matches_reference_every_variant(variant, num_samples, rng):
-    params = lara.SPEC.variants[variant]
-    q, k, v = _qkv(rng)
+    params = _fit_grid(lara.SPEC.variants[variant], 13)
+    q, k, v = _qkv(rng, m=13 if "grid" in params else 11)  # a grid is of N = M tokens
     draws = _draw(q, k, num_samples, **params)
     ref = _estimate("reference", q, k, v, draws, **params)
     bat = _estimate("torch", q, k, v, draws, **params)
@@ -525,4 +537,130 @@ def test_spec_catalogue_entry():
     assert {(p, w) for p in lara_r.PROPOSALS for w in lara_r.WEIGHTINGS} <= combos
     assert spec.resolve_params({}) == {
         "proposal": "eq34", "weighting": "decoupled", "beta": 1.0, "alpha_clamp": None, "sample": "random", "noise": "paper",
+        "layout": "grid", "grid": None, "prefix_tokens": 0,
     }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# 2-D landmarks: the identities above, with grid-block landmarks (app. G.4)
+
+GRIDS = [(3, 5), (14, 14), (28, 28)]
+PREFIXES = [0, 1, 5]
+_grid_id = lambda g: f"{g[0]}x{g[1]}"  # noqa: E731
+#: the 785-token grid (28 x 28 + prefix) costs ~1 s per quadratic check: under ``-m slow``
+GRID_PARAMS = [pytest.param(g, id=_grid_id(g), marks=pytest.mark.slow if g == (28, 28) else ()) for g in GRIDS]
+
+
+def _grid_qkv(rng, grid, prefix, d=4, dv=3):
+    n = prefix + grid[0] * grid[1]
+    return _qkv(rng, batch=(), n=n, m=n, d=d, dv=dv)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grid", GRID_PARAMS)
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_grid_standard_proposals_with_constant_weights_are_rfa(backend, grid, prefix, rng):
+    """Sec. 4.3 with grid landmarks: N(0, I) proposals and constant weights are RFA with
+    omega_c = eps_c; C = 20 > h w = 15 on 3 x 5 uses the first C_eff = 15 rows."""
+    q, k, v = _grid_qkv(rng, grid, prefix)
+    layout = dict(grid=grid, prefix_tokens=prefix)
+    draws = _draw(q, k, 20, proposal="standard", replicates=2)
+    out = _estimate(backend, q, k, v, draws, proposal="standard", weighting="constant", **layout)
+    c_eff = min(20, grid[0] * grid[1])
+    expected = rfa.reference.estimate(q, k, v, Draws({"omega": draws["eps"][..., :c_eff, :]}, 2))
+    assert_close(out, expected, atol=EXACT, rtol=EXACT, what=f"grid LARA(standard, constant) vs RFA {grid} +{prefix}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grid", [(3, 5), (2, 7), (6, 6)], ids=_grid_id)
+def test_grid_mixture_proposals_with_one_patch_blocks_and_delta_weights_are_ra(backend, grid, rng):
+    """Sec. 4.3 through the grid path: C = h w blocks are single patches in raster order, so the
+    grid landmarks are the queries and the eq. 32 mixture proposals are q_c = p_c (eq. 29); with
+    alpha = delta and eq. 8 this is RA with S = 1, same component uniforms and noise."""
+    q, k, v = _grid_qkv(rng, grid, 0)
+    n = q.shape[-2]
+    ra_draws = ra.draw(q.shape, k.shape, num_samples=1, replicates=4, rng=np.random.default_rng(3))
+    draws = Draws({"u": ra_draws["u"][..., 0], "eps": ra_draws["eps"][..., 0, :]}, 4)
+    terms = _terms(backend, q, k, v, draws, proposal="eq32", grid=grid)
+    assert_close(terms.x_landmarks, terms.x, atol=0, what="one-patch landmarks")
+    delta = np.broadcast_to(np.where(np.eye(n, dtype=bool), 0.0, -np.inf), (4, n, n)).copy()
+    if backend == "reference":
+        out = lara_r.mis_estimate_eq8(lara_r.LaraTerms(terms.x, terms.y, v, terms.omega, terms.log_proposals, delta, None))
+        expected = ra.reference.estimate(q, k, v, ra_draws)
+    else:
+        t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+        out = lara_b.mis_estimate_eq8(
+            lara_r.LaraTerms(terms.x, terms.y, t(v), terms.omega, terms.log_proposals, t(delta), None)).numpy()
+        expected = ra.batched.estimate(t(q), t(k), t(v), ra_draws.to_torch()).numpy()
+    assert_close(out, expected, atol=EXACT, rtol=EXACT, what=f"grid MIS(q_c = p_c, delta) vs RA {grid}")
+
+
+GRID_VARIANTS = ["eq34-decoupled", "eq35-balance", "eq32-coupled", "eq33-decoupled", "official-vit", "eq34-decoupled-mean"]
+
+
+def _grid_variant(grid, prefix, offset=0):
+    """Variants in turn over the (grid, prefix) cases, so every kind meets a grid at little cost."""
+    return GRID_VARIANTS[(GRIDS.index(grid) * len(PREFIXES) + PREFIXES.index(prefix) + offset) % len(GRID_VARIANTS)]
+
+
+@ignore_negative_normalizer
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grid", GRID_PARAMS)
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_grid_literal_eq10_equals_eq28_form(backend, grid, prefix, rng):
+    """App. E with grid landmarks (non-square, square, 785-token grids; 0, 1, 5 prefix tokens),
+    one variant per case in turn so that every proposal/weighting kind meets a grid."""
+    variant = _grid_variant(grid, prefix)
+    params = {**lara.SPEC.variants[variant], "grid": grid, "prefix_tokens": prefix}
+    q, k, v = _grid_qkv(rng, grid, prefix)
+    draws = _draw(q, k, 7, replicates=1, **params)  # 7 blocks: uneven on every grid here
+    out = _estimate(backend, q, k, v, draws, **params)
+    literal = _np(_module(backend).snis_estimate_eq10(_terms(backend, q, k, v, draws, **params)))
+    assert_close(out, literal, atol=EXACT, rtol=EXACT, what=f"eq. 28 vs eq. 10, {variant} {grid} +{prefix}")
+
+
+@ignore_negative_normalizer
+@pytest.mark.parametrize("offset", [0, 3])
+@pytest.mark.parametrize("grid", GRID_PARAMS)
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_grid_batched_matches_reference(offset, grid, prefix, rng):
+    """Batched == reference (float64) with grid landmarks; the common suite adds every grid variant on small shapes."""
+    variant = _grid_variant(grid, prefix, offset)
+    params = {**lara.SPEC.variants[variant], "grid": grid, "prefix_tokens": prefix}
+    q, k, v = _grid_qkv(rng, grid, prefix)
+    num_samples = {(3, 5): 6, (14, 14): 49, (28, 28): 32}[grid]
+    draws = _draw(q, k, num_samples, replicates=2, **params)
+    ref = _estimate("reference", q, k, v, draws, **params)
+    bat = _estimate("torch", q, k, v, draws, **params)
+    atol, rtol = TOLERANCES["float64"]
+    assert_close(bat, ref, atol=atol, rtol=rtol, what=f"{variant} {grid} +{prefix}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grid_landmarks_are_2x2_block_means_without_cls(backend, rng):
+    """C = 49 on 14 x 14 after one CLS token: eq. 34 means x~_c + y~_c of 2 x 2 patch blocks (mean mode)."""
+    q, k, v = _grid_qkv(rng, (14, 14), 1, d=3, dv=2)
+    terms = _terms(backend, q, k, v, _draw(q, k, 49, sample="mean", replicates=1), sample="mean",
+                   grid="14x14", prefix_tokens=1)
+    x, y = _np(terms.x), _np(terms.y)
+    pool = lambda a: a[1:].reshape(7, 2, 7, 2, 3).mean(axis=(1, 3)).reshape(49, 3)  # noqa: E731
+    assert_close(terms.omega[0], pool(x) + pool(y), atol=1e-14, what="2x2 landmarks")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grid_layout_needs_tokens_of_the_grid(backend, rng):
+    q, k, v = _qkv(rng, batch=(), n=17, m=16, d=4, dv=2)
+    with pytest.raises(ValueError, match=r"grid=4x4 with prefix_tokens=0 describes 16 tokens, but the queries have 17"):
+        randattn.estimate("lara", q, q, v[:1].repeat(17, 0), num_samples=3, backend=backend, grid=(4, 4))
+    with pytest.raises(ValueError, match=r"describes 17 tokens, but the keys have 16"):
+        randattn.estimate("lara", q, k, v, num_samples=3, backend=backend, grid="4x4", prefix_tokens=1)
+    with pytest.raises(ValueError, match=r"grid='4-4' is not allowed"):
+        randattn.estimate("lara", q, k, v, num_samples=3, backend=backend, grid="4-4")
+
+
+def test_grid_from_the_cli_spec():
+    """``lara:grid=14x14,prefix_tokens=1`` parses to the string grid that LARA accepts."""
+    from randattn.estimators.registry import parse_estimator
+
+    name, params = parse_estimator("lara:grid=14x14,prefix_tokens=1,layout=grid")
+    assert (name, params) == ("lara", {"grid": "14x14", "prefix_tokens": 1, "layout": "grid"})

@@ -15,8 +15,21 @@ reference and batched forms consume the same draws:
   whose shape carries C (``estimate`` has no other way to know it).
 
 Always ``C`` rows are drawn; the estimator uses the first ``C_eff`` of them
-(``C_eff = min(C, N)``, and ``min(C, N, M)`` for the key-landmark proposals eq. 34, 35),
-see :func:`randattn.estimators.lara.reference.effective_proposals`.
+(``C_eff = min(C, N)``, and ``min(C, N, M)`` for the key-landmark proposals eq. 34, 35;
+``min(C, h w)`` with a patch grid), see :func:`randattn.estimators.lara.reference.effective_proposals`.
+
+Landmarks (``layout``, ``grid``, ``prefix_tokens``): on images the paper pools 2-D blocks of
+the patch grid (app. G.4, "2D average pooling (the same as segments)"); with ``grid=(h, w)``
+(or ``"HxW"``) the C landmarks are means of C non-overlapping blocks of the ``h x w`` patches,
+the ``prefix_tokens`` leading tokens (CLS, registers) being in no block; without a grid, or
+with ``layout="sequence"``, they are means of C contiguous 1-D segments (app. G.3.1). The
+convention (block shapes, uneven grids, C not a product of divisors, prefix tokens) and its
+source are in :mod:`randattn.estimators.segments`.
+
+Precision: the batched form computes signed weightings (``decoupled``/``coupled`` without
+``alpha_clamp``) in float64 whatever the input dtype (their self-normalizer cancels); pass the
+draws in float64 too (``Draws.to_torch(dtype=torch.float64)``) for results equal to the
+reference's on float32 activations.
 """
 
 from __future__ import annotations
@@ -54,6 +67,21 @@ PARAMS = {
         "paper",
         "paper: eps ~ N(0, I); reference-code: the official code's N(0, I) in unscaled space = N(0, scale I)",
         choices=("paper", "reference-code"),
+    ),
+    "layout": Param(
+        "grid",
+        "landmarks from 2-D blocks of the patch grid (grid, LARA app. G.4 '2D average pooling') when the grid "
+        "is known, else from contiguous 1-D segments (sequence, app. G.3.1)",
+        choices=("grid", "sequence"),
+    ),
+    "grid": Param(
+        None,
+        "patch grid (h, w) or 'HxW' (e.g. 14x14) of the tokens after prefix_tokens; None: no grid known (1-D segments)",
+        kind=(tuple, list, str, type(None)),
+    ),
+    "prefix_tokens": Param(
+        0, "leading tokens (CLS, registers) before the h*w patches; with a grid they are in no landmark block",
+        kind=int,
     ),
 }
 
@@ -93,7 +121,7 @@ def _is_random(params: Mapping[str, Any]) -> bool:
 
 
 def _variants() -> dict[str, dict[str, Any]]:
-    """Every proposal x weighting, plus eval mode, the official code's noise and clipping, beta = 2."""
+    """Every proposal x weighting, plus eval mode, the official code's noise and clipping, beta = 2, grid landmarks."""
     variants: dict[str, dict[str, Any]] = {
         f"{p}-{w}": {"proposal": p, "weighting": w} for p in PROPOSALS for w in WEIGHTINGS
     }
@@ -105,6 +133,11 @@ def _variants() -> dict[str, dict[str, Any]]:
     variants["official-vit"] = {
         "proposal": "eq35", "weighting": "decoupled", "beta": 2.0, "alpha_clamp": 1e-8, "noise": "reference-code",
     }
+    # 2-D landmarks (app. G.4); the grids fit the common suite's 13-token inputs, which refit them to other lengths
+    variants["eq34-decoupled-grid"] = {"proposal": "eq34", "weighting": "decoupled", "grid": (3, 4), "prefix_tokens": 1}
+    variants["eq35-balance-grid"] = {"proposal": "eq35", "weighting": "balance", "grid": "1x13", "prefix_tokens": 0}
+    variants["eq32-coupled-grid"] = {"proposal": "eq32", "weighting": "coupled", "grid": (2, 4), "prefix_tokens": 5}
+    variants["official-vit-grid"] = {**variants["official-vit"], "grid": (3, 4), "prefix_tokens": 1}
     return variants
 
 

@@ -15,15 +15,14 @@ from randattn.estimators._prepare import check_draw_array, prepare_batched, to_t
 from randattn.estimators.base import Draws
 from randattn.estimators.features.batched import positive_log_features
 from randattn.estimators.lara.reference import (
-    _KEY_LANDMARK_PROPOSALS,
     LaraTerms,
     _warn_non_positive,
     check_lara_params,
     effective_proposals,
+    landmarks,
 )
 from randattn.estimators.ra.reference import noise_std
 from randattn.estimators.segments import segment_means_torch
-from randattn.estimators.snis.batched import feature_attention
 
 __all__ = [
     "lara_terms",
@@ -58,13 +57,22 @@ def _proposal_means(x_lm: torch.Tensor, y_lm: torch.Tensor | None, y: torch.Tens
     return x_lm + torch.exp(_component_log_weights(x_lm, y)) @ y
 
 
+def _pairwise_sq_dist(centre: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """``|omega_j - centre_i|^2`` : (R, ..., I, J) for centre (..., I, D), omega (R, ..., J, D).
+
+    ``torch.cdist`` without the matrix-product expansion: differences are taken directly (no
+    cancellation of ``|omega|^2 - 2 omega.mu + |mu|^2`` at norms ~ 50) and no (I, J, D) tensor.
+    """
+    centre = centre.unsqueeze(0).expand(omega.shape[0], *centre.shape)
+    return torch.cdist(centre, omega, compute_mode="donot_use_mm_for_euclid_dist").square()
+
+
 def _sq_dist_to_mixture_means(omega: torch.Tensor, centre: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``|omega_j - centre_i - y_m|^2`` : (R, ..., I, J, M) for omega (R, ..., J, D), centre (..., I, D)."""
-    d = omega.unsqueeze(-3) - centre.unsqueeze(0).unsqueeze(-2)  # (R, ..., I, J, D)
     omega_y = omega @ y.transpose(-1, -2).unsqueeze(0)  # (R, ..., J, M)
     centre_y = centre @ y.transpose(-1, -2)  # (..., I, M)
     y_sq = (y * y).sum(-1)
-    return ((d * d).sum(-1).unsqueeze(-1) - 2.0 * omega_y.unsqueeze(-3)
+    return (_pairwise_sq_dist(centre, omega).unsqueeze(-1) - 2.0 * omega_y.unsqueeze(-3)
             + (2.0 * centre_y + y_sq.unsqueeze(-2)).unsqueeze(0).unsqueeze(-2))
 
 
@@ -74,8 +82,7 @@ def _log_proposal_densities(
     """``log q_c'(omega_j)`` (R, ..., C', J); see ``reference.log_proposal_densities``."""
     dim = omega.shape[-1]
     if proposal != "eq32":
-        diff = omega.unsqueeze(-3) - mu.unsqueeze(0).unsqueeze(-2)  # (R, ..., C', J, D)
-        return _log_gaussian((diff * diff).sum(-1), dim)
+        return _log_gaussian(_pairwise_sq_dist(mu, omega), dim)
     log_pi = _component_log_weights(x_lm, y).unsqueeze(0).unsqueeze(-2)  # (1, ..., C', 1, M)
     return torch.logsumexp(log_pi + _log_gaussian(_sq_dist_to_mixture_means(omega, x_lm, y), dim), dim=-1)
 
@@ -108,22 +115,13 @@ def _log_alpha_at_samples(
     return torch.log(alpha.abs()), torch.sign(alpha)
 
 
-def lara_terms(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    proposal: str = "eq34",
-    weighting: str = "decoupled",
-    beta: float = 1.0,
-    alpha_clamp: float | None = None,
-    sample: str = "random",
-    noise: str = "paper",
-) -> LaraTerms:
-    """Torch form of ``reference.lara_terms`` (tensors in a :class:`~randattn.estimators.lara.reference.LaraTerms`)."""
-    check_lara_params(proposal, weighting, beta, alpha_clamp, sample, noise)
+def _proposals(
+    q: Any, k: Any, v: Any, draws: Draws, *, scale, proposal, weighting, beta, alpha_clamp, sample, noise,
+    layout, grid, prefix_tokens,
+) -> tuple[torch.Tensor, ...]:
+    """``(x, y, v, x_lm, omega, log_q)`` of Algorithm 3, up to the proposal densities."""
+    check_lara_params(proposal, weighting, beta, alpha_clamp, sample, noise, layout, grid, prefix_tokens)
+    layout_kw = dict(layout=layout, grid=grid, prefix_tokens=prefix_tokens)
     x, y, v, scale, batch = prepare_batched(q, k, v, scale)
     sigma = noise_std(noise, scale)
     num_q, num_k, dim = x.shape[-2], y.shape[-2], x.shape[-1]
@@ -132,9 +130,8 @@ def lara_terms(
         drawn = check_draw_array(draws, "proposal_slots", batch, (None, 0)).shape[-2]
     else:
         drawn = check_draw_array(draws, "eps", batch, (None, dim)).shape[-2]
-    num_c = effective_proposals(num_q, num_k, drawn, proposal)
-    x_lm = segment_means_torch(x, num_c)
-    y_lm = segment_means_torch(y, num_c) if proposal in _KEY_LANDMARK_PROPOSALS else None
+    num_c = effective_proposals(num_q, num_k, drawn, proposal, **layout_kw)
+    x_lm, y_lm = landmarks(x, y, num_c, proposal, means=segment_means_torch, **layout_kw)
     mu = _proposal_means(x_lm, y_lm, y, proposal)
     if sample == "mean":
         omega = mu.unsqueeze(0).expand(draws.replicates, *mu.shape).contiguous()
@@ -152,9 +149,64 @@ def lara_terms(
         else:
             omega = mu.unsqueeze(0) + sigma * eps
     log_q = _log_proposal_densities(omega, x_lm, y, mu, proposal)
+    return x, y, v, x_lm, omega, log_q
+
+
+def lara_terms(
+    q: Any,
+    k: Any,
+    v: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    proposal: str = "eq34",
+    weighting: str = "decoupled",
+    beta: float = 1.0,
+    alpha_clamp: float | None = None,
+    sample: str = "random",
+    noise: str = "paper",
+    layout: str = "grid",
+    grid: Any = None,
+    prefix_tokens: int = 0,
+) -> LaraTerms:
+    """Torch form of ``reference.lara_terms`` (tensors in a :class:`~randattn.estimators.lara.reference.LaraTerms`)."""
+    x, y, v, x_lm, omega, log_q = _proposals(
+        q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+        sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens,
+    )  # fmt: skip
     scores = torch.softmax(x @ x_lm.transpose(-1, -2), dim=-2)  # r'_nc, softmax over queries n
     log_abs_alpha, alpha_sign = _log_alpha_at_samples(log_q, scores, weighting, beta, alpha_clamp)
-    return LaraTerms(x, y, v, omega, log_q, log_abs_alpha, alpha_sign)
+    return LaraTerms(x, y, v, omega, log_q, log_abs_alpha, alpha_sign, x_lm)
+
+
+def _is_signed(weighting: str, alpha_clamp: float | None) -> bool:
+    return weighting in ("decoupled", "coupled") and alpha_clamp is None
+
+
+def _query_weights_t(
+    x: torch.Tensor, x_lm: torch.Tensor, log_q: torch.Tensor, weighting: str, beta: float, alpha_clamp: float | None
+) -> torch.Tensor:
+    """``alpha_nc(omega_c)`` transposed, ``(R, ..., C, N)``, for the query-dependent weightings (eq. 37, 38).
+
+    Same formulas as :func:`_log_alpha_at_samples`, kept linear (not in log space): the
+    estimate multiplies them onto exponentials already shifted to at most 1.
+    """
+    # r'_nc, a softmax over queries n (eq. 37), in place: fresh (C, N) buffers cost page faults
+    scores_t = (x_lm @ x.transpose(-1, -2)).unsqueeze(0)  # (1, ..., C, N)
+    scores_t.sub_(scores_t.amax(-1, keepdim=True)).exp_()
+    scores_t.div_(scores_t.sum(-1, keepdim=True))
+    b = torch.softmax(log_q, dim=-2)  # (R, ..., C', J): b_c'(omega_j)
+    b_own = torch.diagonal(b, dim1=-2, dim2=-1).unsqueeze(-1)  # (R, ..., C, 1)
+    if weighting == "decoupled":
+        alpha = scores_t.sub_(scores_t.mean(-2, keepdim=True)).mul_(beta)
+    else:  # coupled, eq. 37 at omega_c: sum_c' r'_nc' b_c'(omega_c)
+        average = b.transpose(-1, -2) @ scores_t  # (R, ..., J, N)
+        q_own = torch.exp(torch.diagonal(log_q, dim1=-2, dim2=-1)).unsqueeze(-1)
+        alpha = (scores_t - average).mul_(q_own)
+    alpha = alpha.add_(b_own) if alpha.shape[0] == b_own.shape[0] else alpha + b_own
+    if alpha_clamp is not None:
+        alpha = alpha.clamp_(min=alpha_clamp)
+    return alpha
 
 
 def estimate(
@@ -170,17 +222,73 @@ def estimate(
     alpha_clamp: float | None = None,
     sample: str = "random",
     noise: str = "paper",
+    layout: str = "grid",
+    grid: Any = None,
+    prefix_tokens: int = 0,
 ) -> torch.Tensor:
-    """LARA over (R, ..., N, Dv); same signature, draws and layout as ``lara.reference.estimate``."""
-    terms = lara_terms(
-        q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta,
-        alpha_clamp=alpha_clamp, sample=sample, noise=noise,
+    r"""LARA over (R, ..., N, Dv); same signature, draws and layout as ``lara.reference.estimate``.
+
+    The eq. 28 form, fused so that each ``(C, N)`` or ``(C, M)`` array is passed over a few
+    times only (the reference goes through the generic log-space SNIS skeleton):
+
+    - keys: :math:`E_{cm} = \exp(\omega_c^\top y_m - \|y_m\|^2/2 - s_c)` with
+      :math:`s_c = \max_m(\cdot)`, and one product :math:`E\,[v, 1]` gives
+      :math:`\sum_m \xi(y_m, \omega_c) v_m` and :math:`\sum_m \xi(y_m, \omega_c)` (times :math:`e^{-s_c}`);
+    - queries: :math:`P_{cn} = \omega_c^\top x_n + s_c + \log\mathcal N(\omega_c; 0, I) - \log q_c(\omega_c)`
+      (plus :math:`\log\alpha_c` when the weights do not depend on n), shifted by its maximum
+      over c; the factor :math:`e^{-\|x_n\|^2/2}` is common to numerator and denominator and
+      dropped; query-dependent weights (eq. 37, 38) multiply :math:`e^{P}` with their sign;
+    - one product :math:`W^\top [E v, E 1]` and a division.
+
+    Precision: signed weights (``decoupled`` or ``coupled`` without ``alpha_clamp``) make the
+    normalizer a cancelling sum whose float32 rounding error (exponents of order
+    :math:`10^3` at ViT key norms, each rounded to ~1e-4 relative) is amplified by
+    :math:`\sum_c |w_{nc}| / |\sum_c w_{nc}|`: 2e-2 .. 1e-1 absolute on DINOv2 layer 3. So inputs
+    of lower precision are computed in float64 there and the output is returned in their dtype;
+    positive weightings stay in the input dtype (their sums do not cancel).
+    """
+    signed = _is_signed(weighting, alpha_clamp)
+    in_dtype = q.dtype if isinstance(q, torch.Tensor) else torch.float64
+    work = None
+    if signed and in_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        # before the temperature scaling, so that x = sqrt(scale) q is not rounded to float32 either
+        work = torch.float64
+        q, k, v = (a.to(work) if isinstance(a, torch.Tensor) else a for a in (q, k, v))
+    x, y, v, x_lm, omega, log_q = _proposals(
+        q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+        sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens,
     )  # fmt: skip
-    log_qf, log_kf, q_sign = weighted_log_features(terms)
-    out, sign = feature_attention(log_qf, log_kf, terms.v.unsqueeze(0), q_sign=q_sign)
-    if q_sign is not None:
-        _warn_non_positive(sign)
-    return out
+    dim, dim_v = x.shape[-1], v.shape[-1]
+    # keys: E = exp(log xi(y_m, omega_c) - s_c) : (R, ..., C, M), and [E v, E 1] : (R, ..., C, Dv + 1)
+    key_log = omega @ y.transpose(-1, -2).unsqueeze(0)
+    key_log.sub_((0.5 * torch.linalg.vector_norm(y, dim=-1).square()).unsqueeze(-2).unsqueeze(0))
+    key_shift = key_log.amax(-1, keepdim=True)
+    key_exp = key_log.sub_(key_shift).exp_()
+    v_one = v.new_empty((*v.shape[:-1], dim_v + 1))
+    v_one[..., :dim_v] = v
+    v_one[..., dim_v] = 1.0
+    key_stats = key_exp @ v_one.unsqueeze(0)
+    del key_log, key_exp
+    # per-sample log terms: log N(omega_c; 0, I) - log q_c(omega_c) + s_c : (R, ..., C)
+    log_q_own = torch.diagonal(log_q, dim1=-2, dim2=-1)
+    row = _log_gaussian((omega * omega).sum(-1), dim) - log_q_own + key_shift.squeeze(-1)
+    per_query = weighting in ("decoupled", "coupled")
+    if not per_query:
+        log_alpha = _log_alpha_at_samples(log_q, x[..., :1, :1].expand(*x.shape[:-2], 1, 1), weighting, beta,
+                                          alpha_clamp)[0][..., 0, :]  # (R, ..., C): the same for every n
+        row = row + log_alpha
+    # queries: exp(omega_c . x_n + row_c - max_c) : (R, ..., C, N)
+    weights = omega @ x.transpose(-1, -2).unsqueeze(0)
+    weights.add_(row.unsqueeze(-1))
+    weights.sub_(weights.amax(-2, keepdim=True)).exp_()
+    if per_query:
+        weights.mul_(_query_weights_t(x, x_lm, log_q, weighting, beta, alpha_clamp))
+    sums = weights.transpose(-1, -2) @ key_stats  # (R, ..., N, Dv + 1)
+    den = sums[..., -1:]
+    if signed:
+        _warn_non_positive(torch.sign(den[..., 0]))
+    # the division writes the result in the caller's dtype directly (one pass, no float64 copy)
+    return torch.div(sums[..., :-1], den, out=torch.empty(sums[..., :-1].shape, dtype=in_dtype, device=sums.device))
 
 
 def weighted_log_features(terms: LaraTerms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

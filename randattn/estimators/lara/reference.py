@@ -30,7 +30,7 @@ from randattn.estimators.base import Draws
 from randattn.estimators.features.reference import positive_log_features
 from randattn.estimators.ra.reference import noise_std
 from randattn.estimators.snis import warn_non_positive
-from randattn.estimators.segments import segment_means
+from randattn.estimators.segments import check_layout, effective_segments, segment_means
 from randattn.estimators.snis.reference import feature_attention
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "LaraTerms",
     "check_lara_params",
     "effective_proposals",
+    "landmarks",
     "proposal_means",
     "log_gaussian",
     "log_proposal_densities",
@@ -67,10 +68,19 @@ _LOG_2PI = float(np.log(2.0 * np.pi))
 
 
 def check_lara_params(
-    proposal: str, weighting: str, beta: float, alpha_clamp: float | None, sample: str, noise: str
+    proposal: str,
+    weighting: str,
+    beta: float,
+    alpha_clamp: float | None,
+    sample: str,
+    noise: str,
+    layout: str = "grid",
+    grid: Any = None,
+    prefix_tokens: int = 0,
 ) -> None:
     """Validate LARA's options in one place; ``ValueError``/``TypeError`` name the argument."""
     check_choice("proposal", proposal, PROPOSALS)
+    check_layout(None, layout, grid, prefix_tokens)
     check_choice("weighting", weighting, WEIGHTINGS)
     check_choice("sample", sample, SAMPLES)
     check_choice("noise", noise, ("paper", "reference-code"))
@@ -90,16 +100,55 @@ def check_lara_params(
             raise ValueError(f"alpha_clamp must be None or a finite number > 0, got {alpha_clamp!r}")
 
 
-def effective_proposals(num_queries: int, num_keys: int, num_proposals: int, proposal: str) -> int:
+def effective_proposals(
+    num_queries: int,
+    num_keys: int,
+    num_proposals: int,
+    proposal: str,
+    *,
+    layout: str = "sequence",
+    grid: Any = None,
+    prefix_tokens: int = 0,
+) -> int:
     """``C_eff``, the number of proposals (= landmarks = samples) actually used.
 
-    Query landmarks are means of ``C`` contiguous query segments, so at most ``N`` of them;
-    proposals built from key landmarks (eq. 34, 35) also need ``C <= M``. The draws always
-    hold ``C`` rows and the estimator uses the first ``C_eff``, so one set of draws serves
-    every input length.
+    Query landmarks are means of ``C`` query segments, so at most ``N`` of them (``h w``
+    with a grid layout, whose segments are blocks of patches); proposals built from key
+    landmarks (eq. 34, 35) also need ``C <= M`` (``h w``). The draws always hold ``C`` rows
+    and the estimator uses the first ``C_eff``, so one set of draws serves every input length.
     """
-    limit = min(num_queries, num_keys) if proposal in _KEY_LANDMARK_PROPOSALS else num_queries
-    return min(num_proposals, limit)
+    layout_kw = dict(layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    check_layout(num_queries, what="queries", **layout_kw)
+    limit = effective_segments(num_queries, num_proposals, **layout_kw)
+    if proposal in _KEY_LANDMARK_PROPOSALS:
+        check_layout(num_keys, what="keys", **layout_kw)
+        limit = min(limit, effective_segments(num_keys, num_proposals, **layout_kw))
+    return limit
+
+
+def landmarks(
+    x: Any,
+    y: Any,
+    num_c: int,
+    proposal: str,
+    *,
+    layout: str = "sequence",
+    grid: Any = None,
+    prefix_tokens: int = 0,
+    means: Any = segment_means,
+) -> tuple[Any, Any]:
+    """Query landmarks ``x~ : (..., C, D)`` and key landmarks ``y~`` (None unless eq. 34/35 need them).
+
+    Means of contiguous 1-D segments (app. G.3.1) or of 2-D blocks of the patch grid
+    (app. G.4, "2D average pooling (the same as segments)"), see :mod:`randattn.estimators.segments`;
+    ``means`` is :func:`~randattn.estimators.segments.segment_means` or its torch form.
+    """
+    check_layout(x.shape[-2], layout, grid, prefix_tokens, what="queries")
+    x_lm = means(x, num_c, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    if proposal not in _KEY_LANDMARK_PROPOSALS:
+        return x_lm, None
+    check_layout(y.shape[-2], layout, grid, prefix_tokens, what="keys")
+    return x_lm, means(y, num_c, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
 
 
 def log_gaussian(sq_dist: np.ndarray, dim: int) -> np.ndarray:
@@ -331,6 +380,8 @@ class LaraTerms:
         ``log|alpha_nc(omega_c)|``.
     alpha_sign : (R, ..., N, C) or None
         ``sign alpha_nc(omega_c)``; None when every weight is positive by construction.
+    x_landmarks : (..., C, D) or None
+        The query landmarks ``x~_c`` (segment or grid-block means), for checks and theory.
     """
 
     x: Any
@@ -340,6 +391,7 @@ class LaraTerms:
     log_proposals: Any
     log_abs_alpha: Any
     alpha_sign: Any
+    x_landmarks: Any = None
 
 
 def _num_proposals(draws: Draws, batch: tuple[int, ...], dim: int, sample: str) -> int:
@@ -362,11 +414,15 @@ def lara_terms(
     alpha_clamp: float | None = None,
     sample: str = "random",
     noise: str = "paper",
+    layout: str = "grid",
+    grid: Any = None,
+    prefix_tokens: int = 0,
 ) -> LaraTerms:
     r"""Landmarks, proposals, samples and weighting functions of LARA (app. G.3), as :class:`LaraTerms`.
 
     Steps (Algorithm 3): query landmarks :math:`\tilde x_c` = means of ``C_eff`` contiguous
-    segments of ``x`` (:mod:`randattn.estimators.segments`; key landmarks likewise from ``y``);
+    segments of ``x``, or of ``C_eff`` blocks of its patch grid (``layout="grid"`` with a
+    ``grid``, app. G.4; :mod:`randattn.estimators.segments`; key landmarks likewise from ``y``);
     proposal means :math:`\mu_c` (:func:`proposal_means`); samples
     :math:`\omega_c = \mu_c + \sigma \epsilon_c` (for eq. 32:
     :math:`\omega_c = \tilde x_c + y_{z_c} + \sigma\epsilon_c`, :math:`z_c = \#\{m : F_{cm} < u_c\}`
@@ -378,14 +434,14 @@ def lara_terms(
     code's unit noise in the unscaled space, ARCHITECTURE sec. 10); the densities keep the
     paper's identity covariance either way, as the official code's do.
     """
-    check_lara_params(proposal, weighting, beta, alpha_clamp, sample, noise)
+    check_lara_params(proposal, weighting, beta, alpha_clamp, sample, noise, layout, grid, prefix_tokens)
+    layout_kw = dict(layout=layout, grid=grid, prefix_tokens=prefix_tokens)
     x, y, v, scale, batch = prepare_reference(q, k, v, scale)
     sigma = noise_std(noise, scale)
     num_q, num_k, dim = x.shape[-2], y.shape[-2], x.shape[-1]
     drawn = _num_proposals(draws, batch, dim, sample)
-    num_c = effective_proposals(num_q, num_k, drawn, proposal)
-    x_lm = segment_means(x, num_c)  # (..., C, D)
-    y_lm = segment_means(y, num_c) if proposal in _KEY_LANDMARK_PROPOSALS else None
+    num_c = effective_proposals(num_q, num_k, drawn, proposal, **layout_kw)
+    x_lm, y_lm = landmarks(x, y, num_c, proposal, **layout_kw)  # (..., C, D)
     mu = proposal_means(x_lm, y_lm, y, proposal)
     if sample == "mean":
         omega = np.broadcast_to(mu, (draws.replicates, *mu.shape)).copy()
@@ -404,7 +460,7 @@ def lara_terms(
     log_q = log_proposal_densities(omega, x_lm, y, mu, proposal)
     scores = query_scores(x, x_lm)
     log_abs_alpha, alpha_sign = log_alpha_at_samples(log_q, scores, weighting, beta, alpha_clamp)
-    return LaraTerms(x, y, v, omega, log_q, log_abs_alpha, alpha_sign)
+    return LaraTerms(x, y, v, omega, log_q, log_abs_alpha, alpha_sign, x_lm)
 
 
 def _warn_non_positive(sign: Any, stacklevel: int = 4) -> None:
@@ -428,6 +484,9 @@ def estimate(
     alpha_clamp: float | None = None,
     sample: str = "random",
     noise: str = "paper",
+    layout: str = "grid",
+    grid: Any = None,
+    prefix_tokens: int = 0,
 ) -> np.ndarray:
     r"""Linear randomized attention (LARA eq. 10 in the form of eq. 28), linear in N and M.
 
@@ -466,6 +525,14 @@ def estimate(
         ``mean`` uses :math:`\omega_c = \mathbb E_{q_c}[\omega]` (LARA G.3.3 evaluation mode).
     noise : {"paper", "reference-code"}
         Sampling noise std 1, or ``sqrt(scale)`` as in the official code.
+    layout : {"grid", "sequence"}
+        Landmarks from 2-D blocks of the patch grid (app. G.4) when ``grid`` is given, else
+        (and with ``"sequence"``) from contiguous 1-D segments (app. G.3.1); see
+        :mod:`randattn.estimators.segments`.
+    grid : (h, w), "HxW" or None
+        The patch grid of the tokens (``N = M = prefix_tokens + h w``); None: no grid known.
+    prefix_tokens : int
+        Leading tokens (CLS, registers) that are not patches: in no landmark block.
 
     Returns
     -------
@@ -498,7 +565,7 @@ def estimate(
     """
     terms = lara_terms(
         q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta,
-        alpha_clamp=alpha_clamp, sample=sample, noise=noise,
+        alpha_clamp=alpha_clamp, sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens,
     )  # fmt: skip
     log_qf, log_kf, q_sign = weighted_log_features(terms)
     out, sign = feature_attention(log_qf, log_kf, terms.v[None], q_sign=q_sign)

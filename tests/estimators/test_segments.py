@@ -1,0 +1,130 @@
+"""Segments and grid blocks (randattn.estimators.segments): the convention, written out independently.
+
+Expected values are built here by hand (explicit block lists, reshapes of the patch map),
+not by the module's own helpers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from randattn.estimators import segments
+from randattn.testing import assert_close
+
+EXACT = 1e-12  # means of O(1) numbers in float64
+
+
+def _blocks_of(seg, prefix, h, w):
+    """{block: set of (row, col)} from a token -> segment index array."""
+    out = {}
+    for t, b in enumerate(seg[prefix:]):
+        out.setdefault(int(b), set()).add(divmod(t, w))
+    return out
+
+
+def test_49_blocks_on_14x14_are_2x2_patches_in_raster_order(rng):
+    """LARA app. G.4 with C = 49 on a 14 x 14 grid (the official code's AdaptiveAvgPool2d(7)): 7 x 7 blocks of 2 x 2."""
+    x = rng.standard_normal((3, 1 + 196, 4))
+    expected = x[:, 1:].reshape(3, 7, 2, 7, 2, 4).mean(axis=(2, 4)).reshape(3, 49, 4)
+    got = segments.segment_means(x, 49, layout="grid", grid=(14, 14), prefix_tokens=1)
+    assert_close(got, expected, atol=EXACT, what="2x2 block means")
+    got_t = segments.segment_means_torch(torch.as_tensor(x), 49, layout="grid", grid="14x14", prefix_tokens=1)
+    assert_close(got_t, expected, atol=EXACT, what="torch 2x2 block means")
+
+
+def test_non_divisible_grid_has_smaller_edge_blocks():
+    """C = 6 on 3 x 5: 2 block rows (2 and 1 patch rows) of 3 blocks (2, 2, 1 patch columns)."""
+    seg = segments.token_segments(2 + 15, 6, layout="grid", grid=(3, 5), prefix_tokens=2)
+    assert list(seg[:2]) == [-1, -1]
+    expected = np.array([[0, 0, 1, 1, 2], [0, 0, 1, 1, 2], [3, 3, 4, 4, 5]])
+    assert np.array_equal(seg[2:].reshape(3, 5), expected)
+
+
+def test_c_that_is_no_product_of_divisors_is_kept_exactly():
+    """C = 32 on 14 x 14: 6 bands (rows 3,3,2,2,2,2) of 6,6,5,5,5,5 blocks, columns split evenly per band."""
+    seg = segments.token_segments(196, 32, layout="grid", grid=(14, 14)).reshape(14, 14)
+    assert seg.max() + 1 == 32
+    assert [len(np.unique(seg[r])) for r in (0, 3, 6, 8, 10, 12)] == [6, 6, 5, 5, 5, 5]
+    assert np.array_equal(seg[0], [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
+    assert np.array_equal(seg[13], [27, 27, 27, 28, 28, 28, 29, 29, 29, 30, 30, 30, 31, 31])
+
+
+@pytest.mark.parametrize("grid", [(3, 5), (5, 3), (14, 14), (1, 13), (16, 9)], ids=lambda g: f"{g[0]}x{g[1]}")
+@pytest.mark.parametrize("num_segments", [1, 2, 7, 32, 64, 128, 10_000])
+def test_blocks_tile_the_grid_as_even_rectangles(grid, num_segments):
+    """min(C, h w) non-overlapping rectangles covering every patch once, in raster order; within
+    a block row heights are equal, and widths (heights) of blocks differ by at most one."""
+    h, w = grid
+    seg = segments.grid_blocks(grid, num_segments)
+    blocks = _blocks_of(seg, 0, h, w)
+    assert sorted(blocks) == list(range(min(num_segments, h * w)))
+    heights, first_rows = [], []
+    for cells in blocks.values():
+        rows = sorted({r for r, _ in cells})
+        cols = sorted({c for _, c in cells})
+        assert rows == list(range(rows[0], rows[-1] + 1)) and cols == list(range(cols[0], cols[-1] + 1))
+        assert len(cells) == len(rows) * len(cols), "a block is not a rectangle"
+        heights.append(len(rows))
+        first_rows.append((rows[0], cols[0]))
+    assert first_rows == sorted(first_rows), "blocks are not in raster order"
+    assert max(heights) - min(heights) <= 1
+    for band_start in {r for r, _ in first_rows}:
+        widths = [len({c for _, c in cells}) for cells in blocks.values() if min(r for r, _ in cells) == band_start]
+        assert max(widths) - min(widths) <= 1
+
+
+def test_blocks_are_about_square_in_patches():
+    """C = 16 on 28 x 28 gives 4 x 4 blocks of 7 x 7; on a 7 x 28 strip, 2 rows of 8 blocks (4 x 3-4 patches)."""
+    assert np.array_equal(segments.grid_blocks((28, 28), 16).reshape(28, 28)[::7, ::7], np.arange(16).reshape(4, 4))
+    rows, per_row = segments.grid_block_shape((7, 28), 16)
+    assert rows == 2 and list(per_row) == [8, 8]
+
+
+def test_sequence_layout_and_unknown_grid_are_1d(rng):
+    """layout='sequence' ignores the grid; layout='grid' with grid=None has no grid: both are array_split segments."""
+    x = rng.standard_normal((197, 3))
+    one_d = np.stack([part.mean(0) for part in np.array_split(x, 49)])
+    for kw in ({}, {"layout": "sequence", "grid": (14, 14), "prefix_tokens": 1}, {"layout": "grid", "grid": None}):
+        assert_close(segments.segment_means(x, 49, **kw), one_d, atol=EXACT, what=str(kw))
+        assert_close(segments.segment_means_torch(torch.as_tensor(x), 49, **kw), one_d, atol=EXACT, what=f"torch {kw}")
+
+
+@pytest.mark.parametrize("grid", [(3, 5), (14, 14), (28, 28)], ids=lambda g: f"{g[0]}x{g[1]}")
+@pytest.mark.parametrize("prefix", [0, 1, 5])
+@pytest.mark.parametrize("num_segments", [4, 49, 10_000])
+def test_pooling_matrix_rows_average_their_patches_only(grid, prefix, num_segments, rng):
+    """Row c is 1/|block c| on block c's patches, 0 on prefix tokens; numpy matrix == torch scatter-add."""
+    h, w = grid
+    n = prefix + h * w
+    pool = segments.pooling_matrix(n, num_segments, layout="grid", grid=grid, prefix_tokens=prefix)
+    assert pool.shape == (min(num_segments, h * w), n)
+    assert np.all(pool[:, :prefix] == 0)
+    assert_close(pool.sum(-1), np.ones(len(pool)), atol=EXACT, what="rows average")
+    assert np.all((pool > 0).sum(0)[prefix:] == 1), "a patch in no block or in two"
+    x = rng.standard_normal((2, n, 3))
+    assert_close(segments.segment_means_torch(torch.as_tensor(x), num_segments, layout="grid", grid=grid,
+                                              prefix_tokens=prefix), pool @ x, atol=EXACT, what="torch")
+
+
+@pytest.mark.parametrize("grid, expected", [("14x14", (14, 14)), (" 3 X 5 ", (3, 5)), ([2, 7], (2, 7)), ((4, 4), (4, 4)), (None, None)])
+def test_parse_grid(grid, expected):
+    assert segments.parse_grid(grid) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(grid="14by14"), ValueError, r"grid='14by14' is not allowed; write the patch grid as 'HxW'"),
+        (dict(grid=(14,)), TypeError, r"grid must be None, an \(h, w\) pair"),
+        (dict(grid=(0, 14)), ValueError, r"grid\[0\] must be >= 1"),
+        (dict(grid=(14, 14), prefix_tokens=-1), ValueError, "prefix_tokens must be >= 0"),
+        (dict(grid=(14, 14), prefix_tokens=1.0), TypeError, "prefix_tokens must be an integer"),
+        (dict(grid=(14, 14), prefix_tokens=0), ValueError, r"grid=14x14 with prefix_tokens=0 describes 196 tokens, but the tokens have 197"),
+        (dict(grid=(14, 14), layout="2d"), ValueError, r"layout='2d' is not allowed; choose one of 'grid', 'sequence'"),
+    ],
+)
+def test_bad_layout_is_named(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        segments.token_segments(197, 49, **{"layout": "grid", **kwargs})
