@@ -11,6 +11,7 @@ import torch
 
 from randattn._validation import check_choice
 from randattn.estimators.features import FEATURE_MAPS
+from randattn.estimators.features.reference import SderfParams, _optimal_eigenvalue
 from randattn.estimators.sampling import sphere_project
 
 __all__ = [
@@ -19,6 +20,9 @@ __all__ = [
     "trigonometric_log_features",
     "oprf_log_features",
     "oprf_optimal_a",
+    "sderf_optimal_params",
+    "sderf_log_features",
+    "data_params",
     "log_features",
 ]
 
@@ -70,8 +74,51 @@ def oprf_log_features(x: torch.Tensor, omega: torch.Tensor, a: torch.Tensor) -> 
     return log_mag.unsqueeze(-1), None
 
 
+def sderf_optimal_params(x: torch.Tensor, y: torch.Tensor) -> SderfParams:
+    """Closed-form SDERF parameters from second moments; see ``features.reference.sderf_optimal_params``.
+
+    The (D, D) moment and its eigendecomposition are taken in float64 whatever the input
+    dtype (``O((N + M) D^2 + D^3)``, negligible beside the features) and returned in x's dtype.
+    """
+    x64, y64 = x.double(), y.double()
+    mx, my = x64.mean(-2), y64.mean(-2)
+    cross = mx.unsqueeze(-1) * my.unsqueeze(-2)
+    moment = (x64.transpose(-1, -2) @ x64) / x.shape[-2] + (y64.transpose(-1, -2) @ y64) / y.shape[-2]
+    moment = moment + cross + cross.transpose(-1, -2)
+    mu, basis = torch.linalg.eigh(moment)
+    lam = _optimal_eigenvalue(mu.clamp(min=0.0))
+    return SderfParams(basis.to(x.dtype), lam.to(x.dtype))
+
+
+def sderf_log_features(x: torch.Tensor, omega: torch.Tensor, params: SderfParams) -> tuple[torch.Tensor, None]:
+    """``det(I-4A)^{1/4} exp(w^T A w + w^T (I-4A)^{1/2} x - |x|^2/2)``; see ``features.reference``."""
+    basis, lam = params
+    if bool((lam >= 0.125).any()):
+        raise ValueError(f"SDERF needs every eigenvalue of A < 1/8 (finite variance), got max {float(lam.max())}")
+    rotated = omega @ basis
+    b_omega = (rotated * torch.sqrt(1.0 - 4.0 * lam).unsqueeze(-2)) @ basis.transpose(-1, -2)
+    log_d0 = 0.25 * torch.log1p(-4.0 * lam).sum(-1)[..., None, None]
+    quad = ((rotated * rotated) @ lam.unsqueeze(-1)).squeeze(-1).unsqueeze(-2)
+    log_mag = log_d0 + quad + _projections(x, b_omega) - _half_sq_norm(x)
+    return log_mag.unsqueeze(-1), None
+
+
+def data_params(feature_map: str, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """``log_features`` keywords of the data-dependent maps (oprf, sderf); see ``features.reference``."""
+    if feature_map == "oprf":
+        return {"oprf_a": oprf_optimal_a(x, y)}
+    if feature_map == "sderf":
+        return {"sderf": sderf_optimal_params(x, y)}
+    return {}
+
+
 def log_features(
-    feature_map: str, x: torch.Tensor, omega: torch.Tensor, *, oprf_a: torch.Tensor | None = None
+    feature_map: str,
+    x: torch.Tensor,
+    omega: torch.Tensor,
+    *,
+    oprf_a: torch.Tensor | None = None,
+    sderf: SderfParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dispatch to the named map (one of ``FEATURE_MAPS``), as ``features.reference.log_features``."""
     check_choice("feature_map", feature_map, FEATURE_MAPS)
@@ -83,6 +130,10 @@ def log_features(
         return trigonometric_log_features(x, omega)
     if feature_map == "regularized":
         return positive_log_features(x, sphere_project(omega, omega.shape[-1]))
+    if feature_map == "sderf":
+        if sderf is None:
+            raise ValueError("feature_map='sderf' needs sderf (see sderf_optimal_params)")
+        return sderf_log_features(x, omega, sderf)
     if oprf_a is None:
         raise ValueError("feature_map='oprf' needs oprf_a (see oprf_optimal_a)")
     return oprf_log_features(x, omega, oprf_a)
