@@ -10,12 +10,12 @@ with the same number of features (when installed; it is not a dependency of rand
 N = 785 to N = 12545 (linear: 16x in N; the target is <= 17x). ``--reference`` adds the
 float64 numpy reference timing (slow at large N).
 
-Not a test: timings are medians of ``--repeats`` runs, taken in one process so that ratios
-are comparable. Run:
+Not a test: timings are medians of ``--repeats`` interleaved rounds, taken in one process so
+that ratios are comparable (``--threads 1`` gives steadier numbers on a shared machine). Run:
 
     python benchmarks/bench_estimators.py [--quick] [--estimators rfa,lara,eva,ra]
                                           [--sizes 785,3137,12545] [--samples 64,256]
-                                          [--repeats 5] [--reference]
+                                          [--repeats 5] [--threads T] [--reference]
 
 RA is quadratic (O(N M S D)); it is timed up to N = 3137 unless ``--ra-max-n`` says otherwise.
 """
@@ -57,14 +57,26 @@ CASES = {
 }
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up (allocations, lazy imports)
-    times = []
+def _interleaved(fns: dict, repeats: int) -> tuple[dict, dict]:
+    """Time every function once per round, ``repeats`` rounds: median seconds, and the per-round samples.
+
+    Interleaving puts the estimator and its floor under the same machine load in each round, so the
+    median of per-round ratios is steadier than the ratio of medians on a shared machine.
+    """
+    for fn in fns.values():
+        fn()  # warm-up (allocations, lazy imports)
+    samples = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in samples.items()}, samples
+
+
+def _ratio(samples: dict, a: str, b: str) -> float:
+    """Median over rounds of time(a) / time(b)."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
 
 
 def _gemm_of_flops(flops_per_head: float, n: int):
@@ -100,7 +112,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ra-max-n", type=int, default=3137, help="largest N at which the quadratic RA is timed")
     parser.add_argument("--reference", action="store_true", help="also time the float64 numpy reference (slow)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     names = [n for n in args.estimators.split(",") if CASES[n][0] in randattn.list_estimators()]
     sizes = (785, 3137) if args.quick else tuple(int(x) for x in args.sizes.split(","))
     samples = (64,) if args.quick else tuple(int(x) for x in args.samples.split(","))
@@ -121,28 +136,33 @@ def main() -> None:
                 draws = randattn.draw(registry_name, q.shape, k.shape, num_samples=s, seed=0, **resolved)
                 tdraws = draws.to_torch(dtype=torch.float32)
                 flops = flop_model(n, n, s, D, DV)
-                batched = _median_seconds(lambda: spec.batched(tq, tk, tv, tdraws, **resolved), args.repeats)
-                gemm = _median_seconds(_gemm_of_flops(flops, n), args.repeats)
-                performer = None
+                fns = {"batched": lambda: spec.batched(tq, tk, tv, tdraws, **resolved), "gemm": _gemm_of_flops(flops, n)}
                 if name == "rfa":
                     run = _performer(n, s, tq, tk, tv)
-                    performer = None if run is None else _median_seconds(run, args.repeats)
+                    if run is not None:
+                        fns["performer"] = run
+                medians, rounds = _interleaved(fns, args.repeats)
+                ratios = {"gemm": _ratio(rounds, "batched", "gemm")}
+                if "performer" in fns:
+                    ratios["performer"] = _ratio(rounds, "batched", "performer")
+                    ratios["performer/gemm"] = _ratio(rounds, "performer", "gemm")
                 reference = None
                 if args.reference:
-                    reference = _median_seconds(lambda: spec.reference(q, k, v, draws, **resolved), 1)
-                rows.append((name, n, s, batched, gemm, performer, reference, HEADS * flops))
+                    reference = _interleaved({"reference": lambda: spec.reference(q, k, v, draws, **resolved)}, 1)[0]["reference"]
+                rows.append((name, n, s, medians, ratios, reference, HEADS * flops))
     table = Table(title=f"batched (torch float32, {torch.get_num_threads()} threads, {HEADS} heads, D = Dv = {D}) "
                         "vs a batched GEMM of equal FLOPs and performer-pytorch FastAttention")
     for col in ("estimator", "N", "S", "GFLOP", "batched ms", "GEMM ms", "batched / GEMM", "performer ms",
                 "batched / performer", "performer / GEMM", "reference ms"):
         table.add_column(col, justify="right")
-    for name, n, s, batched, gemm, performer, reference, flops in rows:
+    for name, n, s, medians, ratios, reference, flops in rows:
+        performer = medians.get("performer")
         table.add_row(
-            name, str(n), str(s), f"{flops / 1e9:.3f}", f"{batched * 1e3:.2f}", f"{gemm * 1e3:.2f}",
-            f"{batched / gemm:.2f}x",
+            name, str(n), str(s), f"{flops / 1e9:.3f}", f"{medians['batched'] * 1e3:.2f}", f"{medians['gemm'] * 1e3:.2f}",
+            f"{ratios['gemm']:.2f}x",
             "" if performer is None else f"{performer * 1e3:.2f}",
-            "" if performer is None else f"{batched / performer:.2f}x",
-            "" if performer is None else f"{performer / gemm:.2f}x",
+            "" if performer is None else f"{ratios['performer']:.2f}x",
+            "" if performer is None else f"{ratios['performer/gemm']:.2f}x",
             "" if reference is None else f"{reference * 1e3:.1f}",
         )
     console.print(table)
@@ -154,9 +174,12 @@ def main() -> None:
         for s in samples:
             lo, hi = by_key.get((name, min(sizes), s)), by_key.get((name, max(sizes), s))
             if lo and hi:
-                growth.add_row(name, str(s), f"{hi[3] / lo[3]:.1f}x", f"{hi[4] / lo[4]:.1f}x")
+                growth.add_row(name, str(s), f"{hi[3]['batched'] / lo[3]['batched']:.1f}x",
+                               f"{hi[3]['gemm'] / lo[3]['gemm']:.1f}x")
     console.print(growth)
     console.print(
+        "Times are medians over rounds; ratios are medians over rounds of per-round ratios (each round times "
+        "every function once, so both sides of a ratio share the machine's load). "
         "batched / GEMM: time relative to one batched matrix product doing the estimator's multiply-add count "
         "(the overhead of exp/logsumexp/softmax and memory traffic). performer: FastAttention(dim_heads=64, "
         "nb_features=S), positive orthogonal features, no log-space normalization."

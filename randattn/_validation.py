@@ -77,7 +77,9 @@ def _shape_dtype(name: str, array: Any) -> tuple[tuple[int, ...], Any, bool]:
     else:
         import torch
 
-        finite = bool(torch.isfinite(array).all())
+        # a NaN or an infinity makes the sum non-finite, so a finite sum proves every entry finite in
+        # one reduction; only a non-finite sum (which may be overflow) needs the elementwise test
+        finite = bool(torch.isfinite(array.sum())) or bool(torch.isfinite(array).all())
     return shape, dtype, finite
 
 

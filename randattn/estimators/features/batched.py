@@ -10,7 +10,7 @@ import math
 import torch
 
 from randattn._validation import check_choice
-from randattn.estimators.features import FEATURE_MAPS
+from randattn.estimators.features import FEATURE_MAPS, POSITIVE_MAPS
 from randattn.estimators.features.reference import SderfParams, _optimal_eigenvalue
 from randattn.estimators.sampling import sphere_project
 
@@ -24,6 +24,7 @@ __all__ = [
     "sderf_log_features",
     "data_params",
     "log_features",
+    "affine_directions",
 ]
 
 
@@ -137,3 +138,47 @@ def log_features(
     if oprf_a is None:
         raise ValueError("feature_map='oprf' needs oprf_a (see oprf_optimal_a)")
     return oprf_log_features(x, omega, oprf_a)
+
+
+def affine_directions(
+    feature_map: str, omega: torch.Tensor, *, oprf_a: torch.Tensor | None = None, sderf: SderfParams | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Every positive map as ``log phi_j(x) = x . W_j + a_j - |x|^2/2`` over J = S L features.
+
+    Returns ``W : (..., J, D)`` and ``a : (..., J)`` with the same feature order as
+    :func:`log_features` (j = s L + l):
+
+    - positive: :math:`W = \omega`, a = 0; regularized: the same with omega projected to the sphere;
+    - hyperbolic: :math:`W_{s,\pm} = \pm\omega_s`, :math:`a = -\tfrac12\log 2`;
+    - oprf: :math:`W = \sqrt{1 - 4A}\,\omega`, :math:`a = A|\omega|^2 + \tfrac D4 \log(1 - 4A)`;
+    - sderf: :math:`W = (I - 4A)^{1/2}\omega`, :math:`a = \omega^\top A \omega + \tfrac14\log\det(I - 4A)`.
+
+    Lets RFA compute every projection as one matrix product with no (N, S) temporaries for the
+    row and column terms (``rfa.batched``); the signed trigonometric map has no such form.
+    """
+    check_choice("feature_map", feature_map, POSITIVE_MAPS)
+    zero = omega.new_zeros(omega.shape[:-1])
+    if feature_map == "positive":
+        return omega, zero
+    if feature_map == "regularized":
+        return sphere_project(omega, omega.shape[-1]), zero
+    if feature_map == "hyperbolic":
+        directions = torch.stack([omega, -omega], dim=-2).reshape(*omega.shape[:-2], 2 * omega.shape[-2], omega.shape[-1])
+        return directions, omega.new_full(directions.shape[:-1], -0.5 * math.log(2.0))
+    if feature_map == "oprf":
+        if oprf_a is None:
+            raise ValueError("feature_map='oprf' needs oprf_a (see oprf_optimal_a)")
+        if bool((oprf_a >= 0.25).any()):
+            raise ValueError(f"OPRF needs A < 1/4, got max A = {float(oprf_a.max())}")
+        a_ = oprf_a[..., None]
+        offset = a_ * (omega * omega).sum(-1) + 0.25 * omega.shape[-1] * torch.log1p(-4.0 * a_)
+        return torch.sqrt(1.0 - 4.0 * a_).unsqueeze(-1) * omega, offset
+    if sderf is None:
+        raise ValueError("feature_map='sderf' needs sderf (see sderf_optimal_params)")
+    basis, lam = sderf
+    if bool((lam >= 0.125).any()):
+        raise ValueError(f"SDERF needs every eigenvalue of A < 1/8 (finite variance), got max {float(lam.max())}")
+    rotated = omega @ basis
+    directions = (rotated * torch.sqrt(1.0 - 4.0 * lam).unsqueeze(-2)) @ basis.transpose(-1, -2)
+    offset = ((rotated * rotated) @ lam.unsqueeze(-1)).squeeze(-1) + 0.25 * torch.log1p(-4.0 * lam).sum(-1, keepdim=True)
+    return directions, offset
