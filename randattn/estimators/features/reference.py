@@ -30,6 +30,7 @@ __all__ = [
     "sderf_log_second_moment",
     "sderf_variance",
     "data_params",
+    "paired_log_features",
     "log_features",
     "kernel_estimate",
     "exact_kernel",
@@ -314,6 +315,24 @@ def data_params(feature_map: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any
     if feature_map == "sderf":
         return {"sderf": sderf_optimal_params(x, y)}
     return {}
+
+
+def paired_log_features(
+    feature_map: str, x: np.ndarray, y: np.ndarray, omega: np.ndarray
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """Query and key log-features of one map with its data-dependent parameters fitted on both sides.
+
+    ``x : (..., N, D)``, ``y : (..., M, D)``, ``omega : (R, ..., S, D)`` ->
+    ``(log_qf, q_sign, log_kf, k_sign)`` of shapes ``(R, ..., N, S, L)`` / ``(R, ..., M, S, L)``
+    (signs None for positive maps). What RFA and its diagnostics feed the SNIS.
+    """
+    fitted = {
+        key: type(val)(*(part[None] for part in val)) if isinstance(val, tuple) else val[None]
+        for key, val in data_params(feature_map, x, y).items()
+    }
+    lx, sx = log_features(feature_map, x[None], omega, **fitted)
+    ly, sy = log_features(feature_map, y[None], omega, **fitted)
+    return lx, sx, ly, sy
 
 
 def log_features(

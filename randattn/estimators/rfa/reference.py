@@ -8,18 +8,11 @@ import numpy as np
 
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
-from randattn.estimators.features.reference import data_params, log_features
+from randattn.estimators.features.reference import paired_log_features
 from randattn.estimators.snis import NonPositiveDenominatorWarning, warn_non_positive
 from randattn.estimators.snis.reference import feature_attention
 
 __all__ = ["estimate", "NonPositiveDenominatorWarning"]
-
-
-def _add_replicate_dim(value):
-    """A fitted parameter (array, or a tuple of arrays such as SderfParams) with a leading replicate dim."""
-    if isinstance(value, tuple):
-        return type(value)(*(v[None] for v in value))
-    return value[None]
 
 
 def estimate(
@@ -66,9 +59,7 @@ def estimate(
     x, y, v, _, batch = prepare_reference(q, k, v, scale)
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
     # data-dependent maps (oprf, sderf): parameters from queries and keys, shared by both sides
-    fitted = {key: _add_replicate_dim(val) for key, val in data_params(feature_map, x, y).items()}
-    lx, sx = log_features(feature_map, x[None], omega, **fitted)
-    ly, sy = log_features(feature_map, y[None], omega, **fitted)
+    lx, sx, ly, sy = paired_log_features(feature_map, x, y, omega)
     out, sign = feature_attention(lx, ly, v[None], q_sign=sx, k_sign=sy)
     if sx is not None:
         warn_non_positive(sign, "signed trigonometric features")
