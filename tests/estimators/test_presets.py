@@ -83,3 +83,18 @@ def test_every_declared_preset_resolves_and_is_listed():
             assert records[name]["presets"][preset].items() <= resolved.items()
     assert set(records["lara"]["presets"]) == {"paper", "official-code", "official-code-eval"}
     assert set(records["ra"]["presets"]) == {"paper", "official-code"}
+
+
+def test_estimators_json_lists_presets():
+    import json
+
+    from click.testing import CliRunner
+
+    from randattn.cli import main
+
+    result = CliRunner().invoke(main, ["estimators", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    records = {r["name"]: r for r in json.loads(result.output)}
+    assert records["lara"]["presets"]["official-code"]["alpha_clamp"] == 1e-8
+    assert records["eva"]["presets"]["official-code"]["proposal_mean"] == "half"
+    assert records["rfa"]["presets"] == {"paper": {}}
