@@ -67,5 +67,5 @@ def test_docstring_examples_run():
 def test_catalogue_lists_every_estimator_with_parameters():
     records = {r["name"]: r for r in randattn.catalogue()}
     assert {"softmax", "rfa", "ra"} <= set(records)
-    assert records["rfa"]["parameters"]["feature_map"]["choices"] == ["positive", "hyperbolic", "trigonometric", "regularized", "oprf"]
+    assert records["rfa"]["parameters"]["feature_map"]["choices"] == ["positive", "hyperbolic", "trigonometric", "regularized", "oprf", "sderf"]
     assert records["softmax"]["random"] is False and records["rfa"]["random"] is True

@@ -102,6 +102,12 @@ class EstimatorSpec:
         Whether ``num_samples`` is required.
     is_random : callable
         ``is_random(params) -> bool``: False for deterministic variants (softmax, ``sample="mean"``).
+    variants : mapping of str to params
+        Parameter sets the common test suite runs (batched == reference, shapes, seeds).
+    presets : mapping of str to params
+        Named parameter sets selected by the ``preset`` parameter (e.g. ``"official-code"``: the
+        conventions of the authors' code); ``"paper"`` (the defaults) is always allowed. Explicit
+        parameters override the preset's (see :meth:`resolve_params`).
     """
 
     name: str
@@ -115,12 +121,35 @@ class EstimatorSpec:
     needs_samples: bool = True
     is_random: Callable[[Mapping[str, Any]], bool] = field(default=lambda params: True)
     variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def preset_names(self) -> tuple[str, ...]:
+        """Allowed values of ``preset``: ``"paper"`` (the defaults) and the declared presets."""
+        return ("paper", *(name for name in self.presets if name != "paper"))
+
+    def expand_preset(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``params`` with ``preset`` replaced by the parameters it stands for; explicit ones win.
+
+        Raises ValueError naming the preset and the allowed ones when it is unknown.
+        """
+        params = dict(params)
+        preset = params.pop("preset", "paper")
+        if not isinstance(preset, str) or preset not in self.preset_names():
+            raise ValueError(
+                f"unknown preset {preset!r} for estimator {self.name!r}; allowed: {', '.join(self.preset_names())}"
+            )
+        return {**self.presets.get(preset, {}), **params}
 
     def resolve_params(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Fill in defaults; reject unknown names and disallowed values with a clear error."""
+        """Fill in defaults; reject unknown names and disallowed values with a clear error.
+
+        A ``preset`` entry is expanded first (:meth:`expand_preset`); the result holds the
+        expanded parameters only, never ``preset`` itself, so estimators need not know of it.
+        """
+        params = self.expand_preset(params)
         unknown = sorted(set(params) - set(self.params))
         if unknown:
-            allowed = ", ".join(sorted(self.params)) or "none"
+            allowed = ", ".join([*sorted(self.params), "preset"])
             raise ValueError(
                 f"unknown parameter(s) {', '.join(map(repr, unknown))} for estimator {self.name!r}; "
                 f"allowed: {allowed}"

@@ -62,9 +62,12 @@ def parse_estimator(text: str) -> tuple[str, dict[str, Any]]:
         key = key.strip()
         if not sep:
             raise ValueError(f"estimator option {item!r} in {text!r} must look like param=value")
+        if key == "preset":
+            params[key] = raw.strip()
+            continue
         if key not in spec.params:
             raise ValueError(
-                f"unknown parameter {key!r} for estimator {name!r}; allowed: {', '.join(sorted(spec.params)) or 'none'}"
+                f"unknown parameter {key!r} for estimator {name!r}; allowed: {', '.join([*sorted(spec.params), 'preset'])}"
             )
         params[key] = _convert(raw.strip(), spec.params[key].default)
     spec.resolve_params(params)
@@ -90,7 +93,8 @@ def _convert(raw: str, default: Any) -> Any:
 
 
 def catalogue() -> list[dict[str, Any]]:
-    """One record per estimator: name, summary, parameters (default and choices), complexity, randomness."""
+    """One record per estimator: name, summary, parameters (default and choices), complexity, randomness,
+    and presets (name -> the parameters it sets; ``paper`` = the defaults)."""
     records = []
     for name in list_estimators():
         spec = get_spec(name)
@@ -107,6 +111,7 @@ def catalogue() -> list[dict[str, Any]]:
                     p: {"default": param.default, "choices": list(param.choices) if param.choices else None, "doc": param.doc}
                     for p, param in spec.params.items()
                 },
+                "presets": {preset: dict(spec.presets.get(preset, {})) for preset in spec.preset_names()},
             }
         )
     return records

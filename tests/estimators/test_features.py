@@ -1,4 +1,4 @@
-"""Random-feature kernels: unbiasedness for every map and coupling, couplings' geometry, SMREG, OPRF."""
+"""Random-feature kernels: unbiasedness for every map and coupling, couplings' geometry, SMREG, OPRF, SDERF."""
 
 from __future__ import annotations
 
@@ -169,8 +169,10 @@ def test_batched_features_match_reference(feature_map):
     x = rng.standard_normal((2, 5, 6))
     omega = rng.standard_normal((2, 7, 6))
     a = np.array([-0.1, -0.3])
-    ref, ref_sign = fr.log_features(feature_map, x, omega, oprf_a=a)
-    bat, bat_sign = fb.log_features(feature_map, torch.tensor(x), torch.tensor(omega), oprf_a=torch.tensor(a))
+    sderf = fr.sderf_optimal_params(x, x + 0.2)
+    sderf_t = fb.sderf_optimal_params(torch.tensor(x), torch.tensor(x + 0.2))
+    ref, ref_sign = fr.log_features(feature_map, x, omega, oprf_a=a, sderf=sderf)
+    bat, bat_sign = fb.log_features(feature_map, torch.tensor(x), torch.tensor(omega), oprf_a=torch.tensor(a), sderf=sderf_t)
     assert_close(bat, ref, atol=1e-12)
     assert (ref_sign is None) == (bat_sign is None)
     if ref_sign is not None:
@@ -186,3 +188,94 @@ def test_unknown_coupling_lists_allowed():
     with pytest.raises(ValueError, match="coupling='sobol' is not allowed"):
         draw_omegas(np.random.default_rng(0), (), 4, 4, "sobol")
     assert set(COUPLINGS) >= set(UNBIASED_COUPLINGS)
+
+
+# ---------------------------------------------------------------------------------------
+# SDERF / FAVOR# (Likhosherstov et al. NeurIPS 2023; derivation in fr.sderf_optimal_params)
+
+
+def _anisotropic_pair(rng, n=6, m=5, dim=3):
+    stretch = np.array([1.6, 0.3, 0.8])[:dim]
+    return rng.standard_normal((n, dim)) * stretch * 0.5, rng.standard_normal((m, dim)) * stretch * 0.5 + 0.1
+
+
+def _log_second_moment_brute(a_matrix, x, y):
+    """Mean over all (i, j) pairs of log E[f^2 f^2], written out with dense matrices (no eigenbasis)."""
+    eye = np.eye(x.shape[-1])
+    z = x[:, None] + y[None]
+    g = (eye - 4 * a_matrix) @ np.linalg.inv(eye - 8 * a_matrix)
+    quad = np.einsum("ijd,de,ije->ij", z, g, z)
+    norms = (x * x).sum(-1)[:, None] + (y * y).sum(-1)[None]
+    return (np.linalg.slogdet(eye - 4 * a_matrix)[1] - 0.5 * np.linalg.slogdet(eye - 8 * a_matrix)[1]
+            + (2 * quad - norms).mean())
+
+
+def test_sderf_pair_moment_is_the_mean_over_all_pairs():
+    x, y = _anisotropic_pair(np.random.default_rng(20))
+    z = (x[:, None] + y[None]).reshape(-1, x.shape[-1])
+    assert_close(fr.sderf_pair_moment(x, y), z.T @ z / len(z), atol=1e-14)
+
+
+def test_sderf_features_are_the_dense_exponential_formula():
+    """f = det(I-4A)^{1/4} exp(w^T A w + w^T (I-4A)^{1/2} x - |x|^2/2), with scipy's matrix square root."""
+    from scipy.linalg import sqrtm
+
+    rng = np.random.default_rng(21)
+    x, y = _anisotropic_pair(rng)
+    omega = rng.standard_normal((4, 3))
+    params = fr.sderf_optimal_params(x, y)
+    a_matrix = params.basis @ np.diag(params.lam) @ params.basis.T
+    b_matrix = np.real(sqrtm(np.eye(3) - 4 * a_matrix))
+    log_d0 = 0.25 * np.linalg.slogdet(np.eye(3) - 4 * a_matrix)[1]
+    expected = (log_d0 + np.einsum("sd,de,se->s", omega, a_matrix, omega)[None]
+                + x @ (omega @ b_matrix).T - 0.5 * (x * x).sum(-1)[:, None])
+    got, sign = fr.sderf_log_features(x, omega, params)
+    assert sign is None
+    assert_close(got[..., 0], expected, atol=1e-12)
+
+
+def test_sderf_optimum_beats_every_perturbed_symmetric_a():
+    """A* minimizes the mean log second moment: random symmetric perturbations only increase it."""
+    rng = np.random.default_rng(22)
+    x, y = _anisotropic_pair(rng)
+    params = fr.sderf_optimal_params(x, y)
+    a_star = params.basis @ np.diag(params.lam) @ params.basis.T
+    best = _log_second_moment_brute(a_star, x, y)
+    for step in (1e-2, 1e-3):
+        for _ in range(20):
+            e = rng.standard_normal((3, 3))
+            assert _log_second_moment_brute(a_star + step * (e + e.T) / 2, x, y) > best
+    # and OPRF's A* I (a member of the family) is no better
+    assert _log_second_moment_brute(fr.oprf_optimal_a(x, y) * np.eye(3), x, y) > best
+
+
+def test_sderf_reduces_to_oprf_for_isotropic_moments():
+    """M = rho I (orthonormal-rows data, zero mean) => every eigenvalue of A* is OPRF's A*, features equal."""
+    rng = np.random.default_rng(23)
+    basis = np.linalg.qr(rng.standard_normal((4, 4)))[0] * 0.7
+    x = np.concatenate([basis, -basis])  # mean 0, x^T x / N = 0.49/2 I
+    y = x.copy()
+    params = fr.sderf_optimal_params(x, y)
+    a = fr.oprf_optimal_a(x, y)
+    assert_close(params.lam, np.full(4, a), atol=1e-14)
+    omega = rng.standard_normal((5, 4))
+    assert_close(fr.sderf_log_features(x, omega, params)[0], fr.oprf_log_features(x, omega, a)[0], atol=1e-12)
+
+
+def test_batched_sderf_params_match_reference_in_float32_and_float64():
+    x, y = _anisotropic_pair(np.random.default_rng(24))
+    ref = fr.sderf_optimal_params(x, y)
+    a_ref = ref.basis @ np.diag(ref.lam) @ ref.basis.T  # eigenvector signs are arbitrary; A is not
+    for dtype, tol in ((torch.float64, 1e-13), (torch.float32, 1e-6)):
+        bat = fb.sderf_optimal_params(torch.tensor(x, dtype=dtype), torch.tensor(y, dtype=dtype))
+        assert bat.lam.dtype == dtype
+        a_bat = (bat.basis.double() @ torch.diag_embed(bat.lam.double()) @ bat.basis.double().T).numpy()
+        assert_close(a_bat, a_ref, atol=tol)
+
+
+def test_sderf_rejects_eigenvalues_at_or_above_an_eighth():
+    params = fr.SderfParams(np.eye(2), np.array([0.0, 0.125]))
+    with pytest.raises(ValueError, match="< 1/8"):
+        fr.sderf_log_features(np.zeros((1, 2)), np.zeros((1, 2)), params)
+    with pytest.raises(ValueError, match="needs sderf"):
+        fr.log_features("sderf", np.zeros((1, 2)), np.zeros((1, 2)))

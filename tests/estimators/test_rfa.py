@@ -17,7 +17,7 @@ def _inputs(rng, n=6, m=5, d=4, dv=3, size=0.5):
     return rng.standard_normal((n, d)) * size, rng.standard_normal((m, d)) * size, rng.standard_normal((m, dv))
 
 
-@pytest.mark.parametrize("feature_map", ["positive", "hyperbolic", "trigonometric", "regularized", "oprf"])
+@pytest.mark.parametrize("feature_map", ["positive", "hyperbolic", "trigonometric", "regularized", "oprf", "sderf"])
 def test_rfa_equals_literal_eq2_with_explicit_features(feature_map):
     """LARA eq. 2 with features exponentiated directly (safe at these small norms)."""
     rng = np.random.default_rng(1)
@@ -27,8 +27,9 @@ def test_rfa_equals_literal_eq2_with_explicit_features(feature_map):
     draws = randattn.draw("rfa", q.shape, k.shape, num_samples=32, seed=2, coupling="orthogonal")
     omega = draws["omega"][0]
     a = fr.oprf_optimal_a(x, y)
-    lx, sx = fr.log_features(feature_map, x, omega, oprf_a=a)
-    ly, sy = fr.log_features(feature_map, y, omega, oprf_a=a)
+    sderf = fr.sderf_optimal_params(x, y)
+    lx, sx = fr.log_features(feature_map, x, omega, oprf_a=a, sderf=sderf)
+    ly, sy = fr.log_features(feature_map, y, omega, oprf_a=a, sderf=sderf)
     phi_x = np.exp(lx) * (1 if sx is None else sx)  # (N, S, L)
     phi_y = np.exp(ly) * (1 if sy is None else sy)  # (M, S, L)
     kernel = np.einsum("nsl,msl->nm", phi_x, phi_y)  # sum_s xi(x_n, w_s)^T xi(y_m, w_s)
@@ -129,3 +130,45 @@ def test_rfa_batched_never_builds_an_n_by_m_tensor():
     with LargestOutput():
         batched.estimate(q, k, v, draws)
     assert 0 < LargestOutput.largest < n * n / 100, LargestOutput.largest
+
+
+@pytest.mark.parametrize("feature_map", POSITIVE_MAPS)
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+def test_rfa_batched_is_exact_at_vit_key_norms(feature_map, dtype_name):
+    """Keys of norm 150 (ViT-like; exp(x.y) overflows float64 far below): batched stays finite and,
+    in float64, equals the reference to 1e-10; in float32 it stays within 1e-3 of it (the log-space
+    forms add no epsilon and subtract the largest exponent before every exp)."""
+    import torch
+
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 40, 64)) * 3.0
+    k = rng.standard_normal((2, 37, 64))
+    k *= 150.0 / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((2, 37, 8))
+    draws = randattn.draw("rfa", q.shape, k.shape, num_samples=16, seed=3, replicates=2)
+    expected = rfa_ref.estimate(q, k, v, draws, feature_map=feature_map)
+    from randattn.estimators.rfa import batched
+
+    dtype = getattr(torch, dtype_name)
+    got = batched.estimate(*(torch.tensor(a, dtype=dtype) for a in (q, k, v)), draws.to_torch(dtype=dtype),
+                           feature_map=feature_map).double().numpy()
+    assert np.isfinite(got).all()
+    assert_close(got, expected, atol=1e-10 if dtype_name == "float64" else 1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_batched_rejects_non_finite_torch_inputs_but_accepts_sums_that_overflow(bad):
+    """The finiteness test sums first (one pass); a sum that overflows falls back to the elementwise test."""
+    import torch
+
+    from randattn.estimators.rfa import batched
+
+    q = torch.full((4, 3), 3e38, dtype=torch.float32)  # finite, but the sum overflows float32
+    draws = randattn.draw("rfa", q.shape, q.shape, num_samples=2, seed=0)
+    out = batched.estimate(q * 1e-37, q * 1e-37, q, draws.to_torch(dtype=torch.float32))
+    assert torch.isfinite(out).all()
+    batched.estimate(q * 1e-37, q * 1e-37, q.clone(), draws.to_torch(dtype=torch.float32))  # v with an overflowing sum
+    broken = q.clone() * 1e-37
+    broken[1, 2] = bad
+    with pytest.raises(ValueError, match="NaN or infinite|finite"):
+        batched.estimate(broken, q * 1e-37, q, draws.to_torch(dtype=torch.float32))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from randattn.analysis.theory import _eva, _lara, _performer, _stability
+from randattn.analysis.theory import _eva, _lara, _performer, _sderf, _stability
 from randattn.analysis.theory._base import (
     EXACT_RTOL,
     MC_K_SE,
@@ -156,6 +156,18 @@ def registry() -> tuple[Check, ...]:
               synthetic_note=_SYNTH_MC),
         Check("oprf.optimal-a", "A* minimizes the mean over pairs of the log second moment",
               "OPRF (closed-form A*)", _CLOSED, _performer.oprf_optimal_a_minimizes, uses_data=True),
+        # ---------------- SDERF / FAVOR#
+        Check("sderf.unbiased", "E[f(w,x) f(w,y)] = exp(x.y), f = det(I-4A)^1/4 exp(w'Aw + w'(I-4A)^1/2 x - |x|^2/2)",
+              "Likhosherstov et al. 2023 (SDERF; derived in features.reference)", _MC, _sderf.sderf_unbiased,
+              max_tested=12, synthetic_note=_SYNTH_MC),
+        Check("sderf.variance-closed-form", "Var = det(I-4A) det(I-8A)^-1/2 e^{2z'(I-4A)(I-8A)^-1 z - |x|^2 - |y|^2} - e^{2x.y}",
+              "SDERF (derived in features.reference)", _MC, _sderf.sderf_variance_closed_form, max_tested=12,
+              synthetic_note=_SYNTH_MC),
+        Check("sderf.scalar-a-reduction", "A = aI: SDERF = OPRF (features, variance); isotropic M: A* = OPRF's A* I",
+              "SDERF vs OPRF (Likhosherstov et al. 2022)", _EXACT, _sderf.sderf_oprf_reduction, uses_data=True),
+        Check("sderf.optimal-a", "A* = Q diag(lambda*(eig M)) Q' minimizes the mean log second moment over symmetric A",
+              "SDERF (closed-form A*, derived in features.reference)", _CLOSED, _sderf.sderf_optimal_a_minimizes,
+              uses_data=True),
         # ---------------- SNIS
         Check("snis.delta-method-variance", "delta-method variance = replicate variance for RFA at large S",
               "Owen 2013 sec. 9.2; LARA app. D eq. 19-20", _MC, _performer.snis_delta_method, max_tested=6,

@@ -21,6 +21,7 @@ import numpy as np
 from randattn._validation import check_positive_int
 from randattn.estimators.base import Draws, EstimatorSpec, Param
 from randattn.estimators.eva import batched, reference
+from randattn.estimators.presets import EVA_PRESETS
 from randattn.estimators.eva.partition import PARTITIONS
 from randattn.estimators.grid import LAYOUTS
 from randattn.estimators.eva.reference import CHUNK_WEIGHTS, NOISES, PROPOSAL_MEANS, SAMPLES
@@ -126,4 +127,5 @@ SPEC = EstimatorSpec(
     batched=batched.estimate,
     is_random=_is_random,
     variants=_variants(),
+    presets=EVA_PRESETS,
 )

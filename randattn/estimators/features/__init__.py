@@ -7,6 +7,6 @@ layout: for inputs ``x : (..., N, D)`` and directions ``omega : (..., S, D)`` a 
 kernel estimate is ``(1/S) sum_{s,l} phi_sl(x) phi_sl(y)``.
 """
 
-FEATURE_MAPS = ("positive", "hyperbolic", "trigonometric", "regularized", "oprf")
+FEATURE_MAPS = ("positive", "hyperbolic", "trigonometric", "regularized", "oprf", "sderf")
 #: maps whose features are all positive (an SNIS in log space is possible, LARA sec. 3.1)
-POSITIVE_MAPS = ("positive", "hyperbolic", "regularized", "oprf")
+POSITIVE_MAPS = ("positive", "hyperbolic", "regularized", "oprf", "sderf")

@@ -10,7 +10,8 @@ import math
 import torch
 
 from randattn._validation import check_choice
-from randattn.estimators.features import FEATURE_MAPS
+from randattn.estimators.features import FEATURE_MAPS, POSITIVE_MAPS
+from randattn.estimators.features.reference import SderfParams, _optimal_eigenvalue
 from randattn.estimators.sampling import sphere_project
 
 __all__ = [
@@ -19,7 +20,11 @@ __all__ = [
     "trigonometric_log_features",
     "oprf_log_features",
     "oprf_optimal_a",
+    "sderf_optimal_params",
+    "sderf_log_features",
+    "data_params",
     "log_features",
+    "affine_directions",
 ]
 
 
@@ -70,8 +75,51 @@ def oprf_log_features(x: torch.Tensor, omega: torch.Tensor, a: torch.Tensor) -> 
     return log_mag.unsqueeze(-1), None
 
 
+def sderf_optimal_params(x: torch.Tensor, y: torch.Tensor) -> SderfParams:
+    """Closed-form SDERF parameters from second moments; see ``features.reference.sderf_optimal_params``.
+
+    The (D, D) moment and its eigendecomposition are taken in float64 whatever the input
+    dtype (``O((N + M) D^2 + D^3)``, negligible beside the features) and returned in x's dtype.
+    """
+    x64, y64 = x.double(), y.double()
+    mx, my = x64.mean(-2), y64.mean(-2)
+    cross = mx.unsqueeze(-1) * my.unsqueeze(-2)
+    moment = (x64.transpose(-1, -2) @ x64) / x.shape[-2] + (y64.transpose(-1, -2) @ y64) / y.shape[-2]
+    moment = moment + cross + cross.transpose(-1, -2)
+    mu, basis = torch.linalg.eigh(moment)
+    lam = _optimal_eigenvalue(mu.clamp(min=0.0))
+    return SderfParams(basis.to(x.dtype), lam.to(x.dtype))
+
+
+def sderf_log_features(x: torch.Tensor, omega: torch.Tensor, params: SderfParams) -> tuple[torch.Tensor, None]:
+    """``det(I-4A)^{1/4} exp(w^T A w + w^T (I-4A)^{1/2} x - |x|^2/2)``; see ``features.reference``."""
+    basis, lam = params
+    if bool((lam >= 0.125).any()):
+        raise ValueError(f"SDERF needs every eigenvalue of A < 1/8 (finite variance), got max {float(lam.max())}")
+    rotated = omega @ basis
+    b_omega = (rotated * torch.sqrt(1.0 - 4.0 * lam).unsqueeze(-2)) @ basis.transpose(-1, -2)
+    log_d0 = 0.25 * torch.log1p(-4.0 * lam).sum(-1)[..., None, None]
+    quad = ((rotated * rotated) @ lam.unsqueeze(-1)).squeeze(-1).unsqueeze(-2)
+    log_mag = log_d0 + quad + _projections(x, b_omega) - _half_sq_norm(x)
+    return log_mag.unsqueeze(-1), None
+
+
+def data_params(feature_map: str, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """``log_features`` keywords of the data-dependent maps (oprf, sderf); see ``features.reference``."""
+    if feature_map == "oprf":
+        return {"oprf_a": oprf_optimal_a(x, y)}
+    if feature_map == "sderf":
+        return {"sderf": sderf_optimal_params(x, y)}
+    return {}
+
+
 def log_features(
-    feature_map: str, x: torch.Tensor, omega: torch.Tensor, *, oprf_a: torch.Tensor | None = None
+    feature_map: str,
+    x: torch.Tensor,
+    omega: torch.Tensor,
+    *,
+    oprf_a: torch.Tensor | None = None,
+    sderf: SderfParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dispatch to the named map (one of ``FEATURE_MAPS``), as ``features.reference.log_features``."""
     check_choice("feature_map", feature_map, FEATURE_MAPS)
@@ -83,6 +131,54 @@ def log_features(
         return trigonometric_log_features(x, omega)
     if feature_map == "regularized":
         return positive_log_features(x, sphere_project(omega, omega.shape[-1]))
+    if feature_map == "sderf":
+        if sderf is None:
+            raise ValueError("feature_map='sderf' needs sderf (see sderf_optimal_params)")
+        return sderf_log_features(x, omega, sderf)
     if oprf_a is None:
         raise ValueError("feature_map='oprf' needs oprf_a (see oprf_optimal_a)")
     return oprf_log_features(x, omega, oprf_a)
+
+
+def affine_directions(
+    feature_map: str, omega: torch.Tensor, *, oprf_a: torch.Tensor | None = None, sderf: SderfParams | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Every positive map as ``log phi_j(x) = x . W_j + a_j - |x|^2/2`` over J = S L features.
+
+    Returns ``W : (..., J, D)`` and ``a : (..., J)`` with the same feature order as
+    :func:`log_features` (j = s L + l):
+
+    - positive: :math:`W = \omega`, a = 0; regularized: the same with omega projected to the sphere;
+    - hyperbolic: :math:`W_{s,\pm} = \pm\omega_s`, :math:`a = -\tfrac12\log 2`;
+    - oprf: :math:`W = \sqrt{1 - 4A}\,\omega`, :math:`a = A|\omega|^2 + \tfrac D4 \log(1 - 4A)`;
+    - sderf: :math:`W = (I - 4A)^{1/2}\omega`, :math:`a = \omega^\top A \omega + \tfrac14\log\det(I - 4A)`.
+
+    Lets RFA compute every projection as one matrix product with no (N, S) temporaries for the
+    row and column terms (``rfa.batched``); the signed trigonometric map has no such form.
+    """
+    check_choice("feature_map", feature_map, POSITIVE_MAPS)
+    zero = omega.new_zeros(omega.shape[:-1])
+    if feature_map == "positive":
+        return omega, zero
+    if feature_map == "regularized":
+        return sphere_project(omega, omega.shape[-1]), zero
+    if feature_map == "hyperbolic":
+        directions = torch.stack([omega, -omega], dim=-2).reshape(*omega.shape[:-2], 2 * omega.shape[-2], omega.shape[-1])
+        return directions, omega.new_full(directions.shape[:-1], -0.5 * math.log(2.0))
+    if feature_map == "oprf":
+        if oprf_a is None:
+            raise ValueError("feature_map='oprf' needs oprf_a (see oprf_optimal_a)")
+        if bool((oprf_a >= 0.25).any()):
+            raise ValueError(f"OPRF needs A < 1/4, got max A = {float(oprf_a.max())}")
+        a_ = oprf_a[..., None]
+        offset = a_ * (omega * omega).sum(-1) + 0.25 * omega.shape[-1] * torch.log1p(-4.0 * a_)
+        return torch.sqrt(1.0 - 4.0 * a_).unsqueeze(-1) * omega, offset
+    if sderf is None:
+        raise ValueError("feature_map='sderf' needs sderf (see sderf_optimal_params)")
+    basis, lam = sderf
+    if bool((lam >= 0.125).any()):
+        raise ValueError(f"SDERF needs every eigenvalue of A < 1/8 (finite variance), got max {float(lam.max())}")
+    rotated = omega @ basis
+    directions = (rotated * torch.sqrt(1.0 - 4.0 * lam).unsqueeze(-2)) @ basis.transpose(-1, -2)
+    offset = ((rotated * rotated) @ lam.unsqueeze(-1)).squeeze(-1) + 0.25 * torch.log1p(-4.0 * lam).sum(-1, keepdim=True)
+    return directions, offset

@@ -8,6 +8,8 @@ positive maps. ``E_omega[sum_l phi_l(x, omega) phi_l(y, omega)] = exp(x·y)`` fo
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 from scipy import special
 
@@ -21,6 +23,14 @@ __all__ = [
     "trigonometric_log_features",
     "oprf_log_features",
     "oprf_optimal_a",
+    "SderfParams",
+    "sderf_pair_moment",
+    "sderf_optimal_params",
+    "sderf_log_features",
+    "sderf_log_second_moment",
+    "sderf_variance",
+    "data_params",
+    "paired_log_features",
     "log_features",
     "kernel_estimate",
     "exact_kernel",
@@ -127,8 +137,211 @@ def oprf_log_features(x: np.ndarray, omega: np.ndarray, a: np.ndarray | float) -
     return log_mag[..., None], None
 
 
+class SderfParams(NamedTuple):
+    r"""The symmetric matrix ``A = Q diag(lam) Q^T`` of SDERF, by its eigendecomposition.
+
+    Attributes
+    ----------
+    basis : (..., D, D)
+        ``Q``, orthonormal columns (the eigenvectors of the pair moment ``M``).
+    lam : (..., D)
+        Eigenvalues of ``A``; every one ``< 1/8`` (finite variance), the optimum's are ``<= 0``.
+    """
+
+    basis: Any
+    lam: Any
+
+
+def sderf_pair_moment(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    r"""Mean over all pairs of :math:`z z^\top`, :math:`z = x_i + y_j`, from second moments: ``(..., D, D)``.
+
+    .. math::
+        M = \frac{1}{NM}\sum_{i,j} (x_i + y_j)(x_i + y_j)^\top
+          = \overline{x x^\top} + \overline{y y^\top} + \bar x \bar y^\top + \bar y \bar x^\top,
+
+    ``O((N + M) D^2)``; never an N x M matrix. ``tr M / D`` is OPRF's :math:`\rho`.
+    """
+    mx, my = x.mean(-2), y.mean(-2)
+    cross = mx[..., :, None] * my[..., None, :]
+    return (
+        np.swapaxes(x, -1, -2) @ x / x.shape[-2]
+        + np.swapaxes(y, -1, -2) @ y / y.shape[-2]
+        + cross
+        + np.swapaxes(cross, -1, -2)
+    )
+
+
+def _optimal_eigenvalue(mu):
+    """The per-direction minimizer: OPRF's A* formula at rho = mu (numpy or torch)."""
+    root = ((2.0 * mu + 1.0) ** 2 + 8.0 * mu) ** 0.5
+    return (1.0 - 2.0 * mu - root) / 16.0
+
+
+def sderf_optimal_params(x: np.ndarray, y: np.ndarray) -> SderfParams:
+    r"""Closed-form variance-minimizing SDERF parameters from the data's second moments.
+
+    SDERF = the simplified (symmetric) dense-exponential random features of Likhosherstov et
+    al., "Dense-Exponential Random Features: Sharp Positive Estimators of the Gaussian Kernel"
+    (NeurIPS 2023, FAVOR#). The paper's text was not available to this project; the family,
+    its unbiasedness constraints and the optimum are derived here (and checked by
+    ``randattn verify``, ``sderf.*``).
+
+    **Family.** :math:`f(\omega, x) = D_0 \exp(\omega^\top A \omega + \omega^\top B x + x^\top C x)`,
+    :math:`\omega \sim N(0, I_d)`, :math:`A, C` symmetric, the same map for queries and keys.
+    With :math:`\mathbb E\, e^{\omega^\top P \omega + b^\top \omega} =
+    \det(I - 2P)^{-1/2} \exp(\tfrac12 b^\top (I - 2P)^{-1} b)` (for :math:`I - 2P \succ 0`),
+
+    .. math::
+        \mathbb E[f(\omega,x) f(\omega,y)] = D_0^2 \det(I - 4A)^{-1/2}
+          \exp\big(x^\top C x + y^\top C y + \tfrac12 z^\top B^\top (I - 4A)^{-1} B z\big),
+        \quad z = x + y.
+
+    This equals :math:`e^{x^\top y}` for all x, y iff :math:`B^\top (I - 4A)^{-1} B = I`,
+    :math:`C = -\tfrac12 I` and :math:`D_0 = \det(I - 4A)^{1/4}`. The constraint leaves
+    :math:`B = (I - 4A)^{1/2} U` with U orthogonal; the symmetric (simplified) family takes
+    U = I, :math:`B = (I - 4A)^{1/2}`, which commutes with A.
+
+    **Variance.** Second moment with :math:`P = 4A` needs :math:`I - 8A \succ 0`:
+
+    .. math::
+        \mathbb E[f(\omega,x)^2 f(\omega,y)^2] = \det(I - 4A)\,\det(I - 8A)^{-1/2}
+          \exp\big(2 z^\top (I - 4A)(I - 8A)^{-1} z - \|x\|^2 - \|y\|^2\big)
+
+    (``sderf_log_second_moment``; :math:`B` commutes with :math:`A`), and
+    :math:`\mathrm{Var} = \text{that} - e^{2x^\top y}`. For :math:`A = aI` this is OPRF's.
+
+    **Optimum.** Minimize the mean over all pairs (x_i, y_j) of the log second moment (OPRF's
+    criterion). With :math:`A = Q\,\mathrm{diag}(\lambda) Q^\top` it is, up to constants,
+
+    .. math::
+        \sum_k \Big[\log(1 - 4\lambda_k) - \tfrac12 \log(1 - 8\lambda_k)
+            + 2\,\frac{1 - 4\lambda_k}{1 - 8\lambda_k}\, q_k^\top M q_k\Big],
+        \qquad M = \mathrm{mean}_{i,j}\, z_{ij} z_{ij}^\top
+
+    (:func:`sderf_pair_moment`). ``g(lam) = (1 - 4 lam)/(1 - 8 lam)`` is increasing, so for fixed
+    :math:`\lambda` the trace term is smallest when Q diagonalizes M (von Neumann's trace
+    inequality); then each direction is OPRF's one-dimensional problem with
+    :math:`\rho = \mu_k`, the k-th eigenvalue of M: setting the derivative
+    :math:`-4/(1-4\lambda) + 4/(1-8\lambda) + 8\mu/(1-8\lambda)^2` to zero gives
+    :math:`16\lambda^2 + (4\mu - 2)\lambda - \mu = 0`, whose root below 1/8 is
+
+    .. math:: \lambda_k^* = \frac{1 - 2\mu_k - \sqrt{(2\mu_k + 1)^2 + 8\mu_k}}{16} \le 0.
+
+    **OPRF reduction.** Restricted to :math:`A = aI` the criterion depends on M only through
+    :math:`\mathrm{tr} M / D = \rho`, giving OPRF's :math:`A^*`; when M is isotropic
+    (:math:`M = \rho I`), :math:`A^*_{\mathrm{SDERF}} = A^*_{\mathrm{OPRF}} I`.
+
+    Parameters
+    ----------
+    x : (..., N, D)
+    y : (..., M, D)
+
+    Returns
+    -------
+    SderfParams
+        ``basis : (..., D, D)``, ``lam : (..., D)``. Cost ``O((N + M) D^2 + D^3)``.
+    """
+    mu, basis = np.linalg.eigh(sderf_pair_moment(x, y))
+    mu = np.maximum(mu, 0.0)  # M is PSD; rounding can leave -1e-16
+    return SderfParams(basis, _optimal_eigenvalue(mu))
+
+
+def _check_sderf(params: SderfParams) -> None:
+    if not isinstance(params, SderfParams):
+        raise TypeError(f"sderf params must be SderfParams (see sderf_optimal_params), got {type(params).__name__}")
+    if np.any(np.asarray(params.lam) >= 0.125):
+        raise ValueError(f"SDERF needs every eigenvalue of A < 1/8 (finite variance), got max {float(np.max(params.lam))}")
+
+
+def sderf_log_features(x: np.ndarray, omega: np.ndarray, params: SderfParams) -> tuple[np.ndarray, None]:
+    r"""Symmetric dense-exponential random features, SDERF / FAVOR# (see :func:`sderf_optimal_params`).
+
+    .. math::
+        f(\omega, x) = \det(I - 4A)^{1/4} \exp\big(\omega^\top A \omega
+            + \omega^\top (I - 4A)^{1/2} x - \|x\|^2 / 2\big),
+
+    in log space: with :math:`\tilde\omega = Q^\top \omega`,
+    :math:`\omega^\top A\omega = \sum_k \lambda_k \tilde\omega_k^2` and
+    :math:`\omega^\top B x = x \cdot (Q\,(\sqrt{1 - 4\lambda} \odot \tilde\omega))`.
+
+    Parameters
+    ----------
+    x : (..., N, D)
+    omega : (..., S, D)
+    params : SderfParams
+        ``basis : (..., D, D)``, ``lam : (..., D)``, broadcasting with x's leading dims.
+
+    Returns
+    -------
+    (log_magnitude (..., N, S, 1), None)
+    """
+    _check_sderf(params)
+    basis, lam = params
+    rotated = omega @ basis  # (..., S, D): omega in A's eigenbasis
+    b_omega = (rotated * np.sqrt(1.0 - 4.0 * lam)[..., None, :]) @ np.swapaxes(basis, -1, -2)  # (B omega)^T
+    log_d0 = 0.25 * np.log1p(-4.0 * lam).sum(-1)[..., None, None]
+    quad = ((rotated * rotated) @ lam[..., :, None])[..., 0][..., None, :]  # (..., 1, S)
+    log_mag = log_d0 + quad + _projections(x, b_omega) - _half_sq_norm(x)
+    return log_mag[..., None], None
+
+
+def sderf_log_second_moment(x: np.ndarray, y: np.ndarray, params: SderfParams) -> np.ndarray:
+    r""":math:`\log \mathbb E[f(\omega,x)^2 f(\omega,y)^2]` of SDERF for the rows of x and y (pairs), ``(..., P)``.
+
+    .. math::
+        \log\det(I - 4A) - \tfrac12\log\det(I - 8A)
+          + 2 z^\top (I - 4A)(I - 8A)^{-1} z - \|x\|^2 - \|y\|^2, \quad z = x + y.
+    """
+    basis, lam = params
+    z = (x + y) @ basis  # pair sums in the eigenbasis
+    g = (1.0 - 4.0 * lam) / (1.0 - 8.0 * lam)
+    const = np.log1p(-4.0 * lam).sum(-1) - 0.5 * np.log1p(-8.0 * lam).sum(-1)
+    return const[..., None] + 2.0 * (z * z * g[..., None, :]).sum(-1) - (x * x).sum(-1) - (y * y).sum(-1)
+
+
+def sderf_variance(x: np.ndarray, y: np.ndarray, params: SderfParams) -> np.ndarray:
+    """Closed-form variance of one SDERF product ``f(w,x) f(w,y)`` for the row pairs, ``(..., P)``."""
+    return np.exp(sderf_log_second_moment(x, y, params)) - np.exp(2.0 * (x * y).sum(-1))
+
+
+def data_params(feature_map: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+    """The data-dependent parameters of a map as ``log_features`` keywords (``{}`` for fixed maps).
+
+    ``oprf``: ``{"oprf_a": A*}`` (:func:`oprf_optimal_a`); ``sderf``: ``{"sderf": ...}``
+    (:func:`sderf_optimal_params`); both from queries and keys together, ``O((N + M) D^2)``.
+    """
+    if feature_map == "oprf":
+        return {"oprf_a": oprf_optimal_a(x, y)}
+    if feature_map == "sderf":
+        return {"sderf": sderf_optimal_params(x, y)}
+    return {}
+
+
+def paired_log_features(
+    feature_map: str, x: np.ndarray, y: np.ndarray, omega: np.ndarray
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """Query and key log-features of one map with its data-dependent parameters fitted on both sides.
+
+    ``x : (..., N, D)``, ``y : (..., M, D)``, ``omega : (R, ..., S, D)`` ->
+    ``(log_qf, q_sign, log_kf, k_sign)`` of shapes ``(R, ..., N, S, L)`` / ``(R, ..., M, S, L)``
+    (signs None for positive maps). What RFA and its diagnostics feed the SNIS.
+    """
+    fitted = {
+        key: type(val)(*(part[None] for part in val)) if isinstance(val, tuple) else val[None]
+        for key, val in data_params(feature_map, x, y).items()
+    }
+    lx, sx = log_features(feature_map, x[None], omega, **fitted)
+    ly, sy = log_features(feature_map, y[None], omega, **fitted)
+    return lx, sx, ly, sy
+
+
 def log_features(
-    feature_map: str, x: np.ndarray, omega: np.ndarray, *, oprf_a: np.ndarray | float | None = None
+    feature_map: str,
+    x: np.ndarray,
+    omega: np.ndarray,
+    *,
+    oprf_a: np.ndarray | float | None = None,
+    sderf: SderfParams | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Dispatch to the named map (one of ``FEATURE_MAPS``); ``regularized`` projects omega to the sphere.
 
@@ -144,20 +357,28 @@ def log_features(
         return trigonometric_log_features(x, omega)
     if feature_map == "regularized":
         return positive_log_features(x, sphere_project(omega, omega.shape[-1]))
+    if feature_map == "sderf":
+        if sderf is None:
+            raise ValueError("feature_map='sderf' needs sderf (see sderf_optimal_params)")
+        return sderf_log_features(x, omega, sderf)
     if oprf_a is None:
         raise ValueError("feature_map='oprf' needs oprf_a (see oprf_optimal_a)")
     return oprf_log_features(x, omega, oprf_a)
 
 
-def kernel_estimate(feature_map: str, x: np.ndarray, y: np.ndarray, omega: np.ndarray, *, oprf_a=None) -> np.ndarray:
+def kernel_estimate(
+    feature_map: str, x: np.ndarray, y: np.ndarray, omega: np.ndarray, *, oprf_a=None, sderf=None
+) -> np.ndarray:
     r"""Random-feature estimate of the kernel matrix, ``(..., N, M)`` (quadratic; for checks).
 
     .. math:: \hat K(x_n, y_m) = \frac{1}{S} \sum_{s, l} \phi_l(x_n, \omega_s) \phi_l(y_m, \omega_s).
     """
     if feature_map == "oprf" and oprf_a is None:
         oprf_a = oprf_optimal_a(x, y)
-    lx, sx = log_features(feature_map, x, omega, oprf_a=oprf_a)
-    ly, sy = log_features(feature_map, y, omega, oprf_a=oprf_a)
+    if feature_map == "sderf" and sderf is None:
+        sderf = sderf_optimal_params(x, y)
+    lx, sx = log_features(feature_map, x, omega, oprf_a=oprf_a, sderf=sderf)
+    ly, sy = log_features(feature_map, y, omega, oprf_a=oprf_a, sderf=sderf)
     num_samples = omega.shape[-2]
     terms = np.exp(lx[..., :, None, :, :] + ly[..., None, :, :, :])  # (..., N, M, S, L)
     if sx is not None:

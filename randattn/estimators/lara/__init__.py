@@ -41,6 +41,7 @@ import numpy as np
 from randattn._validation import check_positive_int
 from randattn.estimators.base import Draws, EstimatorSpec, Param
 from randattn.estimators.lara import batched, reference
+from randattn.estimators.presets import LARA_PRESETS
 from randattn.estimators.lara.reference import PROPOSALS, SAMPLES, WEIGHTINGS
 
 __all__ = ["PARAMS", "SPEC", "draw", "PROPOSALS", "WEIGHTINGS", "SAMPLES"]
@@ -154,4 +155,5 @@ SPEC = EstimatorSpec(
     batched=batched.estimate,
     is_random=_is_random,
     variants=_variants(),
+    presets=LARA_PRESETS,
 )

@@ -15,6 +15,7 @@ import numpy as np
 from randattn._validation import check_positive_int
 from randattn.estimators.base import Draws, EstimatorSpec, Param
 from randattn.estimators.ra import batched, reference
+from randattn.estimators.presets import RA_PRESETS
 
 NOISES = ("paper", "reference-code")
 
@@ -71,4 +72,5 @@ SPEC = EstimatorSpec(
         "biased": {"variant": "biased"},
         "biased-mean": {"variant": "biased", "sample": "mean"},
     },
+    presets=RA_PRESETS,
 )

@@ -41,8 +41,8 @@ def draw(
 
 SPEC = EstimatorSpec(
     name="rfa",
-    summary="random feature attention (Performer/FAVOR+; FAVOR++ with feature_map=oprf) as log-space SNIS",
-    source="Choromanski et al. ICLR 2021 sec. 2.3-2.4; LARA eq. 2, 4-6; Likhosherstov et al. NeurIPS 2022",
+    summary="random feature attention (Performer/FAVOR+; FAVOR++ with feature_map=oprf, FAVOR# with sderf) as log-space SNIS",
+    source="Choromanski et al. ICLR 2021 sec. 2.3-2.4; LARA eq. 2, 4-6; Likhosherstov et al. NeurIPS 2022 (OPRF), NeurIPS 2023 (SDERF)",
     complexity="O((N + M) S D + (N + M) S Dv)",
     params=PARAMS,
     draw=draw,

@@ -8,7 +8,7 @@ import numpy as np
 
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
-from randattn.estimators.features.reference import log_features, oprf_optimal_a
+from randattn.estimators.features.reference import paired_log_features
 from randattn.estimators.snis import NonPositiveDenominatorWarning, warn_non_positive
 from randattn.estimators.snis.reference import feature_attention
 
@@ -41,8 +41,9 @@ def estimate(
         ``omega : (R, ..., S, D)`` from :func:`randattn.estimators.rfa.draw`.
     scale : float, optional
         Temperature; default ``D ** -0.5``.
-    feature_map : {"positive", "hyperbolic", "trigonometric", "regularized", "oprf"}
-        ``oprf`` uses the closed-form ``A*`` computed from these inputs.
+    feature_map : {"positive", "hyperbolic", "trigonometric", "regularized", "oprf", "sderf"}
+        ``oprf`` uses the closed-form ``A*``, ``sderf`` the closed-form ``(A, B)`` of
+        :func:`~randattn.estimators.features.reference.sderf_optimal_params`, computed from these inputs.
     coupling : str
         Only used by ``draw``; accepted here so that one parameter set serves both.
 
@@ -57,9 +58,8 @@ def estimate(
     """
     x, y, v, _, batch = prepare_reference(q, k, v, scale)
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
-    a = oprf_optimal_a(x, y)[None] if feature_map == "oprf" else None
-    lx, sx = log_features(feature_map, x[None], omega, oprf_a=a)
-    ly, sy = log_features(feature_map, y[None], omega, oprf_a=a)
+    # data-dependent maps (oprf, sderf): parameters from queries and keys, shared by both sides
+    lx, sx, ly, sy = paired_log_features(feature_map, x, y, omega)
     out, sign = feature_attention(lx, ly, v[None], q_sign=sx, k_sign=sy)
     if sx is not None:
         warn_non_positive(sign, "signed trigonometric features")
