@@ -45,7 +45,7 @@ __all__ = [
 
 #: k-hat above which the Monte Carlo variance estimate is not to be trusted (Vehtari et al. 2024, sec. 3)
 KHAT_THRESHOLD = 0.7
-_POSITIVE_MAPS = ("positive", "hyperbolic", "regularized", "oprf")
+from randattn.estimators.features import POSITIVE_MAPS as _POSITIVE_MAPS
 
 
 @dataclass(frozen=True)
@@ -120,13 +120,11 @@ def rfa_snis_terms(
     if feature_map not in _POSITIVE_MAPS:
         return None
     from randattn.estimators._prepare import prepare_reference
-    from randattn.estimators.features.reference import log_features, oprf_optimal_a
+    from randattn.estimators.features.reference import paired_log_features
 
     x, y, v, _, _ = prepare_reference(q, k, v, scale)
     omega = np.asarray(omega, dtype=np.float64)
-    a = oprf_optimal_a(x, y)[None] if feature_map == "oprf" else None
-    lx, _ = log_features(feature_map, x[None], omega, oprf_a=a)
-    ly, _ = log_features(feature_map, y[None], omega, oprf_a=a)
+    lx, _, ly, _ = paired_log_features(feature_map, x, omega=omega, y=y)
     return snis_terms_from_log_features(lx, ly, v[None])
 
 
@@ -400,13 +398,14 @@ def _rfa_terms_torch(q, k, v, draws, *, scale, params):
     if feature_map not in _POSITIVE_MAPS:
         return None
     from randattn.estimators._prepare import prepare_batched, to_torch_draws
-    from randattn.estimators.features.batched import log_features, oprf_optimal_a
+    from randattn.estimators.features.batched import data_params, log_features
 
     x, y, v, _, _ = prepare_batched(q, k, v, scale)
     omega = to_torch_draws(draws, x)["omega"]
-    a = oprf_optimal_a(x, y).unsqueeze(0) if feature_map == "oprf" else None
-    lx, _ = log_features(feature_map, x.unsqueeze(0), omega, oprf_a=a)
-    ly, _ = log_features(feature_map, y.unsqueeze(0), omega, oprf_a=a)
+    fitted = {key: (type(val)(*(t.unsqueeze(0) for t in val)) if isinstance(val, tuple) else val.unsqueeze(0))
+              for key, val in data_params(feature_map, x, y).items()}  # a leading replicate dim, as rfa.batched
+    lx, _ = log_features(feature_map, x.unsqueeze(0), omega, **fitted)
+    ly, _ = log_features(feature_map, y.unsqueeze(0), omega, **fitted)
     return _snis_terms_torch(lx, ly, v.unsqueeze(0))
 
 

@@ -103,3 +103,57 @@ def test_lara_diagnostics_use_its_eq28_weights_when_they_are_positive():
         warnings.simplefilter("ignore")
         nan_diag = estimator_diagnostics("lara", q, k, v, rng_draws, scale=None, params=signed, khat_queries=0)
     assert np.all(np.isnan(nan_diag.ess_mean))
+
+
+@pytest.mark.parametrize("feature_map", ["positive", "hyperbolic", "oprf", "sderf"])
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_replicate_diagnostics_reduce_to_the_reference_ones(feature_map, backend):
+    """The sweep's per-replicate diagnostics, averaged over replicates, equal estimator_diagnostics (numpy)."""
+    import randattn
+    from randattn.analysis.diagnostics import estimator_diagnostics, replicate_snis_diagnostics
+
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.normal(size=(2, 30, 8)) for _ in range(3))
+    draws = randattn.draw("rfa", q.shape, k.shape, num_samples=32, seed=1, replicates=3, feature_map=feature_map)
+    params = {"feature_map": feature_map}
+    per_rep = replicate_snis_diagnostics("rfa", q, k, v, draws, scale=0.3, params=params, backend=backend,
+                                         dtype="float64", khat_queries=4)
+    whole = estimator_diagnostics("rfa", q, k, v, draws, scale=0.3, params=params, khat_queries=4)
+    assert per_rep.ess.shape == per_rep.delta_variance.shape == (3, 2)
+    np.testing.assert_allclose(per_rep.ess.mean(0), whole.ess_mean, rtol=1e-12)
+    np.testing.assert_allclose(per_rep.delta_variance.mean(0), whole.delta_variance, rtol=1e-10)
+    np.testing.assert_allclose(per_rep.khat, whole.pareto_khat, rtol=1e-12)
+
+
+def test_signed_lara_weights_are_undefined_per_replicate_and_cell():
+    import randattn
+    from randattn.analysis.diagnostics import replicate_snis_diagnostics
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(3, 2, 20, 4)) * np.array([1.0, 4.0, 4.0])[:, None, None, None]
+    draws = randattn.draw("lara", q.shape, k.shape, num_samples=8, seed=3, replicates=4)
+    for backend in ("torch", "reference"):
+        d = replicate_snis_diagnostics("lara", q, k, v, draws, scale=1.0, params={"weighting": "decoupled"},
+                                       backend=backend, dtype="float64", khat_queries=0)
+        balance = replicate_snis_diagnostics("lara", q, k, v, draws, scale=1.0, params={"weighting": "balance"},
+                                             backend=backend, dtype="float64", khat_queries=0)
+        assert np.isfinite(balance.ess).all()
+        # NaN exactly where some weight of that (replicate, cell) is non-positive, finite elsewhere
+        assert np.isnan(d.ess).any() and np.isfinite(d.ess).any(), backend
+
+
+def test_vectorized_khat_equals_arviz_row_by_row():
+    import warnings
+
+    import arviz
+
+    rng = np.random.default_rng(1)
+    rows = np.concatenate([rng.standard_t(2, size=(40, 64)) * 3, rng.normal(size=(40, 64)),
+                           np.tile(np.r_[np.zeros(60), np.ones(4)], (2, 1))])  # ties at the cutoff: arviz path
+    from randattn.analysis.diagnostics import pareto_khat
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = np.array([arviz.psislw(r.copy())[1] for r in rows], dtype=float)
+    expected = np.where(np.isfinite(expected), expected, np.nan)
+    np.testing.assert_allclose(pareto_khat(rows), expected, rtol=1e-12, atol=1e-12)
