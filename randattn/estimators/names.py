@@ -97,6 +97,8 @@ def _lara(params, defaults):
         parts.append(_LARA_PROPOSALS.get(proposal, f"proposal {proposal}"))
     if params.get("alpha_clamp") is not None:
         parts.append(f"clamp {_fmt(params['alpha_clamp'])}")
+    if params.get("layout") == "grid" and params.get("grid") not in (None, "", "none"):
+        parts.append("2-D landmarks")  # LARA app. G.4: landmarks by 2-D average pooling on the patch grid
     parts += _common(params, defaults)
     return head, parts, {"weighting", "beta", "proposal", "alpha_clamp", "sample", "noise", "layout", "grid",
                          "prefix_tokens"}
