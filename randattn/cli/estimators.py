@@ -33,6 +33,10 @@ def command(as_json: bool) -> None:
             choices = f"; choices {' | '.join(map(str, p['choices']))}" if p["choices"] else ""
             doc = f"\n  [dim]{escape(str(p['doc']))}[/]" if p.get("doc") else ""
             params.append(f"[bold]{escape(pname)}[/] (default {escape(repr(p['default']))}{escape(choices)}){doc}")
+        presets = {name: values for name, values in (record.get("presets") or {}).items() if values}
+        for preset, values in presets.items():  # "paper" (the defaults) only where another preset exists
+            spelled = ", ".join(f"{k}={v}" for k, v in values.items())
+            params.append(f"[bold]preset={escape(preset)}[/]\n  [dim]{escape(spelled)}[/]")
         table.add_row(
             record["name"],
             f"{record['summary']}\n[dim]{record['source']}[/]",
