@@ -76,6 +76,10 @@ def _shape_dtype(name: str, array: Any) -> tuple[tuple[int, ...], Any, bool]:
         raise TypeError(f"{name} must have a real floating dtype (float16/32/64), got {dtype}")
     if 0 in shape:
         return shape, dtype, True
+    # a broadcast input (stride 0, e.g. an identity expanded over heads) holds each value once: check that once
+    strides = array.strides if isinstance(array, np.ndarray) else array.stride()
+    if any(st == 0 for st in strides):
+        array = array[tuple(slice(0, 1) if st == 0 else slice(None) for st in strides)]
     # the extremes are finite iff every value is (max/min propagate NaN): two reductions, no boolean array
     # the size of the input (the sweep's probability pass validates an (M, M) identity on every call)
     if isinstance(array, np.ndarray):

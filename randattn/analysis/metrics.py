@@ -157,10 +157,14 @@ def jackknife_debiased_bias_sq(estimates: np.ndarray, exact: np.ndarray) -> np.n
     r = estimates.shape[0]
     mean = estimates.mean(0)
     dev = estimates - mean
-    ss = (dev * dev).sum(0)  # (R - 1) s^2
-    mean_loo = (r * mean - estimates) / (r - 1)
-    var_loo = (ss - r / (r - 1) * dev * dev) / (r - 2)
-    theta_loo = ((mean_loo - exact) ** 2 - var_loo / (r - 1)).mean(axis=(-2, -1))  # (R, ...)
+    bias = mean - exact
+    # with d_r = y_r - mean and b = mean - y: mean_loo_r - y = b - d_r/(R-1) and
+    # s^2_(-r) = sum_r' d_r'^2 - R/(R-1) d_r^2, so theta_(-r) needs only two reductions per replicate
+    dd = (dev * dev).mean(axis=(-2, -1))  # (R, ...): avg d_r^2
+    bd = (dev * bias).mean(axis=(-2, -1))  # (R, ...): avg b d_r
+    b2 = (bias * bias).mean(axis=(-2, -1))
+    theta_loo = (b2 - 2.0 / (r - 1) * bd + dd / (r - 1) ** 2
+                 - (dd.sum(0) - r / (r - 1) * dd) / ((r - 2) * (r - 1)))
     centred = theta_loo - theta_loo.mean(0)
     return np.sqrt((r - 1) / r * (centred * centred).sum(0))
 
