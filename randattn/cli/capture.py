@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from randattn.cli._common import abort as _abort_markup
-from randattn.cli._common import err_console, out_console
+from randattn.cli._common import err_console, out_console, writable_output
 
 _VIT_EXTRA = 'this needs the "vit" extra: pip install "randattn[vit]"'
 
@@ -50,6 +50,7 @@ def command(model_name, timm_name, checkpoint, images_spec, size, layers, dtype,
         abort(f"--size must be positive, got {size}")
     if timm_name is None and size is not None and size % 14:
         abort(f"--size must be a multiple of 14 for dinov2-s14 (e.g. 196, 336, 392), got {size}")
+    writable_output(out_path)  # before loading the model and capturing
 
     try:
         from randattn.activations.images import load_images

@@ -11,6 +11,7 @@ variable ``RANDATTN_FAULTS_HOOK`` (JSON):
   cut short by a crash.
 - ``{"forbid": ["module:attr.attr", ...]}``: those functions exit the child with code 3 ("computed") if called;
   a command that must refuse before computing is run with its computation forbidden.
+- ``{"hold": "module:attr", "marker": path}``: that function creates ``marker`` and sleeps (to be interrupted).
 
 Children print through rich to pipes (200 columns); messages are compared with whitespace collapsed.
 """
@@ -40,17 +41,26 @@ REPO = Path(__file__).resolve().parents[2]
 _PRELUDE = r"""
 import json, os, sys, time
 hook = json.loads(os.environ.get("RANDATTN_FAULTS_HOOK") or "{}")
-if hook.get("forbid"):
+def _replace(target, function):
     import importlib
-    def _forbidden(*args, **kwargs):
-        sys.stderr.write("FORBIDDEN: computed\n"); sys.stderr.flush(); os._exit(3)
-    for target in hook["forbid"]:
-        module, _, attrs = target.partition(":")
+    module, _, attrs = target.partition(":")
+    try:
         owner = importlib.import_module(module)
-        *path, last = attrs.split(".")
-        for name in path:
-            owner = getattr(owner, name)
-        setattr(owner, last, _forbidden)
+    except ModuleNotFoundError:  # an optional extra that is missing: the command cannot compute either
+        return
+    *path, last = attrs.split(".")
+    for name in path:
+        owner = getattr(owner, name)
+    setattr(owner, last, function)
+def _forbidden(*args, **kwargs):
+    sys.stderr.write("FORBIDDEN: computed\n"); sys.stderr.flush(); os._exit(3)
+def _hold(*args, **kwargs):
+    open(hook["marker"], "w").close()
+    time.sleep(120)
+for target in hook.get("forbid", ()):
+    _replace(target, _forbidden)
+if "hold" in hook:
+    _replace(hook["hold"], _hold)
 if "parts" in hook:
     import pandas as pd
     _to_parquet, _count = pd.DataFrame.to_parquet, [0]
@@ -247,6 +257,17 @@ def test_sigkill_during_a_part_write_leaves_no_partial_part_and_resume_is_identi
     _assert_same_table(out, reference)
 
 
+def test_sigint_to_any_command_exits_130_without_a_traceback(reference, tmp_path):
+    marker = tmp_path / "drawing"
+    child = _spawn("plot", reference, "--out", tmp_path / "figures",
+                   hook={"hold": "randattn.reports.figures:make_figure", "marker": str(marker)})
+    _wait_for(marker, child)
+    child.send_signal(signal.SIGINT)
+    result = _finish(child)
+    assert result.returncode == 130, result.stderr
+    assert "interrupted" in result.stderr and "Traceback" not in result.stderr and "Aborted!" not in result.stderr
+
+
 # ------------------------------------------------------------------------------------------------------ 4. output paths
 _PR_CAPBSET_DROP, _CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 24, 1, 2
 
@@ -279,6 +300,7 @@ _COMMANDS = {  # command -> (arguments before --out, what computing it means)
     "plot": (lambda acts, table: ["plot", table], "randattn.reports.figures:make_figure"),
     "report": (lambda acts, table: ["report", table], "randattn.reports.html:write_report"),
     "demo": (lambda acts, table: ["demo", "--quick"], "randattn.reports.demo:run_demo"),
+    "capture": (lambda acts, table: ["capture", "--images", "skimage:astronaut"], "randattn.activations.dinov2:Dinov2Onnx"),
 }
 
 
@@ -293,7 +315,8 @@ def test_unwritable_out_exits_2_before_computing(acts, reference, tmp_path, case
         parent = tmp_path / "a-file"
         parent.write_text("not a folder")
     preexec = _unprivileged() if case == "read-only folder" else None
-    targets = {name: parent / ("x.parquet" if name == "mse" else "figures") for name in _COMMANDS}
+    files = {"mse": "x.parquet", "capture": "acts.safetensors"}
+    targets = {name: parent / files.get(name, "figures") for name in _COMMANDS}
     running = {name: _spawn(*make(acts, reference), "--out", targets[name], hook={"forbid": [forbid]},
                             preexec_fn=preexec)
                for name, (make, forbid) in _COMMANDS.items()}
@@ -321,9 +344,9 @@ def test_sweeps_that_cannot_fit_the_budget_are_refused_before_computing(acts, tm
         assert result.returncode == 2, result.stderr[-2000:]
         assert re.search(rf"needs about [0-9.]+ {size}, more than the memory budget of [0-9.]+ [KMG]iB", said), said
         assert "raise --max-memory or use fewer --samples" in said
+    # no parts folder is left to block a rerun (a plain rerun's acceptance of one holding no part is
+    # tests/cli/test_mse.py::test_mse_resume_continues_with_same_out)
     assert not _parts(huge).exists() and not _parts(tight).exists()
-    rerun = _cli("mse", acts, "-e", "rfa", "--samples", "4", "--layers", "0", "--replicates", "2", "--out", huge)
-    assert rerun.returncode == 0, rerun.stderr
 
 
 def test_memory_error_under_an_address_space_limit_exits_2(acts, tmp_path):
@@ -345,7 +368,7 @@ def test_memory_error_under_an_address_space_limit_exits_2(acts, tmp_path):
 
 @pytest.mark.slow
 def test_peak_rss_stays_within_the_budget_plus_the_baseline(acts, tmp_path):
-    """Peak RSS of a run whose unsplit work would need ~1 GiB, under --max-memory 100MB."""
+    """Peak RSS of a run whose unsplit work needs ~2.5 GiB, under --max-memory 500MB."""
 
     def run(*args) -> tuple[int, int]:
         process = subprocess.Popen([sys.executable, "-c", _PRELUDE, "mse", str(acts), *args, "--layers", "0",
@@ -355,10 +378,10 @@ def test_peak_rss_stays_within_the_budget_plus_the_baseline(acts, tmp_path):
         process.returncode = os.waitstatus_to_exitcode(status)
         return process.returncode, usage.ru_maxrss * 1024
 
-    budget = 100 * 10**6
+    budget = 500 * 10**6
     code, baseline = run("-e", "rfa", "--samples", "4", "--replicates", "2")
     assert code == 0
-    heavy = ("-e", "rfa", "--samples", "200000", "--replicates", "16")
+    heavy = ("-e", "rfa", "--samples", "100000", "--replicates", "16")
     code, bounded = run(*heavy, "--max-memory", str(budget))
     assert code == 0
     allowed = 1.5 * (budget + os.path.getsize(acts) + baseline) + 200 * 2**20
@@ -403,6 +426,7 @@ def test_readme_python_example_runs_as_written():
 
 
 # ------------------------------------------------------------------------------------------------------ 8. budgets
+@pytest.mark.slow  # one more sweep process; in process, tests/analysis/test_sweep.py checks the same
 def test_tables_are_bitwise_identical_across_memory_budgets(acts, reference, tmp_path):
     from randattn.analysis.execute import CANONICAL_REPLICATES, UnitRunner
     from randattn.analysis.sweep import plan
