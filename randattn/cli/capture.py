@@ -11,10 +11,8 @@ _VIT_EXTRA = 'this needs the "vit" extra: pip install "randattn[vit]"'
 
 
 def abort(message: str):
-    """Exit 2 with ``message`` shown literally (rich would read '[vit]' or "['unicorn']" as markup)."""
-    from rich.markup import escape
-
-    _abort_markup(escape(message))
+    """Exit 2 with ``message`` (shown literally: :func:`randattn.cli._common.abort` escapes rich markup)."""
+    _abort_markup(message)
 
 
 @click.command("capture")
