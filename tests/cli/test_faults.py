@@ -332,6 +332,14 @@ def test_unwritable_out_exits_2_before_computing(acts, reference, tmp_path, case
     assert not (tmp_path / "ro" / "figures").exists()
 
 
+def test_error_messages_show_paths_literally(tmp_path):
+    """A path holding '[...]' is not rich markup, and a long one is not wrapped."""
+    missing = tmp_path / ("long-" * 40) / "[rfa] results [/].csv"
+    result = _cli("plot", missing, "--out", tmp_path / "figures")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"cannot read results '{missing}': no such file" in result.stderr
+
+
 # ------------------------------------------------------------------------------------------------------ 5. memory
 def test_sweeps_that_cannot_fit_the_budget_are_refused_before_computing(acts, tmp_path):
     huge, tight = tmp_path / "huge" / "x.parquet", tmp_path / "tight" / "x.parquet"
