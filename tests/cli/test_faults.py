@@ -154,6 +154,42 @@ def _assert_same_table(path: Path, reference: Path) -> None:
         assert np.array_equal(*bits), f"column {column} differs in its bits"
 
 
+def _forbid_in_process(monkeypatch, target: str) -> None:
+    """The in-process twin of the prelude's ``forbid`` hook."""
+    import importlib
+
+    module, _, attrs = target.partition(":")
+    try:
+        owner = importlib.import_module(module)
+    except ModuleNotFoundError:  # an optional extra that is missing: the command cannot compute either
+        return
+    *path, last = attrs.split(".")
+    for attr in path:
+        owner = getattr(owner, attr)
+    monkeypatch.setattr(owner, last, lambda *a, **k: pytest.fail(f"{target} was called: computed before refusing"))
+
+
+def _run_either(mode: str, args, forbid: list[str], monkeypatch) -> tuple[int, str]:
+    """Exit code and collapsed stderr of the CLI on ``args``, in a real process or (fast) in process."""
+    if mode == "process":
+        result = _cli(*args, hook={"forbid": forbid})
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+        return result.returncode, _said(result)
+    from click.testing import CliRunner
+
+    from randattn.cli import main
+
+    for target in forbid:
+        _forbid_in_process(monkeypatch, target)
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.output
+    return result.exit_code, " ".join(result.stderr.split())
+
+
+#: run a check in process (default suite) or in a real process (slow: every process imports torch, ~2 s)
+_MODES = ["in-process", pytest.param("process", marks=pytest.mark.slow)]
+
+
 def _parts(out: Path) -> Path:
     return out.with_name(out.name + ".parts")
 
@@ -199,12 +235,25 @@ def test_second_writer_is_refused_naming_the_first_and_nothing_finished_is_repla
     assert done.returncode == 0, done.stderr
     _assert_same_table(out, reference)  # the first writer's full table
 
-    # a finished table: a plain rerun is refused; --resume finds it complete and leaves it alone
+
+def test_a_finished_table_is_never_replaced_without_overwrite(acts, reference, tmp_path):
+    """In process (no fault is injected): a plain rerun is refused, --resume of other settings too."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from randattn.cli import main
+
+    out = tmp_path / "x.parquet"
+    shutil.copy(reference, out)
+    shutil.copy(reference.with_name(reference.name + ".meta.json"), out.with_name(out.name + ".meta.json"))
     before = out.stat().st_mtime_ns
-    plain, resumed = _all(_spawn("mse", acts, *SWEEP, "--out", out),
-                          _spawn("mse", acts, *SWEEP, "--replicates", "2", "--out", out, "--resume"))
-    assert plain.returncode == 2 and "exists; pass --overwrite to replace it" in _said(plain)
-    assert resumed.returncode == 2 and "holds a finished run with different settings" in _said(resumed)
+    for extra, message in [((), "exists; pass --overwrite to replace it"),
+                           (("--replicates", "2", "--resume"), "holds a finished run with different settings")]:
+        result = CliRunner().invoke(main, ["mse", str(acts), *SWEEP, "--out", str(out), *extra])
+        assert result.exit_code == 2 and message in " ".join(result.stderr.split()), result.output
+    result = CliRunner().invoke(main, ["mse", str(acts), *SWEEP, "--out", str(out), "--resume"])
+    assert result.exit_code == 0 and "already holds this run, complete; nothing to do" in result.stderr
     assert out.stat().st_mtime_ns == before
     _assert_same_table(out, reference)
 
@@ -303,8 +352,11 @@ _COMMANDS = {  # command -> (arguments before --out, what computing it means)
     "capture": (lambda acts, table: ["capture", "--images", "skimage:astronaut"], "randattn.activations.dinov2:Dinov2Onnx"),
 }
 
+#: --out of the commands writing a file (the others write a folder)
+_OUT_NAMES = {"mse": "x.parquet", "capture": "acts.safetensors"}
 
-@pytest.mark.parametrize("case", ["read-only folder", "parent is a file"])
+
+@pytest.mark.parametrize("case", ["read-only folder", pytest.param("parent is a file", marks=pytest.mark.slow)])
 def test_unwritable_out_exits_2_before_computing(acts, reference, tmp_path, case):
     os.chmod(tmp_path, 0o755)
     if case == "read-only folder":
@@ -315,8 +367,7 @@ def test_unwritable_out_exits_2_before_computing(acts, reference, tmp_path, case
         parent = tmp_path / "a-file"
         parent.write_text("not a folder")
     preexec = _unprivileged() if case == "read-only folder" else None
-    files = {"mse": "x.parquet", "capture": "acts.safetensors"}
-    targets = {name: parent / files.get(name, "figures") for name in _COMMANDS}
+    targets = {name: parent / _OUT_NAMES.get(name, "figures") for name in _COMMANDS}
     running = {name: _spawn(*make(acts, reference), "--out", targets[name], hook={"forbid": [forbid]},
                             preexec_fn=preexec)
                for name, (make, forbid) in _COMMANDS.items()}
@@ -340,23 +391,61 @@ def test_error_messages_show_paths_literally(tmp_path):
     assert f"cannot read results '{missing}': no such file" in result.stderr
 
 
+@pytest.mark.parametrize("name", list(_COMMANDS))
+def test_out_below_a_file_exits_2_before_computing_in_process(acts, reference, tmp_path, monkeypatch, name):
+    """The fast twin of the real-process test above (a file as parent needs no privileges to set up)."""
+    import importlib
+
+    from click.testing import CliRunner
+
+    from randattn.cli import main
+
+    make, forbid = _COMMANDS[name]
+    _forbid_in_process(monkeypatch, forbid)
+    parent = tmp_path / "a-file"
+    parent.write_text("not a folder")
+    target = parent / _OUT_NAMES.get(name, "figures")
+    result = CliRunner().invoke(main, [*map(str, make(acts, reference)), "--out", str(target)])
+    assert result.exit_code == 2, result.output
+    assert f"--out '{target}': '{parent}' is a file, not a folder" in " ".join(result.stderr.split())
+
+
 # ------------------------------------------------------------------------------------------------------ 5. memory
-def test_sweeps_that_cannot_fit_the_budget_are_refused_before_computing(acts, tmp_path):
-    huge, tight = tmp_path / "huge" / "x.parquet", tmp_path / "tight" / "x.parquet"
-    forbid = {"forbid": ["randattn.analysis.execute:UnitRunner.run"]}
-    results = _all(_spawn("mse", acts, "--samples", "3000000", "--out", huge, hook=forbid),  # issue #11's run
-                   _spawn("mse", acts, "-e", "rfa", "--max-memory", "10MB", "--samples", "200000", "--out", tight,
-                          hook=forbid))
-    for result, size in zip(results, ("GiB", "MiB")):
-        said = _said(result)
-        assert result.returncode == 2, result.stderr[-2000:]
-        assert re.search(rf"needs about [0-9.]+ {size}, more than the memory budget of [0-9.]+ [KMG]iB", said), said
-        assert "raise --max-memory or use fewer --samples" in said
+@pytest.mark.parametrize("mode", _MODES)
+@pytest.mark.parametrize(("args", "size"), [(("--samples", "3000000"), "GiB"),  # issue #11's run
+                                            (("-e", "rfa", "--max-memory", "10MB", "--samples", "200000"), "MiB")])
+def test_sweeps_that_cannot_fit_the_budget_are_refused_before_computing(acts, tmp_path, monkeypatch, mode, args,
+                                                                        size):
+    out = tmp_path / "x.parquet"
+    code, said = _run_either(mode, ["mse", acts, *args, "--out", out], ["randattn.analysis.execute:UnitRunner.run"],
+                             monkeypatch)
+    assert code == 2, said
+    assert re.search(rf"needs about [0-9.]+ {size}, more than the memory budget of [0-9.]+ [KMG]iB", said), said
+    assert "raise --max-memory or use fewer --samples" in said
     # no parts folder is left to block a rerun (a plain rerun's acceptance of one holding no part is
     # tests/cli/test_mse.py::test_mse_resume_continues_with_same_out)
-    assert not _parts(huge).exists() and not _parts(tight).exists()
+    assert not _parts(out).exists()
 
 
+def test_memory_error_exits_2_naming_what_did_not_fit(acts, tmp_path, monkeypatch):
+    """In process: a MemoryError from the sweep (as numpy raises it) becomes exit 2 with advice."""
+    from click.testing import CliRunner
+
+    import randattn.analysis.sweep
+    from randattn.cli import main
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 7.15 GiB for an array with shape (1, 32, 30000000) and data type float64")
+
+    monkeypatch.setattr(randattn.analysis.sweep, "run_sweep", out_of_memory)
+    out = tmp_path / "x.parquet"
+    result = CliRunner().invoke(main, ["mse", str(acts), "-e", "ra", "--samples", "4", "--out", str(out)])
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2, result.output
+    assert "out of memory (Unable to allocate 7.15 GiB" in said and "lower --max-memory (now 2 GiB)" in said
+
+
+@pytest.mark.slow  # the same under a real limit, in a real process
 def test_memory_error_under_an_address_space_limit_exits_2(acts, tmp_path):
     limit = 3 * 2**30  # far above the interpreter with torch (< 1 GiB), below one RA array at S = 3e7 (7 GiB)
 
@@ -399,16 +488,18 @@ def test_peak_rss_stays_within_the_budget_plus_the_baseline(acts, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------ 6. devices
-def test_unavailable_devices_exit_2_naming_the_device_and_those_available(acts):
+@pytest.mark.parametrize("mode", _MODES)
+@pytest.mark.parametrize("device", ["tpu", "cuda", "cuda:7"])
+def test_unavailable_devices_exit_2_naming_the_device_and_those_available(acts, monkeypatch, mode, device):
     import torch
 
-    devices = ["tpu"] + ([] if torch.cuda.is_available() else ["cuda"])
-    results = _all(*(_spawn("mse", acts, "-e", "rfa", "--samples", "4", "--device", d,
-                            hook={"forbid": ["randattn.analysis.sweep:run_sweep"]}) for d in devices))
-    for device, result in zip(devices, results):
-        said = _said(result)
-        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
-        assert f"--device '{device}'" in said and "available" in said and "cpu" in said, said
+    usable = torch.cuda.device_count() > (7 if device == "cuda:7" else 0) if device.startswith("cuda") else False
+    if usable:
+        pytest.skip(f"{device} is available here")
+    code, said = _run_either(mode, ["mse", acts, "-e", "rfa", "--samples", "4", "--device", device],
+                             ["randattn.analysis.sweep:run_sweep"], monkeypatch)
+    assert code == 2, said
+    assert f"--device '{device}'" in said and "available" in said and "cpu" in said, said
 
 
 @pytest.mark.skipif("__import__('torch').cuda.is_available()", reason="needs a torch without a usable GPU")
