@@ -394,7 +394,6 @@ def test_error_messages_show_paths_literally(tmp_path):
 @pytest.mark.parametrize("name", list(_COMMANDS))
 def test_out_below_a_file_exits_2_before_computing_in_process(acts, reference, tmp_path, monkeypatch, name):
     """The fast twin of the real-process test above (a file as parent needs no privileges to set up)."""
-    import importlib
 
     from click.testing import CliRunner
 
