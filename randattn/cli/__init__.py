@@ -3,7 +3,7 @@
 Each command lives in its own module (``randattn/cli/<command>.py``) and exposes a
 click command named ``command``; heavy imports happen inside the command body so
 that ``randattn --help`` stays fast. Only this package prints (through rich).
-Exit codes: 0 ok, 1 a check failed or an unexpected error, 2 bad usage or input.
+Exit codes: 0 ok, 1 a check failed or an unexpected error, 2 bad usage or input, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -29,6 +29,17 @@ class _LazyGroup(click.Group):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return [name for name in COMMANDS if self._load(name) is not None]
+
+    def invoke(self, ctx: click.Context):
+        # click turns Ctrl-C into "Aborted!" and exit 1; the shell's convention is 130 (128 + SIGINT).
+        # Commands that keep partial work (mse) catch it themselves and say what was kept.
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            from randattn.cli._common import err_console
+
+            err_console.print("[bold red]interrupted[/]", highlight=False)
+            raise SystemExit(130) from None
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         return self._load(name)

@@ -22,7 +22,10 @@ class UserError(click.ClickException):
     exit_code = 2
 
     def show(self, file=None) -> None:  # noqa: D102 - click's hook
-        err_console.print(f"[bold red]error:[/] {self.format_message()}", highlight=False)
+        from rich.markup import escape
+
+        # escaped: a path or value holding "[...]" is not rich markup; soft_wrap: paths stay whole for copy and paste
+        err_console.print(f"[bold red]error:[/] {escape(self.format_message())}", highlight=False, soft_wrap=True)
 
 
 def abort(message: str, code: int = 2) -> NoReturn:

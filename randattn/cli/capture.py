@@ -5,16 +5,14 @@ from __future__ import annotations
 import click
 
 from randattn.cli._common import abort as _abort_markup
-from randattn.cli._common import err_console, out_console
+from randattn.cli._common import err_console, out_console, writable_output
 
 _VIT_EXTRA = 'this needs the "vit" extra: pip install "randattn[vit]"'
 
 
 def abort(message: str):
-    """Exit 2 with ``message`` shown literally (rich would read '[vit]' or "['unicorn']" as markup)."""
-    from rich.markup import escape
-
-    _abort_markup(escape(message))
+    """Exit 2 with ``message`` (shown literally: :func:`randattn.cli._common.abort` escapes rich markup)."""
+    _abort_markup(message)
 
 
 @click.command("capture")
@@ -55,6 +53,7 @@ def command(model_name, timm_name, checkpoint, hf_name, images_spec, size, layer
         abort(f"--size must be positive, got {size}")
     if timm_name is None and hf_name is None and size is not None and size % 14:
         abort(f"--size must be a multiple of 14 for dinov2-s14 (e.g. 196, 336, 392), got {size}")
+    writable_output(out_path)  # before loading the model and capturing
 
     try:
         from randattn.activations.images import load_images

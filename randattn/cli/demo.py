@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from randattn.cli._common import abort, err_console, out_console
+from randattn.cli._common import abort, err_console, out_console, writable_output
 
 def _ints(name: str, text: str | None) -> tuple[int, ...] | None:
     if text is None:
@@ -75,6 +75,8 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
         config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
     except ValueError as exc:
         abort(str(exc))
+    # the capture and the sweep take minutes: a folder that cannot be written must stop the demo before them
+    writable_output(out_dir, "--out", directory=True)
     try:
         import importlib.util
 

@@ -108,7 +108,7 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
     (finished units are kept; the message gives the --resume command).
     """
     from randattn.analysis.store import SweepLockedError, sweep_lock
-    from randattn.cli._common import abort, err_console
+    from randattn.cli._common import UserError, abort, err_console
 
     from randattn.analysis.executors import parse_scheduler
 
@@ -140,7 +140,11 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
                 return
             if overwrite:
                 shutil.rmtree(parts, ignore_errors=True)
-            table = _run(activations, config, parts, resume, err_console, where, acts)
+            try:
+                table = _run(activations, config, parts, resume, err_console, where, acts)
+            except UserError:
+                _drop_empty_parts(parts)  # refused before any unit finished (memory): leave nothing behind
+                raise
             _finish(table, config, activations, out, as_json)
             shutil.rmtree(parts, ignore_errors=True)
     except SweepLockedError as exc:
@@ -221,6 +225,14 @@ def _already_complete(out: Path, parts: Path, config, resume: bool, overwrite: b
     return False
 
 
+def _drop_empty_parts(parts: Path) -> None:
+    """Remove a parts folder that holds no finished unit (only its manifest)."""
+    from randattn.analysis.store import stored_unit_ids
+
+    if parts.is_dir() and not stored_unit_ids(parts):
+        shutil.rmtree(parts, ignore_errors=True)
+
+
 def _stored_identity(out: Path):
     sidecar = out.with_name(out.name + ".meta.json")
     try:
@@ -239,7 +251,7 @@ def _resume_command() -> str:
 def _run(activations, config, parts, resume, console, where=None, source=None):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from randattn.analysis.execute import MemoryBudgetError
+    from randattn.analysis.execute import MemoryBudgetError, format_bytes
     from randattn.analysis.sweep import count_cells, run_sweep
     from randattn.cli._common import abort
 
@@ -266,18 +278,24 @@ def _run(activations, config, parts, resume, console, where=None, source=None):
             if parts is None:
                 console.print("[bold red]interrupted[/]: nothing was kept (no --out)", highlight=False)
             else:
-                console.print(f"[bold red]interrupted[/]: {state['done']} of {total} cells are kept in {parts}\n"
-                              f"continue with:\n  {_resume_command()}", highlight=False)
+                from rich.markup import escape
+
+                # soft_wrap: the command stays on one line, whole, for copy and paste
+                console.print(f"[bold red]interrupted[/]: {state['done']} of {total} cells are kept in "
+                              f"{escape(str(parts))}\ncontinue with:\n  {escape(_resume_command())}",
+                              highlight=False, soft_wrap=True)
             raise SystemExit(130) from None
         except MemoryBudgetError as exc:
             abort(str(exc))
-        except MemoryError:
-            abort(f"out of memory; lower --max-memory (now {config.max_memory} bytes) so that work is split into "
-                  "smaller blocks, or use fewer --samples / --replicates")
+        except MemoryError as exc:
+            # numpy says what did not fit ("Unable to allocate 66.4 GiB for an array with shape ...")
+            what = (str(exc).splitlines() or [""])[0] or "an allocation failed"
+            abort(f"out of memory ({what}); lower --max-memory (now {format_bytes(config.max_memory)}) so that work "
+                  "is split into smaller blocks, or use fewer --samples / --replicates")
         except RuntimeError as exc:
             if "memory" in str(exc).lower() and ("allocate" in str(exc).lower() or "out of" in str(exc).lower()):
-                abort(f"out of memory ({str(exc).splitlines()[0]}); lower --max-memory (now {config.max_memory} "
-                      "bytes) or use fewer --samples / --replicates")
+                abort(f"out of memory ({str(exc).splitlines()[0]}); lower --max-memory (now "
+                      f"{format_bytes(config.max_memory)}) or use fewer --samples / --replicates")
             raise
         except (FileExistsError, ValueError) as exc:  # bad input found while running (also raised by a Dask unit)
             kept = "" if parts is None else f"; finished units are kept in {parts} for --resume"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from randattn.cli._common import abort, err_console
+from randattn.cli._common import abort, err_console, writable_output
 
 _KINDS = ("mse-vs-samples", "bias-variance", "heatmap", "features", "all")
 _FORMATS = ("png", "svg", "pdf")
@@ -48,6 +48,7 @@ def command(results, kinds, out_dir, formats, label, num_samples, dpi):
         abort(f"--dpi must be positive, got {dpi}")
     if (label is not None or num_samples is not None) and "heatmap" not in chosen:
         abort("--label and --samples choose the heatmap's estimator and S; add --kind heatmap")
+    out_dir = writable_output(out_dir, "--out", directory=True)  # before reading or drawing anything
     try:
         loaded = read_results(results)
     except ResultsError as exc:

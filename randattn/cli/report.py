@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from randattn.cli._common import abort, err_console
+from randattn.cli._common import abort, err_console, writable_output
 
 
 @click.command("report")
@@ -28,6 +28,7 @@ def command(results, out_dir, name, dpi):
         abort(f"--name must be a file name ending in .html, got {name!r}")
     if dpi <= 0:
         abort(f"--dpi must be positive, got {dpi}")
+    out_dir = writable_output(out_dir, "--out", directory=True)  # before reading or rendering anything
     try:
         loaded = read_results(results)
     except ResultsError as exc:

@@ -1,0 +1,543 @@
+"""The CLI under faults (issue #11), in real processes: a second writer, SIGINT, SIGKILL mid-write, read-only
+output paths, memory, devices, determinism across memory budgets.
+
+Every command runs as ``python -c <prelude> <args>``: the prelude is the ``randattn`` entry point, optionally
+preceded by a test-only fault hook installed in the child (never in the library), chosen by the environment
+variable ``RANDATTN_FAULTS_HOOK`` (JSON):
+
+- ``{"parts": n, "marker": path, "release": path?, "torn": bool?}``: at the n-th write of a part's Parquet
+  file, create ``marker`` and wait -- for ``release`` to exist, or (without it) until the parent signals or
+  kills the process. With ``torn``, the file being written is first truncated to half its size, as a write
+  cut short by a crash.
+- ``{"forbid": ["module:attr.attr", ...]}``: those functions exit the child with code 3 ("computed") if called;
+  a command that must refuse before computing is run with its computation forbidden.
+- ``{"hold": "module:attr", "marker": path}``: that function creates ``marker`` and sleeps (to be interrupted).
+
+Children print through rich to pipes (200 columns); messages are compared with whitespace collapsed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import resource
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from randattn.activations import make_activations, save_activations
+
+REPO = Path(__file__).resolve().parents[2]
+
+_PRELUDE = r"""
+import json, os, sys, time
+hook = json.loads(os.environ.get("RANDATTN_FAULTS_HOOK") or "{}")
+def _replace(target, function):
+    import importlib
+    module, _, attrs = target.partition(":")
+    try:
+        owner = importlib.import_module(module)
+    except ModuleNotFoundError:  # an optional extra that is missing: the command cannot compute either
+        return
+    *path, last = attrs.split(".")
+    for name in path:
+        owner = getattr(owner, name)
+    setattr(owner, last, function)
+def _forbidden(*args, **kwargs):
+    sys.stderr.write("FORBIDDEN: computed\n"); sys.stderr.flush(); os._exit(3)
+def _hold(*args, **kwargs):
+    open(hook["marker"], "w").close()
+    time.sleep(120)
+for target in hook.get("forbid", ()):
+    _replace(target, _forbidden)
+if "hold" in hook:
+    _replace(hook["hold"], _hold)
+if "parts" in hook:
+    import pandas as pd
+    _to_parquet, _count = pd.DataFrame.to_parquet, [0]
+    def to_parquet(self, path, *args, **kwargs):
+        if "part-" not in os.path.basename(str(path)):
+            return _to_parquet(self, path, *args, **kwargs)
+        _count[0] += 1
+        if _count[0] == hook["parts"]:
+            if hook.get("torn"):
+                _to_parquet(self, path, *args, **kwargs)
+                with open(path, "r+b") as handle:
+                    handle.truncate(os.path.getsize(path) // 2)
+            open(hook["marker"], "w").close()
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (hook.get("release") and os.path.exists(hook["release"])):
+                time.sleep(0.02)
+            if hook.get("torn"):
+                return None
+        return _to_parquet(self, path, *args, **kwargs)
+    pd.DataFrame.to_parquet = to_parquet
+from randattn.cli import main
+main()
+"""
+
+#: the sweep of the fault tests: 2 layers x (rfa, ra) x S in (4, 8, 16) = 12 units of 4 heads = 48 cells
+SWEEP = ("-e", "rfa", "-e", "ra", "--samples", "4,8,16", "--replicates", "4", "--seed", "3")
+UNITS, HEADS = 12, 4
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+def _env(hook: dict | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env["RANDATTN_FAULTS_HOOK"] = json.dumps(hook or {})
+    env.setdefault("OMP_NUM_THREADS", "1")  # children run side by side on a small machine
+    env.setdefault("MPLBACKEND", "Agg")
+    return env
+
+
+def _spawn(*args, hook: dict | None = None, preexec_fn=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _PRELUDE, *map(str, args)], env=_env(hook), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+
+
+def _finish(process: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"{process.args[3:]} still running after {timeout} s; stderr: {err[-2000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def _cli(*args, **kwargs) -> subprocess.CompletedProcess:
+    return _finish(_spawn(*args, **kwargs))
+
+
+def _all(*processes: subprocess.Popen) -> list[subprocess.CompletedProcess]:
+    """Wait for processes started side by side."""
+    return [_finish(p) for p in processes]
+
+
+def _said(result: subprocess.CompletedProcess) -> str:
+    """stderr with whitespace collapsed (rich wraps at 200 columns)."""
+    return " ".join(result.stderr.split())
+
+
+def _wait_for(marker: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        if process.poll() is not None:
+            result = _finish(process)
+            pytest.fail(f"the child ended (exit {result.returncode}) before reaching the hook: {result.stderr[-2000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the hook was not reached in {timeout} s (no part written under a temporary name?)")
+        time.sleep(0.02)
+
+
+def _table(path: Path) -> pd.DataFrame:
+    return pd.read_parquet(path).drop(columns=["seconds"])
+
+
+def _assert_same_table(path: Path, reference: Path) -> None:
+    """Equal in every column but ``seconds``, floats bit for bit."""
+    got, want = _table(path), _table(reference)
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    for column in got.columns[got.dtypes == "float64"]:
+        bits = got[column].to_numpy().view(np.int64), want[column].to_numpy().view(np.int64)
+        assert np.array_equal(*bits), f"column {column} differs in its bits"
+
+
+def _forbid_in_process(monkeypatch, target: str) -> None:
+    """The in-process twin of the prelude's ``forbid`` hook."""
+    import importlib
+
+    module, _, attrs = target.partition(":")
+    try:
+        owner = importlib.import_module(module)
+    except ModuleNotFoundError:  # an optional extra that is missing: the command cannot compute either
+        return
+    *path, last = attrs.split(".")
+    for attr in path:
+        owner = getattr(owner, attr)
+    monkeypatch.setattr(owner, last, lambda *a, **k: pytest.fail(f"{target} was called: computed before refusing"))
+
+
+def _run_either(mode: str, args, forbid: list[str], monkeypatch) -> tuple[int, str]:
+    """Exit code and collapsed stderr of the CLI on ``args``, in a real process or (fast) in process."""
+    if mode == "process":
+        result = _cli(*args, hook={"forbid": forbid})
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+        return result.returncode, _said(result)
+    from click.testing import CliRunner
+
+    from randattn.cli import main
+
+    for target in forbid:
+        _forbid_in_process(monkeypatch, target)
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.output
+    return result.exit_code, " ".join(result.stderr.split())
+
+
+#: run a check in process (default suite) or in a real process (slow: every process imports torch, ~2 s)
+_MODES = ["in-process", pytest.param("process", marks=pytest.mark.slow)]
+
+
+def _parts(out: Path) -> Path:
+    return out.with_name(out.name + ".parts")
+
+
+# ------------------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def acts(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(11)
+    arrays = {layer: tuple(0.8 * rng.normal(size=(1, HEADS, 32, 8)) for _ in range(3)) for layer in (0, 1)}
+    folder = tmp_path_factory.mktemp("acts")
+    os.chmod(folder, 0o755)  # readable by a child without privileges (see _unprivileged)
+    return save_activations(make_activations(arrays, {"scale": 0.35, "model": "synthetic"}),
+                            folder / "acts.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(acts, tmp_path_factory) -> Path:
+    """The table of an uninterrupted run of :data:`SWEEP` (default --max-memory)."""
+    out = tmp_path_factory.mktemp("reference") / "ref.parquet"
+    result = _cli("mse", acts, *SWEEP, "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert len(pd.read_parquet(out)) == UNITS * HEADS
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ 1. a second writer
+def test_second_writer_is_refused_naming_the_first_and_nothing_finished_is_replaced(acts, reference, tmp_path):
+    out = tmp_path / "r" / "x.parquet"
+    marker, release = tmp_path / "holding", tmp_path / "release"
+    first = _spawn("mse", acts, *SWEEP, "--out", out, hook={"parts": 2, "marker": str(marker), "release": str(release)})
+    try:
+        _wait_for(marker, first)  # the first writer holds the lock, one unit written, the second being written
+        plain, resumed = _all(_spawn("mse", acts, *SWEEP, "--out", out),
+                              _spawn("mse", acts, *SWEEP, "--out", out, "--resume"))
+        kept = sorted(p.name for p in _parts(out).glob("part-*.parquet"))
+    finally:
+        release.touch()
+    done = _finish(first)
+    for result in (plain, resumed):
+        assert result.returncode == 2, result.stderr
+        assert f"pid {first.pid}" in _said(result) and "being written by another randattn process" in _said(result)
+    assert len(kept) == 1  # the refused writers did not touch the first one's parts
+    assert done.returncode == 0, done.stderr
+    _assert_same_table(out, reference)  # the first writer's full table
+
+
+def test_a_finished_table_is_never_replaced_without_overwrite(acts, reference, tmp_path):
+    """In process (no fault is injected): a plain rerun is refused, --resume of other settings too."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from randattn.cli import main
+
+    out = tmp_path / "x.parquet"
+    shutil.copy(reference, out)
+    shutil.copy(reference.with_name(reference.name + ".meta.json"), out.with_name(out.name + ".meta.json"))
+    before = out.stat().st_mtime_ns
+    for extra, message in [((), "exists; pass --overwrite to replace it"),
+                           (("--replicates", "2", "--resume"), "holds a finished run with different settings")]:
+        result = CliRunner().invoke(main, ["mse", str(acts), *SWEEP, "--out", str(out), *extra])
+        assert result.exit_code == 2 and message in " ".join(result.stderr.split()), result.output
+    result = CliRunner().invoke(main, ["mse", str(acts), *SWEEP, "--out", str(out), "--resume"])
+    assert result.exit_code == 0 and "already holds this run, complete; nothing to do" in result.stderr
+    assert out.stat().st_mtime_ns == before
+    _assert_same_table(out, reference)
+
+
+# ------------------------------------------------------------------------------------------------------ 2. SIGINT
+def test_sigint_keeps_finished_units_and_prints_the_resume_command(acts, reference, tmp_path):
+    out, marker = tmp_path / "x.parquet", tmp_path / "writing"
+    child = _spawn("mse", acts, *SWEEP, "--out", out, hook={"parts": 4, "marker": str(marker)})
+    _wait_for(marker, child)  # three units written, the fourth being written
+    child.send_signal(signal.SIGINT)
+    result = _finish(child)
+    assert result.returncode == 130, result.stderr
+    assert f"{3 * HEADS} of {UNITS * HEADS} cells are kept in {_parts(out)}" in _said(result)
+    assert "Aborted!" not in result.stderr and "Traceback" not in result.stderr and "resume=True" not in result.stderr
+    assert len(list(_parts(out).glob("part-*.parquet"))) == 3
+    lines = result.stderr.splitlines()
+    command = lines[next(i for i, line in enumerate(lines) if "continue with:" in line) + 1].strip()
+    argv = shlex.split(command)
+    assert argv[0] == "randattn" and "--resume" in argv
+
+    resumed = _cli(*argv[1:])
+    assert resumed.returncode == 0, resumed.stderr
+    _assert_same_table(out, reference)
+    assert not _parts(out).exists()
+
+
+# ------------------------------------------------------------------------------------------------------ 3. SIGKILL mid-write
+def test_sigkill_during_a_part_write_leaves_no_partial_part_and_resume_is_identical(acts, reference, tmp_path):
+    out, marker = tmp_path / "x.parquet", tmp_path / "torn"
+    child = _spawn("mse", acts, *SWEEP, "--out", out, hook={"parts": 3, "marker": str(marker), "torn": True})
+    _wait_for(marker, child)  # the third part's file is half written
+    child.kill()
+    assert _finish(child).returncode == -signal.SIGKILL
+    parts = _parts(out)
+    complete = sorted(parts.glob("part-*.parquet"))
+    assert len(complete) == 2
+    for path in complete:  # every part under its final name is whole
+        assert len(pd.read_parquet(path)) == HEADS
+    torn = [p for p in parts.iterdir() if p.name not in {"manifest.json"} | {c.name for c in complete}]
+    assert torn, "the kill did not land inside a part write"
+    assert all(p.name.startswith(".part-") for p in torn)  # a temporary name, which resume ignores
+
+    refused = _cli("mse", acts, *SWEEP, "--out", out)  # an unfinished run is not silently restarted
+    assert refused.returncode == 2
+    assert "holds an unfinished run; add --resume to continue it, or --overwrite" in _said(refused)
+    assert "resume=True" not in refused.stderr
+
+    resumed = _cli("mse", acts, *SWEEP, "--out", out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    _assert_same_table(out, reference)
+
+
+def test_sigint_to_any_command_exits_130_without_a_traceback(reference, tmp_path):
+    marker = tmp_path / "drawing"
+    child = _spawn("plot", reference, "--out", tmp_path / "figures",
+                   hook={"hold": "randattn.reports.figures:make_figure", "marker": str(marker)})
+    _wait_for(marker, child)
+    child.send_signal(signal.SIGINT)
+    result = _finish(child)
+    assert result.returncode == 130, result.stderr
+    assert "interrupted" in result.stderr and "Traceback" not in result.stderr and "Aborted!" not in result.stderr
+
+
+# ------------------------------------------------------------------------------------------------------ 4. output paths
+_PR_CAPBSET_DROP, _CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 24, 1, 2
+
+
+def _unprivileged():
+    """A ``preexec_fn`` under which file permissions bind the child, or None when they bind already.
+
+    root ignores permissions through CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH; dropping them from the
+    bounding set makes an ``exec``'d root process obey them, while it can still read root's own files
+    (the interpreter may live under a private /root, which rules out switching to ``nobody``).
+    """
+    if os.geteuid() != 0:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def drop() -> None:
+        for cap in (_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH):
+            if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+    try:  # probe: can this process drop capabilities for a child?
+        subprocess.run(["true"], preexec_fn=drop, check=True)
+    except (subprocess.SubprocessError, OSError) as exc:
+        pytest.skip(f"running as root without CAP_SETPCAP: cannot make a read-only folder bind a child ({exc})")
+    return drop
+
+
+_COMMANDS = {  # command -> (arguments before --out, what computing it means)
+    "mse": (lambda acts, table: ["mse", acts, *SWEEP], "randattn.analysis.sweep:run_sweep"),
+    "plot": (lambda acts, table: ["plot", table], "randattn.reports.figures:make_figure"),
+    "report": (lambda acts, table: ["report", table], "randattn.reports.html:write_report"),
+    "demo": (lambda acts, table: ["demo", "--quick"], "randattn.reports.demo:run_demo"),
+    "capture": (lambda acts, table: ["capture", "--images", "skimage:astronaut"], "randattn.activations.dinov2:Dinov2Onnx"),
+}
+
+#: --out of the commands writing a file (the others write a folder)
+_OUT_NAMES = {"mse": "x.parquet", "capture": "acts.safetensors"}
+
+
+@pytest.mark.parametrize("case", ["read-only folder", pytest.param("parent is a file", marks=pytest.mark.slow)])
+def test_unwritable_out_exits_2_before_computing(acts, reference, tmp_path, case):
+    os.chmod(tmp_path, 0o755)
+    if case == "read-only folder":
+        parent = tmp_path / "ro"
+        parent.mkdir(mode=0o555)
+        os.chmod(parent, 0o555)
+    else:
+        parent = tmp_path / "a-file"
+        parent.write_text("not a folder")
+    preexec = _unprivileged() if case == "read-only folder" else None
+    targets = {name: parent / _OUT_NAMES.get(name, "figures") for name in _COMMANDS}
+    running = {name: _spawn(*make(acts, reference), "--out", targets[name], hook={"forbid": [forbid]},
+                            preexec_fn=preexec)
+               for name, (make, forbid) in _COMMANDS.items()}
+    results = dict(zip(running, _all(*running.values())))
+    for name, result in results.items():
+        said = _said(result)
+        assert result.returncode == 2, f"{name}: exit {result.returncode}: {result.stderr[-2000:]}"
+        assert "Traceback" not in result.stderr
+        if case == "read-only folder":
+            assert f"--out '{targets[name]}': cannot write to" in said and "Permission denied" in said, said
+        else:
+            assert f"--out '{targets[name]}': '{parent}' is a file, not a folder" in said, said
+    assert not (tmp_path / "ro" / "figures").exists()
+
+
+def test_error_messages_show_paths_literally(tmp_path):
+    """A path holding '[...]' is not rich markup, and a long one is not wrapped."""
+    missing = tmp_path / ("long-" * 40) / "[rfa] results [/].csv"
+    result = _cli("plot", missing, "--out", tmp_path / "figures")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"cannot read results '{missing}': no such file" in result.stderr
+
+
+@pytest.mark.parametrize("name", list(_COMMANDS))
+def test_out_below_a_file_exits_2_before_computing_in_process(acts, reference, tmp_path, monkeypatch, name):
+    """The fast twin of the real-process test above (a file as parent needs no privileges to set up)."""
+
+    from click.testing import CliRunner
+
+    from randattn.cli import main
+
+    make, forbid = _COMMANDS[name]
+    _forbid_in_process(monkeypatch, forbid)
+    parent = tmp_path / "a-file"
+    parent.write_text("not a folder")
+    target = parent / _OUT_NAMES.get(name, "figures")
+    result = CliRunner().invoke(main, [*map(str, make(acts, reference)), "--out", str(target)])
+    assert result.exit_code == 2, result.output
+    assert f"--out '{target}': '{parent}' is a file, not a folder" in " ".join(result.stderr.split())
+
+
+# ------------------------------------------------------------------------------------------------------ 5. memory
+@pytest.mark.parametrize("mode", _MODES)
+@pytest.mark.parametrize(("args", "size"), [(("--samples", "3000000"), "GiB"),  # issue #11's run
+                                            (("-e", "rfa", "--max-memory", "10MB", "--samples", "200000"), "MiB")])
+def test_sweeps_that_cannot_fit_the_budget_are_refused_before_computing(acts, tmp_path, monkeypatch, mode, args,
+                                                                        size):
+    out = tmp_path / "x.parquet"
+    code, said = _run_either(mode, ["mse", acts, *args, "--out", out], ["randattn.analysis.execute:UnitRunner.run"],
+                             monkeypatch)
+    assert code == 2, said
+    assert re.search(rf"needs about [0-9.]+ {size}, more than the memory budget of [0-9.]+ [KMG]iB", said), said
+    assert "raise --max-memory or use fewer --samples" in said
+    # no parts folder is left to block a rerun (a plain rerun's acceptance of one holding no part is
+    # tests/cli/test_mse.py::test_mse_resume_continues_with_same_out)
+    assert not _parts(out).exists()
+
+
+def test_memory_error_exits_2_naming_what_did_not_fit(acts, tmp_path, monkeypatch):
+    """In process: a MemoryError from the sweep (as numpy raises it) becomes exit 2 with advice."""
+    from click.testing import CliRunner
+
+    import randattn.analysis.sweep
+    from randattn.cli import main
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 7.15 GiB for an array with shape (1, 32, 30000000) and data type float64")
+
+    monkeypatch.setattr(randattn.analysis.sweep, "run_sweep", out_of_memory)
+    out = tmp_path / "x.parquet"
+    result = CliRunner().invoke(main, ["mse", str(acts), "-e", "ra", "--samples", "4", "--out", str(out)])
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2, result.output
+    assert "out of memory (Unable to allocate 7.15 GiB" in said and "lower --max-memory (now 2 GiB)" in said
+
+
+@pytest.mark.slow  # the same under a real limit, in a real process
+def test_memory_error_under_an_address_space_limit_exits_2(acts, tmp_path):
+    limit = 3 * 2**30  # far above the interpreter with torch (< 1 GiB), below one RA array at S = 3e7 (7 GiB)
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    out = tmp_path / "x.parquet"
+    result = _cli("mse", acts, "-e", "ra", "--samples", "30000000", "--replicates", "2", "--max-memory", "100TiB",
+                  "--layers", "0", "--out", out, preexec_fn=limit_memory)
+    said = _said(result)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert re.search(r"out of memory \(Unable to allocate [0-9.]+ GiB", said), said  # what did not fit
+    assert "lower --max-memory (now 100 TiB)" in said and "fewer --samples" in said, said
+    assert not _parts(out).exists()
+
+
+@pytest.mark.slow
+def test_peak_rss_stays_within_the_budget_plus_the_baseline(acts, tmp_path):
+    """Peak RSS of a run whose unsplit work needs ~2.5 GiB, under --max-memory 500MB."""
+
+    def run(*args) -> tuple[int, int]:
+        process = subprocess.Popen([sys.executable, "-c", _PRELUDE, "mse", str(acts), *args, "--layers", "0",
+                                    "--no-diagnostics", "--no-probabilities"], env=_env(), cwd=REPO,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        return process.returncode, usage.ru_maxrss * 1024
+
+    budget = 500 * 10**6
+    code, baseline = run("-e", "rfa", "--samples", "4", "--replicates", "2")
+    assert code == 0
+    heavy = ("-e", "rfa", "--samples", "100000", "--replicates", "16")
+    code, bounded = run(*heavy, "--max-memory", str(budget))
+    assert code == 0
+    allowed = 1.5 * (budget + os.path.getsize(acts) + baseline) + 200 * 2**20
+    assert bounded <= allowed, f"peak RSS {bounded / 2**20:.0f} MiB > {allowed / 2**20:.0f} MiB"
+    code, unbounded = run(*heavy, "--max-memory", "64GiB")  # the same work in one block: the test can fail
+    assert code == 0 and unbounded > allowed, f"{unbounded / 2**20:.0f} MiB: the heavy run is not heavy enough"
+
+
+# ------------------------------------------------------------------------------------------------------ 6. devices
+@pytest.mark.parametrize("mode", _MODES)
+@pytest.mark.parametrize("device", ["tpu", "cuda", "cuda:7"])
+def test_unavailable_devices_exit_2_naming_the_device_and_those_available(acts, monkeypatch, mode, device):
+    import torch
+
+    usable = torch.cuda.device_count() > (7 if device == "cuda:7" else 0) if device.startswith("cuda") else False
+    if usable:
+        pytest.skip(f"{device} is available here")
+    code, said = _run_either(mode, ["mse", acts, "-e", "rfa", "--samples", "4", "--device", device],
+                             ["randattn.analysis.sweep:run_sweep"], monkeypatch)
+    assert code == 2, said
+    assert f"--device '{device}'" in said and "available" in said and "cpu" in said, said
+
+
+@pytest.mark.skipif("__import__('torch').cuda.is_available()", reason="needs a torch without a usable GPU")
+def test_python_api_with_cuda_on_a_cpu_only_torch_raises_a_clear_value_error():
+    import randattn
+
+    q = np.random.default_rng(0).normal(size=(2, 5, 4))
+    with pytest.raises(ValueError, match=r"device='cuda'.*available here: cpu"):
+        randattn.estimate("rfa", q, q, q, num_samples=4, seed=0, backend="torch", device="cuda")
+
+
+def test_readme_python_example_runs_as_written():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Python\n", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "README.md (## Python)", "exec"), namespace)
+    r, t = namespace["r"], namespace["t"]
+    t = t.cpu().numpy() if hasattr(t, "cpu") else np.asarray(t)
+    assert r.shape == t.shape == (16, 6, 197, 64)
+    # same draws: the float32 torch result is the float64 reference up to float32 rounding
+    assert np.abs(t - r).max() <= 1e-4 * np.abs(r).max()
+
+
+# ------------------------------------------------------------------------------------------------------ 8. budgets
+@pytest.mark.slow  # one more sweep process; in process, tests/analysis/test_sweep.py checks the same
+def test_tables_are_bitwise_identical_across_memory_budgets(acts, reference, tmp_path):
+    from randattn.analysis.execute import CANONICAL_REPLICATES, UnitRunner
+    from randattn.analysis.sweep import plan
+    from randattn.cli.mse import _prepare
+
+    config, activations = _prepare(acts, None, ("rfa", "ra"), "4,8,16", 4, None, None, None, 3, "torch", None, "auto",
+                                   0.02, "2GiB", True, True)  # the configuration SWEEP gives
+    runner = UnitRunner(activations, config)
+    canonical = max(runner.cell_bytes(u) * len(u.heads) * min(CANONICAL_REPLICATES, config.replicates)
+                    for u in plan(activations, config))
+    budget = int(1.5 * canonical)  # holds one canonical block of every unit, ~100x less than the reference's
+    assert 2 * 2**30 > 10 * budget
+    out = tmp_path / "x.parquet"
+    result = _cli("mse", acts, *SWEEP, "--max-memory", budget, "--out", out)
+    assert result.returncode == 0, result.stderr
+    _assert_same_table(out, reference)
