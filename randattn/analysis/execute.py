@@ -16,7 +16,7 @@ row is the same, bit for bit, whatever the budget (tested).
 Memory
 ------
 The bytes of one (cell, replicate) are calibrated once per (configuration, S, shape) with
-tracemalloc on the float64 reference at two small sample counts and extrapolated linearly in
+tracemalloc on the float64 reference (after a warm-up call) at S = 16 and 64 and extrapolated linearly in
 S (every estimator's working set is affine in S), scaled by the torch dtype's itemsize, plus
 the stored estimates. A unit whose single (cell, replicate) exceeds ``max_memory`` is refused
 with :class:`MemoryBudgetError` before anything is computed.
@@ -51,7 +51,7 @@ CANONICAL_REPLICATES = 8
 DIAGNOSTIC_REPLICATES = CANONICAL_REPLICATES
 
 #: S at which the working set is measured (then extrapolated linearly in S)
-_CALIBRATION_SAMPLES = (8, 24)
+_CALIBRATION_SAMPLES = (16, 64)
 
 
 class MemoryBudgetError(ValueError):
@@ -172,6 +172,7 @@ class UnitRunner:
                     return _measure_peak(one)
 
             s = unit.num_samples
+            peak_at(min(s, _CALIBRATION_SAMPLES[0]) if s is not None else None)  # warm-up: caches, lazy imports
             if s is None or s <= _CALIBRATION_SAMPLES[1]:
                 peak = peak_at(s)
             else:

@@ -175,6 +175,8 @@ def _prepare(acts, estimator_list, estimator_items, samples, replicates, layers,
         elif device not in (None, "cpu"):
             raise ValueError(f"--device {device} needs --backend torch (the reference runs on the CPU)")
         estimators = parse_estimator_list(texts)
+        if replicates < 2 and any(e.random for e in estimators):
+            raise ValueError(f"--replicates {replicates}: random estimators need at least 2 replicates for a variance")
         num_samples = parse_int_list("--samples", samples)
         memory = parse_bytes(max_memory)
         config = SweepConfig(

@@ -80,10 +80,11 @@ def test_mse_resume_continues_with_same_out(acts_file, tmp_path):
         (lambda f, t: [f, "--layers", "7"], "layers [7] not in the activations; available: [0, 1]"),
         (lambda f, t: [f, "--max-memory", "lots"], "--max-memory: cannot read 'lots'"),
         (lambda f, t: [f, "--resume"], "--resume needs --out"),
+        (lambda f, t: [f, "--replicates", "1"], "--replicates 1: random estimators need at least 2 replicates"),
         (lambda f, t: [f, "--out", t / "r.xlsx"], "unknown suffix '.xlsx'"),
     ],
     ids=["missing-file", "corrupt-file", "unknown-estimator", "unknown-param", "bad-value", "bad-samples",
-         "bad-layer", "bad-memory", "resume-without-out", "bad-out"],
+         "bad-layer", "bad-memory", "resume-without-out", "one-replicate", "bad-out"],
 )
 def test_mse_user_errors_exit_2(acts_file, tmp_path, make_args, message):
     result = _invoke(*make_args(acts_file, tmp_path))
