@@ -113,8 +113,15 @@ def estimator_config(name: str, params: Mapping[str, Any] | None = None) -> Esti
     given = {**parsed, **dict(params or {})}
     spec = get_spec(parsed_name)
     resolved = spec.resolve_params(given)
-    non_default = [f"{p}={_fmt(resolved[p])}" for p, param in spec.params.items() if resolved[p] != param.default]
-    label = parsed_name + (":" + ",".join(non_default) if non_default else "")
+    preset = given.get("preset")
+    if preset is not None and preset != "paper":
+        # a preset names its parameters in one word: keep the word, plus what was set beside it
+        implied = spec.resolve_params({"preset": preset})
+        extra = [f"{p}={_fmt(resolved[p])}" for p in spec.params if resolved[p] != implied[p]]
+        label = f"{parsed_name}:preset={preset}" + ("," + ",".join(extra) if extra else "")
+    else:
+        non_default = [f"{p}={_fmt(resolved[p])}" for p, param in spec.params.items() if resolved[p] != param.default]
+        label = parsed_name + (":" + ",".join(non_default) if non_default else "")
     return EstimatorConfig(
         name=parsed_name,
         params=resolved,

@@ -233,6 +233,7 @@ def parse_label(label: str) -> tuple[str, dict[str, Any]]:
 def display_name_of_label(label: str, params_json: str | Mapping[str, Any] | None = None) -> str:
     """:func:`display_name` of a results-table row: from its ``params`` JSON when given, else from the label."""
     name, params = parse_label(label)
+    preset = {"preset": params["preset"]} if "preset" in params else {}  # the resolved params no longer say it
     if isinstance(params_json, Mapping):
         params = dict(params_json)
     elif isinstance(params_json, str) and params_json.strip():
@@ -241,4 +242,4 @@ def display_name_of_label(label: str, params_json: str | Mapping[str, Any] | Non
             params = value if isinstance(value, dict) else params
         except ValueError:
             pass
-    return display_name(name, params)
+    return display_name(name, {**params, **preset})

@@ -22,7 +22,8 @@ __all__ = ["DemoConfig", "DemoResult", "DemoStep", "QUICK", "run_demo"]
 #: estimators of the default demo over S (LARA Fig. 1's methods plus EVA; softmax is the exact reference row;
 #: RA runs at S = 1, see DemoConfig.single_sample). LARA appears twice: its default decoupled weights (eq. 38)
 #: can be negative and make the normalizer vanish on real ViT keys, which the balance heuristic (eq. 36) avoids.
-DEFAULT_ESTIMATORS: tuple[str, ...] = ("softmax", "rfa:coupling=orthogonal", "lara", "lara:weighting=balance", "eva")
+DEFAULT_ESTIMATORS: tuple[str, ...] = ("softmax", "rfa:coupling=orthogonal", "lara", "lara:preset=official-code",
+                                       "lara:weighting=balance", "eva")
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,7 @@ def run_demo(
 
             tables.append(sweep(acts, sweep_config, progress=on_progress))
             offset += total
+    warnings_seen = _merge_warnings(t.attrs.get("warnings", []) for t in tables)
     table = pd.concat(tables, ignore_index=True)
     seconds["sweep"] = time.perf_counter() - start - seconds["capture"]
 
@@ -244,6 +246,7 @@ def run_demo(
         "seed": config.seed,
         "randattn_version": _version(),
         "activations": [_activation_summary(acts) for acts in activations],
+        "warnings": warnings_seen,
     }
     table_path, metadata_path = write_table(table, out / table_name, metadata)
     files = {"table": table_path, "metadata": metadata_path}
@@ -258,6 +261,17 @@ def run_demo(
     seconds["total"] = time.perf_counter() - start
     report(DemoStep("report", 1, 1))
     return DemoResult(table=table, summary=aggregate(table, seed=config.seed), files=files, seconds=seconds)
+
+
+def _merge_warnings(lists) -> list[dict[str, Any]]:
+    """The sweeps' warning records (category, message, label, count) summed over sweeps, most frequent first."""
+    counts: dict[tuple, int] = {}
+    for records in lists:
+        for r in records:
+            key = (r["category"], r["message"], r["label"])
+            counts[key] = counts.get(key, 0) + int(r["count"])
+    return [{"category": c, "message": m, "label": label, "count": n}
+            for (c, m, label), n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
 
 
 def _cells(acts: Any, config: Any) -> int:

@@ -88,8 +88,10 @@ WARNING_EXPLANATIONS: dict[str, str] = {
         "The estimate's self-normalizer was zero or negative for some queries, so their outputs are not "
         "meaningful (sign kept exactly, no epsilon added). LARA's decoupled weights (eq. 38, the paper's default) "
         "can be negative, and trigonometric random features are signed; on ViT keys this makes the error "
-        "heavy-tailed and can make it rise with S. LARA with alpha_clamp=1e-8 (the official code's clipping) "
-        "or weighting=balance (eq. 36) converges; see the README's findings."
+        "heavy-tailed and can make it rise with S. That is why LARA as written (lara: eq. 38, beta = 1, signs "
+        "kept) and LARA as run (lara:preset=official-code: the authors' code clips alpha at 1e-8, so every weight "
+        "is positive, and draws its noise unscaled) differ: the clipped estimator is a different, biased but "
+        "stable one. weighting=balance (eq. 36) also converges; see the README's findings."
     ),
     "RuntimeWarning": (
         "A numerical or statistical caveat raised while computing the results (e.g. too few replicates for a "
