@@ -135,11 +135,21 @@ class UnitRunner:
                 v[unit.image, heads].astype(np.float64))
 
     def exact(self, unit: Unit, q, k, v) -> tuple[np.ndarray, np.ndarray]:
-        """Exact float64 softmax probabilities ``(C, N, M)`` and output ``(C, N, Dv)``."""
-        from randattn.estimators.softmax.reference import attention_probabilities
+        """Exact float64 softmax probabilities ``(C, N, M)`` and output ``(C, N, Dv)``.
 
-        probs = attention_probabilities(q, k, scale=self.scale)
-        return probs, probs @ v
+        On the torch backend they are computed by torch in float64 with the sweep's pinned thread
+        count, so that every process (a Dask worker too) gets the same bits; numpy's BLAS takes its
+        thread count from the environment, which a Dask nanny sets on its own.
+        """
+        if self.torch is None:
+            from randattn.estimators.softmax.reference import attention_probabilities
+
+            probs = attention_probabilities(q, k, scale=self.scale)
+            return probs, probs @ v
+        torch = self.torch
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v))
+        probs = torch.softmax(self.scale * (tq @ tk.transpose(-1, -2)), dim=-1)
+        return probs.numpy(), (probs @ tv).numpy()
 
     def _dtype_name(self, est: EstimatorConfig) -> str:
         return "float64" if self.config.backend == "reference" else est.torch_dtype_name(self.config.dtype)
@@ -273,7 +283,21 @@ class UnitRunner:
 
     # ------------------------------------------------------------------------------------------------ a unit
     def run(self, unit: Unit) -> list[dict[str, Any]]:
-        """The rows of ``unit`` (one per head and reported S), in head order."""
+        """The rows of ``unit`` (one per head and reported S), in head order.
+
+        torch computes with ``config.threads`` intra-op threads (restored afterwards), so that the
+        rows are the same in every process that runs the unit.
+        """
+        if self.torch is None or self.config.threads is None:
+            return self._run(unit)
+        before = self.torch.get_num_threads()
+        self.torch.set_num_threads(self.config.threads)
+        try:
+            return self._run(unit)
+        finally:
+            self.torch.set_num_threads(before)
+
+    def _run(self, unit: Unit) -> list[dict[str, Any]]:
         from randattn.analysis.metrics import relative_error, replicate_metrics
 
         start = time.perf_counter()

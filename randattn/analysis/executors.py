@@ -70,11 +70,14 @@ def parse_scheduler(text: Any) -> Scheduler:
 
 
 @contextmanager
-def dask_client(scheduler: Scheduler, *, device: str | None = None) -> Iterator[Any]:
+def dask_client(scheduler: Scheduler, *, threads: int | None = None, device: str | None = None) -> Iterator[Any]:
     """A ``distributed.Client`` for ``scheduler`` (a LocalCluster is started and closed here for ``processes``).
 
-    Local workers are single-threaded processes with ``OMP_NUM_THREADS=1`` (each unit is one
-    BLAS stream; N processes use N cores). ``device`` is passed for documentation only: with
+    Local workers are processes with one Dask thread each, whose BLAS/OpenMP pools get ``threads``
+    threads (default 1): the sweep passes its own thread count so that the workers' products round
+    exactly as the in-process run's do (a table is bitwise identical across executors only at equal
+    thread counts). Workers of a running scheduler should be started with the same
+    ``OMP_NUM_THREADS``; torch's count is set per unit from the sweep's configuration anyway. ``device`` is passed for documentation only: with
     ``--device cuda`` run one worker per GPU, e.g. with ``dask_cuda.LocalCUDACluster`` (which sets
     ``CUDA_VISIBLE_DEVICES`` per worker) and ``--scheduler`` pointing at its address.
     """
@@ -83,7 +86,8 @@ def dask_client(scheduler: Scheduler, *, device: str | None = None) -> Iterator[
     except ImportError:  # pragma: no cover - depends on the install
         raise ValueError("--scheduler needs Dask: pip install 'randattn[distributed]'") from None
     if scheduler.kind == "processes":
-        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        n = str(int(threads or 1))
+        env = {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # port-in-use notices for the dashboard
             cluster = LocalCluster(n_workers=scheduler.workers, threads_per_worker=1, processes=True,

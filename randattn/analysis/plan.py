@@ -37,6 +37,7 @@ __all__ = [
     "estimator_config",
     "parse_estimator_list",
     "bind_token_layout",
+    "with_threads",
     "cell_seed",
     "replicate_rng",
     "plan_units",
@@ -138,6 +139,17 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def with_threads(config: SweepConfig) -> SweepConfig:
+    """``config`` with ``threads`` resolved to this process's torch thread count (torch backend)."""
+    if config.backend != "torch" or config.threads is not None:
+        return config
+    import dataclasses
+
+    import torch
+
+    return dataclasses.replace(config, threads=int(torch.get_num_threads()))
+
+
 def bind_token_layout(config: EstimatorConfig, grid: Sequence[int] | None, prefix_tokens: int) -> EstimatorConfig:
     """``config`` with the input's patch grid filled in, for estimators with ``layout="grid"``.
 
@@ -215,6 +227,12 @@ class SweepConfig:
         Importance-sampling diagnostics where available (:mod:`randattn.analysis.diagnostics`).
     khat_queries : int
         Queries per cell on which Pareto k-hat is fitted.
+    threads : int or None
+        torch intra-op threads each process computes with. A float32 product's rounding depends
+        on how many threads split it, so the thread count is part of what makes a table
+        reproducible bit for bit: it is fixed here, recorded, and applied in every process that
+        runs units (Dask workers included). None: this process's ``torch.get_num_threads()``,
+        resolved when the sweep starts.
     check_reference : float in [0, 1]
         torch backend: the fraction of units whose first cell and replicate are re-run on the
         float64 reference with the same draws (at least the first unit of every estimator
@@ -236,6 +254,7 @@ class SweepConfig:
     diagnostics: bool = True
     khat_queries: int = 16
     check_reference: float = 0.02
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.estimators or not all(isinstance(e, EstimatorConfig) for e in self.estimators):
@@ -252,6 +271,8 @@ class SweepConfig:
         if self.backend == "reference" and self.device not in (None, "cpu"):
             raise ValueError(f"device={self.device!r} needs backend='torch' (the reference runs on the CPU)")
         check_positive_int("khat_queries", self.khat_queries, minimum=0)
+        if self.threads is not None:
+            check_positive_int("threads", self.threads)
         fraction = self.check_reference
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= float(fraction) <= 1.0:
             raise ValueError(f"check_reference must be a fraction in [0, 1], got {fraction!r}")
@@ -273,6 +294,7 @@ class SweepConfig:
             "diagnostics": self.diagnostics,
             "khat_queries": self.khat_queries,
             "check_reference": float(self.check_reference) if self.backend == "torch" else 0.0,
+            "threads": self.threads if self.backend == "torch" else None,
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from randattn.analysis.plan import (
     Unit,
     bind_token_layout,
     cell_seed,
+    with_threads,
     estimator_config,
     parse_estimator_list,
     plan_units,
@@ -254,7 +255,7 @@ def run_sweep(
     import pandas as pd
 
     acts = as_activations(activations)
-    config = bind_layout(config, acts)
+    config = with_threads(bind_layout(config, acts))
     units = plan(acts, config)
     parts = Path(parts_dir) if parts_dir is not None else None
     context = sweep_lock(parts) if parts is not None and lock else nullcontext()
@@ -315,7 +316,7 @@ def _execute(runner: UnitRunner, units: list[Unit], parts: Path | None, activati
     if client is not None:
         run_units_dask(client, activations, config, units, parts, on_done=done)
         return
-    with dask_client(spec) as own:
+    with dask_client(spec, threads=config.threads) as own:
         run_units_dask(own, activations, config, units, parts, on_done=done)
 
 

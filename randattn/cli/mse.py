@@ -155,6 +155,7 @@ def _prepare(acts, estimator_list, estimator_items, samples, replicates, layers,
              dtype, check_reference, max_memory, probabilities, diagnostics):
     """Parse and validate every option; user errors exit 2 with a message."""
     from randattn.activations import load_activations
+    from randattn.analysis.plan import with_threads
     from randattn.analysis.sweep import SweepConfig, count_cells, parse_estimator_list
     from randattn.cli._common import abort
     from randattn.estimators.registry import list_estimators
@@ -185,6 +186,7 @@ def _prepare(acts, estimator_list, estimator_items, samples, replicates, layers,
             heads=parse_int_list("--heads", heads), images=parse_int_list("--images", images),
             probabilities=probabilities, diagnostics=diagnostics, check_reference=check_reference,
         )
+        config = with_threads(config)
         count_cells(activations, config)
     except (ValueError, TypeError) as exc:
         abort(str(exc).replace("device=", "--device ").replace("check_reference", "--check-reference"))
@@ -270,7 +272,7 @@ def _run(activations, config, parts, resume, console, where=None, source=None):
             bar.update(task, completed=p.done, description=f"layer {p.layer} {p.label}{s}")
 
         try:
-            with warnings.catch_warnings(), _client(where, console) as client:
+            with warnings.catch_warnings(), _client(where, console, config.threads) as client:
                 warnings.simplefilter("ignore")  # run_sweep re-issues each distinct warning once; it returns them all
                 table = run_sweep(source if client is not None else activations, config, parts_dir=parts,
                                   resume=resume, progress=report, lock=False, resume_hint="--resume",
@@ -307,7 +309,7 @@ def _run(activations, config, parts, resume, console, where=None, source=None):
 
 
 @contextlib.contextmanager
-def _client(where, console):
+def _client(where, console, threads=None):
     """A Dask client for a non-local scheduler (its dashboard address printed), else None."""
     if where is None or where.kind == "local":
         yield None
@@ -316,7 +318,7 @@ def _client(where, console):
     from randattn.cli._common import abort
 
     try:
-        manager = dask_client(where)
+        manager = dask_client(where, threads=threads)
         client = manager.__enter__()
     except ValueError as exc:
         abort(str(exc))

@@ -220,3 +220,28 @@ def test_write_table_keeps_metadata(acts, tmp_path):
     pd.testing.assert_frame_equal(stored.to_pandas(), table)
     with pytest.raises(ValueError, match="unknown suffix"):
         write_table(table, tmp_path / "r.xlsx", meta)
+
+
+def test_units_run_with_the_recorded_thread_count(acts, monkeypatch):
+    """float32 rounding depends on how many threads split a product: the count is fixed, recorded and applied."""
+    import torch
+
+    from randattn.analysis import execute
+
+    seen = []
+    original = execute.UnitRunner._run
+
+    def spy(self, unit):
+        seen.append(torch.get_num_threads())
+        return original(self, unit)
+
+    monkeypatch.setattr(execute.UnitRunner, "_run", spy)
+    before = torch.get_num_threads()
+    table = run_sweep(acts, _config(backend="torch", threads=1, estimators=parse_estimator_list("rfa"),
+                                    num_samples=(4,), layers=(0,)))
+    assert seen and set(seen) == {1} and torch.get_num_threads() == before
+    from randattn.analysis.plan import with_threads
+
+    assert with_threads(_config(backend="torch")).threads == before
+    assert with_threads(_config(backend="torch")).identity()["threads"] == before
+    assert len(table) == 4
