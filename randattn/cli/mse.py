@@ -85,13 +85,16 @@ def parse_int_list(name: str, text: str | None) -> tuple[int, ...] | None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out table (and any unfinished run of it).")
 @click.option("--out", "out", type=click.Path(path_type=Path), default=None,
               help="Result table: .parquet, .csv or .json (metadata in <out>.meta.json).")
+@click.option("--threads", type=int, default=None, metavar="N",
+              help="torch intra-op threads per process (default: torch's, usually the number of cores); recorded, "
+                   "and needed to reproduce a table bit for bit: float32 rounding depends on it.")
 @click.option("--scheduler", default="local", show_default=True, metavar="WHERE",
               help="Where units run: local (this process), processes:N (a local Dask cluster of N worker "
                    "processes) or tcp://HOST:PORT (a running Dask scheduler; ACTS must be readable by every worker). "
                    "The table is the same whatever the scheduler.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def command(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images, seed, backend, device,
-            dtype, check_reference, max_memory, probabilities, diagnostics, resume, overwrite, out, scheduler,
+            dtype, check_reference, max_memory, probabilities, diagnostics, resume, overwrite, out, threads, scheduler,
             as_json) -> None:
     """Measure bias, variance and MSE of estimators on the activations in ACTS.
 
@@ -120,7 +123,7 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
         abort(str(exc))
     config, activations = _prepare(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images,
                                    seed, backend, device, dtype, check_reference, max_memory, probabilities,
-                                   diagnostics)
+                                   diagnostics, threads)
     if out is None:
         if resume:
             abort("--resume needs --out (the interrupted run's output path)")
@@ -152,7 +155,7 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
 
 
 def _prepare(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images, seed, backend, device,
-             dtype, check_reference, max_memory, probabilities, diagnostics):
+             dtype, check_reference, max_memory, probabilities, diagnostics, threads=None):
     """Parse and validate every option; user errors exit 2 with a message."""
     from randattn.activations import load_activations
     from randattn.analysis.plan import with_threads
@@ -185,6 +188,7 @@ def _prepare(acts, estimator_list, estimator_items, samples, replicates, layers,
             device=device, dtype=dtype, max_memory=memory, layers=parse_int_list("--layers", layers),
             heads=parse_int_list("--heads", heads), images=parse_int_list("--images", images),
             probabilities=probabilities, diagnostics=diagnostics, check_reference=check_reference,
+            threads=threads,
         )
         config = with_threads(config)
         count_cells(activations, config)
