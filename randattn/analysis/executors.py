@@ -112,9 +112,11 @@ def dask_client(scheduler: Scheduler, *, threads: int | None = None, device: str
 @functools.lru_cache(maxsize=4)
 def _worker_runner(path: str, mtime_ns: int, config_key: str, config):
     """One UnitRunner per (file, configuration) per worker process: the file is read once, not per unit."""
+    from randattn._process import retain_freed_memory
     from randattn.activations import load_activations
     from randattn.analysis.execute import UnitRunner
 
+    retain_freed_memory()  # a worker process is ours to configure, as the CLI's is (randattn._process)
     return UnitRunner(load_activations(path), config)
 
 

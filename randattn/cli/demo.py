@@ -58,7 +58,10 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from randattn._process import retain_freed_memory
     from randattn.reports.demo import QUICK, DemoConfig, run_demo
+
+    retain_freed_memory()  # see randattn._process: the sweep's blocks reuse pages instead of faulting them in
 
     base = QUICK if quick else DemoConfig()
     overrides = {

@@ -110,10 +110,12 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
     Exit codes: 0 ok, 2 bad usage or input (nothing is computed), 130 interrupted
     (finished units are kept; the message gives the --resume command).
     """
+    from randattn._process import retain_freed_memory
+    from randattn.analysis.executors import parse_scheduler
     from randattn.analysis.store import SweepLockedError, sweep_lock
     from randattn.cli._common import UserError, abort, err_console
 
-    from randattn.analysis.executors import parse_scheduler
+    retain_freed_memory()  # the sweep reuses its large blocks' pages instead of faulting them in again
 
     if resume and overwrite:
         abort("--resume and --overwrite exclude each other")
