@@ -15,22 +15,25 @@ row is the same, bit for bit, whatever the budget (tested).
 
 Memory
 ------
-The bytes of one (cell, replicate) are calibrated once per (configuration, S, shape) with
-tracemalloc on the float64 reference (after a warm-up call) at S = 16 and 64 and extrapolated linearly in
-S (every estimator's working set is affine in S), scaled by the torch dtype's itemsize, plus
-the stored estimates. A unit whose single (cell, replicate) exceeds ``max_memory`` is refused
-with :class:`MemoryBudgetError` before anything is computed.
+A block of c cells x r replicates is modelled to need ``c (a + b r)`` bytes: ``a`` per cell
+whatever R, ``b`` per replicate. Both are calibrated once per (configuration, S, shape) by
+:func:`~randattn.analysis.memory.measure_peak` on the code path that runs (the batched torch form
+and its probability pass on the torch backend, the float64 reference otherwise; diagnostics
+included) at one cell with one and two replicates, after a warm-up call, at S = 16 and 64, and
+extrapolated linearly in S (every estimator's working set is affine in S), plus the stored
+estimate. A unit whose single (cell, replicate) exceeds ``max_memory`` is refused with
+:class:`MemoryBudgetError` before anything is computed.
 """
 
 from __future__ import annotations
 
 import time
-import tracemalloc
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+from randattn.analysis.memory import measure_peak
 from randattn.analysis.plan import EstimatorConfig, SweepConfig, Unit, replicate_rng
 from randattn.estimators.base import Draws
 
@@ -85,20 +88,8 @@ def _slice_draws(draws: Draws, reps: slice, cells: slice) -> Draws:
     return Draws(arrays, len(range(draws.replicates)[reps]))
 
 
-def _measure_peak(func: Callable[[], Any]) -> int:
-    """Peak bytes traced by tracemalloc during ``func()`` (numpy reports its buffers)."""
-    was_tracing = tracemalloc.is_tracing()
-    if not was_tracing:
-        tracemalloc.start()
-    tracemalloc.reset_peak()
-    base = tracemalloc.get_traced_memory()[0]
-    try:
-        func()
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        if not was_tracing:
-            tracemalloc.stop()
-    return max(peak - base, 1)
+def _draw_bytes(draws: Draws) -> int:
+    return sum(a.nbytes for a in draws.arrays.values())
 
 
 class UnitRunner:
@@ -156,43 +147,59 @@ class UnitRunner:
 
     # ------------------------------------------------------------------------------------------------ memory
     def cell_bytes(self, unit: Unit) -> int:
-        """Approximate peak bytes of one (cell, replicate) of ``unit`` (see the module notes)."""
+        """Approximate peak bytes of the smallest block of ``unit``: one (cell, replicate)."""
+        return self.block_bytes(unit, 1, 1)
+
+    def block_bytes(self, unit: Unit, cells: int, reps: int) -> int:
+        """Approximate peak bytes of a block of ``cells`` heads x ``reps`` replicates of ``unit``.
+
+        The working set is modelled as ``cells * (a + b * reps)``: ``a`` is what a cell needs
+        whatever R (EVA's exact chunk weights, the exact probabilities, gathered keys), ``b``
+        what each replicate adds. Both are measured at one cell with one and two replicates.
+        """
+        per_cell, per_rep = self._calibration(unit)
+        return cells * (per_cell + per_rep * reps)
+
+    def _calibration(self, unit: Unit) -> tuple[int, int]:
+        """``(a, b)`` of :meth:`block_bytes` for ``unit``'s configuration, S and shape (measured once)."""
         est = self.config.estimators[unit.est_index]
-        n, m, d = self.acts.shape[2], self.acts.shape[2], self.acts.shape[3]
+        n, d = self.acts.shape[2], self.acts.shape[3]
         key = (est.label, unit.num_samples, self.acts.shape[2:])
         if key not in self._cell_bytes:
             spec = self.specs[est.name]
             q, k, v = (a[:1] for a in self.inputs(unit))
+            exact_probs = self.exact(unit, q, k, v)[0] if self.config.probabilities else None
+            reps_measured = (1, 2) if est.random else (1,)
 
-            def peak_at(samples: int | None) -> int:
+            def peak_at(samples: int | None, reps: int) -> int:
+                draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(reps), samples)
+
                 def one() -> None:
-                    draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(1), samples)
-                    # the probability pass (v = I_M) is the larger of the two calls: its peak bounds both
-                    values = np.broadcast_to(np.eye(m), (1, m, m)) if self.config.probabilities else v
-                    spec.reference(q, k, values, draws, scale=self.scale, **est.params)
+                    # the code path that runs: estimates, the probability pass, diagnostics
+                    self._estimate_block(spec, est, q, k, v, draws, exact_probs)
                     if self.config.diagnostics and est.random:
-                        from randattn.analysis.diagnostics import estimator_diagnostics
-
-                        estimator_diagnostics(est.name, q, k, v, draws, scale=self.scale, params=est.params,
-                                              khat_queries=0)
+                        self._diagnostics_block(est, q, k, v, draws, first_block=False)
 
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # calibration only: the real run reports warnings
-                    return _measure_peak(one)
+                    return measure_peak(one, torch_tensors=self.torch is not None) + _draw_bytes(draws)
+
+            def model_at(samples: int | None) -> tuple[int, int]:
+                peaks = [peak_at(samples, r) for r in reps_measured]
+                per_rep = max(peaks[-1] - peaks[0], 0) if len(peaks) > 1 else peaks[0]
+                return max(peaks[0] - per_rep, 0), per_rep
 
             s = unit.num_samples
-            peak_at(min(s, _CALIBRATION_SAMPLES[0]) if s is not None else None)  # warm-up: caches, lazy imports
+            peak_at(min(s, _CALIBRATION_SAMPLES[0]) if s is not None else None, 1)  # warm-up: caches, lazy imports
             if s is None or s <= _CALIBRATION_SAMPLES[1]:
-                peak = peak_at(s)
-            else:
+                a, b = model_at(s)
+            else:  # affine in S through the two calibration points
                 (s1, s2) = _CALIBRATION_SAMPLES
-                p1, p2 = peak_at(s1), peak_at(s2)
-                peak = int(max(p1, p2) + max(p2 - p1, 0) / (s2 - s1) * (s - s2))
-            itemsize = 4 if self._dtype_name(est) == "float32" else 8
-            scaled = peak * itemsize // 8 if self.config.backend == "torch" else peak
-            # stored per (cell, replicate): the float64 estimate, and the probability block (its error is taken in place)
-            kept = 8 * n * v.shape[-1] + (n * m * itemsize if self.config.probabilities else 0)
-            self._cell_bytes[key] = int(1.5 * scaled) + kept + 8 * (s or 1) * d
+                (a1, b1), (a2, b2) = model_at(s1), model_at(s2)
+                a = int(max(a1, a2) + max(a2 - a1, 0) / (s2 - s1) * (s - s2))
+                b = int(max(b1, b2) + max(b2 - b1, 0) / (s2 - s1) * (s - s2))
+            # margin 1.5 for allocator slack; stored per (cell, replicate): the float64 estimate
+            self._cell_bytes[key] = (int(1.5 * a), int(1.5 * b) + 8 * n * v.shape[-1] + 8 * (s or 1) * d)
         return self._cell_bytes[key]
 
     def blocks(self, unit: Unit) -> list[tuple[slice, slice]]:
@@ -211,8 +218,8 @@ class UnitRunner:
         """
         est = self.config.estimators[unit.est_index]
         cells, reps = len(unit.heads), self.replicates(est)
-        per = self.cell_bytes(unit)
         budget = self.config.max_memory
+        per = self.cell_bytes(unit)
         if per > budget:
             s = "" if unit.num_samples is None else f" at S = {unit.num_samples}"
             raise MemoryBudgetError(
@@ -220,13 +227,18 @@ class UnitRunner:
                 f"{format_bytes(per)}, more than the memory budget of {format_bytes(budget)}; "
                 "raise --max-memory or use fewer --samples"
             )
+        per_cell, per_rep = self._calibration(unit)
+
+        def most_reps(c: int) -> int:  # the most replicates a block of c cells holds within the budget
+            return (budget // c - per_cell) // per_rep if per_rep else reps
+
         canonical = min(CANONICAL_REPLICATES, reps)
-        if per * cells * canonical <= budget:
+        if self.block_bytes(unit, cells, canonical) <= budget:
             size = canonical
-        elif per * cells <= budget:
-            size = budget // (per * cells)
+        elif self.block_bytes(unit, cells, 1) <= budget:
+            size = most_reps(cells)
         else:
-            size = budget // per
+            size = max(1, most_reps(1))
             return [(slice(c, c + 1), slice(r, min(r + size, reps))) for c in range(cells)
                     for r in range(0, reps, size)]
         return [(slice(0, cells), slice(r, min(r + size, reps))) for r in range(0, reps, size)]
@@ -255,12 +267,18 @@ class UnitRunner:
             out = out.to(torch.float64).cpu().numpy()
             prob_sq = None
             if self.config.probabilities:
-                eye = torch.eye(m, device=self.device, dtype=dt).expand(*k.shape[:-1], m)
-                probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params)
-                # in place in the run's dtype, summed in float64: no float64 copy of the (R, C, N, M) block. The
-                # exact P rounded to float32 is off by <= 6e-8 P, negligible against an estimator's |P_hat - P|
+                if spec.batched_probabilities is not None:
+                    probs = spec.batched_probabilities(tq, tk, tdraws, scale=self.scale, **est.params)
+                else:
+                    eye = torch.eye(m, device=self.device, dtype=dt).expand(*k.shape[:-1], m)
+                    probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params)
+                # in place in the run's dtype: no float64 copy of the (R, C, N, M) block. The exact P rounded to
+                # float32 is off by <= 6e-8 P, negligible against an estimator's |P_hat - P|. Each row's norm is
+                # taken in the run's dtype (each row alone, whatever the block), the N squared norms summed in
+                # float64; sum(dtype=float64) over the block would convert it whole (20x slower)
                 probs.sub_(torch.as_tensor(exact_probs, device=self.device, dtype=probs.dtype))
-                prob_sq = probs.square_().sum(dim=(-2, -1), dtype=torch.float64).cpu().numpy()
+                row_norms = torch.linalg.vector_norm(probs, dim=-1)  # one fused pass; relative rounding ~1e-8
+                prob_sq = row_norms.to(torch.float64).square_().sum(-1).cpu().numpy()
                 del probs
         return out, prob_sq
 
@@ -307,6 +325,9 @@ class UnitRunner:
         blocks = self.blocks(unit)
         q, k, v = self.inputs(unit)
         exact_probs, exact = self.exact(unit, q, k, v)
+        if self.torch is not None and config.probabilities:  # converted once per unit, not per block
+            exact_probs = self.torch.as_tensor(exact_probs, device=self.device,
+                                               dtype=getattr(self.torch, self._dtype_name(est)))
         cells, reps = len(unit.heads), self.replicates(est)
         n, dv = q.shape[-2], v.shape[-1]
         out = np.empty((reps, cells, n, dv))
