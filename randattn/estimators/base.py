@@ -104,6 +104,11 @@ class EstimatorSpec:
         ``is_random(params) -> bool``: False for deterministic variants (softmax, ``sample="mean"``).
     variants : mapping of str to params
         Parameter sets the common test suite runs (batched == reference, shapes, seeds).
+    batched_probabilities : callable or None
+        torch ``probabilities(q, k, draws, *, scale, **params) -> (R, ..., N, M)``: the attention
+        probabilities the estimator implies, equal (to rounding) to ``batched`` with
+        ``v = I_M`` but without the ``(., M) x (M, M)`` products the identity would cost.
+        None: the sweep calls ``batched`` with ``v = I_M``.
     presets : mapping of str to params
         Named parameter sets selected by the ``preset`` parameter (e.g. ``"official-code"``: the
         conventions of the authors' code); ``"paper"`` (the defaults) is always allowed. Explicit
@@ -122,6 +127,7 @@ class EstimatorSpec:
     is_random: Callable[[Mapping[str, Any]], bool] = field(default=lambda params: True)
     variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    batched_probabilities: Callable[..., Any] | None = None
 
     def preset_names(self) -> tuple[str, ...]:
         """Allowed values of ``preset``: ``"paper"`` (the defaults) and the declared presets."""

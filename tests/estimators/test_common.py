@@ -101,6 +101,31 @@ def test_batched_matches_reference_float64(case, shape, rng):
     assert_close(bat, ref, atol=atol, rtol=rtol, what=f"{name} {params}")
 
 
+PROBABILITY_VARIANTS = [case for case in VARIANTS if randattn.get_spec(case[0]).batched_probabilities is not None]
+
+
+@pytest.mark.parametrize("case", PROBABILITY_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_batched_probabilities_are_the_reference_with_identity_values(case, shape, rng):
+    """The implied probabilities the sweep measures: the float64 reference with v = I_M is the definition."""
+    name, _, params = case
+    _, q_shape, k_shape, _ = shape
+    q_shape, k_shape = _fit(params, q_shape, k_shape)
+    q, k, _ = _inputs(rng, q_shape, k_shape, k_shape)
+    params = _fit_grid(params, q.shape[-2], k.shape[-2])
+    spec = randattn.get_spec(name)
+    draws = spec.draw(q.shape, k.shape, num_samples=_samples(name, params), replicates=3,
+                      rng=np.random.default_rng(5), **params)
+    eye = np.broadcast_to(np.eye(k.shape[-2]), (*k.shape[:-1], k.shape[-2]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonPositiveDenominatorWarning)
+        ref = spec.reference(q, k, eye, draws, scale=None, **params)
+        bat = spec.batched_probabilities(torch.as_tensor(q), torch.as_tensor(k), draws.to_torch(), scale=None, **params)
+    assert bat.shape == (3, *q_shape[:-1], k_shape[-2]) and bat.dtype == torch.float64
+    atol, rtol = TOLERANCES["float64"]
+    assert_close(bat, ref, atol=atol, rtol=rtol, what=f"{name} {params}")
+
+
 @pytest.mark.parametrize("case", VARIANTS, ids=variant_id)
 def test_float32_batched_close_to_reference(case, rng):
     """float32 tolerance: a few hundred ulps (see randattn.testing.TOLERANCES)."""

@@ -125,6 +125,7 @@ SPEC = EstimatorSpec(
     draw=draw,
     reference=reference.estimate,
     batched=batched.estimate,
+    batched_probabilities=batched.probabilities,
     is_random=_is_random,
     variants=_variants(),
     presets=EVA_PRESETS,

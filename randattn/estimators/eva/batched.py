@@ -33,7 +33,7 @@ from randattn.estimators.eva.reference import check_eva_params, chunk_proposal_m
 from randattn.estimators.grid import resolve_grid
 from randattn.estimators.ra.reference import noise_std
 
-__all__ = ["estimate", "eva_attention", "block_exact_attention", "WORK_ELEMENTS"]
+__all__ = ["estimate", "probabilities", "eva_attention", "block_exact_attention", "WORK_ELEMENTS"]
 
 #: elements of the largest intermediate tensor of one slice of blocks (2^25: 128 MiB in float32)
 WORK_ELEMENTS = 2**25
@@ -108,6 +108,8 @@ class ChunkTerms:
     ``k_land (..., G, C, D)``, ``sizes (G, C)``, ``omega (R', ..., G, C, S, D)``,
     ``log_alpha (R', ..., G, C, S)``, ``log_mass (R', ..., G, C, S)`` (0 for empty chunks),
     ``v_mean (R', ..., G, C, S, Dv)``; ``R'`` is R, or 1 for the deterministic expected sample.
+    Without values (the implied probabilities) ``v_mean`` is the key distribution itself,
+    ``(R', ..., G, C, S, L)`` over each chunk's key slots (0 on padding).
     """
 
     k_land: torch.Tensor
@@ -125,7 +127,7 @@ def _chunk_terms(x, y, v, y_sq, eps, pad: PaddedPartition, groups: torch.Tensor,
     cs, csm = _t(pad.chunk_sources, dev)[groups], _t(pad.chunk_source_mask, dev)[groups]
     kf, sf = ckm.to(x.dtype), csm.to(x.dtype)
     sizes = kf.sum(-1)  # (G, C)
-    y_c, v_c = _gather(y, ck), _gather(v, ck)  # (..., G, C, L, D / Dv)
+    y_c = _gather(y, ck)  # (..., G, C, L, D)
     # masked means as products (G, C, 1, L) @ (..., G, C, L, D): no masked copy of the keys
     k_land = (kf.unsqueeze(-2) @ y_c).squeeze(-2) / sizes.clamp(min=1).unsqueeze(-1)  # (..., G, C, D)
     q_land = (sf.unsqueeze(-2) @ _gather(x, cs)).squeeze(-2) / sf.sum(-1).clamp(min=1).unsqueeze(-1)
@@ -142,7 +144,10 @@ def _chunk_terms(x, y, v, y_sq, eps, pad: PaddedPartition, groups: torch.Tensor,
     log_mass = torch.logsumexp(log_kf, dim=-2)  # (R', ..., G, C, S)
     log_mass = torch.where(sizes.unsqueeze(-1) > 0, log_mass, torch.zeros_like(log_mass))  # empty chunks: weight -inf later
     key_probs = torch.exp(log_kf - log_mass.unsqueeze(-2))  # (R', ..., G, C, L, S)
-    v_mean = _rows_matmul(key_probs.transpose(-1, -2), v_c)  # (R', ..., G, C, S, Dv)
+    if v is None:  # v = I_M: the values' weights themselves, over the chunk's key slots
+        v_mean = key_probs.transpose(-1, -2)  # (R', ..., G, C, S, L)
+    else:
+        v_mean = _rows_matmul(key_probs.transpose(-1, -2), _gather(v, ck))  # (R', ..., G, C, S, Dv)
     return ChunkTerms(k_land, sizes, omega, log_alpha, log_mass, v_mean)
 
 
@@ -177,7 +182,7 @@ def _slice_size(pad: PaddedPartition, reps: int, batch_numel: int, samples: int,
 def eva_attention(
     x: torch.Tensor,
     y: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     eps: torch.Tensor | None,
     pad: PaddedPartition,
     *,
@@ -192,8 +197,13 @@ def eva_attention(
     ``x, y`` are the scaled queries/keys ``(..., N|M, D)``, ``eps : (R, ..., C, S, D)`` the
     standard normals (None for the expected sample :math:`\omega_c = \mu_c`). See
     ``eva.reference.estimate`` for the equations; this is the same arithmetic regrouped.
+
+    ``v = None`` stands for ``I_M`` without forming it: the result is the implied attention
+    probabilities ``(R, ..., N, M)``, each block's exact and chunk weights scattered to the key
+    columns they weigh (``O(N M)``, where ``I_M`` would cost products with M columns).
     """
-    dev, dim, dv = x.device, x.shape[-1], v.shape[-1]
+    dev, dim = x.device, x.shape[-1]
+    dv = y.shape[-2] if v is None else v.shape[-1]
     batch = x.shape[:-2]
     batch_numel = math.prod(batch)
     num_groups = pad.chunk_keys.shape[0]
@@ -255,7 +265,10 @@ def eva_attention(
         # eq. 16: one softmax over the exact logits and the chunk log-weights of each query
         probs = torch.softmax(logits, dim=-1)  # (R|1, ..., b, Q, E + C)
         v_mean = terms.v_mean  # (R', ..., g, C, S, Dv)
-        if samples == 1:
+        if v is None:
+            out = _scatter_probabilities(probs, v_mean, log_qf, terms, bk, _t(pad.chunk_keys, dev)[
+                gob_all[sl] if not shared_groups else _t([0], dev)], num_e, dv, samples)
+        elif samples == 1:
             # beta_c is query-independent: one product with [exact values; chunk coefficients]
             v_chunks = v_mean[..., 0, :]  # (R', ..., g, C, Dv)
             v_rows = v.unsqueeze(0).expand(v_chunks.shape[0], *v.shape)
@@ -268,6 +281,35 @@ def eva_attention(
         pieces.append(out.expand(replicates, *out.shape[1:]))
     out = torch.cat(pieces, dim=-3) if len(pieces) > 1 else pieces[0]  # (R, ..., B, Q, Dv)
     return _gather(out.flatten(-3, -2), _t(pad.query_slot, dev))
+
+
+def _scatter_probabilities(probs, key_probs, log_qf, terms: ChunkTerms, bk, ck, num_e: int, num_keys: int,
+                           samples: int) -> torch.Tensor:
+    """Implied probabilities of a slice of blocks ``(R, ..., b, Q, M)`` from its softmax weights (eq. 16).
+
+    ``probs (R|1, ..., b, Q, E + C)`` weigh the exact keys ``bk (b, E)`` and the chunks; chunk
+    ``c`` spreads its weight over its keys ``ck (g, C, L)`` by ``key_probs (R', ..., g, C, S, L)``
+    (mixed over the S samples by ``w_ncs`` when S > 1). Exact keys and chunk keys of a block are
+    disjoint, and padded slots carry weight 0, so one scatter-add per part places every weight.
+    """
+    num_b, num_q = probs.shape[-3], probs.shape[-2]
+    lead = probs.shape[:-3]
+    chunk_w = probs[..., num_e:]  # (R|1, ..., b, Q, C)
+    if samples == 1:
+        # (R, ..., b, Q, C, 1) * (R', ..., g, 1, C, L): chunk weight times its key distribution
+        spread = chunk_w.unsqueeze(-1) * key_probs[..., 0, :].unsqueeze(-3)
+    else:
+        mix = torch.softmax(log_qf + terms.log_mass.unsqueeze(-3), dim=-1)  # w_ncs: (R, ..., b, Q, C, S)
+        weights = (chunk_w.unsqueeze(-1) * mix).movedim(-2, -3)  # (R, ..., b, C, Q, S)
+        spread = (weights @ key_probs).movedim(-3, -2)  # groups g in {1, b} broadcast: (R, ..., b, Q, C, L)
+    spread = spread.flatten(-2)  # (R, ..., b, Q, C * L)
+    reps = max(probs.shape[0], spread.shape[0])
+    out = probs.new_zeros((reps, *lead[1:], num_b, num_q, num_keys))
+    exact_cols = bk.unsqueeze(-2).expand(num_b, num_q, bk.shape[-1])  # (b, Q, E)
+    out.scatter_add_(-1, exact_cols.expand(*out.shape[:-1], num_e), probs[..., :num_e].expand(*out.shape[:-1], num_e))
+    chunk_cols = ck.reshape(ck.shape[0], 1, -1).expand(num_b, num_q, ck.shape[-2] * ck.shape[-1])  # (b, Q, C L)
+    out.scatter_add_(-1, chunk_cols.expand(*out.shape[:-1], chunk_cols.shape[-1]), spread.expand(*out.shape[:-1], spread.shape[-1]))
+    return out
 
 
 def block_exact_attention(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, pad: PaddedPartition) -> torch.Tensor:
@@ -299,12 +341,22 @@ def estimate(
     samples_per_chunk: int = 1,
 ) -> torch.Tensor:
     """EVA over (R, ..., N, Dv); same signature, equations and layout as ``eva.reference.estimate``."""
+    return _evaluate(q, k, v, draws, scale=scale, window=window, prefix_tokens=prefix_tokens, layout=layout, grid=grid,
+                     partition=partition, chunk_weight=chunk_weight, add_log_chunk_size=add_log_chunk_size,
+                     proposal_mean=proposal_mean, sample=sample, noise=noise, samples_per_chunk=samples_per_chunk)
+
+
+def _evaluate(q, k, v, draws, *, scale, window, prefix_tokens, layout, grid, partition, chunk_weight, add_log_chunk_size,
+              proposal_mean, sample, noise, samples_per_chunk) -> torch.Tensor:
+    """:func:`estimate`, or the implied probabilities when ``v`` is None (``I_M``, never formed)."""
     check_eva_params(
         window=window, prefix_tokens=prefix_tokens, layout=layout, grid=grid, partition=partition, chunk_weight=chunk_weight,
         add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean, sample=sample, noise=noise,
         samples_per_chunk=samples_per_chunk,
     )
-    x, y, v, scale, batch = prepare_batched(q, k, v, scale)
+    identity = v is None
+    x, y, v, scale, batch = prepare_batched(q, k, k if identity else v, scale)
+    v = None if identity else v
     sigma = noise_std(noise, scale)
     dim = x.shape[-1]
     draws = to_torch_draws(draws, x)
@@ -320,3 +372,19 @@ def estimate(
         x, y, v, eps if sample == "random" else None, pad, replicates=draws.replicates, sigma=sigma,
         chunk_weight=chunk_weight, add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean,
     )
+
+
+def _params():
+    from randattn.estimators.eva import PARAMS
+
+    return PARAMS
+
+
+def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, **params: Any) -> torch.Tensor:
+    """The attention probabilities EVA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
+
+    Same parameters as :func:`estimate`; the exact and chunk weights are scattered to their key
+    columns (``O(N M)``) instead of multiplying an identity.
+    """
+    defaults = {name: p.default for name, p in _params().items()}
+    return _evaluate(q, k, None, draws, scale=scale, **{**defaults, **params})

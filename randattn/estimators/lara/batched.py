@@ -27,6 +27,7 @@ from randattn.estimators.segments import segment_means_torch
 __all__ = [
     "lara_terms",
     "estimate",
+    "probabilities",
     "log_target_density",
     "log_unnormalized_target",
     "f_values",
@@ -60,11 +61,15 @@ def _proposal_means(x_lm: torch.Tensor, y_lm: torch.Tensor | None, y: torch.Tens
 def _pairwise_sq_dist(centre: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
     """``|omega_j - centre_i|^2`` : (R, ..., I, J) for centre (..., I, D), omega (R, ..., J, D).
 
-    ``torch.cdist`` without the matrix-product expansion: differences are taken directly (no
-    cancellation of ``|omega|^2 - 2 omega.mu + |mu|^2`` at norms ~ 50) and no (I, J, D) tensor.
+    In float32, ``torch.cdist`` without the matrix-product expansion: differences are taken
+    directly (no cancellation of ``|omega|^2 - 2 omega.mu + |mu|^2`` at norms ~ 50, which would
+    cost ~0.3 absolute in float32) and no (I, J, D) tensor. In float64 that cancellation costs
+    ~1e-12 and the expansion's matrix product is ~10x faster (a third of signed LARA's time at
+    197 tokens, S = 128), so float64 takes it.
     """
     centre = centre.unsqueeze(0).expand(omega.shape[0], *centre.shape)
-    return torch.cdist(centre, omega, compute_mode="donot_use_mm_for_euclid_dist").square()
+    mode = "use_mm_for_euclid_dist" if omega.dtype == torch.float64 else "donot_use_mm_for_euclid_dist"
+    return torch.cdist(centre, omega, compute_mode=mode).square()
 
 
 def _sq_dist_to_mixture_means(omega: torch.Tensor, centre: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -247,28 +252,75 @@ def estimate(
     of lower precision are computed in float64 there and the output is returned in their dtype;
     positive weightings stay in the input dtype (their sums do not cancel).
     """
-    signed = _is_signed(weighting, alpha_clamp)
-    in_dtype = q.dtype if isinstance(q, torch.Tensor) else torch.float64
-    work = None
-    if signed and in_dtype in (torch.float32, torch.float16, torch.bfloat16):
-        # before the temperature scaling, so that x = sqrt(scale) q is not rounded to float32 either
-        work = torch.float64
-        q, k, v = (a.to(work) if isinstance(a, torch.Tensor) else a for a in (q, k, v))
-    x, y, v, x_lm, omega, log_q = _proposals(
-        q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-        sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens,
-    )  # fmt: skip
-    dim, dim_v = x.shape[-1], v.shape[-1]
-    # keys: E = exp(log xi(y_m, omega_c) - s_c) : (R, ..., C, M), and [E v, E 1] : (R, ..., C, Dv + 1)
-    key_log = omega @ y.transpose(-1, -2).unsqueeze(0)
-    key_log.sub_((0.5 * torch.linalg.vector_norm(y, dim=-1).square()).unsqueeze(-2).unsqueeze(0))
-    key_shift = key_log.amax(-1, keepdim=True)
-    key_exp = key_log.sub_(key_shift).exp_()
+    params = dict(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                  sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, **params)
+    dim_v = v.shape[-1]
+    # [E v, E 1] : (R, ..., C, Dv + 1)
     v_one = v.new_empty((*v.shape[:-1], dim_v + 1))
     v_one[..., :dim_v] = v
     v_one[..., dim_v] = 1.0
     key_stats = key_exp @ v_one.unsqueeze(0)
-    del key_log, key_exp
+    del key_exp
+    sums = weights_t.transpose(-1, -2) @ key_stats  # (R, ..., N, Dv + 1)
+    return _normalize(sums[..., :-1], sums[..., -1:], signed, in_dtype)
+
+
+def probabilities(
+    q: Any,
+    k: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    proposal: str = "eq34",
+    weighting: str = "decoupled",
+    beta: float = 1.0,
+    alpha_clamp: float | None = None,
+    sample: str = "random",
+    noise: str = "paper",
+    layout: str = "grid",
+    grid: Any = None,
+    prefix_tokens: int = 0,
+) -> torch.Tensor:
+    r"""The attention probabilities LARA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
+
+    Without forming the identity: :math:`\hat P = W^	op E / (W^	op E\,1)` with the query
+    weights :math:`W` and key exponentials :math:`E` of :func:`estimate`, one ``(N, C) x (C, M)``
+    product (``v = I_M`` would add a ``(C, M) x (M, M)`` one).
+    """
+    params = dict(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                  sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    weights_t, key_exp, _, signed, in_dtype = _weights_and_keys(q, k, k, draws, **params)
+    den = weights_t.transpose(-1, -2) @ key_exp.sum(-1, keepdim=True)  # (R, ..., N, 1)
+    return _normalize(weights_t.transpose(-1, -2) @ key_exp, den, signed, in_dtype)
+
+
+def _normalize(num: torch.Tensor, den: torch.Tensor, signed: bool, in_dtype: torch.dtype) -> torch.Tensor:
+    if signed:
+        _warn_non_positive(torch.sign(den[..., 0]))
+    # the division writes the result in the caller's dtype directly (one pass, no float64 copy)
+    return torch.div(num, den, out=torch.empty(num.shape, dtype=in_dtype, device=num.device))
+
+
+def _weights_and_keys(q: Any, k: Any, v: Any, draws: Draws, *, weighting: str, alpha_clamp: float | None, beta: float,
+                      **params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, torch.dtype]:
+    """Query weights ``W (R, ..., C, N)`` and key exponentials ``E (R, ..., C, M)`` of :func:`estimate`.
+
+    Also the prepared values, whether the weights are signed, and the caller's dtype.
+    """
+    signed = _is_signed(weighting, alpha_clamp)
+    in_dtype = q.dtype if isinstance(q, torch.Tensor) else torch.float64
+    if signed and in_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        # before the temperature scaling, so that x = sqrt(scale) q is not rounded to float32 either
+        q, k, v = (a.to(torch.float64) if isinstance(a, torch.Tensor) else a for a in (q, k, v))
+    x, y, v, x_lm, omega, log_q = _proposals(q, k, v, draws, weighting=weighting, alpha_clamp=alpha_clamp, beta=beta,
+                                             **params)
+    dim = x.shape[-1]
+    # keys: E = exp(log xi(y_m, omega_c) - s_c) : (R, ..., C, M)
+    key_log = omega @ y.transpose(-1, -2).unsqueeze(0)
+    key_log.sub_((0.5 * torch.linalg.vector_norm(y, dim=-1).square()).unsqueeze(-2).unsqueeze(0))
+    key_shift = key_log.amax(-1, keepdim=True)
+    key_exp = key_log.sub_(key_shift).exp_()
     # per-sample log terms: log N(omega_c; 0, I) - log q_c(omega_c) + s_c : (R, ..., C)
     log_q_own = torch.diagonal(log_q, dim1=-2, dim2=-1)
     row = _log_gaussian((omega * omega).sum(-1), dim) - log_q_own + key_shift.squeeze(-1)
@@ -283,12 +335,7 @@ def estimate(
     weights.sub_(weights.amax(-2, keepdim=True)).exp_()
     if per_query:
         weights.mul_(_query_weights_t(x, x_lm, log_q, weighting, beta, alpha_clamp))
-    sums = weights.transpose(-1, -2) @ key_stats  # (R, ..., N, Dv + 1)
-    den = sums[..., -1:]
-    if signed:
-        _warn_non_positive(torch.sign(den[..., 0]))
-    # the division writes the result in the caller's dtype directly (one pass, no float64 copy)
-    return torch.div(sums[..., :-1], den, out=torch.empty(sums[..., :-1].shape, dtype=in_dtype, device=sums.device))
+    return weights, key_exp, v, signed, in_dtype
 
 
 def weighted_log_features(terms: LaraTerms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -65,6 +65,7 @@ SPEC = EstimatorSpec(
     draw=draw,
     reference=reference.estimate,
     batched=batched.estimate,
+    batched_probabilities=batched.probabilities,
     is_random=_is_random,
     variants={
         "unbiased": {"variant": "unbiased"},

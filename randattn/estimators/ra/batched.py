@@ -10,15 +10,17 @@ from randattn.estimators._prepare import check_draw_array, prepare_batched, to_t
 from randattn.estimators.base import Draws
 from randattn.estimators.ra.reference import check_ra_params, noise_std
 
-__all__ = ["estimate"]
+__all__ = ["estimate", "probabilities"]
 
 #: cap on the elements of the (N, S_chunk, M) logits block of one replicate and batch element; the chunk
 #: depends on N and M only, so that a result does not change with how many replicates or heads run together
 _MAX_BLOCK = 1 << 21
 
 
-def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
     """Sum over samples of f_n(omega) (eq. 6) for omega (R, ..., N, S, D), chunked over S.
+
+    ``v = None`` stands for ``I_M`` without forming it: the sum of the softmaxes themselves, ``(R, ..., N, M)``.
 
     Queries and samples are folded into one matrix dimension so that each product is
     ``(R, ..., N s, D) @ (..., D, M)``: a broadcasting matmul against ``(1, ..., 1, D, M)``
@@ -35,8 +37,10 @@ def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tens
         s = block.shape[-2]
         flat = block.reshape(reps, *batch, num_q * s, dim)
         logits = flat @ yt - half_sq  # (R, ..., N s, M)
-        f = torch.softmax(logits, dim=-1) @ v  # (R, ..., N s, Dv)
-        part = f.reshape(reps, *batch, num_q, s, v.shape[-1]).sum(-2)
+        f = torch.softmax(logits, dim=-1)  # (R, ..., N s, M)
+        if v is not None:
+            f = f @ v  # (R, ..., N s, Dv)
+        part = f.reshape(reps, *batch, num_q, s, f.shape[-1]).sum(-2)
         total = part if total is None else total + part
     return total
 
@@ -53,28 +57,52 @@ def estimate(
     sample: str = "random",
 ) -> torch.Tensor:
     """Randomized attention over (R, ..., N, Dv); same signature and layout as ``ra.reference.estimate``."""
+    x, y, v, scale, _ = prepare_batched(q, k, v, scale)
+    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample)
+    return _f_mean(omega, y, v) / num_samples
+
+
+def probabilities(
+    q: Any,
+    k: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    variant: str = "unbiased",
+    noise: str = "paper",
+    sample: str = "random",
+) -> torch.Tensor:
+    r"""The attention probabilities RA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
+
+    :math:`\hat P_{n\cdot} = \frac1S \sum_s \mathrm{softmax}_m(\omega_{ns}^\top y_m - \|y_m\|^2/2)`
+    (eq. 6 without the values), without the ``(N, M) x (M, M)`` product an identity would cost.
+    """
+    x, y, _, scale, _ = prepare_batched(q, k, k, scale)
+    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample)
+    return _f_mean(omega, y, None) / num_samples
+
+
+def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, *, scale: float, variant: str, noise: str, sample: str):
+    """``(omega (R, ..., N, S, D), S)``: the samples of eq. 7 (or the biased variant's, or the mean); ``scale`` resolved."""
     check_ra_params(variant, sample)
-    x, y, v, scale, batch = prepare_batched(q, k, v, scale)
     sigma = noise_std(noise, scale)
+    batch = x.shape[:-2]
     num_q, dim = x.shape[-2], x.shape[-1]
     log_pi = torch.log_softmax(x @ y.transpose(-1, -2), dim=-1)
     if sample == "mean":
         mean = x + torch.exp(log_pi) @ y
-        omega = mean.unsqueeze(0).expand(draws.replicates, *mean.shape).unsqueeze(-2)
-        return _f_mean(omega, y, v)
+        return mean.unsqueeze(0).expand(draws.replicates, *mean.shape).unsqueeze(-2), 1
     draws = to_torch_draws(draws, x)
     eps = check_draw_array(draws, "eps", batch, (num_q, None, dim))
     num_samples = eps.shape[-2]
     if variant == "biased":
         mean = x + torch.exp(log_pi) @ y
-        omega = mean.unsqueeze(0).unsqueeze(-2) + sigma * eps
-    else:
-        u = check_draw_array(draws, "u", batch, (num_q, num_samples))
-        cdf = torch.cumsum(torch.exp(log_pi), dim=-1)  # (..., N, M)
-        cdf_r = cdf.unsqueeze(0).expand(draws.replicates, *cdf.shape).contiguous()
-        # searchsorted(right=False) counts entries strictly below u: #{m : F_nm < u}
-        z = torch.searchsorted(cdf_r, u.contiguous(), right=False).clamp_max(y.shape[-2] - 1)
-        y_b = y.unsqueeze(0).expand(draws.replicates, *y.shape)
-        picked = torch.gather(y_b, -2, z.reshape(*z.shape[:-2], -1, 1).expand(*z.shape[:-2], z.shape[-2] * num_samples, dim))
-        omega = x.unsqueeze(0).unsqueeze(-2) + picked.reshape(*z.shape, dim) + sigma * eps
-    return _f_mean(omega, y, v) / num_samples
+        return mean.unsqueeze(0).unsqueeze(-2) + sigma * eps, num_samples
+    u = check_draw_array(draws, "u", batch, (num_q, num_samples))
+    cdf = torch.cumsum(torch.exp(log_pi), dim=-1)  # (..., N, M)
+    cdf_r = cdf.unsqueeze(0).expand(draws.replicates, *cdf.shape).contiguous()
+    # searchsorted(right=False) counts entries strictly below u: #{m : F_nm < u}
+    z = torch.searchsorted(cdf_r, u.contiguous(), right=False).clamp_max(y.shape[-2] - 1)
+    y_b = y.unsqueeze(0).expand(draws.replicates, *y.shape)
+    picked = torch.gather(y_b, -2, z.reshape(*z.shape[:-2], -1, 1).expand(*z.shape[:-2], z.shape[-2] * num_samples, dim))
+    return x.unsqueeze(0).unsqueeze(-2) + picked.reshape(*z.shape, dim) + sigma * eps, num_samples

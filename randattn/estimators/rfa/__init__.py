@@ -48,6 +48,7 @@ SPEC = EstimatorSpec(
     draw=draw,
     reference=reference.estimate,
     batched=batched.estimate,
+    batched_probabilities=batched.probabilities,
     variants={
         f"{fm}-{coupling}": {"feature_map": fm, "coupling": coupling}
         for fm in FEATURE_MAPS

@@ -13,7 +13,7 @@ from randattn.estimators.features.batched import affine_directions, data_params,
 from randattn.estimators.snis import warn_non_positive
 from randattn.estimators.snis.batched import affine_feature_attention, feature_attention
 
-__all__ = ["estimate"]
+__all__ = ["estimate", "probabilities"]
 
 
 def _add_replicate_dim(value):
@@ -48,3 +48,29 @@ def estimate(
     if sx is not None:
         warn_non_positive(sign, "signed trigonometric features")
     return out
+
+
+def probabilities(
+    q: Any,
+    k: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    feature_map: str = "positive",
+    coupling: str = "iid",
+) -> torch.Tensor:
+    r"""The attention probabilities RFA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
+
+    For the positive maps without forming the identity (the key side's normalized
+    exponentials are the values' weights themselves, see :func:`affine_feature_attention`);
+    the other maps go through :func:`estimate` with ``v = I_M``.
+    """
+    if feature_map not in POSITIVE_MAPS:
+        eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device).expand(*k.shape[:-1], k.shape[-2])
+        return estimate(q, k, eye, draws, scale=scale, feature_map=feature_map, coupling=coupling)
+    x, y, _, _, batch = prepare_batched(q, k, k, scale)
+    draws = to_torch_draws(draws, x)
+    omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
+    fitted = {key: _add_replicate_dim(val) for key, val in data_params(feature_map, x, y).items()}
+    directions, offset = affine_directions(feature_map, omega, **fitted)
+    return affine_feature_attention(x, y, None, directions, offset)

@@ -80,22 +80,25 @@ def affine_feature_attention(
     ----------
     x : (..., N, D)
     y : (..., M, D)
-    v : (..., M, Dv)
+    v : (..., M, Dv) or None
+        None: the identity ``I_M`` without forming it (:math:`f_j` is then row j of the key
+        softmax), so the result is the implied attention probabilities.
     directions : (R, ..., J, D)
     offset : (R, ..., J)
 
     Returns
     -------
-    (R, ..., N, Dv)
+    (R, ..., N, Dv), or (R, ..., N, M) when ``v`` is None
     """
     replicates, batch = directions.shape[0], x.shape[:-2]
-    n, m, d, dv, j = x.shape[-2], y.shape[-2], x.shape[-1], v.shape[-1], directions.shape[-2]
+    n, m, d, j = x.shape[-2], y.shape[-2], x.shape[-1], directions.shape[-2]
+    dv = m if v is None else v.shape[-1]
     flat = replicates * int(torch.tensor(batch).prod()) if batch else replicates
 
     def per_replicate(t: torch.Tensor) -> torch.Tensor:  # (..., T, F) -> (R * batch, T, F); a view when R = 1
         return t.unsqueeze(0).expand(replicates, *t.shape).reshape(flat, t.shape[-2], t.shape[-1])
 
-    xb, yb, vb = per_replicate(x), per_replicate(y), per_replicate(v)
+    xb, yb = per_replicate(x), per_replicate(y)
     w = directions.reshape(flat, j, d)
     # the row term -|y|^2/2 rides in the product as an extra coordinate: [W_j, 1] . [y_m, -|y_m|^2/2]
     # (no separate pass over the (J, M) matrix; measured no slower than an in-place broadcast add)
@@ -107,7 +110,7 @@ def affine_feature_attention(
     del keys
     # the largest entry of each row is exp(0) / sum_m E_jm: log sum_m E_jm = -log max_m probs_jm (>= 1/M, no underflow)
     log_sum = -torch.log(probs.amax(dim=-1, keepdim=True))
-    f = torch.bmm(probs, vb)  # (B, J, Dv)
+    f = probs if v is None else torch.bmm(probs, per_replicate(v))  # (B, J, Dv)
     del probs
     # a_j enters twice: in the key mass Z_j and in the query feature itself
     log_mass = c + log_sum + 2.0 * offset.reshape(flat, j, 1)  # (B, J, 1)
