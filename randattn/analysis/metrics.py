@@ -154,15 +154,22 @@ def jackknife_debiased_bias_sq(estimates: np.ndarray, exact: np.ndarray) -> np.n
     ----------
     Efron & Stein (1981), The jackknife estimate of variance, Ann. Stat. 9(3).
     """
-    r = estimates.shape[0]
     mean = estimates.mean(0)
     dev = estimates - mean
     bias = mean - exact
+    return _jackknife_from_sums(_mean_dot(dev, dev), _mean_dot(dev, bias), _mean_dot(bias, bias))
+
+
+def _mean_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``(a * b).mean(axis=(-2, -1))`` in one pass, without the product array."""
+    return np.einsum("...nd,...nd->...", a, b) / (a.shape[-2] * a.shape[-1])
+
+
+def _jackknife_from_sums(dd: np.ndarray, bd: np.ndarray, b2: np.ndarray) -> np.ndarray:
+    """The jackknife SE of :func:`jackknife_debiased_bias_sq` from avg d_r^2 ``(R, ...)``, avg b d_r ``(R, ...)``, avg b^2."""
+    r = dd.shape[0]
     # with d_r = y_r - mean and b = mean - y: mean_loo_r - y = b - d_r/(R-1) and
     # (R-2) s^2_(-r) = sum_r' d_r'^2 - R/(R-1) d_r^2, so theta_(-r) needs only two reductions per replicate
-    dd = (dev * dev).mean(axis=(-2, -1))  # (R, ...): avg d_r^2
-    bd = (dev * bias).mean(axis=(-2, -1))  # (R, ...): avg b d_r
-    b2 = (bias * bias).mean(axis=(-2, -1))
     theta_loo = (b2 - 2.0 / (r - 1) * bd + dd / (r - 1) ** 2
                  - (dd.sum(0) - r / (r - 1) * dd) / ((r - 2) * (r - 1)))
     centred = theta_loo - theta_loo.mean(0)
@@ -221,10 +228,13 @@ def replicate_metrics(estimates: Any, exact: Any, *, random: bool = True) -> Rep
             mean_abs=np.abs(est[0]).mean(axis=(-2, -1)), mse=err, mse_se=zero, variance=zero.copy(),
             bias_sq=err.copy(), bias_sq_naive=err.copy(), bias_sq_se=zero.copy(), replicates=1, random=False,
         )
-    mean = est.mean(0)
-    per_rep_err = ((est - ex) ** 2).mean(axis=(-2, -1))  # (R, ...)
+    # one difference array; every reduction below is a one-pass dot product over (N, Dv)
+    diff = est - ex  # (R, ..., N, Dv): y_r - y
+    bias = diff.mean(0)  # mean - y
+    mean = bias + ex
+    per_rep_err = _mean_dot(diff, diff)  # (R, ...)
     mse = per_rep_err.mean(0)
-    naive = ((mean - ex) ** 2).mean(axis=(-2, -1))
+    naive = _mean_dot(bias, bias)
     if r == 1:
         warnings.warn(
             "replicate_metrics: a random estimator needs R >= 2 replicates for a variance; got R = 1, "
@@ -237,13 +247,13 @@ def replicate_metrics(estimates: Any, exact: Any, *, random: bool = True) -> Rep
             mean_abs=np.abs(mean).mean(axis=(-2, -1)), mse=mse, mse_se=nan, variance=nan.copy(), bias_sq=nan.copy(),
             bias_sq_naive=naive, bias_sq_se=nan.copy(), replicates=1, random=True,
         )
-    dev = est - mean
-    variance_el = (dev * dev).sum(0) / (r - 1)
-    variance = variance_el.mean(axis=(-2, -1))
+    dev = np.subtract(diff, bias, out=diff)  # y_r - mean, in place of diff
+    dd = _mean_dot(dev, dev)  # (R, ...): avg d_r^2
+    variance = dd.sum(0) / (r - 1)
     bias_sq = naive - variance / r
     mse_se = per_rep_err.std(0, ddof=1) / math.sqrt(r)
     if r >= 3:
-        bias_sq_se = jackknife_debiased_bias_sq(est, ex)
+        bias_sq_se = _jackknife_from_sums(dd, _mean_dot(dev, bias), naive)
     else:
         warnings.warn(
             "replicate_metrics: the jackknife SE of the debiased bias^2 needs R >= 3 replicates, got R = 2; "
