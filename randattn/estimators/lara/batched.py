@@ -292,7 +292,13 @@ def probabilities(
                   sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
     weights_t, key_exp, _, signed, in_dtype = _weights_and_keys(q, k, k, draws, **params)
     den = weights_t.transpose(-1, -2) @ key_exp.sum(-1, keepdim=True)  # (R, ..., N, 1)
-    return _normalize(weights_t.transpose(-1, -2) @ key_exp, den, signed, in_dtype)
+    num = weights_t.transpose(-1, -2) @ key_exp  # (R, ..., N, M)
+    if signed:
+        _warn_non_positive(torch.sign(den[..., 0]))
+    if num.dtype != in_dtype:
+        return _normalize(num, den, False, in_dtype)
+    # in place, by the reciprocal: an (N, M) division in float64 cost a third of signed LARA's time
+    return num.mul_(den.reciprocal_())
 
 
 def _normalize(num: torch.Tensor, den: torch.Tensor, signed: bool, in_dtype: torch.dtype) -> torch.Tensor:

@@ -79,7 +79,8 @@ def probabilities(
     """
     x, y, _, scale, _ = prepare_batched(q, k, k, scale)
     omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample)
-    return _f_mean(omega, y, None) / num_samples
+    total = _f_mean(omega, y, None)  # (R, ..., N, M): in place, no second (N, M) array
+    return total if num_samples == 1 else total.div_(num_samples)
 
 
 def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, *, scale: float, variant: str, noise: str, sample: str):
