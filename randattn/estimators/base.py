@@ -109,6 +109,11 @@ class EstimatorSpec:
         probabilities the estimator implies, equal (to rounding) to ``batched`` with
         ``v = I_M`` but without the ``(., M) x (M, M)`` products the identity would cost.
         None: the sweep calls ``batched`` with ``v = I_M``.
+    batched_with_probabilities : callable or None
+        torch ``estimate_with_probabilities(q, k, v, draws, *, scale, **params) -> (out, probs)``:
+        ``batched(q, k, v, ...)`` and ``batched_probabilities(q, k, ...)``, the same bits, from one
+        pass that computes their common terms (the draws' features, the weights) once. None: the
+        sweep calls the two separately.
     presets : mapping of str to params
         Named parameter sets selected by the ``preset`` parameter (e.g. ``"official-code"``: the
         conventions of the authors' code); ``"paper"`` (the defaults) is always allowed. Explicit
@@ -128,6 +133,7 @@ class EstimatorSpec:
     variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     batched_probabilities: Callable[..., Any] | None = None
+    batched_with_probabilities: Callable[..., Any] | None = None
 
     def preset_names(self) -> tuple[str, ...]:
         """Allowed values of ``preset``: ``"paper"`` (the defaults) and the declared presets."""

@@ -126,6 +126,32 @@ def test_batched_probabilities_are_the_reference_with_identity_values(case, shap
     assert_close(bat, ref, atol=atol, rtol=rtol, what=f"{name} {params}")
 
 
+JOINT_VARIANTS = [case for case in VARIANTS if randattn.get_spec(case[0]).batched_with_probabilities is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("case", JOINT_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_estimate_with_probabilities_is_both_calls_bit_for_bit(case, shape, dtype, rng):
+    """The sweep's one-pass (estimate, probabilities) must not change a table: the same bits as the two calls."""
+    name, _, params = case
+    _, q_shape, k_shape, v_shape = shape
+    q_shape, k_shape, v_shape = _fit(params, q_shape, k_shape, v_shape)
+    q, k, v = (torch.as_tensor(a, dtype=dtype) for a in _inputs(rng, q_shape, k_shape, v_shape))
+    params = _fit_grid(params, q.shape[-2], k.shape[-2])
+    spec = randattn.get_spec(name)
+    draws = spec.draw(q.shape, k.shape, num_samples=_samples(name, params), replicates=3,
+                      rng=np.random.default_rng(5), **params).to_torch(dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonPositiveDenominatorWarning)
+        out, probs = spec.batched_with_probabilities(q, k, v, draws, scale=None, **params)
+        alone_out = spec.batched(q, k, v, draws, scale=None, **params)
+        alone_probs = spec.batched_probabilities(q, k, draws, scale=None, **params)
+    assert out.dtype == alone_out.dtype and probs.dtype == alone_probs.dtype
+    assert torch.equal(out, alone_out), f"{name} {params}: estimate differs from its own call"
+    assert torch.equal(probs, alone_probs), f"{name} {params}: probabilities differ from their own call"
+
+
 @pytest.mark.parametrize("case", VARIANTS, ids=variant_id)
 def test_float32_batched_close_to_reference(case, rng):
     """float32 tolerance: a few hundred ulps (see randattn.testing.TOLERANCES)."""

@@ -33,7 +33,7 @@ from randattn.estimators.eva.reference import check_eva_params, chunk_proposal_m
 from randattn.estimators.grid import resolve_grid
 from randattn.estimators.ra.reference import noise_std
 
-__all__ = ["estimate", "probabilities", "eva_attention", "block_exact_attention", "WORK_ELEMENTS"]
+__all__ = ["estimate", "probabilities", "estimate_with_probabilities", "eva_attention", "block_exact_attention", "WORK_ELEMENTS"]
 
 #: elements of the largest intermediate tensor of one slice of blocks (2^25: 128 MiB in float32)
 WORK_ELEMENTS = 2**25
@@ -109,7 +109,8 @@ class ChunkTerms:
     ``log_alpha (R', ..., G, C, S)``, ``log_mass (R', ..., G, C, S)`` (0 for empty chunks),
     ``v_mean (R', ..., G, C, S, Dv)``; ``R'`` is R, or 1 for the deterministic expected sample.
     Without values (the implied probabilities) ``v_mean`` is the key distribution itself,
-    ``(R', ..., G, C, S, L)`` over each chunk's key slots (0 on padding).
+    ``(R', ..., G, C, S, L)`` over each chunk's key slots (0 on padding). ``key_probs`` is that
+    distribution when both are asked for (the estimate and its implied probabilities), else None.
     """
 
     k_land: torch.Tensor
@@ -118,9 +119,11 @@ class ChunkTerms:
     log_alpha: torch.Tensor
     log_mass: torch.Tensor
     v_mean: torch.Tensor
+    key_probs: torch.Tensor | None = None
 
 
-def _chunk_terms(x, y, v, y_sq, eps, pad: PaddedPartition, groups: torch.Tensor, *, sigma: float, proposal_mean: str) -> ChunkTerms:
+def _chunk_terms(x, y, v, y_sq, eps, pad: PaddedPartition, groups: torch.Tensor, *, sigma: float, proposal_mean: str,
+                 with_key_probs: bool = False) -> ChunkTerms:
     """Key-side terms of the chunk groups ``groups`` (EVA eq. 28 proposal, app. C SNIS)."""
     dev = x.device
     ck, ckm = _t(pad.chunk_keys, dev)[groups], _t(pad.chunk_key_mask, dev)[groups]  # (G, C, L)
@@ -144,11 +147,11 @@ def _chunk_terms(x, y, v, y_sq, eps, pad: PaddedPartition, groups: torch.Tensor,
     log_mass = torch.logsumexp(log_kf, dim=-2)  # (R', ..., G, C, S)
     log_mass = torch.where(sizes.unsqueeze(-1) > 0, log_mass, torch.zeros_like(log_mass))  # empty chunks: weight -inf later
     key_probs = torch.exp(log_kf - log_mass.unsqueeze(-2))  # (R', ..., G, C, L, S)
+    key_probs = key_probs.transpose(-1, -2)  # (R', ..., G, C, S, L)
     if v is None:  # v = I_M: the values' weights themselves, over the chunk's key slots
-        v_mean = key_probs.transpose(-1, -2)  # (R', ..., G, C, S, L)
-    else:
-        v_mean = _rows_matmul(key_probs.transpose(-1, -2), _gather(v, ck))  # (R', ..., G, C, S, Dv)
-    return ChunkTerms(k_land, sizes, omega, log_alpha, log_mass, v_mean)
+        return ChunkTerms(k_land, sizes, omega, log_alpha, log_mass, key_probs)
+    v_mean = _rows_matmul(key_probs, _gather(v, ck))  # (R', ..., G, C, S, Dv)
+    return ChunkTerms(k_land, sizes, omega, log_alpha, log_mass, v_mean, key_probs if with_key_probs else None)
 
 
 def _with_chunks(rows: torch.Tensor, index: torch.Tensor, chunk_rows: torch.Tensor, shared: bool) -> torch.Tensor:
@@ -191,7 +194,8 @@ def eva_attention(
     chunk_weight: str,
     add_log_chunk_size: bool,
     proposal_mean: str,
-) -> torch.Tensor:
+    with_probabilities: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""EVA (eq. 16 with app. C coefficients) from prepared inputs and a padded partition -> (R, ..., N, Dv).
 
     ``x, y`` are the scaled queries/keys ``(..., N|M, D)``, ``eps : (R, ..., C, S, D)`` the
@@ -201,9 +205,13 @@ def eva_attention(
     ``v = None`` stands for ``I_M`` without forming it: the result is the implied attention
     probabilities ``(R, ..., N, M)``, each block's exact and chunk weights scattered to the key
     columns they weigh (``O(N M)``, where ``I_M`` would cost products with M columns).
+    ``with_probabilities`` (with ``v``): the pair (output, implied probabilities) from the same
+    weights, each the same bits as its own call.
     """
     dev, dim = x.device, x.shape[-1]
-    dv = y.shape[-2] if v is None else v.shape[-1]
+    with_probabilities = with_probabilities and v is not None
+    # the slices are those of the probability pass whenever it runs, so that both results match their own calls
+    dv = y.shape[-2] if v is None or with_probabilities else v.shape[-1]
     batch = x.shape[:-2]
     batch_numel = math.prod(batch)
     num_groups = pad.chunk_keys.shape[0]
@@ -213,18 +221,20 @@ def eva_attention(
     slice_blocks = _slice_size(pad, replicates, batch_numel, samples, dv, dim, chunk_weight == "exact", not shared_groups)
     all_terms = None
     if shared_groups:
-        all_terms = _chunk_terms(x, y, v, y_sq, eps, pad, _t([0], dev), sigma=sigma, proposal_mean=proposal_mean)
+        all_terms = _chunk_terms(x, y, v, y_sq, eps, pad, _t([0], dev), sigma=sigma, proposal_mean=proposal_mean,
+                                 with_key_probs=with_probabilities)
 
     bq_all, bk_all = _t(pad.block_queries, dev), _t(pad.block_keys, dev)
     bkm_all, gob_all = _t(pad.block_key_mask, dev), _t(pad.group_of_block, dev)
-    pieces = []
+    pieces, prob_pieces = [], []
     for start in range(0, bq_all.shape[0], slice_blocks):
         sl = slice(start, start + slice_blocks)
         bq, bk, bkm = bq_all[sl], bk_all[sl], bkm_all[sl]
         if shared_groups:
             terms = all_terms
         else:
-            terms = _chunk_terms(x, y, v, y_sq, eps, pad, gob_all[sl], sigma=sigma, proposal_mean=proposal_mean)
+            terms = _chunk_terms(x, y, v, y_sq, eps, pad, gob_all[sl], sigma=sigma, proposal_mean=proposal_mean,
+                                 with_key_probs=with_probabilities)
         x_b = _gather(x, bq)  # (..., b, Q, D)
         num_e, num_b = bk.shape[-1], bk.shape[0]
         chunk_ok = terms.sizes > 0  # (g, C)
@@ -265,9 +275,12 @@ def eva_attention(
         # eq. 16: one softmax over the exact logits and the chunk log-weights of each query
         probs = torch.softmax(logits, dim=-1)  # (R|1, ..., b, Q, E + C)
         v_mean = terms.v_mean  # (R', ..., g, C, S, Dv)
+        chunk_keys = _t(pad.chunk_keys, dev)[gob_all[sl] if not shared_groups else _t([0], dev)]
+        if with_probabilities:
+            prob_pieces.append(_scatter_probabilities(probs, terms.key_probs, log_qf, terms, bk, chunk_keys, num_e,
+                                                      y.shape[-2], samples))
         if v is None:
-            out = _scatter_probabilities(probs, v_mean, log_qf, terms, bk, _t(pad.chunk_keys, dev)[
-                gob_all[sl] if not shared_groups else _t([0], dev)], num_e, dv, samples)
+            out = _scatter_probabilities(probs, v_mean, log_qf, terms, bk, chunk_keys, num_e, dv, samples)
         elif samples == 1:
             # beta_c is query-independent: one product with [exact values; chunk coefficients]
             v_chunks = v_mean[..., 0, :]  # (R', ..., g, C, Dv)
@@ -279,8 +292,17 @@ def eva_attention(
             v_flat = v_mean.flatten(-3, -2)  # (R, ..., g, C*S, Dv)
             out = _rows_matmul(probs[..., :num_e], _gather(v, bk)) + _group_mix(weights, v_flat)
         pieces.append(out.expand(replicates, *out.shape[1:]))
-    out = torch.cat(pieces, dim=-3) if len(pieces) > 1 else pieces[0]  # (R, ..., B, Q, Dv)
-    return _gather(out.flatten(-3, -2), _t(pad.query_slot, dev))
+    query_slot = _t(pad.query_slot, dev)
+
+    def assemble(parts: list[torch.Tensor]) -> torch.Tensor:  # slices -> (R, ..., N, width) in query order
+        joined = torch.cat(parts, dim=-3) if len(parts) > 1 else parts[0]  # (R, ..., B, Q, width)
+        return _gather(joined.flatten(-3, -2), query_slot)
+
+    out = assemble(pieces)
+    if not with_probabilities:
+        return out
+    del pieces
+    return out, assemble([p.expand(replicates, *p.shape[1:]) for p in prob_pieces])
 
 
 def _scatter_probabilities(probs, key_probs, log_qf, terms: ChunkTerms, bk, ck, num_e: int, num_keys: int,
@@ -347,8 +369,8 @@ def estimate(
 
 
 def _evaluate(q, k, v, draws, *, scale, window, prefix_tokens, layout, grid, partition, chunk_weight, add_log_chunk_size,
-              proposal_mean, sample, noise, samples_per_chunk) -> torch.Tensor:
-    """:func:`estimate`, or the implied probabilities when ``v`` is None (``I_M``, never formed)."""
+              proposal_mean, sample, noise, samples_per_chunk, with_probabilities: bool = False):
+    """:func:`estimate`, or the implied probabilities when ``v`` is None (``I_M``, never formed), or both."""
     check_eva_params(
         window=window, prefix_tokens=prefix_tokens, layout=layout, grid=grid, partition=partition, chunk_weight=chunk_weight,
         add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean, sample=sample, noise=noise,
@@ -371,6 +393,7 @@ def _evaluate(q, k, v, draws, *, scale, window, prefix_tokens, layout, grid, par
     return eva_attention(
         x, y, v, eps if sample == "random" else None, pad, replicates=draws.replicates, sigma=sigma,
         chunk_weight=chunk_weight, add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean,
+        with_probabilities=with_probabilities,
     )
 
 
@@ -388,3 +411,13 @@ def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, *
     """
     defaults = {name: p.default for name, p in _params().items()}
     return _evaluate(q, k, None, draws, scale=scale, **{**defaults, **params})
+
+
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
+                                **params: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits: the chunk terms and weights computed once.
+
+    Same parameters as :func:`estimate`.
+    """
+    defaults = {name: p.default for name, p in _params().items()}
+    return _evaluate(q, k, v, draws, scale=scale, **{**defaults, **params}, with_probabilities=True)

@@ -28,6 +28,7 @@ __all__ = [
     "lara_terms",
     "estimate",
     "probabilities",
+    "estimate_with_probabilities",
     "log_target_density",
     "log_unnormalized_target",
     "f_values",
@@ -254,16 +255,7 @@ def estimate(
     """
     params = dict(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
                   sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, **params)
-    dim_v = v.shape[-1]
-    # [E v, E 1] : (R, ..., C, Dv + 1)
-    v_one = v.new_empty((*v.shape[:-1], dim_v + 1))
-    v_one[..., :dim_v] = v
-    v_one[..., dim_v] = 1.0
-    key_stats = key_exp @ v_one.unsqueeze(0)
-    del key_exp
-    sums = weights_t.transpose(-1, -2) @ key_stats  # (R, ..., N, Dv + 1)
-    return _normalize(sums[..., :-1], sums[..., -1:], signed, in_dtype)
+    return _output(*_weights_and_keys(q, k, v, draws, **params))
 
 
 def probabilities(
@@ -284,13 +276,57 @@ def probabilities(
 ) -> torch.Tensor:
     r"""The attention probabilities LARA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
 
-    Without forming the identity: :math:`\hat P = W^	op E / (W^	op E\,1)` with the query
+    Without forming the identity: :math:`\hat P = W^\top E / (W^\top E\,1)` with the query
     weights :math:`W` and key exponentials :math:`E` of :func:`estimate`, one ``(N, C) x (C, M)``
     product (``v = I_M`` would add a ``(C, M) x (M, M)`` one).
     """
     params = dict(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
                   sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
     weights_t, key_exp, _, signed, in_dtype = _weights_and_keys(q, k, k, draws, **params)
+    return _implied_probabilities(weights_t, key_exp, signed, in_dtype)
+
+
+def estimate_with_probabilities(
+    q: Any,
+    k: Any,
+    v: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    proposal: str = "eq34",
+    weighting: str = "decoupled",
+    beta: float = 1.0,
+    alpha_clamp: float | None = None,
+    sample: str = "random",
+    noise: str = "paper",
+    layout: str = "grid",
+    grid: Any = None,
+    prefix_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits: the weights and keys computed once."""
+    params = dict(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                  sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, **params)
+    out = _output(weights_t, key_exp, v, signed, in_dtype)
+    return out, _implied_probabilities(weights_t, key_exp, signed, in_dtype)
+
+
+def _output(weights_t: torch.Tensor, key_exp: torch.Tensor, v: torch.Tensor, signed: bool,
+            in_dtype: torch.dtype) -> torch.Tensor:
+    """eq. 28 from the query weights and key exponentials: one product ``E [v, 1]``, one ``W^T (.)``, a division."""
+    dim_v = v.shape[-1]
+    # [E v, E 1] : (R, ..., C, Dv + 1)
+    v_one = v.new_empty((*v.shape[:-1], dim_v + 1))
+    v_one[..., :dim_v] = v
+    v_one[..., dim_v] = 1.0
+    key_stats = key_exp @ v_one.unsqueeze(0)
+    sums = weights_t.transpose(-1, -2) @ key_stats  # (R, ..., N, Dv + 1)
+    return _normalize(sums[..., :-1], sums[..., -1:], signed, in_dtype)
+
+
+def _implied_probabilities(weights_t: torch.Tensor, key_exp: torch.Tensor, signed: bool,
+                           in_dtype: torch.dtype) -> torch.Tensor:
+    r""":math:`W^\top E / (W^\top E\,1)`, ``(R, ..., N, M)``."""
     den = weights_t.transpose(-1, -2) @ key_exp.sum(-1, keepdim=True)  # (R, ..., N, 1)
     num = weights_t.transpose(-1, -2) @ key_exp  # (R, ..., N, M)
     if signed:

@@ -66,6 +66,7 @@ SPEC = EstimatorSpec(
     reference=reference.estimate,
     batched=batched.estimate,
     batched_probabilities=batched.probabilities,
+    batched_with_probabilities=batched.estimate_with_probabilities,
     is_random=_is_random,
     variants={
         "unbiased": {"variant": "unbiased"},

@@ -10,17 +10,18 @@ from randattn.estimators._prepare import check_draw_array, prepare_batched, to_t
 from randattn.estimators.base import Draws
 from randattn.estimators.ra.reference import check_ra_params, noise_std
 
-__all__ = ["estimate", "probabilities"]
+__all__ = ["estimate", "probabilities", "estimate_with_probabilities"]
 
 #: cap on the elements of the (N, S_chunk, M) logits block of one replicate and batch element; the chunk
 #: depends on N and M only, so that a result does not change with how many replicates or heads run together
 _MAX_BLOCK = 1 << 21
 
 
-def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor | None, with_probabilities: bool = False):
     """Sum over samples of f_n(omega) (eq. 6) for omega (R, ..., N, S, D), chunked over S.
 
     ``v = None`` stands for ``I_M`` without forming it: the sum of the softmaxes themselves, ``(R, ..., N, M)``.
+    ``with_probabilities``: the pair (sum for ``v``, sum for ``I_M``) from the same softmaxes.
 
     Queries and samples are folded into one matrix dimension so that each product is
     ``(R, ..., N s, D) @ (..., D, M)``: a broadcasting matmul against ``(1, ..., 1, D, M)``
@@ -31,18 +32,21 @@ def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor | None) -> tor
     half_sq = 0.5 * (y * y).sum(-1).unsqueeze(-2)  # (..., 1, M)
     chunk = max(1, _MAX_BLOCK // (num_q * y.shape[-2]))
     yt = y.transpose(-1, -2).contiguous()  # (..., D, M); a transposed view broadcast over R takes a BLAS path whose rounding depends on R
-    total = None
+    total = total_probs = None
     for start in range(0, num_s, chunk):
         block = omega[..., start : start + chunk, :]
         s = block.shape[-2]
         flat = block.reshape(reps, *batch, num_q * s, dim)
         logits = flat @ yt - half_sq  # (R, ..., N s, M)
-        f = torch.softmax(logits, dim=-1)  # (R, ..., N s, M)
-        if v is not None:
-            f = f @ v  # (R, ..., N s, Dv)
+        probs = torch.softmax(logits, dim=-1)  # (R, ..., N s, M)
+        del logits
+        f = probs if v is None else probs @ v  # (R, ..., N s, Dv)
         part = f.reshape(reps, *batch, num_q, s, f.shape[-1]).sum(-2)
         total = part if total is None else total + part
-    return total
+        if with_probabilities:
+            part = probs.reshape(reps, *batch, num_q, s, probs.shape[-1]).sum(-2)
+            total_probs = part if total_probs is None else total_probs + part
+    return (total, total_probs) if with_probabilities else total
 
 
 def estimate(
@@ -81,6 +85,24 @@ def probabilities(
     omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample)
     total = _f_mean(omega, y, None)  # (R, ..., N, M): in place, no second (N, M) array
     return total if num_samples == 1 else total.div_(num_samples)
+
+
+def estimate_with_probabilities(
+    q: Any,
+    k: Any,
+    v: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    variant: str = "unbiased",
+    noise: str = "paper",
+    sample: str = "random",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits: each sample's softmax computed once."""
+    x, y, v, scale, _ = prepare_batched(q, k, v, scale)
+    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample)
+    total, total_probs = _f_mean(omega, y, v, with_probabilities=True)
+    return total / num_samples, total_probs if num_samples == 1 else total_probs.div_(num_samples)
 
 
 def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, *, scale: float, variant: str, noise: str, sample: str):

@@ -49,6 +49,7 @@ SPEC = EstimatorSpec(
     reference=reference.estimate,
     batched=batched.estimate,
     batched_probabilities=batched.probabilities,
+    batched_with_probabilities=batched.estimate_with_probabilities,
     variants={
         f"{fm}-{coupling}": {"feature_map": fm, "coupling": coupling}
         for fm in FEATURE_MAPS

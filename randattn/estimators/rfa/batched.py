@@ -13,7 +13,7 @@ from randattn.estimators.features.batched import affine_directions, data_params,
 from randattn.estimators.snis import warn_non_positive
 from randattn.estimators.snis.batched import affine_feature_attention, feature_attention
 
-__all__ = ["estimate", "probabilities"]
+__all__ = ["estimate", "probabilities", "estimate_with_probabilities"]
 
 
 def _add_replicate_dim(value):
@@ -74,3 +74,29 @@ def probabilities(
     fitted = {key: _add_replicate_dim(val) for key, val in data_params(feature_map, x, y).items()}
     directions, offset = affine_directions(feature_map, omega, **fitted)
     return affine_feature_attention(x, y, None, directions, offset)
+
+
+def estimate_with_probabilities(
+    q: Any,
+    k: Any,
+    v: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    feature_map: str = "positive",
+    coupling: str = "iid",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits, from one pass.
+
+    For the positive maps the features, both softmaxes and the logits are computed once (see
+    :func:`affine_feature_attention`); the other maps make the two calls.
+    """
+    if feature_map not in POSITIVE_MAPS:
+        return (estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling),
+                probabilities(q, k, draws, scale=scale, feature_map=feature_map, coupling=coupling))
+    x, y, v, _, batch = prepare_batched(q, k, v, scale)
+    draws = to_torch_draws(draws, x)
+    omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
+    fitted = {key: _add_replicate_dim(val) for key, val in data_params(feature_map, x, y).items()}
+    directions, offset = affine_directions(feature_map, omega, **fitted)
+    return affine_feature_attention(x, y, v, directions, offset, with_probabilities=True)

@@ -54,7 +54,9 @@ def affine_feature_attention(
     v: torch.Tensor,
     directions: torch.Tensor,
     offset: torch.Tensor,
-) -> torch.Tensor:
+    *,
+    with_probabilities: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""The positive-feature SNIS of :func:`feature_attention` for features ``x . W_j + a_j - |x|^2/2``.
 
     Same result as ``feature_attention`` on the log-features of
@@ -85,10 +87,14 @@ def affine_feature_attention(
         softmax), so the result is the implied attention probabilities.
     directions : (R, ..., J, D)
     offset : (R, ..., J)
+    with_probabilities : bool
+        Also return the implied probabilities (the result for ``v = None``), from the same
+        query softmax: the two products are the only work they do not share.
 
     Returns
     -------
-    (R, ..., N, Dv), or (R, ..., N, M) when ``v`` is None
+    (R, ..., N, Dv), or (R, ..., N, M) when ``v`` is None; with ``with_probabilities``, the pair
+    (output, probabilities), each the same bits as its own call
     """
     replicates, batch = directions.shape[0], x.shape[:-2]
     n, m, d, j = x.shape[-2], y.shape[-2], x.shape[-1], directions.shape[-2]
@@ -111,9 +117,14 @@ def affine_feature_attention(
     # the largest entry of each row is exp(0) / sum_m E_jm: log sum_m E_jm = -log max_m probs_jm (>= 1/M, no underflow)
     log_sum = -torch.log(probs.amax(dim=-1, keepdim=True))
     f = probs if v is None else torch.bmm(probs, per_replicate(v))  # (B, J, Dv)
-    del probs
+    if not with_probabilities:
+        del probs
     # a_j enters twice: in the key mass Z_j and in the query feature itself
     log_mass = c + log_sum + 2.0 * offset.reshape(flat, j, 1)  # (B, J, 1)
     logits = torch.bmm(xb, w.transpose(-1, -2)).add_(log_mass.transpose(-1, -2))  # (B, N, J)
-    out = torch.bmm(torch.softmax(logits, dim=-1), f)
-    return out.reshape(replicates, *batch, n, dv)
+    query_weights = torch.softmax(logits, dim=-1)
+    del logits
+    out = torch.bmm(query_weights, f).reshape(replicates, *batch, n, dv)
+    if not with_probabilities:
+        return out
+    return out, torch.bmm(query_weights, probs).reshape(replicates, *batch, n, m)
