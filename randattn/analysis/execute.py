@@ -109,7 +109,9 @@ class UnitRunner:
         self.scale = acts.scale
         self.specs = {e.name: get_spec(e.name) for e in config.estimators}
         self._cell_bytes: dict[tuple, int] = {}
-        self._exact: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        # the inputs and exact attention of the last (layer, image, heads), with its probabilities per run dtype:
+        # the plan runs the units of one (layer, image) consecutively (17 units per image-layer in W1)
+        self._last_inputs: tuple[tuple, tuple, dict] | None = None
         self.torch = None
         if config.backend == "torch":
             import torch
@@ -141,6 +143,23 @@ class UnitRunner:
         tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v))
         probs = torch.softmax(self.scale * (tq @ tk.transpose(-1, -2)), dim=-1)
         return probs.numpy(), (probs @ tv).numpy()
+
+    def _inputs_and_exact(self, unit: Unit, dtype_name: str):
+        """``(q, k, v, exact_probs, exact)`` of the unit's heads; probabilities as a run-dtype tensor on torch.
+
+        Cached for the last (layer, image, heads) only, so it holds one image-layer's arrays at most.
+        """
+        key = (unit.layer, unit.image, tuple(unit.heads))
+        if self._last_inputs is None or self._last_inputs[0] != key:
+            q, k, v = self.inputs(unit)
+            self._last_inputs = (key, (q, k, v, *self.exact(unit, q, k, v)), {})
+        _, (q, k, v, exact_probs, exact), converted = self._last_inputs
+        if self.torch is not None and self.config.probabilities:
+            if dtype_name not in converted:
+                converted[dtype_name] = self.torch.as_tensor(exact_probs, device=self.device,
+                                                             dtype=getattr(self.torch, dtype_name))
+            exact_probs = converted[dtype_name]
+        return q, k, v, exact_probs, exact
 
     def _dtype_name(self, est: EstimatorConfig) -> str:
         return "float64" if self.config.backend == "reference" else est.torch_dtype_name(self.config.dtype)
@@ -263,15 +282,20 @@ class UnitRunner:
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
         tdraws = draws.to_torch(device=self.device, dtype=dt)
         with torch.no_grad():
-            out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params)
+            probs = prob_sq = None
+            if self.config.probabilities and spec.batched_with_probabilities is not None:
+                # one pass: the features and weights the two results share are computed once (same bits as two calls)
+                out, probs = spec.batched_with_probabilities(tq, tk, tv, tdraws, scale=self.scale, **est.params)
+            else:
+                out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params)
             out = out.to(torch.float64).cpu().numpy()
-            prob_sq = None
-            if self.config.probabilities:
+            if self.config.probabilities and probs is None:
                 if spec.batched_probabilities is not None:
                     probs = spec.batched_probabilities(tq, tk, tdraws, scale=self.scale, **est.params)
                 else:
                     eye = torch.eye(m, device=self.device, dtype=dt).expand(*k.shape[:-1], m)
                     probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params)
+            if self.config.probabilities:
                 # in place in the run's dtype: no float64 copy of the (R, C, N, M) block. The exact P rounded to
                 # float32 is off by <= 6e-8 P, negligible against an estimator's |P_hat - P|. Each row's norm is
                 # taken in the run's dtype (each row alone, whatever the block), the N squared norms summed in
@@ -323,11 +347,7 @@ class UnitRunner:
         est = config.estimators[unit.est_index]
         spec = self.specs[est.name]
         blocks = self.blocks(unit)
-        q, k, v = self.inputs(unit)
-        exact_probs, exact = self.exact(unit, q, k, v)
-        if self.torch is not None and config.probabilities:  # converted once per unit, not per block
-            exact_probs = self.torch.as_tensor(exact_probs, device=self.device,
-                                               dtype=getattr(self.torch, self._dtype_name(est)))
+        q, k, v, exact_probs, exact = self._inputs_and_exact(unit, self._dtype_name(est))
         cells, reps = len(unit.heads), self.replicates(est)
         n, dv = q.shape[-2], v.shape[-1]
         out = np.empty((reps, cells, n, dv))

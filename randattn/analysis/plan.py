@@ -416,7 +416,11 @@ def _checked(uid: str, seed: int, fraction: float) -> bool:
 def plan_units(
     layers_available: Sequence[int], num_heads: int, image_names: Sequence[str], config: SweepConfig
 ) -> list[Unit]:
-    """Every unit of ``config`` in canonical order (layer, estimator, S, image).
+    """Every unit of ``config`` in canonical order (layer, image, estimator, S).
+
+    The units of one (layer, image) are consecutive so that a runner computes their exact
+    softmax attention once. The reference check picks the same units in any order: the first
+    (layer, image, S) of each configuration, and a hash of the unit id for the rest.
 
     Parameters
     ----------
@@ -438,10 +442,10 @@ def plan_units(
     fraction = float(config.check_reference) if config.backend == "torch" else 0.0
     units, first_of_config = [], set()
     for layer in layers:
-        for i, est in enumerate(config.estimators):
-            for s in (config.num_samples if est.needs_samples else (None,)):
-                for image in images:
-                    name = image_names[image]
+        for image in images:
+            name = image_names[image]
+            for i, est in enumerate(config.estimators):
+                for s in (config.num_samples if est.needs_samples else (None,)):
                     seeds = tuple(
                         cell_seed(config.seed, name, layer, h, est.params_json, est.name, s) for h in heads
                     )
