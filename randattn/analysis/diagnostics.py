@@ -507,11 +507,15 @@ def replicate_snis_diagnostics(
         log_w, f = (t.to(torch.float64) for t in terms)
     with torch.no_grad():
         weights = torch.softmax(log_w, dim=-1)  # (R, ..., N, J)
-        w2 = weights * weights
-        ess = (1.0 / w2.sum(-1)).mean(-1)  # (R, ...)
-        mu = weights @ f
-        delta = w2 @ (f * f) - 2.0 * mu * (w2 @ f) + mu * mu * w2.sum(-1, keepdim=True)
-        delta = delta.clamp_min(0.0).mean(dim=(-2, -1))
+        mu = weights @ f  # (R, ..., N, Dv)
+        w2 = weights.square_()
+        w2_sum = w2.sum(-1)  # (R, ..., N)
+        ess = w2_sum.reciprocal().mean(-1)  # (R, ...)
+        # sum_d sum_j w_j^2 (f_jd - mu_d)^2 = sum_j w_j^2 |f_j|^2 - 2 mu . (w^2 f) + |mu|^2 sum_j w_j^2; the first
+        # term is a matrix-vector product: two (N, J) x (J, Dv) products where the per-d form takes three
+        spread = ((w2 @ (f * f).sum(-1, keepdim=True)).squeeze(-1) - 2.0 * (mu * (w2 @ f)).sum(-1)
+                  + mu.square().sum(-1) * w2_sum)  # (R, ..., N)
+        delta = spread.clamp_min(0.0).mean(-1) / f.shape[-1]
     khat = None
     num_queries = log_w.shape[-2]
     if khat_queries > 0 and num_queries > 0:

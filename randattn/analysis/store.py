@@ -151,11 +151,20 @@ def write_part(parts_dir: str | os.PathLike, uid: str, rows: Sequence[Mapping[st
     """Write one unit's rows as ``part-<uid>.parquet``, atomically."""
     import pandas as pd
 
-    frame = coerce(pd.DataFrame(list(rows), columns=list(COLUMNS)))
+    frame = pd.DataFrame({c: _column(c, [row[c] for row in rows]) for c in COLUMNS})
     path = Path(parts_dir) / f"{_PART_PREFIX}{uid}{_PART_SUFFIX}"
     with atomic_path(path) as tmp:
         frame.to_parquet(tmp, index=False)
     return path
+
+
+def _column(name: str, values: list):
+    """One column of :data:`COLUMNS` with the dtype :func:`coerce` gives it, built directly (coerce costs 6 ms a part)."""
+    import numpy as np
+
+    if name in _STR_COLUMNS:
+        return np.array([str(x) for x in values], dtype=object)
+    return np.array(values, dtype="int64" if name in _INT_COLUMNS else bool if name in _BOOL_COLUMNS else "float64")
 
 
 def empty_table():

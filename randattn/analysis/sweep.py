@@ -231,6 +231,8 @@ def run_sweep(
         Columns :data:`COLUMNS`, one row per (image, layer, head, estimator config, S), sorted.
         ``table.attrs["warnings"]`` lists the distinct warnings the estimators raised in this
         call, with counts (:func:`summarize_warnings`); each is also re-issued once.
+        ``table.attrs["timing"]`` gives the units run by this call and the wall seconds they
+        took (``execute_s``: computing and storing them, not start-up or memory calibration).
 
     Raises
     ------
@@ -282,13 +284,17 @@ def run_sweep(
                                        len(unit.heads), now - state["t0"]))
                 state["t0"] = now
 
+        started = time.perf_counter()
         _execute(runner, todo, parts, activations, config, scheduler, done)
+        executed_s = time.perf_counter() - started
         if parts is not None:
             table = read_parts(parts)  # exactly what is on disk, so a resumed run matches bit for bit
         else:
             table = _store.coerce(pd.DataFrame(new_rows, columns=list(COLUMNS))) if new_rows else empty_table()
     table = consolidate(table, config, acts)
     table.attrs["warnings"] = summarize_warnings(caught)
+    # wall time of running the units (writing their parts included), apart from start-up and memory calibration
+    table.attrs["timing"] = {"units": len(todo), "execute_s": round(executed_s, 3)}
     for record in table.attrs["warnings"]:
         warnings.warn(f"{record['label']}: {record['message']} ({record['count']} units)",
                       _warning_category(record["category"]), stacklevel=2)

@@ -384,6 +384,7 @@ def _finish(table, config, activations, out, as_json) -> None:
         metadata = _metadata(config, activations, out)
         metadata["warnings"] = table.attrs.get("warnings", [])
         metadata["reference_check"] = check
+        metadata["timing"] = table.attrs.get("timing")
         write_table(table, out, metadata)
         err_console.print(f"wrote {len(table)} rows to [bold]{out}[/] (metadata: {out.name}.meta.json)", highlight=False)
     if check is not None:
