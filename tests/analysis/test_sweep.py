@@ -16,10 +16,12 @@ from randattn.analysis.sweep import (
     cell_seed,
     estimator_config,
     parse_estimator_list,
+    plan,
     read_parts,
     run_sweep,
     write_table,
 )
+from randattn.analysis.store import stored_unit_ids
 
 
 @pytest.fixture
@@ -68,7 +70,6 @@ def test_table_schema_and_deterministic_rows(acts):
 def _one_cell_replicate_budget(acts, config) -> int:
     """The budget that makes every block a single (cell, replicate) of the largest unit."""
     from randattn.analysis.execute import UnitRunner
-    from randattn.analysis.sweep import plan
 
     runner = UnitRunner(acts, config)
     return int(1.1 * max(runner.cell_bytes(u) for u in plan(acts, config)))  # calibration varies by a few bytes
@@ -163,6 +164,7 @@ def test_interrupted_sweep_resumes_to_the_same_table(acts, tmp_path):
         run_sweep(acts, config, parts_dir=tmp_path / "cut", progress=stop_after_five)
     kept = read_parts(tmp_path / "cut")
     assert 0 < len(kept) < len(full)
+    stored = len(stored_unit_ids(tmp_path / "cut"))
     with pytest.raises(FileExistsError, match="resume=True"):
         run_sweep(acts, config, parts_dir=tmp_path / "cut")
     with pytest.raises(ValueError, match="different settings \\(seed\\)"):
@@ -171,6 +173,22 @@ def test_interrupted_sweep_resumes_to_the_same_table(acts, tmp_path):
     resumed = run_sweep(acts, _config(max_memory=2**34, diagnostics=True, khat_queries=2), parts_dir=tmp_path / "cut",
                         resume=True)
     pd.testing.assert_frame_equal(_without_time(full), _without_time(resumed))
+    # timing counts the units each call ran: all of them, then only those the interruption left
+    units = plan(acts, config)
+    assert full.attrs["timing"]["units"] == len(units)
+    assert 0 < stored < len(units) and resumed.attrs["timing"]["units"] == len(units) - stored
+    assert resumed.attrs["timing"]["execute_s"] >= 0
+
+
+def test_plan_runs_each_image_layer_consecutively(acts):
+    """Units of one (layer, image) are adjacent, so the runner computes its exact attention once."""
+    units = plan(acts, _config())
+    keys = [(u.layer, u.image) for u in units]
+    runs = [key for i, key in enumerate(keys) if i == 0 or key != keys[i - 1]]
+    assert len(runs) == len(set(keys)) > 1
+    # layer by layer (the progress bar and a resumed run see whole layers finish in turn)
+    order = [(u.layer, u.image, u.est_index, -1 if u.num_samples is None else u.num_samples) for u in units]
+    assert order == sorted(order)
 
 
 def test_torch_backend_float64_matches_reference(acts):

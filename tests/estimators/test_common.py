@@ -142,11 +142,15 @@ def test_estimate_with_probabilities_is_both_calls_bit_for_bit(case, shape, dtyp
     spec = randattn.get_spec(name)
     draws = spec.draw(q.shape, k.shape, num_samples=_samples(name, params), replicates=3,
                       rng=np.random.default_rng(5), **params).to_torch(dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NonPositiveDenominatorWarning)
+    with warnings.catch_warnings(record=True) as joint_warnings:
+        warnings.simplefilter("always")
         out, probs = spec.batched_with_probabilities(q, k, v, draws, scale=None, **params)
+    with warnings.catch_warnings(record=True) as alone_warnings:
+        warnings.simplefilter("always")
         alone_out = spec.batched(q, k, v, draws, scale=None, **params)
         alone_probs = spec.batched_probabilities(q, k, draws, scale=None, **params)
+    # the same warnings too (a non-positive normalizer of signed LARA weights, say), each as often
+    assert sorted(str(w.message) for w in joint_warnings) == sorted(str(w.message) for w in alone_warnings)
     assert out.dtype == alone_out.dtype and probs.dtype == alone_probs.dtype
     assert torch.equal(out, alone_out), f"{name} {params}: estimate differs from its own call"
     assert torch.equal(probs, alone_probs), f"{name} {params}: probabilities differ from their own call"
