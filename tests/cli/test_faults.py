@@ -101,8 +101,15 @@ def _env(hook: dict | None = None) -> dict[str, str]:
 
 
 def _spawn(*args, hook: dict | None = None, preexec_fn=None) -> subprocess.Popen:
+    def setup() -> None:
+        # a shell that starts the tests in the background (`... &`) ignores SIGINT, and a child would inherit
+        # that: Python then installs no KeyboardInterrupt handler and the SIGINT tests would test nothing
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if preexec_fn is not None:
+            preexec_fn()
+
     return subprocess.Popen([sys.executable, "-c", _PRELUDE, *map(str, args)], env=_env(hook), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=setup)
 
 
 def _finish(process: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
