@@ -180,6 +180,16 @@ def test_interrupted_sweep_resumes_to_the_same_table(acts, tmp_path):
     assert resumed.attrs["timing"]["execute_s"] >= 0
 
 
+def test_parts_on_disk_have_the_table_dtypes(acts, tmp_path):
+    """A part read as it is (no coercion) already has the table's column types: ints stay int64, not float."""
+    run_sweep(acts, _config(), parts_dir=tmp_path / "parts")
+    part = pd.read_parquet(sorted((tmp_path / "parts").glob("part-*.parquet"))[0])
+    table = read_parts(tmp_path / "parts")
+    assert list(part.columns) == list(COLUMNS)
+    assert part.dtypes.to_dict() == table.dtypes.to_dict()
+    assert str(part["layer"].dtype) == "int64" and str(part["random"].dtype) == "bool"
+
+
 def test_plan_runs_each_image_layer_consecutively(acts):
     """Units of one (layer, image) are adjacent, so the runner computes its exact attention once."""
     units = plan(acts, _config())
