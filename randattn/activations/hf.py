@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from randattn.activations._capture import hooked_layers_and_scale, join_images, run_per_image
 from randattn.activations.dinov2 import parse_layers
 from randattn.activations.images import IMAGENET_MEAN, IMAGENET_STD, NamedImage, load_images, preprocess
 from randattn.activations.io import Activations, _version, make_activations
@@ -301,17 +302,10 @@ def capture_hf(
     patch = patch[0] if isinstance(patch, (list, tuple)) else patch
     if not isinstance(size, int) or not isinstance(patch, int) or size < patch:
         raise ValueError(f"size must be an int of at least the patch size {patch!r}, got {size!r}")
-    per_image = []
-    for index, image in enumerate(images):
-        pixels = preprocess([image], size, preprocessing["mean"], preprocessing["std"])
-        per_image.append(capture_hf_attention(model, pixels, layers))
-        if progress is not None:
-            progress(index + 1, len(images))
-    chosen = sorted(k for k in per_image[0] if k != "scale")
-    scales = set(per_image[0]["scale"].values())
-    if len(scales) != 1:
-        raise ValueError(f"layers {chosen} use different scales {sorted(scales)}; capture them separately")
-    arrays = {layer: tuple(np.concatenate([r[layer][role] for r in per_image]) for role in "qkv") for layer in chosen}
+    per_image = run_per_image(images, lambda image: capture_hf_attention(
+        model, preprocess([image], size, preprocessing["mean"], preprocessing["std"]), layers), progress)
+    chosen, scale = hooked_layers_and_scale(per_image)
+    arrays = join_images(per_image, chosen)
     tokens = arrays[chosen[0]][0].shape[2]
     grid = [size // patch, size // patch]
     prefix = tokens - grid[0] * grid[1]
@@ -320,7 +314,7 @@ def capture_hf(
     metadata = {
         "model": f"hf:{name}",
         "source": f"transformers {config.model_type} forward hooks on q/k/v projections",
-        "scale": scales.pop(),
+        "scale": scale,
         "images": [image.name for image in images],
         "input_size": [size, size],
         "preprocess": f"PIL ImageOps.fit bicubic (shorter side to size, center crop), mean/std from "

@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from randattn.activations._capture import hooked_layers_and_scale, join_images, run_per_image
 from randattn.activations.dinov2 import parse_layers
 from randattn.activations.images import IMAGENET_MEAN, IMAGENET_STD, NamedImage, load_images, preprocess
 from randattn.activations.io import Activations, _version, make_activations
@@ -186,20 +187,14 @@ def capture_timm(
     if size is None:
         size = int(cfg.get("input_size", (3, 224, 224))[-1])
     mean, std = tuple(cfg.get("mean", IMAGENET_MEAN)), tuple(cfg.get("std", IMAGENET_STD))
-    per_image = []
-    for index, image in enumerate(images):
-        per_image.append(capture_torch_attention(model, preprocess([image], size, mean, std), layers))
-        if progress is not None:
-            progress(index + 1, len(images))
-    chosen = sorted(k for k in per_image[0] if k != "scale")
-    scales = set(per_image[0]["scale"].values())
-    if len(scales) != 1:
-        raise ValueError(f"layers {chosen} use different scales {sorted(scales)}; capture them separately")
-    arrays = {layer: tuple(np.concatenate([r[layer][role] for r in per_image]) for role in "qkv") for layer in chosen}
+    per_image = run_per_image(
+        images, lambda image: capture_torch_attention(model, preprocess([image], size, mean, std), layers), progress)
+    chosen, scale = hooked_layers_and_scale(per_image)
+    arrays = join_images(per_image, chosen)
     metadata = {
         "model": f"timm:{name}",
         "source": f"timm forward hooks, checkpoint {checkpoint!r}",
-        "scale": scales.pop(),
+        "scale": scale,
         "images": [image.name for image in images],
         "input_size": [size, size],
         "layers": chosen,
