@@ -282,19 +282,20 @@ class UnitRunner:
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
         tdraws = draws.to_torch(device=self.device, dtype=dt)
         with torch.no_grad():
-            probs = prob_sq = None
-            if self.config.probabilities and spec.batched_with_probabilities is not None:
+            prob_sq = None
+            if not self.config.probabilities:
+                out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params)
+            elif spec.batched_with_probabilities is not None:
                 # one pass: the features and weights the two results share are computed once (same bits as two calls)
                 out, probs = spec.batched_with_probabilities(tq, tk, tv, tdraws, scale=self.scale, **est.params)
             else:
                 out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params)
-            out = out.to(torch.float64).cpu().numpy()
-            if self.config.probabilities and probs is None:
                 if spec.batched_probabilities is not None:
                     probs = spec.batched_probabilities(tq, tk, tdraws, scale=self.scale, **est.params)
                 else:
                     eye = torch.eye(m, device=self.device, dtype=dt).expand(*k.shape[:-1], m)
                     probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params)
+            out = out.to(torch.float64).cpu().numpy()
             if self.config.probabilities:
                 # in place in the run's dtype: no float64 copy of the (R, C, N, M) block. The exact P rounded to
                 # float32 is off by <= 6e-8 P, negligible against an estimator's |P_hat - P|. Each row's norm is

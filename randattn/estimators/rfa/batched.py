@@ -23,6 +23,14 @@ def _add_replicate_dim(value):
     return value[None]
 
 
+def _prepared(q: Any, k: Any, v: Any, draws: Draws, scale: float | None, feature_map: str):
+    """``(x, y, v, omega, fitted)``: scaled inputs, the checked draws and the map's data parameters per replicate."""
+    x, y, v, _, batch = prepare_batched(q, k, v, scale)
+    omega = check_draw_array(to_torch_draws(draws, x), "omega", batch, (None, x.shape[-1]))
+    fitted = {key: _add_replicate_dim(val) for key, val in data_params(feature_map, x, y).items()}
+    return x, y, v, omega, fitted
+
+
 def estimate(
     q: Any,
     k: Any,
@@ -34,10 +42,7 @@ def estimate(
     coupling: str = "iid",
 ) -> torch.Tensor:
     """RFA over (R, ..., N, Dv); same signature and layout as ``rfa.reference.estimate``."""
-    x, y, v, _, batch = prepare_batched(q, k, v, scale)
-    draws = to_torch_draws(draws, x)
-    omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
-    fitted = {key: _add_replicate_dim(val) for key, val in data_params(feature_map, x, y).items()}
+    x, y, v, omega, fitted = _prepared(q, k, v, draws, scale, feature_map)
     if feature_map in POSITIVE_MAPS:
         # every positive map is x.W_j + a_j - |x|^2/2: three matrix products, no log-feature tensors
         directions, offset = affine_directions(feature_map, omega, **fitted)
@@ -68,10 +73,7 @@ def probabilities(
     if feature_map not in POSITIVE_MAPS:
         eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device).expand(*k.shape[:-1], k.shape[-2])
         return estimate(q, k, eye, draws, scale=scale, feature_map=feature_map, coupling=coupling)
-    x, y, _, _, batch = prepare_batched(q, k, k, scale)
-    draws = to_torch_draws(draws, x)
-    omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
-    fitted = {key: _add_replicate_dim(val) for key, val in data_params(feature_map, x, y).items()}
+    x, y, _, omega, fitted = _prepared(q, k, k, draws, scale, feature_map)
     directions, offset = affine_directions(feature_map, omega, **fitted)
     return affine_feature_attention(x, y, None, directions, offset)
 
@@ -94,9 +96,6 @@ def estimate_with_probabilities(
     if feature_map not in POSITIVE_MAPS:
         return (estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling),
                 probabilities(q, k, draws, scale=scale, feature_map=feature_map, coupling=coupling))
-    x, y, v, _, batch = prepare_batched(q, k, v, scale)
-    draws = to_torch_draws(draws, x)
-    omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
-    fitted = {key: _add_replicate_dim(val) for key, val in data_params(feature_map, x, y).items()}
+    x, y, v, omega, fitted = _prepared(q, k, v, draws, scale, feature_map)
     directions, offset = affine_directions(feature_map, omega, **fitted)
     return affine_feature_attention(x, y, v, directions, offset, with_probabilities=True)
