@@ -17,6 +17,16 @@ __all__ = ["estimate", "probabilities", "estimate_with_probabilities"]
 _MAX_BLOCK = 1 << 21
 
 
+def _sum_samples(t: torch.Tensor, reps: int, batch: tuple, num_q: int, s: int) -> torch.Tensor:
+    """``(R, ..., N s, W) -> (R, ..., N, W)``, summed over the s samples of each query; a view when s = 1.
+
+    (A sum over one sample would copy the whole array, an (N, M) pass per replicate for the probabilities.)
+    """
+    if s == 1:
+        return t.reshape(reps, *batch, num_q, t.shape[-1])
+    return t.reshape(reps, *batch, num_q, s, t.shape[-1]).sum(-2)
+
+
 def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor | None, with_probabilities: bool = False):
     """Sum over samples of f_n(omega) (eq. 6) for omega (R, ..., N, S, D), chunked over S.
 
@@ -37,14 +47,14 @@ def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor | None, with_p
         block = omega[..., start : start + chunk, :]
         s = block.shape[-2]
         flat = block.reshape(reps, *batch, num_q * s, dim)
-        logits = flat @ yt - half_sq  # (R, ..., N s, M)
+        logits = (flat @ yt).sub_(half_sq)  # (R, ..., N s, M)
         probs = torch.softmax(logits, dim=-1)  # (R, ..., N s, M)
         del logits
         f = probs if v is None else probs @ v  # (R, ..., N s, Dv)
-        part = f.reshape(reps, *batch, num_q, s, f.shape[-1]).sum(-2)
+        part = _sum_samples(f, reps, batch, num_q, s)
         total = part if total is None else total + part
         if with_probabilities:
-            part = probs.reshape(reps, *batch, num_q, s, probs.shape[-1]).sum(-2)
+            part = _sum_samples(probs, reps, batch, num_q, s)
             total_probs = part if total_probs is None else total_probs + part
     return (total, total_probs) if with_probabilities else total
 
@@ -123,9 +133,12 @@ def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, *, scale: float, va
         return mean.unsqueeze(0).unsqueeze(-2) + sigma * eps, num_samples
     u = check_draw_array(draws, "u", batch, (num_q, num_samples))
     cdf = torch.cumsum(torch.exp(log_pi), dim=-1)  # (..., N, M)
-    cdf_r = cdf.unsqueeze(0).expand(draws.replicates, *cdf.shape).contiguous()
-    # searchsorted(right=False) counts entries strictly below u: #{m : F_nm < u}
-    z = torch.searchsorted(cdf_r, u.contiguous(), right=False).clamp_max(y.shape[-2] - 1)
+    # the replicates' uniforms go into the last dim, so that one CDF per query serves all of them (no R copies
+    # of the (N, M) CDF); searchsorted(right=False) counts entries strictly below u: #{m : F_nm < u}
+    reps = draws.replicates
+    u_rows = u.movedim(0, -2).reshape(*u.shape[1:-1], reps * num_samples).contiguous()  # (..., N, R S)
+    z = torch.searchsorted(cdf, u_rows, right=False).clamp_max(y.shape[-2] - 1)
+    z = z.reshape(*u.shape[1:-1], reps, num_samples).movedim(-2, 0)  # (R, ..., N, S)
     y_b = y.unsqueeze(0).expand(draws.replicates, *y.shape)
     picked = torch.gather(y_b, -2, z.reshape(*z.shape[:-2], -1, 1).expand(*z.shape[:-2], z.shape[-2] * num_samples, dim))
     return x.unsqueeze(0).unsqueeze(-2) + picked.reshape(*z.shape, dim) + sigma * eps, num_samples
