@@ -226,7 +226,12 @@ def eva_attention(
 
     bq_all, bk_all = _t(pad.block_queries, dev), _t(pad.block_keys, dev)
     bkm_all, gob_all = _t(pad.block_key_mask, dev), _t(pad.group_of_block, dev)
-    pieces, prob_pieces = [], []
+    pieces = []
+    wide = None  # the implied probabilities (R, ..., N, M), filled slice by slice in query order
+    if v is None or with_probabilities:
+        wide = x.new_empty((replicates, *batch, x.shape[-2], y.shape[-2]))
+        slot_query = _query_of_slot(pad, dev)
+        num_slots = bq_all.shape[1]
     for start in range(0, bq_all.shape[0], slice_blocks):
         sl = slice(start, start + slice_blocks)
         bq, bk, bkm = bq_all[sl], bk_all[sl], bkm_all[sl]
@@ -276,12 +281,14 @@ def eva_attention(
         probs = torch.softmax(logits, dim=-1)  # (R|1, ..., b, Q, E + C)
         v_mean = terms.v_mean  # (R', ..., g, C, S, Dv)
         chunk_keys = _t(pad.chunk_keys, dev)[gob_all[sl] if not shared_groups else _t([0], dev)]
-        if with_probabilities:
-            prob_pieces.append(_scatter_probabilities(probs, terms.key_probs, log_qf, terms, bk, chunk_keys, num_e,
-                                                      y.shape[-2], samples))
+        if wide is not None:
+            key_probs = v_mean if v is None else terms.key_probs
+            _place_rows(wide, _scatter_probabilities(probs, key_probs, log_qf, terms, bk, chunk_keys, num_e,
+                                                     y.shape[-2], samples),
+                        slot_query[start * num_slots:(start + num_b) * num_slots])
         if v is None:
-            out = _scatter_probabilities(probs, v_mean, log_qf, terms, bk, chunk_keys, num_e, dv, samples)
-        elif samples == 1:
+            continue
+        if samples == 1:
             # beta_c is query-independent: one product with [exact values; chunk coefficients]
             v_chunks = v_mean[..., 0, :]  # (R', ..., g, C, Dv)
             v_rows = v.unsqueeze(0).expand(v_chunks.shape[0], *v.shape)
@@ -292,17 +299,35 @@ def eva_attention(
             v_flat = v_mean.flatten(-3, -2)  # (R, ..., g, C*S, Dv)
             out = _rows_matmul(probs[..., :num_e], _gather(v, bk)) + _group_mix(weights, v_flat)
         pieces.append(out.expand(replicates, *out.shape[1:]))
-    query_slot = _t(pad.query_slot, dev)
+    if v is None:
+        return wide
+    joined = torch.cat(pieces, dim=-3) if len(pieces) > 1 else pieces[0]  # (R, ..., B, Q, Dv)
+    out = _gather(joined.flatten(-3, -2), _t(pad.query_slot, dev))  # slots -> query order
+    return (out, wide) if with_probabilities else out
 
-    def assemble(parts: list[torch.Tensor]) -> torch.Tensor:  # slices -> (R, ..., N, width) in query order
-        joined = torch.cat(parts, dim=-3) if len(parts) > 1 else parts[0]  # (R, ..., B, Q, width)
-        return _gather(joined.flatten(-3, -2), query_slot)
 
-    out = assemble(pieces)
-    if not with_probabilities:
-        return out
-    del pieces
-    return out, assemble([p.expand(replicates, *p.shape[1:]) for p in prob_pieces])
+def _query_of_slot(pad: PaddedPartition, device: torch.device) -> torch.Tensor:
+    """The query in each slot (block, position) of the partition, ``(B * Q,)``; -1 on padding slots."""
+    query_slot = _t(pad.query_slot, device)
+    slot_query = torch.full((pad.block_queries.size,), -1, dtype=torch.long, device=device)
+    slot_query[query_slot] = torch.arange(query_slot.shape[0], device=device)
+    return slot_query
+
+
+def _place_rows(dest: torch.Tensor, piece: torch.Tensor, slot_query: torch.Tensor) -> None:
+    """Copies the rows of ``piece (R|1, ..., b, Q, W)`` to the queries ``slot_query (b * Q,)`` of ``dest (R, ..., N, W)``.
+
+    Each slice's rows go straight to their queries' rows: no join of the slices and no gather of
+    the whole ``(R, ..., N, M)`` result afterwards (two copies of it). Padding slots (-1) are skipped.
+    """
+    num_q, width = dest.shape[-2], dest.shape[-1]
+    lead = math.prod(dest.shape[:-2])
+    rows = piece.expand(dest.shape[0], *piece.shape[1:]).flatten(-3, -2)  # (R, ..., b Q, W)
+    valid = slot_query >= 0
+    if not bool(valid.all()):
+        rows, slot_query = rows[..., valid, :], slot_query[valid]
+    dest_rows = (torch.arange(lead, device=dest.device) * num_q).unsqueeze(-1) + slot_query  # (R ..., b Q)
+    dest.view(lead * num_q, width).index_copy_(0, dest_rows.reshape(-1), rows.reshape(-1, width))
 
 
 def _scatter_probabilities(probs, key_probs, log_qf, terms: ChunkTerms, bk, ck, num_e: int, num_keys: int,
