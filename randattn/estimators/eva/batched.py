@@ -35,8 +35,9 @@ from randattn.estimators.ra.reference import noise_std
 
 __all__ = ["estimate", "probabilities", "estimate_with_probabilities", "eva_attention", "block_exact_attention", "WORK_ELEMENTS"]
 
-#: elements of the largest intermediate tensor of one slice of blocks (2^25: 128 MiB in float32)
-WORK_ELEMENTS = 2**25
+#: elements of the largest intermediate tensors of one slice of blocks (2^23: 32 MiB in float32). Slices about the
+#: size of a last-level cache were the fastest on the 2-core CPU measured (785 tokens, S = 16..128: 2^21 .. 2^25)
+WORK_ELEMENTS = 2**23
 
 
 def _t(array: Any, device: torch.device) -> torch.Tensor:
@@ -169,8 +170,16 @@ def _with_chunks(rows: torch.Tensor, index: torch.Tensor, chunk_rows: torch.Tens
     return torch.cat([_gather(rows, index), chunk_rows], dim=-2)
 
 
-def _slice_size(pad: PaddedPartition, reps: int, batch_numel: int, samples: int, dv: int, dim: int, exact_weight: bool, per_group: bool) -> int:
-    """Blocks per slice so that the largest per-slice tensor stays under :data:`WORK_ELEMENTS`."""
+def _slice_size(pad: PaddedPartition, reps: int, batch_numel: int, samples: int, dv: int, dim: int, exact_weight: bool,
+                per_group: bool, value_width: int) -> int:
+    """Blocks per slice so that the largest per-slice tensors stay under :data:`WORK_ELEMENTS`.
+
+    Per block: its logits and output rows ``R Q (E + C S + max(D, dv))`` (``dv = M`` for the
+    implied probabilities), the exact chunk weights' scores ``Q C L``, and with one chunk group
+    per block its key-side terms (:func:`_chunk_terms`): the gathered keys and values
+    ``C L max(D, value_width)``, shared by the replicates, and the key log-features and
+    distributions ``R C L S``.
+    """
     num_blocks, q = pad.block_queries.shape
     e = pad.block_keys.shape[1]
     _, c, l = pad.chunk_keys.shape
@@ -178,7 +187,7 @@ def _slice_size(pad: PaddedPartition, reps: int, batch_numel: int, samples: int,
     if exact_weight:
         per_block += batch_numel * q * c * l
     if per_group:
-        per_block += reps * batch_numel * c * l * (samples + max(dim, dv))
+        per_block += batch_numel * c * l * (reps * samples + max(dim, value_width))
     return max(1, min(num_blocks, WORK_ELEMENTS // max(per_block, 1)))
 
 
@@ -218,7 +227,8 @@ def eva_attention(
     samples = 1 if eps is None else eps.shape[-2]
     shared_groups = num_groups == 1
     y_sq, x_sq = (y * y).sum(-1), (x * x).sum(-1)  # (..., M), (..., N)
-    slice_blocks = _slice_size(pad, replicates, batch_numel, samples, dv, dim, chunk_weight == "exact", not shared_groups)
+    slice_blocks = _slice_size(pad, replicates, batch_numel, samples, dv, dim, chunk_weight == "exact", not shared_groups,
+                               0 if v is None else v.shape[-1])
     all_terms = None
     if shared_groups:
         all_terms = _chunk_terms(x, y, v, y_sq, eps, pad, _t([0], dev), sigma=sigma, proposal_mean=proposal_mean,
