@@ -158,6 +158,31 @@ def test_batched_matches_reference_on_the_grid(case, variant):
     assert_close(b, a, atol=ATOL64, what=f"{case} {variant}")
 
 
+@pytest.mark.parametrize("partition", ["paper", "reference-code"])
+@pytest.mark.parametrize("case", [((3, 5), 1, 4, 4), ((4, 4), 1, 4, 4), ((5, 3), 5, 9, 2)], ids=case_id)
+def test_one_block_per_slice_matches_reference(monkeypatch, case, partition):
+    """With every slice one block, each slice's rows land on their own queries (padding slots skipped).
+
+    ``WORK_ELEMENTS = 1`` makes every slice one block; the edge tiles and the prefix tokens' block
+    are padded. Expected: the float64 reference, and its probabilities as the estimate of ``I_M``.
+    """
+    monkeypatch.setattr(eva_bat, "WORK_ELEMENTS", 1)
+    grid, prefix, window, chunks = case
+    tokens = prefix + grid[0] * grid[1]
+    q, k, v = qkv(tokens)
+    params = {"window": window, "prefix_tokens": prefix, "grid": grid, "partition": partition}
+    draws = eva_draw(q.shape, k.shape, num_samples=chunks, replicates=2, rng=np.random.default_rng(3))
+    eye = np.broadcast_to(np.eye(tokens), (*k.shape[:-1], tokens))
+    expected_out = eva_ref.estimate(q, k, v, draws, **params)
+    expected_probs = eva_ref.estimate(q, k, eye, draws, **params)
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    out, probs = eva_bat.estimate_with_probabilities(t(q), t(k), t(v), draws.to_torch(), **params)
+    assert_close(out, expected_out, atol=ATOL64, what="estimate")
+    assert_close(probs, expected_probs, atol=ATOL64, what="probabilities with the estimate")
+    assert_close(eva_bat.probabilities(t(q), t(k), draws.to_torch(), **params), expected_probs, atol=ATOL64,
+                 what="probabilities alone")
+
+
 @pytest.mark.parametrize("weight", ["exact", "mean-key"])
 @pytest.mark.parametrize("case", PLAIN_CASES[:5] + [pytest.param(PLAIN_CASES[5], marks=pytest.mark.slow)], ids=case_id)
 def test_single_patch_chunks_recover_softmax_on_the_grid(case, weight):
