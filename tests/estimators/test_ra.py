@@ -78,3 +78,30 @@ def test_unbiased_ra_rejects_mean_sample():
     q, k, v = _small(rng)
     with pytest.raises(ValueError, match="only defined for variant='biased'"):
         randattn.estimate("ra", q, k, v, num_samples=2, sample="mean")
+
+
+def test_unbiased_ra_picks_the_first_key_whose_cdf_reaches_u_at_ties():
+    """A uniform on a CDF step picks that step's key: z = #{m : F_m < u} (the inverse-CDF draw of eq. 29).
+
+    Zero queries make pi_n uniform over M = 4 keys, so F = (0.25, 0.5, 0.75, 1) exactly in float64;
+    u = 0.25, 0.5, 0.75 must pick keys 0, 1, 2 (not 1, 2, 3). With eps = 0 the sample is
+    omega_n = y_z, and eq. 6 gives softmax_m(omega . y_m - |y_m|^2 / 2) v, written out here.
+    """
+    import torch
+
+    from randattn.estimators.base import Draws
+    from randattn.estimators.ra import batched as ra_bat
+
+    rng = np.random.default_rng(5)
+    q, k, v = np.zeros((3, 4)), rng.standard_normal((4, 4)), rng.standard_normal((4, 2))
+    u = np.array([[[0.25], [0.5], [0.75]]])  # (R = 1, N, S = 1)
+    draws = Draws({"u": u, "eps": np.zeros((1, 3, 1, 4))}, 1)
+    expected = np.empty((3, 2))
+    for n, key in enumerate([0, 1, 2]):
+        logits = k @ k[key] - 0.5 * (k * k).sum(-1)
+        weights = np.exp(logits - logits.max())
+        expected[n] = weights @ v / weights.sum()
+    assert_close(ra_ref.estimate(q, k, v, draws, scale=1.0)[0], expected, atol=1e-12, what="reference")
+    as_t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    batched = ra_bat.estimate(as_t(q), as_t(k), as_t(v), draws.to_torch(), scale=1.0)
+    assert_close(batched[0], expected, atol=1e-12, what="batched")
