@@ -83,6 +83,19 @@ def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[
     return Draws({key: np.stack([c[key] for c in per_cell], axis=1) for key in keys}, len(reps))
 
 
+def _store(dest: np.ndarray, block: Any) -> None:
+    """Writes a block's estimates (numpy, or a torch tensor on any device) into ``dest``, a float64 view.
+
+    One conversion and copy, straight into the unit's array (no intermediate float64 block).
+    """
+    if isinstance(block, np.ndarray):
+        dest[...] = block
+    else:
+        import torch
+
+        torch.from_numpy(dest).copy_(block)
+
+
 def _slice_draws(draws: Draws, reps: slice, cells: slice) -> Draws:
     arrays = {key: a[reps, cells] for key, a in draws.arrays.items()}
     return Draws(arrays, len(range(draws.replicates)[reps]))
@@ -267,7 +280,11 @@ class UnitRunner:
 
     # ------------------------------------------------------------------------------------------------ estimation
     def _estimate_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs):
-        """Estimates ``(R_b, C_b, N, Dv)`` float64 and the probabilities' squared error ``(R_b, C_b)``."""
+        """Estimates ``(R_b, C_b, N, Dv)`` and the probabilities' squared error ``(R_b, C_b)``.
+
+        The estimates stay as computed (a torch tensor in the run's dtype on its device, or the
+        reference's float64 array): :func:`_store` writes them into the unit's float64 array.
+        """
         m = k.shape[-2]
         if self.torch is None:
             out = np.asarray(spec.reference(q, k, v, draws, scale=self.scale, **est.params), dtype=np.float64)
@@ -295,7 +312,6 @@ class UnitRunner:
                 else:
                     eye = torch.eye(m, device=self.device, dtype=dt).expand(*k.shape[:-1], m)
                     probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params)
-            out = out.to(torch.float64).cpu().numpy()
             if self.config.probabilities:
                 # in place in the run's dtype: no float64 copy of the (R, C, N, M) block. The exact P rounded to
                 # float32 is off by <= 6e-8 P, negligible against an estimator's |P_hat - P|. Each row's norm is
@@ -341,7 +357,7 @@ class UnitRunner:
             self.torch.set_num_threads(before)
 
     def _run(self, unit: Unit) -> list[dict[str, Any]]:
-        from randattn.analysis.metrics import relative_error, replicate_metrics
+        from randattn.analysis.metrics import metrics_with_relative_error
 
         start = time.perf_counter()
         config = self.config
@@ -363,7 +379,7 @@ class UnitRunner:
                                unit.num_samples)
             block_out, block_prob = self._estimate_block(spec, est, q[cs], k[cs], v[cs], draws,
                                                          exact_probs[cs] if config.probabilities else None)
-            out[rs, cs] = block_out
+            _store(out[rs, cs], block_out)
             if block_prob is not None:
                 prob_sq[rs, cs] = block_prob
             if diagnose and rs.start < DIAGNOSTIC_REPLICATES:
@@ -376,10 +392,8 @@ class UnitRunner:
                     if diag.khat is not None:
                         khat[cs] = diag.khat
             if unit.check_reference and rs.start == 0 and cs.start == 0 and self.torch is not None:
-                ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out)
-        metrics = replicate_metrics(out, exact, random=est.random)
-        used = out[: metrics.replicates]
-        rel = relative_error(used, exact)
+                ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, out[rs, cs])
+        metrics, rel = metrics_with_relative_error(out, exact, random=est.random)
         prob_mse = prob_sq[: metrics.replicates].mean(0) / (n * k.shape[-2])
         with np.errstate(divide="ignore", invalid="ignore"):
             delta_ratio = delta[:DIAGNOSTIC_REPLICATES].mean(0) / metrics.variance

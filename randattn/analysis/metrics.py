@@ -32,6 +32,7 @@ import numpy as np
 __all__ = [
     "ReplicateMetrics",
     "replicate_metrics",
+    "metrics_with_relative_error",
     "relative_error",
     "probability_mse",
     "normal_ci",
@@ -217,19 +218,36 @@ def replicate_metrics(estimates: Any, exact: Any, *, random: bool = True) -> Rep
     >>> float(m.mse), float(m.variance), float(m.bias_sq_naive), float(m.bias_sq)
     (5.0, 2.0, 4.0, 3.0)
     """
+    return _replicate_metrics(estimates, exact, random, with_relative_error=False)[0]
+
+
+def metrics_with_relative_error(estimates: Any, exact: Any, *, random: bool = True) -> tuple[ReplicateMetrics, np.ndarray]:
+    """``(replicate_metrics(estimates, exact), relative_error(used, exact))`` from one difference array.
+
+    ``used`` are the replicates the metrics use (the first only, for a deterministic estimator).
+    The same numbers, bit for bit, as the two calls, which would each form ``estimates - exact``.
+    """
+    return _replicate_metrics(estimates, exact, random, with_relative_error=True)
+
+
+def _replicate_metrics(estimates: Any, exact: Any, random: Any, *,
+                       with_relative_error: bool) -> tuple[ReplicateMetrics, np.ndarray | None]:
+    """:func:`replicate_metrics`, and the relative error of the replicates it uses when asked."""
     est, ex, random = _metrics_iv(estimates, exact, random)
     r = est.shape[0]
     batch = ex.shape[:-2]
     if not random:
         est = est[:1]
+        rel = _relative_error_of_diff(est - ex, ex) if with_relative_error else None
         err = ((est[0] - ex) ** 2).mean(axis=(-2, -1))
         zero = np.zeros(batch)
         return ReplicateMetrics(
             mean_abs=np.abs(est[0]).mean(axis=(-2, -1)), mse=err, mse_se=zero, variance=zero.copy(),
             bias_sq=err.copy(), bias_sq_naive=err.copy(), bias_sq_se=zero.copy(), replicates=1, random=False,
-        )
+        ), rel
     # one difference array; every reduction below is a one-pass dot product over (N, Dv)
     diff = est - ex  # (R, ..., N, Dv): y_r - y
+    rel = _relative_error_of_diff(diff, ex) if with_relative_error else None  # before diff is overwritten below
     bias = diff.mean(0)  # mean - y
     mean = bias + ex
     per_rep_err = _mean_dot(diff, diff)  # (R, ...)
@@ -240,13 +258,13 @@ def replicate_metrics(estimates: Any, exact: Any, *, random: bool = True) -> Rep
             "replicate_metrics: a random estimator needs R >= 2 replicates for a variance; got R = 1, "
             "so variance, debiased bias^2 and standard errors are NaN",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,  # the caller of replicate_metrics / metrics_with_relative_error
         )
         nan = np.full(batch, np.nan)
         return ReplicateMetrics(
             mean_abs=np.abs(mean).mean(axis=(-2, -1)), mse=mse, mse_se=nan, variance=nan.copy(), bias_sq=nan.copy(),
             bias_sq_naive=naive, bias_sq_se=nan.copy(), replicates=1, random=True,
-        )
+        ), rel
     dev = np.subtract(diff, bias, out=diff)  # y_r - mean, in place of diff
     dd = _mean_dot(dev, dev)  # (R, ...): avg d_r^2
     variance = dd.sum(0) / (r - 1)
@@ -259,13 +277,13 @@ def replicate_metrics(estimates: Any, exact: Any, *, random: bool = True) -> Rep
             "replicate_metrics: the jackknife SE of the debiased bias^2 needs R >= 3 replicates, got R = 2; "
             "bias_sq_se is NaN",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,  # the caller of replicate_metrics / metrics_with_relative_error
         )
         bias_sq_se = np.full(batch, np.nan)
     return ReplicateMetrics(
         mean_abs=np.abs(mean).mean(axis=(-2, -1)), mse=mse, mse_se=mse_se, variance=variance, bias_sq=bias_sq,
         bias_sq_naive=naive, bias_sq_se=bias_sq_se, replicates=r, random=True,
-    )
+    ), rel
 
 
 def relative_error(estimates: Any, exact: Any) -> np.ndarray:
@@ -284,7 +302,11 @@ def relative_error(estimates: Any, exact: Any) -> np.ndarray:
     """
     est = np.asarray(estimates, dtype=np.float64)
     ex = np.asarray(exact, dtype=np.float64)
-    diff = est - ex
+    return _relative_error_of_diff(est - ex, ex)
+
+
+def _relative_error_of_diff(diff: np.ndarray, ex: np.ndarray) -> np.ndarray:
+    """:func:`relative_error` from ``diff = estimates - exact``."""
     # row norms as one-pass dot products (np.linalg.norm would write the squares first)
     err = np.sqrt(np.einsum("...d,...d->...", diff, diff))
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
 from randattn.analysis.metrics import (
     jackknife_debiased_bias_sq,
+    metrics_with_relative_error,
     normal_ci,
     probability_mse,
     relative_error,
@@ -127,3 +130,34 @@ def test_normal_ci():
     assert hi == pytest.approx(1.0 + 1.959963984540054 * 0.5)
     with pytest.raises(ValueError, match="level"):
         normal_ci(1.0, 0.5, level=1.5)
+
+
+@pytest.mark.parametrize("reps, random", [(5, True), (2, True), (1, True), (3, False)])
+def test_metrics_with_relative_error_is_both_calls_bit_for_bit(rng, reps, random):
+    """One difference array serves both results: the same bits as replicate_metrics and relative_error."""
+    exact = rng.normal(size=(2, 4, 3))
+    est = exact + 0.1 * rng.normal(size=(reps, 2, 4, 3))
+    if not random:
+        est = np.broadcast_to(est[:1], est.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # R = 1, 2: NaN fields, warned (checked below)
+        metrics, rel = metrics_with_relative_error(est, exact, random=random)
+        expected = replicate_metrics(est, exact, random=random)
+    expected_rel = relative_error(est[: expected.replicates], exact)
+    for field in ("mean_abs", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se"):
+        np.testing.assert_array_equal(getattr(metrics, field), getattr(expected, field), err_msg=field)
+    assert metrics.replicates == expected.replicates and metrics.random == expected.random
+    np.testing.assert_array_equal(rel, expected_rel)
+
+
+def test_metrics_with_relative_error_hand_computed_and_warns_at_the_caller(rng):
+    exact = np.array([[3.0, 4.0], [1.0, 0.0]])  # norms 5, 1
+    est = np.stack([exact + [[0.0, 5.0], [0.0, 0.0]], exact + [[0.0, 0.0], [0.0, 2.0]]])
+    with pytest.warns(RuntimeWarning, match="R >= 3") as record:
+        _, rel = metrics_with_relative_error(est, exact)
+    assert rel == pytest.approx(0.75)  # replicate 0: 5/5, 0; replicate 1: 0, 2/1
+    assert record[0].filename == __file__
+    with pytest.warns(RuntimeWarning, match="R >= 2") as record:
+        _, rel = metrics_with_relative_error(est[:1], exact)
+    assert rel == pytest.approx(0.5)  # replicate 0 alone
+    assert record[0].filename == __file__
