@@ -56,6 +56,12 @@ DIAGNOSTIC_REPLICATES = CANONICAL_REPLICATES
 #: S at which the working set is measured (then extrapolated linearly in S)
 _CALIBRATION_SAMPLES = (16, 64)
 
+#: a float64 run takes an estimator's float32 probability product (``batched_with_float32_probabilities``) only
+#: where its rounding bound changes every (replicate, cell)'s probability squared error by at most this fraction;
+#: a block where it may change more is recomputed in float64. Two orders below the ~10% standard error of a
+#: prob_mse over R = 32 replicates
+PROBABILITY_ROUNDING_RTOL = 1e-3
+
 
 class MemoryBudgetError(ValueError):
     """One (cell, replicate) of a unit needs more memory than ``max_memory`` allows."""
@@ -103,6 +109,25 @@ def _slice_draws(draws: Draws, reps: slice, cells: slice) -> Draws:
 
 def _draw_bytes(draws: Draws) -> int:
     return sum(a.nbytes for a in draws.arrays.values())
+
+
+def probability_rounding_negligible(row_err, bound, exact_norms, rtol: float) -> bool:
+    r"""Whether rounding moves every (replicate, cell)'s probability squared error by at most ``rtol`` of it.
+
+    ``row_err (R, C, N)`` are the computed :math:`\tilde e_n = \|\tilde P_n - \mathrm{fl_{32}}(P_n)\|_2`,
+    ``bound (R, C, N)`` bounds :math:`\|\tilde P_n - \hat P_n\|_2` (the estimator's product rounding) and
+    ``exact_norms (C, N)`` are :math:`\|\mathrm{fl_{32}}(P_n)\|_2`. With
+    :math:`\delta_n = b_n + 1.01\,u \|P_n\|_2` (also the exact probabilities' rounding to float32,
+    :math:`u = 2^{-24}`), the exact :math:`e_n = \|\hat P_n - P_n\|_2` lies within :math:`\delta_n` of
+    :math:`\tilde e_n`, so :math:`|\sum_n \tilde e_n^2 - \sum_n e_n^2| \le \sum_n \delta_n (2 \tilde e_n + \delta_n)`
+    and :math:`\sum_n e_n^2 \ge \sum_n \max(\tilde e_n - \delta_n, 0)^2`; the test is that the first is at most
+    ``rtol`` times the second. The float32 difference and norm round relative to :math:`\tilde e_n` only, as in
+    every float32 run. A NaN or inf anywhere fails the test.
+    """
+    delta = bound + 1.01 * 2.0**-24 * exact_norms.to(bound.dtype)
+    change = (delta * (2.0 * row_err + delta)).sum(-1)
+    floor = (row_err - delta).clamp(min=0.0).square().sum(-1)
+    return bool((change <= rtol * floor).all())
 
 
 class UnitRunner:
@@ -208,7 +233,7 @@ class UnitRunner:
 
                 def one() -> None:
                     # the code path that runs: estimates, the probability pass, diagnostics
-                    self._estimate_block(spec, est, q, k, v, draws, exact_probs)
+                    self._estimate_block(spec, est, q, k, v, draws, exact_probs, full_precision=True)
                     if self.config.diagnostics and est.random:
                         self._diagnostics_block(est, q, k, v, draws, first_block=False)
 
@@ -279,12 +304,22 @@ class UnitRunner:
         return self.config.replicates if est.random else 1
 
     # ------------------------------------------------------------------------------------------------ estimation
-    def _estimate_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs):
+    def _estimate_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, exact_probs32=None,
+                        *, full_precision: bool = False):
         """Estimates ``(R_b, C_b, N, Dv)`` and the probabilities' squared error ``(R_b, C_b)``.
 
         The estimates stay as computed (a torch tensor in the run's dtype on its device, or the
         reference's float64 array): :func:`_store` writes them into the unit's float64 array.
+        A float64 run under ``dtype="auto"`` takes the estimator's float32 probability product
+        where one exists and its bound allows (:data:`PROBABILITY_ROUNDING_RTOL`);
+        ``full_precision`` forces the float64 product (the calibration measures that, the larger
+        working set). ``exact_probs32``: the exact probabilities in float32, if at hand.
         """
+        if not full_precision and self._rounds_probabilities(spec, est):
+            rounded = self._float32_probability_block(spec, est, q, k, v, draws,
+                                                      exact_probs if exact_probs32 is None else exact_probs32)
+            if rounded is not None:
+                return rounded
         m = k.shape[-2]
         if self.torch is None:
             out = np.asarray(spec.reference(q, k, v, draws, scale=self.scale, **est.params), dtype=np.float64)
@@ -322,6 +357,26 @@ class UnitRunner:
                 prob_sq = row_norms.to(torch.float64).square_().sum(-1).cpu().numpy()
                 del probs
         return out, prob_sq
+
+    def _rounds_probabilities(self, spec, est: EstimatorConfig) -> bool:
+        """Whether this run may take ``spec``'s float32 probability product (a float64 run under ``dtype="auto"``)."""
+        return (self.torch is not None and self.config.probabilities and self.config.dtype == "auto"
+                and self._dtype_name(est) == "float64" and spec.batched_with_float32_probabilities is not None)
+
+    def _float32_probability_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs):
+        """:meth:`_estimate_block` through the float32 probability product, or None where its bound is too loose."""
+        torch = self.torch
+        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k, v))
+        with torch.no_grad():
+            out, probs, bound = spec.batched_with_float32_probabilities(
+                tq, tk, tv, draws.to_torch(device=self.device, dtype=torch.float64), scale=self.scale, **est.params)
+            exact32 = torch.as_tensor(exact_probs, device=self.device, dtype=torch.float32)
+            row_err = torch.linalg.vector_norm(probs.sub_(exact32), dim=-1).to(torch.float64)
+            del probs
+            if not probability_rounding_negligible(row_err, bound, torch.linalg.vector_norm(exact32, dim=-1),
+                                                   PROBABILITY_ROUNDING_RTOL):
+                return None
+        return out, row_err.square_().sum(-1).cpu().numpy()
 
     def _diagnostics_block(self, est: EstimatorConfig, q, k, v, draws: Draws, first_block: bool):
         """Per (replicate, cell) ESS and delta-method variance ``(R_b, C_b)``, and k-hat ``(C_b,)`` or None."""
@@ -365,6 +420,7 @@ class UnitRunner:
         spec = self.specs[est.name]
         blocks = self.blocks(unit)
         q, k, v, exact_probs, exact = self._inputs_and_exact(unit, self._dtype_name(est))
+        exact32 = self._inputs_and_exact(unit, "float32")[3] if self._rounds_probabilities(spec, est) else None
         cells, reps = len(unit.heads), self.replicates(est)
         n, dv = q.shape[-2], v.shape[-1]
         out = np.empty((reps, cells, n, dv))
@@ -378,7 +434,8 @@ class UnitRunner:
             draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], unit.seeds[cs], range(rs.start, rs.stop),
                                unit.num_samples)
             block_out, block_prob = self._estimate_block(spec, est, q[cs], k[cs], v[cs], draws,
-                                                         exact_probs[cs] if config.probabilities else None)
+                                                         exact_probs[cs] if config.probabilities else None,
+                                                         None if exact32 is None else exact32[cs])
             _store(out[rs, cs], block_out)
             if block_prob is not None:
                 prob_sq[rs, cs] = block_prob

@@ -84,13 +84,13 @@ class EstimatorConfig:
     def signed_weights(self) -> bool:
         """Whether the estimator's weights can be negative, so that its sums cancel.
 
-        LARA's decoupled weights (eq. 38) without ``alpha_clamp`` and the trigonometric
-        feature map are signed; in float32 their cancelling sums lose digits that are not
-        small against the MSE being measured (up to 2e-2 absolute on DINOv2 layer 3).
+        LARA's decoupled and coupled weights (eq. 38, 37) without ``alpha_clamp`` and the
+        trigonometric feature map are signed; in float32 their cancelling sums lose digits that
+        are not small against the MSE being measured (up to 2e-2 absolute on DINOv2 layer 3).
         """
         p = self.params
         if self.name == "lara":
-            return p.get("weighting") == "decoupled" and p.get("alpha_clamp") is None
+            return p.get("weighting") in ("decoupled", "coupled") and p.get("alpha_clamp") is None
         return p.get("feature_map") == "trigonometric"
 
     def torch_dtype_name(self, dtype: str) -> str:
@@ -214,7 +214,10 @@ class SweepConfig:
     dtype : {"auto", "float32", "float64"}
         torch dtype; ``auto`` is float64 for signed-weight configurations
         (:attr:`EstimatorConfig.signed_weights`) and float32 otherwise. The reference is
-        always float64.
+        always float64. Under ``auto`` a float64 run forms the implied probabilities by a
+        float32 product where the estimator offers one and its rounding bound moves each
+        (replicate, cell)'s probability squared error by at most
+        :data:`~randattn.analysis.execute.PROBABILITY_ROUNDING_RTOL` (1e-3) of itself.
     max_memory : int
         Approximate peak bytes of the estimator work of one unit (see
         :mod:`randattn.analysis.execute`).

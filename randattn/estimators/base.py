@@ -114,6 +114,12 @@ class EstimatorSpec:
         ``batched(q, k, v, ...)`` and ``batched_probabilities(q, k, ...)``, the same bits, from one
         pass that computes their common terms (the draws' features, the weights) once. None: the
         sweep calls the two separately.
+    batched_with_float32_probabilities : callable or None
+        torch ``(q, k, v, draws, *, scale, **params) -> (out, probs, bound)`` for float64 runs:
+        ``out`` as ``batched``, the probabilities from a float32 product, and ``bound (R, ..., N)``
+        on each row's distance from the full-precision probabilities in the 2-norm. The sweep uses
+        it when the bound shows the rounding negligible against the squared error it measures, and
+        ``batched_with_probabilities`` otherwise. None: probabilities in the run's dtype.
     presets : mapping of str to params
         Named parameter sets selected by the ``preset`` parameter (e.g. ``"official-code"``: the
         conventions of the authors' code); ``"paper"`` (the defaults) is always allowed. Explicit
@@ -134,6 +140,7 @@ class EstimatorSpec:
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     batched_probabilities: Callable[..., Any] | None = None
     batched_with_probabilities: Callable[..., Any] | None = None
+    batched_with_float32_probabilities: Callable[..., Any] | None = None
 
     def preset_names(self) -> tuple[str, ...]:
         """Allowed values of ``preset``: ``"paper"`` (the defaults) and the declared presets."""

@@ -113,10 +113,12 @@ def test_a_unit_that_cannot_fit_is_refused_before_computing(acts):
 
 def test_auto_dtype_is_float64_for_signed_weights_only(acts):
     table = run_sweep(acts, _config(backend="torch", estimators=parse_estimator_list(
-        "rfa;rfa:feature_map=trigonometric;lara;lara:weighting=balance;lara:alpha_clamp=1e-8"), num_samples=(4,)))
+        "rfa;rfa:feature_map=trigonometric;lara;lara:weighting=balance;lara:alpha_clamp=1e-8;lara:weighting=coupled"),
+        num_samples=(4,)))
     dtypes = table.groupby("label")["dtype"].unique().map(tuple).to_dict()
     assert dtypes == {"rfa": ("float32",), "rfa:feature_map=trigonometric": ("float64",), "lara": ("float64",),
-                      "lara:weighting=balance": ("float32",), "lara:alpha_clamp=1e-08": ("float32",)}
+                      "lara:weighting=balance": ("float32",), "lara:alpha_clamp=1e-08": ("float32",),
+                      "lara:weighting=coupled": ("float64",)}
     ref = run_sweep(acts, _config(estimators=parse_estimator_list("rfa"), num_samples=(4,)))
     assert set(ref["dtype"]) == {"float64"}
 
@@ -273,3 +275,43 @@ def test_units_run_with_the_recorded_thread_count(acts, monkeypatch):
     assert with_threads(_config(backend="torch")).threads == before
     assert with_threads(_config(backend="torch")).identity()["threads"] == before
     assert len(table) == 4
+
+
+@pytest.mark.filterwarnings("ignore::randattn.estimators.rfa.reference.NonPositiveDenominatorWarning")
+def test_signed_lara_probabilities_take_the_float32_product_only_within_its_bound(acts, monkeypatch):
+    """Under dtype=auto, signed LARA's prob_mse comes from the float32 product: within the guaranteed
+    1e-3 of the float64 run's (and not its bits), every other column the float64 run's bits. With
+    the tolerance at 0 no block qualifies and every block is recomputed in float64: the same bits."""
+    from randattn.analysis import execute
+
+    config = dict(backend="torch", estimators=parse_estimator_list("lara;lara:proposal=eq32,weighting=coupled"),
+                  num_samples=(4, 8), diagnostics=True, khat_queries=2)
+    full = _without_time(run_sweep(acts, _config(dtype="float64", **config)))
+    auto = _without_time(run_sweep(acts, _config(**config)))
+    assert execute.PROBABILITY_ROUNDING_RTOL == 1e-3
+    np.testing.assert_allclose(auto.prob_mse, full.prob_mse, rtol=1e-3, atol=0)
+    assert not np.array_equal(auto.prob_mse, full.prob_mse)
+    pd.testing.assert_frame_equal(auto.drop(columns="prob_mse"), full.drop(columns="prob_mse"), check_exact=True)
+    monkeypatch.setattr(execute, "PROBABILITY_ROUNDING_RTOL", 0.0)
+    fallback = _without_time(run_sweep(acts, _config(**config)))
+    pd.testing.assert_frame_equal(fallback, full, check_exact=True)
+
+
+def test_probability_rounding_test_on_hand_computed_rows():
+    """delta = b + 1.01 u |P|: change = sum delta (2 e + delta), floor = sum max(e - delta, 0)^2."""
+    import torch
+
+    from randattn.analysis.execute import probability_rounding_negligible as ok
+
+    e = torch.tensor([[[1.0, 0.5]]], dtype=torch.float64)  # (R, C, N) = (1, 1, 2)
+    no_p = torch.zeros((1, 2))
+    # b = 1e-4 on both rows: change = 1e-4 * 2.0001 + 1e-4 * 1.0001 = 3.0002e-4; floor = 0.9999^2 + 0.4999^2
+    assert ok(e, torch.full_like(e, 1e-4), no_p, rtol=3.0002e-4 / (0.9999**2 + 0.4999**2) * 1.000001)
+    assert not ok(e, torch.full_like(e, 1e-4), no_p, rtol=3.0002e-4 / (0.9999**2 + 0.4999**2) * 0.999999)
+    # the exact probabilities' rounding counts: |P_n| = 1e4 adds 1.01 * 2^-24 * 1e4 = 6.02e-4 to delta
+    assert ok(e, torch.zeros_like(e), no_p, rtol=1e-3)
+    assert not ok(e, torch.zeros_like(e), torch.full((1, 2), 1e4), rtol=1e-3)
+    # a row error below its delta gives a floor of 0 there; a NaN or inf bound fails
+    assert not ok(torch.tensor([[[1e-5]]]), torch.tensor([[[1e-4]]]), torch.zeros((1, 1)), rtol=1.0)
+    assert not ok(e, torch.tensor([[[1e-4, float("nan")]]]), no_p, rtol=1.0)
+    assert not ok(e, torch.tensor([[[1e-4, float("inf")]]]), no_p, rtol=1.0)

@@ -664,3 +664,51 @@ def test_grid_from_the_cli_spec():
 
     name, params = parse_estimator("lara:grid=14x14,prefix_tokens=1,layout=grid")
     assert (name, params) == ("lara", {"grid": "14x14", "prefix_tokens": 1, "layout": "grid"})
+
+
+# ---------------------------------------------------------------------------------------
+# implied probabilities from a float32 product, with a bound on its rounding
+
+
+@ignore_negative_normalizer
+@pytest.mark.parametrize("variant", ["eq34-decoupled", "eq32-coupled", "eq35-balance-grid", "official-vit"])
+def test_float32_probabilities_lie_within_their_bound_of_the_float64_reference(variant, rng):
+    """At ViT norms (exponents ~1e2): the output is ``estimate``'s bits, and each row of the float32
+    probabilities is within its bound of the float64 reference with ``v = I_M`` (an independent code
+    path; 1e-10 covers the float64 difference between the two)."""
+    params = _fit_grid(lara.SPEC.variants[variant], 197)
+    q, k, v = _vit_like(rng, 197)
+    draws = _draw(q, k, 49, replicates=2, **params)
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    out, probs, bound = lara_b.estimate_with_float32_probabilities(t(q), t(k), t(v), draws.to_torch(), **params)
+    assert torch.equal(out, lara_b.estimate(t(q), t(k), t(v), draws.to_torch(), **params))
+    assert probs.dtype == torch.float32 and bound.shape == probs.shape[:-1]
+    eye = np.broadcast_to(np.eye(k.shape[-2]), (*k.shape[:-1], k.shape[-2]))
+    exact = lara_r.estimate(q, k, eye, draws, **params)
+    error = np.linalg.norm(probs.double().numpy() - exact, axis=-1)
+    assert (error <= bound.numpy() + 1e-10).all()
+    # and the bound is tight enough to use: far below the rows' norms
+    assert (bound.numpy() < 1e-3 * np.linalg.norm(exact, axis=-1)).all()
+
+
+def test_float32_quotient_bound_covers_a_near_cancelling_normalizer(rng):
+    """Weights that cancel to 1e-6 of their size in the normalizer d: the float32 quotient's error is
+    under the bound, and above what the bound would say without its division by |d| (so a bound
+    that dropped it fails here)."""
+    num_c, n, m = 64, 50, 40
+    key_exp = torch.as_tensor(rng.uniform(0.0, 1.0, (1, num_c, m)))
+    weights = torch.as_tensor(rng.uniform(0.5, 1.0, (1, num_c, n)))
+    sums = key_exp.sum(-1)  # (1, C)
+    # the last weight of each query sets d_n = sum_c W_cn s_c to 1e-6 of sum_{c < C} W_cn s_c
+    partial = (weights[:, :-1] * sums[:, :-1, None]).sum(-2)  # (1, N)
+    weights[:, -1] = -(partial * (1 - 1e-6)) / sums[:, -1:]
+    den = (weights * sums[..., None]).sum(-2)
+    exact = (weights.transpose(-1, -2) @ key_exp) / den[..., None]
+    w32, e32 = weights.to(torch.float32), key_exp.to(torch.float32)
+    approx = (w32.transpose(-1, -2) @ e32).mul_(den.reciprocal().to(torch.float32)[..., None])
+    error = torch.linalg.vector_norm(approx.double() - exact, dim=-1)
+    bound = lara_b.float32_quotient_bound(weights, key_exp, den)
+    assert (error <= bound).all()
+    u = 2.0**-24
+    spread = (weights.abs().transpose(-1, -2) @ torch.linalg.vector_norm(key_exp, dim=-1, keepdim=True))[..., 0]
+    assert (error > 2 * (num_c + 5) * u * spread).all()

@@ -155,6 +155,7 @@ SPEC = EstimatorSpec(
     batched=batched.estimate,
     batched_probabilities=batched.probabilities,
     batched_with_probabilities=batched.estimate_with_probabilities,
+    batched_with_float32_probabilities=batched.estimate_with_float32_probabilities,
     is_random=_is_random,
     variants=_variants(),
     presets=LARA_PRESETS,
