@@ -420,7 +420,7 @@ def _lara_terms_torch(q, k, v, draws, *, scale, params):
     if q_sign is not None:
         # signed weights: undefined for the (replicate, batch element) holding a non-positive one
         signed = (q_sign <= 0).flatten(start_dim=-3).any(-1)  # (R, ...)
-        log_w = torch.where(signed[..., None, None], torch.full_like(log_w, float("nan")), log_w)
+        log_w = log_w.masked_fill_(signed[..., None, None], float("nan"))  # in place: log_w is a fresh sum
     return log_w, f
 
 

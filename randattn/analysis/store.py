@@ -148,13 +148,18 @@ def stored_unit_ids(parts_dir: str | os.PathLike) -> set[str]:
 
 
 def write_part(parts_dir: str | os.PathLike, uid: str, rows: Sequence[Mapping[str, Any]]) -> Path:
-    """Write one unit's rows as ``part-<uid>.parquet``, atomically."""
-    import pandas as pd
+    """Write one unit's rows as ``part-<uid>.parquet``, atomically.
 
-    frame = pd.DataFrame({c: _column(c, [row[c] for row in rows]) for c in COLUMNS})
+    By pyarrow directly: pandas' ``to_parquet`` took 4.6 ms a part against 1.5 ms (W1 writes
+    about 2,400 parts); ``read_parts`` reads back the same dtypes and values.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({c: _column(c, [row[c] for row in rows]) for c in COLUMNS})
     path = Path(parts_dir) / f"{_PART_PREFIX}{uid}{_PART_SUFFIX}"
     with atomic_path(path) as tmp:
-        frame.to_parquet(tmp, index=False)
+        pq.write_table(table, tmp)
     return path
 
 

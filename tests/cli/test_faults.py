@@ -62,25 +62,25 @@ for target in hook.get("forbid", ()):
 if "hold" in hook:
     _replace(hook["hold"], _hold)
 if "parts" in hook:
-    import pandas as pd
-    _to_parquet, _count = pd.DataFrame.to_parquet, [0]
-    def to_parquet(self, path, *args, **kwargs):
-        if "part-" not in os.path.basename(str(path)):
-            return _to_parquet(self, path, *args, **kwargs)
+    import pyarrow.parquet as pq
+    _write_table, _count = pq.write_table, [0]
+    def write_table(table, where, *args, **kwargs):
+        if "part-" not in os.path.basename(str(where)):
+            return _write_table(table, where, *args, **kwargs)
         _count[0] += 1
         if _count[0] == hook["parts"]:
             if hook.get("torn"):
-                _to_parquet(self, path, *args, **kwargs)
-                with open(path, "r+b") as handle:
-                    handle.truncate(os.path.getsize(path) // 2)
+                _write_table(table, where, *args, **kwargs)
+                with open(where, "r+b") as handle:
+                    handle.truncate(os.path.getsize(where) // 2)
             open(hook["marker"], "w").close()
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and not (hook.get("release") and os.path.exists(hook["release"])):
                 time.sleep(0.02)
             if hook.get("torn"):
                 return None
-        return _to_parquet(self, path, *args, **kwargs)
-    pd.DataFrame.to_parquet = to_parquet
+        return _write_table(table, where, *args, **kwargs)
+    pq.write_table = write_table
 from randattn.cli import main
 main()
 """
