@@ -40,6 +40,7 @@ __all__ = [
     "with_threads",
     "cell_seed",
     "replicate_rng",
+    "StackedGenerators",
     "plan_units",
     "select",
     "total_cells",
@@ -352,6 +353,56 @@ def cell_seed(master_seed: int, image: str, layer: int, head: int, label_params_
 def replicate_rng(seed: int, replicate: int) -> np.random.Generator:
     """The generator of replicate ``replicate`` of the cell with this ``seed``."""
     return np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(int(replicate),)))
+
+
+class StackedGenerators:
+    """A grid of numpy Generators that draws each array as the stack of one draw per generator.
+
+    An estimator's ``draw`` asks its ``rng`` for arrays whose leading dims are (replicates,
+    *batch). Given a grid of generators of shape G, a request of shape ``(*G, *rest)`` is
+    answered element by element of G, each generator drawing ``(1, ..., 1, *rest)`` -- the
+    request its ``draw`` would make with one replicate and no batch dims -- so one ``draw``
+    over the grid returns, bit for bit, the draws of the per-generator calls stacked, while the
+    draw's own arithmetic (e.g. the QR of orthogonal features) runs once on the stack.
+
+    Parameters
+    ----------
+    generators : array_like of numpy.random.Generator
+        Any shape G (nested lists are taken as an object array).
+    """
+
+    def __init__(self, generators: Any) -> None:
+        grid = np.empty(np.shape(generators), dtype=object)
+        grid[...] = generators  # an object array without numpy reading the Generators as sequences
+        if grid.size == 0 or not all(isinstance(g, np.random.Generator) for g in grid.flat):
+            raise TypeError("StackedGenerators needs a non-empty grid of numpy.random.Generator objects")
+        self._grid = grid
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The grid's shape G: the leading dims of every array it draws."""
+        return self._grid.shape
+
+    def _draw(self, method: str, size: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        size = (int(size),) if np.ndim(size) == 0 and size is not None else tuple(size or ())
+        lead = self._grid.shape
+        if size[: len(lead)] != lead:
+            raise ValueError(f"a draw of shape {size} does not start with the generators' grid shape {lead}")
+        one = (1,) * len(lead) + size[len(lead):]
+        parts = [getattr(g, method)(*args, size=one, **kwargs) for g in self._grid.flat]
+        return np.concatenate(parts, axis=0).reshape(size)
+
+    def standard_normal(self, size: Any, dtype: Any = np.float64) -> np.ndarray:
+        """``Generator.standard_normal`` per generator, stacked."""
+        return self._draw("standard_normal", size, dtype=dtype)
+
+    def random(self, size: Any, dtype: Any = np.float64) -> np.ndarray:
+        """``Generator.random`` per generator, stacked."""
+        return self._draw("random", size, dtype=dtype)
+
+    def chisquare(self, df: float, size: Any) -> np.ndarray:
+        """``Generator.chisquare`` per generator, stacked."""
+        return self._draw("chisquare", size, df)
 
 
 # ------------------------------------------------------------------------------------------------------------ units

@@ -90,3 +90,48 @@ def test_replicate_errors_of_different_cells_are_independent(same_head_everywher
         rho = stats.spearmanr(errors[i], errors[j]).statistic
         worst = max(worst, abs(rho) * np.sqrt(reps - 1))
     assert worst < 4.5, f"replicate errors of two cells are correlated (max |z| = {worst:.2f})"
+
+
+def _every_variant():
+    from randattn.estimators.registry import list_estimators
+
+    for name in list_estimators():
+        spec = get_spec(name)
+        for variant, params in {"default": {}, **spec.variants}.items():
+            yield pytest.param(name, params, id=f"{name}-{variant}")
+
+
+@pytest.mark.parametrize("name, params", _every_variant())
+def test_block_draws_are_the_per_cell_per_replicate_draws_stacked(name, params):
+    """``cell_draws`` makes one ``draw`` call over a (replicates, cells) grid of generators; every
+    variant of every estimator gets, bit for bit, what one call per (cell, replicate) with
+    ``replicate_rng(seed, r)`` gives (written out here), so rows do not depend on the blocking."""
+    from randattn.analysis.execute import cell_draws
+    from randattn.analysis.plan import estimator_config
+
+    spec = get_spec(name)
+    config = estimator_config(name, params)
+    q_shape, k_shape = (13, 6), (13, 6)
+    seeds, reps = [11, 12, 13], range(2, 5)
+    samples = 70 if spec.needs_samples else None  # > D = 6: several orthogonal blocks, the last truncated
+    block = cell_draws(spec, config, q_shape, k_shape, seeds, reps, samples)
+    assert block.replicates == len(reps)
+    for c, seed in enumerate(seeds):
+        for i, r in enumerate(reps):
+            one = spec.draw(q_shape, k_shape, num_samples=samples, replicates=1, rng=replicate_rng(seed, r),
+                            **config.params)
+            assert set(one.arrays) == set(block.arrays)
+            for key, array in one.arrays.items():
+                assert np.array_equal(block.arrays[key][i, c], array[0]), (key, c, r)
+
+
+def test_stacked_generators_check_the_requested_shape():
+    from randattn.analysis.plan import StackedGenerators
+
+    grid = StackedGenerators([[np.random.default_rng(i) for i in range(3)]])
+    assert grid.shape == (1, 3)
+    assert grid.standard_normal((1, 3, 2)).shape == (1, 3, 2)
+    with pytest.raises(ValueError, match=r"a draw of shape \(3, 2\) does not start with the generators' grid shape"):
+        grid.standard_normal((3, 2))
+    with pytest.raises(TypeError, match="numpy.random.Generator"):
+        StackedGenerators([np.random.RandomState(0)])
