@@ -415,6 +415,8 @@ def _lara_terms_torch(q, k, v, draws, *, scale, params):
     from randattn.estimators.lara.batched import lara_terms, weighted_log_features
 
     terms = lara_terms(q, k, v, draws, scale=scale, **params)
+    if terms.alpha_sign is not None and bool((terms.alpha_sign <= 0).flatten(start_dim=-2).any(-1).all()):
+        return None  # every (replicate, batch element) holds a non-positive weight: nothing is defined
     log_qf, log_kf, q_sign = weighted_log_features(terms)
     log_w, f = _snis_terms_torch(log_qf, log_kf, terms.v.unsqueeze(0))
     if q_sign is not None:
@@ -440,6 +442,9 @@ def _lara_terms_masked(q, k, v, draws, *, scale, params):
     from randattn.estimators.lara.reference import lara_terms, weighted_log_features
 
     terms = lara_terms(q, k, v, draws, scale=scale, **params)
+    if terms.alpha_sign is not None and bool((terms.alpha_sign <= 0).reshape(*terms.alpha_sign.shape[:-2], -1)
+                                             .any(-1).all()):
+        return None  # every (replicate, batch element) holds a non-positive weight: nothing is defined
     log_qf, log_kf, q_sign = weighted_log_features(terms)
     log_w, f = snis_terms_from_log_features(log_qf, log_kf, terms.v[None])
     if q_sign is not None:

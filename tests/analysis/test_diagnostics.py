@@ -142,6 +142,24 @@ def test_signed_lara_weights_are_undefined_per_replicate_and_cell():
         assert np.isnan(d.ess).any() and np.isfinite(d.ess).any(), backend
 
 
+def test_signed_lara_with_a_non_positive_weight_everywhere_has_no_diagnostics():
+    """Every (replicate, cell) holding a non-positive weight: nothing is defined, and the sweep gets None
+    (its NaN) without computing the weights' spread; the signs are checked here on the reference terms."""
+    import randattn
+    from randattn.analysis.diagnostics import replicate_snis_diagnostics
+    from randattn.estimators.lara import reference as lara_ref
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(3, 2, 20, 4)) * np.array([1.0, 4.0, 4.0])[:, None, None, None]
+    signed = randattn.get_spec("lara").resolve_params({"weighting": "decoupled", "beta": 50.0})
+    draws = randattn.draw("lara", q.shape, k.shape, num_samples=8, seed=3, replicates=3, **signed)
+    sign = lara_ref.lara_terms(q, k, v, draws, scale=1.0, **signed).alpha_sign  # (R, cells, N, C)
+    assert (sign <= 0).reshape(3, 2, -1).any(-1).all()
+    for backend in ("torch", "reference"):
+        assert replicate_snis_diagnostics("lara", q, k, v, draws, scale=1.0, params=signed, backend=backend,
+                                          dtype="float64", khat_queries=4) is None, backend
+
+
 def test_vectorized_khat_equals_arviz_row_by_row():
     import warnings
 
