@@ -712,3 +712,17 @@ def test_float32_quotient_bound_covers_a_near_cancelling_normalizer(rng):
     u = 2.0**-24
     spread = (weights.abs().transpose(-1, -2) @ torch.linalg.vector_norm(key_exp, dim=-1, keepdim=True))[..., 0]
     assert (error > 2 * (num_c + 5) * u * spread).all()
+
+
+@ignore_negative_normalizer
+def test_float32_probabilities_beyond_float32_range_get_an_infinite_bound(rng):
+    """beta = 1e42 puts the decoupled weights beyond float32's range (3.4e38): the float32 product
+    overflows, and the bound says inf on those rows rather than a finite number it cannot keep."""
+    q, k, v = _qkv(rng, batch=(2,), n=9, m=7, d=4)
+    params = dict(weighting="decoupled", beta=1e42)
+    draws = _draw(q, k, 5, **params)
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    _, probs, bound = lara_b.estimate_with_float32_probabilities(t(q), t(k), t(v), draws.to_torch(), **params)
+    broken = ~torch.isfinite(probs).all(-1)
+    assert broken.any()
+    assert torch.isinf(bound[broken]).all()
