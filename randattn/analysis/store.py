@@ -186,7 +186,13 @@ def read_parts(parts_dir: str | os.PathLike):
     paths = sorted(Path(parts_dir).glob(f"{_PART_PREFIX}*{_PART_SUFFIX}"))
     if not paths:
         return empty_table()
-    return coerce(pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True))
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+
+    try:  # one multi-threaded read: W1's 768 parts of a process in 0.6 s instead of 2.4 s file by file
+        return coerce(ds.dataset([str(p) for p in paths], format="parquet").to_table().to_pandas())
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # parts whose schemas differ (written by another version)
+        return coerce(pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True))
 
 
 def coerce(frame):

@@ -315,3 +315,17 @@ def test_probability_rounding_test_on_hand_computed_rows():
     assert not ok(torch.tensor([[[1e-5]]]), torch.tensor([[[1e-4]]]), torch.zeros((1, 1)), rtol=1.0)
     assert not ok(e, torch.tensor([[[1e-4, float("nan")]]]), no_p, rtol=1.0)
     assert not ok(e, torch.tensor([[[1e-4, float("inf")]]]), no_p, rtol=1.0)
+
+
+def test_parts_of_differing_schemas_are_read_back(acts, tmp_path):
+    """A part written by another version (here: pandas, with ``layer`` as float) joins the others: the
+    multi-threaded read falls back to reading file by file, and the table keeps its dtypes."""
+    from randattn.analysis.store import read_parts, write_part
+
+    rows = _without_time(run_sweep(acts, _config(layers=(0,)))).assign(seconds=0.0).to_dict("records")
+    write_part(tmp_path, "a", rows[:4])
+    old = pd.DataFrame(rows[4:8]).astype({"layer": float})
+    old.to_parquet(tmp_path / "part-b.parquet", index=False)
+    back = read_parts(tmp_path)
+    assert len(back) == 8 and str(back["layer"].dtype) == "int64"
+    assert back["layer"].tolist() == [int(r["layer"]) for r in rows[:8]]
