@@ -112,6 +112,18 @@ def _draw_bytes(draws: Draws) -> int:
     return sum(a.nbytes for a in draws.arrays.values())
 
 
+def _row_errors(probs, exact):
+    """float64 ``|P_hat_n - P_n|`` per row ``(R, C, N)``, overwriting ``probs`` (the run's dtype, no float64 copy).
+
+    The exact P rounded to float32 is off by <= 6e-8 P, negligible against an estimator's |P_hat - P|. Each row's
+    norm is taken in the run's dtype (each row alone, whatever the block); sum(dtype=float64) over the block would
+    convert it whole (20x slower).
+    """
+    import torch
+
+    return torch.linalg.vector_norm(probs.sub_(exact), dim=-1).to(torch.float64)  # one fused pass; rounding ~1e-8
+
+
 def probability_rounding_negligible(row_err, bound, exact_norms, rtol: float) -> bool:
     r"""Whether rounding moves every (replicate, cell)'s probability squared error by at most ``rtol`` of it.
 
@@ -349,13 +361,9 @@ class UnitRunner:
                     eye = torch.eye(m, device=self.device, dtype=dt).expand(*k.shape[:-1], m)
                     probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params)
             if self.config.probabilities:
-                # in place in the run's dtype: no float64 copy of the (R, C, N, M) block. The exact P rounded to
-                # float32 is off by <= 6e-8 P, negligible against an estimator's |P_hat - P|. Each row's norm is
-                # taken in the run's dtype (each row alone, whatever the block), the N squared norms summed in
-                # float64; sum(dtype=float64) over the block would convert it whole (20x slower)
-                probs.sub_(torch.as_tensor(exact_probs, device=self.device, dtype=probs.dtype))
-                row_norms = torch.linalg.vector_norm(probs, dim=-1)  # one fused pass; relative rounding ~1e-8
-                prob_sq = row_norms.to(torch.float64).square_().sum(-1).cpu().numpy()
+                # in place in the run's dtype; the N squared row norms summed in float64
+                prob_sq = _row_errors(probs, torch.as_tensor(exact_probs, device=self.device, dtype=probs.dtype))
+                prob_sq = prob_sq.square_().sum(-1).cpu().numpy()
                 del probs
         return out, prob_sq
 
@@ -372,7 +380,7 @@ class UnitRunner:
             out, probs, bound = spec.batched_with_float32_probabilities(
                 tq, tk, tv, draws.to_torch(device=self.device, dtype=torch.float64), scale=self.scale, **est.params)
             exact32 = torch.as_tensor(exact_probs, device=self.device, dtype=torch.float32)
-            row_err = torch.linalg.vector_norm(probs.sub_(exact32), dim=-1).to(torch.float64)
+            row_err = _row_errors(probs, exact32)
             del probs
             if not probability_rounding_negligible(row_err, bound, torch.linalg.vector_norm(exact32, dim=-1),
                                                    PROBABILITY_ROUNDING_RTOL):

@@ -357,9 +357,7 @@ def estimate_with_float32_probabilities(
                   sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
     weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, **params)
     out = _output(weights_t, key_exp, v, signed, in_dtype)
-    den = weights_t.transpose(-1, -2) @ key_exp.sum(-1, keepdim=True)  # (R, ..., N, 1), as _implied_probabilities
-    if signed:
-        _warn_non_positive(torch.sign(den[..., 0]))
+    den = _normalizer(weights_t, key_exp, signed)
     weights32 = weights_t.to(torch.float32)
     inverse32 = den.reciprocal().to(torch.float32)
     probs = (weights32.transpose(-1, -2) @ key_exp.to(torch.float32)).mul_(inverse32)
@@ -418,14 +416,20 @@ def _output(weights_t: torch.Tensor, key_exp: torch.Tensor, v: torch.Tensor, sig
 def _implied_probabilities(weights_t: torch.Tensor, key_exp: torch.Tensor, signed: bool,
                            in_dtype: torch.dtype) -> torch.Tensor:
     r""":math:`W^\top E / (W^\top E\,1)`, ``(R, ..., N, M)``."""
-    den = weights_t.transpose(-1, -2) @ key_exp.sum(-1, keepdim=True)  # (R, ..., N, 1)
+    den = _normalizer(weights_t, key_exp, signed)
     num = weights_t.transpose(-1, -2) @ key_exp  # (R, ..., N, M)
-    if signed:
-        _warn_non_positive(torch.sign(den[..., 0]))
     if num.dtype != in_dtype:
         return _normalize(num, den, False, in_dtype)
     # in place, by the reciprocal: an (N, M) division in float64 cost a third of signed LARA's time
     return num.mul_(den.reciprocal_())
+
+
+def _normalizer(weights_t: torch.Tensor, key_exp: torch.Tensor, signed: bool) -> torch.Tensor:
+    r"""The implied probabilities' normalizer :math:`W^\top E\,1`, ``(R, ..., N, 1)``; warns where it is not positive."""
+    den = weights_t.transpose(-1, -2) @ key_exp.sum(-1, keepdim=True)
+    if signed:
+        _warn_non_positive(torch.sign(den[..., 0]), stacklevel=5)
+    return den
 
 
 def _normalize(num: torch.Tensor, den: torch.Tensor, signed: bool, in_dtype: torch.dtype) -> torch.Tensor:
