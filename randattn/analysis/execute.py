@@ -35,6 +35,7 @@ import numpy as np
 
 from randattn.analysis.memory import measure_peak
 from randattn.analysis.plan import EstimatorConfig, StackedGenerators, SweepConfig, Unit, replicate_rng
+from randattn.analysis.probability_error import factored_pays, factored_rounding_negligible, factored_sq_errors
 from randattn.estimators.base import Draws
 
 __all__ = ["COLUMNS", "MemoryBudgetError", "UnitRunner", "format_bytes"]
@@ -56,10 +57,10 @@ DIAGNOSTIC_REPLICATES = CANONICAL_REPLICATES
 #: S at which the working set is measured (then extrapolated linearly in S)
 _CALIBRATION_SAMPLES = (16, 64)
 
-#: a float64 run takes an estimator's float32 probability product (``batched_with_float32_probabilities``) only
-#: where its rounding bound changes every (replicate, cell)'s probability squared error by at most this fraction;
-#: a block where it may change more is recomputed in float64. Two orders below the ~10% standard error of a
-#: prob_mse over R = 32 replicates
+#: a float64 run takes an estimator's float32 probability product (``batched_with_float32_probabilities``), and any
+#: run the factored probability error (:mod:`~randattn.analysis.probability_error`), only where its rounding bound
+#: changes every (replicate, cell)'s probability squared error by at most this fraction; a block where it may change
+#: more is recomputed the dense way. Two orders below the ~10% standard error of a prob_mse over R = 32 replicates
 PROBABILITY_ROUNDING_RTOL = 1e-3
 
 
@@ -198,7 +199,9 @@ class UnitRunner:
     def _inputs_and_exact(self, unit: Unit, dtype_name: str):
         """``(q, k, v, exact_probs, exact)`` of the unit's heads; probabilities as a run-dtype tensor on torch.
 
-        Cached for the last (layer, image, heads) only, so it holds one image-layer's arrays at most.
+        ``dtype_name="sq_norms"`` gives the probabilities' squared row norms ``(C, N)`` (float64) in
+        their place. Cached for the last (layer, image, heads) only, so it holds one image-layer's
+        arrays at most.
         """
         key = (unit.layer, unit.image, tuple(unit.heads))
         if self._last_inputs is None or self._last_inputs[0] != key:
@@ -206,7 +209,11 @@ class UnitRunner:
             self._last_inputs = (key, (q, k, v, *self.exact(unit, q, k, v)), {})
         _, (q, k, v, exact_probs, exact), converted = self._last_inputs
         if self.torch is not None and self.config.probabilities:
-            if dtype_name not in converted:
+            if dtype_name == "sq_norms":  # ||P_n||^2 (C, N) in float64, for the factored probability error
+                if dtype_name not in converted:
+                    converted[dtype_name] = self.torch.as_tensor(np.einsum("...m,...m->...", exact_probs, exact_probs),
+                                                                 device=self.device)
+            elif dtype_name not in converted:
                 converted[dtype_name] = self.torch.as_tensor(exact_probs, device=self.device,
                                                              dtype=getattr(self.torch, dtype_name))
             exact_probs = converted[dtype_name]
@@ -318,16 +325,24 @@ class UnitRunner:
 
     # ------------------------------------------------------------------------------------------------ estimation
     def _estimate_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, exact_probs32=None,
-                        *, full_precision: bool = False):
+                        *, full_precision: bool = False, rank: int | None = None, exact_sq_norms=None):
         """Estimates ``(R_b, C_b, N, Dv)`` and the probabilities' squared error ``(R_b, C_b)``.
 
         The estimates stay as computed (a torch tensor in the run's dtype on its device, or the
         reference's float64 array): :func:`_store` writes them into the unit's float64 array.
-        A float64 run under ``dtype="auto"`` takes the estimator's float32 probability product
-        where one exists and its bound allows (:data:`PROBABILITY_ROUNDING_RTOL`);
-        ``full_precision`` forces the float64 product (the calibration measures that, the larger
-        working set). ``exact_probs32``: the exact probabilities in float32, if at hand.
+        Where the estimator's probabilities have low rank (``rank``: the unit's S, see
+        :func:`~randattn.analysis.probability_error.factored_pays`), their error is measured from
+        the factors when the rounding bound allows (:data:`PROBABILITY_ROUNDING_RTOL`); else a
+        float64 run under ``dtype="auto"`` takes the estimator's float32 probability product
+        where one exists and its bound allows; ``full_precision`` forces the dense float64
+        product (the calibration measures that, the larger working set). ``exact_probs32``: the
+        exact probabilities in float32, and ``exact_sq_norms`` their squared row norms (float64),
+        if at hand.
         """
+        if not full_precision and self._factors_pay(spec, est, rank, q.shape[-2]) and exact_sq_norms is not None:
+            factored = self._factored_probability_block(spec, est, q, k, v, draws, exact_probs32, exact_sq_norms)
+            if factored is not None:
+                return factored
         if not full_precision and self._rounds_probabilities(spec, est):
             rounded = self._float32_probability_block(spec, est, q, k, v, draws,
                                                       exact_probs if exact_probs32 is None else exact_probs32)
@@ -371,6 +386,36 @@ class UnitRunner:
         """Whether this run may take ``spec``'s float32 probability product (a float64 run under ``dtype="auto"``)."""
         return (self.torch is not None and self.config.probabilities and self.config.dtype == "auto"
                 and self._dtype_name(est) == "float64" and spec.batched_with_float32_probabilities is not None)
+
+    def _factors_pay(self, spec, est: EstimatorConfig, rank: int | None, queries: int) -> bool:
+        """Whether this block measures the probability error from the estimator's factors.
+
+        On the torch backend, with probabilities, where the estimator has factors and they are
+        the faster way (:func:`~randattn.analysis.probability_error.factored_pays`), in float32
+        runs and in float64 runs under ``dtype="auto"`` (an explicit float64 run stays float64).
+        """
+        if (self.torch is None or not self.config.probabilities or spec.batched_with_probability_factors is None
+                or not factored_pays(rank, queries)):
+            return False
+        return self._dtype_name(est) == "float32" or self.config.dtype == "auto"
+
+    def _factored_probability_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact32, sq_norms):
+        """:meth:`_estimate_block` through the probabilities' factors, or None where they have none or the bound is loose."""
+        torch = self.torch
+        dt = getattr(torch, self._dtype_name(est))
+        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
+        with torch.no_grad():
+            result = spec.batched_with_probability_factors(tq, tk, tv, draws.to_torch(device=self.device, dtype=dt),
+                                                           scale=self.scale, **est.params)
+            if result is None:
+                return None
+            out, left, right = result
+            sq, bound = factored_sq_errors(left.to(torch.float32), right.to(torch.float32),
+                                           torch.as_tensor(exact32, device=self.device, dtype=torch.float32), sq_norms)
+            del left, right
+            if not factored_rounding_negligible(sq, bound, PROBABILITY_ROUNDING_RTOL):
+                return None
+        return out, sq.cpu().numpy()
 
     def _float32_probability_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs):
         """:meth:`_estimate_block` through the float32 probability product, or None where its bound is too loose."""
@@ -429,7 +474,10 @@ class UnitRunner:
         spec = self.specs[est.name]
         blocks = self.blocks(unit)
         q, k, v, exact_probs, exact = self._inputs_and_exact(unit, self._dtype_name(est))
-        exact32 = self._inputs_and_exact(unit, "float32")[3] if self._rounds_probabilities(spec, est) else None
+        factored = self._factors_pay(spec, est, unit.num_samples, q.shape[-2])
+        exact32 = (self._inputs_and_exact(unit, "float32")[3]
+                   if factored or self._rounds_probabilities(spec, est) else None)
+        sq_norms = self._inputs_and_exact(unit, "sq_norms")[3] if factored else None
         cells, reps = len(unit.heads), self.replicates(est)
         n, dv = q.shape[-2], v.shape[-1]
         out = np.empty((reps, cells, n, dv))
@@ -444,7 +492,9 @@ class UnitRunner:
                                unit.num_samples)
             block_out, block_prob = self._estimate_block(spec, est, q[cs], k[cs], v[cs], draws,
                                                          exact_probs[cs] if config.probabilities else None,
-                                                         None if exact32 is None else exact32[cs])
+                                                         None if exact32 is None else exact32[cs],
+                                                         rank=unit.num_samples,
+                                                         exact_sq_norms=None if sq_norms is None else sq_norms[cs])
             _store(out[rs, cs], block_out)
             if block_prob is not None:
                 prob_sq[rs, cs] = block_prob

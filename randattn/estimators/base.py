@@ -120,6 +120,12 @@ class EstimatorSpec:
         on each row's distance from the full-precision probabilities in the 2-norm. The sweep uses
         it when the bound shows the rounding negligible against the squared error it measures, and
         ``batched_with_probabilities`` otherwise. None: probabilities in the run's dtype.
+    batched_with_probability_factors : callable or None
+        torch ``(q, k, v, draws, *, scale, **params) -> (out, left, right)`` or None: ``out`` as
+        ``batched`` (the same bits) and the implied probabilities' factors, ``probabilities = left @
+        right`` with ``left (R, ..., N, J)`` and ``right (R, ..., J, M)`` with entries in [0, 1];
+        None where a variant has no such factors. The sweep measures the probability error from
+        them without forming the ``(N, M)`` matrix (:mod:`randattn.analysis.probability_error`).
     presets : mapping of str to params
         Named parameter sets selected by the ``preset`` parameter (e.g. ``"official-code"``: the
         conventions of the authors' code); ``"paper"`` (the defaults) is always allowed. Explicit
@@ -141,6 +147,7 @@ class EstimatorSpec:
     batched_probabilities: Callable[..., Any] | None = None
     batched_with_probabilities: Callable[..., Any] | None = None
     batched_with_float32_probabilities: Callable[..., Any] | None = None
+    batched_with_probability_factors: Callable[..., Any] | None = None
 
     def preset_names(self) -> tuple[str, ...]:
         """Allowed values of ``preset``: ``"paper"`` (the defaults) and the declared presets."""

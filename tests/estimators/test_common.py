@@ -156,6 +156,46 @@ def test_estimate_with_probabilities_is_both_calls_bit_for_bit(case, shape, dtyp
     assert torch.equal(probs, alone_probs), f"{name} {params}: probabilities differ from their own call"
 
 
+FACTOR_VARIANTS = [case for case in VARIANTS if randattn.get_spec(case[0]).batched_with_probability_factors is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("case", FACTOR_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_probability_factors_multiply_to_the_probabilities(case, shape, dtype, rng):
+    """The sweep's factored probability error: ``left @ right`` is the implied probability matrix (to rounding),
+    ``right`` lies in [0, 1], the estimate is ``batched``'s bits and the warnings are those of the one-pass call.
+    Only signed (trigonometric) features have no factors."""
+    name, _, params = case
+    _, q_shape, k_shape, v_shape = shape
+    q_shape, k_shape, v_shape = _fit(params, q_shape, k_shape, v_shape)
+    q, k, v = (torch.as_tensor(a, dtype=dtype) for a in _inputs(rng, q_shape, k_shape, v_shape))
+    params = _fit_grid(params, q.shape[-2], k.shape[-2])
+    spec = randattn.get_spec(name)
+    draws = spec.draw(q.shape, k.shape, num_samples=_samples(name, params), replicates=3,
+                      rng=np.random.default_rng(5), **params).to_torch(dtype=dtype)
+    with warnings.catch_warnings(record=True) as factor_warnings:
+        warnings.simplefilter("always")
+        result = spec.batched_with_probability_factors(q, k, v, draws, scale=None, **params)
+    if params.get("feature_map") == "trigonometric":
+        assert result is None
+        return
+    with warnings.catch_warnings(record=True) as joint_warnings:
+        warnings.simplefilter("always")
+        _, probs = spec.batched_with_probabilities(q, k, v, draws, scale=None, **params)
+    assert sorted(str(w.message) for w in factor_warnings) == sorted(str(w.message) for w in joint_warnings)
+    out, left, right = result
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonPositiveDenominatorWarning)
+        assert torch.equal(out, spec.batched(q, k, v, draws, scale=None, **params))
+    assert left.shape[:-1] == probs.shape[:-1] and right.shape[-1] == probs.shape[-1]
+    assert left.shape[-1] == right.shape[-2] and right.shape[:-2] == probs.shape[:-2]
+    assert ((right >= 0) & (right <= 1)).all()
+    atol, rtol = TOLERANCES["float64" if dtype == torch.float64 else "float32"]
+    assert_close((left.double() @ right.double()).numpy(), probs.double().numpy(), atol=atol, rtol=rtol,
+                 what=f"{name} {params}")
+
+
 @pytest.mark.parametrize("case", VARIANTS, ids=variant_id)
 def test_float32_batched_close_to_reference(case, rng):
     """float32 tolerance: a few hundred ulps (see randattn.testing.TOLERANCES)."""

@@ -156,6 +156,7 @@ SPEC = EstimatorSpec(
     batched_probabilities=batched.probabilities,
     batched_with_probabilities=batched.estimate_with_probabilities,
     batched_with_float32_probabilities=batched.estimate_with_float32_probabilities,
+    batched_with_probability_factors=batched.estimate_with_probability_factors,
     is_random=_is_random,
     variants=_variants(),
     presets=LARA_PRESETS,

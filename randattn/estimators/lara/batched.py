@@ -30,6 +30,7 @@ __all__ = [
     "probabilities",
     "estimate_with_probabilities",
     "estimate_with_float32_probabilities",
+    "estimate_with_probability_factors",
     "float32_quotient_bound",
     "log_target_density",
     "log_unnormalized_target",
@@ -366,6 +367,40 @@ def estimate_with_float32_probabilities(
     overflow = ~(torch.isfinite(inverse32[..., 0]) & torch.isfinite(weights32.abs().amax(-2)) & (bound < 2.0**100))
     return out, probs, bound.masked_fill_(overflow, math.inf)
 
+
+
+def estimate_with_probability_factors(
+    q: Any,
+    k: Any,
+    v: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    proposal: str = "eq34",
+    weighting: str = "decoupled",
+    beta: float = 1.0,
+    alpha_clamp: float | None = None,
+    sample: str = "random",
+    noise: str = "paper",
+    layout: str = "grid",
+    grid: Any = None,
+    prefix_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""``(estimate(q, k, v, ...), L, E)`` with :math:`L = W^\top / d`, so ``probabilities(q, k, ...) = L @ E``.
+
+    The implied probabilities :math:`\hat P = W^\top E / (W^\top E\,1)` have rank C (the proposals'
+    samples): ``L (R, ..., N, C)`` holds the query weights divided by their normalizer :math:`d_n`
+    (signed for the decoupled and coupled weightings) and ``E (R, ..., C, M)`` the key exponentials,
+    shifted to at most 1. The estimate is the same bits as :func:`estimate`, and the warnings those of
+    :func:`estimate_with_probabilities`; the factors are in the working precision (float64 for signed
+    weights, see :func:`estimate`).
+    """
+    params = dict(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                  sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, **params)
+    out = _output(weights_t, key_exp, v, signed, in_dtype)
+    den = _normalizer(weights_t, key_exp, signed)
+    return out, weights_t.transpose(-1, -2) * den.reciprocal(), key_exp
 
 
 def float32_quotient_bound(weights_t: torch.Tensor, key_exp: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

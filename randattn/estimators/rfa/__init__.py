@@ -50,6 +50,7 @@ SPEC = EstimatorSpec(
     batched=batched.estimate,
     batched_probabilities=batched.probabilities,
     batched_with_probabilities=batched.estimate_with_probabilities,
+    batched_with_probability_factors=batched.estimate_with_probability_factors,
     variants={
         f"{fm}-{coupling}": {"feature_map": fm, "coupling": coupling}
         for fm in FEATURE_MAPS

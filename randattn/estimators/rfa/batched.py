@@ -13,7 +13,7 @@ from randattn.estimators.features.batched import affine_directions, data_params,
 from randattn.estimators.snis import warn_non_positive
 from randattn.estimators.snis.batched import affine_feature_attention, feature_attention
 
-__all__ = ["estimate", "probabilities", "estimate_with_probabilities"]
+__all__ = ["estimate", "probabilities", "estimate_with_probabilities", "estimate_with_probability_factors"]
 
 
 def _add_replicate_dim(value):
@@ -99,3 +99,27 @@ def estimate_with_probabilities(
     x, y, v, omega, fitted = _prepared(q, k, v, draws, scale, feature_map)
     directions, offset = affine_directions(feature_map, omega, **fitted)
     return affine_feature_attention(x, y, v, directions, offset, with_probabilities=True)
+
+
+def estimate_with_probability_factors(
+    q: Any,
+    k: Any,
+    v: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    feature_map: str = "positive",
+    coupling: str = "iid",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(estimate(q, k, v, ...), L, R)`` with ``probabilities(q, k, ...) = L @ R``, or None for signed features.
+
+    For the positive maps the implied probabilities have rank J (the features): ``L (R, ..., N, J)``
+    is the query softmax over the features and ``R (R, ..., J, M)`` the key softmax of
+    :func:`~randattn.estimators.snis.batched.affine_feature_attention`; the estimate is the same bits
+    as :func:`estimate`. The trigonometric map's features are signed: None (no such factors here).
+    """
+    if feature_map not in POSITIVE_MAPS:
+        return None
+    x, y, v, omega, fitted = _prepared(q, k, v, draws, scale, feature_map)
+    directions, offset = affine_directions(feature_map, omega, **fitted)
+    return affine_feature_attention(x, y, v, directions, offset, with_probabilities=True, probability_factors=True)

@@ -56,7 +56,8 @@ def affine_feature_attention(
     offset: torch.Tensor,
     *,
     with_probabilities: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    probability_factors: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     r"""The positive-feature SNIS of :func:`feature_attention` for features ``x . W_j + a_j - |x|^2/2``.
 
     Same result as ``feature_attention`` on the log-features of
@@ -90,11 +91,16 @@ def affine_feature_attention(
     with_probabilities : bool
         Also return the implied probabilities (the result for ``v = None``), from the same
         query softmax: the two products are the only work they do not share.
+    probability_factors : bool
+        With ``with_probabilities``: return the probabilities as their two factors instead,
+        the query softmax ``(R, ..., N, J)`` and the key softmax ``(R, ..., J, M)``, whose product
+        they are (for :mod:`randattn.analysis.probability_error`).
 
     Returns
     -------
     (R, ..., N, Dv), or (R, ..., N, M) when ``v`` is None; with ``with_probabilities``, the pair
-    (output, probabilities), each the same bits as its own call
+    (output, probabilities), each the same bits as its own call; with ``probability_factors``
+    too, the triple (output, query softmax, key softmax)
     """
     replicates, batch = directions.shape[0], x.shape[:-2]
     n, m, d, j = x.shape[-2], y.shape[-2], x.shape[-1], directions.shape[-2]
@@ -127,4 +133,6 @@ def affine_feature_attention(
     out = torch.bmm(query_weights, f).reshape(replicates, *batch, n, dv)
     if not with_probabilities:
         return out
+    if probability_factors:
+        return out, query_weights.reshape(replicates, *batch, n, j), probs.reshape(replicates, *batch, j, m)
     return out, torch.bmm(query_weights, probs).reshape(replicates, *batch, n, m)

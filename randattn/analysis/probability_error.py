@@ -1,0 +1,142 @@
+r"""The squared error of low-rank implied probabilities, without forming them (issue 9).
+
+RFA with positive features and LARA imply attention probabilities of rank J,
+:math:`\hat P = L R` with ``L (N, J)`` and ``R (J, M)``: for RFA the query softmax over the
+features and the key softmax (LARA eq. 6, the SNIS of ARCHITECTURE sec. 4); for LARA
+:math:`W^\top / d` and the key exponentials :math:`E` of eq. 28. The sweep's probability MSE needs
+only the row errors :math:`e_n^2 = \|\hat P_n - P_n\|_2^2`, and
+
+.. math::
+    e_n^2 = L_n^\top (R R^\top) L_n - 2\, L_n^\top (R P_n^\top) + \|P_n\|_2^2
+
+takes :math:`2JM(J + N) + 2NJ^2` flops per replicate and no ``(N, M)`` array. The dense pass
+writes :math:`NM` entries per replicate and passes over them twice more (subtract, norm), so at
+small J it is bound by memory traffic, not by its :math:`2NJM` flops. The product with the exact
+probabilities is one ``(R J, M) x (M, N)`` GEMM per head over all R replicates.
+
+The expansion cancels where :math:`\hat P_n \approx P_n`, so every result comes with a rigorous
+bound on its float32 rounding (:func:`factored_sq_errors`), and the sweep takes it only where the
+bound is negligible against the error it measures (:func:`factored_rounding_negligible`);
+elsewhere it forms :math:`\hat P` as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["factored_sq_errors", "factored_rounding_negligible", "factored_pays"]
+
+#: float32 unit roundoff, half the smallest float32 subnormal (the absolute error of a product or conversion that
+#: underflows), and float64 unit roundoff
+_U32 = 2.0**-24
+_ETA32 = 2.0**-150
+_U64 = 2.0**-53
+
+#: the factored pass is taken where ``RANK_FRACTION * J <= N``. Measured on the 2-core benchmark machine, float32,
+#: 8 replicates x 6 heads, J = 16 / 32 / 64 / 128 (factored against dense, ms): N = 785: 9 / 20 / 47 / 96 against
+#: 33 / 38 / 60 / 91; N = 577: 4 / 9 / 19 / 46 against 17 / 19 / 22 / 35; N = 197: 0.8 / 1.5 / 4.8 / 12 against
+#: 0.9 / 1.5 / 2.2 / 4.4 (the dense (N, M) blocks stay in cache there)
+RANK_FRACTION = 8
+
+#: the bound's factor 1.01 for rounding the bound's own terms holds while K u <= 1e-3 (K = M + 2J + 6, below)
+_MAX_K = 16_000
+
+
+def factored_pays(rank: int | None, queries: int) -> bool:
+    """Whether the factored pass is the faster one for rank ``rank`` (at most J) and N = ``queries`` (see RANK_FRACTION)."""
+    return rank is not None and RANK_FRACTION * rank <= queries
+
+
+def factored_sq_errors(left: torch.Tensor, right: torch.Tensor, exact: torch.Tensor,
+                       exact_sq_norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Squared Frobenius errors :math:`\sum_n \|L_n R - P_n\|_2^2` per replicate and batch element, and a bound.
+
+    Parameters
+    ----------
+    left : (R, ..., N, J) float32
+        :math:`L`, any sign.
+    right : (R, ..., J, M) float32
+        :math:`R`, entries in [0, 1] (a key softmax, or exponentials shifted to at most 1).
+    exact : (..., N, M) float32
+        The exact probabilities rounded to float32 (entries in [0, 1], rows summing to 1).
+    exact_sq_norms : (..., N) float64
+        :math:`\|P_n\|_2^2` of the full-precision probabilities.
+
+    Returns
+    -------
+    sq : (R, ...) float64
+        :math:`\tilde S = \sum_n \tilde e_n^2`, the computed squared error.
+    bound : (R, ...) float64
+        :math:`|\tilde S - S| \le` ``bound``, where :math:`S = \sum_n \|L_n R - P_n\|_2^2` exactly,
+        for the given float32 :math:`L, R` and the float64 :math:`P` (inf where it cannot be
+        bounded: M too large for the bound's form, overflow; NaN propagates).
+
+    Notes
+    -----
+    The products :math:`G = R R^\top`, :math:`X = R \tilde P^\top`, :math:`Q_n = L_n^\top G L_n`
+    and :math:`C_n = L_n^\top X_{:n}` run in float32; :math:`\tilde e_n^2 = Q_n - 2 C_n + \|P_n\|^2`
+    and the sum over n in float64. Every term of :math:`Q_n` is a product
+    :math:`L_{nj} L_{nk} R_{jm} R_{km}` accumulated through three inner products (lengths M, J, J);
+    every term of :math:`C_n` a product :math:`L_{nj} R_{jm} \tilde P_{nm}` through two (M, J).
+    Counting also up to two roundings of each :math:`L` entry and one of each :math:`R` and
+    :math:`P` entry by the caller (a reciprocal and a product, conversions to float32), each term
+    carries at most :math:`K = M + 2J + 6` relative roundings, so by Higham, *Accuracy and
+    Stability of Numerical Algorithms* (2nd ed.), lemma 3.1 and eq. 3.5,
+
+    .. math::
+        |\tilde Q_n - Q_n| + 2 |\tilde C_n - C_n| \le \gamma_K (|L_n|^\top G |L_n| + 2 |L_n|^\top X_{:n})
+        + 4\eta\,(M \|L_n\|_1^2 + (2M + J + 1) \|L_n\|_1 + 2J),
+
+    with :math:`\gamma_K = Ku / (1 - Ku)`, :math:`u = 2^{-24}`; the :math:`\eta = 2^{-150}` terms bound
+    the absolute error of every product or conversion that underflows (with :math:`0 \le R \le 1`
+    and :math:`\sum_m P_{nm} = 1`, each inner product of length M contributes at most
+    :math:`M\eta` per entry of G or X). Since :math:`G, X \ge 0` the magnitudes are the
+    computed :math:`\tilde Q_n, \tilde C_n` themselves when :math:`L \ge 0`, and are formed with
+    :math:`|L|` otherwise; computing them in float32 costs a factor at most
+    :math:`(1 - \gamma_K)^{-2} \le 1.01` while :math:`Ku \le 10^{-3}`. The float64 combination and
+    sum add at most :math:`1.01 (N + 4) u_{64}` times the row's magnitudes.
+    """
+    if left.dtype != torch.float32 or right.dtype != torch.float32 or exact.dtype != torch.float32:
+        raise TypeError(f"factored_sq_errors computes in float32; got {left.dtype}, {right.dtype}, {exact.dtype}")
+    if right.numel() and not bool(((right >= 0) & (right <= 1)).all()):
+        raise ValueError("factored_sq_errors needs the right factor's entries in [0, 1] (its bound assumes them)")
+    reps, batch = left.shape[0], left.shape[1:-2]
+    n, j, m = left.shape[-2], left.shape[-1], right.shape[-1]
+    cells = int(torch.tensor(batch).prod()) if batch else 1
+    lf = left.reshape(reps, cells, n, j)
+    rf = right.reshape(reps, cells, j, m)
+    pf = exact.reshape(cells, n, m)
+    gram = rf @ rf.transpose(-1, -2)  # (R, C, J, J)
+    # R P^T of every replicate at once: per head one (R J, M) x (M, N) product, P read once
+    stacked = rf.transpose(0, 1).reshape(cells, reps * j, m)
+    cross_t = torch.bmm(stacked, pf.transpose(-1, -2)).view(cells, reps, j, n).transpose(0, 1)  # (R, C, J, N)
+    quad = (lf @ gram).mul_(lf).sum(-1)  # (R, C, N)
+    cross = (lf.transpose(-1, -2) * cross_t).sum(-2)
+    norms = exact_sq_norms.reshape(1, cells, n).to(torch.float64)
+    rows = quad.to(torch.float64) - 2.0 * cross.to(torch.float64) + norms
+    if bool((lf < 0).any()):
+        magnitude = lf.abs()
+        quad_abs = (magnitude @ gram).mul_(magnitude).sum(-1).to(torch.float64)
+        cross_abs = (magnitude.transpose(-1, -2) * cross_t).sum(-2).to(torch.float64)
+        l1 = magnitude.sum(-1, dtype=torch.float64)
+    else:
+        quad_abs, cross_abs = quad.to(torch.float64), cross.to(torch.float64)
+        l1 = lf.sum(-1, dtype=torch.float64)
+    k = m + 2 * j + 6
+    gamma = k * _U32 / (1.0 - k * _U32)
+    size = quad_abs + 2.0 * cross_abs
+    row_bounds = (1.01 * gamma * size + 4.0 * _ETA32 * (m * l1 * l1 + (2 * m + j + 1) * l1 + 2 * j)
+                  + 1.01 * (n + 4) * _U64 * (size + norms))
+    bound = row_bounds.sum(-1)
+    if k > _MAX_K:
+        bound = torch.full_like(bound, float("inf"))
+    return rows.sum(-1).reshape(reps, *batch), bound.reshape(reps, *batch)
+
+
+def factored_rounding_negligible(sq: torch.Tensor, bound: torch.Tensor, rtol: float) -> bool:
+    r"""Whether every computed squared error is within ``rtol`` of the exact one, by its bound.
+
+    With :math:`|\tilde S - S| \le b`, the test :math:`b \le \mathrm{rtol}\,(\tilde S - b)` gives
+    :math:`|\tilde S - S| \le \mathrm{rtol}\, S`. NaN or inf anywhere fails it.
+    """
+    return bool((torch.isfinite(sq) & torch.isfinite(bound) & (bound <= rtol * (sq - bound))).all())

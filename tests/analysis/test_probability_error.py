@@ -1,0 +1,135 @@
+"""The factored probability error and its rounding bound (analysis.probability_error).
+
+Expected values are the dense sum sum_n ||L_n R - P_n||^2 in float64 numpy, from the same float32
+factors (an independent computation: no expansion, no cancellation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from randattn.analysis.probability_error import (
+    RANK_FRACTION,
+    factored_pays,
+    factored_rounding_negligible,
+    factored_sq_errors,
+)
+
+
+def _softmax(a: np.ndarray) -> np.ndarray:
+    e = np.exp(a - a.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _dense(left, right, exact64) -> np.ndarray:
+    """sum_n ||L_n R - P_n||^2 (R, ...) in float64, from the float32 factors upcast exactly."""
+    diff = np.asarray(left, np.float64) @ np.asarray(right, np.float64) - exact64
+    return (diff * diff).sum((-2, -1))
+
+
+def _call(left, right, exact64):
+    return factored_sq_errors(torch.as_tensor(left, dtype=torch.float32), torch.as_tensor(right, dtype=torch.float32),
+                              torch.as_tensor(exact64, dtype=torch.float32),
+                              torch.as_tensor((exact64 * exact64).sum(-1)))
+
+
+def _factors(rng, reps, batch, n, j, m, signed):
+    left = _softmax(rng.normal(size=(reps, *batch, n, j)) * 2)
+    if signed:  # LARA's decoupled weights over their normalizer: mixed signs, rows summing to about 1
+        left = left + rng.normal(size=left.shape) * 0.3
+    right = _softmax(rng.normal(size=(reps, *batch, j, m)) * 3)
+    exact = _softmax(rng.normal(size=(*batch, n, m)) * 3)
+    return left.astype(np.float32), right.astype(np.float32), exact
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["positive", "signed"])
+@pytest.mark.parametrize("batch", [(), (3,), (2, 2)], ids=["nobatch", "b3", "b2x2"])
+def test_factored_errors_are_the_dense_sum_within_their_bound(signed, batch, rng):
+    left, right, exact = _factors(rng, 4, batch, 30, 5, 23, signed)
+    sq, bound = _call(left, right, exact)
+    expected = _dense(left, right, exact)
+    assert sq.shape == bound.shape == (4, *batch) and sq.dtype == bound.dtype == torch.float64
+    assert (np.abs(sq.numpy() - expected) <= bound.numpy()).all()
+    # usable: the bound is far below the 1e-3 of the error that the sweep asks of it
+    assert factored_rounding_negligible(sq, bound, 1e-3)
+    assert (bound.numpy() < 1e-4 * expected).all()
+
+
+def test_signed_factors_get_the_bound_of_their_magnitudes(rng):
+    """With L of both signs the bound uses |L|: it is larger than the positive part's bound would say."""
+    left, right, exact = _factors(rng, 2, (), 40, 6, 31, signed=True)
+    _, bound = _call(left, right, exact)
+    _, positive_bound = _call(np.clip(left, 0, None), right, exact)
+    _, flipped = _call(-left, right, exact)  # the same magnitudes
+    assert torch.allclose(bound, flipped, rtol=1e-6)
+    assert (bound > 0).all() and not torch.equal(bound, positive_bound)
+
+
+def test_a_near_exact_estimate_is_refused(rng):
+    """P = L R exactly (in float64): e^2 = 0, so any rounding is not negligible against it; the bound still covers
+    the computed value's distance from 0."""
+    left, right, _ = _factors(rng, 2, (2,), 25, 4, 19, signed=False)
+    exact = np.asarray(left, np.float64) @ np.asarray(right, np.float64)  # rows sum to 1: a probability matrix
+    sq, bound = _call(left, right, exact[0])  # replicate 0's own product: its error is 0
+    truth = _dense(left, right, exact[0])
+    assert truth[0].max() < 1e-25
+    assert (np.abs(sq.numpy() - truth) <= bound.numpy()).all()
+    assert not factored_rounding_negligible(sq, bound, 1e-3)
+
+
+def test_the_bound_covers_products_that_underflow():
+    """L = 1e20 and R = 1e-25: every entry of R R^T (1e-50) underflows to 0 in float32, so the computed
+    ||P_hat_n||^2 is 0 while the true one is M J^2 1e-10. Only the bound's underflow terms cover that: its
+    rounding terms (gamma_K times the computed magnitudes) are far smaller than the error."""
+    n, j, m = 3, 4, 1000
+    left = np.full((1, n, j), 1e20, np.float32)
+    right = np.full((1, j, m), 1e-25, np.float32)
+    exact = np.full((n, m), 1.0 / m)
+    sq, bound = _call(left, right, exact)
+    error = np.abs(sq.numpy() - _dense(left, right, exact))
+    assert error[0] > 1e-7  # M J^2 1e-10 per row, lost
+    assert error[0] <= bound.numpy()[0]
+    gamma_part = (m + 2 * j + 6) * 2.0**-24 * 1.01 * 3 * n * (j * 1e20 * 1e-25 * 1.0)  # >= gamma_K (Q + 2C)
+    assert gamma_part < error[0]
+
+
+def test_overflow_is_refused(rng):
+    """Factors beyond float32's range give inf or NaN, which the rule refuses."""
+    left, right, exact = _factors(rng, 1, (), 10, 3, 8, signed=True)
+    sq, bound = _call(left * 1e25, right, exact)
+    assert not (torch.isfinite(sq).all() and torch.isfinite(bound).all())
+    assert not factored_rounding_negligible(sq, bound, 1.0)
+
+
+def test_bad_factors_are_named():
+    ok = torch.full((1, 2, 2), 0.5)
+    with pytest.raises(TypeError, match="float32"):
+        factored_sq_errors(ok.double(), ok, ok[0], torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        factored_sq_errors(ok, ok * 3, ok[0], torch.ones(2, dtype=torch.float64))
+
+
+def test_negligible_rule_on_hand_values():
+    """bound <= rtol (sq - bound), for every entry (at sq = 1 the limit is rtol / (1 + rtol)); NaN or inf fails."""
+    sq = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    assert factored_rounding_negligible(sq, torch.tensor([[0.9999e-3 / 1.001, 1e-3]], dtype=torch.float64), 1e-3)
+    assert not factored_rounding_negligible(sq, torch.tensor([[1e-3, 1e-3]], dtype=torch.float64), 1e-3)
+    assert not factored_rounding_negligible(sq, torch.tensor([[0.0, float("nan")]], dtype=torch.float64), 1.0)
+    assert not factored_rounding_negligible(torch.tensor([[float("inf")]]), torch.tensor([[0.0]]), 1.0)
+
+
+def test_factored_pays_below_the_rank_fraction():
+    assert RANK_FRACTION == 8
+    assert factored_pays(16, 128) and not factored_pays(16, 127)
+    assert factored_pays(98, 785) and not factored_pays(128, 785)
+    assert not factored_pays(None, 10_000)
+
+
+def test_no_finite_bound_past_its_range_of_validity(rng):
+    """The bound's factor 1.01 needs (M + 2J + 6) u <= 1e-3: at M = 16,000 it says inf (the sweep goes dense)."""
+    left, right, exact = _factors(rng, 1, (), 2, 1, 15_992, signed=False)
+    assert torch.isfinite(_call(left, right, exact)[1]).all()  # K = 16,000
+    left, right, exact = _factors(rng, 1, (), 2, 1, 15_993, signed=False)
+    assert torch.isinf(_call(left, right, exact)[1]).all()
