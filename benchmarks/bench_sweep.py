@@ -78,16 +78,21 @@ def _gemm_seconds(flops: float, dtype: str, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
-def _run(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GiB) of one child process."""
+def _run(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, peak RSS (GiB) and CPU seconds (user + system, all threads) of one child process.
+
+    The CPU seconds tell a slow phase of a shared machine (wall up, CPU per unit of work up too, as
+    memory bandwidth and clocks drop) from idle cores (wall up, CPU not).
+    """
     t0 = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return wall, max(peak, before) / 2**20
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return wall, max(after.ru_maxrss, before.ru_maxrss) / 2**20, cpu
 
 
 def main() -> None:
@@ -121,23 +126,23 @@ def main() -> None:
             out = work / f"w1-{size}-{group}.parquet"
             cmd = [*randattn, "mse", str(path), *estimators, "--samples", samples, "--replicates",
                    str(args.replicates), "--layers", args.layers, "--out", str(out), "--overwrite"]
-            wall, peak = _run(cmd)
+            wall, peak, cpu = _run(cmd)
             import pandas as pd
 
             part = pd.read_parquet(out)
             unit_s = float(json.loads(out.with_name(out.name + ".meta.json").read_text())["timing"]["execute_s"])
             total_wall += wall
             extrapolated += (wall - unit_s) + unit_s * 12 / len(layers)
-            runs.append((size, group, wall, peak, unit_s))
-            console.print(f"{size}px {group}: {wall:.1f} s ({unit_s:.1f} s in units), peak RSS {peak:.2f} GiB",
-                          highlight=False)
+            runs.append((size, group, wall, peak, unit_s, cpu))
+            console.print(f"{size}px {group}: {wall:.1f} s ({unit_s:.1f} s in units, {cpu:.0f} CPU s), "
+                          f"peak RSS {peak:.2f} GiB", highlight=False)
             tables.append(part)
     import pandas as pd
 
     table = pd.concat(tables, ignore_index=True)
     console.print(f"\nW1 wall: {total_wall:.0f} s for {len(layers)} of 12 layers -> {extrapolated:.0f} s "
-                  f"({extrapolated / 60:.1f} min) for all 12; peak RSS {max(r[3] for r in runs):.2f} GiB",
-                  highlight=False)
+                  f"({extrapolated / 60:.1f} min) for all 12; peak RSS {max(r[3] for r in runs):.2f} GiB; "
+                  f"{sum(r[5] for r in runs):.0f} CPU s (user + system)", highlight=False)
     ratio = Table(title="cost of one cell (R replicates, probabilities, diagnostics, metrics) vs an equal-FLOP GEMM")
     for col in ("estimator", "S", "tokens", "dtype", "cell s", "GFLOP", "GEMM s", "cell / GEMM"):
         ratio.add_column(col, justify="left" if col == "estimator" else "right")

@@ -33,10 +33,12 @@ _ETA32 = 2.0**-150
 _U64 = 2.0**-53
 
 #: the factored pass is taken where ``RANK_FRACTION * J <= N``. Measured on the 2-core benchmark machine, float32,
-#: 8 replicates x 6 heads, J = 16 / 32 / 64 / 128 (factored against dense, ms): N = 785: 9 / 20 / 47 / 96 against
-#: 33 / 38 / 60 / 91; N = 577: 4 / 9 / 19 / 46 against 17 / 19 / 22 / 35; N = 197: 0.8 / 1.5 / 4.8 / 12 against
-#: 0.9 / 1.5 / 2.2 / 4.4 (the dense (N, M) blocks stay in cache there)
-RANK_FRACTION = 8
+#: 8 replicates x 6 heads, J = 16 / 32 / 64 / 128, the pass alone (factored against dense, ms): N = 785: 9 / 20 / 47 / 96
+#: against 33 / 38 / 60 / 91; N = 577: 4 / 9 / 19 / 46 against 17 / 19 / 22 / 35; N = 197: 0.8 / 1.5 / 4.8 / 12
+#: against 0.9 / 1.5 / 2.2 / 4.4 (the dense (N, M) blocks stay in cache there). In the sweep (whole units of RFA and
+#: LARA on DINOv2, the two ways interleaved, best of 3) the factored units were 1.1-1.4x faster at J = 16 and 32 on
+#: 577 and 785 tokens, and 0.7-1.05x at J = 64: the crossover lies between N / 16 and N / 8
+RANK_FRACTION = 16
 
 #: the bound's factor 1.01 for rounding the bound's own terms holds while K u <= 1e-3 (K = M + 2J + 6, below)
 _MAX_K = 16_000

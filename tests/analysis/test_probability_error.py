@@ -121,9 +121,9 @@ def test_negligible_rule_on_hand_values():
 
 
 def test_factored_pays_below_the_rank_fraction():
-    assert RANK_FRACTION == 8
-    assert factored_pays(16, 128) and not factored_pays(16, 127)
-    assert factored_pays(98, 785) and not factored_pays(128, 785)
+    assert RANK_FRACTION == 16
+    assert factored_pays(16, 256) and not factored_pays(16, 255)
+    assert factored_pays(32, 577) and not factored_pays(64, 785) and not factored_pays(16, 197)
     assert not factored_pays(None, 10_000)
 
 
