@@ -22,7 +22,10 @@ elsewhere it forms :math:`\hat P` as before.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported by the functions that need it: plotting and reporting never load it
+    import torch
 
 __all__ = ["factored_sq_errors", "factored_rounding_negligible", "factored_pays"]
 
@@ -98,6 +101,8 @@ def factored_sq_errors(left: torch.Tensor, right: torch.Tensor, exact: torch.Ten
     :math:`(1 - \gamma_K)^{-2} \le 1.01` while :math:`Ku \le 10^{-3}`. The float64 combination and
     sum add at most :math:`1.01 (N + 4) u_{64}` times the row's magnitudes.
     """
+    import torch
+
     if left.dtype != torch.float32 or right.dtype != torch.float32 or exact.dtype != torch.float32:
         raise TypeError(f"factored_sq_errors computes in float32; got {left.dtype}, {right.dtype}, {exact.dtype}")
     if right.numel() and not bool(((right >= 0) & (right <= 1)).all()):
