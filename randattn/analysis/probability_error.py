@@ -146,4 +146,6 @@ def factored_rounding_negligible(sq: torch.Tensor, bound: torch.Tensor, rtol: fl
     With :math:`|\tilde S - S| \le b`, the test :math:`b \le \mathrm{rtol}\,(\tilde S - b)` gives
     :math:`|\tilde S - S| \le \mathrm{rtol}\, S`. NaN or inf anywhere fails it.
     """
+    import torch
+
     return bool((torch.isfinite(sq) & torch.isfinite(bound) & (bound <= rtol * (sq - bound))).all())

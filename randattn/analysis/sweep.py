@@ -248,7 +248,9 @@ def run_sweep(
     attention; ``rel_error`` from :func:`~randattn.analysis.metrics.relative_error`;
     ``prob_mse`` from the estimator evaluated with ``v = I_M`` (all catalogue estimators are
     linear in v given the draws): the mean over replicates of the per-replicate squared error
-    summed over (n, m), divided by N M; ``ess_mean``, ``delta_var_ratio`` (delta-method variance
+    summed over (n, m), divided by N M (for RFA's positive maps and LARA at 16 S <= N, from the
+    probabilities' rank-S factors without forming them, where a rounding bound shows the change
+    below 1e-3 of the error: :mod:`randattn.analysis.probability_error`); ``ess_mean``, ``delta_var_ratio`` (delta-method variance
     / replicate variance) and ``pareto_khat`` from :mod:`randattn.analysis.diagnostics` (NaN
     where not available); ``dtype`` is the precision the estimator ran in; ``ref_max_abs_dev``
     is ``max |batched - reference|`` on the first cell and replicate of the units chosen by
