@@ -129,11 +129,8 @@ def test_batched_probabilities_are_the_reference_with_identity_values(case, shap
 JOINT_VARIANTS = [case for case in VARIANTS if randattn.get_spec(case[0]).batched_with_probabilities is not None]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-@pytest.mark.parametrize("case", JOINT_VARIANTS, ids=variant_id)
-@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
-def test_estimate_with_probabilities_is_both_calls_bit_for_bit(case, shape, dtype, rng):
-    """The sweep's one-pass (estimate, probabilities) must not change a table: the same bits as the two calls."""
+def _torch_case(case, shape, dtype, rng):
+    """``(name, params, spec, q, k, v, draws)`` of a variant on one of SHAPES, as torch tensors of ``dtype``."""
     name, _, params = case
     _, q_shape, k_shape, v_shape = shape
     q_shape, k_shape, v_shape = _fit(params, q_shape, k_shape, v_shape)
@@ -142,6 +139,15 @@ def test_estimate_with_probabilities_is_both_calls_bit_for_bit(case, shape, dtyp
     spec = randattn.get_spec(name)
     draws = spec.draw(q.shape, k.shape, num_samples=_samples(name, params), replicates=3,
                       rng=np.random.default_rng(5), **params).to_torch(dtype=dtype)
+    return name, params, spec, q, k, v, draws
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("case", JOINT_VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_estimate_with_probabilities_is_both_calls_bit_for_bit(case, shape, dtype, rng):
+    """The sweep's one-pass (estimate, probabilities) must not change a table: the same bits as the two calls."""
+    name, params, spec, q, k, v, draws = _torch_case(case, shape, dtype, rng)
     with warnings.catch_warnings(record=True) as joint_warnings:
         warnings.simplefilter("always")
         out, probs = spec.batched_with_probabilities(q, k, v, draws, scale=None, **params)
@@ -166,14 +172,7 @@ def test_probability_factors_multiply_to_the_probabilities(case, shape, dtype, r
     """The sweep's factored probability error: ``left @ right`` is the implied probability matrix (to rounding),
     ``right`` lies in [0, 1], the estimate is ``batched``'s bits and the warnings are those of the one-pass call.
     Only signed (trigonometric) features have no factors."""
-    name, _, params = case
-    _, q_shape, k_shape, v_shape = shape
-    q_shape, k_shape, v_shape = _fit(params, q_shape, k_shape, v_shape)
-    q, k, v = (torch.as_tensor(a, dtype=dtype) for a in _inputs(rng, q_shape, k_shape, v_shape))
-    params = _fit_grid(params, q.shape[-2], k.shape[-2])
-    spec = randattn.get_spec(name)
-    draws = spec.draw(q.shape, k.shape, num_samples=_samples(name, params), replicates=3,
-                      rng=np.random.default_rng(5), **params).to_torch(dtype=dtype)
+    name, params, spec, q, k, v, draws = _torch_case(case, shape, dtype, rng)
     with warnings.catch_warnings(record=True) as factor_warnings:
         warnings.simplefilter("always")
         result = spec.batched_with_probability_factors(q, k, v, draws, scale=None, **params)
