@@ -325,7 +325,7 @@ class UnitRunner:
 
     # ------------------------------------------------------------------------------------------------ estimation
     def _estimate_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, exact_probs32=None,
-                        *, full_precision: bool = False, rank: int | None = None, exact_sq_norms=None):
+                        *, full_precision: bool = False, rank: int | None = None, exact_sq_norms=None, exact64=None):
         """Estimates ``(R_b, C_b, N, Dv)`` and the probabilities' squared error ``(R_b, C_b)``.
 
         The estimates stay as computed (a torch tensor in the run's dtype on its device, or the
@@ -336,11 +336,13 @@ class UnitRunner:
         float64 run under ``dtype="auto"`` takes the estimator's float32 probability product
         where one exists and its bound allows; ``full_precision`` forces the dense float64
         product (the calibration measures that, the larger working set). ``exact_probs32``: the
-        exact probabilities in float32, and ``exact_sq_norms`` their squared row norms (float64),
-        if at hand.
+        exact probabilities in float32, ``exact_sq_norms`` their squared row norms (float64) and
+        ``exact64`` a callable giving them as a float64 tensor, if at hand.
         """
         if not full_precision and self._factors_pay(spec, est, rank, q.shape[-2]) and exact_sq_norms is not None:
-            factored = self._factored_probability_block(spec, est, q, k, v, draws, exact_probs32, exact_sq_norms)
+            factored = self._factored_probability_block(spec, est, q, k, v, draws, exact_probs32, exact_sq_norms,
+                                                        exact64 or (lambda: self.torch.as_tensor(
+                                                            exact_probs, device=self.device, dtype=self.torch.float64)))
             if factored is not None:
                 return factored
         if not full_precision and self._rounds_probabilities(spec, est):
@@ -399,8 +401,13 @@ class UnitRunner:
             return False
         return self._dtype_name(est) == "float32" or self.config.dtype == "auto"
 
-    def _factored_probability_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact32, sq_norms):
-        """:meth:`_estimate_block` through the probabilities' factors, or None where they have none or the bound is loose."""
+    def _factored_probability_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact32, sq_norms,
+                                    exact64):
+        """:meth:`_estimate_block` through the probabilities' factors, or None where they have none or the bound is loose.
+
+        The error is taken in float32 where its bound allows, else from the same factors in float64
+        (``exact64``: a callable giving the exact probabilities as a float64 tensor), else None.
+        """
         torch = self.torch
         dt = getattr(torch, self._dtype_name(est))
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
@@ -412,9 +419,11 @@ class UnitRunner:
             out, left, right = result
             sq, bound = factored_sq_errors(left.to(torch.float32), right.to(torch.float32),
                                            torch.as_tensor(exact32, device=self.device, dtype=torch.float32), sq_norms)
-            del left, right
             if not factored_rounding_negligible(sq, bound, PROBABILITY_ROUNDING_RTOL):
-                return None
+                # errors too small for float32's bound: the same factors in float64 cost about the dense pass
+                sq, bound = factored_sq_errors(left.to(torch.float64), right.to(torch.float64), exact64(), sq_norms)
+                if not factored_rounding_negligible(sq, bound, PROBABILITY_ROUNDING_RTOL):
+                    return None
         return out, sq.cpu().numpy()
 
     def _float32_probability_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs):
@@ -494,7 +503,9 @@ class UnitRunner:
                                                          exact_probs[cs] if config.probabilities else None,
                                                          None if exact32 is None else exact32[cs],
                                                          rank=unit.num_samples,
-                                                         exact_sq_norms=None if sq_norms is None else sq_norms[cs])
+                                                         exact_sq_norms=None if sq_norms is None else sq_norms[cs],
+                                                         exact64=lambda cs=cs: self._inputs_and_exact(
+                                                             unit, "float64")[3][cs])
             _store(out[rs, cs], block_out)
             if block_prob is not None:
                 prob_sq[rs, cs] = block_prob

@@ -14,10 +14,12 @@ writes :math:`NM` entries per replicate and passes over them twice more (subtrac
 small J it is bound by memory traffic, not by its :math:`2NJM` flops. The product with the exact
 probabilities is one ``(R J, M) x (M, N)`` GEMM per head over all R replicates.
 
-The expansion cancels where :math:`\hat P_n \approx P_n`, so every result comes with a rigorous
-bound on its float32 rounding (:func:`factored_sq_errors`), and the sweep takes it only where the
-bound is negligible against the error it measures (:func:`factored_rounding_negligible`);
-elsewhere it forms :math:`\hat P` as before.
+The expansion cancels where :math:`\hat P \approx P`, so every result comes with a rigorous
+bound on its rounding (:func:`factored_sq_errors`), and the sweep takes it only where the bound
+is negligible against the error it measures (:func:`factored_rounding_negligible`): first in
+float32, then, for a block whose errors are too small for float32's bound (LARA on early layers,
+say), from the same factors in float64, whose bound is 2^29 times smaller; only where both fail
+does it form :math:`\hat P` as before.
 """
 
 from __future__ import annotations
@@ -29,10 +31,9 @@ if TYPE_CHECKING:  # torch is imported by the functions that need it: plotting a
 
 __all__ = ["factored_sq_errors", "factored_rounding_negligible", "factored_pays"]
 
-#: float32 unit roundoff, half the smallest float32 subnormal (the absolute error of a product or conversion that
-#: underflows), and float64 unit roundoff
-_U32 = 2.0**-24
-_ETA32 = 2.0**-150
+#: unit roundoff and a bound on the absolute error of a product or conversion that underflows (half the smallest
+#: subnormal for float32; the smallest subnormal itself for float64, whose half is not a float), per working dtype
+_ROUNDING = {"float32": (2.0**-24, 2.0**-150), "float64": (2.0**-53, 2.0**-1074)}
 _U64 = 2.0**-53
 
 #: the factored pass is taken where ``RANK_FRACTION * J <= N``. Measured on the 2-core benchmark machine, float32,
@@ -44,7 +45,7 @@ _U64 = 2.0**-53
 RANK_FRACTION = 16
 
 #: the bound's factor 1.01 for rounding the bound's own terms holds while K u <= 1e-3 (K = M + 2J + 6, below)
-_MAX_K = 16_000
+_MAX_KU = 1e-3
 
 
 def factored_pays(rank: int | None, queries: int) -> bool:
@@ -58,12 +59,12 @@ def factored_sq_errors(left: torch.Tensor, right: torch.Tensor, exact: torch.Ten
 
     Parameters
     ----------
-    left : (R, ..., N, J) float32
+    left : (R, ..., N, J) float32 or float64
         :math:`L`, any sign.
-    right : (R, ..., J, M) float32
+    right : (R, ..., J, M), the same dtype
         :math:`R`, entries in [0, 1] (a key softmax, or exponentials shifted to at most 1).
-    exact : (..., N, M) float32
-        The exact probabilities rounded to float32 (entries in [0, 1], rows summing to 1).
+    exact : (..., N, M), the same dtype
+        The exact probabilities rounded to that dtype (entries in [0, 1], rows summing to 1).
     exact_sq_norms : (..., N) float64
         :math:`\|P_n\|_2^2` of the full-precision probabilities.
 
@@ -79,7 +80,7 @@ def factored_sq_errors(left: torch.Tensor, right: torch.Tensor, exact: torch.Ten
     Notes
     -----
     The products :math:`G = R R^\top`, :math:`X = R \tilde P^\top`, :math:`Q_n = L_n^\top G L_n`
-    and :math:`C_n = L_n^\top X_{:n}` run in float32; :math:`\tilde e_n^2 = Q_n - 2 C_n + \|P_n\|^2`
+    and :math:`C_n = L_n^\top X_{:n}` run in the inputs' dtype; :math:`\tilde e_n^2 = Q_n - 2 C_n + \|P_n\|^2`
     and the sum over n in float64. Every term of :math:`Q_n` is a product
     :math:`L_{nj} L_{nk} R_{jm} R_{km}` accumulated through three inner products (lengths M, J, J);
     every term of :math:`C_n` a product :math:`L_{nj} R_{jm} \tilde P_{nm}` through two (M, J).
@@ -92,19 +93,22 @@ def factored_sq_errors(left: torch.Tensor, right: torch.Tensor, exact: torch.Ten
         |\tilde Q_n - Q_n| + 2 |\tilde C_n - C_n| \le \gamma_K (|L_n|^\top G |L_n| + 2 |L_n|^\top X_{:n})
         + 4\eta\,(M \|L_n\|_1^2 + (2M + J + 1) \|L_n\|_1 + 2J),
 
-    with :math:`\gamma_K = Ku / (1 - Ku)`, :math:`u = 2^{-24}`; the :math:`\eta = 2^{-150}` terms bound
+    with :math:`\gamma_K = Ku / (1 - Ku)`, :math:`u = 2^{-24}` (float32) or :math:`2^{-53}` (float64); the
+    :math:`\eta` terms (:math:`2^{-150}`, or :math:`2^{-1074}`) bound
     the absolute error of every product or conversion that underflows (with :math:`0 \le R \le 1`
     and :math:`\sum_m P_{nm} = 1`, each inner product of length M contributes at most
     :math:`M\eta` per entry of G or X). Since :math:`G, X \ge 0` the magnitudes are the
     computed :math:`\tilde Q_n, \tilde C_n` themselves when :math:`L \ge 0`, and are formed with
-    :math:`|L|` otherwise; computing them in float32 costs a factor at most
+    :math:`|L|` otherwise; computing them in the working precision costs a factor at most
     :math:`(1 - \gamma_K)^{-2} \le 1.01` while :math:`Ku \le 10^{-3}`. The float64 combination and
     sum add at most :math:`1.01 (N + 4) u_{64}` times the row's magnitudes.
     """
     import torch
 
-    if left.dtype != torch.float32 or right.dtype != torch.float32 or exact.dtype != torch.float32:
-        raise TypeError(f"factored_sq_errors computes in float32; got {left.dtype}, {right.dtype}, {exact.dtype}")
+    if left.dtype not in (torch.float32, torch.float64) or right.dtype != left.dtype or exact.dtype != left.dtype:
+        raise TypeError("factored_sq_errors computes in float32 or float64, all three factors alike; "
+                        f"got {left.dtype}, {right.dtype}, {exact.dtype}")
+    u, eta = _ROUNDING[str(left.dtype).removeprefix("torch.")]
     if right.numel() and not bool(((right >= 0) & (right <= 1)).all()):
         raise ValueError("factored_sq_errors needs the right factor's entries in [0, 1] (its bound assumes them)")
     reps, batch = left.shape[0], left.shape[1:-2]
@@ -130,12 +134,12 @@ def factored_sq_errors(left: torch.Tensor, right: torch.Tensor, exact: torch.Ten
         quad_abs, cross_abs = quad.to(torch.float64), cross.to(torch.float64)
         l1 = lf.sum(-1, dtype=torch.float64)
     k = m + 2 * j + 6
-    gamma = k * _U32 / (1.0 - k * _U32)
+    gamma = k * u / (1.0 - k * u)
     size = quad_abs + 2.0 * cross_abs
-    row_bounds = (1.01 * gamma * size + 4.0 * _ETA32 * (m * l1 * l1 + (2 * m + j + 1) * l1 + 2 * j)
+    row_bounds = (1.01 * gamma * size + 4.0 * eta * (m * l1 * l1 + (2 * m + j + 1) * l1 + 2 * j)
                   + 1.01 * (n + 4) * _U64 * (size + norms))
     bound = row_bounds.sum(-1)
-    if k > _MAX_K:
+    if k * u > _MAX_KU:
         bound = torch.full_like(bound, float("inf"))
     return rows.sum(-1).reshape(reps, *batch), bound.reshape(reps, *batch)
 

@@ -29,10 +29,9 @@ def _dense(left, right, exact64) -> np.ndarray:
     return (diff * diff).sum((-2, -1))
 
 
-def _call(left, right, exact64):
-    return factored_sq_errors(torch.as_tensor(left, dtype=torch.float32), torch.as_tensor(right, dtype=torch.float32),
-                              torch.as_tensor(exact64, dtype=torch.float32),
-                              torch.as_tensor((exact64 * exact64).sum(-1)))
+def _call(left, right, exact64, dtype=torch.float32):
+    return factored_sq_errors(torch.as_tensor(left, dtype=dtype), torch.as_tensor(right, dtype=dtype),
+                              torch.as_tensor(exact64, dtype=dtype), torch.as_tensor((exact64 * exact64).sum(-1)))
 
 
 def _factors(rng, reps, batch, n, j, m, signed):
@@ -105,8 +104,10 @@ def test_overflow_is_refused(rng):
 
 def test_bad_factors_are_named():
     ok = torch.full((1, 2, 2), 0.5)
-    with pytest.raises(TypeError, match="float32"):
+    with pytest.raises(TypeError, match="float32 or float64"):
         factored_sq_errors(ok.double(), ok, ok[0], torch.ones(2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="float32 or float64"):
+        factored_sq_errors(ok.half(), ok.half(), ok[0].half(), torch.ones(2, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         factored_sq_errors(ok, ok * 3, ok[0], torch.ones(2, dtype=torch.float64))
 
@@ -128,8 +129,30 @@ def test_factored_pays_below_the_rank_fraction():
 
 
 def test_no_finite_bound_past_its_range_of_validity(rng):
-    """The bound's factor 1.01 needs (M + 2J + 6) u <= 1e-3: at M = 16,000 it says inf (the sweep goes dense)."""
-    left, right, exact = _factors(rng, 1, (), 2, 1, 15_992, signed=False)
-    assert torch.isfinite(_call(left, right, exact)[1]).all()  # K = 16,000
-    left, right, exact = _factors(rng, 1, (), 2, 1, 15_993, signed=False)
+    """The bound's factor 1.01 needs K u <= 1e-3 with K = M + 2J + 6: in float32 K = 16,777 is the last (the sweep
+    goes dense past it); float64 reaches far beyond."""
+    left, right, exact = _factors(rng, 1, (), 2, 1, 16_769, signed=False)
+    assert torch.isfinite(_call(left, right, exact)[1]).all()  # K = 16,777
+    left, right, exact = _factors(rng, 1, (), 2, 1, 16_770, signed=False)
     assert torch.isinf(_call(left, right, exact)[1]).all()
+    assert torch.isfinite(_call(left, right, exact, torch.float64)[1]).all()
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["positive", "signed"])
+def test_float64_factors_are_the_dense_sum_within_a_float64_bound(signed, rng):
+    """The same contract in float64 (the sweep's second try): the bound shrinks by about 2^29."""
+    left, right, exact = _factors(rng, 3, (2,), 30, 5, 23, signed)
+    left, right = left.astype(np.float64) + 1e-9, right.astype(np.float64)  # not float32 values
+    sq, bound = _call(left, right, exact, torch.float64)
+    expected = _dense(left, right, exact)
+    assert (np.abs(sq.numpy() - expected) <= bound.numpy()).all()
+    _, bound32 = _call(left.astype(np.float32), right.astype(np.float32), exact)
+    assert (bound.numpy() < 1e-7 * bound32.numpy()).all() and (bound.numpy() < 1e-12 * expected).all()
+
+
+def test_a_near_exact_estimate_is_refused_in_float64_too(rng):
+    """e^2 = 0 exactly: no precision makes its rounding negligible against it, so the sweep goes dense."""
+    left, right, _ = _factors(rng, 1, (), 25, 4, 19, signed=False)
+    exact = np.asarray(left, np.float64) @ np.asarray(right, np.float64)
+    sq, bound = _call(left, right, exact[0], torch.float64)
+    assert not factored_rounding_negligible(sq, bound, 1e-3)

@@ -357,3 +357,35 @@ def test_low_rank_probability_errors_come_from_the_factors_within_their_bound(rn
     monkeypatch.setattr(execute, "PROBABILITY_ROUNDING_RTOL", 0.0)
     monkeypatch.setattr(execute, "factored_pays", lambda rank, queries: False)
     pd.testing.assert_frame_equal(refused, _without_time(run_sweep(wide, config)), check_exact=True)
+
+
+@pytest.mark.filterwarnings("ignore::randattn.estimators.rfa.reference.NonPositiveDenominatorWarning")
+def test_factored_errors_too_small_for_float32_are_taken_in_float64(rng, monkeypatch):
+    """A block whose float32 bound is too loose (forced here) is measured from the same factors in float64: within
+    1e-3 of the dense pass and not its bits (a dense pass would give them)."""
+    import torch
+
+    from randattn.analysis import execute
+
+    arrays = {0: tuple(0.8 * rng.normal(size=(1, 2, 70, 4)) for _ in range(3))}
+    wide = make_activations(arrays, {"scale": 0.5, "model": "synthetic", "images": ["cat"]})
+    config = _config(backend="torch", estimators=parse_estimator_list("rfa:coupling=orthogonal;lara"),
+                     num_samples=(4,))
+    original = execute.factored_sq_errors
+    seen = []
+
+    def float32_too_loose(left, *args):
+        sq, bound = original(left, *args)
+        seen.append(left.dtype)
+        return sq, (torch.full_like(bound, float("inf")) if left.dtype == torch.float32 else bound)
+
+    monkeypatch.setattr(execute, "factored_sq_errors", float32_too_loose)
+    second_try = _without_time(run_sweep(wide, config))
+    assert seen.count(torch.float32) == seen.count(torch.float64) > 0
+    monkeypatch.undo()
+    monkeypatch.setattr(execute, "factored_pays", lambda rank, queries: False)
+    dense = _without_time(run_sweep(wide, config))
+    np.testing.assert_allclose(second_try.prob_mse, dense.prob_mse, rtol=1e-3, atol=0)
+    assert (second_try.prob_mse != dense.prob_mse).all()
+    pd.testing.assert_frame_equal(second_try.drop(columns="prob_mse"), dense.drop(columns="prob_mse"),
+                                  check_exact=True)
