@@ -199,9 +199,7 @@ class UnitRunner:
     def _inputs_and_exact(self, unit: Unit, dtype_name: str):
         """``(q, k, v, exact_probs, exact)`` of the unit's heads; probabilities as a run-dtype tensor on torch.
 
-        ``dtype_name="sq_norms"`` gives the probabilities' squared row norms ``(C, N)`` (float64) in
-        their place. Cached for the last (layer, image, heads) only, so it holds one image-layer's
-        arrays at most.
+        Cached for the last (layer, image, heads) only, so it holds one image-layer's arrays at most.
         """
         key = (unit.layer, unit.image, tuple(unit.heads))
         if self._last_inputs is None or self._last_inputs[0] != key:
@@ -209,15 +207,20 @@ class UnitRunner:
             self._last_inputs = (key, (q, k, v, *self.exact(unit, q, k, v)), {})
         _, (q, k, v, exact_probs, exact), converted = self._last_inputs
         if self.torch is not None and self.config.probabilities:
-            if dtype_name == "sq_norms":  # ||P_n||^2 (C, N) in float64, for the factored probability error
-                if dtype_name not in converted:
-                    converted[dtype_name] = self.torch.as_tensor(np.einsum("...m,...m->...", exact_probs, exact_probs),
-                                                                 device=self.device)
-            elif dtype_name not in converted:
+            if dtype_name not in converted:
                 converted[dtype_name] = self.torch.as_tensor(exact_probs, device=self.device,
                                                              dtype=getattr(self.torch, dtype_name))
             exact_probs = converted[dtype_name]
         return q, k, v, exact_probs, exact
+
+    def _exact_sq_norms(self, unit: Unit):
+        """The exact probabilities' squared row norms ``||P_n||^2 (C, N)``, float64 on the device (cached as above)."""
+        self._inputs_and_exact(unit, "float64")
+        converted = self._last_inputs[2]
+        if "sq_norms" not in converted:
+            probs = self._last_inputs[1][3]
+            converted["sq_norms"] = self.torch.as_tensor(np.einsum("...m,...m->...", probs, probs), device=self.device)
+        return converted["sq_norms"]
 
     def _dtype_name(self, est: EstimatorConfig) -> str:
         return "float64" if self.config.backend == "reference" else est.torch_dtype_name(self.config.dtype)
@@ -339,10 +342,10 @@ class UnitRunner:
         exact probabilities in float32, ``exact_sq_norms`` their squared row norms (float64) and
         ``exact64`` a callable giving them as a float64 tensor, if at hand.
         """
-        if not full_precision and self._factors_pay(spec, est, rank, q.shape[-2]) and exact_sq_norms is not None:
+        if (not full_precision and exact_sq_norms is not None and exact64 is not None
+                and self._factors_pay(spec, est, rank, q.shape[-2])):
             factored = self._factored_probability_block(spec, est, q, k, v, draws, exact_probs32, exact_sq_norms,
-                                                        exact64 or (lambda: self.torch.as_tensor(
-                                                            exact_probs, device=self.device, dtype=self.torch.float64)))
+                                                        exact64)
             if factored is not None:
                 return factored
         if not full_precision and self._rounds_probabilities(spec, est):
@@ -486,7 +489,7 @@ class UnitRunner:
         factored = self._factors_pay(spec, est, unit.num_samples, q.shape[-2])
         exact32 = (self._inputs_and_exact(unit, "float32")[3]
                    if factored or self._rounds_probabilities(spec, est) else None)
-        sq_norms = self._inputs_and_exact(unit, "sq_norms")[3] if factored else None
+        sq_norms = self._exact_sq_norms(unit) if factored else None
         cells, reps = len(unit.heads), self.replicates(est)
         n, dv = q.shape[-2], v.shape[-1]
         out = np.empty((reps, cells, n, dv))

@@ -74,7 +74,7 @@ def factored_sq_errors(left: torch.Tensor, right: torch.Tensor, exact: torch.Ten
         :math:`\tilde S = \sum_n \tilde e_n^2`, the computed squared error.
     bound : (R, ...) float64
         :math:`|\tilde S - S| \le` ``bound``, where :math:`S = \sum_n \|L_n R - P_n\|_2^2` exactly,
-        for the given float32 :math:`L, R` and the float64 :math:`P` (inf where it cannot be
+        for the given :math:`L, R` and the float64 :math:`P` (inf where it cannot be
         bounded: M too large for the bound's form, overflow; NaN propagates).
 
     Notes

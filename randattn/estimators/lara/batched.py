@@ -368,7 +368,6 @@ def estimate_with_float32_probabilities(
     return out, probs, bound.masked_fill_(overflow, math.inf)
 
 
-
 def estimate_with_probability_factors(
     q: Any,
     k: Any,
