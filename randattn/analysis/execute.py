@@ -91,19 +91,6 @@ def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[
                      rng=generators, **config.params)
 
 
-def _store(dest: np.ndarray, block: Any) -> None:
-    """Writes a block's estimates (numpy, or a torch tensor on any device) into ``dest``, a float64 view.
-
-    One conversion and copy, straight into the unit's array (no intermediate float64 block).
-    """
-    if isinstance(block, np.ndarray):
-        dest[...] = block
-    else:
-        import torch
-
-        torch.from_numpy(dest).copy_(block)
-
-
 def _slice_draws(draws: Draws, reps: slice, cells: slice) -> Draws:
     arrays = {key: a[reps, cells] for key, a in draws.arrays.items()}
     return Draws(arrays, len(range(draws.replicates)[reps]))
@@ -222,6 +209,14 @@ class UnitRunner:
             converted["sq_norms"] = self.torch.as_tensor(np.einsum("...m,...m->...", probs, probs), device=self.device)
         return converted["sq_norms"]
 
+    def _exact_output(self, unit: Unit):
+        """The exact output ``(C, N, Dv)`` as a float64 tensor on the device (cached as above)."""
+        self._inputs_and_exact(unit, "float64")
+        converted = self._last_inputs[2]
+        if "output" not in converted:
+            converted["output"] = self.torch.as_tensor(self._last_inputs[1][4], device=self.device)
+        return converted["output"]
+
     def _dtype_name(self, est: EstimatorConfig) -> str:
         return "float64" if self.config.backend == "reference" else est.torch_dtype_name(self.config.dtype)
 
@@ -332,7 +327,8 @@ class UnitRunner:
         """Estimates ``(R_b, C_b, N, Dv)`` and the probabilities' squared error ``(R_b, C_b)``.
 
         The estimates stay as computed (a torch tensor in the run's dtype on its device, or the
-        reference's float64 array): :func:`_store` writes them into the unit's float64 array.
+        reference's float64 array): :meth:`_run` writes them, or on the torch backend their
+        differences from the exact output, into the unit's float64 array.
         Where the estimator's probabilities have low rank (``rank``: the unit's S, see
         :func:`~randattn.analysis.probability_error.factored_pays`), their error is measured from
         the factors when the rounding bound allows (:data:`PROBABILITY_ROUNDING_RTOL`); else a
@@ -455,11 +451,15 @@ class UnitRunner:
             dtype=self._dtype_name(est),
         )
 
-    def _reference_deviation(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, batched_out: np.ndarray) -> float:
-        """max |batched - reference| on the unit's first cell and replicate (same draws)."""
+    def _reference_deviation(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, batched_first) -> float:
+        """max |batched - reference| on the unit's first cell and replicate (same draws).
+
+        ``batched_first (N, Dv)``: the batched estimate of that cell and replicate, a tensor in the run's dtype.
+        """
         ref = spec.reference(q[:1], k[:1], v[:1], _slice_draws(draws, slice(0, 1), slice(0, 1)), scale=self.scale,
                              **est.params)
-        return float(np.max(np.abs(np.asarray(ref, dtype=np.float64)[0, 0] - batched_out[0, 0])))
+        batched = batched_first.to("cpu", self.torch.float64).numpy()
+        return float(np.max(np.abs(np.asarray(ref, dtype=np.float64)[0, 0] - batched)))
 
     # ------------------------------------------------------------------------------------------------ a unit
     def run(self, unit: Unit) -> list[dict[str, Any]]:
@@ -478,7 +478,7 @@ class UnitRunner:
             self.torch.set_num_threads(before)
 
     def _run(self, unit: Unit) -> list[dict[str, Any]]:
-        from randattn.analysis.metrics import metrics_with_relative_error
+        from randattn.analysis.metrics import metrics_of_differences, metrics_with_relative_error
 
         start = time.perf_counter()
         config = self.config
@@ -492,7 +492,12 @@ class UnitRunner:
         sq_norms = self._exact_sq_norms(unit) if factored else None
         cells, reps = len(unit.heads), self.replicates(est)
         n, dv = q.shape[-2], v.shape[-1]
-        out = np.empty((reps, cells, n, dv))
+        if self.torch is None:
+            out = np.empty((reps, cells, n, dv))  # the reference's float64 estimates
+        else:
+            # estimate - exact in float64 on the device: the estimates never cross to the host (issue 9, GPU-ready)
+            exact_out = self._exact_output(unit)
+            out = self.torch.empty((reps, cells, n, dv), dtype=self.torch.float64, device=self.device)
         prob_sq = np.full((reps, cells), np.nan)
         ess = np.full((reps, cells), np.nan)
         delta = np.full((reps, cells), np.nan)
@@ -509,7 +514,11 @@ class UnitRunner:
                                                          exact_sq_norms=None if sq_norms is None else sq_norms[cs],
                                                          exact64=lambda cs=cs: self._inputs_and_exact(
                                                              unit, "float64")[3][cs])
-            _store(out[rs, cs], block_out)
+            if self.torch is None:
+                out[rs, cs] = block_out
+            else:
+                # in float64 (a float32 estimate converts exactly): the value numpy's float64(est) - exact gave
+                self.torch.sub(block_out, exact_out[cs], out=out[rs, cs])
             if block_prob is not None:
                 prob_sq[rs, cs] = block_prob
             if diagnose and rs.start < DIAGNOSTIC_REPLICATES:
@@ -522,8 +531,11 @@ class UnitRunner:
                     if diag.khat is not None:
                         khat[cs] = diag.khat
             if unit.check_reference and rs.start == 0 and cs.start == 0 and self.torch is not None:
-                ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, out[rs, cs])
-        metrics, rel = metrics_with_relative_error(out, exact, random=est.random)
+                ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out[0, 0])
+        if self.torch is None:
+            metrics, rel = metrics_with_relative_error(out, exact, random=est.random)
+        else:
+            metrics, rel = metrics_of_differences(out, exact_out, random=est.random)
         prob_mse = prob_sq[: metrics.replicates].mean(0) / (n * k.shape[-2])
         with np.errstate(divide="ignore", invalid="ignore"):
             delta_ratio = delta[:DIAGNOSTIC_REPLICATES].mean(0) / metrics.variance

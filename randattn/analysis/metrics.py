@@ -33,6 +33,7 @@ __all__ = [
     "ReplicateMetrics",
     "replicate_metrics",
     "metrics_with_relative_error",
+    "metrics_of_differences",
     "relative_error",
     "probability_mse",
     "normal_ci",
@@ -234,7 +235,6 @@ def _replicate_metrics(estimates: Any, exact: Any, random: Any, *,
                        with_relative_error: bool) -> tuple[ReplicateMetrics, np.ndarray | None]:
     """:func:`replicate_metrics`, and the relative error of the replicates it uses when asked."""
     est, ex, random = _metrics_iv(estimates, exact, random)
-    r = est.shape[0]
     batch = ex.shape[:-2]
     if not random:
         est = est[:1]
@@ -249,41 +249,123 @@ def _replicate_metrics(estimates: Any, exact: Any, random: Any, *,
     diff = est - ex  # (R, ..., N, Dv): y_r - y
     rel = _relative_error_of_diff(diff, ex) if with_relative_error else None  # before diff is overwritten below
     bias = diff.mean(0)  # mean - y
-    mean = bias + ex
+    mean_abs = np.abs(bias + ex).mean(axis=(-2, -1))
     per_rep_err = _mean_dot(diff, diff)  # (R, ...)
-    mse = per_rep_err.mean(0)
     naive = _mean_dot(bias, bias)
+    if diff.shape[0] == 1:
+        return _metrics_from_sums(mean_abs, per_rep_err, naive, None, None, stacklevel=4), rel
+    dev = np.subtract(diff, bias, out=diff)  # y_r - mean, in place of diff
+    return _metrics_from_sums(mean_abs, per_rep_err, naive, _mean_dot(dev, dev), _mean_dot(dev, bias),
+                              stacklevel=4), rel
+
+
+def _metrics_from_sums(mean_abs: np.ndarray, per_rep_err: np.ndarray, naive: np.ndarray, dd: np.ndarray | None,
+                       db: np.ndarray | None, *, stacklevel: int) -> ReplicateMetrics:
+    """A random estimator's :class:`ReplicateMetrics` from its averages over (n, d), all float64 numpy.
+
+    ``mean_abs (...)``: avg |mean|; ``per_rep_err (R, ...)``: avg (y_r - y)^2; ``naive (...)``: avg (mean - y)^2;
+    ``dd (R, ...)``: avg d_r^2 and ``db (R, ...)``: avg d_r (mean - y), with d_r = y_r - mean (None when R = 1).
+    ``stacklevel`` makes the warnings point at the public function's caller.
+    """
+    r = per_rep_err.shape[0]
+    batch = per_rep_err.shape[1:]
+    mse = per_rep_err.mean(0)
     if r == 1:
         warnings.warn(
             "replicate_metrics: a random estimator needs R >= 2 replicates for a variance; got R = 1, "
             "so variance, debiased bias^2 and standard errors are NaN",
             RuntimeWarning,
-            stacklevel=3,  # the caller of replicate_metrics / metrics_with_relative_error
+            stacklevel=stacklevel,
         )
         nan = np.full(batch, np.nan)
         return ReplicateMetrics(
-            mean_abs=np.abs(mean).mean(axis=(-2, -1)), mse=mse, mse_se=nan, variance=nan.copy(), bias_sq=nan.copy(),
+            mean_abs=mean_abs, mse=mse, mse_se=nan, variance=nan.copy(), bias_sq=nan.copy(),
             bias_sq_naive=naive, bias_sq_se=nan.copy(), replicates=1, random=True,
-        ), rel
-    dev = np.subtract(diff, bias, out=diff)  # y_r - mean, in place of diff
-    dd = _mean_dot(dev, dev)  # (R, ...): avg d_r^2
+        )
     variance = dd.sum(0) / (r - 1)
     bias_sq = naive - variance / r
     mse_se = per_rep_err.std(0, ddof=1) / math.sqrt(r)
     if r >= 3:
-        bias_sq_se = _jackknife_from_sums(dd, _mean_dot(dev, bias), naive)
+        bias_sq_se = _jackknife_from_sums(dd, db, naive)
     else:
         warnings.warn(
             "replicate_metrics: the jackknife SE of the debiased bias^2 needs R >= 3 replicates, got R = 2; "
             "bias_sq_se is NaN",
             RuntimeWarning,
-            stacklevel=3,  # the caller of replicate_metrics / metrics_with_relative_error
+            stacklevel=stacklevel,
         )
         bias_sq_se = np.full(batch, np.nan)
     return ReplicateMetrics(
-        mean_abs=np.abs(mean).mean(axis=(-2, -1)), mse=mse, mse_se=mse_se, variance=variance, bias_sq=bias_sq,
+        mean_abs=mean_abs, mse=mse, mse_se=mse_se, variance=variance, bias_sq=bias_sq,
         bias_sq_naive=naive, bias_sq_se=bias_sq_se, replicates=r, random=True,
-    ), rel
+    )
+
+
+def metrics_of_differences(diff: Any, exact: Any, *, random: bool = True) -> tuple[ReplicateMetrics, np.ndarray]:
+    r""":func:`metrics_with_relative_error` from the differences, as torch float64 tensors on any device.
+
+    The sweep's form (issue 9, GPU-ready): the estimates never leave their device; the
+    reductions over (n, d) run there, and only the per-(replicate, batch element) averages cross
+    to the host, where :func:`replicate_metrics`'s formulas finish them. The same quantities as
+    :func:`metrics_with_relative_error`, with torch's float64 reductions (their rounding, about
+    1e-16 relative, differs from numpy's).
+
+    Parameters
+    ----------
+    diff : (R, ..., N, Dv) torch.Tensor, float64
+        :math:`y_r - y`; overwritten (by :math:`y_r - ar y`) for a random estimator.
+    exact : (..., N, Dv) torch.Tensor, float64, on ``diff``'s device
+        :math:`y`.
+    random : bool
+        As :func:`replicate_metrics`: False uses the first replicate only.
+
+    Returns
+    -------
+    (ReplicateMetrics, (...) ndarray)
+        The metrics and the relative error of the replicates they use.
+    """
+    import torch
+
+    if not isinstance(diff, torch.Tensor) or not isinstance(exact, torch.Tensor):
+        raise TypeError("metrics_of_differences takes torch tensors; use metrics_with_relative_error for arrays")
+    if diff.dtype != torch.float64 or exact.dtype != torch.float64:
+        raise TypeError(f"metrics_of_differences needs float64 tensors, got {diff.dtype} and {exact.dtype}")
+    if diff.ndim < 3 or diff.shape[1:] != exact.shape:
+        raise ValueError(f"differences of shape {tuple(diff.shape)} do not match exact of shape {tuple(exact.shape)}: "
+                         "expected (R, *exact.shape)")
+    if not isinstance(random, (bool, np.bool_)):
+        raise TypeError(f"random must be a bool, got {type(random).__name__}")
+    if not random:
+        diff = diff[:1]
+    size = exact.shape[-2] * exact.shape[-1]
+
+    def mean_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # avg over (n, d), one pass, on the device
+        return torch.linalg.vecdot(a.flatten(-2), b.flatten(-2)) / size
+
+    with torch.no_grad():
+        rows = torch.linalg.vector_norm(diff, dim=-1) / torch.linalg.vector_norm(exact, dim=-1)
+        rel = _to_host(rows.mean(dim=(0, -1)))  # a zero exact row gives inf or NaN, as relative_error
+        bias = diff.mean(0)
+        mean_abs = _to_host((bias + exact).abs_().mean(dim=(-2, -1)))
+        per_rep_err = mean_dot(diff, diff)
+        if not random:
+            err = _to_host(per_rep_err[0])
+            zero = np.zeros(err.shape)
+            return ReplicateMetrics(
+                mean_abs=mean_abs, mse=err, mse_se=zero, variance=zero.copy(), bias_sq=err.copy(),
+                bias_sq_naive=err.copy(), bias_sq_se=zero.copy(), replicates=1, random=False,
+            ), rel
+        naive = mean_dot(bias, bias)
+        if diff.shape[0] == 1:
+            return _metrics_from_sums(mean_abs, _to_host(per_rep_err), _to_host(naive), None, None, stacklevel=3), rel
+        dev = diff.sub_(bias)
+        return _metrics_from_sums(mean_abs, _to_host(per_rep_err), _to_host(naive), _to_host(mean_dot(dev, dev)),
+                                  _to_host(mean_dot(dev, bias)), stacklevel=3), rel
+
+
+def _to_host(t: Any) -> np.ndarray:
+    """The one way :func:`metrics_of_differences` moves a result to the host (the tests watch what crosses)."""
+    return t.cpu().numpy()
 
 
 def relative_error(estimates: Any, exact: Any) -> np.ndarray:

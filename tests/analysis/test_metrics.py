@@ -161,3 +161,90 @@ def test_metrics_with_relative_error_hand_computed_and_warns_at_the_caller(rng):
         _, rel = metrics_with_relative_error(est[:1], exact)
     assert rel == pytest.approx(0.5)  # replicate 0 alone
     assert record[0].filename == __file__
+
+
+# ------------------------------------------------------------------------------------------------ the torch form
+def _differences(est: np.ndarray, exact: np.ndarray):
+    import torch
+
+    return torch.from_numpy(est - exact), torch.from_numpy(exact)
+
+
+def test_metrics_of_differences_hand_computed_and_warns_at_the_caller():
+    """The case above, written out: diffs d_0 = [[0, 5], [0, 0]], d_1 = [[0, 0], [0, 2]], N Dv = 4."""
+    from randattn.analysis.metrics import metrics_of_differences
+
+    exact = np.array([[3.0, 4.0], [1.0, 0.0]])  # row norms 5, 1
+    est = np.stack([exact + [[0.0, 5.0], [0.0, 0.0]], exact + [[0.0, 0.0], [0.0, 2.0]]])
+    with pytest.warns(RuntimeWarning, match="R >= 3") as record:
+        m, rel = metrics_of_differences(*_differences(est, exact))
+    assert record[0].filename == __file__
+    assert rel == pytest.approx(0.75)  # replicate 0: 5/5, 0; replicate 1: 0, 2/1
+    assert m.mse == pytest.approx((25 / 4 + 4 / 4) / 2, rel=1e-15)  # per replicate 6.25 and 1
+    # mean difference [[0, 2.5], [0, 1]]: naive bias^2 (6.25 + 1) / 4; deviations +-[[0, 2.5], [0, -1]]
+    assert m.bias_sq_naive == pytest.approx(7.25 / 4, rel=1e-15)
+    assert m.variance == pytest.approx(2 * 7.25 / 4, rel=1e-15)  # sum of two 1.8125, over R - 1 = 1
+    assert m.bias_sq == pytest.approx(0.0, abs=1e-15)  # 1.8125 - 3.625 / 2
+    assert m.mse_se == pytest.approx(np.std([6.25, 1.0], ddof=1) / np.sqrt(2), rel=1e-15)
+    assert np.isnan(m.bias_sq_se) and m.replicates == 2 and m.random
+    assert m.mean_abs == pytest.approx((3 + 6.5 + 1 + 1) / 4, rel=1e-15)  # |exact + mean difference|
+    with pytest.warns(RuntimeWarning, match="R >= 2") as record:
+        _, rel = metrics_of_differences(*_differences(est[:1], exact))
+    assert rel == pytest.approx(0.5) and record[0].filename == __file__
+
+
+@pytest.mark.parametrize("reps, random", [(32, True), (5, True), (2, True), (1, True), (3, False)])
+def test_metrics_of_differences_match_the_numpy_metrics(rng, reps, random):
+    """The same sums as :func:`metrics_with_relative_error` in another order: equal within their rounding.
+
+    Each field is a float64 sum of T <= R N Dv = 32 x 12 x 5 terms; two orders of a sum differ by at most
+    2 gamma_T times the sum of the terms' magnitudes (Higham, Accuracy and Stability, eq. 3.5), which is
+    below 1e-12 of it here: rtol = 1e-12 for the sums of squares, and the signed bias_sq (a difference)
+    within 1e-12 of the magnitude of its two terms.
+    """
+    from randattn.analysis.metrics import metrics_of_differences
+
+    exact = rng.normal(size=(3, 12, 5))
+    est = exact + 0.3 * rng.normal(size=(reps, 3, 12, 5)) + 0.05
+    if not random:
+        est = np.broadcast_to(est[:1], est.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # R = 1, 2: NaN fields, warned (checked above)
+        expected, expected_rel = metrics_with_relative_error(est, exact, random=random)
+        metrics, rel = metrics_of_differences(*_differences(np.array(est), exact), random=random)
+    for field in ("mean_abs", "mse", "mse_se", "variance", "bias_sq_naive", "bias_sq_se"):
+        np.testing.assert_allclose(getattr(metrics, field), getattr(expected, field), rtol=1e-12, atol=0,
+                                   err_msg=field)
+    scale = expected.bias_sq_naive + np.nan_to_num(expected.variance) / expected.replicates
+    np.testing.assert_array_less(np.nan_to_num(np.abs(metrics.bias_sq - expected.bias_sq)), 1e-12 * scale)
+    assert np.isnan(metrics.bias_sq).tolist() == np.isnan(expected.bias_sq).tolist()
+    assert metrics.replicates == expected.replicates and metrics.random == expected.random
+    np.testing.assert_allclose(rel, expected_rel, rtol=1e-12, atol=0)
+
+
+def test_metrics_of_differences_move_only_per_replicate_sums_to_the_host(rng, monkeypatch):
+    """GPU-ready (issue 9): the (R, ..., N, Dv) differences stay on their device; what crosses is (R, ...) at most."""
+    import randattn.analysis.metrics as metrics_module
+
+    crossed = []
+    real = metrics_module._to_host
+    monkeypatch.setattr(metrics_module, "_to_host", lambda t: crossed.append(tuple(t.shape)) or real(t))
+    exact = rng.normal(size=(3, 12, 5))
+    metrics_module.metrics_of_differences(*_differences(exact + rng.normal(size=(4, 3, 12, 5)), exact))
+    assert crossed and all(int(np.prod(shape)) <= 4 * 3 for shape in crossed), crossed
+
+
+def test_metrics_of_differences_refuse_bad_input(rng):
+    import torch
+
+    from randattn.analysis.metrics import metrics_of_differences
+
+    diff, exact = _differences(rng.normal(size=(4, 3, 12, 5)), rng.normal(size=(3, 12, 5)))
+    with pytest.raises(TypeError, match="torch tensors"):
+        metrics_of_differences(diff.numpy(), exact.numpy())
+    with pytest.raises(TypeError, match="float64"):
+        metrics_of_differences(diff.to(torch.float32), exact)
+    with pytest.raises(ValueError, match=r"\(R, \*exact.shape\)"):
+        metrics_of_differences(diff[:, :2], exact)
+    with pytest.raises(TypeError, match="random must be a bool"):
+        metrics_of_differences(diff, exact, random=1)
