@@ -14,7 +14,11 @@ is paid once per process and is not scaled.
 
 Per (estimator, S, tokens) it also prints the cost of one cell (all R replicates, the
 probability pass, diagnostics and metrics) against its floor: a float32/float64 GEMM with the
-FLOPs the computation needs (the models in ``FLOPS``), timed in the same run.
+FLOPs the computation needs (the models in ``_flops``), timed in the same run; the same ratio for
+the estimate phase alone (the estimates and their probability error, whose FLOPs the model
+counts); and where the cell's time went, in ms per cell, from the phases each process recorded
+(``timing.phases`` of the table's metadata: draws, estimate, IS diagnostics, metrics, the rest:
+the exact attention and the reference spot check).
 
     python benchmarks/bench_sweep.py [--layers 0,6] [--sizes 196,336,392] [--workdir bench-w1]
 """
@@ -78,6 +82,15 @@ def _gemm_seconds(flops: float, dtype: str, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
+def _per_cell_ms(record: dict | None) -> dict[str, float]:
+    """A (label, S, tokens) record of ``timing.phases`` as ms per cell: draws, estimate, diagnostics, metrics, rest."""
+    if not record or not record.get("cells"):
+        return dict.fromkeys(("draws", "estimate", "diagnostics", "metrics", "rest"), float("nan"))
+    per = {k: 1e3 * float(record[k]) / record["cells"] for k in ("draws", "estimate", "diagnostics", "metrics")}
+    per["rest"] = 1e3 * (float(record["exact"]) + float(record["reference_check"])) / record["cells"]
+    return per
+
+
 def _run(cmd: list[str]) -> tuple[float, float, float]:
     """Wall seconds, peak RSS (GiB) and CPU seconds (user + system, all threads) of one child process.
 
@@ -119,7 +132,7 @@ def main() -> None:
             subprocess.run([*randattn, "capture", "--model", "dinov2-s14", "--images", IMAGES, "--size", size,
                             "--out", str(path)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         captured[size] = path
-    runs, tables = [], []
+    runs, tables, phases = [], [], {}
     total_wall = extrapolated = 0.0
     for size, path in captured.items():
         for group, (estimators, samples) in GROUPS.items():
@@ -130,7 +143,9 @@ def main() -> None:
             import pandas as pd
 
             part = pd.read_parquet(out)
-            unit_s = float(json.loads(out.with_name(out.name + ".meta.json").read_text())["timing"]["execute_s"])
+            timing = json.loads(out.with_name(out.name + ".meta.json").read_text())["timing"]
+            unit_s = float(timing["execute_s"])
+            phases.update({(p["label"], p["num_samples"] or 1, p["tokens"]): p for p in timing.get("phases", [])})
             total_wall += wall
             extrapolated += (wall - unit_s) + unit_s * 12 / len(layers)
             runs.append((size, group, wall, peak, unit_s, cpu))
@@ -144,7 +159,8 @@ def main() -> None:
                   f"({extrapolated / 60:.1f} min) for all 12; peak RSS {max(r[3] for r in runs):.2f} GiB; "
                   f"{sum(r[5] for r in runs):.0f} CPU s (user + system)", highlight=False)
     ratio = Table(title="cost of one cell (R replicates, probabilities, diagnostics, metrics) vs an equal-FLOP GEMM")
-    for col in ("estimator", "S", "tokens", "dtype", "cell s", "GFLOP", "GEMM s", "cell / GEMM"):
+    for col in ("estimator", "S", "tokens", "dtype", "cell s", "GFLOP", "GEMM s", "cell / GEMM", "estimate / GEMM",
+                "ms/cell: draws", "estimate", "diagnostics", "metrics", "rest"):
         ratio.add_column(col, justify="left" if col == "estimator" else "right")
     probabilities = True
     summary = []
@@ -154,10 +170,14 @@ def main() -> None:
         flops = reps * _flops(name, int(tokens), int(s), 64, probabilities)
         gemm = _gemm_seconds(flops, dtype)
         cell = float(frame["seconds"].median())
+        split = _per_cell_ms(phases.get((label, int(s), int(tokens))))
+        estimate_ratio = split["estimate"] / 1e3 / gemm
         summary.append({"label": label, "S": int(s), "tokens": int(tokens), "dtype": dtype, "cell_s": cell,
-                        "gflop": flops / 1e9, "gemm_s": gemm, "ratio": cell / gemm})
+                        "gflop": flops / 1e9, "gemm_s": gemm, "ratio": cell / gemm, "estimate_ratio": estimate_ratio,
+                        "phases_ms_per_cell": split})
         ratio.add_row(label, str(s), str(tokens), dtype, f"{cell:.3f}", f"{flops / 1e9:.2f}", f"{gemm:.4f}",
-                      f"{cell / gemm:.1f}x")
+                      f"{cell / gemm:.1f}x", f"{estimate_ratio:.1f}x",
+                      *(f"{split[k]:.1f}" for k in ("draws", "estimate", "diagnostics", "metrics", "rest")))
     console.print(ratio)
     (work / "bench_sweep.json").write_text(json.dumps({"runs": runs, "wall_s": total_wall, "layers": list(layers),
                                                        "extrapolated_s": extrapolated, "cells": summary},

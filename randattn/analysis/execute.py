@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from randattn.analysis.plan import EstimatorConfig, StackedGenerators, SweepConf
 from randattn.analysis.probability_error import factored_pays, factored_rounding_negligible, factored_sq_errors
 from randattn.estimators.base import Draws
 
-__all__ = ["COLUMNS", "MemoryBudgetError", "UnitRunner", "format_bytes"]
+__all__ = ["COLUMNS", "PHASES", "MemoryBudgetError", "UnitRunner", "format_bytes"]
 
 #: the sweep table's columns, in order (plotting code relies on these names)
 COLUMNS: tuple[str, ...] = (
@@ -46,6 +46,12 @@ COLUMNS: tuple[str, ...] = (
     "random", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
     "ess_mean", "delta_var_ratio", "pareto_khat", "dtype", "ref_max_abs_dev", "seconds", "seed",
 )
+
+#: the parts of a unit's wall time that :meth:`UnitRunner.run_timed` reports: the exact attention (the first unit of
+#: an image-layer computes it), the draws, the estimates with their probability error, the importance-sampling
+#: diagnostics, the float64-reference spot check, and the metrics with the rows; on a GPU each phase ends at the host
+#: transfer of its small results, so its time includes the device work queued before it
+PHASES: tuple[str, ...] = ("exact", "draws", "estimate", "diagnostics", "reference_check", "metrics")
 
 #: replicates per estimator call whenever the memory budget allows (see UnitRunner.blocks)
 CANONICAL_REPLICATES = 8
@@ -89,6 +95,13 @@ def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[
     cells = len(seeds)
     return spec.draw((cells, *q_shape), (cells, *k_shape), num_samples=num_samples, replicates=len(reps),
                      rng=generators, **config.params)
+
+
+def _lap(seconds: dict[str, float], phase: str, mark: float, clock: Callable[[], float]) -> float:
+    """Adds the time since ``mark`` to ``seconds[phase]``; returns now, the next phase's mark."""
+    now = clock()
+    seconds[phase] += now - mark
+    return now
 
 
 def _slice_draws(draws: Draws, reps: slice, cells: slice) -> Draws:
@@ -468,6 +481,10 @@ class UnitRunner:
         torch computes with ``config.threads`` intra-op threads (restored afterwards), so that the
         rows are the same in every process that runs the unit.
         """
+        return self.run_timed(unit)[0]
+
+    def run_timed(self, unit: Unit) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        """``(run(unit), seconds)``: the rows and the wall seconds of each of the unit's :data:`PHASES`."""
         if self.torch is None or self.config.threads is None:
             return self._run(unit)
         before = self.torch.get_num_threads()
@@ -477,10 +494,12 @@ class UnitRunner:
         finally:
             self.torch.set_num_threads(before)
 
-    def _run(self, unit: Unit) -> list[dict[str, Any]]:
+    def _run(self, unit: Unit) -> tuple[list[dict[str, Any]], dict[str, float]]:
         from randattn.analysis.metrics import metrics_of_differences, metrics_with_relative_error
 
-        start = time.perf_counter()
+        clock = time.perf_counter
+        start = clock()
+        seconds = dict.fromkeys(PHASES, 0.0)
         config = self.config
         est = config.estimators[unit.est_index]
         spec = self.specs[est.name]
@@ -490,6 +509,7 @@ class UnitRunner:
         exact32 = (self._inputs_and_exact(unit, "float32")[3]
                    if factored or self._rounds_probabilities(spec, est) else None)
         sq_norms = self._exact_sq_norms(unit) if factored else None
+        seconds["exact"] = clock() - start  # the exact attention, computed by the first unit of an image-layer
         cells, reps = len(unit.heads), self.replicates(est)
         n, dv = q.shape[-2], v.shape[-1]
         if self.torch is None:
@@ -505,8 +525,10 @@ class UnitRunner:
         diagnose = config.diagnostics and est.random
         ref_dev = np.nan
         for cs, rs in blocks:
+            mark = clock()
             draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], unit.seeds[cs], range(rs.start, rs.stop),
                                unit.num_samples)
+            mark = _lap(seconds, "draws", mark, clock)
             block_out, block_prob = self._estimate_block(spec, est, q[cs], k[cs], v[cs], draws,
                                                          exact_probs[cs] if config.probabilities else None,
                                                          None if exact32 is None else exact32[cs],
@@ -521,6 +543,7 @@ class UnitRunner:
                 self.torch.sub(block_out, exact_out[cs], out=out[rs, cs])
             if block_prob is not None:
                 prob_sq[rs, cs] = block_prob
+            mark = _lap(seconds, "estimate", mark, clock)
             if diagnose and rs.start < DIAGNOSTIC_REPLICATES:
                 used = slice(rs.start, min(rs.stop, DIAGNOSTIC_REPLICATES))
                 diag = self._diagnostics_block(est, q[cs], k[cs], v[cs],
@@ -530,8 +553,11 @@ class UnitRunner:
                     ess[used, cs], delta[used, cs] = diag.ess, diag.delta_variance
                     if diag.khat is not None:
                         khat[cs] = diag.khat
+            mark = _lap(seconds, "diagnostics", mark, clock)
             if unit.check_reference and rs.start == 0 and cs.start == 0 and self.torch is not None:
                 ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out[0, 0])
+            _lap(seconds, "reference_check", mark, clock)
+        mark = clock()
         if self.torch is None:
             metrics, rel = metrics_with_relative_error(out, exact, random=est.random)
         else:
@@ -540,7 +566,8 @@ class UnitRunner:
         with np.errstate(divide="ignore", invalid="ignore"):
             delta_ratio = delta[:DIAGNOSTIC_REPLICATES].mean(0) / metrics.variance
         ess_mean = ess[:DIAGNOSTIC_REPLICATES].mean(0)
-        seconds = (time.perf_counter() - start) / cells
+        _lap(seconds, "metrics", mark, clock)
+        per_cell = (clock() - start) / cells
         rows = []
         model = str(self.acts.metadata.get("model", "unknown"))
         dtype = self._dtype_name(est)
@@ -556,6 +583,6 @@ class UnitRunner:
                     "prob_mse": prob_mse[j] if config.probabilities else np.nan,
                     "ess_mean": ess_mean[j], "delta_var_ratio": delta_ratio[j], "pareto_khat": khat[j],
                     "dtype": dtype, "ref_max_abs_dev": ref_dev if j == 0 else np.nan,
-                    "seconds": seconds, "seed": int(unit.seeds[j]),
+                    "seconds": per_cell, "seed": int(unit.seeds[j]),
                 })
-        return rows
+        return rows, seconds

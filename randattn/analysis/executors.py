@@ -127,20 +127,22 @@ def _run_unit_in_worker(path: str, config, config_key: str, unit, parts_dir: str
 
     try:
         runner = _worker_runner(path, os.stat(path).st_mtime_ns, config_key, config)
-        rows, caught = _run_recording(runner, unit)
+        rows, caught, seconds = _run_recording(runner, unit)
     except (ValueError, TypeError) as exc:  # deterministic: report, do not retry
-        return unit.uid, exc, []
+        return unit.uid, exc, [], {}
     if parts_dir is not None:
         write_part(parts_dir, unit.uid, rows)
-    return unit.uid, rows, caught
+    return unit.uid, rows, caught, seconds
 
 
 # ---------------------------------------------------------------------------------------------------- client side
 def run_units_dask(
     client: Any, path: str | os.PathLike, config, units: Sequence[Any], parts_dir: str | os.PathLike | None,
-    *, retries: int = UNIT_RETRIES, on_done: Callable[[Any, list, list], None] | None = None,
+    *, retries: int = UNIT_RETRIES, on_done: Callable[[Any, list, list, dict], None] | None = None,
 ) -> None:
-    """Run ``units`` on the Dask ``client``'s workers; call ``on_done(unit, rows, warnings)`` as each finishes.
+    """Run ``units`` on the Dask ``client``'s workers; call ``on_done(unit, rows, warnings, seconds)`` as each finishes.
+
+    ``seconds``: the unit's wall time per phase on its worker (:meth:`~randattn.analysis.execute.UnitRunner.run_timed`).
 
     Raises
     ------
@@ -164,11 +166,11 @@ def run_units_dask(
         for future in as_completed(futures):
             if future.status == "error":
                 raise future.exception()
-            _, rows, caught = future.result()
+            _, rows, caught, seconds = future.result()
             if isinstance(rows, BaseException):
                 raise rows
             if on_done is not None:
-                on_done(by_key[future.key], rows, caught)
+                on_done(by_key[future.key], rows, caught, seconds)
     except BaseException:
         client.cancel(futures)
         raise

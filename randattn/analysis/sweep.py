@@ -39,7 +39,7 @@ import numpy as np
 
 from randattn._files import atomic_path, atomic_write_text
 from randattn._validation import check_positive_int
-from randattn.analysis.execute import COLUMNS, MemoryBudgetError, UnitRunner
+from randattn.analysis.execute import COLUMNS, PHASES, MemoryBudgetError, UnitRunner
 from randattn.analysis.plan import (
     BACKENDS,
     DTYPES,
@@ -162,12 +162,32 @@ def _normalise_message(message: str) -> str:
     return re.sub(r"\d+ of \d+", "some", message)
 
 
-def _run_recording(runner: UnitRunner, unit: Unit) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
-    """``runner.run(unit)`` with the warnings it raised, as (category, message) pairs."""
+def _run_recording(runner: UnitRunner,
+                   unit: Unit) -> tuple[list[dict[str, Any]], list[tuple[str, str]], dict[str, float]]:
+    """``runner.run_timed(unit)`` with the warnings it raised, as (category, message) pairs: rows, warnings, seconds."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rows = runner.run(unit)
-    return rows, [(w.category.__name__, _normalise_message(str(w.message))) for w in caught]
+        rows, seconds = runner.run_timed(unit)
+    return rows, [(w.category.__name__, _normalise_message(str(w.message))) for w in caught], seconds
+
+
+def _phase_totals(totals: dict[tuple, dict[str, float]], unit: Unit, rows: list[dict[str, Any]],
+                  seconds: dict[str, float]) -> None:
+    """Adds a unit's phase seconds to ``totals``, keyed by (label, S, tokens), with its unit and cell counts."""
+    if not rows:
+        return
+    key = (unit.label, unit.num_samples, int(rows[0]["tokens"]))
+    total = totals.setdefault(key, {"units": 0, "cells": 0, **dict.fromkeys(PHASES, 0.0)})
+    total["units"] += 1
+    total["cells"] += len(unit.heads)
+    for phase, value in seconds.items():
+        total[phase] += value
+
+
+def _phase_records(totals: dict[tuple, dict[str, float]]) -> list[dict[str, Any]]:
+    return [{"label": label, "num_samples": s, "tokens": tokens,
+             **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in total.items()}}
+            for (label, s, tokens), total in totals.items()]
 
 
 def summarize_warnings(records: Iterable[tuple[str, str, str]]) -> list[dict[str, Any]]:
@@ -232,7 +252,10 @@ def run_sweep(
         ``table.attrs["warnings"]`` lists the distinct warnings the estimators raised in this
         call, with counts (:func:`summarize_warnings`); each is also re-issued once.
         ``table.attrs["timing"]`` gives the units run by this call and the wall seconds they
-        took (``execute_s``: computing and storing them, not start-up or memory calibration).
+        took (``execute_s``: computing and storing them, not start-up or memory calibration),
+        and ``phases``: per (label, num_samples, tokens), the units and cells run and the
+        seconds of each phase of :data:`~randattn.analysis.execute.PHASES`, summed (on Dask, as
+        each worker measured them).
 
     Raises
     ------
@@ -275,9 +298,12 @@ def run_sweep(
         state = {"finished": total - total_cells(todo), "t0": time.perf_counter()}
         new_rows: list[dict[str, Any]] = []
         caught: list[tuple[str, str, str]] = []
+        phases: dict[tuple, dict[str, float]] = {}
 
-        def done(unit: Unit, rows: list[dict[str, Any]], unit_warnings: list[tuple[str, str]]) -> None:
+        def done(unit: Unit, rows: list[dict[str, Any]], unit_warnings: list[tuple[str, str]],
+                 seconds: dict[str, float]) -> None:
             new_rows.extend(rows)
+            _phase_totals(phases, unit, rows, seconds)
             caught.extend((c, m, unit.label) for c, m in unit_warnings)
             state["finished"] += len(unit.heads)
             if progress is not None:
@@ -295,8 +321,9 @@ def run_sweep(
             table = _store.coerce(pd.DataFrame(new_rows, columns=list(COLUMNS))) if new_rows else empty_table()
     table = consolidate(table, config, acts)
     table.attrs["warnings"] = summarize_warnings(caught)
-    # wall time of running the units (writing their parts included), apart from start-up and memory calibration
-    table.attrs["timing"] = {"units": len(todo), "execute_s": round(executed_s, 3)}
+    # wall time of running the units (writing their parts included), apart from start-up and memory calibration;
+    # and where it went, per (configuration, S, tokens): the seconds of each phase of execute.PHASES, summed
+    table.attrs["timing"] = {"units": len(todo), "execute_s": round(executed_s, 3), "phases": _phase_records(phases)}
     for record in table.attrs["warnings"]:
         warnings.warn(f"{record['label']}: {record['message']} ({record['count']} units)",
                       _warning_category(record["category"]), stacklevel=2)
@@ -314,10 +341,10 @@ def _execute(runner: UnitRunner, units: list[Unit], parts: Path | None, activati
     spec = None if client is not None else (scheduler if isinstance(scheduler, Scheduler) else parse_scheduler(scheduler))
     if client is None and spec.kind == "local":
         for unit in units:
-            rows, unit_warnings = _run_recording(runner, unit)
+            rows, unit_warnings, seconds = _run_recording(runner, unit)
             if parts is not None:
                 write_part(parts, unit.uid, rows)
-            done(unit, rows, unit_warnings)
+            done(unit, rows, unit_warnings, seconds)
         return
     if not isinstance(activations, (str, os.PathLike)):
         raise ValueError("a Dask scheduler needs the activations as a file path that every worker can read")

@@ -182,6 +182,33 @@ def test_interrupted_sweep_resumes_to_the_same_table(acts, tmp_path):
     assert resumed.attrs["timing"]["execute_s"] >= 0
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_timing_phases_are_disjoint_parts_of_every_unit(acts, backend):
+    """``timing.phases``: one record per (configuration, S, tokens), every unit and cell counted once, and
+    the phases, disjoint intervals inside a unit, add up to at most the unit's wall time (its rows' seconds)."""
+    from randattn.analysis.execute import PHASES
+
+    config = _config(backend=backend, diagnostics=True, check_reference=1.0 if backend == "torch" else 0.0)
+    table = run_sweep(acts, config)
+    timing = table.attrs["timing"]
+    records = {(p["label"], p["num_samples"], p["tokens"]): p for p in timing["phases"]}
+    assert len(records) == len(timing["phases"])  # one record per key
+    units = plan(acts, config)
+    assert sum(p["units"] for p in records.values()) == timing["units"] == len(units)
+    for (label, s, tokens), record in records.items():
+        mine = [u for u in units if u.label == label and u.num_samples == s]
+        assert record["units"] == len(mine) and record["cells"] == sum(len(u.heads) for u in mine) and tokens == 9
+        assert all(record[phase] >= 0.0 for phase in PHASES)
+        rows = table[(table.label == label) & (table.num_samples == (s if s is not None else table.num_samples))]
+        unit_wall = rows.drop_duplicates(["image", "layer", "head"]).seconds.sum()  # seconds per cell, per unit
+        assert sum(record[phase] for phase in PHASES) <= unit_wall * (1 + 1e-9) + 1e-3  # rounded to 0.1 ms
+    random = [p for p in records.values() if p["label"] != "softmax"]
+    assert all(p["draws"] > 0 and p["estimate"] > 0 and p["metrics"] > 0 for p in random)
+    assert any(p["exact"] > 0 for p in records.values())
+    if backend == "torch":
+        assert any(p["reference_check"] > 0 for p in random)
+
+
 def test_parts_on_disk_have_the_table_dtypes(acts, tmp_path):
     """A part read as it is (no coercion) already has the table's column types: ints stay int64, not float."""
     run_sweep(acts, _config(), parts_dir=tmp_path / "parts")

@@ -424,7 +424,7 @@ def test_out_below_a_file_exits_2_before_computing_in_process(acts, reference, t
 def test_sweeps_that_cannot_fit_the_budget_are_refused_before_computing(acts, tmp_path, monkeypatch, mode, args,
                                                                         size):
     out = tmp_path / "x.parquet"
-    code, said = _run_either(mode, ["mse", acts, *args, "--out", out], ["randattn.analysis.execute:UnitRunner.run"],
+    code, said = _run_either(mode, ["mse", acts, *args, "--out", out], ["randattn.analysis.execute:UnitRunner._run"],
                              monkeypatch)
     assert code == 2, said
     assert re.search(rf"needs about [0-9.]+ {size}, more than the memory budget of [0-9.]+ [KMG]iB", said), said
