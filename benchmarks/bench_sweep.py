@@ -120,7 +120,7 @@ def main() -> None:
 
     from randattn.cli.mse import parse_int_list
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a log keeps every column of the table
     work = Path(args.workdir)
     work.mkdir(exist_ok=True)
     layers = parse_int_list("--layers", args.layers)
