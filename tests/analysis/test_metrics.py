@@ -170,15 +170,20 @@ def _differences(est: np.ndarray, exact: np.ndarray):
     return torch.from_numpy(est - exact), torch.from_numpy(exact)
 
 
-def test_metrics_of_differences_hand_computed_and_warns_at_the_caller():
+def _hand_case() -> tuple[np.ndarray, np.ndarray]:
+    exact = np.array([[3.0, 4.0], [1.0, 0.0]])  # row norms 5, 1
+    return np.stack([exact + [[0.0, 5.0], [0.0, 0.0]], exact + [[0.0, 0.0], [0.0, 2.0]]]), exact
+
+
+def test_metrics_of_differences_hand_computed():
     """The case above, written out: diffs d_0 = [[0, 5], [0, 0]], d_1 = [[0, 0], [0, 2]], N Dv = 4."""
     from randattn.analysis.metrics import metrics_of_differences
 
-    exact = np.array([[3.0, 4.0], [1.0, 0.0]])  # row norms 5, 1
-    est = np.stack([exact + [[0.0, 5.0], [0.0, 0.0]], exact + [[0.0, 0.0], [0.0, 2.0]]])
-    with pytest.warns(RuntimeWarning, match="R >= 3") as record:
+    est, exact = _hand_case()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # R = 2 and 1 warn (the next test)
         m, rel = metrics_of_differences(*_differences(est, exact))
-    assert record[0].filename == __file__
+        one, rel_one = metrics_of_differences(*_differences(est[:1], exact))
     assert rel == pytest.approx(0.75)  # replicate 0: 5/5, 0; replicate 1: 0, 2/1
     assert m.mse == pytest.approx((25 / 4 + 4 / 4) / 2, rel=1e-15)  # per replicate 6.25 and 1
     # mean difference [[0, 2.5], [0, 1]]: naive bias^2 (6.25 + 1) / 4; deviations +-[[0, 2.5], [0, -1]]
@@ -186,15 +191,45 @@ def test_metrics_of_differences_hand_computed_and_warns_at_the_caller():
     assert m.variance == pytest.approx(2 * 7.25 / 4, rel=1e-15)  # sum of two 1.8125, over R - 1 = 1
     assert m.bias_sq == pytest.approx(0.0, abs=1e-15)  # 1.8125 - 3.625 / 2
     assert m.mse_se == pytest.approx(np.std([6.25, 1.0], ddof=1) / np.sqrt(2), rel=1e-15)
-    assert np.isnan(m.bias_sq_se) and m.replicates == 2 and m.random
+    assert np.isnan(m.bias_sq_se) and m.replicates == 2 and m.random is True
     assert m.mean_abs == pytest.approx((3 + 6.5 + 1 + 1) / 4, rel=1e-15)  # |exact + mean difference|
-    with pytest.warns(RuntimeWarning, match="R >= 2") as record:
-        _, rel = metrics_of_differences(*_differences(est[:1], exact))
-    assert rel == pytest.approx(0.5) and record[0].filename == __file__
+    # one replicate of a random estimator: its error, no variance
+    assert rel_one == pytest.approx(0.5) and one.mse == pytest.approx(6.25, rel=1e-15)
+    assert one.replicates == 1 and one.random is True and np.isnan(one.variance) and np.isnan(one.mse_se)
 
 
+def test_metrics_of_differences_warn_at_the_caller():
+    from randattn.analysis.metrics import metrics_of_differences
+
+    est, exact = _hand_case()
+    with pytest.warns(RuntimeWarning) as record:
+        metrics_of_differences(*_differences(est, exact))
+    assert str(record[0].message) == ("replicate_metrics: the jackknife SE of the debiased bias^2 needs R >= 3 "
+                                      "replicates, got R = 2; bias_sq_se is NaN")
+    assert record[0].filename == __file__
+    with pytest.warns(RuntimeWarning) as record:
+        metrics_of_differences(*_differences(est[:1], exact))
+    assert str(record[0].message) == ("replicate_metrics: a random estimator needs R >= 2 replicates for a "
+                                      "variance; got R = 1, so variance, debiased bias^2 and standard errors are NaN")
+    assert record[0].filename == __file__
+
+
+def test_metrics_of_differences_of_a_deterministic_estimator_use_the_first_replicate(rng):
+    from randattn.analysis.metrics import metrics_of_differences
+
+    exact = rng.normal(size=(3, 12, 5))
+    est = exact + rng.normal(size=(4, 3, 12, 5))  # replicates that differ: only the first may count
+    first, rel_first = metrics_of_differences(*_differences(est[:1], exact), random=False)
+    every, rel_every = metrics_of_differences(*_differences(est, exact), random=False)
+    for field in ("mean_abs", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se"):
+        np.testing.assert_array_equal(getattr(every, field), getattr(first, field), err_msg=field)
+    np.testing.assert_array_equal(rel_every, rel_first)
+    assert every.replicates == 1 and every.random is False and (every.variance == 0).all()
+
+
+@pytest.mark.parametrize("batch", [(3,), (1,)], ids=["3-heads", "1-head"])
 @pytest.mark.parametrize("reps, random", [(32, True), (5, True), (2, True), (1, True), (3, False)])
-def test_metrics_of_differences_match_the_numpy_metrics(rng, reps, random):
+def test_metrics_of_differences_match_the_numpy_metrics(rng, reps, random, batch):
     """The same sums as :func:`metrics_with_relative_error` in another order: equal within their rounding.
 
     Each field is a float64 sum of T <= R N Dv = 32 x 12 x 5 terms; two orders of a sum differ by at most
@@ -204,14 +239,16 @@ def test_metrics_of_differences_match_the_numpy_metrics(rng, reps, random):
     """
     from randattn.analysis.metrics import metrics_of_differences
 
-    exact = rng.normal(size=(3, 12, 5))
-    est = exact + 0.3 * rng.normal(size=(reps, 3, 12, 5)) + 0.05
+    exact = rng.normal(size=(*batch, 12, 5))
+    est = exact + 0.3 * rng.normal(size=(reps, *batch, 12, 5)) + 0.05
     if not random:
         est = np.broadcast_to(est[:1], est.shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # R = 1, 2: NaN fields, warned (checked above)
         expected, expected_rel = metrics_with_relative_error(est, exact, random=random)
         metrics, rel = metrics_of_differences(*_differences(np.array(est), exact), random=random)
+    for field in ("mean_abs", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se"):
+        assert np.shape(getattr(metrics, field)) == batch, field  # NaN fields too: one per batch element
     for field in ("mean_abs", "mse", "mse_se", "variance", "bias_sq_naive", "bias_sq_se"):
         np.testing.assert_allclose(getattr(metrics, field), getattr(expected, field), rtol=1e-12, atol=0,
                                    err_msg=field)
@@ -240,11 +277,19 @@ def test_metrics_of_differences_refuse_bad_input(rng):
     from randattn.analysis.metrics import metrics_of_differences
 
     diff, exact = _differences(rng.normal(size=(4, 3, 12, 5)), rng.normal(size=(3, 12, 5)))
-    with pytest.raises(TypeError, match="torch tensors"):
+    arrays = "^metrics_of_differences takes torch tensors; use metrics_with_relative_error for arrays$"
+    with pytest.raises(TypeError, match=arrays):
         metrics_of_differences(diff.numpy(), exact.numpy())
-    with pytest.raises(TypeError, match="float64"):
+    with pytest.raises(TypeError, match=arrays):
+        metrics_of_differences(diff.numpy(), exact)
+    with pytest.raises(TypeError, match=arrays):
+        metrics_of_differences(diff, exact.numpy())
+    with pytest.raises(TypeError, match="^metrics_of_differences needs float64 tensors, got torch.float32 and"):
         metrics_of_differences(diff.to(torch.float32), exact)
-    with pytest.raises(ValueError, match=r"\(R, \*exact.shape\)"):
+    with pytest.raises(ValueError, match=r"^differences of shape \(4, 2, 12, 5\) do not match exact of shape "
+                                         r"\(3, 12, 5\): expected \(R, \*exact.shape\)$"):
         metrics_of_differences(diff[:, :2], exact)
-    with pytest.raises(TypeError, match="random must be a bool"):
+    with pytest.raises(ValueError, match="expected"):
+        metrics_of_differences(diff[0, 0], exact[0])  # (N, Dv): no replicate dim
+    with pytest.raises(TypeError, match="^random must be a bool, got int$"):
         metrics_of_differences(diff, exact, random=1)

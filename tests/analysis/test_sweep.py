@@ -209,6 +209,30 @@ def test_timing_phases_are_disjoint_parts_of_every_unit(acts, backend):
         assert any(p["reference_check"] > 0 for p in random)
 
 
+def test_timing_phases_add_every_blocks_interval(acts, monkeypatch):
+    """Under a clock that ticks once per reading a phase's seconds count its intervals: one per block (3 blocks
+    of 8, 8 and 4 replicates) for the draws, estimates, diagnostics and reference check, one per unit for the exact
+    attention and the metrics; a phase that dropped, overwrote or took another's interval would count otherwise."""
+    import itertools
+    from types import SimpleNamespace
+
+    from randattn.analysis import execute
+
+    ticks = itertools.count()
+    monkeypatch.setattr(execute, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    config = _config(estimators=parse_estimator_list("rfa"), num_samples=(4,), replicates=20, diagnostics=True)
+    table = run_sweep(acts, config)
+    [record] = table.attrs["timing"]["phases"]
+    units = 2 * 2  # layers x images, 2 heads each
+    assert (record["label"], record["num_samples"], record["tokens"]) == ("rfa", 4, 9)
+    assert record["units"] == units and record["cells"] == 2 * units
+    assert {phase: record[phase] for phase in execute.PHASES} == {
+        "exact": units, "draws": 3 * units, "estimate": 3 * units, "diagnostics": 3 * units,
+        "reference_check": 3 * units, "metrics": units}
+    # a unit's wall time spans 19 readings after its start (1 + 5 per block + 3), over its 2 cells
+    assert (table.seconds == 19 / 2).all()
+
+
 def test_parts_on_disk_have_the_table_dtypes(acts, tmp_path):
     """A part read as it is (no coercion) already has the table's column types: ints stay int64, not float."""
     run_sweep(acts, _config(), parts_dir=tmp_path / "parts")
