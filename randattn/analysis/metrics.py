@@ -235,16 +235,11 @@ def _replicate_metrics(estimates: Any, exact: Any, random: Any, *,
                        with_relative_error: bool) -> tuple[ReplicateMetrics, np.ndarray | None]:
     """:func:`replicate_metrics`, and the relative error of the replicates it uses when asked."""
     est, ex, random = _metrics_iv(estimates, exact, random)
-    batch = ex.shape[:-2]
     if not random:
         est = est[:1]
         rel = _relative_error_of_diff(est - ex, ex) if with_relative_error else None
         err = ((est[0] - ex) ** 2).mean(axis=(-2, -1))
-        zero = np.zeros(batch)
-        return ReplicateMetrics(
-            mean_abs=np.abs(est[0]).mean(axis=(-2, -1)), mse=err, mse_se=zero, variance=zero.copy(),
-            bias_sq=err.copy(), bias_sq_naive=err.copy(), bias_sq_se=zero.copy(), replicates=1, random=False,
-        ), rel
+        return _deterministic_metrics(np.abs(est[0]).mean(axis=(-2, -1)), err), rel
     # one difference array; every reduction below is a one-pass dot product over (N, Dv)
     diff = est - ex  # (R, ..., N, Dv): y_r - y
     rel = _relative_error_of_diff(diff, ex) if with_relative_error else None  # before diff is overwritten below
@@ -257,6 +252,15 @@ def _replicate_metrics(estimates: Any, exact: Any, random: Any, *,
     dev = np.subtract(diff, bias, out=diff)  # y_r - mean, in place of diff
     return _metrics_from_sums(mean_abs, per_rep_err, naive, _mean_dot(dev, dev), _mean_dot(dev, bias),
                               stacklevel=4), rel
+
+
+def _deterministic_metrics(mean_abs: np.ndarray, err: np.ndarray) -> ReplicateMetrics:
+    """A deterministic estimator's :class:`ReplicateMetrics` from avg |y_1| and avg (y_1 - y)^2 ``(...)``: no variance."""
+    zero = np.zeros(err.shape)
+    return ReplicateMetrics(
+        mean_abs=mean_abs, mse=err, mse_se=zero, variance=zero.copy(), bias_sq=err.copy(), bias_sq_naive=err.copy(),
+        bias_sq_se=zero.copy(), replicates=1, random=False,
+    )
 
 
 def _metrics_from_sums(mean_abs: np.ndarray, per_rep_err: np.ndarray, naive: np.ndarray, dd: np.ndarray | None,
@@ -313,7 +317,7 @@ def metrics_of_differences(diff: Any, exact: Any, *, random: bool = True) -> tup
     Parameters
     ----------
     diff : (R, ..., N, Dv) torch.Tensor, float64
-        :math:`y_r - y`; overwritten (by :math:`y_r - ar y`) for a random estimator.
+        :math:`y_r - y`; overwritten (by :math:`y_r - \bar y`) for a random estimator.
     exact : (..., N, Dv) torch.Tensor, float64, on ``diff``'s device
         :math:`y`.
     random : bool
@@ -349,12 +353,7 @@ def metrics_of_differences(diff: Any, exact: Any, *, random: bool = True) -> tup
         mean_abs = _to_host((bias + exact).abs_().mean(dim=(-2, -1)))
         per_rep_err = mean_dot(diff, diff)
         if not random:
-            err = _to_host(per_rep_err[0])
-            zero = np.zeros(err.shape)
-            return ReplicateMetrics(
-                mean_abs=mean_abs, mse=err, mse_se=zero, variance=zero.copy(), bias_sq=err.copy(),
-                bias_sq_naive=err.copy(), bias_sq_se=zero.copy(), replicates=1, random=False,
-            ), rel
+            return _deterministic_metrics(mean_abs, _to_host(per_rep_err[0])), rel
         naive = mean_dot(bias, bias)
         if diff.shape[0] == 1:
             return _metrics_from_sums(mean_abs, _to_host(per_rep_err), _to_host(naive), None, None, stacklevel=3), rel
