@@ -34,6 +34,7 @@ __all__ = [
     "IsDiagnostics",
     "rfa_snis_terms",
     "snis_diagnostics",
+    "delta_method_spread",
     "estimator_diagnostics",
     "pareto_khat",
     "WEIGHT_PROVIDERS",
@@ -261,16 +262,88 @@ def _gpd_shape_rows(tails: np.ndarray) -> np.ndarray:
     return (n * k_post + 10 * 0.5) / (n + 10)
 
 
-def _delta_variance(weights: np.ndarray, f: np.ndarray) -> np.ndarray:
-    r"""``sum_j w_nj^2 (f_jd - mu_nd)^2`` without an (N, J, Dv) temporary: (..., N, Dv).
+def delta_method_spread(weights: Any, f: Any) -> Any:
+    r"""The delta-method sum :math:`\sum_j w_{nj}^2 \|f_j - \mu_n\|^2` per query, without cancellation.
 
-    Expanded as :math:`\sum w^2 f^2 - 2\mu \sum w^2 f + \mu^2 \sum w^2`; f are convex
-    combinations of the values, so the cancellation is bounded by ``eps |v|^2 sum w^2``.
+    Parameters
+    ----------
+    weights : (..., N, J) torch.Tensor, float64
+        Normalized weights :math:`w_{nj}` (each row sums to 1).
+    f : (..., J, Dv) torch.Tensor, float64
+        Per-sample values, with the leading dims of ``weights``.
+
+    Returns
+    -------
+    (..., N) torch.Tensor
+        :math:`\sum_j w_{nj}^2 \|f_j - \mu_n\|^2` with :math:`\mu_n = \sum_j w_{nj} f_j`; summed over Dv
+        (divide by Dv for the per-element average of :func:`snis_delta_method_variance
+        <randattn.estimators.montecarlo.snis_delta_method_variance>`). NaN rows stay NaN.
+
+    Notes
+    -----
+    The plain expansion :math:`\sum_j w_j^2\|f_j\|^2 - 2\mu\cdot\sum_j w_j^2 f_j + \|\mu\|^2 \sum_j w_j^2`
+    cancels catastrophically when one weight holds almost all the mass (ESS near 1, as for RFA on
+    the early layers of a ViT): its terms are about :math:`\|f\|^2` while the sum is about
+    :math:`\delta^2 \|\Delta f\|^2`, with :math:`\delta = 1 - \max_j w_j` as small as 1e-40; on DINOv2 it
+    returned rounding noise up to 1e15 times the true value. Here each query's largest weight
+    :math:`w_p` is the pivot: with :math:`\tilde w = w` but :math:`\tilde w_p = 0`,
+    :math:`s = \sum_k \tilde w_k` and :math:`s_2 = \sum_k \tilde w_k^2` (sums of the small weights, never
+    :math:`1 - w_p`), :math:`\mu - f_p = \sum_k \tilde w_k (f_k - f_p)` and
+
+    .. math::
+        \sum_j w_j^2 \|f_j - \mu\|^2 = \sum_k \tilde w_k^2 \|f_k - f_p\|^2
+        - 2 (\mu - f_p) \cdot \sum_k \tilde w_k^2 (f_k - f_p) + \|\mu - f_p\|^2 (w_p^2 + s_2),
+
+    in which every term carries a factor of the small weights. ``f`` is first centred on its mean
+    over samples (the sum is shift-invariant), and the products are taken through the Gram matrix
+    :math:`G = f f^T` where ``J <= Dv`` (one (N, J) x (J, J) product) and through ``f`` otherwise
+    (two (N, J) x (J, Dv) products, as the expansion took): the rounding error is about
+    :math:`\epsilon J^2` of the result times :math:`\max_j\|f_j - \bar f\|^2 / \|\Delta f\|^2`, with no
+    :math:`1/\delta`.
     """
-    w2 = weights * weights
-    mu = weights @ f
-    value = w2 @ (f * f) - 2.0 * mu * (w2 @ f) + mu * mu * w2.sum(-1, keepdims=True)
-    return np.maximum(value, 0.0)
+    import torch
+
+    f = (f - f.mean(-2, keepdim=True)).expand(*weights.shape[:-2], *f.shape[-2:])
+    pivot = weights.argmax(-1, keepdim=True)  # (..., N, 1): each query's largest weight
+    w_p = torch.gather(weights, -1, pivot).squeeze(-1)
+    rest = weights.scatter(-1, pivot, 0.0)
+    rest2 = rest.square()
+    s, s2 = rest.sum(-1), rest2.sum(-1)
+    if f.shape[-2] <= f.shape[-1]:
+        near, dev_dot, dev_sq = _pivoted_sums_by_gram(f, pivot, rest, rest2, s, s2)
+    else:
+        near, dev_dot, dev_sq = _pivoted_sums_by_values(f, pivot, rest, rest2, s, s2)
+    return (near - 2.0 * dev_dot + dev_sq * (w_p * w_p + s2)).clamp_min(0.0)
+
+
+def _pivoted_sums_by_gram(f, pivot, rest, rest2, s, s2):
+    r""":math:`\sum_k \tilde w_k^2 \|f_k - f_p\|^2`, :math:`(\mu - f_p) \cdot \sum_k \tilde w_k^2 (f_k - f_p)` and
+    :math:`\|\mu - f_p\|^2` per query, through :math:`G = f f^T` (for ``J <= Dv``)."""
+    import torch
+
+    gram = f @ f.transpose(-1, -2)  # (..., J, J)
+    g_p = torch.gather(gram, -2, pivot.expand(*pivot.shape[:-1], gram.shape[-1]))  # (..., N, J): the rows G[p_n]
+    g_pp = torch.gather(g_p, -1, pivot).squeeze(-1)
+    a = rest @ gram
+    w_gp, w2_gp = torch.linalg.vecdot(rest, g_p), torch.linalg.vecdot(rest2, g_p)
+    near = (rest2 @ torch.diagonal(gram, dim1=-2, dim2=-1).unsqueeze(-1)).squeeze(-1) - 2.0 * w2_gp + s2 * g_pp
+    dev_dot = torch.linalg.vecdot(a, rest2) - s2 * w_gp - s * w2_gp + s * s2 * g_pp
+    dev_sq = torch.linalg.vecdot(a, rest) - 2.0 * s * w_gp + s * s * g_pp
+    return near, dev_dot, dev_sq
+
+
+def _pivoted_sums_by_values(f, pivot, rest, rest2, s, s2):
+    """The sums of :func:`_pivoted_sums_by_gram` through ``f`` itself (for ``J > Dv``)."""
+    import torch
+
+    f_p = torch.gather(f.unsqueeze(-3).expand(*pivot.shape[:-1], *f.shape[-2:]), -2,
+                       pivot.unsqueeze(-1).expand(*pivot.shape, f.shape[-1])).squeeze(-2)  # (..., N, Dv)
+    dev = rest @ f - s.unsqueeze(-1) * f_p  # mu - f_p
+    u = rest2 @ f
+    near = ((rest2 @ f.square().sum(-1).unsqueeze(-1)).squeeze(-1) - 2.0 * torch.linalg.vecdot(f_p, u)
+            + s2 * torch.linalg.vecdot(f_p, f_p))
+    dev_dot = torch.linalg.vecdot(dev, u) - s2 * torch.linalg.vecdot(dev, f_p)
+    return near, dev_dot, torch.linalg.vecdot(dev, dev)
 
 
 def snis_diagnostics(log_w: Any, f: Any, *, khat_queries: int = 16) -> IsDiagnostics:
@@ -315,7 +388,10 @@ def snis_diagnostics(log_w: Any, f: Any, *, khat_queries: int = 16) -> IsDiagnos
     weights = np.exp(log_w - log_den)  # (R, ..., N, J)
     ess = 1.0 / (weights * weights).sum(-1)  # (R, ..., N)
     ess_rn = np.moveaxis(ess, 0, -1)  # (..., N, R)
-    delta = _delta_variance(weights, f).mean(axis=(-2, -1)).mean(0)
+    import torch
+
+    spread = delta_method_spread(torch.from_numpy(np.ascontiguousarray(weights)), torch.from_numpy(f)).numpy()
+    delta = (spread.mean(-1) / f.shape[-1]).mean(0)
     num_queries = log_w.shape[-2]
     if khat_queries > 0 and num_queries > 0:
         idx = np.unique(np.linspace(0, num_queries - 1, min(khat_queries, num_queries)).round().astype(int))
@@ -512,15 +588,8 @@ def replicate_snis_diagnostics(
         log_w, f = (t.to(torch.float64) for t in terms)
     with torch.no_grad():
         weights = torch.softmax(log_w, dim=-1)  # (R, ..., N, J)
-        mu = weights @ f  # (R, ..., N, Dv)
-        w2 = weights.square_()
-        w2_sum = w2.sum(-1)  # (R, ..., N)
-        ess = w2_sum.reciprocal().mean(-1)  # (R, ...)
-        # sum_d sum_j w_j^2 (f_jd - mu_d)^2 = sum_j w_j^2 |f_j|^2 - 2 mu . (w^2 f) + |mu|^2 sum_j w_j^2; the first
-        # term is a matrix-vector product: two (N, J) x (J, Dv) products where the per-d form takes three
-        spread = ((w2 @ (f * f).sum(-1, keepdim=True)).squeeze(-1) - 2.0 * (mu * (w2 @ f)).sum(-1)
-                  + mu.square().sum(-1) * w2_sum)  # (R, ..., N)
-        delta = spread.clamp_min(0.0).mean(-1) / f.shape[-1]
+        ess = weights.square().sum(-1).reciprocal().mean(-1)  # (R, ...)
+        delta = delta_method_spread(weights, f).mean(-1) / f.shape[-1]
     khat = None
     num_queries = log_w.shape[-2]
     if khat_queries > 0 and num_queries > 0:

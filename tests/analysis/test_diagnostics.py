@@ -48,9 +48,67 @@ def test_snis_diagnostics_agree_with_montecarlo(qkv):
 def test_ess_of_equal_weights_is_the_sample_count():
     d = snis_diagnostics(np.zeros((2, 3, 4, 30)), np.ones((2, 3, 30, 2)), khat_queries=0)
     np.testing.assert_allclose(d.ess_mean, 30.0)
-    # the expanded delta-method sum cancels to within eps * |v|^2 * sum w^2 (see _delta_variance)
-    np.testing.assert_allclose(d.delta_variance, 0.0, rtol=0, atol=4 * np.finfo(float).eps)
+    assert np.all(d.delta_variance == 0.0)  # equal values: every f_j - mu is exactly 0 once f is centred
     assert np.isnan(d.pareto_khat).all()
+
+
+def _spread_in_decimal(log_w: np.ndarray, f: np.ndarray) -> list[float]:
+    """sum_j w_j^2 |f_j - mu|^2 per row of ``log_w (N, J)``, ``f (J, Dv)``, written out in 60-digit decimal."""
+    import decimal
+
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        out = []
+        for row in log_w:
+            top = max(row)
+            e = [(decimal.Decimal(float(x)) - decimal.Decimal(float(top))).exp() for x in row]
+            w = [x / sum(e) for x in e]
+            fd = [[decimal.Decimal(float(x)) for x in fj] for fj in f]
+            mu = [sum(w[j] * fd[j][d] for j in range(len(w))) for d in range(f.shape[1])]
+            out.append(float(sum(w[j] ** 2 * sum((fd[j][d] - mu[d]) ** 2 for d in range(len(mu)))
+                                 for j in range(len(w)))))
+        return out
+
+
+# (J, Dv): J <= Dv takes the Gram-matrix products, J > Dv the products with f itself
+@pytest.mark.parametrize("samples, dim", [(6, 8), (8, 8), (12, 3)])
+def test_delta_method_spread_is_exact_when_one_weight_holds_the_mass(samples, dim):
+    """ESS near 1 (RFA on early ViT layers): the plain expansion sum w^2|f|^2 - 2 mu.(w^2 f) + |mu|^2 sum w^2
+    returns rounding noise about eps |f|^2 where the sum is about 1e-80; each row's largest weight is the pivot."""
+    import torch
+
+    from randattn.analysis.diagnostics import delta_method_spread
+
+    rng = np.random.default_rng(samples)
+    f = 1000.0 + rng.normal(size=(samples, dim))  # far from 0: uncentred Gram terms are 1e6 times the spread
+    log_w = np.stack([
+        np.r_[0.0, -90.0 - 10 * rng.random(samples - 1)],  # 1 - w_p ~ 1e-39
+        np.r_[-200.0 * rng.random(samples - 1), 5.0],  # the pivot is not the first sample
+        rng.normal(size=samples),  # no weight dominates
+        np.r_[0.0, 0.0, np.full(samples - 2, -60.0)],  # two equal largest weights
+    ])
+    expected = _spread_in_decimal(log_w, f)
+    weights = torch.softmax(torch.from_numpy(log_w), dim=-1)
+    got = delta_method_spread(weights, torch.from_numpy(f)).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0)
+    assert expected[0] < 1e-70  # the case the expansion gets wrong by ~60 orders of magnitude
+
+
+def test_delta_method_spread_batches_and_keeps_nan_rows():
+    """Leading dims broadcast as (R, ..., N, J) with (R, ..., J, Dv); a NaN row (undefined weights) stays NaN."""
+    import torch
+
+    from randattn.analysis.diagnostics import delta_method_spread
+
+    rng = np.random.default_rng(7)
+    log_w, f = rng.normal(size=(2, 3, 5, 4)), rng.normal(size=(2, 3, 4, 6))
+    log_w[1, 2, 3] = np.nan
+    got = delta_method_spread(torch.softmax(torch.from_numpy(log_w), -1), torch.from_numpy(f)).numpy()
+    assert got.shape == (2, 3, 5)
+    assert np.isnan(got[1, 2, 3]) and np.isfinite(np.delete(got.reshape(-1), 1 * 15 + 2 * 5 + 3)).all()
+    for r, c in [(0, 0), (1, 2)]:
+        rows = [n for n in range(5) if not np.isnan(log_w[r, c, n]).any()]
+        np.testing.assert_allclose(got[r, c, rows], _spread_in_decimal(log_w[r, c, rows], f[r, c]), rtol=1e-12)
 
 
 def test_pareto_khat_separates_light_and_heavy_tails(rng):
