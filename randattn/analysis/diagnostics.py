@@ -338,12 +338,15 @@ def _pivoted_sums_by_values(f, pivot, rest, rest2, s, s2):
 
     f_p = torch.gather(f.unsqueeze(-3).expand(*pivot.shape[:-1], *f.shape[-2:]), -2,
                        pivot.unsqueeze(-1).expand(*pivot.shape, f.shape[-1])).squeeze(-2)  # (..., N, Dv)
-    dev = rest @ f - s.unsqueeze(-1) * f_p  # mu - f_p
-    u = rest2 @ f
-    near = ((rest2 @ f.square().sum(-1).unsqueeze(-1)).squeeze(-1) - 2.0 * torch.linalg.vecdot(f_p, u)
-            + s2 * torch.linalg.vecdot(f_p, f_p))
-    dev_dot = torch.linalg.vecdot(dev, u) - s2 * torch.linalg.vecdot(dev, f_p)
-    return near, dev_dot, torch.linalg.vecdot(dev, dev)
+    sq_norms = f.square().sum(-1)  # (..., J)
+    g_pp = torch.gather(sq_norms, -1, pivot.squeeze(-1))  # ||f_p||^2
+    a = rest @ f  # mu - f_p = a - s f_p
+    u = rest2 @ f  # sum w~^2 (f - f_p) = u - s2 f_p
+    a_u, p_u, a_p = torch.linalg.vecdot(a, u), torch.linalg.vecdot(f_p, u), torch.linalg.vecdot(a, f_p)
+    near = (rest2 @ sq_norms.unsqueeze(-1)).squeeze(-1) - 2.0 * p_u + s2 * g_pp
+    dev_dot = a_u - s * p_u - s2 * a_p + s * s2 * g_pp
+    dev_sq = torch.linalg.vecdot(a, a) - 2.0 * s * a_p + s * s * g_pp
+    return near, dev_dot, dev_sq
 
 
 def snis_diagnostics(log_w: Any, f: Any, *, khat_queries: int = 16) -> IsDiagnostics:
