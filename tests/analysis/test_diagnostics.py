@@ -80,7 +80,8 @@ def test_delta_method_spread_is_exact_when_one_weight_holds_the_mass(samples, di
     from randattn.analysis.diagnostics import delta_method_spread
 
     rng = np.random.default_rng(samples)
-    f = 1000.0 + rng.normal(size=(samples, dim))  # far from 0: uncentred Gram terms are 1e6 times the spread
+    # far from 0, a different way in each dimension: uncentred Gram terms are 1e6 times the spread
+    f = 1000.0 * (-1.0) ** np.arange(dim) + rng.normal(size=(samples, dim))
     log_w = np.stack([
         np.r_[0.0, -90.0 - 10 * rng.random(samples - 1)],  # 1 - w_p ~ 1e-39
         np.r_[-200.0 * rng.random(samples - 1), 5.0],  # the pivot is not the first sample
