@@ -393,7 +393,8 @@ def snis_diagnostics(log_w: Any, f: Any, *, khat_queries: int = 16) -> IsDiagnos
     ess_rn = np.moveaxis(ess, 0, -1)  # (..., N, R)
     import torch
 
-    spread = delta_method_spread(torch.from_numpy(np.ascontiguousarray(weights)), torch.from_numpy(f)).numpy()
+    # f: a copy, since asarray may have returned a read-only or negatively strided view, which from_numpy refuses
+    spread = delta_method_spread(torch.from_numpy(weights), torch.from_numpy(np.array(f))).numpy()
     delta = (spread.mean(-1) / f.shape[-1]).mean(0)
     num_queries = log_w.shape[-2]
     if khat_queries > 0 and num_queries > 0:

@@ -234,3 +234,17 @@ def test_vectorized_khat_equals_arviz_row_by_row():
         expected = np.array([arviz.psislw(r.copy())[1] for r in rows], dtype=float)
     expected = np.where(np.isfinite(expected), expected, np.nan)
     np.testing.assert_allclose(pareto_khat(rows), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_snis_diagnostics_take_read_only_and_reversed_values():
+    """``f`` as a read-only broadcast view with a negative stride (what np.asarray may hand on) gives the copy's result."""
+    import warnings
+
+    rng = np.random.default_rng(11)
+    log_w = rng.normal(size=(2, 3, 5, 40))
+    f = np.broadcast_to(rng.normal(size=(1, 3, 40, 4)), (2, 3, 40, 4))[..., ::-1, :]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = snis_diagnostics(log_w, f, khat_queries=0)
+    delta = snis_delta_method_variance(log_w, np.array(f)[..., None, :, :]).mean(axis=(-2, -1)).mean(0)
+    np.testing.assert_allclose(d.delta_variance, delta, rtol=1e-12)
