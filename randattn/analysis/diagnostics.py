@@ -10,13 +10,14 @@ form from the draws,
     \qquad
     f(\omega_s) = \sum_m \mathrm{softmax}_m\big(\log\xi(y_m, \omega_s)\big)\, v_m,
 
-computed from :mod:`randattn.estimators.features.reference` log-features (never N x M). For
-maps with L > 1 features per sample (hyperbolic) the ``S L`` feature columns are the "samples".
-``lara`` provides the same from its eq. 28 weights ``alpha'_nc xi(x_n, w_c) sum_m xi(y_m, w_c)``
-(one sample per proposal) when they are all positive (balance, coupled, constant, clamped
-weighting); signed decoupled weights and every other estimator (EVA's one-sample chunk
-coefficients have no weights to diagnose; signed trigonometric features) report NaN. Add an
-entry to :data:`WEIGHT_PROVIDERS` to extend.
+computed from log-features (never N x M). For maps with L > 1 features per sample (hyperbolic)
+the ``S L`` feature columns are the "samples". ``lara`` provides the same from its eq. 28 weights
+``alpha'_nc xi(x_n, w_c) sum_m xi(y_m, w_c)`` (one sample per proposal) when they are all
+positive (balance, coupled, constant, clamped weighting); signed decoupled weights and every other
+estimator (EVA's one-sample chunk coefficients have no weights to diagnose; signed trigonometric
+features) report NaN. Where the weights come from is the estimator's own declaration,
+:attr:`~randattn.estimators.base.EstimatorSpec.importance_weights`: a plugin that declares it is
+diagnosed like the built-ins.
 """
 
 from __future__ import annotations
@@ -29,24 +30,27 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from scipy.special import logsumexp
 
+from randattn.estimators.registry import get_spec
+from randattn.estimators.rfa.weights import rfa_snis_terms  # noqa: F401  (its documented home before the protocol)
+from randattn.estimators.snis.reference import snis_terms_from_log_features  # noqa: F401  (likewise)
+
 __all__ = [
     "KHAT_THRESHOLD",
+    "KHAT_MIN_WEIGHTS",
     "IsDiagnostics",
-    "rfa_snis_terms",
     "snis_diagnostics",
     "delta_method_spread",
     "estimator_diagnostics",
     "pareto_khat",
-    "WEIGHT_PROVIDERS",
-    "snis_terms_from_log_features",
     "ReplicateDiagnostics",
     "replicate_snis_diagnostics",
-    "BATCHED_WEIGHT_PROVIDERS",
 ]
 
 #: k-hat above which the Monte Carlo variance estimate is not to be trusted (Vehtari et al. 2024, sec. 3)
 KHAT_THRESHOLD = 0.7
-from randattn.estimators.features import POSITIVE_MAPS as _POSITIVE_MAPS
+#: importance weights per query below which k-hat is not fitted: arviz's tail of ceil(min(J/5, 3 sqrt J))
+#: weights needs 5 of them (it returns inf below)
+KHAT_MIN_WEIGHTS = 25
 
 
 @dataclass(frozen=True)
@@ -91,83 +95,6 @@ def nan_diagnostics(batch: tuple[int, ...]) -> IsDiagnostics:
     """All-NaN diagnostics for estimators whose weights are not accessible."""
     nan = np.full(batch, np.nan)
     return IsDiagnostics(nan, nan.copy(), nan.copy(), nan.copy(), nan.copy(), nan.copy(), 0)
-
-
-def rfa_snis_terms(
-    q: Any, k: Any, v: Any, omega: Any, *, scale: float | None = None, feature_map: str = "positive"
-) -> tuple[np.ndarray, np.ndarray] | None:
-    r"""RFA's unnormalized log importance weights and per-sample values.
-
-    Parameters
-    ----------
-    q : (..., N, D)
-    k : (..., M, D)
-    v : (..., M, Dv)
-    omega : (R, ..., S, D)
-        The RFA draws (``draws["omega"]``).
-    scale : float, optional
-        Temperature, default ``D ** -0.5``.
-    feature_map : str
-        RFA's feature map; signed maps (``trigonometric``) return None.
-
-    Returns
-    -------
-    log_w : (R, ..., N, J) ndarray
-        :math:`\log\xi(x_n, \omega_j) + \operatorname{logsumexp}_m \log\xi(y_m, \omega_j)`, J = S L.
-    f : (R, ..., J, Dv) ndarray
-        :math:`\sum_m \mathrm{softmax}_m(\log\xi(y_m, \omega_j)) v_m`.
-    or None for signed feature maps.
-    """
-    if feature_map not in _POSITIVE_MAPS:
-        return None
-    from randattn.estimators._prepare import prepare_reference
-    from randattn.estimators.features.reference import paired_log_features
-
-    x, y, v, _, _ = prepare_reference(q, k, v, scale)
-    omega = np.asarray(omega, dtype=np.float64)
-    lx, _, ly, _ = paired_log_features(feature_map, x, omega=omega, y=y)
-    return snis_terms_from_log_features(lx, ly, v[None])
-
-
-def snis_terms_from_log_features(log_qf: np.ndarray, log_kf: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    r"""SNIS log weights and per-sample values from positive log-features (ARCHITECTURE sec. 4).
-
-    ``log_qf : (R, ..., N, S, L)``, ``log_kf : (R, ..., M, S, L)``, ``v : (R or 1, ..., M, Dv)`` ->
-    ``log_w = log_qf + logsumexp_m log_kf`` ``(R, ..., N, J)`` and
-    ``f = sum_m softmax_m(log_kf) v_m`` ``(R, ..., J, Dv)``, J = S L.
-    """
-    lx = log_qf.reshape(*log_qf.shape[:-2], -1)  # (R, ..., N, J)
-    ly = log_kf.reshape(*log_kf.shape[:-2], -1)  # (R, ..., M, J)
-    log_key_mass = logsumexp(ly, axis=-2)  # (R, ..., J)
-    key_probs = np.exp(ly - log_key_mass[..., None, :])
-    f = np.swapaxes(key_probs, -1, -2) @ v  # (R, ..., J, Dv)
-    return lx + log_key_mass[..., None, :], f
-
-
-def _rfa_provider(q, k, v, draws, *, scale, params) -> tuple[np.ndarray, np.ndarray] | None:
-    return rfa_snis_terms(q, k, v, draws["omega"], scale=scale, feature_map=params.get("feature_map", "positive"))
-
-
-def _lara_provider(q, k, v, draws, *, scale, params) -> tuple[np.ndarray, np.ndarray] | None:
-    """LARA's weights alpha'_nc xi(x_n, w_c) sum_m xi(y_m, w_c) (eq. 28), when all are positive.
-
-    Signed weights (decoupled, eq. 38) make the SNIS a signed ratio for which Kish's ESS,
-    the delta method and k-hat are not defined: those calls report NaN.
-    """
-    from randattn.estimators.lara.reference import lara_terms, weighted_log_features
-
-    terms = lara_terms(q, k, v, draws, scale=scale, **params)
-    log_qf, log_kf, q_sign = weighted_log_features(terms)
-    if q_sign is not None and bool((q_sign <= 0).any()):
-        return None
-    return snis_terms_from_log_features(log_qf, log_kf, terms.v[None])
-
-
-#: estimator name -> ``provider(q, k, v, draws, *, scale, params) -> (log_w, f) | None``
-WEIGHT_PROVIDERS: Mapping[str, Callable[..., tuple[np.ndarray, np.ndarray] | None]] = {
-    "rfa": _rfa_provider,
-    "lara": _lara_provider,
-}
 
 
 def _arviz_tail_length(num: int) -> int:
@@ -446,8 +373,9 @@ def estimator_diagnostics(
         Fields ``(...)``.
     """
     batch = tuple(np.shape(q)[:-2])
-    provider = WEIGHT_PROVIDERS.get(name)
-    terms = None if provider is None else provider(q, k, v, draws, scale=scale, params=params)
+    spec = get_spec(name)
+    weights = spec.importance_weights if spec.diagnostics_apply(params) else None
+    terms = None if weights is None else weights.reference(q, k, v, draws, scale=scale, params=params)
     if terms is None:
         return nan_diagnostics(batch)
     return snis_diagnostics(*terms, khat_queries=khat_queries)
@@ -473,85 +401,14 @@ class ReplicateDiagnostics:
     khat: np.ndarray | None
 
 
-def _rfa_terms_torch(q, k, v, draws, *, scale, params):
-    feature_map = params.get("feature_map", "positive")
-    if feature_map not in _POSITIVE_MAPS:
-        return None
-    from randattn.estimators._prepare import prepare_batched, to_torch_draws
-    from randattn.estimators.features.batched import data_params, log_features
-
-    x, y, v, _, _ = prepare_batched(q, k, v, scale)
-    omega = to_torch_draws(draws, x)["omega"]
-    fitted = {key: (type(val)(*(t.unsqueeze(0) for t in val)) if isinstance(val, tuple) else val.unsqueeze(0))
-              for key, val in data_params(feature_map, x, y).items()}  # a leading replicate dim, as rfa.batched
-    lx, _ = log_features(feature_map, x.unsqueeze(0), omega, **fitted)
-    ly, _ = log_features(feature_map, y.unsqueeze(0), omega, **fitted)
-    return _snis_terms_torch(lx, ly, v.unsqueeze(0))
-
-
-def _lara_terms_torch(q, k, v, draws, *, scale, params):
-    import torch
-
-    from randattn.estimators.lara.batched import lara_terms, weighted_log_features
-
-    terms = lara_terms(q, k, v, draws, scale=scale, **params)
-    if terms.alpha_sign is not None and bool((terms.alpha_sign <= 0).flatten(start_dim=-2).any(-1).all()):
-        return None  # every (replicate, batch element) holds a non-positive weight: nothing is defined
-    log_qf, log_kf, q_sign = weighted_log_features(terms)
-    log_w, f = _snis_terms_torch(log_qf, log_kf, terms.v.unsqueeze(0))
-    if q_sign is not None:
-        # signed weights: undefined for the (replicate, batch element) holding a non-positive one
-        signed = (q_sign <= 0).flatten(start_dim=-3).any(-1)  # (R, ...)
-        log_w = log_w.masked_fill_(signed[..., None, None], float("nan"))  # in place: log_w is a fresh sum
-    return log_w, f
-
-
-def _snis_terms_torch(log_qf, log_kf, v):
-    """torch form of :func:`snis_terms_from_log_features`."""
-    import torch
-
-    lx = log_qf.reshape(*log_qf.shape[:-2], -1)
-    ly = log_kf.reshape(*log_kf.shape[:-2], -1)
-    log_key_mass = torch.logsumexp(ly, dim=-2)
-    key_probs = torch.exp(ly - log_key_mass.unsqueeze(-2))
-    return lx + log_key_mass.unsqueeze(-2), key_probs.transpose(-1, -2) @ v
-
-
-def _lara_terms_masked(q, k, v, draws, *, scale, params):
-    """numpy LARA terms with NaN log weights for each (replicate, batch element) holding a non-positive weight."""
-    from randattn.estimators.lara.reference import lara_terms, weighted_log_features
-
-    terms = lara_terms(q, k, v, draws, scale=scale, **params)
-    if terms.alpha_sign is not None and bool((terms.alpha_sign <= 0).reshape(*terms.alpha_sign.shape[:-2], -1)
-                                             .any(-1).all()):
-        return None  # every (replicate, batch element) holds a non-positive weight: nothing is defined
-    log_qf, log_kf, q_sign = weighted_log_features(terms)
-    log_w, f = snis_terms_from_log_features(log_qf, log_kf, terms.v[None])
-    if q_sign is not None:
-        signed = (q_sign <= 0).reshape(*q_sign.shape[:-3], -1).any(-1)
-        log_w = np.where(signed[..., None, None], np.nan, log_w)
-    return log_w, f
-
-
-#: per-(replicate, batch element) forms of WEIGHT_PROVIDERS, for the sweep
-_REFERENCE_MASKED: Mapping[str, Callable[..., Any]] = {"lara": _lara_terms_masked}
-
-#: estimator name -> torch ``provider(q, k, v, draws, *, scale, params) -> (log_w, f) | None`` (as WEIGHT_PROVIDERS)
-BATCHED_WEIGHT_PROVIDERS: Mapping[str, Callable[..., Any]] = {
-    "rfa": _rfa_terms_torch,
-    "lara": _lara_terms_torch,
-}
-
-
 def replicate_snis_diagnostics(
     name: str, q: Any, k: Any, v: Any, draws: Any, *, scale: float | None, params: Mapping[str, Any],
     khat_queries: int = 16, backend: str = "torch", device: Any = None, dtype: str = "float64",
 ) -> ReplicateDiagnostics | None:
     """Per-replicate ESS and delta-method variance (and k-hat) of estimator ``name``; None when undefined.
 
-    The weights come from the torch providers (:data:`BATCHED_WEIGHT_PROVIDERS`, in ``dtype``
-    on ``device``) or, with ``backend="reference"``, from the float64 numpy ones
-    (:data:`WEIGHT_PROVIDERS`); the reductions (the formulas of :func:`snis_diagnostics`) run
+    The weights come from the spec's torch provider (``importance_weights.batched``, in
+    ``dtype`` on ``device``) or, with ``backend="reference"``, from its float64 numpy one; the reductions (the formulas of :func:`snis_diagnostics`) run
     in torch float64 either way, so the sweep's numbers do not depend on how replicates are
     blocked.
 
@@ -573,16 +430,18 @@ def replicate_snis_diagnostics(
     """
     import torch
 
+    spec = get_spec(name)
+    if not spec.diagnostics_apply(params):
+        return None
+    weights = spec.importance_weights
     if backend == "reference":
-        provider = _REFERENCE_MASKED.get(name, WEIGHT_PROVIDERS.get(name))
+        provider = weights.reference_per_element or weights.reference
         terms = None if provider is None else provider(q, k, v, draws, scale=scale, params=params)
         if terms is None:
             return None
         log_w, f = (torch.from_numpy(np.ascontiguousarray(t)) for t in terms)
     else:
-        provider = BATCHED_WEIGHT_PROVIDERS.get(name)
-        if provider is None:
-            return None
+        provider = weights.batched
         dt = getattr(torch, dtype)
         tq, tk, tv = (torch.as_tensor(np.asarray(a), device=device, dtype=dt) for a in (q, k, v))
         with torch.no_grad():

@@ -15,7 +15,34 @@ import numpy as np
 
 from randattn._validation import check_choice
 
-__all__ = ["Draws", "Param", "EstimatorSpec"]
+__all__ = [
+    "CONVERGENCE",
+    "COSTS",
+    "MASKS",
+    "Draws",
+    "ExactLimit",
+    "ImportanceWeights",
+    "Param",
+    "EstimatorSpec",
+    "SpecError",
+    "validate_spec",
+]
+
+#: what an estimator claims of its error as S grows (:attr:`EstimatorSpec.convergence`):
+#: ``exact`` equals softmax attention (to rounding) for every S and draw; ``unbiased``: the mean
+#: over draws is softmax attention at every S; ``consistent``: the MSE falls like 1/S (bias
+#: O(1/S), e.g. self-normalized importance sampling); ``none``: no claim (a biased approximation).
+CONVERGENCE = ("exact", "unbiased", "consistent", "none")
+#: how time and memory grow with the number of tokens (:attr:`EstimatorSpec.cost`): ``linear``
+#: promises never to hold an N x M array; ``quadratic`` makes no such promise.
+COSTS = ("linear", "quadratic")
+#: attention masks an estimator may support (:attr:`EstimatorSpec.masks`): None (bidirectional)
+#: and ``"causal"`` (key m visible to query n iff m <= n + M - N; ARCHITECTURE sec. 12).
+MASKS = (None, "causal")
+
+
+class SpecError(ValueError):
+    """An estimator spec that does not satisfy the protocol; the message lists every problem."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +104,75 @@ class Param:
 
 
 @dataclass(frozen=True)
+class ImportanceWeights:
+    """How to get an estimator's self-normalized importance weights, for the IS diagnostics.
+
+    Kish's effective sample size, the delta-method variance and Pareto k-hat
+    (:mod:`randattn.analysis.diagnostics`) are defined for an estimator of the form
+    ``sum_j w_nj f_j / sum_j w_nj`` with positive weights (ARCHITECTURE sec. 4).
+
+    Attributes
+    ----------
+    reference : callable
+        numpy float64 ``(q, k, v, draws, *, scale, params) -> (log_w, f) | None`` with
+        ``log_w : (R, ..., N, J)`` the unnormalized log weights and ``f : (R, ..., J, Dv)`` the
+        per-sample values; None when the weights of this draw are not all positive.
+    batched : callable
+        torch form of ``reference`` with the same layout; a (replicate, batch element) whose
+        weights are not all positive gets NaN log weights.
+    reference_per_element : callable or None
+        numpy form with ``batched``'s NaN convention (the sweep's reference backend); None:
+        ``reference`` already has it.
+    applies : callable
+        ``applies(params) -> bool``: whether the configuration has positive weights at all
+        (e.g. False for signed trigonometric features).
+    weights_per_sample : callable
+        ``weights_per_sample(params) -> int``: importance weights per sample (J = S L; 2 for
+        hyperbolic features), which decides whether k-hat's tail of 5 can be fitted.
+    """
+
+    reference: Callable[..., Any]
+    batched: Callable[..., Any]
+    reference_per_element: Callable[..., Any] | None = None
+    applies: Callable[[Mapping[str, Any]], bool] = field(default=lambda params: True)
+    weights_per_sample: Callable[[Mapping[str, Any]], int] = field(default=lambda params: 1)
+
+
+@dataclass(frozen=True)
+class ExactLimit:
+    """A configuration in which an estimator equals exact softmax attention (to rounding).
+
+    Attributes
+    ----------
+    description : str
+        What the limit is, with its source (e.g. ``"the local window covers every key (EVA sec. 4)"``).
+    params : mapping or callable
+        The parameters of the limit, or ``params(n, m) -> mapping`` for N queries and M keys.
+    num_samples : int or callable or None
+        S in the limit, or ``num_samples(n, m) -> int``; None: any S (the check uses 3).
+    rtol : float
+        Relative tolerance of the equality; 1e-10 unless the limit is only reached to a stated
+        accuracy (say why where you declare it).
+    """
+
+    description: str
+    params: Mapping[str, Any] | Callable[[int, int], Mapping[str, Any]] = field(default_factory=dict)
+    num_samples: int | Callable[[int, int], int] | None = None
+    rtol: float = 1e-10
+
+    def resolve(self, n: int, m: int) -> tuple[dict[str, Any], int | None]:
+        """The limit's parameters and S for N = ``n`` queries and M = ``m`` keys."""
+        params = self.params(n, m) if callable(self.params) else self.params
+        samples = self.num_samples(n, m) if callable(self.num_samples) else self.num_samples
+        return dict(params), samples
+
+
+def _fact(value: Any, params: Mapping[str, Any]) -> Any:
+    """A declared fact: a constant, or a function of the resolved parameters."""
+    return value(params) if callable(value) else value
+
+
+@dataclass(frozen=True)
 class EstimatorSpec:
     """What the registry knows of an estimator.
 
@@ -130,6 +226,37 @@ class EstimatorSpec:
         Named parameter sets selected by the ``preset`` parameter (e.g. ``"official-code"``: the
         conventions of the authors' code); ``"paper"`` (the defaults) is always allowed. Explicit
         parameters override the preset's (see :meth:`resolve_params`).
+    display_name : str
+        The family's readable name (``"Performer"``); default: ``name``.
+    describe : callable or None
+        ``describe(params, defaults) -> (head, parts, known)``: the readable description of a
+        configuration (``head`` and extra ``parts`` go in parentheses after ``display_name``;
+        ``known`` names the parameters it covered, the others are appended as ``key=value``).
+        None: every non-default parameter as ``key=value``.
+    convergence : str or callable
+        One of :data:`CONVERGENCE`, or ``convergence(params) -> str``. ``randattn.testing``
+        holds the estimator to it.
+    cost : str or callable
+        One of :data:`COSTS`, or ``cost(params) -> str``: ``linear`` is checked (no N x M
+        tensor in the batched form).
+    signed_weights : bool or callable
+        Whether the configuration's weights can be negative, so that its sums cancel (the
+        sweep then computes in float64 under ``--dtype auto``, and the IS diagnostics do not
+        apply). ``signed_weights(params) -> bool`` for a fact that depends on the parameters.
+    importance_weights : ImportanceWeights or None
+        How to get the self-normalized importance weights for the IS diagnostics; None: the
+        diagnostics do not apply to this estimator.
+    masks : tuple
+        The masks of :data:`MASKS` it supports; ``draw``, ``reference`` and ``batched`` get a
+        ``mask=`` keyword only when it is not None.
+    normalized : bool
+        Whether its attention weights over the keys sum to one, so that with a single key it
+        returns that key's value exactly (checked).
+    exact_limits : tuple of ExactLimit
+        Configurations in which it equals softmax attention (checked).
+    memory_hint : str
+        What dominates its working memory, for the catalogue (the sweep measures the actual
+        bytes of a cell before it plans, :mod:`randattn.analysis.memory`).
     """
 
     name: str
@@ -148,6 +275,55 @@ class EstimatorSpec:
     batched_with_probabilities: Callable[..., Any] | None = None
     batched_with_float32_probabilities: Callable[..., Any] | None = None
     batched_with_probability_factors: Callable[..., Any] | None = None
+    display_name: str = ""
+    describe: Callable[..., tuple[str, list[str], set[str]]] | None = None
+    convergence: str | Callable[[Mapping[str, Any]], str] = "none"
+    cost: str | Callable[[Mapping[str, Any]], str] = "quadratic"
+    signed_weights: bool | Callable[[Mapping[str, Any]], bool] = False
+    importance_weights: ImportanceWeights | None = None
+    masks: tuple[str | None, ...] = (None,)
+    normalized: bool = False
+    exact_limits: tuple[ExactLimit, ...] = ()
+    memory_hint: str = ""
+
+    # -- declared facts of one configuration (``params`` resolved) -----------------------------------------------------
+    @property
+    def family_name(self) -> str:
+        """The readable family name: :attr:`display_name`, else the registry name."""
+        return self.display_name or self.name
+
+    def convergence_of(self, params: Mapping[str, Any]) -> str:
+        """One of :data:`CONVERGENCE` for this configuration."""
+        return _fact(self.convergence, params)
+
+    def cost_of(self, params: Mapping[str, Any]) -> str:
+        """One of :data:`COSTS` for this configuration."""
+        return _fact(self.cost, params)
+
+    def has_signed_weights(self, params: Mapping[str, Any]) -> bool:
+        """Whether this configuration's weights can be negative."""
+        return bool(_fact(self.signed_weights, params))
+
+    def diagnostics_apply(self, params: Mapping[str, Any]) -> bool:
+        """Whether the IS diagnostics (ESS, delta method, k-hat) are defined for this configuration."""
+        weights = self.importance_weights
+        return weights is not None and bool(weights.applies(params)) and not self.has_signed_weights(params)
+
+    def weights_per_sample(self, params: Mapping[str, Any]) -> int:
+        """Importance weights per sample (J = S L), 1 when the diagnostics do not apply."""
+        return int(self.importance_weights.weights_per_sample(params)) if self.importance_weights else 1
+
+    def supports_mask(self, mask: str | None) -> bool:
+        """Whether ``mask`` (None or ``"causal"``) is one this estimator computes."""
+        return mask in self.masks
+
+    def check_mask(self, mask: str | None) -> None:
+        """Raise ValueError naming the estimator and what it supports when ``mask`` is not supported."""
+        if mask not in MASKS:
+            raise ValueError(f"unknown mask {mask!r}; allowed: None (bidirectional) or 'causal'")
+        if not self.supports_mask(mask):
+            supported = ", ".join("none" if m is None else repr(m) for m in self.masks)
+            raise ValueError(f"estimator {self.name!r} does not support mask={mask!r} (it supports: {supported})")
 
     def preset_names(self) -> tuple[str, ...]:
         """Allowed values of ``preset``: ``"paper"`` (the defaults) and the declared presets."""
@@ -185,3 +361,97 @@ class EstimatorSpec:
             value = params.get(name, param.default)
             resolved[name] = param.check(name, value)
         return resolved
+
+
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def validate_spec(spec: Any) -> EstimatorSpec:
+    """Check that ``spec`` satisfies the estimator protocol; return it.
+
+    Raises
+    ------
+    SpecError
+        Listing every problem found: the type, the name (lower-case letters, digits, ``-``,
+        ``_``; no ``:``, ``,`` or ``=``, which the ``name:p=v`` syntax uses), missing callables,
+        declared facts outside their allowed values, parameter defaults their own check refuses,
+        variants, presets and exact limits naming unknown parameters.
+    """
+    if not isinstance(spec, EstimatorSpec):
+        raise SpecError(f"an estimator spec must be a randattn.estimators.EstimatorSpec, got {type(spec).__name__}")
+    problems: list[str] = []
+    name = spec.name
+    if not isinstance(name, str) or not name or not set(name) <= _NAME_CHARS or not name[0].isalpha():
+        problems.append(f"name {name!r} must start with a letter and hold only lower-case letters, digits, '-' and '_'")
+    for attr in ("draw", "reference", "batched"):
+        if not callable(getattr(spec, attr)):
+            problems.append(f"{attr} must be callable, got {type(getattr(spec, attr)).__name__}")
+    for attr in ("batched_probabilities", "batched_with_probabilities", "batched_with_float32_probabilities",
+                 "batched_with_probability_factors", "describe"):
+        value = getattr(spec, attr)
+        if value is not None and not callable(value):
+            problems.append(f"{attr} must be callable or None, got {type(value).__name__}")
+    for attr in ("summary", "source", "complexity"):
+        if not isinstance(getattr(spec, attr), str):
+            problems.append(f"{attr} must be a string")
+    if not isinstance(spec.params, Mapping) or not all(isinstance(p, Param) for p in spec.params.values()):
+        problems.append("params must map parameter names to randattn.estimators.Param")
+        return _raise_if(spec, problems)
+    for pname, param in spec.params.items():
+        if pname in ("preset", "mask", "scale", "num_samples", "replicates", "rng"):
+            problems.append(f"parameter name {pname!r} is reserved by randattn")
+        try:
+            param.check(pname, param.default)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"default of parameter {pname!r} is refused by its own check: {exc}")
+    try:
+        defaults = spec.resolve_params({})
+    except (TypeError, ValueError) as exc:
+        problems.append(f"the defaults do not resolve: {exc}")
+        return _raise_if(spec, problems)
+    facts = (("convergence", spec.convergence_of, CONVERGENCE), ("cost", spec.cost_of, COSTS))
+    for label, params in [("defaults", defaults), *((f"variant {v!r}", p) for v, p in spec.variants.items())]:
+        try:
+            resolved = spec.resolve_params(params)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{label} do not resolve: {exc}")
+            continue
+        for fact, getter, allowed in facts:
+            try:
+                value = getter(resolved)
+            except Exception as exc:  # a declared fact must be computable for every legal configuration
+                problems.append(f"{fact} of the {label} raised {type(exc).__name__}: {exc}")
+                continue
+            if value not in allowed:
+                problems.append(f"{fact} of the {label} is {value!r}; allowed: {', '.join(allowed)}")
+        try:
+            is_random = spec.is_random(resolved)
+        except Exception as exc:
+            problems.append(f"is_random of the {label} raised {type(exc).__name__}: {exc}")
+            continue
+        if spec.convergence_of(resolved) == "exact" and is_random:
+            problems.append(f"the {label} claim convergence 'exact' but is_random says they are random")
+    for preset, params in spec.presets.items():
+        unknown = sorted(set(params) - set(spec.params))
+        if unknown:
+            problems.append(f"preset {preset!r} sets unknown parameter(s) {', '.join(unknown)}")
+    if not isinstance(spec.masks, tuple) or None not in spec.masks or not set(spec.masks) <= set(MASKS):
+        problems.append(f"masks must be a tuple holding None and optionally 'causal', got {spec.masks!r}")
+    if spec.importance_weights is not None and not isinstance(spec.importance_weights, ImportanceWeights):
+        problems.append("importance_weights must be an ImportanceWeights or None")
+    for limit in spec.exact_limits:
+        if not isinstance(limit, ExactLimit):
+            problems.append(f"exact_limits must hold ExactLimit objects, got {type(limit).__name__}")
+            continue
+        try:
+            params, _ = limit.resolve(16, 16)
+            spec.resolve_params(params)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"exact limit {limit.description!r} does not resolve: {exc}")
+    return _raise_if(spec, problems)
+
+
+def _raise_if(spec: EstimatorSpec, problems: list[str]) -> EstimatorSpec:
+    if problems:
+        raise SpecError(f"estimator spec {getattr(spec, 'name', '?')!r} is invalid:\n  - " + "\n  - ".join(problems))
+    return spec

@@ -14,12 +14,13 @@ chunks are 2-D tiles (app. C "2D windows for images"); without a grid, 1-D conti
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from randattn._validation import check_positive_int
-from randattn.estimators.base import Draws, EstimatorSpec, Param
+from randattn.estimators import describe
+from randattn.estimators.base import ExactLimit,  Draws, EstimatorSpec, Param
 from randattn.estimators.eva import batched, reference
 from randattn.estimators.presets import EVA_PRESETS
 from randattn.estimators.eva.partition import PARTITIONS
@@ -112,6 +113,13 @@ def _variants() -> dict[str, dict]:
     return variants
 
 
+def _cost(params: Mapping[str, Any]) -> str:
+    """Linear only where no block re-chunks its complement and no chunk weight sums exact scores."""
+    if params.get("partition") == "reference-code" and params.get("chunk_weight") != "exact":
+        return "linear"
+    return "quadratic"
+
+
 SPEC = EstimatorSpec(
     name="eva",
     summary="EVA: exact local block + per-chunk control variates (beta_c from one sample of N(mu_c, I)) over C chunks",
@@ -130,4 +138,14 @@ SPEC = EstimatorSpec(
     is_random=_is_random,
     variants=_variants(),
     presets=EVA_PRESETS,
+    display_name="EVA",
+    describe=describe.eva,
+    convergence="none",
+    cost=_cost,
+    normalized=True,
+    exact_limits=(
+        ExactLimit("the local window holds every key, so nothing is left to the control variates (EVA sec. 4)",
+                   params=lambda n, m: {"window": max(n, m), "layout": "sequence"}),
+    ),
+    memory_hint="N W local scores, C chunk summaries and S_c samples per chunk, per batch element",
 )

@@ -39,8 +39,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from randattn._validation import check_positive_int
-from randattn.estimators.base import Draws, EstimatorSpec, Param
-from randattn.estimators.lara import batched, reference
+from randattn.estimators import describe
+from randattn.estimators.base import Draws, EstimatorSpec, ImportanceWeights, Param
+from randattn.estimators.lara import batched, reference, weights
 from randattn.estimators.presets import LARA_PRESETS
 from randattn.estimators.lara.reference import PROPOSALS, SAMPLES, WEIGHTINGS
 
@@ -142,6 +143,14 @@ def _variants() -> dict[str, dict[str, Any]]:
     return variants
 
 
+def _convergence(params: Mapping[str, Any]) -> str:
+    """Self-normalized MIS whose weighting functions sum to one over the proposals is consistent
+    (LARA sec. 4, eq. 10); a clamp breaks the sum, the code's noise and the mean sample bias it."""
+    if params.get("sample") == "mean" or params.get("noise") != "paper" or params.get("alpha_clamp") is not None:
+        return "none"
+    return "consistent"
+
+
 SPEC = EstimatorSpec(
     name="lara",
     summary="linear randomized attention: C landmark proposals, one sample each, self-normalized MIS",
@@ -160,4 +169,15 @@ SPEC = EstimatorSpec(
     is_random=_is_random,
     variants=_variants(),
     presets=LARA_PRESETS,
+    display_name="LARA",
+    describe=describe.lara,
+    convergence=_convergence,
+    cost="linear",
+    signed_weights=weights.signed_weights,
+    importance_weights=ImportanceWeights(
+        reference=weights.reference_terms, batched=weights.batched_terms,
+        reference_per_element=weights.reference_terms_per_element,
+    ),
+    normalized=True,
+    memory_hint="(N + M) C features, C proposals' densities at C samples (C^2), per batch element",
 )

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from randattn.estimators.base import Draws, EstimatorSpec
+from randattn.estimators import describe
+from randattn.estimators.base import ExactLimit,  Draws, EstimatorSpec
 from randattn.estimators.eva import LAYOUT_PARAMS
 from randattn.estimators.local import batched, reference
 
@@ -42,4 +43,14 @@ SPEC = EstimatorSpec(
         "grid-5x3": {"window": 4, "grid": "5x3"},
         "grid-8x8-7x7-window": {"grid": "8x8"},
     },
+    display_name="Local attention",
+    describe=describe.local,
+    convergence="none",
+    cost="linear",
+    normalized=True,
+    exact_limits=(
+        ExactLimit("the window holds every key: local attention is softmax attention",
+                   params=lambda n, m: {"window": max(n, m), "layout": "sequence"}),
+    ),
+    memory_hint="N W local scores per batch element",
 )

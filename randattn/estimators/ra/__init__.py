@@ -8,11 +8,12 @@ the same draws.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from randattn._validation import check_positive_int
+from randattn.estimators import describe
 from randattn.estimators.base import Draws, EstimatorSpec, Param
 from randattn.estimators.ra import batched, reference
 from randattn.estimators.presets import RA_PRESETS
@@ -56,6 +57,13 @@ def _is_random(params) -> bool:
     return params.get("sample", "random") != "mean"
 
 
+def _convergence(params: Mapping[str, Any]) -> str:
+    """Unbiased (LARA Prop. 3.2) with the mixture proposal and the paper's noise; otherwise biased."""
+    if params.get("variant") == "unbiased" and params.get("noise") == "paper" and params.get("sample") != "mean":
+        return "unbiased"
+    return "none"
+
+
 SPEC = EstimatorSpec(
     name="ra",
     summary="randomized attention: per-query samples from the mixture p_n (unbiased) or its mean-field Gaussian (biased)",
@@ -75,4 +83,10 @@ SPEC = EstimatorSpec(
         "biased-mean": {"variant": "biased", "sample": "mean"},
     },
     presets=RA_PRESETS,
+    display_name="RA",
+    describe=describe.ra,
+    convergence=_convergence,
+    cost="quadratic",
+    normalized=True,
+    memory_hint="per query, S samples against all M keys: N S M per batch element",
 )

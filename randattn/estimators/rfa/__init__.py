@@ -7,14 +7,15 @@ coupling of ``randattn.estimators.sampling`` (Performer sec. 2.3-2.4).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from randattn._validation import check_positive_int
-from randattn.estimators.base import Draws, EstimatorSpec, Param
+from randattn.estimators import describe
+from randattn.estimators.base import Draws, EstimatorSpec, ImportanceWeights, Param
 from randattn.estimators.features import FEATURE_MAPS
-from randattn.estimators.rfa import batched, reference
+from randattn.estimators.rfa import batched, reference, weights
 from randattn.estimators.sampling import COUPLINGS, draw_omegas
 
 PARAMS = {
@@ -39,6 +40,14 @@ def draw(
     return Draws({"omega": omega}, replicates)
 
 
+def _convergence(params: Mapping[str, Any]) -> str:
+    """Self-normalized importance sampling with an unbiased kernel estimate is consistent (MSE ~ 1/S);
+    plain-QR orthogonal draws are biased, and the regularized map estimates SMREG, not exp(x.y)."""
+    if params.get("coupling") == "orthogonal-plain-qr" or params.get("feature_map") == "regularized":
+        return "none"
+    return "consistent"
+
+
 SPEC = EstimatorSpec(
     name="rfa",
     summary="random feature attention (Performer/FAVOR+; FAVOR++ with feature_map=oprf, FAVOR# with sderf) as log-space SNIS",
@@ -56,4 +65,15 @@ SPEC = EstimatorSpec(
         for fm in FEATURE_MAPS
         for coupling in COUPLINGS
     },
+    display_name="Performer",
+    describe=describe.rfa,
+    convergence=_convergence,
+    cost="linear",
+    signed_weights=lambda params: not weights.has_weights(params),
+    importance_weights=ImportanceWeights(
+        reference=weights.reference_terms, batched=weights.batched_terms,
+        applies=weights.has_weights, weights_per_sample=weights.weights_per_sample,
+    ),
+    normalized=True,
+    memory_hint="(N + M) S L features and the S L x Dv key sums per batch element",
 )

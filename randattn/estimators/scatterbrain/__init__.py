@@ -10,7 +10,8 @@ from __future__ import annotations
 
 
 
-from randattn.estimators.base import EstimatorSpec
+from randattn.estimators import describe
+from randattn.estimators.base import ExactLimit,  EstimatorSpec
 from randattn.estimators.eva import LAYOUT_PARAMS
 from randattn.estimators import rfa
 from randattn.estimators.scatterbrain import batched, reference
@@ -39,4 +40,14 @@ SPEC = EstimatorSpec(
         "grid-3x4-cls": {"window": 4, "prefix_tokens": 1, "grid": "3x4"},
         "grid-3x5-orthogonal": {"window": 4, "grid": "3x5", "coupling": "orthogonal"},
     },
+    display_name="Scatterbrain",
+    describe=describe.scatterbrain,
+    convergence="none",
+    cost="quadratic",
+    normalized=True,
+    exact_limits=(
+        ExactLimit("the local window holds every key, so every score is exact (EVA app. G.5)",
+                   params=lambda n, m: {"window": max(n, m), "layout": "sequence"}),
+    ),
+    memory_hint="N W local scores and (N + M) S features per batch element; every block re-chunks the keys",
 )

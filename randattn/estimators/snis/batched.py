@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["feature_attention", "affine_feature_attention"]
+__all__ = ["feature_attention", "affine_feature_attention", "snis_terms_from_log_features"]
 
 
 def _flatten_features(log_f: torch.Tensor) -> torch.Tensor:
@@ -136,3 +136,14 @@ def affine_feature_attention(
     if probability_factors:
         return out, query_weights.reshape(replicates, *batch, n, j), probs.reshape(replicates, *batch, j, m)
     return out, torch.bmm(query_weights, probs).reshape(replicates, *batch, n, m)
+
+
+def snis_terms_from_log_features(
+    log_qf: torch.Tensor, log_kf: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch form of :func:`randattn.estimators.snis.reference.snis_terms_from_log_features` (same layout)."""
+    lx = log_qf.reshape(*log_qf.shape[:-2], -1)
+    ly = log_kf.reshape(*log_kf.shape[:-2], -1)
+    log_key_mass = torch.logsumexp(ly, dim=-2)
+    key_probs = torch.exp(ly - log_key_mass.unsqueeze(-2))
+    return lx + log_key_mass.unsqueeze(-2), key_probs.transpose(-1, -2) @ v

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import logsumexp
 
-__all__ = ["feature_attention"]
+__all__ = ["feature_attention", "snis_terms_from_log_features"]
 
 
 def _flatten_features(log_f: np.ndarray) -> np.ndarray:
@@ -82,3 +82,18 @@ def feature_attention(
     num = qa @ key_num
     den = qa @ key_den[..., None]  # (..., N, 1)
     return num / den, np.sign(den[..., 0])
+
+
+def snis_terms_from_log_features(log_qf: np.ndarray, log_kf: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    r"""SNIS log weights and per-sample values from positive log-features (ARCHITECTURE sec. 4).
+
+    ``log_qf : (R, ..., N, S, L)``, ``log_kf : (R, ..., M, S, L)``, ``v : (R or 1, ..., M, Dv)`` ->
+    ``log_w = log_qf + logsumexp_m log_kf`` ``(R, ..., N, J)`` and
+    ``f = sum_m softmax_m(log_kf) v_m`` ``(R, ..., J, Dv)``, J = S L.
+    """
+    lx = log_qf.reshape(*log_qf.shape[:-2], -1)  # (R, ..., N, J)
+    ly = log_kf.reshape(*log_kf.shape[:-2], -1)  # (R, ..., M, J)
+    log_key_mass = logsumexp(ly, axis=-2)  # (R, ..., J)
+    key_probs = np.exp(ly - log_key_mass[..., None, :])
+    f = np.swapaxes(key_probs, -1, -2) @ v  # (R, ..., J, Dv)
+    return lx + log_key_mass[..., None, :], f

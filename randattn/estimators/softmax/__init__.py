@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from randattn.estimators import describe
 from randattn.estimators.base import Draws, EstimatorSpec
 from randattn.estimators.softmax import batched, reference
 
@@ -25,4 +26,10 @@ SPEC = EstimatorSpec(
     needs_samples=False,
     is_random=lambda params: False,
     variants={"exact": {}},
+    display_name="Softmax",
+    describe=describe.softmax,
+    convergence="exact",
+    cost="quadratic",
+    normalized=True,
+    memory_hint="the N x M scores of one batch element at a time",
 )
