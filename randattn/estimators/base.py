@@ -305,9 +305,13 @@ class EstimatorSpec:
         return bool(_fact(self.signed_weights, params))
 
     def diagnostics_apply(self, params: Mapping[str, Any]) -> bool:
-        """Whether the IS diagnostics (ESS, delta method, k-hat) are defined for this configuration."""
+        """Whether the IS diagnostics (ESS, delta method, k-hat) can be defined for this configuration.
+
+        Signed weights may still be all positive in a given draw; the providers report the draws
+        where they are not (None or NaN), so the answer here is only "has importance weights".
+        """
         weights = self.importance_weights
-        return weights is not None and bool(weights.applies(params)) and not self.has_signed_weights(params)
+        return weights is not None and bool(weights.applies(params))
 
     def weights_per_sample(self, params: Mapping[str, Any]) -> int:
         """Importance weights per sample (J = S L), 1 when the diagnostics do not apply."""

@@ -138,7 +138,7 @@ def test_lara_diagnostics_use_its_eq28_weights_when_they_are_positive():
     """Balance-heuristic LARA: the provider's SNIS terms reproduce the estimate exactly (so the
     weights diagnosed are the estimator's own); signed decoupled weights report NaN."""
     import randattn
-    from randattn.analysis.diagnostics import WEIGHT_PROVIDERS, estimator_diagnostics
+    from randattn.analysis.diagnostics import estimator_diagnostics
     from randattn.estimators.lara import reference as lara_ref
     from randattn.estimators.montecarlo import snis
 
@@ -146,7 +146,7 @@ def test_lara_diagnostics_use_its_eq28_weights_when_they_are_positive():
     q, k, v = rng.standard_normal((3, 2, 30, 8))
     params = randattn.get_spec("lara").resolve_params({"weighting": "balance"})
     draws = randattn.draw("lara", q.shape, k.shape, num_samples=6, seed=1, replicates=2, **params)
-    log_w, f = WEIGHT_PROVIDERS["lara"](q, k, v, draws, scale=None, params=params)
+    log_w, f = randattn.get_spec("lara").importance_weights.reference(q, k, v, draws, scale=None, params=params)
     via_snis = snis(log_w, f[..., None, :, :])
     np.testing.assert_allclose(via_snis, lara_ref.estimate(q, k, v, draws, **params), atol=1e-12)
     diag = estimator_diagnostics("lara", q, k, v, draws, scale=None, params=params, khat_queries=0)
