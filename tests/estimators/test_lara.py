@@ -13,6 +13,8 @@ or ~6e-5 (two-sided); seeds are fixed, so a pass is reproducible.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import warnings
 
@@ -494,25 +496,85 @@ def test_mis_eq8_is_unbiased(weighting, proposal):
 # bad input
 
 
-@pytest.mark.parametrize(
-    "params, error, message",
-    [
-        ({"proposal": "nope"}, ValueError, r"proposal='nope' is not allowed; choose one of 'eq34', 'eq33', 'eq35', 'eq32', 'standard'"),
-        ({"weighting": "nope"}, ValueError, r"weighting='nope' is not allowed; choose one of 'decoupled', 'balance', 'coupled', 'constant'"),
-        ({"sample": "median"}, ValueError, r"sample='median' is not allowed"),
-        ({"noise": "nope"}, ValueError, r"noise='nope' is not allowed"),
-        ({"weighting": "balance", "beta": 2.0}, ValueError, r"beta=2.0 scales .* weighting='decoupled'"),
-        ({"beta": float("inf")}, ValueError, "beta must be finite"),
-        ({"alpha_clamp": 0.0}, ValueError, "alpha_clamp must be None or a finite number > 0"),
-        ({"alpha_clamp": "1e-8"}, TypeError, "alpha_clamp"),
-    ],
-    ids=["proposal", "weighting", "sample", "noise", "beta-not-decoupled", "beta-inf", "clamp-zero", "clamp-str"],
-)
+BAD_OPTIONS = [
+    pytest.param({"proposal": "nope"}, ValueError,
+                 r"proposal='nope' is not allowed; choose one of 'eq34', 'eq33', 'eq35', 'eq32', 'standard'", id="proposal"),
+    pytest.param({"weighting": "nope"}, ValueError,
+                 r"weighting='nope' is not allowed; choose one of 'decoupled', 'balance', 'coupled', 'constant'",
+                 id="weighting"),
+    pytest.param({"sample": "median"}, ValueError, r"sample='median' is not allowed", id="sample"),
+    pytest.param({"noise": "nope"}, ValueError, r"noise='nope' is not allowed", id="noise"),
+    pytest.param({"weighting": "balance", "beta": 2.0}, ValueError, r"beta=2.0 scales .* weighting='decoupled'",
+                 id="beta-not-decoupled"),
+    pytest.param({"beta": float("inf")}, ValueError, "beta must be finite", id="beta-inf"),
+    pytest.param({"alpha_clamp": 0.0}, ValueError, "alpha_clamp must be None or a finite number > 0", id="clamp-zero"),
+    pytest.param({"alpha_clamp": "1e-8"}, TypeError, "alpha_clamp", id="clamp-str"),
+]
+#: layout options the registry's Param types let through, caught by LaraOptions itself
+BAD_LAYOUT_OPTIONS = [
+    pytest.param({"layout": "nope"}, ValueError, r"layout='nope' is not allowed", id="layout"),
+    pytest.param({"grid": "4-4"}, ValueError, r"grid='4-4' is not allowed", id="grid"),
+    pytest.param({"prefix_tokens": -1}, ValueError, r"prefix_tokens must be >= 0", id="prefix-negative"),
+    pytest.param({"beta": "2"}, TypeError, r"beta must be a real number", id="beta-str"),
+]
+#: every entry point taking LARA's keyword options, as (function, takes v)
+ENTRY_POINTS = [
+    pytest.param(lara_r.lara_terms, True, id="reference.lara_terms"),
+    pytest.param(lara_r.estimate, True, id="reference.estimate"),
+    pytest.param(lara_b.lara_terms, True, id="batched.lara_terms"),
+    pytest.param(lara_b.estimate, True, id="batched.estimate"),
+    pytest.param(lara_b.probabilities, False, id="batched.probabilities"),
+    pytest.param(lara_b.estimate_with_probabilities, True, id="batched.estimate_with_probabilities"),
+    pytest.param(lara_b.estimate_with_float32_probabilities, True, id="batched.estimate_with_float32_probabilities"),
+    pytest.param(lara_b.estimate_with_probability_factors, True, id="batched.estimate_with_probability_factors"),
+]
+
+
+@pytest.mark.parametrize("params, error, message", BAD_OPTIONS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_options_are_named(params, error, message, backend, rng):
     q, k, v = _qkv(rng, batch=(), n=6, m=6, d=4, dv=2)
     with pytest.raises(error, match=message):
         randattn.estimate("lara", q, k, v, num_samples=3, seed=0, backend=backend, **params)
+
+
+@pytest.mark.parametrize("params, error, message", BAD_OPTIONS + BAD_LAYOUT_OPTIONS)
+def test_options_object_names_the_bad_argument(params, error, message):
+    with pytest.raises(error, match=message):
+        lara_r.LaraOptions(**params)
+
+
+@pytest.mark.parametrize("function, takes_v", ENTRY_POINTS)
+@pytest.mark.parametrize("params, error, message", BAD_OPTIONS[:1] + BAD_LAYOUT_OPTIONS[:1])
+def test_entry_points_validate_options_before_the_inputs(function, takes_v, params, error, message):
+    """Every entry point builds its LaraOptions first: a bad option is named even with no inputs at all."""
+    args = (None, None, None, None) if takes_v else (None, None, None)
+    with pytest.raises(error, match=message):
+        function(*args, **params)
+
+
+@pytest.mark.parametrize("function, takes_v", ENTRY_POINTS)
+def test_entry_points_share_the_options_defaults(function, takes_v):
+    """The keyword signatures the engine calls are LaraOptions' fields with its defaults, in its order,
+    and the registry's parameter defaults."""
+    keywords = {name: p.default for name, p in inspect.signature(function).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    fields = {f.name: f.default for f in dataclasses.fields(lara_r.LaraOptions)}
+    assert list(keywords.items()) == list(fields.items())
+    assert {name: param.default for name, param in lara.PARAMS.items()} == {
+        name: default for name, default in fields.items() if name != "scale"}
+
+
+def test_options_are_frozen_and_derive_layout_and_sign():
+    options = lara_r.LaraOptions(grid=(3, 4), prefix_tokens=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.beta = 2.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        lara_r.LaraOptions("eq34")  # type: ignore[misc]  # keyword-only: ten options, no positional slips
+    assert options.layout_kw == {"layout": "grid", "grid": (3, 4), "prefix_tokens": 1}
+    spec = randattn.get_spec("lara")
+    for params in spec.variants.values():
+        assert lara_r.LaraOptions(**params).signed == spec.signed_weights(params), params
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

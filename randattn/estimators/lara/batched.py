@@ -2,6 +2,11 @@
 
 Vectorized over replicates, batch dims, queries and proposals; the weighting functions are
 formed only at each proposal's own sample (``(R, ..., N, C)``) instead of at every sample.
+
+Each public entry point keeps the keyword signature the engine and the registry call
+(``f(q, k, v, draws, *, scale=..., **params)``), validates its keywords once into a
+:class:`~randattn.estimators.lara.reference.LaraOptions` and hands that to a private
+implementation of the same name; the helpers below them take the options object, not the ten keywords.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from randattn.estimators._prepare import check_draw_array, prepare_batched, to_t
 from randattn.estimators.base import Draws
 from randattn.estimators.features.batched import positive_log_features
 from randattn.estimators.lara.reference import (
+    LaraOptions,
     LaraTerms,
     _warn_non_positive,
-    check_lara_params,
     effective_proposals,
     landmarks,
 )
@@ -128,25 +133,21 @@ def _log_alpha_at_samples(
     return torch.log(alpha.abs()), torch.sign(alpha)
 
 
-def _proposals(
-    q: Any, k: Any, v: Any, draws: Draws, *, scale, proposal, weighting, beta, alpha_clamp, sample, noise,
-    layout, grid, prefix_tokens,
-) -> tuple[torch.Tensor, ...]:
+def _proposals(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> tuple[torch.Tensor, ...]:
     """``(x, y, v, x_lm, omega, log_q)`` of Algorithm 3, up to the proposal densities."""
-    check_lara_params(proposal, weighting, beta, alpha_clamp, sample, noise, layout, grid, prefix_tokens)
-    layout_kw = dict(layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    x, y, v, scale, batch = prepare_batched(q, k, v, scale)
-    sigma = noise_std(noise, scale)
+    proposal = options.proposal
+    x, y, v, scale, batch = prepare_batched(q, k, v, options.scale)
+    sigma = noise_std(options.noise, scale)
     num_q, num_k, dim = x.shape[-2], y.shape[-2], x.shape[-1]
     draws = to_torch_draws(draws, x)
-    if sample == "mean":
+    if options.sample == "mean":
         drawn = check_draw_array(draws, "proposal_slots", batch, (None, 0)).shape[-2]
     else:
         drawn = check_draw_array(draws, "eps", batch, (None, dim)).shape[-2]
-    num_c = effective_proposals(num_q, num_k, drawn, proposal, **layout_kw)
-    x_lm, y_lm = landmarks(x, y, num_c, proposal, means=segment_means_torch, **layout_kw)
+    num_c = effective_proposals(num_q, num_k, drawn, proposal, **options.layout_kw)
+    x_lm, y_lm = landmarks(x, y, num_c, proposal, means=segment_means_torch, **options.layout_kw)
     mu = _proposal_means(x_lm, y_lm, y, proposal)
-    if sample == "mean":
+    if options.sample == "mean":
         omega = mu.unsqueeze(0).expand(draws.replicates, *mu.shape).contiguous()
     else:
         eps = draws["eps"][..., :num_c, :]
@@ -183,17 +184,18 @@ def lara_terms(
     prefix_tokens: int = 0,
 ) -> LaraTerms:
     """Torch form of ``reference.lara_terms`` (tensors in a :class:`~randattn.estimators.lara.reference.LaraTerms`)."""
-    x, y, v, x_lm, omega, log_q = _proposals(
-        q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-        sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens,
-    )  # fmt: skip
+    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    return _lara_terms(q, k, v, draws, options)
+
+
+def _lara_terms(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> LaraTerms:
+    """:func:`lara_terms` on validated options."""
+    x, y, v, x_lm, omega, log_q = _proposals(q, k, v, draws, options)
     scores = torch.softmax(x @ x_lm.transpose(-1, -2), dim=-2)  # r'_nc, softmax over queries n
-    log_abs_alpha, alpha_sign = _log_alpha_at_samples(log_q, scores, weighting, beta, alpha_clamp)
+    log_abs_alpha, alpha_sign = _log_alpha_at_samples(log_q, scores, options.weighting, options.beta,
+                                                      options.alpha_clamp)
     return LaraTerms(x, y, v, omega, log_q, log_abs_alpha, alpha_sign, x_lm)
-
-
-def _is_signed(weighting: str, alpha_clamp: float | None) -> bool:
-    return weighting in ("decoupled", "coupled") and alpha_clamp is None
 
 
 def _query_weights_t(
@@ -260,9 +262,14 @@ def estimate(
     of lower precision are computed in float64 there and the output is returned in their dtype;
     positive weightings stay in the input dtype (their sums do not cancel).
     """
-    params = dict(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                  sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    return _output(*_weights_and_keys(q, k, v, draws, **params))
+    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    return _estimate(q, k, v, draws, options)
+
+
+def _estimate(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> torch.Tensor:
+    """:func:`estimate` on validated options."""
+    return _output(*_weights_and_keys(q, k, v, draws, options))
 
 
 def probabilities(
@@ -287,9 +294,14 @@ def probabilities(
     weights :math:`W` and key exponentials :math:`E` of :func:`estimate`, one ``(N, C) x (C, M)``
     product (``v = I_M`` would add a ``(C, M) x (M, M)`` one).
     """
-    params = dict(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                  sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    weights_t, key_exp, _, signed, in_dtype = _weights_and_keys(q, k, k, draws, **params)
+    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    return _probabilities(q, k, draws, options)
+
+
+def _probabilities(q: Any, k: Any, draws: Draws, options: LaraOptions) -> torch.Tensor:
+    """:func:`probabilities` on validated options."""
+    weights_t, key_exp, _, signed, in_dtype = _weights_and_keys(q, k, k, draws, options)
     return _implied_probabilities(weights_t, key_exp, signed, in_dtype)
 
 
@@ -311,9 +323,15 @@ def estimate_with_probabilities(
     prefix_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits: the weights and keys computed once."""
-    params = dict(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                  sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, **params)
+    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    return _estimate_with_probabilities(q, k, v, draws, options)
+
+
+def _estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
+                                 options: LaraOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`estimate_with_probabilities` on validated options."""
+    weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, options)
     out = _output(weights_t, key_exp, v, signed, in_dtype)
     return out, _implied_probabilities(weights_t, key_exp, signed, in_dtype)
 
@@ -354,9 +372,15 @@ def estimate_with_float32_probabilities(
         exact quotient of the computed float64 :math:`W` and :math:`E` (see
         :func:`float32_quotient_bound`); ``inf`` where float32 may overflow.
     """
-    params = dict(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                  sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, **params)
+    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    return _estimate_with_float32_probabilities(q, k, v, draws, options)
+
+
+def _estimate_with_float32_probabilities(q: Any, k: Any, v: Any, draws: Draws,
+                                         options: LaraOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`estimate_with_float32_probabilities` on validated options."""
+    weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, options)
     out = _output(weights_t, key_exp, v, signed, in_dtype)
     den = _normalizer(weights_t, key_exp, signed)
     weights32 = weights_t.to(torch.float32)
@@ -394,9 +418,15 @@ def estimate_with_probability_factors(
     :func:`estimate_with_probabilities`; the factors are in the working precision (float64 for signed
     weights, see :func:`estimate`).
     """
-    params = dict(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                  sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, **params)
+    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    return _estimate_with_probability_factors(q, k, v, draws, options)
+
+
+def _estimate_with_probability_factors(q: Any, k: Any, v: Any, draws: Draws,
+                                       options: LaraOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`estimate_with_probability_factors` on validated options."""
+    weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, options)
     out = _output(weights_t, key_exp, v, signed, in_dtype)
     den = _normalizer(weights_t, key_exp, signed)
     return out, weights_t.transpose(-1, -2) * den.reciprocal(), key_exp
@@ -462,7 +492,9 @@ def _normalizer(weights_t: torch.Tensor, key_exp: torch.Tensor, signed: bool) ->
     r"""The implied probabilities' normalizer :math:`W^\top E\,1`, ``(R, ..., N, 1)``; warns where it is not positive."""
     den = weights_t.transpose(-1, -2) @ key_exp.sum(-1, keepdim=True)
     if signed:
-        _warn_non_positive(torch.sign(den[..., 0]), stacklevel=5)
+        # frames: warn, _warn_non_positive, this, caller, ...: from an _estimate_with_* implementation 6 is the
+        # caller of the public entry point; through _implied_probabilities it is the entry point itself
+        _warn_non_positive(torch.sign(den[..., 0]), stacklevel=6)
     return den
 
 
@@ -473,19 +505,19 @@ def _normalize(num: torch.Tensor, den: torch.Tensor, signed: bool, in_dtype: tor
     return torch.div(num, den, out=torch.empty(num.shape, dtype=in_dtype, device=num.device))
 
 
-def _weights_and_keys(q: Any, k: Any, v: Any, draws: Draws, *, weighting: str, alpha_clamp: float | None, beta: float,
-                      **params) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, torch.dtype]:
+def _weights_and_keys(q: Any, k: Any, v: Any, draws: Draws,
+                      options: LaraOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, torch.dtype]:
     """Query weights ``W (R, ..., C, N)`` and key exponentials ``E (R, ..., C, M)`` of :func:`estimate`.
 
     Also the prepared values, whether the weights are signed, and the caller's dtype.
     """
-    signed = _is_signed(weighting, alpha_clamp)
+    weighting, beta, alpha_clamp = options.weighting, options.beta, options.alpha_clamp
+    signed = options.signed
     in_dtype = q.dtype if isinstance(q, torch.Tensor) else torch.float64
     if signed and in_dtype in (torch.float32, torch.float16, torch.bfloat16):
         # before the temperature scaling, so that x = sqrt(scale) q is not rounded to float32 either
         q, k, v = (a.to(torch.float64) if isinstance(a, torch.Tensor) else a for a in (q, k, v))
-    x, y, v, x_lm, omega, log_q = _proposals(q, k, v, draws, weighting=weighting, alpha_clamp=alpha_clamp, beta=beta,
-                                             **params)
+    x, y, v, x_lm, omega, log_q = _proposals(q, k, v, draws, options)
     dim = x.shape[-1]
     # keys: E = exp(log xi(y_m, omega_c) - s_c) : (R, ..., C, M)
     key_log = omega @ y.transpose(-1, -2).unsqueeze(0)

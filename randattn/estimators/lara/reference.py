@@ -39,6 +39,7 @@ __all__ = [
     "SAMPLES",
     "LaraTerms",
     "check_lara_params",
+    "LaraOptions",
     "effective_proposals",
     "landmarks",
     "proposal_means",
@@ -98,6 +99,76 @@ def check_lara_params(
             raise TypeError(f"alpha_clamp must be None or a positive number, got {type(alpha_clamp).__name__} {alpha_clamp!r}")
         if not (np.isfinite(alpha_clamp) and alpha_clamp > 0):
             raise ValueError(f"alpha_clamp must be None or a finite number > 0, got {alpha_clamp!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaraOptions:
+    """LARA's keyword options, validated once, for the reference and batched forms.
+
+    The entry points (``estimate``, ``lara_terms`` here; ``estimate``, ``probabilities`` and
+    the ``estimate_with_*`` forms in :mod:`~randattn.estimators.lara.batched`) keep their
+    keyword signatures, which the engine and the registry call as
+    ``f(q, k, v, draws, *, scale=..., **params)``; each builds one ``LaraOptions`` and hands it
+    to its implementation. Construction runs :func:`check_lara_params`, so a bad option raises
+    the same ``ValueError``/``TypeError``, naming the argument, before any input is touched.
+
+    Attributes
+    ----------
+    scale : float or None
+        Temperature; None: ``D ** -0.5``. Checked against the inputs when they are prepared
+        (it needs their dtype and D), not here.
+    proposal : {"eq34", "eq33", "eq35", "eq32", "standard"}
+        Proposal means (app. G.3.1, :func:`proposal_means`); ``eq32`` is the mixture.
+    weighting : {"decoupled", "balance", "coupled", "constant"}
+        Weighting functions (app. G.3.2, :func:`weighting_functions`).
+    beta : float
+        Coefficient of the decoupled correction (eq. 38); must stay 1.0 for other weightings.
+    alpha_clamp : float or None
+        Clip the weights at this value from below, as the official code does (1e-8).
+    sample : {"random", "mean"}
+        ``mean`` uses the proposal means as samples (G.3.3 evaluation mode).
+    noise : {"paper", "reference-code"}
+        Sampling noise std 1, or ``sqrt(scale)`` as in the official code.
+    layout : {"grid", "sequence"}
+        Landmarks from 2-D blocks of the patch grid when ``grid`` is given, else from 1-D segments.
+    grid : (h, w), "HxW" or None
+        The patch grid of the tokens after ``prefix_tokens``; kept as given (parsed where used).
+    prefix_tokens : int
+        Leading tokens (CLS, registers) that are in no landmark block.
+    """
+
+    scale: float | None = None
+    proposal: str = "eq34"
+    weighting: str = "decoupled"
+    beta: float = 1.0
+    alpha_clamp: float | None = None
+    sample: str = "random"
+    noise: str = "paper"
+    layout: str = "grid"
+    grid: Any = None
+    prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        check_lara_params(self.proposal, self.weighting, self.beta, self.alpha_clamp, self.sample, self.noise,
+                          self.layout, self.grid, self.prefix_tokens)
+
+    @property
+    def layout_kw(self) -> dict[str, Any]:
+        """``layout``, ``grid``, ``prefix_tokens`` as keywords, for the segment helpers."""
+        return dict(layout=self.layout, grid=self.grid, prefix_tokens=self.prefix_tokens)
+
+    @property
+    def signed(self) -> bool:
+        """Whether the weights can be negative (:func:`has_signed_weights`)."""
+        return has_signed_weights(self.weighting, self.alpha_clamp)
+
+
+def has_signed_weights(weighting: str, alpha_clamp: float | None) -> bool:
+    """Whether LARA's weights can be negative: decoupled or coupled (eq. 38, 37) without ``alpha_clamp``.
+
+    The one home of this fact: the spec's ``signed_weights`` and :class:`LaraOptions` both ask here.
+    """
+    return weighting in ("decoupled", "coupled") and alpha_clamp is None
 
 
 def effective_proposals(
@@ -434,20 +505,25 @@ def lara_terms(
     code's unit noise in the unscaled space, ARCHITECTURE sec. 10); the densities keep the
     paper's identity covariance either way, as the official code's do.
     """
-    check_lara_params(proposal, weighting, beta, alpha_clamp, sample, noise, layout, grid, prefix_tokens)
-    layout_kw = dict(layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    x, y, v, scale, batch = prepare_reference(q, k, v, scale)
-    sigma = noise_std(noise, scale)
+    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    return _lara_terms(q, k, v, draws, options)
+
+
+def _lara_terms(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> LaraTerms:
+    """:func:`lara_terms` on validated options."""
+    x, y, v, scale, batch = prepare_reference(q, k, v, options.scale)
+    sigma = noise_std(options.noise, scale)
     num_q, num_k, dim = x.shape[-2], y.shape[-2], x.shape[-1]
-    drawn = _num_proposals(draws, batch, dim, sample)
-    num_c = effective_proposals(num_q, num_k, drawn, proposal, **layout_kw)
-    x_lm, y_lm = landmarks(x, y, num_c, proposal, **layout_kw)  # (..., C, D)
-    mu = proposal_means(x_lm, y_lm, y, proposal)
-    if sample == "mean":
+    drawn = _num_proposals(draws, batch, dim, options.sample)
+    num_c = effective_proposals(num_q, num_k, drawn, options.proposal, **options.layout_kw)
+    x_lm, y_lm = landmarks(x, y, num_c, options.proposal, **options.layout_kw)  # (..., C, D)
+    mu = proposal_means(x_lm, y_lm, y, options.proposal)
+    if options.sample == "mean":
         omega = np.broadcast_to(mu, (draws.replicates, *mu.shape)).copy()
     else:
         eps = draws["eps"][..., :num_c, :]
-        if proposal == "eq32":
+        if options.proposal == "eq32":
             u = check_draw_array(draws, "u", batch, (drawn,))[..., :num_c]
             cdf = np.cumsum(np.exp(_component_log_weights(x_lm, y)), axis=-1)  # (..., C, M)
             z = (cdf[None] < u[..., None]).sum(-1)  # (R, ..., C): inverse CDF, as in ra.reference
@@ -457,9 +533,9 @@ def lara_terms(
             omega = x_lm[None] + picked + sigma * eps
         else:
             omega = mu[None] + sigma * eps
-    log_q = log_proposal_densities(omega, x_lm, y, mu, proposal)
+    log_q = log_proposal_densities(omega, x_lm, y, mu, options.proposal)
     scores = query_scores(x, x_lm)
-    log_abs_alpha, alpha_sign = log_alpha_at_samples(log_q, scores, weighting, beta, alpha_clamp)
+    log_abs_alpha, alpha_sign = log_alpha_at_samples(log_q, scores, options.weighting, options.beta, options.alpha_clamp)
     return LaraTerms(x, y, v, omega, log_q, log_abs_alpha, alpha_sign, x_lm)
 
 
@@ -563,10 +639,9 @@ def estimate(
     >>> lara.reference.estimate(q, k, v, draws).shape
     (1, 16, 8)
     """
-    terms = lara_terms(
-        q, k, v, draws, scale=scale, proposal=proposal, weighting=weighting, beta=beta,
-        alpha_clamp=alpha_clamp, sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens,
-    )  # fmt: skip
+    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
+                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    terms = _lara_terms(q, k, v, draws, options)
     log_qf, log_kf, q_sign = weighted_log_features(terms)
     out, sign = feature_attention(log_qf, log_kf, terms.v[None], q_sign=q_sign)
     if q_sign is not None:

@@ -26,7 +26,7 @@ def signed_weights(params: Mapping[str, Any]) -> bool:
     In float32 their cancelling sums lose digits that are not small against the MSE being measured
     (up to 2e-2 absolute on DINOv2 layer 3), so the sweep runs them in float64 under ``--dtype auto``.
     """
-    return params.get("weighting", "decoupled") in ("decoupled", "coupled") and params.get("alpha_clamp") is None
+    return lara_reference.has_signed_weights(params.get("weighting", "decoupled"), params.get("alpha_clamp"))
 
 
 def reference_terms(q, k, v, draws, *, scale, params) -> tuple[np.ndarray, np.ndarray] | None:
