@@ -4,11 +4,31 @@ batched torch), and measured against exact softmax."""
 from importlib.metadata import PackageNotFoundError, version
 
 from randattn.api import draw, estimate
-from randattn.estimators.registry import catalogue, get_spec, list_estimators
+from randattn.estimators.base import EstimatorSpec, ExactLimit, ImportanceWeights, Param
+from randattn.estimators.registry import (
+    catalogue,
+    get_spec,
+    list_estimators,
+    register_estimator,
+    unregister_estimator,
+)
 
 try:
     __version__ = version("randattn")
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+unknown"
 
-__all__ = ["estimate", "draw", "catalogue", "get_spec", "list_estimators", "__version__"]
+__all__ = [
+    "estimate",
+    "draw",
+    "catalogue",
+    "get_spec",
+    "list_estimators",
+    "register_estimator",
+    "unregister_estimator",
+    "EstimatorSpec",
+    "ExactLimit",
+    "ImportanceWeights",
+    "Param",
+    "__version__",
+]

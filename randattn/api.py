@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from randattn._validation import check_choice, check_positive_int, check_qkv_shapes, check_device
-from randattn.estimators.base import Draws
+from randattn.estimators.base import Draws, EstimatorSpec, validate_spec
 from randattn.estimators.registry import get_spec
 
 __all__ = ["estimate", "draw"]
@@ -23,27 +23,50 @@ def _normalize_rng(seed: Any) -> np.random.Generator:
     raise TypeError(f"seed must be None, an int or a numpy Generator, got {type(seed).__name__}")
 
 
+def _spec_of(name: str | EstimatorSpec) -> EstimatorSpec:
+    """A registered estimator's spec by name, or a spec object (validated) used as it is."""
+    if isinstance(name, EstimatorSpec):
+        return validate_spec(name)
+    return get_spec(name)
+
+
+def _mask_kwargs(spec: EstimatorSpec, mask: str | None, num_queries: int, num_keys: int) -> dict[str, Any]:
+    """``{"mask": mask}`` for a supported non-default mask, ``{}`` for none; ValueError naming the estimator else."""
+    spec.check_mask(mask)
+    if mask is None:
+        return {}
+    from randattn.estimators.masks import check_causal_shapes
+
+    check_causal_shapes(num_queries, num_keys)
+    return {"mask": mask}
+
+
 def draw(
-    name: str,
+    name: str | EstimatorSpec,
     q_shape: tuple[int, ...],
     k_shape: tuple[int, ...],
     *,
     num_samples: int | None = None,
     seed: Any = None,
     replicates: int = 1,
+    mask: str | None = None,
     **params: Any,
 ) -> Draws:
-    """Make the random variables of estimator ``name`` for inputs of these shapes (float64 numpy)."""
-    spec = get_spec(name)
+    """Make the random variables of estimator ``name`` (or of a spec object) for inputs of these shapes.
+
+    Returns float64 numpy draws; ``mask`` (None or ``"causal"``) must be one the estimator supports.
+    """
+    spec = _spec_of(name)
     resolved = spec.resolve_params(params)
     q_shape, k_shape = _check_draw_shapes(q_shape, k_shape)
+    masked = _mask_kwargs(spec, mask, q_shape[-2], k_shape[-2])
     replicates = check_positive_int("replicates", replicates)
     if spec.needs_samples:
         if num_samples is None:
             raise ValueError(f"estimator {name!r} needs num_samples (the number of random samples S)")
         num_samples = check_positive_int("num_samples", num_samples)
     return spec.draw(tuple(q_shape), tuple(k_shape), num_samples=num_samples, replicates=replicates,
-                     rng=_normalize_rng(seed), **resolved)
+                     rng=_normalize_rng(seed), **resolved, **masked)
 
 
 def _check_draw_shapes(q_shape: Any, k_shape: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -67,7 +90,7 @@ def _check_draw_shapes(q_shape: Any, k_shape: Any) -> tuple[tuple[int, ...], tup
 
 
 def estimate(
-    name: str,
+    name: str | EstimatorSpec,
     q: Any,
     k: Any,
     v: Any,
@@ -79,14 +102,16 @@ def estimate(
     backend: str = "reference",
     dtype: Any = None,
     device: Any = None,
+    mask: str | None = None,
     **params: Any,
 ) -> Any:
     """Estimate attention with a registered estimator, in one call.
 
     Parameters
     ----------
-    name : str
-        A registered estimator (``randattn.estimators.registry.list_estimators()``).
+    name : str or EstimatorSpec
+        A registered estimator (``randattn.list_estimators()``), or a spec object (checked with
+        :func:`~randattn.estimators.base.validate_spec`) that need not be registered.
     q : (..., N, D) array or tensor
     k : (..., M, D) array or tensor
     v : (..., M, Dv) array or tensor
@@ -108,6 +133,10 @@ def estimate(
         torch backend only; default float32.
     device : str or torch.device, optional
         torch backend only; default CPU.
+    mask : {None, "causal"}
+        None: every query sees every key. ``"causal"``: key m is visible to query n iff
+        ``m <= n + M - N`` (:mod:`randattn.estimators.masks`); the estimator must declare it
+        supports it (its spec's ``masks``), else ValueError naming the estimator.
     **params
         Estimator options (see ``randattn estimators``); unknown names raise ValueError.
 
@@ -124,15 +153,16 @@ def estimate(
     (2, 16, 8)
     """
     check_choice("backend", backend, BACKENDS)
-    spec = get_spec(name)
+    spec = _spec_of(name)
     resolved = spec.resolve_params(params)
     check_qkv_shapes(q, k, v)
-    draws = draw(name, tuple(q.shape), tuple(k.shape), num_samples=num_samples, seed=seed,
-                 replicates=1 if replicates is None else replicates, **resolved)
+    masked = _mask_kwargs(spec, mask, q.shape[-2], k.shape[-2])
+    draws = draw(spec, tuple(q.shape), tuple(k.shape), num_samples=num_samples, seed=seed,
+                 replicates=1 if replicates is None else replicates, mask=mask, **resolved)
     if backend == "reference":
         if dtype is not None or device is not None:
             raise ValueError("dtype and device apply to backend='torch' only (the reference is float64 numpy)")
-        out = spec.reference(q, k, v, draws, scale=scale, **resolved)
+        out = spec.reference(q, k, v, draws, scale=scale, **resolved, **masked)
     else:
         import torch
 
@@ -141,5 +171,6 @@ def estimate(
             raise TypeError(f"dtype must be a floating torch dtype, got {dtype!r}")
         device = check_device(device)
         to = lambda a: torch.as_tensor(np.asarray(a) if not isinstance(a, torch.Tensor) else a).to(device=device, dtype=dtype)  # noqa: E731
-        out = spec.batched(to(q), to(k), to(v), draws.to_torch(device=device, dtype=dtype), scale=scale, **resolved)
+        out = spec.batched(to(q), to(k), to(v), draws.to_torch(device=device, dtype=dtype), scale=scale, **resolved,
+                           **masked)
     return out[0] if replicates is None else out

@@ -120,12 +120,18 @@ def _worker_runner(path: str, mtime_ns: int, config_key: str, config):
     return UnitRunner(load_activations(path), config)
 
 
-def _run_unit_in_worker(path: str, config, config_key: str, unit, parts_dir: str | None):
-    """The task Dask runs: rows of ``unit``, written as its part when there is a parts folder."""
+def _run_unit_in_worker(path: str, config, config_key: str, unit, parts_dir: str | None, specs=()):
+    """The task Dask runs: rows of ``unit``, written as its part when there is a parts folder.
+
+    ``specs``: estimators the client registered for its session only (entry-point plugins the worker
+    discovers itself, as the client did).
+    """
     from randattn.analysis.store import write_part
     from randattn.analysis.sweep import _run_recording
+    from randattn.estimators.registry import ensure_registered
 
     try:
+        ensure_registered(specs)
         runner = _worker_runner(path, os.stat(path).st_mtime_ns, config_key, config)
         rows, caught, seconds = _run_recording(runner, unit)
     except (ValueError, TypeError) as exc:  # deterministic: report, do not retry
@@ -152,14 +158,17 @@ def run_units_dask(
     """
     from distributed import as_completed
 
+    from randattn.estimators.registry import session_specs
+
     path = os.path.abspath(os.fspath(path))
     parts = None if parts_dir is None else os.path.abspath(os.fspath(parts_dir))
     config_key = repr(config.identity())
+    specs = tuple(session_specs(sorted({e.name for e in config.estimators})))
     by_key = {}
     futures = []
     for unit in units:
-        future = client.submit(_run_unit_in_worker, path, config, config_key, unit, parts, key=f"randattn-{unit.uid}",
-                               retries=retries, pure=False)
+        future = client.submit(_run_unit_in_worker, path, config, config_key, unit, parts, specs,
+                               key=f"randattn-{unit.uid}", retries=retries, pure=False)
         by_key[future.key] = unit
         futures.append(future)
     try:

@@ -15,6 +15,7 @@ import click
 #: command name -> module under randattn.cli holding a click command called ``command``
 COMMANDS: dict[str, str] = {
     "estimators": "estimators",
+    "check": "check",
     "capture": "capture",
     "mse": "mse",
     "plot": "plot",

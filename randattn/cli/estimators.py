@@ -10,14 +10,18 @@ import click
 @click.command("estimators")
 @click.option("--json", "as_json", is_flag=True, help="Print the catalogue as JSON on stdout.")
 def command(as_json: bool) -> None:
-    """List every estimator: parameters with defaults and choices, complexity, randomness."""
+    """List every estimator, built-in or plugin: parameters with defaults and choices, complexity, and the facts
+    its spec declares (randomness, convergence, cost, masks)."""
     from rich.markup import escape
     from rich.table import Table
 
-    from randattn.cli._common import out_console
-    from randattn.estimators.registry import catalogue
+    from randattn.cli._common import err_console, out_console
+    from randattn.estimators.registry import catalogue, plugin_errors
 
     records = catalogue()
+    # a broken plugin is reported and left out; the catalogue of the others is still printed (exit 0)
+    for error in plugin_errors():
+        err_console.print(f"[bold yellow]warning:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
     if as_json:
         click.echo(json.dumps(records, indent=2, default=str))
         return
@@ -26,7 +30,7 @@ def command(as_json: bool) -> None:
     table.add_column("what it is", max_width=44)
     table.add_column("parameters: what each means (default; choices)")
     table.add_column("complexity", max_width=22)
-    table.add_column("random")
+    table.add_column("facts (defaults)", max_width=24)
     for record in records:
         params = []
         for pname, p in record["parameters"].items():
@@ -37,11 +41,21 @@ def command(as_json: bool) -> None:
         for preset, values in presets.items():  # "paper" (the defaults) only where another preset exists
             spelled = ", ".join(f"{k}={v}" for k, v in values.items())
             params.append(f"[bold]preset={escape(preset)}[/]\n  [dim]{escape(spelled)}[/]")
+        facts = [
+            "random" if record["random"] else "deterministic",
+            f"{record['convergence']}" if record["convergence"] != "none" else "no convergence claim",
+            f"{record['cost']} cost",
+            "masks: " + ", ".join(record["masks"]),
+        ]
+        if record["signed_weights"]:
+            facts.append("signed weights")
+        origin = "" if record["origin"].startswith("entry point") and " of package randattn " in record["origin"] \
+            else f"\n[dim]from {escape(record['origin'])}[/]"
         table.add_row(
-            record["name"],
-            f"{record['summary']}\n[dim]{record['source']}[/]",
+            f"{record['name']}\n[dim]{escape(record['display_name'])}[/]",
+            f"{record['summary']}\n[dim]{record['source']}[/]{origin}",
             "\n".join(params) or "-",
             record["complexity"],
-            "yes" if record["random"] else "no",
+            "\n".join(facts),
         )
     out_console.print(table)

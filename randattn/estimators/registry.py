@@ -40,6 +40,8 @@ __all__ = [
     "register_estimator",
     "unregister_estimator",
     "spec_origin",
+    "session_specs",
+    "ensure_registered",
 ]
 
 ENTRY_POINT_GROUP = "randattn.estimators"
@@ -218,6 +220,11 @@ class EstimatorRegistry:
         self.get(name)
         return self._origins[name]
 
+    def session_specs(self, names: Iterable[str]) -> list[EstimatorSpec]:
+        """The specs among ``names`` registered by :meth:`register` (not by an entry point)."""
+        self.discover()
+        return [self._specs[n] for n in names if n in self._specs and self._origins[n] == "register_estimator()"]
+
     def errors(self) -> list[PluginError]:
         self.discover()
         return list(self._errors)
@@ -269,6 +276,21 @@ def get_spec(name: str) -> EstimatorSpec:
 def spec_origin(name: str) -> str:
     """Where estimator ``name`` was registered from (entry point and package, or ``register_estimator()``)."""
     return _REGISTRY.origin(name)
+
+
+def session_specs(names: Iterable[str]) -> list[EstimatorSpec]:
+    """The specs among ``names`` that this process registered with :func:`register_estimator`.
+
+    Other processes (Dask workers) find entry-point plugins themselves; these must be sent to them.
+    """
+    return _REGISTRY.session_specs(names)
+
+
+def ensure_registered(specs: Iterable[EstimatorSpec]) -> None:
+    """Register each of ``specs`` in this process unless a spec of that name is there already (a Dask worker)."""
+    for spec in specs:
+        if spec.name not in _REGISTRY.names():
+            _REGISTRY.register(spec)
 
 
 def plugin_errors() -> list[PluginError]:

@@ -1,0 +1,72 @@
+"""``randattn check``: hold an estimator, built-in or plugin, to the conformance kit."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("check")
+@click.argument("target", metavar="NAME_OR_MODULE:OBJECT")
+@click.option("-p", "--param", "param_items", multiple=True, metavar="NAME=VALUE",
+              help="A parameter of the configuration to check (repeatable); default: the estimator's defaults.")
+@click.option("--check", "check_names", multiple=True, metavar="CHECK",
+              help="Run only this check (repeatable); names as in the table.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")
+def command(target: str, param_items: tuple[str, ...], check_names: tuple[str, ...], as_json: bool) -> None:
+    """Run randattn's conformance checks on an estimator: a registered NAME, or MODULE:OBJECT holding an
+    EstimatorSpec (registered or not). Prints a pass/fail table; exit 1 when a check fails."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from randattn.cli._common import abort, out_console
+    from randattn.estimators.registry import parse_estimator
+    from randattn.testing import CHECKS, check_estimator, load_spec
+
+    try:
+        spec = load_spec(target)
+    except (TypeError, ValueError) as exc:
+        abort(str(exc))
+    params: dict = {}
+    if param_items:
+        text = ",".join(param_items)
+        try:
+            if ":" in target:  # a spec that is not registered: type the values as the registry would
+                from randattn.estimators.registry import _convert
+
+                for item in param_items:
+                    key, sep, raw = item.partition("=")
+                    if not sep or key.strip() not in spec.params:
+                        abort(f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(spec.params)}")
+                    params[key.strip()] = _convert(raw.strip(), spec.params[key.strip()].default)
+            else:
+                _, params = parse_estimator(f"{spec.name}:{text}")
+        except ValueError as exc:
+            abort(str(exc))
+    unknown = [c for c in check_names if c not in CHECKS]
+    if unknown:
+        abort(f"unknown check(s) {', '.join(map(repr, unknown))}; the checks are: {', '.join(CHECKS)}")
+    try:
+        report = check_estimator(spec, params, checks=list(check_names) or None, raise_on_failure=False)
+    except ValueError as exc:
+        abort(str(exc))
+    if as_json:
+        click.echo(json.dumps({"estimator": report.estimator, "params": dict(report.params), "passed": report.passed,
+                               "results": [r.__dict__ for r in report.results]}, indent=2, default=str))
+    else:
+        table = Table(title=f"randattn check {escape(spec.name)}", show_lines=False)
+        table.add_column("check", style="bold")
+        table.add_column("result")
+        table.add_column("seconds", justify="right")
+        table.add_column("why", max_width=110)
+        style = {"passed": "green", "failed": "bold red", "skipped": "dim"}
+        for r in report.results:
+            table.add_row(r.check, f"[{style[r.status]}]{r.status}[/]", f"{r.seconds:.2f}", escape(r.message))
+        out_console.print(table)
+        failed = len(report.failures)
+        skipped = sum(r.status == "skipped" for r in report.results)
+        verdict = f"[bold red]{failed} failed[/]" if failed else "[green]all checks passed[/]"
+        out_console.print(f"{verdict} ({skipped} not applicable)")
+    if not report.passed:
+        raise SystemExit(1)

@@ -1,0 +1,230 @@
+"""The conformance kit: hold any estimator, ours or yours, to the checks randattn's own pass.
+
+>>> import randattn
+>>> from randattn.testing import check_estimator
+>>> report = check_estimator(randattn.get_spec("rfa"))   # raises EstimatorCheckError on a failure
+>>> report.passed
+True
+
+In a pytest suite (one test per estimator and check, as scikit-learn's ``parametrize_with_checks``)::
+
+    from randattn.testing import parametrize_with_checks
+    from randattn_nystrom import SPEC
+
+    @parametrize_with_checks([SPEC])
+    def test_conformance(estimator, check):
+        check(estimator)
+
+The checks and their tolerances are in :mod:`randattn.testing.checks`; from the command line,
+``randattn check NAME`` or ``randattn check MODULE:OBJECT`` runs them with a pass/fail table.
+The comparison helpers of randattn's own tests (:func:`assert_close`, :data:`TOLERANCES`) live here too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from randattn.estimators.base import EstimatorSpec
+from randattn.testing._assert import TOLERANCES, all_variants, assert_close, to_numpy, variant_id
+from randattn.testing.checks import CHECKS, CheckFailed, CheckSkipped
+
+__all__ = [
+    "CHECKS",
+    "CheckResult",
+    "ConformanceReport",
+    "EstimatorCheckError",
+    "TOLERANCES",
+    "all_variants",
+    "assert_close",
+    "check_estimator",
+    "load_spec",
+    "parametrize_with_checks",
+    "to_numpy",
+    "variant_id",
+]
+
+STATUSES = ("passed", "failed", "skipped")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check on one configuration: ``status`` is ``passed``, ``failed`` or ``skipped``; ``message`` says why."""
+
+    check: str
+    status: str
+    message: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ConformanceReport:
+    """Every check's result for one estimator configuration."""
+
+    estimator: str
+    params: Mapping[str, Any]
+    results: tuple[CheckResult, ...] = field(default_factory=tuple)
+
+    @property
+    def passed(self) -> bool:
+        """True when no check failed (skipped checks do not apply)."""
+        return not self.failures
+
+    @property
+    def failures(self) -> tuple[CheckResult, ...]:
+        return tuple(r for r in self.results if r.status == "failed")
+
+    def summary(self) -> str:
+        """One line per check: status, name and, for failures and skips, why."""
+        lines = [f"randattn conformance of {self.estimator!r} with {dict(self.params)}:"]
+        for r in self.results:
+            lines.append(f"  {r.status.upper():7s} {r.check}" + (f": {r.message}" if r.message else ""))
+        return "\n".join(lines)
+
+
+class EstimatorCheckError(AssertionError):
+    """An estimator failed the conformance kit; ``report`` holds every result."""
+
+    def __init__(self, report: ConformanceReport) -> None:
+        self.report = report
+        failed = ", ".join(r.check for r in report.failures)
+        super().__init__(f"{len(report.failures)} check(s) failed ({failed})\n{report.summary()}")
+
+
+def load_spec(target: str | EstimatorSpec) -> EstimatorSpec:
+    """A spec from a registered name, ``"module:OBJECT"`` (an EstimatorSpec or a function returning one), or itself.
+
+    Raises ValueError naming the target when it cannot be found or is not a spec.
+    """
+    if isinstance(target, EstimatorSpec):
+        return target
+    if not isinstance(target, str):
+        raise TypeError(f"expected an estimator name, 'module:OBJECT' or an EstimatorSpec, got {type(target).__name__}")
+    if ":" not in target:
+        from randattn.estimators.registry import get_spec
+
+        return get_spec(target)
+    import importlib
+
+    module_name, _, attr = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ValueError(f"cannot import module {module_name!r} of {target!r}: {type(exc).__name__}: {exc}") from None
+    for part in filter(None, attr.split(".")):
+        if not hasattr(obj, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {target!r})")
+        obj = getattr(obj, part)
+    if callable(obj) and not isinstance(obj, EstimatorSpec):
+        obj = obj()
+    if not isinstance(obj, EstimatorSpec):
+        raise ValueError(f"{target!r} is a {type(obj).__name__}, not a randattn EstimatorSpec")
+    return obj
+
+
+def _run_check(name: str, spec: EstimatorSpec, params: Mapping[str, Any]) -> CheckResult:
+    start = time.perf_counter()
+    try:
+        CHECKS[name](spec, params)
+    except CheckSkipped as exc:
+        return CheckResult(name, "skipped", str(exc), time.perf_counter() - start)
+    except CheckFailed as exc:
+        return CheckResult(name, "failed", str(exc), time.perf_counter() - start)
+    except Exception as exc:  # an estimator that crashes fails the check it crashed in, with the reason
+        return CheckResult(name, "failed", f"raised {type(exc).__name__}: {exc}", time.perf_counter() - start)
+    return CheckResult(name, "passed", "", time.perf_counter() - start)
+
+
+def check_estimator(
+    estimator: str | EstimatorSpec,
+    params: Mapping[str, Any] | None = None,
+    *,
+    checks: Sequence[str] | None = None,
+    raise_on_failure: bool = True,
+) -> ConformanceReport:
+    """Run the conformance checks on one estimator configuration.
+
+    Parameters
+    ----------
+    estimator : str or EstimatorSpec
+        A registered name, ``"module:OBJECT"``, or a spec (registered or not).
+    params : mapping, optional
+        The configuration (defaults filled in by the spec); default: the spec's defaults.
+    checks : sequence of str, optional
+        Names from :data:`CHECKS`; default all.
+    raise_on_failure : bool
+        Raise :class:`EstimatorCheckError` (with the whole report) when a check fails.
+
+    Returns
+    -------
+    ConformanceReport
+    """
+    spec = load_spec(estimator)
+    names = list(CHECKS) if checks is None else list(checks)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise ValueError(f"unknown check(s) {unknown}; the checks are: {', '.join(CHECKS)}")
+    try:
+        resolved = spec.resolve_params(params or {})
+    except (TypeError, ValueError) as exc:
+        results: tuple[CheckResult, ...] = (CheckResult("spec is valid", "failed", str(exc)),)
+        resolved = dict(params or {})
+    else:
+        results = tuple(_run_check(name, spec, resolved) for name in names)
+    report = ConformanceReport(spec.name, resolved, results)
+    if raise_on_failure and not report.passed:
+        raise EstimatorCheckError(report)
+    return report
+
+
+class _Check:
+    """One conformance check bound to a configuration, callable as ``check(estimator)`` in a pytest test."""
+
+    def __init__(self, name: str, params: Mapping[str, Any]) -> None:
+        self.name = name
+        self.params = dict(params)
+
+    def __call__(self, estimator: EstimatorSpec) -> None:
+        import pytest
+
+        spec = load_spec(estimator)
+        result = _run_check(self.name, spec, spec.resolve_params(self.params))
+        if result.status == "skipped":
+            pytest.skip(result.message)
+        if result.status == "failed":
+            raise AssertionError(f"{spec.name}: check {self.name!r} failed: {result.message}")
+
+    def __repr__(self) -> str:
+        return f"check[{self.name}]"
+
+
+def parametrize_with_checks(
+    estimators: Iterable[str | EstimatorSpec | tuple[str | EstimatorSpec, Mapping[str, Any]]],
+    *,
+    checks: Sequence[str] | None = None,
+) -> Any:
+    """A ``pytest.mark.parametrize`` over (estimator, check): one test per estimator configuration and check.
+
+    Parameters
+    ----------
+    estimators : iterable
+        Names, specs, or ``(name or spec, params)`` pairs for configurations other than the defaults.
+    checks : sequence of str, optional
+        Names from :data:`CHECKS`; default all.
+
+    The decorated test takes ``estimator`` (the spec) and ``check`` and calls ``check(estimator)``;
+    a check that does not apply is reported as skipped, with its reason.
+    """
+    import pytest
+
+    names = list(CHECKS) if checks is None else list(checks)
+    cases, ids = [], []
+    for item in estimators:
+        target, params = item if isinstance(item, tuple) else (item, {})
+        spec = load_spec(target)
+        suffix = "" if not params else "[" + ",".join(f"{k}={v}" for k, v in params.items()) + "]"
+        for name in names:
+            cases.append((spec, _Check(name, params)))
+            ids.append(f"{spec.name}{suffix}-{name}")
+    return pytest.mark.parametrize(("estimator", "check"), cases, ids=ids)

@@ -1,0 +1,154 @@
+"""The conformance kit: every built-in passes it, and each kind of broken estimator fails the check that
+guards against it, with a message that says which check and why.
+
+The broken estimators are real ones with one defect planted each (a biased estimator declared unbiased or
+consistent, one that peeks at future keys, one that allocates N x M while declaring linear cost, one whose
+float32 path computes in half precision). The causal estimators below are written out here, independently of
+the package: softmax over the keys ``m <= n + offset + M - N``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import randattn
+from randattn.estimators.base import Draws, EstimatorSpec, SpecError
+from randattn.testing import EstimatorCheckError, check_estimator, parametrize_with_checks
+
+BUILTIN = ["softmax", "rfa", "ra", "lara", "eva", "scatterbrain", "local"]
+#: configurations beyond the defaults whose declared facts differ (orthogonal draws, positive LARA weights,
+#: EVA's linear code partition, the biased RA)
+VARIANTS = [("rfa", {"coupling": "orthogonal"}), ("lara", {"weighting": "balance"}),
+            ("eva", {"partition": "reference-code", "chunk_weight": "mean-key"}), ("ra", {"variant": "biased"})]
+
+
+@parametrize_with_checks([*BUILTIN, *VARIANTS])
+def test_builtin_estimators_conform(estimator, check):
+    check(estimator)
+
+
+# ------------------------------------------------------------------------------------------------ causal softmax
+def _causal_softmax_spec(name: str, offset: int) -> EstimatorSpec:
+    """Exact causal softmax with key m visible to query n iff m <= n + offset + (M - N); offset 0 is correct."""
+
+    def draw(q_shape, k_shape, *, num_samples=None, replicates=1, rng, mask=None):
+        return Draws({"slots": np.zeros((replicates, 0))}, replicates)
+
+    def visible(n, m):
+        return np.arange(m)[None, :] <= np.arange(n)[:, None] + offset + (m - n)
+
+    def reference(q, k, v, draws, *, scale=None, mask=None):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        logits = scale * np.einsum("...nd,...md->...nm", q, k)
+        if mask == "causal":
+            logits = np.where(visible(q.shape[-2], k.shape[-2]), logits, -np.inf)
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        out = np.einsum("...nm,...md->...nd", w / w.sum(-1, keepdims=True), v)
+        return np.broadcast_to(out, (draws.replicates, *out.shape)).copy()
+
+    def batched(q, k, v, draws, *, scale=None, mask=None):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        logits = scale * q @ k.transpose(-1, -2)
+        if mask == "causal":
+            keep = torch.as_tensor(visible(q.shape[-2], k.shape[-2]), device=q.device)
+            logits = logits.masked_fill(~keep, float("-inf"))
+        out = torch.softmax(logits, -1) @ v
+        return out.unsqueeze(0).expand(draws.replicates, *out.shape).clone()
+
+    return EstimatorSpec(name=name, summary="causal softmax (test)", source="test", complexity="O(N M D)", params={},
+                         draw=draw, reference=reference, batched=batched, needs_samples=False,
+                         is_random=lambda p: False, convergence="exact", normalized=True, masks=(None, "causal"))
+
+
+def test_a_correct_causal_estimator_passes_prefix_invariance():
+    report = check_estimator(_causal_softmax_spec("causal-softmax", 0))
+    assert {r.check: r.status for r in report.results}["causal prefix invariance"] == "passed"
+
+
+@pytest.mark.parametrize(("offset", "expected"), [
+    (1, "uses keys its mask hides"),        # m <= n + 1: peeks one key ahead
+    (-1, "query 0 sees key 0 only"),        # m < n: query 0 sees nothing (NaN), every other query one key short
+])
+def test_an_off_by_one_causal_mask_fails(offset, expected):
+    with pytest.raises(EstimatorCheckError) as info:
+        check_estimator(_causal_softmax_spec("off-by-one", offset))
+    failed = {r.check: r.message for r in info.value.report.failures}
+    assert "causal prefix invariance" in failed and expected in failed["causal prefix invariance"]
+
+
+# ------------------------------------------------------------------------------------------------ planted defects
+def _wrap(spec: EstimatorSpec, name: str, *, reference=None, batched=None, **facts) -> EstimatorSpec:
+    return dataclasses.replace(spec, name=name, reference=reference or spec.reference,
+                               batched=batched or spec.batched, **facts)
+
+
+def _failures(spec, params=None):
+    with pytest.raises(EstimatorCheckError) as info:
+        check_estimator(spec, params)
+    return {r.check: r.message for r in info.value.report.failures}
+
+
+def test_a_biased_estimator_declared_unbiased_fails_the_convergence_check():
+    ra = randattn.get_spec("ra")
+    # the mean-field proposal of eq. 31 (biased RA) under the unbiased estimator's name
+    biased = _wrap(ra, "ra-mislabelled",
+                   reference=lambda *a, **p: ra.reference(*a, **{**p, "variant": "biased"}),
+                   batched=lambda *a, **p: ra.batched(*a, **{**p, "variant": "biased"}))
+    failed = _failures(biased)
+    assert set(failed) == {"declared convergence"}
+    assert "declared unbiased" in failed["declared convergence"]
+
+
+def test_a_biased_estimator_declared_consistent_fails_the_convergence_check():
+    rfa = randattn.get_spec("rfa")
+    # plain QR without the sign fix: orthogonal features whose kernel estimate is biased (ARCHITECTURE sec. 10)
+    plain = _wrap(rfa, "rfa-plain-qr-mislabelled", convergence="consistent")
+    failed = _failures(plain, {"coupling": "orthogonal-plain-qr"})
+    assert set(failed) == {"declared convergence"}
+    assert "does not approach exact softmax" in failed["declared convergence"]
+
+
+def test_an_n_by_m_allocation_declared_linear_fails_the_memory_check():
+    rfa = randattn.get_spec("rfa")
+
+    def quadratic(q, k, v, draws, **params):
+        scores = q @ k.transpose(-1, -2)  # an N x M array a linear estimator must never hold
+        return rfa.batched(q, k, v, draws, **params) + 0.0 * scores.sum()
+
+    failed = _failures(_wrap(rfa, "rfa-quadratic", batched=quadratic))
+    assert set(failed) == {"no N x M memory"}
+    assert "allocates an N x M array" in failed["no N x M memory"]
+
+
+def test_a_float32_path_in_half_precision_fails_the_float32_check():
+    rfa = randattn.get_spec("rfa")
+
+    def half(q, k, v, draws, **params):
+        if q.dtype == torch.float32:
+            q, k, v = (t.half().float() for t in (q, k, v))
+        return rfa.batched(q, k, v, draws, **params)
+
+    failed = _failures(_wrap(rfa, "rfa-half", batched=half))
+    assert "float32 batched" in failed and "not close" in failed["float32 batched"]
+    assert "reference == batched (float64)" not in failed
+
+
+def test_a_batched_form_that_disagrees_in_float64_fails():
+    lara = randattn.get_spec("lara")
+    off = _wrap(lara, "lara-off", batched=lambda *a, **p: lara.batched(*a, **p) * (1 + 1e-8))
+    failed = _failures(off)
+    assert "reference == batched (float64)" in failed and "not close" in failed["reference == batched (float64)"]
+
+
+def test_an_invalid_spec_fails_validation_with_every_problem_listed():
+    bad = dataclasses.replace(randattn.get_spec("rfa"), name="Bad:Name", convergence="sometimes", masks=("causal",))
+    with pytest.raises(SpecError) as info:
+        randattn.estimators.validate_spec(bad)
+    message = str(info.value)
+    assert "name 'Bad:Name'" in message and "'sometimes'" in message and "masks" in message
+    report = check_estimator(bad, raise_on_failure=False)
+    assert [r.check for r in report.failures] == ["spec is valid"] or "spec is valid" in [r.check for r in report.failures]
