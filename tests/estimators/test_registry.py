@@ -1,0 +1,157 @@
+"""The registry: built-ins and plugins found through the same entry-point group, clear errors that name a
+broken plugin, and the broken one never breaking the others (in this process and in a real ``randattn``
+process with plugins installed on its path)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import randattn
+from randattn.estimators.registry import (
+    BUILTIN_ENTRY_POINTS,
+    EstimatorRegistry,
+    register_estimator,
+    unregister_estimator,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeEntryPoint:
+    def __init__(self, name, load, origin=None):
+        self.name, self._load, self.origin = name, load, origin or f"fake entry point {name}"
+
+    def load(self):
+        return self._load()
+
+
+def _copy(name):
+    return dataclasses.replace(randattn.get_spec("local"), name=name, display_name=name.title())
+
+
+def test_pyproject_declares_the_builtins_as_entry_points_in_catalogue_order():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["randattn.estimators"]
+    assert list(declared.items()) == list(BUILTIN_ENTRY_POINTS)
+    assert randattn.list_estimators()[: len(BUILTIN_ENTRY_POINTS)] == [n for n, _ in BUILTIN_ENTRY_POINTS]
+
+
+def test_a_broken_plugin_is_reported_by_name_and_the_others_still_work():
+    def raises():
+        raise ImportError("No module named 'missing_dependency'")
+
+    registry = EstimatorRegistry(lambda: [
+        FakeEntryPoint("good", lambda: _copy("good")),
+        FakeEntryPoint("crashes", raises, "entry point 'crashes = crashplug:SPEC' of package crashplug 1.0"),
+        FakeEntryPoint("invalid", lambda: dataclasses.replace(_copy("invalid"), cost="cheap")),
+        FakeEntryPoint("misnamed", lambda: _copy("other-name")),
+        FakeEntryPoint("good", lambda: _copy("good"), "entry point 'good = clash:SPEC' of package clash 2.0"),
+        FakeEntryPoint("factory", lambda: (lambda: _copy("factory"))),
+    ])
+    assert registry.names() == ["good", "factory"]
+    errors = {(e.name, e.origin): e.message for e in registry.errors()}
+    assert "ImportError: No module named 'missing_dependency'" in errors[
+        ("crashes", "entry point 'crashes = crashplug:SPEC' of package crashplug 1.0")]
+    assert "cost of the defaults is 'cheap'" in errors[("invalid", "fake entry point invalid")]
+    assert "its spec is named 'other-name'" in errors[("misnamed", "fake entry point misnamed")]
+    assert "taken by fake entry point good" in errors[("good", "entry point 'good = clash:SPEC' of package clash 2.0")]
+    with pytest.raises(ValueError, match="estimator plugin 'crashes' .*crashplug 1.0.* could not be registered"):
+        registry.get("crashes")
+    with pytest.raises(ValueError, match="unknown estimator 'nope'; known estimators: good, factory"):
+        registry.get("nope")
+
+
+def test_register_estimator_refuses_a_taken_name_and_an_invalid_spec():
+    with pytest.raises(ValueError, match="'rfa' is already registered .*entry point 'rfa = randattn.estimators.rfa"):
+        register_estimator(dataclasses.replace(randattn.get_spec("local"), name="rfa"))
+    with pytest.raises(randattn.estimators.SpecError, match="masks must be a tuple holding None"):
+        register_estimator(dataclasses.replace(_copy("x"), masks=("causal",)))
+    spec = register_estimator(_copy("session-local"))
+    try:
+        assert randattn.get_spec("session-local") is spec and "session-local" in randattn.list_estimators()
+        assert randattn.catalogue()[-1]["origin"] == "register_estimator()"
+    finally:
+        unregister_estimator("session-local")
+    assert "session-local" not in randattn.list_estimators()
+
+
+def test_a_repeated_estimator_parameter_is_refused():
+    with pytest.raises(ValueError, match="parameter 'window' is given twice in 'local:window=4,window=8'"):
+        randattn.estimators.registry.parse_estimator("local:window=4,window=8")
+
+
+def test_a_mask_the_estimator_does_not_support_is_refused_by_name(rng):
+    q = rng.normal(size=(4, 3))
+    with pytest.raises(ValueError, match="estimator 'lara' does not support mask='causal' \\(it supports: none\\)"):
+        randattn.estimate("lara", q, q, q, num_samples=2, mask="causal")
+
+
+# ------------------------------------------------------------------------------------------------ real processes
+def _plugin_path(tmp_path: Path) -> Path:
+    """A folder holding two installed plugins, as site-packages would: one good (a copy of local attention under
+    another name and display name, found by its entry point) and one whose import raises."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "goodplug.py").write_text(textwrap.dedent("""
+        import dataclasses
+        from randattn.estimators.rfa import SPEC as _RFA
+        SPEC = dataclasses.replace(_RFA, name="goodrfa", display_name="Good RFA (plugin)")
+    """))
+    (site / "brokenplug.py").write_text("raise RuntimeError('brokenplug needs a GPU driver')\n")
+    for dist, line in (("goodplug", "goodrfa = goodplug:SPEC"), ("brokenplug", "broken = brokenplug:SPEC")):
+        info = site / f"{dist}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[randattn.estimators]\n{line}\n")
+    return site
+
+
+def _randattn(args, site: Path, cwd: Path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return subprocess.run([sys.executable, "-c", "from randattn.cli import main; main()", *map(str, args)],
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def test_randattn_estimators_lists_plugins_and_names_the_broken_one(tmp_path):
+    site = _plugin_path(tmp_path)
+    done = _randattn(["estimators", "--json"], site, tmp_path)
+    assert done.returncode == 0, done.stderr
+    records = {r["name"]: r for r in json.loads(done.stdout)}
+    assert {"rfa", "lara", "goodrfa"} <= set(records) and "broken" not in records
+    assert records["goodrfa"]["origin"] == "entry point 'goodrfa = goodplug:SPEC' of package goodplug 0.1"
+    assert "estimator plugin 'broken'" in done.stderr and "brokenplug needs a GPU driver" in done.stderr
+    checked = _randattn(["check", "goodrfa", "--check", "reference == batched (float64)"], site, tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    broken = _randattn(["check", "broken"], site, tmp_path)
+    assert broken.returncode == 2 and "brokenplug needs a GPU driver" in broken.stderr
+
+
+def test_a_plugin_estimator_gives_the_same_table_on_dask_workers_as_locally(tmp_path):
+    import numpy as np
+
+    pytest.importorskip("distributed")
+    from randattn.activations import make_activations, save_activations
+
+    site = _plugin_path(tmp_path)
+    rng = np.random.default_rng(3)
+    arrays = {layer: tuple(0.8 * rng.normal(size=(1, 2, 12, 4)) for _ in range(3)) for layer in (0, 1)}
+    acts = save_activations(make_activations(arrays, {"scale": 0.5, "model": "synthetic"}), tmp_path / "acts.safetensors")
+    tables = {}
+    for where in ("local", "processes:2"):
+        out = tmp_path / f"{where.replace(':', '')}.parquet"
+        done = _randattn(["mse", acts, "-e", "goodrfa:coupling=orthogonal", "-e", "rfa", "--samples", "4,8",
+                          "--replicates", "3", "--seed", "11", "--scheduler", where, "--threads", "1", "--out", out],
+                         site, tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        tables[where] = pd.read_parquet(out).drop(columns="seconds")
+    assert set(tables["local"].label) == {"goodrfa:coupling=orthogonal", "rfa"}
+    pd.testing.assert_frame_equal(tables["local"], tables["processes:2"], check_exact=True)
