@@ -249,6 +249,9 @@ class EstimatorSpec:
     masks : tuple
         The masks of :data:`MASKS` it supports; ``draw``, ``reference`` and ``batched`` get a
         ``mask=`` keyword only when it is not None.
+    mask_notes : mapping of str to str
+        Why a mask is not supported (``{"causal": "its proposals pool every key"}``), for the
+        error a user gets when asking for it.
     normalized : bool
         Whether its attention weights over the keys sum to one, so that with a single key it
         returns that key's value exactly (checked).
@@ -282,6 +285,7 @@ class EstimatorSpec:
     signed_weights: bool | Callable[[Mapping[str, Any]], bool] = False
     importance_weights: ImportanceWeights | None = None
     masks: tuple[str | None, ...] = (None,)
+    mask_notes: Mapping[str, str] = field(default_factory=dict)
     normalized: bool = False
     exact_limits: tuple[ExactLimit, ...] = ()
     memory_hint: str = ""
@@ -327,7 +331,9 @@ class EstimatorSpec:
             raise ValueError(f"unknown mask {mask!r}; allowed: None (bidirectional) or 'causal'")
         if not self.supports_mask(mask):
             supported = ", ".join("none" if m is None else repr(m) for m in self.masks)
-            raise ValueError(f"estimator {self.name!r} does not support mask={mask!r} (it supports: {supported})")
+            why = self.mask_notes.get(mask)
+            raise ValueError(f"estimator {self.name!r} does not support mask={mask!r} (it supports: {supported})"
+                             + (f": {why}" if why else ""))
 
     def preset_names(self) -> tuple[str, ...]:
         """Allowed values of ``preset``: ``"paper"`` (the defaults) and the declared presets."""

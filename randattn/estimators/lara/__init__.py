@@ -178,6 +178,9 @@ SPEC = EstimatorSpec(
         reference=weights.reference_terms, batched=weights.batched_terms,
         reference_per_element=weights.reference_terms_per_element,
     ),
+    mask_notes={"causal": (
+        "its proposals are built from landmarks that pool every query and key, so future tokens would reach "
+        "earlier outputs (the LARA blog's limitations; the official code has no causal form either)")},
     normalized=True,
     memory_hint="(N + M) C features, C proposals' densities at C samples (C^2), per batch element",
 )
