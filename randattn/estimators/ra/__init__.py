@@ -1,9 +1,12 @@
-"""Randomized attention, RA (LARA sec. 3.2, app. G.2): unbiased and biased.
+"""Randomized attention, RA (LARA sec. 3.2, app. G.2): unbiased and biased, bidirectional or causal.
 
 The draws are data-independent common random numbers: uniforms ``u`` that select the
 mixture component by inverse CDF of ``pi_n`` inside ``estimate``, and Gaussian noise
 ``eps``. That keeps ``estimate`` pure and lets the reference and batched forms consume
-the same draws.
+the same draws. They do not depend on the mask either: under ``mask="causal"`` the same
+``u`` selects a component of the mixture over the visible keys only (eq. 29-31 with every
+sum over keys restricted to ``m <= n + M - N``), so a causal and a bidirectional run can
+share one draw.
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ def draw(
     rng: np.random.Generator,
     variant: str = "unbiased",
     sample: str = "random",
+    mask: str | None = None,
     **params,
 ) -> Draws:
     """``u : (R, ..., N, S)`` uniforms (unbiased only) and ``eps : (R, ..., N, S, D)``.
 
-    With ``sample="mean"`` nothing is random and the arrays are empty.
+    With ``sample="mean"`` nothing is random and the arrays are empty. ``mask`` is accepted and
+    ignored: the draws are data- and mask-independent (the mask acts in ``estimate``, on ``pi_n``).
     """
     num_samples = check_positive_int("num_samples", num_samples)
     prefix = (replicates, *q_shape[:-2], q_shape[-2], num_samples)
@@ -66,9 +71,10 @@ def _convergence(params: Mapping[str, Any]) -> str:
 
 SPEC = EstimatorSpec(
     name="ra",
-    summary="randomized attention: per-query samples from the mixture p_n (unbiased) or its mean-field Gaussian (biased)",
+    summary=("randomized attention: per-query samples from the mixture p_n (unbiased) or its mean-field Gaussian "
+             "(biased); causal mask supported (mixture over each query's visible keys, still quadratic)"),
     source="Zheng et al. ICML 2022 (LARA) sec. 3.2, Prop. 3.2, app. G.2 eq. 29-31",
-    complexity="O(N M (S D + D + Dv))",
+    complexity="O(N M (S D + D + Dv)), causal or not (the causal form masks the same N x M logits: quadratic)",
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
@@ -87,6 +93,7 @@ SPEC = EstimatorSpec(
     describe=describe.ra,
     convergence=_convergence,
     cost="quadratic",
+    masks=(None, "causal"),
     normalized=True,
     memory_hint="per query, S samples against all M keys: N S M per batch element",
 )

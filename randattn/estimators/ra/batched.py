@@ -1,4 +1,4 @@
-"""Randomized attention in torch (batched form of ``ra.reference``), chunked over samples."""
+"""Randomized attention in torch (batched form of ``ra.reference``), chunked over samples; bidirectional or causal."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws
-from randattn.estimators.ra.reference import check_ra_params, noise_std
+from randattn.estimators.masks import last_visible_key
+from randattn.estimators.ra.reference import check_ra_params, noise_std, visible_keys
 
 __all__ = ["estimate", "probabilities", "estimate_with_probabilities"]
 
@@ -27,8 +28,12 @@ def _sum_samples(t: torch.Tensor, reps: int, batch: tuple, num_q: int, s: int) -
     return t.reshape(reps, *batch, num_q, s, t.shape[-1]).sum(-2)
 
 
-def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor | None, with_probabilities: bool = False):
+def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor | None, with_probabilities: bool = False,
+            hidden: torch.Tensor | None = None):
     """Sum over samples of f_n(omega) (eq. 6) for omega (R, ..., N, S, D), chunked over S.
+
+    ``hidden`` (N, M) boolean, True where the causal mask hides key m from query n: those logits
+    become -inf, so eq. 6's softmax runs over the visible keys and gives exact zeros elsewhere.
 
     ``v = None`` stands for ``I_M`` without forming it: the sum of the softmaxes themselves, ``(R, ..., N, M)``.
     ``with_probabilities``: the pair (sum for ``v``, sum for ``I_M``) from the same softmaxes.
@@ -48,6 +53,9 @@ def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor | None, with_p
         s = block.shape[-2]
         flat = block.reshape(reps, *batch, num_q * s, dim)
         logits = (flat @ yt).sub_(half_sq)  # (R, ..., N s, M)
+        if hidden is not None:
+            # in place through an (R, ..., N, s, M) view of the fresh contiguous block: no (N s, M) mask copy
+            logits.view(reps, *batch, num_q, s, logits.shape[-1]).masked_fill_(hidden.unsqueeze(-2), float("-inf"))
         probs = torch.softmax(logits, dim=-1)  # (R, ..., N s, M)
         del logits
         f = probs if v is None else probs @ v  # (R, ..., N s, Dv)
@@ -69,11 +77,17 @@ def estimate(
     variant: str = "unbiased",
     noise: str = "paper",
     sample: str = "random",
+    mask: str | None = None,
 ) -> torch.Tensor:
-    """Randomized attention over (R, ..., N, Dv); same signature and layout as ``ra.reference.estimate``."""
+    """Randomized attention over (R, ..., N, Dv); same signature and layout as ``ra.reference.estimate``.
+
+    ``mask="causal"``: the mixture (eq. 29-31) and eq. 6 over the keys ``m <= n + M - N`` of each query n; still
+    quadratic, the bidirectional computation with the hidden logits at -inf.
+    """
     x, y, v, scale, _ = prepare_batched(q, k, v, scale)
-    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample)
-    return _f_mean(omega, y, v) / num_samples
+    hidden = _hidden(mask, x, y)
+    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample, hidden=hidden)
+    return _f_mean(omega, y, v, hidden=hidden) / num_samples
 
 
 def probabilities(
@@ -85,15 +99,19 @@ def probabilities(
     variant: str = "unbiased",
     noise: str = "paper",
     sample: str = "random",
+    mask: str | None = None,
 ) -> torch.Tensor:
     r"""The attention probabilities RA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
 
     :math:`\hat P_{n\cdot} = \frac1S \sum_s \mathrm{softmax}_m(\omega_{ns}^\top y_m - \|y_m\|^2/2)`
-    (eq. 6 without the values), without the ``(N, M) x (M, M)`` product an identity would cost.
+    (eq. 6 without the values), without the ``(N, M) x (M, M)`` product an identity would cost. Under
+    ``mask="causal"`` the softmax runs over the visible keys ``m <= n + M - N`` and the hidden entries are exact
+    zeros, so ``probabilities @ v`` is :func:`estimate` with the same mask (to rounding).
     """
     x, y, _, scale, _ = prepare_batched(q, k, k, scale)
-    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample)
-    total = _f_mean(omega, y, None)  # (R, ..., N, M): in place, no second (N, M) array
+    hidden = _hidden(mask, x, y)
+    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample, hidden=hidden)
+    total = _f_mean(omega, y, None, hidden=hidden)  # (R, ..., N, M): in place, no second (N, M) array
     return total if num_samples == 1 else total.div_(num_samples)
 
 
@@ -107,21 +125,36 @@ def estimate_with_probabilities(
     variant: str = "unbiased",
     noise: str = "paper",
     sample: str = "random",
+    mask: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits: each sample's softmax computed once."""
     x, y, v, scale, _ = prepare_batched(q, k, v, scale)
-    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample)
-    total, total_probs = _f_mean(omega, y, v, with_probabilities=True)
+    hidden = _hidden(mask, x, y)
+    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample, hidden=hidden)
+    total, total_probs = _f_mean(omega, y, v, with_probabilities=True, hidden=hidden)
     return total / num_samples, total_probs if num_samples == 1 else total_probs.div_(num_samples)
 
 
-def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, *, scale: float, variant: str, noise: str, sample: str):
-    """``(omega (R, ..., N, S, D), S)``: the samples of eq. 7 (or the biased variant's, or the mean); ``scale`` resolved."""
+def _hidden(mask: str | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """``(N, M)`` boolean on ``x``'s device, True where ``mask`` hides key m from query n; None for no mask."""
+    visible = visible_keys(mask, x.shape[-2], y.shape[-2])
+    return None if visible is None else ~torch.as_tensor(visible, device=x.device)
+
+
+def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, *, scale: float, variant: str, noise: str, sample: str,
+             hidden: torch.Tensor | None = None):
+    """``(omega (R, ..., N, S, D), S)``: the samples of eq. 7 (or the biased variant's, or the mean); ``scale`` resolved.
+
+    ``hidden`` (N, M): the causal mask's hidden keys, which get mixture weight exactly 0 (eq. 29-31 over visible keys).
+    """
     check_ra_params(variant, sample)
     sigma = noise_std(noise, scale)
     batch = x.shape[:-2]
     num_q, dim = x.shape[-2], x.shape[-1]
-    log_pi = torch.log_softmax(x @ y.transpose(-1, -2), dim=-1)
+    logits_pi = x @ y.transpose(-1, -2)  # (..., N, M)
+    if hidden is not None:
+        logits_pi = logits_pi.masked_fill(hidden, float("-inf"))  # exp gives exact zeros: hidden keys never enter
+    log_pi = torch.log_softmax(logits_pi, dim=-1)
     if sample == "mean":
         mean = x + torch.exp(log_pi) @ y
         return mean.unsqueeze(0).expand(draws.replicates, *mean.shape).unsqueeze(-2), 1
@@ -137,7 +170,13 @@ def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, *, scale: float, va
     # of the (N, M) CDF); searchsorted(right=False) counts entries strictly below u: #{m : F_nm < u}
     reps = draws.replicates
     u_rows = u.movedim(0, -2).reshape(*u.shape[1:-1], reps * num_samples).contiguous()  # (..., N, R S)
-    z = torch.searchsorted(cdf, u_rows, right=False).clamp_max(y.shape[-2] - 1)
+    z = torch.searchsorted(cdf, u_rows, right=False)
+    if hidden is None:
+        z = z.clamp_max(y.shape[-2] - 1)
+    else:
+        # the CDF is flat after the last visible key; u above its rounded-down total picks that key (as the reference)
+        last = torch.as_tensor(last_visible_key(num_q, y.shape[-2]), device=z.device).unsqueeze(-1)  # (N, 1)
+        z = torch.minimum(z, last)
     z = z.reshape(*u.shape[1:-1], reps, num_samples).movedim(-2, 0)  # (R, ..., N, S)
     y_b = y.unsqueeze(0).expand(draws.replicates, *y.shape)
     picked = torch.gather(y_b, -2, z.reshape(*z.shape[:-2], -1, 1).expand(*z.shape[:-2], z.shape[-2] * num_samples, dim))

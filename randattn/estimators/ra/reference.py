@@ -1,4 +1,4 @@
-"""Randomized attention in numpy float64 (reference form)."""
+"""Randomized attention in numpy float64 (reference form), bidirectional or causal."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from scipy.special import log_softmax, softmax
 from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
+from randattn.estimators.masks import causal_visible, last_visible_key
 
-__all__ = ["estimate", "noise_std", "check_ra_params"]
+__all__ = ["estimate", "noise_std", "check_ra_params", "visible_keys"]
 
 
 def noise_std(noise: str, scale: float) -> float:
@@ -34,6 +35,15 @@ def check_ra_params(variant: str, sample: str) -> None:
         )
 
 
+def visible_keys(mask: str | None, num_queries: int, num_keys: int) -> np.ndarray | None:
+    """``(N, M)`` boolean visibility of ``mask`` (:func:`~randattn.estimators.masks.causal_visible`), None for none.
+
+    Raises ValueError for a mask other than None and ``"causal"``, and for causal with M < N.
+    """
+    check_choice("mask", mask, (None, "causal"))
+    return None if mask is None else causal_visible(num_queries, num_keys)
+
+
 def estimate(
     q: Any,
     k: Any,
@@ -44,8 +54,9 @@ def estimate(
     variant: str = "unbiased",
     noise: str = "paper",
     sample: str = "random",
+    mask: str | None = None,
 ) -> np.ndarray:
-    r"""Randomized attention (LARA sec. 3.2, app. G.2, Algorithm 1).
+    r"""Randomized attention (LARA sec. 3.2, app. G.2, Algorithm 1), bidirectional or causal.
 
     .. math::
         \mathrm{RA}(q_n) = \frac{1}{S} \sum_s f_n(\omega_{ns}), \qquad
@@ -55,6 +66,15 @@ def estimate(
     with ``omega_ns = x_n + y_{z_ns} + sigma eps_ns``, ``z_ns ~ Categorical(pi_n)``,
     ``pi_nm = softmax_m(x_n·y_m)`` (unbiased, eq. 29-30), or
     ``omega_ns = x_n + sum_m pi_nm y_m + sigma eps_ns`` (biased, eq. 31).
+
+    Under ``mask="causal"`` every sum over keys runs over the keys query n sees, ``V_n = {m : m <=
+    n + M - N}`` (:mod:`randattn.estimators.masks`): the mixture weights
+    ``pi_nm = exp(x_n·y_m) / sum_{m' in V_n} exp(x_n·y_m')`` for m in V_n and 0 otherwise (eq. 29),
+    so the component ``z_ns`` is a visible key (eq. 30) and the biased mean is
+    ``x_n + sum_{m in V_n} pi_nm y_m`` (eq. 31); and eq. 6 becomes
+    ``f_n(omega) = sum_{m in V_n} softmax_{m in V_n}(omega·y_m - |y_m|^2/2) v_m``. This is RA for
+    the causal softmax target ``sum_{m in V_n} softmax_{m in V_n}(x_n·y_m) v_m`` (Prop. 3.2 holds
+    query by query with M replaced by V_n), so the unbiased variant stays unbiased for it.
 
     Parameters
     ----------
@@ -67,6 +87,9 @@ def estimate(
     variant : {"unbiased", "biased"}
     noise : {"paper", "reference-code"}
     sample : {"random", "mean"}
+    mask : {None, "causal"}
+        None: every query sees every key. ``"causal"``: key m is visible to query n iff
+        ``m <= n + M - N``; needs M >= N. The draws are the same either way.
 
     Returns
     -------
@@ -76,13 +99,22 @@ def estimate(
     -----
     The component index is ``z_ns = #{m : F_nm < u_ns}`` with ``F_n`` the CDF of ``pi_n``
     (inverse-CDF sampling), so that ``u ~ U(0, 1)`` gives ``z ~ Categorical(pi_n)``.
-    Quadratic in N, M by construction (LARA sec. 3.2).
+    Quadratic in N, M by construction (LARA sec. 3.2), causal or not: the causal form is the
+    bidirectional one with the hidden logits set to -inf (weights exactly 0), not a prefix scan.
+    Under causal, ``F_nm`` is flat after the last visible key, so the count can pass it only
+    when ``u`` lies above a rounded-down total mass; the index is then clamped to the last
+    visible key (not to M - 1).
     """
     check_ra_params(variant, sample)
     x, y, v, scale, batch = prepare_reference(q, k, v, scale)
     sigma = noise_std(noise, scale)
     num_q, dim = x.shape[-2], x.shape[-1]
-    log_pi = log_softmax(x @ np.swapaxes(y, -1, -2), axis=-1)  # (..., N, M)
+    visible = visible_keys(mask, num_q, y.shape[-2])  # (N, M) or None
+    logits_pi = x @ np.swapaxes(y, -1, -2)  # (..., N, M)
+    if visible is not None:
+        # -inf, not a large negative number: exp gives exact zeros, so hidden keys' values never enter
+        logits_pi = np.where(visible, logits_pi, -np.inf)
+    log_pi = log_softmax(logits_pi, axis=-1)  # (..., N, M); eq. 29's pi_n, over V_n under causal
     if sample == "mean":
         mean = x + np.exp(log_pi) @ y  # (..., N, D)
         omega = np.broadcast_to(mean, (draws.replicates, *mean.shape))[..., None, :]  # (R, ..., N, 1, D)
@@ -95,7 +127,9 @@ def estimate(
         eps = check_draw_array(draws, "eps", batch, (num_q, u.shape[-1], dim))
         cdf = np.cumsum(np.exp(log_pi), axis=-1)  # (..., N, M)
         z = (cdf[None, ..., None, :] < u[..., None]).sum(-1)  # (R, ..., N, S)
-        z = np.minimum(z, y.shape[-2] - 1)  # u above a rounded-down total mass
+        # u above a rounded-down total mass: clamp to the last key the query sees
+        top = y.shape[-2] - 1 if visible is None else last_visible_key(num_q, y.shape[-2])[:, None]
+        z = np.minimum(z, top)
         y_b = np.broadcast_to(y, (draws.replicates, *y.shape))
         picked = np.take_along_axis(y_b, z.reshape(*z.shape[:-2], -1)[..., None], axis=-2)
         picked = picked.reshape(*z.shape, dim)  # (R, ..., N, S, D)
@@ -103,5 +137,7 @@ def estimate(
     # f_n(omega): softmax over keys of log xi(y_m, omega) = omega·y_m - |y_m|^2/2
     half_sq = 0.5 * (y * y).sum(-1)  # (..., M)
     logits = np.einsum("r...nsd,...md->r...nsm", omega, y) - half_sq[None, ..., None, None, :]
+    if visible is not None:
+        logits = np.where(visible[:, None, :], logits, -np.inf)  # (N, 1, M) over (R, ..., N, S, M)
     f = softmax(logits, axis=-1) @ v[None, ..., None, :, :]  # (R, ..., N, S, Dv)
     return f.mean(-2)
