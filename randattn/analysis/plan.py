@@ -85,14 +85,15 @@ class EstimatorConfig:
     def signed_weights(self) -> bool:
         """Whether the estimator's weights can be negative, so that its sums cancel.
 
-        LARA's decoupled and coupled weights (eq. 38, 37) without ``alpha_clamp`` and the
-        trigonometric feature map are signed; in float32 their cancelling sums lose digits that
-        are not small against the MSE being measured (up to 2e-2 absolute on DINOv2 layer 3).
+        The spec declares it (:meth:`~randattn.estimators.base.EstimatorSpec.has_signed_weights`):
+        e.g. LARA's decoupled and coupled weights (eq. 38, 37) without ``alpha_clamp`` and the
+        trigonometric feature map are signed. In float32 their cancelling sums lose digits that
+        are not small against the MSE being measured (up to 2e-2 absolute on DINOv2 layer 3), so
+        ``dtype="auto"`` runs them in float64.
         """
-        p = self.params
-        if self.name == "lara":
-            return p.get("weighting") in ("decoupled", "coupled") and p.get("alpha_clamp") is None
-        return p.get("feature_map") == "trigonometric"
+        from randattn.estimators.registry import get_spec
+
+        return get_spec(self.name).has_signed_weights(self.params)
 
     def torch_dtype_name(self, dtype: str) -> str:
         """The torch dtype used for this configuration under the sweep's ``dtype`` setting."""

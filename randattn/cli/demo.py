@@ -149,12 +149,22 @@ def _print_summary(summary) -> None:
     order = {label: i for i, label in enumerate(label_order(summary["label"]))}
     summary = summary.assign(_o=summary["label"].map(order)).sort_values(["tokens", "_o", "num_samples"],
                                                                          kind="stable")
-    # softmax does not use samples: the sweep reports it at every S; show it once per token count
-    exact = summary["estimator"] == "softmax"
-    summary = pd.concat([summary[exact].drop_duplicates(["tokens", "label"]).assign(num_samples=-1), summary[~exact]])
+    # an estimator that takes no samples (its spec says so: softmax, local) is run once and reported at every S;
+    # show it once per token count
+    s_free = summary["estimator"].map(_takes_no_samples).astype(bool)
+    summary = pd.concat([summary[s_free].drop_duplicates(["tokens", "label"]).assign(num_samples=-1),
+                         summary[~s_free]])
     summary = summary.sort_values(["tokens", "_o", "num_samples"], kind="stable")
     for row in summary.itertuples(index=False):
         ci = "" if row.mse_lo != row.mse_lo else f" [{row.mse_lo:.3g}, {row.mse_hi:.3g}]"
         table.add_row(str(row.tokens), row.label, "–" if row.num_samples < 0 else str(row.num_samples), f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}",
                       f"{row.variance:.3g}", f"{row.ci_over} ({row.units})")
     out_console.print(table)
+
+
+def _takes_no_samples(name: str) -> bool:
+    """Whether estimator ``name``'s spec says S does not matter (False for one not registered here)."""
+    from randattn.reports.tables import estimator_spec
+
+    spec = estimator_spec(name)
+    return spec is not None and not spec.needs_samples

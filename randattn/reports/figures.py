@@ -11,7 +11,6 @@ the number of samples, one panel per sequence length, aggregated as in LARA app.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import textwrap
@@ -33,8 +32,12 @@ from randattn.reports.tables import (
     approximate_labels,
     describe_data,
     display_names,
+    estimator_order,
+    estimator_spec,
+    exact_labels,
     label_order,
     require_columns,
+    row_params,
 )
 
 __all__ = [
@@ -46,6 +49,7 @@ __all__ = [
     "bias_variance_figure",
     "heatmap_figure",
     "features_figure",
+    "feature_estimators",
     "label_styles",
 ]
 
@@ -177,22 +181,23 @@ def _band_text(aggregated: pd.DataFrame, confidence: float) -> str:
     return f"bands: {round(confidence * 100)}% percentile bootstrap CI over {units} {over}"
 
 
-def _drop_exact(aggregated: pd.DataFrame, value: str,
-                names: dict[str, str] | None = None) -> tuple[pd.DataFrame, list[str]]:
-    """Drop exact estimators: softmax (its error is float round-off, ~1e-13) and labels with ``value`` 0 everywhere.
+def _drop_exact(aggregated: pd.DataFrame, value: str, names: dict[str, str] | None = None,
+                exact: Iterable[str] = ()) -> tuple[pd.DataFrame, list[str]]:
+    """Drop exact estimators: the labels in ``exact`` (exact by their spec: their error is float round-off,
+    ~1e-13) and labels with ``value`` 0 everywhere.
 
-    Returns the remaining rows and notes such as ``"softmax (MSE ≤ 1.7e-13, round-off)"``.
+    Returns the remaining rows and notes such as ``"Softmax (exact) (mse 1.7e-13, round-off)"``.
     """
-    notes, exact = [], []
+    exact = set(exact)
+    notes, dropped = [], []
     for label, group in aggregated.groupby("label", sort=False):
         values = group[value].to_numpy(dtype=float)
-        is_softmax = "estimator" in group and (group["estimator"].astype(str) == "softmax").all()
-        if is_softmax or not (values > 0).any():
-            exact.append(label)
+        if label in exact or not (values > 0).any():
+            dropped.append(label)
             largest = np.nanmax(values) if np.isfinite(values).any() else np.nan
             shown = (names or {}).get(label, label)
             notes.append(f"{shown} ({value} {largest:.2g}, round-off)" if largest > 0 else f"{shown} ({value} 0)")
-    return aggregated[~aggregated["label"].isin(exact)], notes
+    return aggregated[~aggregated["label"].isin(dropped)], notes
 
 
 def _select_labels(table: pd.DataFrame, labels: Sequence[str] | None) -> pd.DataFrame:
@@ -252,7 +257,7 @@ def mse_vs_samples_figure(
     table = _select_labels(table, labels)
     aggregated = aggregate_over_images(table, [value], confidence=confidence, seed=seed)
     names = display_names(table)
-    aggregated, exact = _drop_exact(aggregated, value, names)
+    aggregated, exact = _drop_exact(aggregated, value, names, exact_labels(table))
     if aggregated.empty:
         raise ResultsError(f"the MSE-vs-samples figure has nothing to draw: every estimator has {value} = 0")
     tokens = _token_values(aggregated)
@@ -334,7 +339,7 @@ def bias_variance_figure(
     table = _select_labels(table, labels)
     aggregated = aggregate_over_images(table, ["mse", "variance", "bias_sq"], n_boot=1, seed=seed)
     names = display_names(table)
-    aggregated, exact = _drop_exact(aggregated, "mse", names)
+    aggregated, exact = _drop_exact(aggregated, "mse", names, exact_labels(table))
     if aggregated.empty:
         raise ResultsError("the bias/variance figure has nothing to draw: every estimator has MSE = 0")
     tokens = _token_values(aggregated)
@@ -472,40 +477,109 @@ def heatmap_figure(
     return fig
 
 
-def _rfa_variants(table: pd.DataFrame) -> pd.DataFrame:
-    """rfa rows with ``feature_map`` and ``coupling`` columns parsed from ``params`` (defaults filled in)."""
-    rows = table[table["estimator"] == "rfa"].copy()
-    if rows.empty:
-        raise ResultsError("the feature-map comparison needs rfa rows; the table has none")
-
-    def parse(text: Any) -> dict:
-        if isinstance(text, dict):
-            return text
-        if not isinstance(text, str) or not text.strip():
-            return {}
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return {}
-        return value if isinstance(value, dict) else {}
-
-    params = rows["params"].map(parse) if "params" in rows else pd.Series([{}] * len(rows), index=rows.index)
-    rows["feature_map"] = params.map(lambda p: str(p.get("feature_map", "positive")))
-    rows["coupling"] = params.map(lambda p: str(p.get("coupling", "iid")))
-    return rows
+#: the parameters the features figure compares (Performer Fig. 4): an estimator whose spec has both is drawn
+_FEATURE_PARAMS: tuple[str, str] = ("feature_map", "coupling")
+#: the coupling the feature-map panel prefers when it was measured (Performer Fig. 4 compares maps on it)
+_PREFERRED_COUPLING = "orthogonal"
 
 
-def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: int = 0) -> Figure:
-    """RFA coupling and feature-map comparison (Performer Fig. 4): orthogonal vs iid, positive vs trigonometric.
+def _compares_features(spec: Any) -> bool:
+    """Whether an estimator's spec has the parameters the features figure compares."""
+    return spec is not None and set(_FEATURE_PARAMS) <= set(spec.params)
 
-    Left column: couplings with positive features. Right column: feature maps with the orthogonal coupling
-    (iid when orthogonal was not measured). One row per token count; MSE against S on log-log axes with a
-    bootstrap band over images.
+
+def feature_estimators(table: pd.DataFrame) -> list[str]:
+    """Estimators of ``table`` that the features figure compares: those whose spec has ``feature_map`` and
+    ``coupling`` parameters, in catalogue order.
 
     Parameters
     ----------
     table : pandas.DataFrame
-        Results with ``estimator`` and ``params`` columns and at least two rfa variants.
+        With an ``estimator`` column.
+
+    Returns
+    -------
+    list of str
+        Registry names; empty when the table has none (or no ``estimator`` column).
+    """
+    if "estimator" not in table:
+        return []
+    present = {str(name) for name in table["estimator"].unique()}
+    return [name for name in estimator_order() if name in present and _compares_features(estimator_spec(name))]
+
+
+def _feature_variants(table: pd.DataFrame) -> pd.DataFrame:
+    """Rows of :func:`feature_estimators` with their compared parameters as columns.
+
+    Adds ``feature_map`` and ``coupling`` (from ``params``, the spec's defaults filled in), ``_default_map`` and
+    ``_default_coupling`` (the spec's defaults), and ``_family``: ``""``, or ``"<family>: "`` when the table
+    holds several such estimators, so that their variants keep apart in one panel.
+    """
+    names = feature_estimators(table)
+    rows = table[table["estimator"].astype(str).isin(names)].copy()
+    if rows.empty:
+        known = [name for name in estimator_order() if _compares_features(estimator_spec(name))]
+        raise ResultsError(
+            "the feature-map comparison needs rows of an estimator with feature_map and coupling parameters "
+            f"({', '.join(known) or 'none is registered'}); the table has none"
+        )
+    given = rows["params"].astype(str) if "params" in rows else pd.Series("", index=rows.index)
+    configs = {key: (estimator_spec(key[0]), row_params(estimator_spec(key[0]), key[1]))  # once per configuration
+               for key in set(zip(rows["estimator"].astype(str), given))}
+    specs, params = zip(*(configs[key] for key in zip(rows["estimator"].astype(str), given)))
+    rows["feature_map"] = [str(p.get("feature_map")) for p in params]
+    rows["coupling"] = [str(p.get("coupling")) for p in params]
+    rows["_default_map"] = [str(spec.params["feature_map"].default) for spec in specs]
+    rows["_default_coupling"] = [str(spec.params["coupling"].default) for spec in specs]
+    rows["_family"] = [f"{spec.family_name}: " if len(names) > 1 else "" for spec in specs]
+    return rows
+
+
+def _feature_panels(rows: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str]]:
+    """(title, rows, compared column) of each panel with at least two variants to compare.
+
+    Couplings are compared on each estimator's default feature map (positive features for rfa); feature maps on
+    the orthogonal coupling when it was measured, else on each estimator's default coupling (iid for rfa).
+    """
+    panels: list[tuple[str, pd.DataFrame, str]] = []
+    by_coupling = rows[rows["feature_map"] == rows["_default_map"]]
+    if by_coupling["coupling"].nunique() >= 2:
+        panels.append((f"coupling ({', '.join(sorted(by_coupling['feature_map'].unique()))} features)",
+                       by_coupling, "coupling"))
+    preferred = rows["coupling"] == _PREFERRED_COUPLING
+    by_map = rows[preferred] if preferred.any() else rows[rows["coupling"] == rows["_default_coupling"]]
+    if by_map["feature_map"].nunique() >= 2:
+        panels.append((f"feature map ({', '.join(sorted(by_map['coupling'].unique()))} coupling)",
+                       by_map, "feature_map"))
+    return panels
+
+
+def _not_shown_note(rows: pd.DataFrame, panels: list[tuple[str, pd.DataFrame, str]], table: pd.DataFrame) -> str:
+    """Which measured variants no panel shows (neither the default feature map nor the panels' coupling), so that
+    the figure does not drop them silently."""
+    shown = set().union(*(set(subset["label"]) for _, subset, _ in panels)) if panels else set()
+    missing = [label for label in label_order(rows["label"]) if label not in shown]
+    if not missing:
+        return ""
+    names = display_names(table)
+    return "\nnot shown (no panel compares them): " + "; ".join(names.get(label, label) for label in missing)
+
+
+def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: int = 0) -> Figure:
+    """Random-feature coupling and feature-map comparison (Performer Fig. 4): orthogonal vs iid, positive vs
+    trigonometric.
+
+    The rows compared are those of every estimator whose spec has ``feature_map`` and ``coupling`` parameters
+    (:func:`feature_estimators`: rfa among the built-ins). Left column: couplings with the default feature map
+    (positive). Right column: feature maps with the orthogonal coupling (the default, iid, when orthogonal was
+    not measured). One row per token count; MSE against S on log-log axes with a bootstrap band over images.
+    Variants that neither column holds (e.g. trigonometric features with iid directions beside orthogonal ones)
+    are named in the subtitle.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        Results with ``estimator`` and ``params`` columns and at least two variants of such an estimator.
     metadata : dict, optional
     seed : int
 
@@ -515,31 +589,24 @@ def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: 
         ``2 x tokens`` axes (a column is left out when it would hold a single variant).
     """
     require_columns(table, [*PLOT_COLUMNS, "params"], "the feature-map comparison")
-    rows = _rfa_variants(table)
-    feature_maps = sorted(rows["feature_map"].unique())
-    coupling_for_maps = "orthogonal" if "orthogonal" in set(rows["coupling"]) else "iid"
-    panels: list[tuple[str, pd.DataFrame, str]] = []
-    by_coupling = rows[rows["feature_map"] == "positive"]
-    if by_coupling["coupling"].nunique() >= 2:
-        panels.append(("coupling (positive features)", by_coupling, "coupling"))
-    by_map = rows[rows["coupling"] == coupling_for_maps]
-    if by_map["feature_map"].nunique() >= 2:
-        panels.append((f"feature map ({coupling_for_maps} coupling)", by_map, "feature_map"))
+    rows = _feature_variants(table)
+    panels = _feature_panels(rows)
+    families = "/".join(feature_estimators(rows))
     if not panels:
         raise ResultsError(
-            "the feature-map comparison needs at least two rfa variants that differ in coupling or feature map; "
-            f"the table has rfa with feature maps {', '.join(feature_maps)} and couplings "
-            f"{', '.join(sorted(rows['coupling'].unique()))}"
+            f"the feature-map comparison needs at least two {families} variants that differ in coupling or feature "
+            f"map; the table has {families} with feature maps {', '.join(sorted(rows['feature_map'].unique()))} "
+            f"and couplings {', '.join(sorted(rows['coupling'].unique()))}"
         )
     tokens = _token_values(rows)
-    variants = sorted({v for _, subset, column in panels for v in subset[column].unique()})
+    variants = sorted({v for _, subset, column in panels for v in (subset["_family"] + subset[column]).unique()})
     styles = label_styles(variants)
     fig, axes = _new_figure(len(tokens) * len(panels), ncols=len(panels))
     handles: dict[str, Line2D] = {}
     for row_index, n in enumerate(tokens):
         for col_index, (title, subset, column) in enumerate(panels):
             ax = axes[row_index * len(panels) + col_index]
-            panel = subset[subset["tokens"] == n].assign(label=lambda d: d[column])
+            panel = subset[subset["tokens"] == n].assign(label=lambda d: d["_family"] + d[column])
             if panel.empty:
                 continue
             aggregated = aggregate_over_images(panel, ["mse"], seed=seed)
@@ -566,9 +633,10 @@ def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: 
             ax.grid(True, which="both", alpha=0.3)
     _titles(
         fig,
-        "Random-feature attention (rfa): coupling and feature map",
+        f"Random-feature attention ({families}): coupling and feature map",
         f"{describe_data(rows, metadata)}\nmean over layers and heads per image, then over images; "
-        f"{_band_text(aggregate_over_images(rows, ['mse'], n_boot=2, seed=seed), 0.95)}",
+        f"{_band_text(aggregate_over_images(rows, ['mse'], n_boot=2, seed=seed), 0.95)}"
+        f"{_not_shown_note(rows, panels, table)}",
     )
     _legend(fig, [handles[v] for v in sorted(handles)], len(handles))
     return fig

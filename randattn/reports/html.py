@@ -22,10 +22,11 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from randattn._files import atomic_write_text
-
+from randattn.analysis.diagnostics import KHAT_MIN_WEIGHTS, KHAT_THRESHOLD
 from randattn.reports.figures import (
     MSE_UNITS,
     bias_variance_figure,
+    feature_estimators,
     features_figure,
     heatmap_figure,
     mse_vs_samples_figure,
@@ -36,9 +37,11 @@ from randattn.reports.tables import (
     approximate_labels,
     describe_data,
     display_names,
+    estimator_spec,
     label_order,
     mse_pivot,
     require_columns,
+    row_params,
     summary_table,
 )
 
@@ -57,8 +60,6 @@ __all__ = [
     "write_report",
 ]
 
-#: Pareto k-hat above which importance-sampling variance estimates are unreliable (Vehtari et al. 2024)
-KHAT_THRESHOLD = 0.7
 #: delta-method variance / replicate variance outside this band flags a variance estimate to distrust
 DELTA_RATIO_BAND = (0.5, 2.0)
 _PACKAGES = ("randattn", "numpy", "scipy", "torch", "pandas", "matplotlib", "onnxruntime")
@@ -99,12 +100,6 @@ WARNING_EXPLANATIONS: dict[str, str] = {
     ),
     "UserWarning": "A caveat raised while computing the results; read the message.",
 }
-
-#: minimum number of weights per query for a Pareto k-hat (arviz fits a tail of ceil(min(J/5, 3 sqrt J)) >= 5)
-_KHAT_MIN_WEIGHTS = 25
-#: rfa feature maps whose features are signed (no importance weights)
-_SIGNED_FEATURE_MAPS = ("trigonometric",)
-
 
 @dataclass(frozen=True)
 class ReportFigure:
@@ -264,8 +259,12 @@ def warnings_summary(metadata: Mapping[str, Any] | None) -> pd.DataFrame:
 
 
 def _not_computed_reason(rows: pd.DataFrame, column: str, metadata: Mapping[str, Any]) -> str:
-    """Why ``column`` (``pareto_khat``, ``delta_var_ratio`` or ``ess_mean``) is NaN in every one of ``rows``."""
-    import json as _json
+    """Why ``column`` (``pareto_khat``, ``delta_var_ratio`` or ``ess_mean``) is NaN in every one of ``rows``.
+
+    ``rows`` are the cells of one label; what the estimator is (its importance weights, signed or not, how many
+    per sample) is asked of its spec, so a plugin's rows are explained like a built-in's.
+    """
+    from randattn.estimators.names import display_name
 
     # the sweep (and demo) configurations record whether diagnostics were asked for
     places = [metadata, metadata.get("config"), metadata.get("demo"), *(metadata.get("sweeps") or [])]
@@ -276,24 +275,24 @@ def _not_computed_reason(rows: pd.DataFrame, column: str, metadata: Mapping[str,
     if "random" in rows and not rows["random"].astype(bool).any():
         return "deterministic estimator (no draws, no importance weights)"
     name = str(rows["estimator"].iloc[0]) if "estimator" in rows else str(rows["label"].iloc[0]).split(":")[0]
-    params: dict[str, Any] = {}
-    if "params" in rows:
-        try:
-            value = _json.loads(str(rows["params"].iloc[0]))
-            params = value if isinstance(value, dict) else {}
-        except ValueError:
-            params = {}
-    if name == "rfa" and params.get("feature_map") in _SIGNED_FEATURE_MAPS:
-        return "signed trigonometric features (no importance weights)"
-    if name == "lara" and params.get("weighting", "decoupled") == "decoupled" and params.get("alpha_clamp") is None:
-        return "signed weights (LARA's decoupled weighting, eq. 38, can be negative)"
-    if name not in ("rfa", "lara"):
+    spec = estimator_spec(name)
+    if spec is None:
+        return f"estimator {name} is not installed here; its diagnostics cannot be explained"
+    params = row_params(spec, rows["params"].iloc[0] if "params" in rows else None)
+    shown = display_name(name, params)
+    if not spec.diagnostics_apply(params) and spec.has_signed_weights(params):
+        return f"signed weights ({shown} has no importance weights)"
+    if spec.importance_weights is None:
         return f"not defined for {name} (no self-normalized importance weights to diagnose)"
+    if not spec.diagnostics_apply(params):
+        return f"not defined for {shown} (no self-normalized importance weights to diagnose)"
+    if spec.has_signed_weights(params):
+        # the diagnostics exist where a draw's weights happen to be all positive; in these cells none was
+        return f"signed weights (the weights of {shown} can be negative)"
     if column == "pareto_khat":
         s = int(rows["num_samples"].max())
-        per_sample = 2 if params.get("feature_map") == "hyperbolic" else 1
-        if s * per_sample < _KHAT_MIN_WEIGHTS:
-            return (f"S = {s} is below the minimum tail size (k-hat needs at least {_KHAT_MIN_WEIGHTS} weights per "
+        if s * spec.weights_per_sample(params) < KHAT_MIN_WEIGHTS:
+            return (f"S = {s} is below the minimum tail size (k-hat needs at least {KHAT_MIN_WEIGHTS} weights per "
                     "query for a Pareto tail of 5)")
     return "not available for these cells (e.g. some weights not positive)"
 
@@ -352,9 +351,10 @@ def diagnostics_overview(table: pd.DataFrame, metadata: Mapping[str, Any] | None
 
 
 def default_figures(table: pd.DataFrame, metadata: Mapping[str, Any] | None = None) -> list[ReportFigure]:
-    """Every figure the table supports: MSE vs S, bias²/variance, rfa features, one heatmap per estimator.
+    """Every figure the table supports: MSE vs S, bias²/variance, random features, one heatmap per estimator.
 
-    Figures a table cannot support (no rfa variants to compare; an estimator with MSE 0) are left out.
+    Figures a table cannot support (no random-feature variants to compare, see
+    :func:`~randattn.reports.figures.feature_estimators`; an estimator with MSE 0) are left out.
 
     Parameters
     ----------
@@ -381,15 +381,16 @@ def default_figures(table: pd.DataFrame, metadata: Mapping[str, Any] | None = No
             "(gaps on the log axis).",
             bias_variance_figure(table, metadata=metadata),
         ))
-    if "params" in table and (table["estimator"] == "rfa").any():
+    compared = feature_estimators(table) if "params" in table else []
+    if compared:
         try:
             figures.append(ReportFigure(
                 "features", "Random-feature attention: coupling and feature map (Performer Fig. 4)",
-                "Orthogonal vs iid random features, and positive vs other feature maps, for rfa.",
+                f"Orthogonal vs iid random features, and positive vs other feature maps, for {', '.join(compared)}.",
                 features_figure(table, metadata=metadata),
             ))
         except ResultsError:
-            pass  # a single rfa variant: nothing to compare
+            pass  # a single variant: nothing to compare
     names = display_names(table)
     for label in approximate_labels(table):
         s = int(table.loc[table["label"] == label, "num_samples"].max())

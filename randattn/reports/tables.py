@@ -35,14 +35,18 @@ __all__ = [
     "label_order",
     "describe_data",
     "display_names",
+    "estimator_order",
+    "estimator_spec",
+    "exact_labels",
+    "is_exact",
+    "parse_params",
+    "row_params",
 ]
 
 #: every column of a full results table, in order: the sweep's schema, defined once
 RESULT_COLUMNS: tuple[str, ...] = COLUMNS
 #: the columns every figure needs
 PLOT_COLUMNS: tuple[str, ...] = ("image", "layer", "head", "tokens", "estimator", "label", "num_samples", "mse")
-#: estimator families in the order the papers introduce them (colours and legends follow it)
-ESTIMATOR_ORDER: tuple[str, ...] = ("softmax", "rfa", "ra", "lara", "eva", "scatterbrain", "local")
 _READERS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "json"}
 #: where table metadata may live beside the table: ``results.csv`` -> ``results.csv.meta.json`` (what
 #: :func:`randattn.analysis.sweep.write_table` writes) or ``results.meta.json``
@@ -52,6 +56,121 @@ _PARQUET_METADATA_KEYS = (b"randattn", b"randattn_metadata", b"metadata")
 
 class ResultsError(ValueError):
     """A results file that cannot be read, or a table without the columns a figure or report needs."""
+
+
+# -------------------------------------------------------------------------------- what the registry says of a row
+# A table names its estimators; what they are (exact or not, signed weights, their parameters) is asked of
+# their specs, so that a plugin's rows are reported like a built-in's (ARCHITECTURE sec. 13).
+def estimator_order() -> tuple[str, ...]:
+    """Registered estimator names in catalogue order: the built-ins as the papers introduce them, then plugins.
+
+    Colours and legends follow it (:func:`label_order`).
+    """
+    from randattn.estimators.registry import list_estimators
+
+    return tuple(list_estimators())
+
+
+def __getattr__(name: str) -> Any:
+    # ``ESTIMATOR_ORDER`` was a tuple of names; it is now the registry's order, read when asked for, so that
+    # a plugin registered after this module was imported takes its place too
+    if name == "ESTIMATOR_ORDER":
+        return estimator_order()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def estimator_spec(name: Any) -> Any:
+    """The registered spec of estimator ``name``, or None.
+
+    Parameters
+    ----------
+    name : str
+        A table's ``estimator`` value.
+
+    Returns
+    -------
+    EstimatorSpec or None
+        None for a name not registered here: a table written with a plugin that is not installed, whose
+        rows are still reported, but without what only its spec could say.
+    """
+    from randattn.estimators.registry import get_spec
+
+    try:
+        return get_spec(str(name))
+    except ValueError:
+        return None
+
+
+def parse_params(params: Any) -> dict[str, Any]:
+    """A table's ``params`` value (canonical JSON, a mapping, or missing) as a dict; ``{}`` when unreadable."""
+    if isinstance(params, dict):
+        return dict(params)
+    if not isinstance(params, str) or not params.strip():
+        return {}
+    try:
+        value = json.loads(params)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def row_params(spec: Any, params: Any = None) -> dict[str, Any]:
+    """A row's parameters as its spec's facts read them: the row's ``params`` with the spec's defaults filled in.
+
+    Parameters
+    ----------
+    spec : EstimatorSpec or None
+        From :func:`estimator_spec`.
+    params : str or mapping, optional
+        The row's ``params`` (JSON of the resolved parameters).
+
+    Returns
+    -------
+    dict
+        ``spec.resolve_params(params)``; when the spec refuses them (a table written by another version may
+        hold a parameter or value it no longer knows), the row's values over the defaults, unchecked: a
+        report still names and explains the row. Without a spec, the row's values as they are.
+    """
+    given = parse_params(params)
+    if spec is None:
+        return given
+    try:
+        return spec.resolve_params(given)
+    except (TypeError, ValueError):
+        return {**{key: param.default for key, param in spec.params.items()}, **given}
+
+
+def is_exact(name: Any, params: Any = None) -> bool:
+    """Whether estimator ``name`` with ``params`` is exact softmax attention (its spec's convergence ``"exact"``).
+
+    False for an estimator not registered here: nothing says it is exact, so its error is shown.
+    """
+    spec = estimator_spec(name)
+    return spec is not None and spec.convergence_of(row_params(spec, params)) == "exact"
+
+
+def exact_labels(table: pd.DataFrame) -> set[str]:
+    """Labels of ``table`` whose estimator is exact by its spec (:func:`is_exact`); empty without ``estimator``.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        With ``label`` and ``estimator`` (``params`` optional) columns.
+
+    Returns
+    -------
+    set of str
+    """
+    if "estimator" not in table or "label" not in table:
+        return set()
+    columns = ["label", "estimator", *(["params"] if "params" in table else [])]
+    # one spec lookup per configuration, not per row
+    configs = table[columns].astype(str).drop_duplicates()
+    exact: dict[str, bool] = {}
+    for row in configs.itertuples(index=False):
+        params = row[2] if len(row) > 2 else None
+        exact[row[0]] = exact.get(row[0], True) and is_exact(row[1], params)
+    return {label for label, value in exact.items() if value}
 
 
 @dataclass(frozen=True)
@@ -246,7 +365,7 @@ def display_names(table: pd.DataFrame) -> dict[str, str]:
 
 
 def label_order(labels: Iterable[str]) -> list[str]:
-    """Labels sorted by estimator family (softmax, rfa, ra, lara, eva, ...), then by text.
+    """Labels sorted by estimator family in catalogue order (:func:`estimator_order`), then by text.
 
     Parameters
     ----------
@@ -256,12 +375,12 @@ def label_order(labels: Iterable[str]) -> list[str]:
     Returns
     -------
     list of str
-        Unique labels in display order.
+        Unique labels in display order; labels of estimators not registered here come last, by text.
     """
+    rank = {name: i for i, name in enumerate(estimator_order())}
+
     def key(label: str) -> tuple[int, str]:
-        family = label.split(":", 1)[0]
-        rank = ESTIMATOR_ORDER.index(family) if family in ESTIMATOR_ORDER else len(ESTIMATOR_ORDER)
-        return rank, label
+        return rank.get(label.split(":", 1)[0], len(rank)), label
 
     return sorted(set(map(str, labels)), key=key)
 
@@ -271,7 +390,7 @@ AGGREGATED_VALUES: tuple[str, ...] = ("mse", "bias_sq", "variance")
 
 
 def approximate_labels(table: pd.DataFrame) -> list[str]:
-    """Labels of the estimators that approximate softmax: not softmax itself, and with some MSE > 0.
+    """Labels of the estimators that approximate softmax: not exact by their spec, and with some MSE > 0.
 
     Parameters
     ----------
@@ -283,7 +402,7 @@ def approximate_labels(table: pd.DataFrame) -> list[str]:
     list of str
         In display order (:func:`label_order`).
     """
-    rows = table[table["estimator"].astype(str) != "softmax"] if "estimator" in table else table
+    rows = table[~table["label"].astype(str).isin(exact_labels(table))]
     largest = rows.groupby("label")["mse"].max()
     return label_order(label for label in largest.index if largest[label] > 0)
 

@@ -80,6 +80,20 @@ def test_stability_check_passes_and_covers_every_registered_estimator():
     assert result.tested == len(list_estimators())
 
 
+def test_stability_compares_with_the_ground_truth_what_the_spec_declares_exact():
+    from dataclasses import replace
+
+    from randattn.estimators.registry import get_spec, register_estimator, unregister_estimator
+
+    assert _stability._is_exact("softmax", {}) and not _stability._is_exact("rfa", {})
+    assert not _stability._is_exact("not-installed", {})
+    register_estimator(replace(get_spec("softmax"), name="myexact"))
+    try:
+        assert _stability._is_exact("myexact", {})
+    finally:
+        unregister_estimator("myexact")
+
+
 def test_stability_check_fails_for_a_softmax_without_the_max_shift(monkeypatch):
     """A plain exp overflows at key norms >= 150: the package's softmax reference made naive."""
     from randattn.estimators.softmax import reference as softmax_ref

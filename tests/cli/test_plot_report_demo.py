@@ -178,3 +178,12 @@ def test_demo_quick_end_to_end(tmp_path):
     assert (table.loc[table["label"] != "softmax", "mse"] > 0).all()
     assert "rfa:coupling=orthogonal" in result.stdout  # the summary table goes to stdout
     assert re.search(r"done in \d+\.\d s", error_text(result))
+
+
+def test_demo_summary_shows_estimators_without_samples_once_by_their_spec():
+    """Estimators whose spec says they take no samples are run once and printed once per token count."""
+    from randattn.cli.demo import _takes_no_samples
+
+    assert _takes_no_samples("softmax") and _takes_no_samples("local")
+    assert not _takes_no_samples("rfa") and not _takes_no_samples("eva")
+    assert not _takes_no_samples("not-installed")

@@ -156,12 +156,34 @@ def test_no_warnings_says_which_case(nan_table, metadata, text):
     assert text in page[page.index('id="warnings"'):page.index('id="diagnostics"')]
 
 
+def test_diagnostics_reasons_come_from_the_spec():
+    """Signed features have no importance weights; k-hat's tail counts the spec's weights per sample (2 for
+    hyperbolic features, so S = 16 gives 32 >= 25 weights and the short-tail reason does not apply)."""
+    profiles = {"rfa:feature_map=hyperbolic": ("rfa", {"feature_map": "hyperbolic"}, 4.0, 0.02)}
+    table = make_results_table(tokens=(197,), samples=(16,), heads=1, layers=(0,), profiles=profiles,
+                               labels=["rfa", "rfa:feature_map=trigonometric", "rfa:feature_map=hyperbolic"])
+    table[["pareto_khat", "delta_var_ratio", "ess_mean"]] = np.nan
+    overview = diagnostics_overview(table).set_index(["label", "S"])
+    assert overview.loc[("rfa:feature_map=trigonometric", 16), "k-hat"] == (
+        "k-hat not computed: signed weights (Performer (trigonometric RFA, iid) has no importance weights)")
+    assert overview.loc[("rfa", 16), "k-hat"].startswith("k-hat not computed: S = 16 is below the minimum tail")
+    assert overview.loc[("rfa:feature_map=hyperbolic", 16), "k-hat"] == (
+        "k-hat not computed: not available for these cells (e.g. some weights not positive)")
+
+
+def test_the_report_module_shares_the_diagnostics_thresholds():
+    from randattn.analysis import diagnostics
+    from randattn.reports import html as report_html
+
+    assert report_html.KHAT_THRESHOLD is diagnostics.KHAT_THRESHOLD
+
+
 def test_diagnostics_say_why_they_were_not_computed(nan_table):
     overview = diagnostics_overview(nan_table).set_index(["label", "S"])
     assert overview.loc[("softmax", 16), "k-hat"] == (
         "k-hat not computed: deterministic estimator (no draws, no importance weights)")
     assert overview.loc[("lara", 64), "k-hat"] == (
-        "k-hat not computed: signed weights (LARA's decoupled weighting, eq. 38, can be negative)")
+        "k-hat not computed: signed weights (the weights of LARA (paper, decoupled β=1) can be negative)")
     assert overview.loc[("eva", 64), "variance ratio"].startswith("variance ratio not computed: not defined for eva")
     assert overview.loc[("rfa", 16), "k-hat"].startswith("k-hat not computed: S = 16 is below the minimum tail size")
     ratios = nan_table.loc[(nan_table["label"] == "rfa") & (nan_table["num_samples"] == 16), "delta_var_ratio"]
