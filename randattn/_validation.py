@@ -15,6 +15,7 @@ __all__ = [
     "check_choice",
     "check_positive_int",
     "check_qkv_shapes",
+    "check_finite_on_device",
     "check_scale",
     "default_scale",
     "available_devices",
@@ -84,11 +85,29 @@ def _shape_dtype(name: str, array: Any) -> tuple[tuple[int, ...], Any, bool]:
     # the size of the input (the sweep's probability pass validates an (M, M) identity on every call)
     if isinstance(array, np.ndarray):
         finite = bool(np.isfinite(array.max()) and np.isfinite(array.min()))
+    elif array.device.type != "cpu":
+        # on an accelerator reading the answer back would synchronise the device on every estimator call;
+        # inputs are checked once where they enter instead (randattn.estimate, the sweep's activation loader)
+        finite = True
     else:
         import torch
 
         finite = bool(torch.isfinite(array.amax()) and torch.isfinite(array.amin()))
     return shape, dtype, finite
+
+
+def check_finite_on_device(**arrays: Any) -> None:
+    """Raise ValueError naming the first of ``arrays`` (torch tensors on an accelerator) holding NaN or inf.
+
+    :func:`check_qkv_shapes` does not read accelerator tensors back (a device sync per estimator call);
+    the public entry points call this once instead.
+    """
+    for name, array in arrays.items():
+        if hasattr(array, "device") and array.device.type != "cpu" and array.numel():
+            import torch
+
+            if not bool(torch.isfinite(array).all()):
+                raise ValueError(f"{name} contains NaN or infinite values")
 
 
 def check_qkv_shapes(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], int, int, int, int]:

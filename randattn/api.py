@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from randattn._validation import check_choice, check_positive_int, check_qkv_shapes, check_device
+from randattn._validation import check_choice, check_device, check_finite_on_device, check_positive_int, check_qkv_shapes
 from randattn.estimators.base import Draws, EstimatorSpec, validate_spec
 from randattn.estimators.registry import get_spec
 
@@ -156,6 +156,7 @@ def estimate(
     spec = _spec_of(name)
     resolved = spec.resolve_params(params)
     check_qkv_shapes(q, k, v)
+    check_finite_on_device(q=q, k=k, v=v)
     masked = _mask_kwargs(spec, mask, q.shape[-2], k.shape[-2])
     draws = draw(spec, tuple(q.shape), tuple(k.shape), num_samples=num_samples, seed=seed,
                  replicates=1 if replicates is None else replicates, mask=mask, **resolved)

@@ -29,12 +29,19 @@ class NonPositiveDenominatorWarning(RuntimeWarning):
     """
 
 
+def count_non_positive(sign: Any) -> int:
+    """How many entries of ``sign`` are <= 0, read back to the host (the device sync of a signed estimator)."""
+    return int((sign <= 0).sum())
+
+
 def warn_non_positive(sign: Any, why: str, stacklevel: int = 3) -> None:
     """Warn once per call when any entry of the denominator signs ``sign`` is <= 0.
 
-    ``sign`` is a numpy array or torch tensor of any shape (one entry per query).
+    ``sign`` is a numpy array or torch tensor of any shape (one entry per query). On an accelerator this is the
+    one read back to the host that a signed estimator makes per call (:func:`count_non_positive`): the report
+    is worth a synchronisation (precision first), and positive estimators never make it.
     """
-    bad = int((sign <= 0).sum())
+    bad = count_non_positive(sign)
     if bad:
         total = int(np.prod(tuple(sign.shape)))
         warnings.warn(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["feature_attention", "affine_feature_attention", "snis_terms_from_log_features"]
@@ -105,7 +107,7 @@ def affine_feature_attention(
     replicates, batch = directions.shape[0], x.shape[:-2]
     n, m, d, j = x.shape[-2], y.shape[-2], x.shape[-1], directions.shape[-2]
     dv = m if v is None else v.shape[-1]
-    flat = replicates * int(torch.tensor(batch).prod()) if batch else replicates
+    flat = replicates * math.prod(batch) if batch else replicates
 
     def per_replicate(t: torch.Tensor) -> torch.Tensor:  # (..., T, F) -> (R * batch, T, F); a view when R = 1
         return t.unsqueeze(0).expand(replicates, *t.shape).reshape(flat, t.shape[-2], t.shape[-1])
