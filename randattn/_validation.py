@@ -85,7 +85,7 @@ def _shape_dtype(name: str, array: Any) -> tuple[tuple[int, ...], Any, bool]:
     # the size of the input (the sweep's probability pass validates an (M, M) identity on every call)
     if isinstance(array, np.ndarray):
         finite = bool(np.isfinite(array.max()) and np.isfinite(array.min()))
-    elif array.device.type != "cpu":
+    elif getattr(array.device, "type", "cpu") != "cpu":
         # on an accelerator reading the answer back would synchronise the device on every estimator call;
         # inputs are checked once where they enter instead (randattn.estimate, the sweep's activation loader)
         finite = True
@@ -103,7 +103,8 @@ def check_finite_on_device(**arrays: Any) -> None:
     the public entry points call this once instead.
     """
     for name, array in arrays.items():
-        if hasattr(array, "device") and array.device.type != "cpu" and array.numel():
+        # numpy 2 arrays have a string ``device`` ("cpu"); torch's has a ``type``
+        if getattr(getattr(array, "device", None), "type", "cpu") != "cpu" and array.numel():
             import torch
 
             if not bool(torch.isfinite(array).all()):
