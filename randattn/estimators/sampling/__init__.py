@@ -17,6 +17,7 @@ __all__ = [
     "COUPLINGS",
     "gaussian_omegas",
     "haar_orthogonal",
+    "haar_stiefel",
     "orthogonal_omegas",
     "simplex_omegas",
     "draw_omegas",
@@ -52,6 +53,29 @@ def haar_orthogonal(rng: np.random.Generator, prefix: Sequence[int], dim: int, *
     return q
 
 
+def haar_stiefel(
+    rng: np.random.Generator, prefix: Sequence[int], rows: int, dim: int, *, sign_fix: bool = True
+) -> np.ndarray:
+    """``rows`` orthonormal rows in R^D, ``(*prefix, rows, D)``, distributed as any ``rows`` rows of a Haar matrix.
+
+    Notes
+    -----
+    The thin QR of a ``D x rows`` Gaussian ``G = Q R`` gives ``Q`` with orthonormal columns, uniform on the
+    Stiefel manifold once each column is multiplied by ``sign(R_ii)`` (the same sign fix as
+    :func:`haar_orthogonal`, Mezzadri 2007); the rows returned are those columns. Any ``rows`` rows of a Haar
+    orthogonal matrix have this law (its transpose is Haar too, and the first columns of a Haar matrix are
+    uniform on the Stiefel manifold), so a block of ``S < D`` orthogonal features needs an ``O(D S^2)`` thin
+    QR instead of the ``O(D^3)`` QR of a full ``D x D`` matrix it would mostly discard.
+    """
+    gaussian = rng.standard_normal((*prefix, dim, rows))
+    q, r = np.linalg.qr(gaussian)  # reduced: q (*prefix, D, rows)
+    if sign_fix:
+        signs = np.sign(np.diagonal(r, axis1=-2, axis2=-1))
+        signs = np.where(signs == 0, 1.0, signs)
+        q = q * signs[..., None, :]
+    return np.swapaxes(q, -1, -2)
+
+
 def _chi_norms(rng: np.random.Generator, shape: Sequence[int], dim: int) -> np.ndarray:
     """Norms of D-dim standard Gaussian vectors, ``chi_D`` distributed, drawn independently."""
     return np.sqrt(rng.chisquare(dim, size=tuple(shape)))
@@ -68,13 +92,20 @@ def orthogonal_omegas(
 
     Blocks of D exactly orthogonal directions (rows of a Haar orthogonal matrix) with
     independent ``chi_D`` row norms, so each row is marginally ``N(0, I)``; ``S > D`` uses
-    ``ceil(S / D)`` independent blocks, the last one truncated.
+    ``floor(S / D)`` full blocks and, for the ``S mod D`` rows left, one block of that many
+    orthonormal rows from a thin QR (:func:`haar_stiefel`: the law of any that many rows of a
+    Haar matrix, at a fraction of the cost).
     """
-    blocks = _blocks(num_samples, dim)
-    q = haar_orthogonal(rng, (*prefix, blocks), dim, sign_fix=sign_fix)  # (*prefix, B, D, D)
-    norms = _chi_norms(rng, (*prefix, blocks, dim), dim)
-    omegas = q * norms[..., :, None]  # rows of Q scaled
-    return omegas.reshape(*prefix, blocks * dim, dim)[..., :num_samples, :]
+    full, rest = divmod(num_samples, dim)
+    parts = []
+    if full:
+        q = haar_orthogonal(rng, (*prefix, full), dim, sign_fix=sign_fix)  # (*prefix, B, D, D)
+        parts.append(q.reshape(*prefix, full * dim, dim))
+    if rest:
+        parts.append(haar_stiefel(rng, prefix, rest, dim, sign_fix=sign_fix))  # (*prefix, S mod D, D)
+    directions = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2)
+    norms = _chi_norms(rng, (*prefix, num_samples), dim)
+    return directions * norms[..., :, None]
 
 
 def simplex_directions(dim: int) -> np.ndarray:
