@@ -30,9 +30,10 @@ def _spec_of(name: str | EstimatorSpec) -> EstimatorSpec:
     return get_spec(name)
 
 
-def _mask_kwargs(spec: EstimatorSpec, mask: str | None, num_queries: int, num_keys: int) -> dict[str, Any]:
+def _mask_kwargs(spec: EstimatorSpec, mask: str | None, num_queries: int, num_keys: int,
+                 params: dict[str, Any]) -> dict[str, Any]:
     """``{"mask": mask}`` for a supported non-default mask, ``{}`` for none; ValueError naming the estimator else."""
-    spec.check_mask(mask)
+    spec.check_mask(mask, params)
     if mask is None:
         return {}
     from randattn.estimators.masks import check_causal_shapes
@@ -59,7 +60,7 @@ def draw(
     spec = _spec_of(name)
     resolved = spec.resolve_params(params)
     q_shape, k_shape = _check_draw_shapes(q_shape, k_shape)
-    masked = _mask_kwargs(spec, mask, q_shape[-2], k_shape[-2])
+    masked = _mask_kwargs(spec, mask, q_shape[-2], k_shape[-2], resolved)
     replicates = check_positive_int("replicates", replicates)
     if spec.needs_samples:
         if num_samples is None:
@@ -157,7 +158,7 @@ def estimate(
     resolved = spec.resolve_params(params)
     check_qkv_shapes(q, k, v)
     check_finite_on_device(q=q, k=k, v=v)
-    masked = _mask_kwargs(spec, mask, q.shape[-2], k.shape[-2])
+    masked = _mask_kwargs(spec, mask, q.shape[-2], k.shape[-2], resolved)
     draws = draw(spec, tuple(q.shape), tuple(k.shape), num_samples=num_samples, seed=seed,
                  replicates=1 if replicates is None else replicates, mask=mask, **resolved)
     if backend == "reference":

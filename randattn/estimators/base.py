@@ -246,12 +246,14 @@ class EstimatorSpec:
     importance_weights : ImportanceWeights or None
         How to get the self-normalized importance weights for the IS diagnostics; None: the
         diagnostics do not apply to this estimator.
-    masks : tuple
-        The masks of :data:`MASKS` it supports; ``draw``, ``reference`` and ``batched`` get a
-        ``mask=`` keyword only when it is not None.
-    mask_notes : mapping of str to str
-        Why a mask is not supported (``{"causal": "its proposals pool every key"}``), for the
-        error a user gets when asking for it.
+    masks : tuple or callable
+        The masks of :data:`MASKS` it supports, or ``masks(params) -> tuple`` where a parameter decides (EVA:
+        causal with the paper's disjoint partition on a 1-D layout only); ``draw``, ``reference`` and
+        ``batched`` get a ``mask=`` keyword only when it is not None.
+    mask_notes : mapping of str to str or callable
+        Why a mask is not supported (``{"causal": "its proposals pool every key"}``), or
+        ``note(params) -> str`` where the reason depends on the configuration, for the error a
+        user gets when asking for it.
     normalized : bool
         Whether its attention weights over the keys sum to one, so that with a single key it
         returns that key's value exactly (checked).
@@ -284,8 +286,8 @@ class EstimatorSpec:
     cost: str | Callable[[Mapping[str, Any]], str] = "quadratic"
     signed_weights: bool | Callable[[Mapping[str, Any]], bool] = False
     importance_weights: ImportanceWeights | None = None
-    masks: tuple[str | None, ...] = (None,)
-    mask_notes: Mapping[str, str] = field(default_factory=dict)
+    masks: tuple[str | None, ...] | Callable[[Mapping[str, Any]], tuple[str | None, ...]] = (None,)
+    mask_notes: Mapping[str, str | Callable[[Mapping[str, Any]], str]] = field(default_factory=dict)
     normalized: bool = False
     exact_limits: tuple[ExactLimit, ...] = ()
     memory_hint: str = ""
@@ -321,17 +323,25 @@ class EstimatorSpec:
         """Importance weights per sample (J = S L), 1 when the diagnostics do not apply."""
         return int(self.importance_weights.weights_per_sample(params)) if self.importance_weights else 1
 
-    def supports_mask(self, mask: str | None) -> bool:
-        """Whether ``mask`` (None or ``"causal"``) is one this estimator computes."""
-        return mask in self.masks
+    def masks_of(self, params: Mapping[str, Any] | None = None) -> tuple[str | None, ...]:
+        """The masks this configuration supports (the estimator's, for ``params=None``: any configuration's)."""
+        if not callable(self.masks):
+            return tuple(self.masks)
+        return tuple(self.masks(self.resolve_params({}) if params is None else params))
 
-    def check_mask(self, mask: str | None) -> None:
+    def supports_mask(self, mask: str | None, params: Mapping[str, Any] | None = None) -> bool:
+        """Whether ``mask`` (None or ``"causal"``) is one this estimator (or configuration ``params``) computes."""
+        return mask in self.masks_of(params)
+
+    def check_mask(self, mask: str | None, params: Mapping[str, Any] | None = None) -> None:
         """Raise ValueError naming the estimator and what it supports when ``mask`` is not supported."""
         if mask not in MASKS:
             raise ValueError(f"unknown mask {mask!r}; allowed: None (bidirectional) or 'causal'")
-        if not self.supports_mask(mask):
-            supported = ", ".join("none" if m is None else repr(m) for m in self.masks)
+        if not self.supports_mask(mask, params):
+            supported = ", ".join("none" if m is None else repr(m) for m in self.masks_of(params))
             why = self.mask_notes.get(mask)
+            if callable(why):
+                why = why(self.resolve_params({}) if params is None else params)
             raise ValueError(f"estimator {self.name!r} does not support mask={mask!r} (it supports: {supported})"
                              + (f": {why}" if why else ""))
 
@@ -445,8 +455,15 @@ def validate_spec(spec: Any) -> EstimatorSpec:
         unknown = sorted(set(params) - set(spec.params))
         if unknown:
             problems.append(f"preset {preset!r} sets unknown parameter(s) {', '.join(unknown)}")
-    if not isinstance(spec.masks, tuple) or None not in spec.masks or not set(spec.masks) <= set(MASKS):
-        problems.append(f"masks must be a tuple holding None and optionally 'causal', got {spec.masks!r}")
+    try:
+        declared = [spec.masks_of(spec.resolve_params(p)) for p in [{}, *spec.variants.values()]]
+    except Exception as exc:
+        problems.append(f"masks could not be evaluated: {type(exc).__name__}: {exc}")
+        declared = []
+    for masks in declared:
+        if not isinstance(masks, tuple) or None not in masks or not set(masks) <= set(MASKS):
+            problems.append(f"masks must be a tuple holding None and optionally 'causal', got {masks!r}")
+            break
     if spec.importance_weights is not None and not isinstance(spec.importance_weights, ImportanceWeights):
         problems.append("importance_weights must be an ImportanceWeights or None")
     for limit in spec.exact_limits:

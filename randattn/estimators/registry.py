@@ -366,7 +366,7 @@ def catalogue() -> list[dict[str, Any]]:
                 "needs_samples": spec.needs_samples,
                 "signed_weights": spec.has_signed_weights(defaults),
                 "diagnostics": spec.diagnostics_apply(defaults),
-                "masks": ["none" if m is None else m for m in spec.masks],
+                "masks": ["none" if m is None else m for m in spec.masks_of(defaults)],
                 "memory": spec.memory_hint,
                 "origin": spec_origin(name),
                 "parameters": {

@@ -10,6 +10,9 @@ The block/chunk layout and every choice the paper leaves open are documented in
 :mod:`randattn.estimators.eva.partition`: with ``layout="grid"`` (default) and a ``grid="HxW"``
 the local blocks are ``s x s`` windows of the patch grid (``window = s^2``, 49 = 7x7) and the
 chunks are 2-D tiles (app. C "2D windows for images"); without a grid, 1-D contiguous blocks.
+``mask="causal"`` (app. D, Algorithm 2) keeps the visible part of the block exact and chunks only
+the keys before the block, so every chunk lies wholly before ``E^n`` (paper partition, 1-D
+layouts; the convention is in :mod:`randattn.estimators.eva.partition`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from randattn.estimators import describe
 from randattn.estimators.base import ExactLimit,  Draws, EstimatorSpec, Param
 from randattn.estimators.eva import batched, reference
 from randattn.estimators.presets import EVA_PRESETS
-from randattn.estimators.eva.partition import PARTITIONS
-from randattn.estimators.grid import LAYOUTS
+from randattn.estimators.eva.partition import PARTITIONS, check_mask_layout
+from randattn.estimators.grid import LAYOUTS, resolve_grid
 from randattn.estimators.eva.reference import CHUNK_WEIGHTS, NOISES, PROPOSAL_MEANS, SAMPLES
 
 #: the shared layout parameters of eva, scatterbrain and local
@@ -61,13 +64,19 @@ def draw(
     rng: np.random.Generator,
     sample: str = "random",
     samples_per_chunk: int = 1,
+    mask: str | None = None,
     **params,
 ) -> Draws:
     """``eps : (R, ..., C, S_c, D)`` standard normals with ``C = num_samples``.
 
     With ``sample="mean"`` nothing is random: ``eps`` is ``(R, ..., C, 0, D)``, which only
-    carries the number of chunks.
+    carries the number of chunks. The draws do not depend on ``mask``: under ``"causal"`` each
+    chunk group still has at most C chunks (of the keys before its block) and uses the first
+    ones' ``eps`` as in the bidirectional form. A layout without a causal form (a grid, the
+    code's partition) is refused here already, before anything is drawn.
     """
+    check_mask_layout(mask, grid=resolve_grid(params.get("layout", "grid"), params.get("grid")),
+                      partition=params.get("partition", "paper"))
     num_chunks = check_positive_int("num_samples", num_samples)
     per_chunk = check_positive_int("samples_per_chunk", samples_per_chunk) if sample == "random" else 0
     shape = (replicates, *q_shape[:-2], num_chunks, per_chunk, q_shape[-1])
@@ -113,6 +122,26 @@ def _variants() -> dict[str, dict]:
     return variants
 
 
+def _causal_note(params: Mapping[str, Any]) -> str:
+    """Why this configuration has no causal form: the layout check's own words."""
+    from randattn.estimators.eva.partition import check_mask_layout
+    from randattn.estimators.grid import resolve_grid
+
+    try:
+        check_mask_layout("causal", grid=resolve_grid(params.get("layout"), params.get("grid")), partition=params.get("partition", "paper"))
+    except ValueError as exc:
+        return str(exc)
+    return "no causal form for this configuration"
+
+
+def _masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:
+    """Causal with the paper's partition on a 1-D layout (App. D, Algorithm 2); see ``partition``'s docstring."""
+    from randattn.estimators.grid import resolve_grid
+
+    causal = params.get("partition") == "paper" and resolve_grid(params.get("layout"), params.get("grid")) is None
+    return (None, "causal") if causal else (None,)
+
+
 def _cost(params: Mapping[str, Any]) -> str:
     """Linear only where no block re-chunks its complement and no chunk weight sums exact scores."""
     if params.get("partition") == "reference-code" and params.get("chunk_weight") != "exact":
@@ -123,11 +152,12 @@ def _cost(params: Mapping[str, Any]) -> str:
 SPEC = EstimatorSpec(
     name="eva",
     summary="EVA: exact local block + per-chunk control variates (beta_c from one sample of N(mu_c, I)) over C chunks",
-    source="Zheng et al. ICLR 2023 (EVA) sec. 4 eq. 11-16, app. C eq. 26-28, Algorithm 1, app. G.1",
+    source="Zheng et al. ICLR 2023 (EVA) sec. 4 eq. 11-16, app. C eq. 26-28, Algorithm 1, app. G.1; causal: app. D, Algorithm 2",
     complexity=(
         "O(N W (D + Dv) + G M S_c D + N C S_c (D + Dv)), G = ceil(M / W) chunk groups for partition=paper "
         "(each block re-chunks its complement: O(M^2 / W)), G = 1 for reference-code (linear); "
-        "chunk_weight=exact adds O(N M D); C = num_samples, S_c = samples_per_chunk; same in the grid layout"
+        "chunk_weight=exact adds O(N M D); C = num_samples, S_c = samples_per_chunk; same in the grid layout; "
+        "mask=causal: G = ceil(M / W) (each block chunks the keys before it), G = N for window=0"
     ),
     params=PARAMS,
     draw=draw,
@@ -143,11 +173,14 @@ SPEC = EstimatorSpec(
     convergence="none",
     cost=_cost,
     normalized=True,
+    masks=_masks,
+    mask_notes={"causal": _causal_note},
     exact_limits=(
         # with the paper's disjoint partition only: the code's chunks hold the window's keys again
         ExactLimit("the local window holds every key and the partition is disjoint, so nothing is left to the "
                    "control variates (EVA sec. 4)",
-                   params=lambda n, m: {"window": max(n, m), "layout": "sequence", "partition": "paper"}),
+                   params=lambda n, m: {"window": max(n, m), "layout": "sequence", "partition": "paper",
+                                        "prefix_tokens": 0}),
     ),
     memory_hint="N W local scores, C chunk summaries and S_c samples per chunk, per batch element",
 )

@@ -283,9 +283,14 @@ def eva_attention(
                 logw = torch.logsumexp(log_qf + terms.log_mass.unsqueeze(-3), dim=-1) - math.log(samples)
             logits = torch.cat([e_logits.unsqueeze(0).expand(logw.shape[0], *e_logits.shape), logw], dim=-1)
         # padding: missing exact keys and missing chunks get -inf
-        valid = torch.cat([bkm, per_block(chunk_ok, 0)], dim=-1)  # (b, E + C)
-        if not bool(valid.all()):
-            logits.masked_fill_(~valid.unsqueeze(-2), float("-inf"))
+        if pad.exact_visible is None:
+            valid = torch.cat([bkm, per_block(chunk_ok, 0)], dim=-1)  # (b, E + C)
+            if not bool(valid.all()):
+                logits.masked_fill_(~valid.unsqueeze(-2), float("-inf"))
+        else:  # causal: Algorithm 2's K x K triangle M^E per query; every chunk of a block lies wholly before it
+            seen = _t(pad.exact_visible, dev)[sl]  # (b, Q, E)
+            chunks_seen = per_block(chunk_ok, 0).unsqueeze(-2).expand(num_b, seen.shape[-2], chunk_ok.shape[-1])
+            logits.masked_fill_(~torch.cat([seen, chunks_seen], dim=-1), float("-inf"))
 
         # eq. 16: one softmax over the exact logits and the chunk log-weights of each query
         probs = torch.softmax(logits, dim=-1)  # (R|1, ..., b, Q, E + C)
@@ -370,10 +375,14 @@ def _scatter_probabilities(probs, key_probs, log_qf, terms: ChunkTerms, bk, ck, 
 
 
 def block_exact_attention(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, pad: PaddedPartition) -> torch.Tensor:
-    """Softmax over each query's exact set ``E^n`` alone (local attention) -> (..., N, Dv)."""
+    """Softmax over each query's exact set ``E^n`` alone (local attention) -> (..., N, Dv).
+
+    Under a causal partition (``pad.exact_visible``) each query sees its block's keys up to its own token.
+    """
     dev = x.device
     bq, bk, bkm = _t(pad.block_queries, dev), _t(pad.block_keys, dev), _t(pad.block_key_mask, dev)
-    logits = (_gather(x, bq) @ _gather(y, bk).transpose(-1, -2)).masked_fill(~bkm.unsqueeze(-2), float("-inf"))
+    seen = bkm.unsqueeze(-2) if pad.exact_visible is None else _t(pad.exact_visible, dev)  # (B, 1|Q, E)
+    logits = (_gather(x, bq) @ _gather(y, bk).transpose(-1, -2)).masked_fill(~seen, float("-inf"))
     out = torch.softmax(logits, dim=-1) @ _gather(v, bk)  # (..., B, Q, Dv)
     return _gather(out.flatten(-3, -2), _t(pad.query_slot, dev))
 
@@ -396,20 +405,22 @@ def estimate(
     sample: str = "random",
     noise: str = "paper",
     samples_per_chunk: int = 1,
+    mask: str | None = None,
 ) -> torch.Tensor:
-    """EVA over (R, ..., N, Dv); same signature, equations and layout as ``eva.reference.estimate``."""
+    """EVA over (R, ..., N, Dv); same signature, equations and layout as ``eva.reference.estimate`` (``mask`` included)."""
     return _evaluate(q, k, v, draws, scale=scale, window=window, prefix_tokens=prefix_tokens, layout=layout, grid=grid,
                      partition=partition, chunk_weight=chunk_weight, add_log_chunk_size=add_log_chunk_size,
-                     proposal_mean=proposal_mean, sample=sample, noise=noise, samples_per_chunk=samples_per_chunk)
+                     proposal_mean=proposal_mean, sample=sample, noise=noise, samples_per_chunk=samples_per_chunk,
+                     mask=mask)
 
 
 def _evaluate(q, k, v, draws, *, scale, window, prefix_tokens, layout, grid, partition, chunk_weight, add_log_chunk_size,
-              proposal_mean, sample, noise, samples_per_chunk, with_probabilities: bool = False):
+              proposal_mean, sample, noise, samples_per_chunk, mask=None, with_probabilities: bool = False):
     """:func:`estimate`, or the implied probabilities when ``v`` is None (``I_M``, never formed), or both."""
     check_eva_params(
         window=window, prefix_tokens=prefix_tokens, layout=layout, grid=grid, partition=partition, chunk_weight=chunk_weight,
         add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean, sample=sample, noise=noise,
-        samples_per_chunk=samples_per_chunk,
+        samples_per_chunk=samples_per_chunk, mask=mask,
     )
     identity = v is None
     x, y, v, scale, batch = prepare_batched(q, k, k if identity else v, scale)
@@ -423,7 +434,7 @@ def _evaluate(q, k, v, draws, *, scale, window, prefix_tokens, layout, grid, par
         raise ValueError(f"draws['eps'] has C = {num_chunks} chunks; EVA needs num_samples = C >= 1")
     pad = padded_partition(
         x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition,
-        grid=resolve_grid(layout, grid),
+        grid=resolve_grid(layout, grid), mask=mask,
     )
     return eva_attention(
         x, y, v, eps if sample == "random" else None, pad, replicates=draws.replicates, sigma=sigma,
@@ -442,7 +453,9 @@ def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, *
     """The attention probabilities EVA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
 
     Same parameters as :func:`estimate`; the exact and chunk weights are scattered to their key
-    columns (``O(N M)``) instead of multiplying an identity.
+    columns (``O(N M)``) instead of multiplying an identity. Under ``mask="causal"`` the hidden
+    entries (``m > n + M - N``) are exact zeros: no chunk holds a hidden key, and the hidden keys of
+    the block have weight ``exp(-inf) = 0``.
     """
     defaults = {name: p.default for name, p in _params().items()}
     return _evaluate(q, k, None, draws, scale=scale, **{**defaults, **params})

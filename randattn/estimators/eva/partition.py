@@ -58,6 +58,46 @@ ValueError naming ``grid``). Tiles are cut by :mod:`randattn.estimators.grid`:
 Queries that share their chunks form a :class:`ChunkGroup` (one per block for the paper's
 partition, a single group for ``reference-code``): the per-chunk coefficients and proposals
 are computed once per group.
+
+**Causal mask** (``mask="causal"``; EVA sec. 4 "Extension to autoregressive modeling", app. D,
+Algorithm 2; ARCHITECTURE sec. 12). Key ``m`` is visible to query ``n`` iff
+``m <= t_n = n + (M - N)`` (:mod:`randattn.estimators.masks`): query ``n`` *is* token ``t_n``,
+so under the mask the query -> block map is the token alignment, not the proportional position
+above (the two agree for N = M). The partition stays disjoint (eq. 11-13 need
+:math:`E^n \cap P^n_c = \emptyset`) and covers exactly the visible keys:
+
+- ``E^n`` = the visible prefix keys plus the visible keys of the block holding key ``t_n``:
+  Algorithm 2's ``K x K`` lower-triangular mask :math:`M^E` inside the block. A query whose token
+  is a prefix token (``t_n < P``) has no block and sees prefix keys ``0..t_n`` only.
+- The chunks ``P^n_c`` split the visible keys *outside* ``E^n``, i.e. the body keys strictly
+  before the block's first key :math:`b^n` (Algorithm 2's shift), ``[P, b^n)``, into
+  ``min(C, b^n - P)`` contiguous chunks with sizes differing by at most one (the same split as
+  the bidirectional complement, sec. 4.2 "evenly split [M] \ E^n into C contiguous chunks").
+  Every chunk therefore lies *wholly before* ``E^n``: Algorithm 2's ``C x C`` mask
+  :math:`M^P_{c,t} = 1_{c \le t}` keeps all of them (``t = C``). ``window=0`` (no block):
+  the chunks split the visible body keys ``[P, t_n]``, so every query is its own group.
+- *Choice*, against a single fixed chunk grid for all queries (Algorithm 2 computes the chunks
+  once): with blocks of W keys and C chunks of the sequence, a fixed grid does not align with the
+  block starts, and masking whole chunks would drop the visible keys of a chunk that straddles
+  ``b^n`` (neither exact nor estimated). Re-chunking each block's past keeps every visible key
+  exactly once and, for N = M, gives the last block exactly its bidirectional partition (its
+  complement is its past). The cost is that of the bidirectional paper partition (one chunk
+  group per block); with ``window=0`` one group per query.
+- Query landmarks ``q~_c`` (eq. 28) pool the queries the bidirectional map assigns to the chunk's
+  keys, each index capped at the group's first query, so that no query's proposal pools a later
+  query (the official causal code drops the query's own chunk for the same reason,
+  ``efficient_attention/causal_eva.py``: ``rf_q_bar`` "requires the future information"). For
+  N = M the map is the identity and the cap never binds.
+- ``partition="reference-code"`` is refused under the mask: App. D's chunk mask rests on the
+  chunks being disjoint from ``E^n`` ("since any P_c^n and E^n are disjoint, we only need to
+  mask all subsets P_c^n that appear after E^n"), which the code's chunks of all keys are not,
+  and the paper states no causal rule for them. (The official ``causal_eva.py`` cuts fixed
+  chunks aligned to its windows and lets query n see the chunks strictly before the one holding
+  n, ``triu(0)``, so the window's earlier chunks count twice; that rule is the code's, not the
+  paper's, and is not offered.) Grid layouts are refused too: a 2-D window has no causal meaning.
+- Queries sharing their block and their chunks form one *cell* (:attr:`Partition.cell_of_query`);
+  :meth:`Partition.blocks` lists cells with the union of their exact sets, and each consumer
+  masks the keys after ``t_n`` (:attr:`Partition.last_visible`, :attr:`PaddedPartition.exact_visible`).
 """
 
 from __future__ import annotations
@@ -68,12 +108,14 @@ from functools import lru_cache
 import numpy as np
 
 from randattn._validation import check_choice, check_positive_int
+from randattn.estimators.base import MASKS
 from randattn.estimators.grid import parse_grid, tile_of_tokens, tile_side_for_count, tiles, window_side
+from randattn.estimators.masks import last_visible_key
 from randattn.estimators.segments import segment_bounds
 
 __all__ = [
     "PARTITIONS", "ChunkGroup", "Partition", "PaddedPartition", "eva_partition", "padded_partition",
-    "check_layout_params", "pad_index_lists",
+    "check_layout_params", "check_mask_layout", "pad_index_lists",
 ]
 
 #: ``paper``: chunks of [M] \ E^n (disjoint from the exact set); ``reference-code``: chunks of all body keys
@@ -83,6 +125,35 @@ PARTITIONS = ("paper", "reference-code")
 def check_layout_params(window: int, prefix_tokens: int) -> tuple[int, int]:
     """``window >= 0`` and ``prefix_tokens >= 0`` as ints; ValueError/TypeError naming the argument."""
     return check_positive_int("window", window, minimum=0), check_positive_int("prefix_tokens", prefix_tokens, minimum=0)
+
+
+def check_mask_layout(mask: str | None, *, grid: tuple[int, int] | None, partition: str = "paper") -> str | None:
+    """``mask`` if the layout has a form under it; ValueError naming the argument that rules it out.
+
+    Parameters
+    ----------
+    mask : {None, "causal"}
+    grid : (h, w) or None
+        The resolved patch grid (``resolve_grid(layout, grid)``): a 2-D window has no causal meaning.
+    partition : {"paper", "reference-code"}
+        The code's chunks of all keys have no causal rule in the paper (module docstring).
+    """
+    check_choice("mask", mask, MASKS)
+    if mask is None:
+        return None
+    if grid is not None:
+        raise ValueError(
+            f"mask='causal' is not supported with layout='grid' and grid={grid[0]}x{grid[1]}: a 2-D window has no "
+            "causal meaning (its keys are not ordered before and after the query); use layout='sequence'"
+        )
+    if partition == "reference-code":
+        raise ValueError(
+            "mask='causal' is not supported with partition='reference-code': the paper's causal EVA (app. D, "
+            "Algorithm 2) masks whole chunks because they are disjoint from the exact set E^n, but the code's "
+            "chunks hold every key, the local window's included, and the paper states no causal rule for them; "
+            "use partition='paper'"
+        )
+    return mask
 
 
 @dataclass(frozen=True)
@@ -122,6 +193,12 @@ class Partition:
         Every query is in exactly one group.
     grid : (h, w) or None
         The patch grid of a ``layout="grid"`` partition, None for 1-D blocks.
+    mask : {None, "causal"}
+        Under ``"causal"``, ``exact_keys[n]`` holds the visible keys of ``E^n`` only and every
+        chunk lies wholly before ``E^n`` (module docstring).
+    cell_of_query : (N,) int array or None
+        Causal only: the cell of each query (queries sharing their block and their chunk group,
+        numbered in query order); None: the cells are the blocks.
     """
 
     num_queries: int
@@ -132,19 +209,33 @@ class Partition:
     exact_keys: tuple[np.ndarray, ...]
     groups: tuple[ChunkGroup, ...]
     grid: tuple[int, int] | None = None
+    mask: str | None = None
+    cell_of_query: np.ndarray | None = None
 
     @property
     def max_chunks(self) -> int:
         """The largest number of chunks of any group (0 when every key is exact for every query)."""
         return max((len(g.chunks) for g in self.groups), default=0)
 
+    @property
+    def last_visible(self) -> np.ndarray | None:
+        """``(N,)`` the last key each query may see, ``t_n = n + M - N``, under the causal mask; None without one."""
+        return None if self.mask is None else last_visible_key(self.num_queries, self.num_keys)
+
     def blocks(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``(queries, E)`` for each distinct exact set, queries increasing."""
-        out = []
-        for block in np.unique(self.block_of_query):
-            queries = np.flatnonzero(self.block_of_query == block)
-            out.append((queries, self.exact_keys[queries[0]]))
-        return out
+        """``(queries, E)`` for each distinct exact set, queries increasing.
+
+        Causal: for each cell, ``E`` is the union of its queries' exact sets (that of its last
+        query: the sets of one block are nested); query ``n`` may use only ``E``'s keys ``<= t_n``.
+        """
+        if self.cell_of_query is None:
+            out = []
+            for block in np.unique(self.block_of_query):
+                queries = np.flatnonzero(self.block_of_query == block)
+                out.append((queries, self.exact_keys[queries[0]]))
+            return out
+        return [(queries, self.exact_keys[queries[-1]])
+                for queries in np.split(np.arange(self.num_queries), np.flatnonzero(np.diff(self.cell_of_query)) + 1)]
 
 
 def pad_index_lists(lists: tuple[np.ndarray, ...] | list[np.ndarray], width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -188,8 +279,10 @@ def eva_partition(
     num_chunks: int = 1,
     partition: str = "paper",
     grid: tuple[int, int] | str | None = None,
+    mask: str | None = None,
+    chunks: bool = True,
 ) -> Partition:
-    r"""The exact sets ``E^n`` and chunks ``P_c^n`` of every query (EVA sec. 4.2, app. C).
+    r"""The exact sets ``E^n`` and chunks ``P_c^n`` of every query (EVA sec. 4.2, app. C; causal: app. D).
 
     Parameters
     ----------
@@ -205,6 +298,14 @@ def eva_partition(
     partition : {"paper", "reference-code"}
     grid : (h, w) or None
         The patch grid of the body tokens (``M = N = P + h w``, raster order); None = 1-D.
+    mask : {None, "causal"}
+        ``"causal"``: key m visible to query n iff ``m <= n + M - N`` (needs M >= N); ``E^n``
+        holds the visible keys of the block of key ``n + M - N`` and the chunks split the body
+        keys before that block (app. D, Algorithm 2; module docstring). ValueError with a grid
+        or ``partition="reference-code"``.
+    chunks : bool
+        False: the exact sets only, every group without chunks (local attention); the
+        ``partition`` check under the mask is then moot.
 
     Returns
     -------
@@ -214,8 +315,10 @@ def eva_partition(
     Notes
     -----
     With ``partition="paper"``, for every query :math:`E^n \cap P^n_c = \emptyset` and
-    :math:`E^n \cup \bigcup_c P^n_c = [M]` (EVA sec. 4.1). With ``"reference-code"`` the
-    chunks cover all non-prefix keys and overlap :math:`E^n` on the query's block.
+    :math:`E^n \cup \bigcup_c P^n_c = [M]` (EVA sec. 4.1); under the causal mask the union is
+    the visible keys :math:`\{m \le n + M - N\}` and every chunk lies wholly before
+    :math:`E^n`. With ``"reference-code"`` the chunks cover all non-prefix keys and overlap
+    :math:`E^n` on the query's block.
 
     Examples
     --------
@@ -225,6 +328,9 @@ def eva_partition(
     >>> g = eva_partition(16, 16, window=4, num_chunks=4, grid=(4, 4))
     >>> g.exact_keys[5].tolist(), [c.tolist() for c in g.groups[0].chunks]
     ([0, 1, 4, 5], [[2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]])
+    >>> c = eva_partition(10, 10, window=4, num_chunks=2, mask="causal")
+    >>> c.exact_keys[9].tolist(), c.exact_keys[5].tolist(), [ch.tolist() for ch in c.groups[1].chunks]
+    ([8, 9], [4, 5], [[0, 1], [2, 3]])
     """
     num_queries = check_positive_int("num_queries", num_queries)
     num_keys = check_positive_int("num_keys", num_keys)
@@ -232,14 +338,19 @@ def eva_partition(
     num_chunks = check_positive_int("num_chunks", num_chunks)
     check_choice("partition", partition, PARTITIONS)
     grid = parse_grid(grid)
+    check_mask_layout(mask, grid=grid, partition=partition if chunks else "paper")
     if grid is not None:
         _check_grid_shapes(num_queries, num_keys, prefix_tokens, grid)
-    return _eva_partition(num_queries, num_keys, window, prefix_tokens, num_chunks, partition, grid)
+    if mask is not None:
+        last_visible_key(num_queries, num_keys)  # ValueError for M < N
+        return _causal_partition(num_queries, num_keys, window, prefix_tokens, num_chunks, bool(chunks))
+    return _eva_partition(num_queries, num_keys, window, prefix_tokens, num_chunks, partition, grid, bool(chunks))
 
 
 @lru_cache(maxsize=64)
 def _eva_partition(
-    num_queries: int, num_keys: int, window: int, prefix_tokens: int, num_chunks: int, partition: str, grid: tuple[int, int] | None
+    num_queries: int, num_keys: int, window: int, prefix_tokens: int, num_chunks: int, partition: str,
+    grid: tuple[int, int] | None, chunks: bool = True,
 ) -> Partition:
     """:func:`eva_partition` on validated arguments, cached (the layout depends on shapes only)."""
 
@@ -291,17 +402,68 @@ def _eva_partition(
             return tuple(c for c in kept if len(c))
 
     groups = []
-    if partition == "reference-code":
-        chunks = chunks_of(body_keys)
-        groups.append(ChunkGroup(np.arange(num_queries), chunks, tuple(sources(c) for c in chunks)))
+    if not chunks:  # the exact sets alone (local attention): one group without chunks
+        groups.append(ChunkGroup(np.arange(num_queries), (), ()))
+    elif partition == "reference-code":
+        parts = chunks_of(body_keys)
+        groups.append(ChunkGroup(np.arange(num_queries), parts, tuple(sources(c) for c in parts)))
     else:
         for block in np.unique(block_of_query).tolist():
             queries = np.flatnonzero(block_of_query == block)
             own = block_keys(block)
             remaining = np.setdiff1d(body_keys, own, assume_unique=True)
-            chunks = chunks_of(remaining)
-            groups.append(ChunkGroup(queries, chunks, tuple(sources(c) for c in chunks)))
+            parts = chunks_of(remaining)
+            groups.append(ChunkGroup(queries, parts, tuple(sources(c) for c in parts)))
     return Partition(num_queries, num_keys, window, prefix_tokens, block_of_query, exact_keys, tuple(groups), grid)
+
+
+def _proportional_sources(num_queries: int, num_keys: int, prefix_tokens: int) -> np.ndarray | None:
+    """``(M,)`` the query the bidirectional map assigns to each key (module docstring, "Query landmarks");
+    -1 for prefix keys; None when there are no body queries or keys (a chunk then pools all queries)."""
+    pq, pk = min(prefix_tokens, num_queries), min(prefix_tokens, num_keys)
+    nb, mb = num_queries - pq, num_keys - pk
+    if nb == 0 or mb == 0:
+        return None
+    key_source = np.full(num_keys, -1, dtype=np.int64)
+    key_source[pk:] = pq + ((np.arange(mb) * nb) // mb)
+    return key_source
+
+
+@lru_cache(maxsize=64)
+def _causal_partition(
+    num_queries: int, num_keys: int, window: int, prefix_tokens: int, num_chunks: int, chunks: bool
+) -> Partition:
+    """The causal partition of the module docstring (EVA app. D, Algorithm 2), 1-D, on validated arguments."""
+    pk = min(prefix_tokens, num_keys)
+    last = last_visible_key(num_queries, num_keys)  # t_n: query n is token t_n
+    body = last >= pk  # queries whose token is past the prefix; the others see prefix keys 0..t_n only
+    block_of_query = np.full(num_queries, -1, dtype=np.int64)
+    if window > 0:
+        block_of_query[body] = (last[body] - pk) // window
+    block_start = np.where(block_of_query >= 0, pk + block_of_query * window, last + 1)
+    # E^n = visible prefix keys + the block's keys b^n..t_n (Algorithm 2's K x K triangle M^E)
+    exact_keys = tuple(
+        np.concatenate([np.arange(min(pk, t + 1)), np.arange(b, t + 1)]) if blk >= 0 else np.arange(min(pk, t + 1))
+        for t, b, blk in zip(last.tolist(), block_start.tolist(), block_of_query.tolist())
+    )
+    # the visible keys outside E^n: body keys [P, r_n), r_n = b^n (window > 0) or t_n + 1 (window = 0); none for
+    # prefix queries. They are re-chunked per query group, so every chunk lies wholly before E^n
+    rest_end = np.where(body, np.where(block_of_query >= 0, block_start, last + 1), pk)
+    change = np.ones(num_queries, dtype=bool)
+    change[1:] = (np.diff(block_of_query) != 0) | (np.diff(rest_end) != 0)
+    cell_of_query = np.cumsum(change) - 1  # block and chunks both change monotonically with the token
+    key_source = _proportional_sources(num_queries, num_keys, prefix_tokens)
+
+    groups = []
+    for queries in np.split(np.arange(num_queries), np.flatnonzero(change[1:]) + 1):
+        first = int(queries[0])
+        parts = _split(np.arange(pk, rest_end[first]), num_chunks) if chunks else ()
+        # landmarks: the bidirectional map, capped at the group's first query (no query pools a later one)
+        sources = tuple(np.minimum(key_source[c], first) if key_source is not None else np.arange(first + 1)
+                        for c in parts)
+        groups.append(ChunkGroup(queries, parts, sources))
+    return Partition(num_queries, num_keys, window, prefix_tokens, block_of_query, exact_keys, tuple(groups), None,
+                     mask="causal", cell_of_query=cell_of_query)
 
 
 @dataclass(frozen=True)
@@ -325,6 +487,9 @@ class PaddedPartition:
         The queries pooled into each chunk's landmark ``q~_c``.
     query_slot : (N,)
         Position of each query in the flattened ``(B * Q)`` block layout.
+    exact_visible : (B, Q, E) bool or None
+        Causal only: exact key ``e`` of block ``b`` is visible to its query in slot ``q``
+        (``key <= t_n``, False on padding); None without a mask (``block_key_mask`` holds).
     """
 
     block_queries: np.ndarray
@@ -337,6 +502,7 @@ class PaddedPartition:
     chunk_sources: np.ndarray
     chunk_source_mask: np.ndarray
     query_slot: np.ndarray
+    exact_visible: np.ndarray | None = None
 
 
 def padded_partition(
@@ -348,10 +514,13 @@ def padded_partition(
     num_chunks: int = 1,
     partition: str = "paper",
     grid: tuple[int, int] | str | None = None,
+    mask: str | None = None,
+    chunks: bool = True,
 ) -> PaddedPartition:
     """:func:`eva_partition` (same arguments) as padded arrays; cached, treat as read-only."""
     layout = eva_partition(
-        num_queries, num_keys, window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition, grid=grid
+        num_queries, num_keys, window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition, grid=grid,
+        mask=mask, chunks=chunks,
     )
     return _padded(layout)
 
@@ -381,4 +550,8 @@ def _padded(layout: Partition) -> PaddedPartition:
     query_slot = np.empty(num_queries, dtype=np.int64)
     rows, cols = np.nonzero(bq_mask)
     query_slot[bq[rows, cols]] = rows * bq.shape[1] + cols
-    return PaddedPartition(bq, bq_mask, bk, bk_mask, group_of_block, ck, ck_mask, cs, cs_mask, query_slot)
+    exact_visible = None
+    last = layout.last_visible
+    if last is not None:  # Algorithm 2's triangle M^E: key <= t_n within each block
+        exact_visible = bk_mask[:, None, :] & (bk[:, None, :] <= last[bq][:, :, None])
+    return PaddedPartition(bq, bq_mask, bk, bk_mask, group_of_block, ck, ck_mask, cs, cs_mask, query_slot, exact_visible)

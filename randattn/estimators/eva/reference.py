@@ -14,7 +14,7 @@ from scipy.special import logsumexp, softmax
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
-from randattn.estimators.eva.partition import PARTITIONS, check_layout_params, eva_partition
+from randattn.estimators.eva.partition import PARTITIONS, check_layout_params, check_mask_layout, eva_partition
 from randattn.estimators.features.reference import positive_log_features
 from randattn.estimators.grid import resolve_grid, window_side
 from randattn.estimators.ra.reference import noise_std
@@ -52,12 +52,18 @@ def check_eva_params(
     sample: str,
     noise: str,
     samples_per_chunk: int,
+    mask: str | None = None,
 ) -> None:
-    """Validate EVA's options in one place (ValueError/TypeError naming the argument and the allowed values)."""
+    """Validate EVA's options in one place (ValueError/TypeError naming the argument and the allowed values).
+
+    ``mask="causal"`` is refused with a grid (a 2-D window has no causal meaning) and with
+    ``partition="reference-code"`` (:func:`~randattn.estimators.eva.partition.check_mask_layout`).
+    """
     window, _ = check_layout_params(window, prefix_tokens)
     if resolve_grid(layout, grid) is not None and window > 0:
         window_side(window)
     check_choice("partition", partition, PARTITIONS)
+    check_mask_layout(mask, grid=resolve_grid(layout, grid), partition=partition)
     check_choice("chunk_weight", chunk_weight, CHUNK_WEIGHTS)
     check_choice("proposal_mean", proposal_mean, PROPOSAL_MEANS)
     check_choice("sample", sample, SAMPLES)
@@ -121,8 +127,9 @@ def estimate(
     sample: str = "random",
     noise: str = "paper",
     samples_per_chunk: int = 1,
+    mask: str | None = None,
 ) -> np.ndarray:
-    r"""EVA (EVA sec. 4, eq. 13 / 16, app. C), computed in log space.
+    r"""EVA (EVA sec. 4, eq. 13 / 16, app. C; causal: app. D, Algorithm 2), computed in log space.
 
     For query :math:`n` with exact set :math:`E^n` and chunks :math:`P^n_1..P^n_C`
     (:mod:`randattn.estimators.eva.partition`),
@@ -192,6 +199,12 @@ def estimate(
         (:func:`randattn.estimators.ra.reference.noise_std`).
     samples_per_chunk : int
         :math:`S_c`; must match the draws.
+    mask : {None, "causal"}
+        ``"causal"``: key m visible to query n iff ``m <= n + M - N`` (needs M >= N). The exact
+        set is the visible part of the block of key ``n + M - N`` (Algorithm 2's ``K x K``
+        triangle) and the chunks split the keys before that block, so each lies wholly before
+        :math:`E^n` (:mod:`randattn.estimators.eva.partition`). ValueError with a grid layout
+        or ``partition="reference-code"``. The draws are those of the bidirectional form.
 
     Returns
     -------
@@ -225,7 +238,7 @@ def estimate(
     check_eva_params(
         window=window, prefix_tokens=prefix_tokens, layout=layout, grid=grid, partition=partition, chunk_weight=chunk_weight,
         add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean, sample=sample, noise=noise,
-        samples_per_chunk=samples_per_chunk,
+        samples_per_chunk=samples_per_chunk, mask=mask,
     )
     x, y, v, scale, batch = prepare_reference(q, k, v, scale)
     sigma = noise_std(noise, scale)
@@ -234,8 +247,9 @@ def estimate(
     reps = draws.replicates
     parts = eva_partition(
         num_q, num_k, window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition,
-        grid=resolve_grid(layout, grid),
+        grid=resolve_grid(layout, grid), mask=mask,
     )
+    last = parts.last_visible  # (N,) t_n under the causal mask, else None
 
     c_max = parts.max_chunks
     lead = (reps, *batch)
@@ -271,7 +285,10 @@ def estimate(
 
     out = np.empty((*lead, num_q, v.shape[-1]))
     for qi, exact in parts.blocks():
-        e_logits = np.broadcast_to((x[..., qi, :] @ np.swapaxes(y[..., exact, :], -1, -2))[None], (*lead, len(qi), len(exact)))
+        e_logits = x[..., qi, :] @ np.swapaxes(y[..., exact, :], -1, -2)  # (..., n_b, |E|)
+        if last is not None:  # Algorithm 2's M^E: the block's keys after t_n are hidden (every chunk is visible)
+            e_logits = np.where(exact[None, :] <= last[qi][:, None], e_logits, -np.inf)
+        e_logits = np.broadcast_to(e_logits[None], (*lead, len(qi), len(exact)))
         logits = np.concatenate([e_logits, chunk_logw[..., qi, :]], axis=-1)  # (R, ..., n_b, |E| + C)
         p = softmax(logits, axis=-1)
         out[..., qi, :] = p[..., : len(exact)] @ v[None, ..., exact, :] + (p[..., len(exact):, None] * chunk_beta[..., qi, :, :]).sum(-2)

@@ -3,23 +3,51 @@
 Deterministic; the sparse baseline that EVA and Scatterbrain add estimates to. Blocks,
 prefix (CLS) keys and the N != M mapping as in :mod:`randattn.estimators.eva.partition`; with
 ``layout="grid"`` and ``grid="HxW"`` the blocks are ``s x s`` windows of the patch grid (``window = s^2``).
+``mask="causal"``: each query sees its block's keys up to its own token (EVA app. D's ``K x K`` triangle);
+1-D layouts only (a 2-D window has no causal meaning).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from randattn.estimators import describe
 from randattn.estimators.base import ExactLimit,  Draws, EstimatorSpec
 from randattn.estimators.eva import LAYOUT_PARAMS
+from randattn.estimators.eva.partition import check_mask_layout
+from randattn.estimators.grid import resolve_grid
 from randattn.estimators.local import batched, reference
 
 PARAMS = dict(LAYOUT_PARAMS)
 
 
-def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, replicates: int = 1, rng=None, **params) -> Draws:
-    """Local attention is deterministic: no random variables, only the replicate count."""
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, replicates: int = 1, rng=None,
+         mask: str | None = None, **params) -> Draws:
+    """Local attention is deterministic: no random variables, only the replicate count.
+
+    ``mask`` does not change the draws; a grid layout under ``mask="causal"`` is refused here already.
+    """
+    check_mask_layout(mask, grid=resolve_grid(params.get("layout", "grid"), params.get("grid")))
     return Draws({}, replicates)
+
+
+def _causal_note(params: Mapping[str, Any]) -> str:
+    """Why this configuration has no causal form: the layout check's own words."""
+    from randattn.estimators.eva.partition import check_mask_layout
+    from randattn.estimators.grid import resolve_grid
+
+    try:
+        check_mask_layout("causal", grid=resolve_grid(params.get("layout"), params.get("grid")))
+    except ValueError as exc:
+        return str(exc)
+    return "no causal form for this configuration"
+
+
+def _masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:
+    """Causal on a 1-D layout; a 2-D window has no causal meaning."""
+    from randattn.estimators.grid import resolve_grid
+
+    return (None, "causal") if resolve_grid(params.get("layout"), params.get("grid")) is None else (None,)
 
 
 SPEC = EstimatorSpec(
@@ -48,9 +76,11 @@ SPEC = EstimatorSpec(
     convergence="none",
     cost="linear",
     normalized=True,
+    masks=_masks,
+    mask_notes={"causal": _causal_note},
     exact_limits=(
         ExactLimit("the window holds every key: local attention is softmax attention",
-                   params=lambda n, m: {"window": max(n, m), "layout": "sequence"}),
+                   params=lambda n, m: {"window": max(n, m), "layout": "sequence", "prefix_tokens": 0}),
     ),
     memory_hint="N W local scores per batch element",
 )

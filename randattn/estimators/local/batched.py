@@ -9,7 +9,7 @@ import torch
 from randattn.estimators._prepare import prepare_batched
 from randattn.estimators.base import Draws
 from randattn.estimators.eva.batched import block_exact_attention
-from randattn.estimators.eva.partition import padded_partition
+from randattn.estimators.eva.partition import check_mask_layout, padded_partition
 from randattn.estimators.grid import resolve_grid
 from randattn.estimators.local.reference import local_layout
 
@@ -27,15 +27,17 @@ def estimate(
     prefix_tokens: int = 0,
     layout: str = "grid",
     grid: Any = None,
+    mask: str | None = None,
 ) -> torch.Tensor:
-    """Local attention; (R, ..., N, Dv) with draws, else (..., N, Dv). See ``local.reference``."""
-    x, y, v, _, _ = prepare_batched(q, k, v, scale)
+    """Local attention; (R, ..., N, Dv) with draws, else (..., N, Dv). See ``local.reference`` (``mask`` included)."""
     grid = resolve_grid(layout, grid)
-    local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens, grid)  # validates: no empty block
-    # local attention uses the blocks only; the paper partition would also pad every block's complement into
-    # chunks, O(M^2 / W) index memory for nothing, while the code partition's single chunk is O(M) (same blocks)
+    check_mask_layout(mask, grid=grid)  # before any computation
+    x, y, v, _, _ = prepare_batched(q, k, v, scale)
+    local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens, grid, mask)  # validates: no empty block
+    # local attention uses the blocks only: no chunks (padding every block's complement into chunks would be
+    # O(M^2 / W) index memory for nothing)
     pad = padded_partition(x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=1,
-                           partition="reference-code", grid=grid)
+                           grid=grid, mask=mask, chunks=False)
     out = block_exact_attention(x, y, v, pad)
     if draws is None:
         return out

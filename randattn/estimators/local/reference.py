@@ -1,4 +1,8 @@
-r"""Block-local exact attention (the sparse baseline of EVA app. E.1), numpy float64 (reference form)."""
+r"""Block-local exact attention (the sparse baseline of EVA app. E.1), numpy float64 (reference form).
+
+Under ``mask="causal"`` each query attends to the visible keys of its block (the ``K x K``
+lower-triangular mask of EVA app. D) and to the visible prefix keys; 1-D layouts only.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +13,20 @@ from scipy.special import softmax
 
 from randattn.estimators._prepare import prepare_reference
 from randattn.estimators.base import Draws
-from randattn.estimators.eva.partition import Partition, check_layout_params, eva_partition
+from randattn.estimators.eva.partition import Partition, check_layout_params, check_mask_layout, eva_partition
 from randattn.estimators.grid import resolve_grid
 
 __all__ = ["estimate", "local_layout"]
 
 
-def local_layout(num_queries: int, num_keys: int, window: int, prefix_tokens: int, grid: tuple[int, int] | None = None) -> Partition:
-    """EVA's exact sets ``E^n`` (1-D blocks, or windows of ``grid``); ValueError when some query would attend to no key."""
+def local_layout(num_queries: int, num_keys: int, window: int, prefix_tokens: int, grid: tuple[int, int] | None = None,
+                 mask: str | None = None) -> Partition:
+    """EVA's exact sets ``E^n`` (1-D blocks, or windows of ``grid``; under ``mask="causal"`` their visible
+    keys); ValueError when some query would attend to no key or the mask has no meaning on the layout."""
     window, prefix_tokens = check_layout_params(window, prefix_tokens)
-    layout = eva_partition(num_queries, num_keys, window=window, prefix_tokens=prefix_tokens, num_chunks=1, grid=grid)
+    check_mask_layout(mask, grid=grid)
+    layout = eva_partition(num_queries, num_keys, window=window, prefix_tokens=prefix_tokens, num_chunks=1, grid=grid,
+                           mask=mask, chunks=False)
     empty = [n for n, e in enumerate(layout.exact_keys) if len(e) == 0]
     if empty:
         raise ValueError(
@@ -40,10 +48,14 @@ def estimate(
     prefix_tokens: int = 0,
     layout: str = "grid",
     grid: Any = None,
+    mask: str | None = None,
 ) -> np.ndarray:
     r"""Softmax attention restricted to each query's local block (EVA's :math:`E^n` alone).
 
     .. math:: y_n = \sum_{m \in E^n} \frac{e^{x_n^\top y_m}}{\sum_{m' \in E^n} e^{x_n^\top y_{m'}}} v_m.
+
+    Under ``mask="causal"``, :math:`E^n` is the visible part of the block of key :math:`n + M - N`
+    (keys :math:`m \le n + M - N`; EVA app. D's ``K x K`` triangle) plus the visible prefix keys.
 
     Parameters
     ----------
@@ -62,6 +74,9 @@ def estimate(
         ``grid``: s x s windows of ``grid`` (``window = s^2``, 49 = 7x7) when a grid is given.
     grid : (h, w), "HxW" or None
         Patch grid of the body tokens; None = 1-D blocks.
+    mask : {None, "causal"}
+        ``"causal"``: key m visible to query n iff ``m <= n + M - N`` (needs M >= N); ValueError
+        with a grid layout (a 2-D window has no causal meaning).
 
     Returns
     -------
@@ -81,11 +96,17 @@ def estimate(
     >>> estimate(q, k, v, window=4).shape
     (16, 8)
     """
+    grid = resolve_grid(layout, grid)
+    check_mask_layout(mask, grid=grid)  # before any computation
     x, y, v, _, _ = prepare_reference(q, k, v, scale)
-    parts = local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens, resolve_grid(layout, grid))
+    parts = local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens, grid, mask)
+    last = parts.last_visible  # (N,) t_n under the causal mask, else None
     out = np.empty((*x.shape[:-1], v.shape[-1]))
     for qi, exact in parts.blocks():
-        p = softmax(x[..., qi, :] @ np.swapaxes(y[..., exact, :], -1, -2), axis=-1)
+        logits = x[..., qi, :] @ np.swapaxes(y[..., exact, :], -1, -2)
+        if last is not None:  # the block's keys after t_n are hidden
+            logits = np.where(exact[None, :] <= last[qi][:, None], logits, -np.inf)
+        p = softmax(logits, axis=-1)
         out[..., qi, :] = p @ v[..., exact, :]
     if draws is None:
         return out

@@ -4,22 +4,62 @@ Positive random features with omega ~ N(0, I) (S samples, any coupling of
 ``randattn.estimators.sampling``) off the local support, exact scores on it (EVA's local
 block plus prefix keys), renormalized. Draws ``omega : (R, ..., S, D)`` as for RFA. With
 ``layout="grid"`` and ``grid="HxW"`` the local blocks are EVA's ``s x s`` windows (``window = s^2``).
+``mask="causal"``: the visible part of the block exactly and random features over the body keys
+before it (causal EVA's structure, app. D); 1-D layouts only.
 """
 
 from __future__ import annotations
 
+from typing import Any, Mapping, Sequence
 
+import numpy as np
 
 from randattn.estimators import describe
-from randattn.estimators.base import ExactLimit,  EstimatorSpec
+from randattn.estimators.base import ExactLimit, Draws, EstimatorSpec
 from randattn.estimators.eva import LAYOUT_PARAMS
+from randattn.estimators.eva.partition import check_mask_layout
+from randattn.estimators.grid import resolve_grid
 from randattn.estimators import rfa
 from randattn.estimators.scatterbrain import batched, reference
 
 PARAMS = {**LAYOUT_PARAMS, "coupling": rfa.PARAMS["coupling"]}
 
-#: the same random variables as RFA: ``omega : (R, ..., S, D)``, shared by every local block
-draw = rfa.draw
+
+def draw(
+    q_shape: Sequence[int],
+    k_shape: Sequence[int],
+    *,
+    num_samples: int,
+    replicates: int = 1,
+    rng: np.random.Generator,
+    mask: str | None = None,
+    **params,
+) -> Draws:
+    """The same random variables as RFA, ``omega : (R, ..., S, D)``, shared by every local block.
+
+    They do not depend on ``mask``; a grid layout under ``mask="causal"`` is refused here already.
+    """
+    check_mask_layout(mask, grid=resolve_grid(params.get("layout", "grid"), params.get("grid")))
+    return rfa.draw(q_shape, k_shape, num_samples=num_samples, replicates=replicates, rng=rng, **params)
+
+
+def _causal_note(params: Mapping[str, Any]) -> str:
+    """Why this configuration has no causal form: the layout check's own words."""
+    from randattn.estimators.eva.partition import check_mask_layout
+    from randattn.estimators.grid import resolve_grid
+
+    try:
+        check_mask_layout("causal", grid=resolve_grid(params.get("layout"), params.get("grid")))
+    except ValueError as exc:
+        return str(exc)
+    return "no causal form for this configuration"
+
+
+def _masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:
+    """Causal on a 1-D layout; a 2-D window has no causal meaning."""
+    from randattn.estimators.grid import resolve_grid
+
+    return (None, "causal") if resolve_grid(params.get("layout"), params.get("grid")) is None else (None,)
 
 
 SPEC = EstimatorSpec(
@@ -45,9 +85,11 @@ SPEC = EstimatorSpec(
     convergence="none",
     cost="quadratic",
     normalized=True,
+    masks=_masks,
+    mask_notes={"causal": _causal_note},
     exact_limits=(
         ExactLimit("the local window holds every key, so every score is exact (EVA app. G.5)",
-                   params=lambda n, m: {"window": max(n, m), "layout": "sequence"}),
+                   params=lambda n, m: {"window": max(n, m), "layout": "sequence", "prefix_tokens": 0}),
     ),
     memory_hint="N W local scores and (N + M) S features per batch element; every block re-chunks the keys",
 )

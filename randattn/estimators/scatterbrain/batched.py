@@ -14,7 +14,7 @@ import torch
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws
 from randattn.estimators.eva.batched import eva_attention
-from randattn.estimators.eva.partition import padded_partition
+from randattn.estimators.eva.partition import check_mask_layout, padded_partition
 from randattn.estimators.grid import resolve_grid
 
 __all__ = ["estimate"]
@@ -32,14 +32,18 @@ def estimate(
     layout: str = "grid",
     grid: Any = None,
     coupling: str = "iid",
+    mask: str | None = None,
 ) -> torch.Tensor:
-    """Scatterbrain over (R, ..., N, Dv); same signature and layout as ``scatterbrain.reference.estimate``."""
+    """Scatterbrain over (R, ..., N, Dv); same signature and layout as ``scatterbrain.reference.estimate`` (``mask``
+    included: causal EVA's partition with one chunk, the keys before the block)."""
+    grid = resolve_grid(layout, grid)
+    check_mask_layout(mask, grid=grid)  # before any computation
     x, y, v, _, batch = prepare_batched(q, k, v, scale)
     draws = to_torch_draws(draws, x)
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
     pad = padded_partition(
         x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=1, partition="paper",
-        grid=resolve_grid(layout, grid),
+        grid=grid, mask=mask,
     )
     # omega ~ N(0, I) is EVA's eps with mu = 0 and sigma = 1: one chunk holding all S samples
     return eva_attention(

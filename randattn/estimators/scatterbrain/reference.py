@@ -9,7 +9,7 @@ from scipy.special import logsumexp, softmax
 
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
-from randattn.estimators.eva.partition import eva_partition
+from randattn.estimators.eva.partition import check_mask_layout, eva_partition
 from randattn.estimators.features.reference import positive_log_features
 from randattn.estimators.grid import resolve_grid
 from randattn.estimators.snis.reference import feature_attention
@@ -29,6 +29,7 @@ def estimate(
     layout: str = "grid",
     grid: Any = None,
     coupling: str = "iid",
+    mask: str | None = None,
 ) -> np.ndarray:
     r"""Scatterbrain: random features off the local support, exact scores on it, renormalized (EVA eq. 29-30).
 
@@ -44,6 +45,11 @@ def estimate(
     :math:`W_n \cdot \mathrm{RFA}_{m \notin E^n}(x_n)` with
     :math:`\log W_n = \mathrm{logsumexp}_s(\log\xi(x_n, \omega_s) + \mathrm{logsumexp}_{m \notin E^n} \log\xi(y_m, \omega_s)) - \log S`,
     combined with the exact logits by one softmax.
+
+    Under ``mask="causal"`` both sums run over the visible keys :math:`m \le n + M - N` only:
+    the support is the visible part of the block (EVA app. D's ``K x K`` triangle) plus the
+    visible prefix keys, and the random features cover the body keys before the block, which lie
+    wholly before the support (the structure of causal EVA, :mod:`randattn.estimators.eva.partition`).
 
     Parameters
     ----------
@@ -63,6 +69,9 @@ def estimate(
         Patch grid of the body tokens; None = 1-D blocks.
     coupling : str
         Only used by ``draw``.
+    mask : {None, "causal"}
+        ``"causal"``: key m visible to query n iff ``m <= n + M - N`` (needs M >= N); ValueError
+        with a grid layout (a 2-D window has no causal meaning). Same draws as without the mask.
 
     Returns
     -------
@@ -84,17 +93,28 @@ def estimate(
     >>> scatterbrain.reference.estimate(q, k, v, draws, window=4).shape
     (2, 16, 8)
     """
+    grid = resolve_grid(layout, grid)
+    check_mask_layout(mask, grid=grid)  # before any computation
     x, y, v, _, batch = prepare_reference(q, k, v, scale)
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
     num_q, num_k = x.shape[-2], y.shape[-2]
     lead = (draws.replicates, *batch)
     parts = eva_partition(
-        num_q, num_k, window=window, prefix_tokens=prefix_tokens, num_chunks=1, partition="paper", grid=resolve_grid(layout, grid)
+        num_q, num_k, window=window, prefix_tokens=prefix_tokens, num_chunks=1, partition="paper", grid=grid, mask=mask,
+        chunks=False,
     )
+    last = parts.last_visible  # (N,) t_n under the causal mask, else None
     out = np.empty((*lead, num_q, v.shape[-1]))
     for qi, exact in parts.blocks():
-        rest = np.setdiff1d(np.arange(num_k), exact)  # m not in Supp_n(S)
-        e_logits = np.broadcast_to((x[..., qi, :] @ np.swapaxes(y[..., exact, :], -1, -2))[None], (*lead, len(qi), len(exact)))
+        e_logits = x[..., qi, :] @ np.swapaxes(y[..., exact, :], -1, -2)
+        if last is None:
+            rest = np.setdiff1d(np.arange(num_k), exact)  # m not in Supp_n(S)
+        else:
+            # the visible keys off the support: those before t_n of the cell's first query that are not in E
+            # (the body keys before the block; the block's later keys are in E, masked per query below)
+            rest = np.setdiff1d(np.arange(last[qi[0]] + 1), exact)
+            e_logits = np.where(exact[None, :] <= last[qi][:, None], e_logits, -np.inf)
+        e_logits = np.broadcast_to(e_logits[None], (*lead, len(qi), len(exact)))
         if len(rest) == 0:
             out[..., qi, :] = softmax(e_logits, axis=-1) @ v[None, ..., exact, :]
             continue
