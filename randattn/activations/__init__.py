@@ -1,7 +1,8 @@
-"""Activations: capture Q/K/V from vision transformers, read/write activation files, synthetic generators.
+"""Activations: capture Q/K/V from vision transformers and decoder language models, read/write activation files,
+synthetic generators.
 
-Heavy optional dependencies (onnx, onnxruntime, scikit-image, Pillow, timm) are imported inside the functions
-that need them, so ``import randattn.activations`` stays light.
+Heavy optional dependencies (onnx, onnxruntime, scikit-image, Pillow, timm, transformers, gguf) are imported inside
+the functions that need them, so ``import randattn.activations`` stays light.
 """
 
 from randattn.activations.io import (

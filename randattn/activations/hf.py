@@ -135,7 +135,8 @@ def load_hf_model(name_or_path: str | os.PathLike, *, local_files_only: bool = F
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{where!r} is a {config.model_type!r} model; the HF capture supports model types "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (plain softmax attention without logit biases or token dropping)"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (plain softmax attention without logit biases or token dropping); "
+            "decoder language models go through randattn.activations.lm"
         )
     try:
         model = transformers.AutoModel.from_pretrained(where, local_files_only=local_files_only)

@@ -2,9 +2,9 @@
 
 Layout (the same keys in every container)::
 
-    layer{L}.q   (B, H, N, D)   queries of layer L, before any temperature scaling
-    layer{L}.k   (B, H, N, D)   keys
-    layer{L}.v   (B, H, N, D)   values
+    layer{L}.q   (B, H, N, D)     queries of layer L, before any temperature scaling
+    layer{L}.k   (B, Hkv, N, D)   keys (Hkv == H except in grouped-query attention)
+    layer{L}.v   (B, Hkv, N, D)   values
 
 Metadata is one JSON object. In ``.safetensors`` files it is the string metadata entry ``"randattn"``; in
 ``.npz`` files a 0-d string array and in ``.pt`` files (a ``dict`` saved with ``torch.save``) a ``str`` value,
@@ -12,6 +12,28 @@ both under the key ``"__metadata__"``. Only ``"scale"`` (the softmax temperature
 ``scale * q . k``) is required in files written by hand; the other fields (``model``, ``layers``, ``heads``,
 ``head_dim``, ``tokens``, ``images``, ``input_size``, ``source``, ``randattn_version``, ``dtype``) are filled in
 from the arrays when absent and checked against them when present.
+
+Optional fields, validated when present (files without them load exactly as before):
+
+* ``grid`` ``[rows, columns]`` and ``prefix_tokens``: the patch grid of a ViT capture.
+* ``layout``: ``"sequence"`` for a token sequence with no patch grid (decoder language models); such files carry
+  no ``grid`` and raise no :class:`NoGridWarning`.
+* ``kv_heads`` (int) and ``head_map`` (one int per query head): grouped-query attention. Keys and values are stored
+  once per key/value head, ``(B, kv_heads, N, D)``; query head ``h`` attends with key/value head ``head_map[h]``
+  (``h // (H // kv_heads)`` in every transformers model, as its ``repeat_kv`` does). A file whose k, v have fewer
+  heads than q must say so with these fields. :meth:`Activations.qkv` expands k, v to the query heads by indexing;
+  :meth:`Activations.stored_qkv` gives the arrays as stored.
+* ``mask``: per layer, ``{"<layer>": kind}`` with kind ``null`` (every query sees every key), ``"causal"`` (key m
+  visible to query n iff ``m <= n``) or ``"sliding:W"`` (iff ``n - W < m <= n``: each query sees itself and the
+  W - 1 keys before it, the convention of transformers' sliding-window masks). A single kind is accepted for all
+  layers and stored per layer.
+* ``token_ids`` (one list of N ints per sequence) and ``token_strings`` (the same shape, the decoded text of each
+  token, or null when the model came without a tokenizer): what a language-model capture was run on.
+
+Language-model captures (:mod:`randattn.activations.lm`) also record ``architecture``, ``sliding_window`` (per
+layer, the model's window or null), ``weights`` (e.g. "dequantised from Q4_1 GGUF": for GGUF models the
+dequantised float32 weights are the model that was captured), ``add_bos`` and ``text``. Leading-axis entries are
+named by ``images`` in every file (sequence names in a language-model capture).
 """
 
 from __future__ import annotations
@@ -23,7 +45,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -41,6 +63,9 @@ METADATA_KEY = "__metadata__"
 _KEY_PATTERN = re.compile(r"^layer(\d+)\.(q|k|v)$")
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 _ALLOWED_STORED = (np.float16, np.float32, np.float64)
+_MASK_PATTERN = re.compile(r"^sliding:([1-9]\d*)$")
+#: values of the ``layout`` metadata field
+LAYOUTS = ("sequence",)
 
 
 def _version() -> str:
@@ -61,7 +86,9 @@ class Activations:
     Attributes
     ----------
     arrays : dict[int, tuple[ndarray, ndarray, ndarray]]
-        layer index -> ``(q, k, v)``, each of shape ``(B, H, N, D)`` (images, heads, tokens, head_dim).
+        layer index -> ``(q, k, v)`` as stored: q ``(B, H, N, D)`` (images or sequences, heads, tokens, head_dim),
+        k and v ``(B, Hkv, N, D)`` with ``Hkv == H`` unless the file records grouped-query attention
+        (``kv_heads``, ``head_map``).
     metadata : dict
         JSON-serialisable description; always holds ``model``, ``layers``, ``heads``, ``head_dim``, ``scale``,
         ``tokens``, ``images``, ``input_size``, ``source``, ``randattn_version``, ``dtype``.
@@ -92,36 +119,127 @@ class Activations:
         return int(self.metadata.get("prefix_tokens") or 0)
 
     @property
+    def layout(self) -> str | None:
+        """``"sequence"`` for a language-model capture (tokens in text order, no patch grid); None otherwise."""
+        return self.metadata.get("layout")
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
-        """``(B, H, N, D)``: images, heads, tokens, head_dim (the same for every layer and for q, k, v)."""
+        """``(B, H, N, D)``: images, (query) heads, tokens, head_dim; :meth:`qkv` gives q, k, v all of this shape."""
         return tuple(self.arrays[self.layers[0]][0].shape)  # type: ignore[return-value]
 
     @property
     def images(self) -> tuple[str, ...]:
-        """Image names, one per entry of the leading axis."""
+        """Names of the entries of the leading axis (images; sequences in a language-model capture)."""
         return tuple(self.metadata["images"])
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of stored key/value heads (equal to the query heads unless grouped-query attention)."""
+        return int(self.arrays[self.layers[0]][1].shape[1])
+
+    @property
+    def head_map(self) -> tuple[int, ...]:
+        """Query head ``h`` -> the key/value head it attends with (the identity without grouped-query attention)."""
+        stored = self.metadata.get("head_map")
+        return tuple(range(self.shape[1])) if stored is None else tuple(int(x) for x in stored)
+
+    def kv_head(self, head: int) -> int:
+        """The stored key/value head that query head ``head`` uses (``head_map[head]``)."""
+        heads = self.shape[1]
+        if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not -heads <= head < heads:
+            raise IndexError(f"head {head!r} is out of range; these activations have {heads} query heads")
+        return self.head_map[int(head)]
+
+    def mask(self, layer: int) -> str | None:
+        """Attention mask of ``layer``: None (none), ``"causal"`` or ``"sliding:W"`` (module docstring)."""
+        if layer not in self.arrays:
+            raise KeyError(f"layer {layer!r} is not in these activations (layers: {list(self.layers)})")
+        masks = self.metadata.get("mask")
+        return None if masks is None else masks.get(str(layer))
 
     def q(self, layer: int) -> np.ndarray:
         """Queries of ``layer``, shape ``(B, H, N, D)``."""
-        return self.qkv(layer)[0]
+        return self.stored_qkv(layer)[0]
 
     def k(self, layer: int) -> np.ndarray:
-        """Keys of ``layer``, shape ``(B, H, N, D)``."""
+        """Keys of ``layer`` per query head, shape ``(B, H, N, D)`` (see :meth:`qkv`)."""
         return self.qkv(layer)[1]
 
     def v(self, layer: int) -> np.ndarray:
-        """Values of ``layer``, shape ``(B, H, N, D)``."""
+        """Values of ``layer`` per query head, shape ``(B, H, N, D)`` (see :meth:`qkv`)."""
         return self.qkv(layer)[2]
 
     def qkv(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(q, k, v)`` of ``layer``, each ``(B, H, N, D)``."""
+        """``(q, k, v)`` of ``layer``, each ``(B, H, N, D)``: entry ``[:, h]`` of k and v is what query head h uses.
+
+        Without grouped-query attention these are the stored arrays themselves. With it, k and v are gathered
+        from the stored key/value heads through :attr:`head_map` on each call (a read-only copy, never stored),
+        so code that indexes q, k, v by the same head stays right; use :meth:`layer_qkv` to gather only a few heads.
+        """
+        q, k, v = self.stored_qkv(layer)
+        if k.shape[1] == q.shape[1] and self.head_map == tuple(range(q.shape[1])):
+            return q, k, v
+        index = np.asarray(self.head_map, dtype=np.intp)
+        return q, _read_only(np.take(k, index, axis=1)), _read_only(np.take(v, index, axis=1))
+
+    def stored_qkv(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(q, k, v)`` of ``layer`` as stored: q ``(B, H, N, D)``, k and v ``(B, kv_heads, N, D)``."""
         if layer not in self.arrays:
             raise KeyError(f"layer {layer!r} is not in these activations (layers: {list(self.layers)})")
         return self.arrays[layer]
 
+    def layer_qkv(
+        self, layer: int, heads: Sequence[int] | None = None, image: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q, k, v of some query heads of ``layer``, k and v taken from each head's key/value head.
+
+        Parameters
+        ----------
+        layer : int
+        heads : sequence of int, optional
+            Query heads (default all); negative indices count from the end.
+        image : int, optional
+            One entry of the leading axis (an image or sequence); default all.
+
+        Returns
+        -------
+        tuple of ndarray
+            ``(q, k, v)``, each ``(len(heads), N, D)`` for one ``image`` or ``(B, len(heads), N, D)``; row ``j``
+            of k and v is the stored key/value head ``head_map[heads[j]]`` (gathered by indexing: new arrays,
+            nothing is repeated in storage).
+
+        Raises
+        ------
+        KeyError
+            ``layer`` is not in the file.
+        IndexError
+            A head or image out of range.
+        """
+        q, k, v = self.stored_qkv(layer)
+        count, total = q.shape[1], q.shape[0]
+        chosen = list(range(count)) if heads is None else [_index(h, count) for h in heads]
+        kv = np.asarray([self.head_map[h] for h in chosen], dtype=np.intp)
+        qi = np.asarray(chosen, dtype=np.intp)
+        if image is not None:
+            b = _index(image, total, what="image")
+            q, k, v = q[b], k[b], v[b]
+        return np.take(q, qi, axis=-3), np.take(k, kv, axis=-3), np.take(v, kv, axis=-3)
+
     def nbytes(self) -> int:
-        """Bytes held by the arrays."""
+        """Bytes held by the stored arrays."""
         return sum(a.nbytes for trio in self.arrays.values() for a in trio)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+def _index(i: Any, size: int, what: str = "head") -> int:
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -size <= i < size:
+        raise IndexError(f"{what} {i!r} is out of range; these activations have {size} {what}s")
+    return int(i) % size
 
 
 def make_activations(
@@ -135,8 +253,9 @@ def make_activations(
     Parameters
     ----------
     arrays : dict
-        Either layer -> ``(q, k, v)`` or the flat file layout ``"layer{L}.q"`` -> array; every array
-        ``(B, H, N, D)``, floating point, finite, all of the same shape.
+        Either layer -> ``(q, k, v)`` or the flat file layout ``"layer{L}.q"`` -> array; floating point, finite;
+        every q ``(B, H, N, D)`` and every k and v ``(B, Hkv, N, D)`` with ``Hkv == H`` unless the metadata
+        declares grouped-query attention (``kv_heads`` / ``head_map``, module docstring).
     metadata : dict
         Must hold ``"scale"`` (positive, finite). Missing descriptive fields are filled from the arrays;
         present ones must agree with them.
@@ -182,7 +301,11 @@ def _group_by_layer(arrays: Mapping, where: str) -> dict[int, tuple[np.ndarray, 
             )
         grouped.setdefault(int(match.group(1)), {})[match.group(2)] = value
     result = {}
+    # q of every layer shares one shape; k and v share one shape that may differ from q's in the heads axis only
+    # (grouped-query attention stores keys and values once per key/value head; the metadata check then requires
+    # 'kv_heads'/'head_map' to say so)
     reference: tuple[str, tuple[int, ...]] | None = None
+    reference_kv: tuple[str, tuple[int, ...]] | None = None
     for layer in sorted(grouped):
         parts = grouped[layer]
         missing = [f"layer{layer}.{name}" for name in "qkv" if name not in parts]
@@ -202,11 +325,24 @@ def _group_by_layer(arrays: Mapping, where: str) -> dict[int, tuple[np.ndarray, 
                 raise ValueError(f"{where}: {key} has an empty dimension, shape {a.shape}")
             if reference is None:
                 reference = (key, a.shape)
-            elif a.shape != reference[1]:
+            elif name == "q" and a.shape != reference[1]:
                 raise ValueError(
                     f"{where}: {key} has shape {a.shape} but {reference[0]} has shape {reference[1]}; "
                     "q, k and v of every layer must share one (images, heads, tokens, head_dim) shape"
                 )
+            elif name != "q" and (a.shape[0], *a.shape[2:]) != (reference[1][0], *reference[1][2:]):
+                raise ValueError(
+                    f"{where}: {key} has shape {a.shape} but {reference[0]} has shape {reference[1]}; "
+                    "q, k and v of every layer must share one (images, heads, tokens, head_dim) shape "
+                    "(k and v may have fewer heads: grouped-query attention)"
+                )
+            elif name != "q" and reference_kv is not None and a.shape != reference_kv[1]:
+                raise ValueError(
+                    f"{where}: {key} has shape {a.shape} but {reference_kv[0]} has shape {reference_kv[1]}; "
+                    "k and v of every layer must share one (images, kv_heads, tokens, head_dim) shape"
+                )
+            if name != "q" and reference_kv is None:
+                reference_kv = (key, a.shape)
             if not np.isfinite(a).all():
                 bad = int(np.size(a) - np.count_nonzero(np.isfinite(a)))
                 raise ValueError(f"{where}: {key} holds {bad} non-finite value(s) (NaN or inf)")
@@ -249,7 +385,93 @@ def _check_metadata(meta: dict, per_layer: dict, where: str) -> dict:
     meta.setdefault("randattn_version", _version())
     meta["dtype"] = str(first.dtype)
     _check_layout(meta, tokens, where)
+    _check_heads(meta, per_layer, where)
+    _check_masks(meta, sorted(per_layer), where)
+    _check_token_ids(meta, images, tokens, where)
     return meta
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_heads(meta: dict, per_layer: dict, where: str) -> None:
+    """Validate ``kv_heads`` / ``head_map`` against the arrays (module docstring); fill ``head_map`` if missing."""
+    layer = min(per_layer)
+    heads, kv = per_layer[layer][0].shape[1], per_layer[layer][1].shape[1]
+    kv_heads, head_map = meta.get("kv_heads"), meta.get("head_map")
+    if kv_heads is None and head_map is None:
+        if kv != heads:
+            raise ValueError(
+                f"{where}: layer{layer}.k has {kv} head(s) but layer{layer}.q has {heads}; a file whose keys and "
+                "values have fewer heads than its queries (grouped-query attention) must say which key/value head "
+                "each query head uses with metadata 'kv_heads' and 'head_map'"
+            )
+        return  # a file from before grouped-query attention: nothing to add
+    if kv_heads is not None and (not _is_int(kv_heads) or int(kv_heads) != kv):
+        raise ValueError(f"{where}: metadata 'kv_heads' is {kv_heads!r} but layer{layer}.k has {kv} head(s)")
+    meta["kv_heads"] = kv
+    if head_map is None:
+        if heads % kv:
+            raise ValueError(
+                f"{where}: {heads} query heads do not split evenly over {kv} key/value heads; give 'head_map'"
+            )
+        head_map = [h // (heads // kv) for h in range(heads)]
+    if not isinstance(head_map, (list, tuple)) or len(head_map) != heads:
+        raise ValueError(
+            f"{where}: metadata 'head_map' must list {heads} key/value head indices (one per query head), "
+            f"got {head_map!r}"
+        )
+    bad = [x for x in head_map if not _is_int(x) or not 0 <= x < kv]
+    if bad:
+        raise ValueError(
+            f"{where}: metadata 'head_map' holds {bad[0]!r}, which is not a key/value head index in [0, {kv})"
+        )
+    meta["head_map"] = [int(x) for x in head_map]
+
+
+def _check_masks(meta: dict, layers: list[int], where: str) -> None:
+    """Validate ``mask`` (module docstring), normalising it to ``{"<layer>": kind}``."""
+    if meta.get("mask") is None:
+        return
+    mask = meta["mask"]
+    if isinstance(mask, str):
+        mask = {str(layer): mask for layer in layers}
+    if not isinstance(mask, Mapping):
+        raise ValueError(f"{where}: metadata 'mask' must map each layer to a mask kind, got {mask!r}")
+    keys = sorted(str(k) for k in mask)
+    if keys != sorted(str(layer) for layer in layers):
+        raise ValueError(
+            f"{where}: metadata 'mask' names layers {keys} but the arrays hold layers {layers}; give one mask kind "
+            "per layer"
+        )
+    out: dict[str, str | None] = {}
+    for key, kind in mask.items():
+        if kind is not None and (not isinstance(kind, str) or (kind != "causal" and not _MASK_PATTERN.match(kind))):
+            raise ValueError(
+                f"{where}: metadata 'mask' of layer {key} is {kind!r}; expected null, 'causal' or 'sliding:W' "
+                "(W a positive integer)"
+            )
+        out[str(key)] = kind
+    meta["mask"] = {str(layer): out[str(layer)] for layer in layers}
+
+
+def _check_token_ids(meta: dict, sequences: int, tokens: int, where: str) -> None:
+    """Validate ``token_ids`` / ``token_strings``: one row of ``tokens`` entries per sequence."""
+    for name, ok in (("token_ids", lambda x: _is_int(x) and x >= 0), ("token_strings", lambda x: isinstance(x, str))):
+        rows = meta.get(name)
+        if rows is None:
+            continue
+        shaped = isinstance(rows, (list, tuple)) and len(rows) == sequences and all(
+            isinstance(row, (list, tuple)) and len(row) == tokens for row in rows)
+        if not shaped:
+            raise ValueError(
+                f"{where}: metadata {name!r} must hold {sequences} row(s) of {tokens} entries (one per token of "
+                "each sequence)"
+            )
+        if not all(ok(x) for row in rows for x in row):
+            what = "non-negative integers" if name == "token_ids" else "strings"
+            raise ValueError(f"{where}: metadata {name!r} must hold {what}")
 
 
 class NoGridWarning(UserWarning):
@@ -260,7 +482,12 @@ _warned_no_grid = False
 
 
 def _check_layout(meta: dict, tokens: int, where: str) -> None:
-    """Validate ``grid`` / ``prefix_tokens`` (module docstring), normalising ``grid`` to ``[h, w]``."""
+    """Validate ``layout``, ``grid`` / ``prefix_tokens`` (module docstring), normalising ``grid`` to ``[h, w]``."""
+    layout = meta.get("layout")
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"{where}: metadata 'layout' must be one of {list(LAYOUTS)} or absent, got {layout!r}")
+    if layout == "sequence" and meta.get("grid") is not None:
+        raise ValueError(f"{where}: metadata 'layout' is 'sequence' (no patch grid) but 'grid' is {meta['grid']!r}")
     prefix = meta.get("prefix_tokens")
     if prefix is not None:
         if isinstance(prefix, bool) or not isinstance(prefix, (int, np.integer)) or not 0 <= prefix <= tokens:
@@ -341,7 +568,7 @@ def save_activations(acts: Activations, path: str | os.PathLike, *, dtype: str |
     path, fmt, target = _save_iv(acts, path, dtype)
     flat: dict[str, np.ndarray] = {}
     for layer in acts.layers:
-        for name, a in zip("qkv", acts.qkv(layer)):
+        for name, a in zip("qkv", acts.stored_qkv(layer)):  # k, v once per key/value head, as stored
             if target is not None and np.abs(a).max() > np.finfo(target).max:
                 raise ValueError(
                     f"dtype: layer{layer}.{name} overflows {np.dtype(target).name} "
@@ -435,7 +662,7 @@ def load_activations(path: str | os.PathLike) -> Activations:
         raise ValueError(f"{where}: metadata must be a JSON object, got {type(meta).__name__}")
     acts = make_activations(arrays, meta, where=where)
     global _warned_no_grid
-    if acts.grid is None and not _warned_no_grid:
+    if acts.grid is None and acts.layout != "sequence" and not _warned_no_grid:
         _warned_no_grid = True
         warnings.warn(
             f"{where}: no patch 'grid' in the metadata (a file from before the token layout was recorded); "

