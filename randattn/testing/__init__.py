@@ -206,15 +206,15 @@ def parametrize_with_checks(
 ) -> Any:
     """A ``pytest.mark.parametrize`` over (estimator, check): one test per estimator configuration and check.
 
+    The decorated test takes ``estimator`` (the spec) and ``check`` and calls ``check(estimator)``;
+    a check that does not apply is reported as skipped, with its reason.
+
     Parameters
     ----------
     estimators : iterable
         Names, specs, or ``(name or spec, params)`` pairs for configurations other than the defaults.
     checks : sequence of str, optional
         Names from :data:`CHECKS`; default all.
-
-    The decorated test takes ``estimator`` (the spec) and ``check`` and calls ``check(estimator)``;
-    a check that does not apply is reported as skipped, with its reason.
     """
     import pytest
 
