@@ -1,5 +1,6 @@
 """Measurement: replicates, bias/variance/MSE, sweeps over activation sets, importance-sampling diagnostics.
 
-Submodules are imported on use (``randattn.analysis.metrics``, ``.diagnostics``, ``.sweep``);
-``theory`` holds the propositions checked by ``randattn verify``.
+Submodules are imported on use (``randattn.analysis.metrics``, ``.diagnostics``, ``.sweep``;
+``.masking`` and ``.positions`` for runs under an attention mask); ``theory`` holds the propositions
+checked by ``randattn verify``.
 """

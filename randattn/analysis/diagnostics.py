@@ -416,6 +416,7 @@ class ReplicateDiagnostics:
 def replicate_snis_diagnostics(
     name: str, q: Any, k: Any, v: Any, draws: Any, *, scale: float | None, params: Mapping[str, Any],
     khat_queries: int = 16, backend: str = "torch", device: Any = None, dtype: str = "float64",
+    mask: str | None = None,
 ) -> ReplicateDiagnostics | None:
     """Per-replicate ESS and delta-method variance (and k-hat) of estimator ``name``; None when undefined.
 
@@ -439,6 +440,10 @@ def replicate_snis_diagnostics(
     backend : {"torch", "reference"}
     device, dtype
         Where and in which precision the torch providers run.
+    mask : str, optional
+        The mask the estimator ran under; passed to the provider, which must take it
+        (:func:`~randattn.analysis.masking.diagnostics_skip_reason` says when it does not: the
+        sweep then does not call this).
     """
     import torch
 
@@ -446,9 +451,10 @@ def replicate_snis_diagnostics(
     if not spec.diagnostics_apply(params):
         return None
     weights = spec.importance_weights
+    masked = {} if mask is None else {"mask": mask}
     if backend == "reference":
         provider = weights.reference_per_element or weights.reference
-        terms = None if provider is None else provider(q, k, v, draws, scale=scale, params=params)
+        terms = None if provider is None else provider(q, k, v, draws, scale=scale, params=params, **masked)
         if terms is None:
             return None
         log_w, f = (torch.from_numpy(np.ascontiguousarray(t)) for t in terms)
@@ -457,7 +463,7 @@ def replicate_snis_diagnostics(
         dt = getattr(torch, dtype)
         tq, tk, tv = (torch.as_tensor(np.asarray(a), device=device, dtype=dt) for a in (q, k, v))
         with torch.no_grad():
-            terms = provider(tq, tk, tv, draws.to_torch(device=device, dtype=dt), scale=scale, params=params)
+            terms = provider(tq, tk, tv, draws.to_torch(device=device, dtype=dt), scale=scale, params=params, **masked)
         if terms is None:
             return None
         log_w, f = (t.to(torch.float64) for t in terms)

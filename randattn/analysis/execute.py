@@ -27,22 +27,26 @@ estimate. A unit whose single (cell, replicate) exceeds ``max_memory`` is refuse
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from randattn.analysis.masking import diagnostics_skip_reason, estimator_mask_kwargs, mask_label, visible_keys
 from randattn.analysis.memory import measure_peak
 from randattn.analysis.plan import EstimatorConfig, StackedGenerators, SweepConfig, Unit, replicate_rng
+from randattn.analysis.positions import bucket_metrics, bucket_query_slices
 from randattn.analysis.probability_error import factored_pays, factored_rounding_negligible, factored_sq_errors
 from randattn.estimators.base import Draws
 
-__all__ = ["COLUMNS", "PHASES", "MemoryBudgetError", "UnitRunner", "format_bytes"]
+__all__ = ["COLUMNS", "PHASES", "DiagnosticsSkippedWarning", "MemoryBudgetError", "UnitResult", "UnitRunner",
+           "exact_under_mask", "format_bytes", "run_recording"]
 
 #: the sweep table's columns, in order (plotting code relies on these names)
 COLUMNS: tuple[str, ...] = (
-    "model", "image", "layer", "head", "tokens", "estimator", "params", "label", "num_samples", "replicates",
+    "model", "image", "layer", "head", "tokens", "mask", "estimator", "params", "label", "num_samples", "replicates",
     "random", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
     "ess_mean", "delta_var_ratio", "pareto_khat", "dtype", "ref_max_abs_dev", "seconds", "seed",
 )
@@ -74,6 +78,30 @@ class MemoryBudgetError(ValueError):
     """One (cell, replicate) of a unit needs more memory than ``max_memory`` allows."""
 
 
+class DiagnosticsSkippedWarning(UserWarning):
+    """The IS diagnostics of a configuration were not computed under the run's mask (its providers take none)."""
+
+
+class UnitResult(NamedTuple):
+    """What running a unit gives: its rows, the seconds of each phase, its per-position rows.
+
+    Attributes
+    ----------
+    rows : list of dict
+        One per head and reported S (:data:`COLUMNS`).
+    seconds : dict
+        Wall seconds of each of :data:`PHASES`.
+    positions : list of dict or None
+        One per head, reported S and position bucket
+        (:data:`~randattn.analysis.positions.POSITION_COLUMNS`); None when the unit's layer gets
+        no per-position metrics (:meth:`~randattn.analysis.plan.SweepConfig.positions_of`).
+    """
+
+    rows: list
+    seconds: dict
+    positions: list | None
+
+
 def format_bytes(n: float) -> str:
     """``1536 -> '1.5 KiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -83,18 +111,54 @@ def format_bytes(n: float) -> str:
     return f"{n:.3g} TiB"  # pragma: no cover
 
 
-def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[int], reps: range, num_samples) -> Draws:
+def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[int], reps: range, num_samples,
+               mask: str | None = None) -> Draws:
     """Draws ``(len(reps), C, ...)`` for the cells with these seeds; replicate r of a cell from ``replicate_rng(seed, r)``.
 
     One ``draw`` call for the whole block, on a (replicates, cells) grid of generators
     (:class:`~randattn.analysis.plan.StackedGenerators`): the same bits as one call per
     (cell, replicate), at a fraction of the per-call cost (orthogonal features take one
-    stacked QR instead of one per call).
+    stacked QR instead of one per call). ``mask`` reaches ``draw`` only when it is set.
     """
     generators = StackedGenerators([[replicate_rng(seed, r) for seed in seeds] for r in reps])
     cells = len(seeds)
     return spec.draw((cells, *q_shape), (cells, *k_shape), num_samples=num_samples, replicates=len(reps),
-                     rng=generators, **config.params)
+                     rng=generators, **config.params, **estimator_mask_kwargs(mask))
+
+
+def exact_under_mask(kind: str, q, k, v, scale: float, *, torch: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    r"""The sweep's ground truth under a mask: exact float64 softmax probabilities ``(C, N, M)``, output ``(C, N, Dv)``.
+
+    .. math:: P_{nm} = \frac{\exp(s\, q_n \cdot k_m - c_n)}{\sum_{m' \in V_n} \exp(s\, q_n \cdot k_{m'} - c_n)}
+        \ (m \in V_n), \qquad P_{nm} = 0 \ (m \notin V_n), \qquad y_n = \sum_m P_{nm} v_m,
+
+    with :math:`V_n` the keys visible to query n under ``kind``
+    (:func:`~randattn.analysis.masking.visible_keys`) and :math:`c_n` its largest visible logit (every row
+    keeps its own key, so it is finite): the hidden logits are set to :math:`-\infty`, so the hidden
+    probabilities are exactly 0. ``torch``: the torch module, to compute as the torch backend does
+    (float64, the process's thread count); None: numpy.
+
+    Parameters
+    ----------
+    kind : str
+        ``"causal"`` or ``"sliding:W"``.
+    q : (C, N, D) ndarray
+    k : (C, M, D) ndarray
+    v : (C, M, Dv) ndarray
+    scale : float
+        The logit temperature s.
+    torch : module, optional
+    """
+    visible = visible_keys(kind, q.shape[-2], k.shape[-2])
+    if torch is None:
+        logits = np.where(visible, scale * (q @ np.swapaxes(k, -1, -2)), -np.inf)
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        probs = weights / weights.sum(-1, keepdims=True)
+        return probs, probs @ v
+    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64)) for a in (q, k, v))
+    logits = (scale * (tq @ tk.transpose(-1, -2))).masked_fill_(~torch.from_numpy(visible), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return probs.numpy(), (probs @ tv).numpy()
 
 
 def _lap(seconds: dict[str, float], phase: str, mark: float, clock: Callable[[], float]) -> float:
@@ -179,13 +243,26 @@ class UnitRunner:
         return (q[unit.image, heads].astype(np.float64), k[unit.image, heads].astype(np.float64),
                 v[unit.image, heads].astype(np.float64))
 
+    def mask(self, unit: Unit) -> str | None:
+        """The mask kind of ``unit``'s layer (:meth:`~randattn.analysis.plan.SweepConfig.mask_of`)."""
+        return self.config.mask_of(unit.layer)
+
     def exact(self, unit: Unit, q, k, v) -> tuple[np.ndarray, np.ndarray]:
-        """Exact float64 softmax probabilities ``(C, N, M)`` and output ``(C, N, Dv)``.
+        r"""Exact float64 softmax probabilities ``(C, N, M)`` and output ``(C, N, Dv)``.
 
         On the torch backend they are computed by torch in float64 with the sweep's pinned thread
         count, so that every process (a Dask worker too) gets the same bits; numpy's BLAS takes its
         thread count from the environment, which a Dask nanny sets on its own.
+
+        Under a mask (:meth:`mask`) the softmax runs over the visible keys only
+        (:func:`~randattn.analysis.masking.visible_keys`): the hidden logits are set to
+        :math:`-\infty`, so the hidden probabilities are exactly 0,
+        :math:`P_{nm} = \exp(s\, q_n \cdot k_m) / \sum_{m' \in V_n} \exp(s\, q_n \cdot k_{m'})` for
+        :math:`m \in V_n`.
         """
+        kind = self.mask(unit)
+        if kind is not None:
+            return exact_under_mask(kind, q, k, v, self.scale, torch=self.torch)
         if self.torch is None:
             from randattn.estimators.softmax.reference import attention_probabilities
 
@@ -252,7 +329,8 @@ class UnitRunner:
         """``(a, b)`` of :meth:`block_bytes` for ``unit``'s configuration, S and shape (measured once)."""
         est = self.config.estimators[unit.est_index]
         n, d = self.acts.shape[2], self.acts.shape[3]
-        key = (est.label, unit.num_samples, self.acts.shape[2:])
+        kind = self.mask(unit)
+        key = (est.label, unit.num_samples, self.acts.shape[2:], kind)  # a masked estimator may take another path
         if key not in self._cell_bytes:
             spec = self.specs[est.name]
             q, k, v = (a[:1] for a in self.inputs(unit))
@@ -260,13 +338,13 @@ class UnitRunner:
             reps_measured = (1, 2) if est.random else (1,)
 
             def peak_at(samples: int | None, reps: int) -> int:
-                draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(reps), samples)
+                draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(reps), samples, kind)
 
                 def one() -> None:
                     # the code path that runs: estimates, the probability pass, diagnostics
-                    self._estimate_block(spec, est, q, k, v, draws, exact_probs, full_precision=True)
+                    self._estimate_block(spec, est, q, k, v, draws, exact_probs, full_precision=True, mask=kind)
                     if self.config.diagnostics and est.random:
-                        self._diagnostics_block(est, q, k, v, draws, first_block=False)
+                        self._diagnostics_block(est, q, k, v, draws, first_block=False, mask=kind)
 
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # calibration only: the real run reports warnings
@@ -336,7 +414,8 @@ class UnitRunner:
 
     # ------------------------------------------------------------------------------------------------ estimation
     def _estimate_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, exact_probs32=None,
-                        *, full_precision: bool = False, rank: int | None = None, exact_sq_norms=None, exact64=None):
+                        *, full_precision: bool = False, rank: int | None = None, exact_sq_norms=None, exact64=None,
+                        mask: str | None = None):
         """Estimates ``(R_b, C_b, N, Dv)`` and the probabilities' squared error ``(R_b, C_b)``.
 
         The estimates stay as computed (a torch tensor in the run's dtype on its device, or the
@@ -349,26 +428,32 @@ class UnitRunner:
         where one exists and its bound allows; ``full_precision`` forces the dense float64
         product (the calibration measures that, the larger working set). ``exact_probs32``: the
         exact probabilities in float32, ``exact_sq_norms`` their squared row norms (float64) and
-        ``exact64`` a callable giving them as a float64 tensor, if at hand.
+        ``exact64`` a callable giving them as a float64 tensor, if at hand. ``mask``: the layer's
+        mask kind, passed to every estimator call when set (a form that returns None for it, as
+        the probability factors of a causal estimator may, is taken as absent).
         """
+        masked = estimator_mask_kwargs(mask)
         if (not full_precision and exact_sq_norms is not None and exact64 is not None
                 and self._factors_pay(spec, est, rank, q.shape[-2])):
             factored = self._factored_probability_block(spec, est, q, k, v, draws, exact_probs32, exact_sq_norms,
-                                                        exact64)
+                                                        exact64, mask=mask)
             if factored is not None:
                 return factored
         if not full_precision and self._rounds_probabilities(spec, est):
             rounded = self._float32_probability_block(spec, est, q, k, v, draws,
-                                                      exact_probs if exact_probs32 is None else exact_probs32)
+                                                      exact_probs if exact_probs32 is None else exact_probs32,
+                                                      mask=mask)
             if rounded is not None:
                 return rounded
         m = k.shape[-2]
         if self.torch is None:
-            out = np.asarray(spec.reference(q, k, v, draws, scale=self.scale, **est.params), dtype=np.float64)
+            out = np.asarray(spec.reference(q, k, v, draws, scale=self.scale, **est.params, **masked),
+                             dtype=np.float64)
             prob_sq = None
             if self.config.probabilities:
                 eye = np.broadcast_to(np.eye(m), (*k.shape[:-1], m))
-                probs = np.asarray(spec.reference(q, k, eye, draws, scale=self.scale, **est.params), dtype=np.float64)
+                probs = np.asarray(spec.reference(q, k, eye, draws, scale=self.scale, **est.params, **masked),
+                                   dtype=np.float64)
                 prob_sq = ((probs - exact_probs) ** 2).sum(axis=(-2, -1))
             return out, prob_sq
         torch = self.torch
@@ -378,17 +463,18 @@ class UnitRunner:
         with torch.no_grad():
             prob_sq = None
             if not self.config.probabilities:
-                out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params)
+                out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
             elif spec.batched_with_probabilities is not None:
                 # one pass: the features and weights the two results share are computed once (same bits as two calls)
-                out, probs = spec.batched_with_probabilities(tq, tk, tv, tdraws, scale=self.scale, **est.params)
+                out, probs = spec.batched_with_probabilities(tq, tk, tv, tdraws, scale=self.scale, **est.params,
+                                                             **masked)
             else:
-                out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params)
+                out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
                 if spec.batched_probabilities is not None:
-                    probs = spec.batched_probabilities(tq, tk, tdraws, scale=self.scale, **est.params)
+                    probs = spec.batched_probabilities(tq, tk, tdraws, scale=self.scale, **est.params, **masked)
                 else:
                     eye = torch.eye(m, device=self.device, dtype=dt).expand(*k.shape[:-1], m)
-                    probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params)
+                    probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params, **masked)
             if self.config.probabilities:
                 # in place in the run's dtype; the N squared row norms summed in float64
                 prob_sq = _row_errors(probs, torch.as_tensor(exact_probs, device=self.device, dtype=probs.dtype))
@@ -414,7 +500,7 @@ class UnitRunner:
         return self._dtype_name(est) == "float32" or self.config.dtype == "auto"
 
     def _factored_probability_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact32, sq_norms,
-                                    exact64):
+                                    exact64, mask: str | None = None):
         """:meth:`_estimate_block` through the probabilities' factors, or None where they have none or the bound is loose.
 
         The error is taken in float32 where its bound allows, else from the same factors in float64
@@ -425,8 +511,9 @@ class UnitRunner:
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
         with torch.no_grad():
             result = spec.batched_with_probability_factors(tq, tk, tv, draws.to_torch(device=self.device, dtype=dt),
-                                                           scale=self.scale, **est.params)
-            if result is None:
+                                                           scale=self.scale, **est.params,
+                                                           **estimator_mask_kwargs(mask))
+            if result is None:  # no factors for this variant (e.g. under a causal mask)
                 return None
             out, left, right = result
             sq, bound = factored_sq_errors(left.to(torch.float32), right.to(torch.float32),
@@ -438,13 +525,18 @@ class UnitRunner:
                     return None
         return out, sq.cpu().numpy()
 
-    def _float32_probability_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs):
+    def _float32_probability_block(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs,
+                                   mask: str | None = None):
         """:meth:`_estimate_block` through the float32 probability product, or None where its bound is too loose."""
         torch = self.torch
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k, v))
         with torch.no_grad():
-            out, probs, bound = spec.batched_with_float32_probabilities(
-                tq, tk, tv, draws.to_torch(device=self.device, dtype=torch.float64), scale=self.scale, **est.params)
+            result = spec.batched_with_float32_probabilities(
+                tq, tk, tv, draws.to_torch(device=self.device, dtype=torch.float64), scale=self.scale, **est.params,
+                **estimator_mask_kwargs(mask))
+            if result is None:  # no float32 product for this variant
+                return None
+            out, probs, bound = result
             exact32 = torch.as_tensor(exact_probs, device=self.device, dtype=torch.float32)
             row_err = _row_errors(probs, exact32)
             del probs
@@ -453,24 +545,33 @@ class UnitRunner:
                 return None
         return out, row_err.square_().sum(-1).cpu().numpy()
 
-    def _diagnostics_block(self, est: EstimatorConfig, q, k, v, draws: Draws, first_block: bool):
-        """Per (replicate, cell) ESS and delta-method variance ``(R_b, C_b)``, and k-hat ``(C_b,)`` or None."""
+    def _diagnostics_block(self, est: EstimatorConfig, q, k, v, draws: Draws, first_block: bool,
+                           mask: str | None = None):
+        """Per (replicate, cell) ESS and delta-method variance ``(R_b, C_b)``, and k-hat ``(C_b,)`` or None.
+
+        None under a mask the spec's importance-weight provider does not take
+        (:func:`~randattn.analysis.masking.diagnostics_skip_reason`): bidirectional weights would
+        describe another estimator.
+        """
         from randattn.analysis.diagnostics import replicate_snis_diagnostics
 
+        if diagnostics_skip_reason(self.specs[est.name], est.params, mask, self.config.backend) is not None:
+            return None
         return replicate_snis_diagnostics(
             est.name, q, k, v, draws, scale=self.scale, params=est.params,
             khat_queries=self.config.khat_queries if first_block else 0,
             backend=self.config.backend, device=None if self.torch is None else self.device,
-            dtype=self._dtype_name(est),
+            dtype=self._dtype_name(est), mask=mask,
         )
 
-    def _reference_deviation(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, batched_first) -> float:
-        """max |batched - reference| on the unit's first cell and replicate (same draws).
+    def _reference_deviation(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, batched_first,
+                             mask: str | None = None) -> float:
+        """max |batched - reference| on the unit's first cell and replicate (same draws, same mask).
 
         ``batched_first (N, Dv)``: the batched estimate of that cell and replicate, a tensor in the run's dtype.
         """
         ref = spec.reference(q[:1], k[:1], v[:1], _slice_draws(draws, slice(0, 1), slice(0, 1)), scale=self.scale,
-                             **est.params)
+                             **est.params, **estimator_mask_kwargs(mask))
         batched = batched_first.to("cpu", self.torch.float64).numpy()
         return float(np.max(np.abs(np.asarray(ref, dtype=np.float64)[0, 0] - batched)))
 
@@ -481,10 +582,11 @@ class UnitRunner:
         torch computes with ``config.threads`` intra-op threads (restored afterwards), so that the
         rows are the same in every process that runs the unit.
         """
-        return self.run_timed(unit)[0]
+        return self.run_timed(unit).rows
 
-    def run_timed(self, unit: Unit) -> tuple[list[dict[str, Any]], dict[str, float]]:
-        """``(run(unit), seconds)``: the rows and the wall seconds of each of the unit's :data:`PHASES`."""
+    def run_timed(self, unit: Unit) -> UnitResult:
+        """:class:`UnitResult`: ``run(unit)``, the wall seconds of each of the unit's :data:`PHASES`, and its
+        per-position rows (None when the unit's layer gets none)."""
         if self.torch is None or self.config.threads is None:
             return self._run(unit)
         before = self.torch.get_num_threads()
@@ -494,7 +596,7 @@ class UnitRunner:
         finally:
             self.torch.set_num_threads(before)
 
-    def _run(self, unit: Unit) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    def _run(self, unit: Unit) -> UnitResult:
         from randattn.analysis.metrics import metrics_of_differences, metrics_with_relative_error
 
         clock = time.perf_counter
@@ -503,6 +605,7 @@ class UnitRunner:
         config = self.config
         est = config.estimators[unit.est_index]
         spec = self.specs[est.name]
+        kind = self.mask(unit)
         blocks = self.blocks(unit)
         q, k, v, exact_probs, exact = self._inputs_and_exact(unit, self._dtype_name(est))
         factored = self._factors_pay(spec, est, unit.num_samples, q.shape[-2])
@@ -523,11 +626,15 @@ class UnitRunner:
         delta = np.full((reps, cells), np.nan)
         khat = np.full(cells, np.nan)
         diagnose = config.diagnostics and est.random
+        skipped = diagnostics_skip_reason(spec, est.params, kind, config.backend) if diagnose else None
+        if skipped is not None:
+            warnings.warn(skipped, DiagnosticsSkippedWarning, stacklevel=2)  # NaN with its reason, once per unit
+            diagnose = False
         ref_dev = np.nan
         for cs, rs in blocks:
             mark = clock()
             draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], unit.seeds[cs], range(rs.start, rs.stop),
-                               unit.num_samples)
+                               unit.num_samples, kind)
             mark = _lap(seconds, "draws", mark, clock)
             block_out, block_prob = self._estimate_block(spec, est, q[cs], k[cs], v[cs], draws,
                                                          exact_probs[cs] if config.probabilities else None,
@@ -535,7 +642,7 @@ class UnitRunner:
                                                          rank=unit.num_samples,
                                                          exact_sq_norms=None if sq_norms is None else sq_norms[cs],
                                                          exact64=lambda cs=cs: self._inputs_and_exact(
-                                                             unit, "float64")[3][cs])
+                                                             unit, "float64")[3][cs], mask=kind)
             if self.torch is None:
                 out[rs, cs] = block_out
             else:
@@ -548,16 +655,23 @@ class UnitRunner:
                 used = slice(rs.start, min(rs.stop, DIAGNOSTIC_REPLICATES))
                 diag = self._diagnostics_block(est, q[cs], k[cs], v[cs],
                                                _slice_draws(draws, slice(0, used.stop - used.start), slice(None)),
-                                               rs.start == 0)
+                                               rs.start == 0, mask=kind)
                 if diag is not None:
                     ess[used, cs], delta[used, cs] = diag.ess, diag.delta_variance
                     if diag.khat is not None:
                         khat[cs] = diag.khat
             mark = _lap(seconds, "diagnostics", mark, clock)
             if unit.check_reference and rs.start == 0 and cs.start == 0 and self.torch is not None:
-                ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out[0, 0])
+                ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out[0, 0], mask=kind)
             _lap(seconds, "reference_check", mark, clock)
         mark = clock()
+        scheme = config.positions_of(unit.layer)
+        per_bucket = None
+        if scheme is not None:  # before the cell's metrics, which overwrite the differences on the torch backend
+            buckets = bucket_query_slices(scheme, n, k.shape[-2])
+            per_bucket = (bucket_metrics(out, exact, buckets, random=est.random, differences=False)
+                          if self.torch is None else
+                          bucket_metrics(out, exact_out, buckets, random=est.random, differences=True))
         if self.torch is None:
             metrics, rel = metrics_with_relative_error(out, exact, random=est.random)
         else:
@@ -571,12 +685,14 @@ class UnitRunner:
         rows = []
         model = str(self.acts.metadata.get("model", "unknown"))
         dtype = self._dtype_name(est)
+        mask = mask_label(kind)
         for j, h in enumerate(unit.heads):
             for s in unit.row_samples(config):
                 rows.append({
                     "model": model, "image": unit.image_name, "layer": int(unit.layer), "head": int(h),
-                    "tokens": int(n), "estimator": est.name, "params": est.params_json, "label": est.label,
-                    "num_samples": int(s), "replicates": int(metrics.replicates), "random": bool(est.random),
+                    "tokens": int(n), "mask": mask, "estimator": est.name, "params": est.params_json,
+                    "label": est.label, "num_samples": int(s), "replicates": int(metrics.replicates),
+                    "random": bool(est.random),
                     "mse": metrics.mse[j], "mse_se": metrics.mse_se[j], "variance": metrics.variance[j],
                     "bias_sq": metrics.bias_sq[j], "bias_sq_naive": metrics.bias_sq_naive[j],
                     "bias_sq_se": metrics.bias_sq_se[j], "rel_error": rel[j],
@@ -585,4 +701,32 @@ class UnitRunner:
                     "dtype": dtype, "ref_max_abs_dev": ref_dev if j == 0 else np.nan,
                     "seconds": per_cell, "seed": int(unit.seeds[j]),
                 })
-        return rows, seconds
+        positions = None if per_bucket is None else [
+            {"model": model, "image": unit.image_name, "layer": int(unit.layer), "head": int(h), "tokens": int(n),
+             "mask": mask, "estimator": est.name, "params": est.params_json, "label": est.label,
+             "num_samples": int(s),
+             "replicates": int(m.replicates), "random": bool(est.random), "position_lo": lo, "position_hi": hi,
+             "queries": count, "mse": m.mse[j], "mse_se": m.mse_se[j], "variance": m.variance[j],
+             "bias_sq": m.bias_sq[j], "bias_sq_naive": m.bias_sq_naive[j], "bias_sq_se": m.bias_sq_se[j],
+             "seed": int(unit.seeds[j])}
+            for j, h in enumerate(unit.heads) for s in unit.row_samples(config) for lo, hi, count, m in per_bucket
+        ]
+        return UnitResult(rows, seconds, positions)
+
+
+def _normalise_message(message: str) -> str:
+    return re.sub(r"\d+ of \d+", "some", message)
+
+
+def run_recording(runner: UnitRunner, unit: Unit) -> tuple[list[dict[str, Any]], list[tuple[str, str]],
+                                                           dict[str, float], list[dict[str, Any]] | None]:
+    """``runner.run_timed(unit)`` with the warnings it raised, as (category, message) pairs: rows, warnings,
+    seconds, per-position rows (or None).
+
+    What every executor runs for a unit (in this process or in a Dask worker); counts in messages
+    ("3 of 16 queries") are normalised so that the same warning of different units is counted as one.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows, seconds, positions = runner.run_timed(unit)
+    return rows, [(w.category.__name__, _normalise_message(str(w.message))) for w in caught], seconds, positions

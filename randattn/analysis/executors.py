@@ -9,9 +9,9 @@ and hands back each unit's rows as it finishes; it does not know what a unit com
 
 With Dask, workers read their inputs from the activation file **by path** (so the file must be
 reachable by every worker: a shared filesystem, or the same path on each machine), each worker
-process loading it once and keeping it for its next units; a unit's rows go to its Parquet part
-written atomically by the worker itself when the sweep has a parts folder, and come back to the
-client (a few rows a unit) for the progress bar and the in-memory table. A worker that dies
+process loading it once and keeping it for its next units; a unit's rows (and its per-position
+rows) go to its Parquet parts written atomically by the worker itself when the sweep has a parts
+folder, and come back to the client (a few rows a unit) for the progress bar and the in-memory table. A worker that dies
 mid-unit loses only that unit, which Dask runs again elsewhere (``retries``); an error raised by a
 unit (bad input) cancels the rest and is raised in the client with the unit's message, the parts
 written so far staying on disk for ``--resume``. Rows depend only on the unit, the master seed
@@ -127,28 +127,30 @@ def _run_unit_in_worker(path: str, config, config_key: str, unit, parts_dir: str
     discovers itself, as the client did).
     """
     from randattn.analysis.store import write_part
-    from randattn.analysis.sweep import _run_recording
+    from randattn.analysis.execute import run_recording
     from randattn.estimators.registry import ensure_registered
 
     try:
         ensure_registered(specs)
         runner = _worker_runner(path, os.stat(path).st_mtime_ns, config_key, config)
-        rows, caught, seconds = _run_recording(runner, unit)
+        rows, caught, seconds, positions = run_recording(runner, unit)
     except (ValueError, TypeError) as exc:  # deterministic: report, do not retry
-        return unit.uid, exc, [], {}
+        return unit.uid, exc, [], {}, None
     if parts_dir is not None:
-        write_part(parts_dir, unit.uid, rows)
-    return unit.uid, rows, caught, seconds
+        write_part(parts_dir, unit.uid, rows, positions)
+    return unit.uid, rows, caught, seconds, positions
 
 
 # ---------------------------------------------------------------------------------------------------- client side
 def run_units_dask(
     client: Any, path: str | os.PathLike, config, units: Sequence[Any], parts_dir: str | os.PathLike | None,
-    *, retries: int = UNIT_RETRIES, on_done: Callable[[Any, list, list, dict], None] | None = None,
+    *, retries: int = UNIT_RETRIES, on_done: Callable[[Any, list, list, dict, Any], None] | None = None,
 ) -> None:
-    """Run ``units`` on the Dask ``client``'s workers; call ``on_done(unit, rows, warnings, seconds)`` as each finishes.
+    """Run ``units`` on the Dask ``client``'s workers; call ``on_done(unit, rows, warnings, seconds, positions)`` as
+    each finishes.
 
-    ``seconds``: the unit's wall time per phase on its worker (:meth:`~randattn.analysis.execute.UnitRunner.run_timed`).
+    ``seconds``: the unit's wall time per phase on its worker (:meth:`~randattn.analysis.execute.UnitRunner.run_timed`);
+    ``positions``: its per-position rows, or None.
 
     Raises
     ------
@@ -175,11 +177,11 @@ def run_units_dask(
         for future in as_completed(futures):
             if future.status == "error":
                 raise future.exception()
-            _, rows, caught, seconds = future.result()
+            _, rows, caught, seconds, positions = future.result()
             if isinstance(rows, BaseException):
                 raise rows
             if on_done is not None:
-                on_done(by_key[future.key], rows, caught, seconds)
+                on_done(by_key[future.key], rows, caught, seconds, positions)
     except BaseException:
         client.cancel(futures)
         raise

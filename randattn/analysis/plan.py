@@ -242,6 +242,18 @@ class SweepConfig:
         torch backend: the fraction of units whose first cell and replicate are re-run on the
         float64 reference with the same draws (at least the first unit of every estimator
         configuration when > 0); the largest deviation goes to the ``ref_max_abs_dev`` column.
+    mask : None, str or mapping of layer -> kind
+        The attention mask of every layer (:mod:`randattn.analysis.masking`): None (bidirectional),
+        ``"causal"`` or ``"sliding:W"`` for all layers, or one kind per layer (e.g. read from an
+        activation file, :func:`~randattn.analysis.masking.masks_of_activations`). Stored canonically
+        (:func:`~randattn.analysis.masking.normalize_layer_masks`): one kind, or ``((layer, kind), ...)``.
+        The estimators, the exact reference and the probabilities all apply it. Cell seeds and unit
+        ids do not depend on it (the mask is a property of the run, recorded in :meth:`identity`),
+        so a causal and a bidirectional run of the same cells use the same random streams.
+    position_buckets : str or tuple of int
+        Per-position metrics (:mod:`randattn.analysis.positions`): ``"auto"`` (``log2`` buckets on
+        masked layers, none on bidirectional ones), ``"none"``, ``"log2"`` (every layer), or lower
+        bucket edges such as ``(1, 2, 4, 8, 64)`` (every layer).
     """
 
     estimators: tuple[EstimatorConfig, ...]
@@ -260,8 +272,16 @@ class SweepConfig:
     khat_queries: int = 16
     check_reference: float = 0.02
     threads: int | None = None
+    mask: Any = None
+    position_buckets: Any = "auto"
 
     def __post_init__(self) -> None:
+        from randattn.analysis.masking import normalize_layer_masks
+        from randattn.analysis.positions import parse_position_buckets
+
+        # canonical and hashable (a Dask worker caches its runner by the configuration)
+        object.__setattr__(self, "mask", normalize_layer_masks(self.mask))
+        object.__setattr__(self, "position_buckets", parse_position_buckets(self.position_buckets))
         if not self.estimators or not all(isinstance(e, EstimatorConfig) for e in self.estimators):
             raise TypeError("estimators must be a non-empty tuple of EstimatorConfig (see estimator_config)")
         if not self.num_samples:
@@ -300,12 +320,48 @@ class SweepConfig:
             "khat_queries": self.khat_queries,
             "check_reference": float(self.check_reference) if self.backend == "torch" else 0.0,
             "threads": self.threads if self.backend == "torch" else None,
+            # recorded only where set, so that the identity (and the manifest) of a bidirectional run is what it was
+            # before masks existed: its finished tables and parts stay resumable
+            **({"mask": self.mask_json()} if self.mask is not None else {}),
+            **({"position_buckets": self.position_buckets_json()} if self.position_buckets != "auto" else {}),
         }
+
+    def mask_of(self, layer: int) -> str | None:
+        """The mask kind of ``layer``: None (bidirectional), ``"causal"`` or ``"sliding:W"``.
+
+        Raises
+        ------
+        ValueError
+            The run gives masks per layer and none for ``layer``.
+        """
+        if not isinstance(self.mask, tuple):
+            return self.mask
+        kinds = dict(self.mask)
+        if int(layer) not in kinds:
+            raise ValueError(f"the run's mask names layers {sorted(kinds)} but not layer {layer}; give every "
+                             "selected layer a mask")
+        return kinds[int(layer)]
+
+    def mask_json(self) -> Any:
+        """The mask as JSON: one kind (str or None) or ``{"<layer>": kind}``."""
+        return {str(layer): kind for layer, kind in self.mask} if isinstance(self.mask, tuple) else self.mask
+
+    def position_buckets_json(self) -> Any:
+        """The bucketing as JSON: ``"auto"``, ``"none"``, ``"log2"`` or the list of lower edges."""
+        return list(self.position_buckets) if isinstance(self.position_buckets, tuple) else self.position_buckets
+
+    def positions_of(self, layer: int) -> str | tuple[int, ...] | None:
+        """The bucketing of ``layer``'s per-position metrics, or None when the layer gets none."""
+        scheme = self.position_buckets
+        if scheme == "none" or (scheme == "auto" and self.mask_of(layer) is None):
+            return None
+        return "log2" if scheme == "auto" else scheme
 
     def to_json(self) -> dict[str, Any]:
         """Everything, JSON-serialisable (stored in the output metadata)."""
         data = self.identity()
-        data.update(device=self.device, max_memory=self.max_memory)
+        data.update(device=self.device, max_memory=self.max_memory, mask=self.mask_json(),
+                    position_buckets=self.position_buckets_json())
         return data
 
 

@@ -13,6 +13,15 @@ heads -- which are executed, stored and resumed independently (ARCHITECTURE sec.
 - this module: :func:`run_sweep` (plan minus stored units -> executor -> store), aggregation
   and output.
 
+Masks
+-----
+A run may measure its layers under a causal or sliding-window mask
+(:attr:`SweepConfig.mask`, :mod:`randattn.analysis.masking`): estimators, the exact reference
+and the probabilities apply it, an estimator whose spec does not support a layer's mask is
+refused by name when the sweep is planned, and the table's ``mask`` column records each row's.
+Masked layers also get per-position metrics (:mod:`randattn.analysis.positions`), which
+:func:`run_sweep_tables` returns beside the table and :func:`write_tables` stores beside it.
+
 Reproducibility
 ---------------
 Each cell's seed is derived from the master seed and the cell's identity alone
@@ -27,19 +36,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import time
 import warnings
 from collections import Counter
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from randattn._files import atomic_path, atomic_write_text
 from randattn._validation import check_positive_int
-from randattn.analysis.execute import COLUMNS, PHASES, MemoryBudgetError, UnitRunner
+from randattn.analysis.execute import COLUMNS, PHASES, MemoryBudgetError, UnitRunner, run_recording
 from randattn.analysis.plan import (
     BACKENDS,
     DTYPES,
@@ -54,13 +63,17 @@ from randattn.analysis.plan import (
     parse_estimator_list,
     plan_units,
     replicate_rng,
+    select,
     total_cells,
 )
+from randattn.analysis.positions import POSITION_COLUMNS
 from randattn.analysis.store import (
     SweepLockedError,
+    empty_positions,
     empty_table,
     prepare_parts_dir,
     read_parts,
+    read_position_parts,
     stored_unit_ids,
     sweep_lock,
     write_part,
@@ -80,14 +93,21 @@ __all__ = [
     "parse_estimator_list",
     "cell_seed",
     "replicate_rng",
+    "POSITION_COLUMNS",
+    "SweepTables",
     "plan",
     "run_sweep",
+    "run_sweep_tables",
     "read_parts",
+    "read_position_parts",
     "consolidate",
+    "consolidate_positions",
     "aggregate",
     "as_activations",
     "count_cells",
     "write_table",
+    "write_tables",
+    "positions_path",
     "table_records",
     "summarize_warnings",
 ]
@@ -115,11 +135,46 @@ def as_activations(source: Any, *, scale: float | None = None):
 
 # ------------------------------------------------------------------------------------------------------- the engine
 def plan(activations: Any, config: SweepConfig) -> list[Unit]:
-    """Every unit of ``config`` over ``activations``, in canonical order; validates the selection."""
+    """Every unit of ``config`` over ``activations``, in canonical order; validates the selection and the masks.
+
+    Raises
+    ------
+    ValueError
+        A selected layer, head or image the activations do not hold; a layer without a mask in a
+        per-layer mask; an estimator that does not support a selected layer's mask (named, with
+        its spec's reason: :func:`~randattn.analysis.masking.check_estimator_masks`).
+    """
     acts = as_activations(activations)
     if not isinstance(config, SweepConfig):
         raise TypeError(f"config must be a SweepConfig, got {type(config).__name__}")
-    return plan_units(acts.layers, acts.shape[1], acts.images, config)
+    units = plan_units(acts.layers, acts.shape[1], acts.images, config)
+    _check_masks(acts, bind_layout(config, acts))  # with the patch grid the run will use (windows under a mask)
+    return units
+
+
+def _check_masks(acts, config: SweepConfig) -> None:
+    """Refuse, before anything runs, every estimator configuration that cannot run under a selected layer's mask.
+
+    Beyond the spec's declared masks, each configuration draws once for one head under each mask
+    (a few arrays, no estimate): a parameter with no masked form (e.g. a feature map fitted from
+    every key) is refused there, by the estimator's own message.
+    """
+    from randattn.analysis.masking import check_estimator_masks, estimator_mask_kwargs
+    from randattn.estimators.registry import get_spec
+
+    kinds = {layer: config.mask_of(layer) for layer in select("layers", config.layers, list(acts.layers))}
+    if all(kind is None for kind in kinds.values()):
+        return
+    _, _, n, d = acts.shape
+    for est in config.estimators:
+        spec = get_spec(est.name)
+        samples = min(config.num_samples) if est.needs_samples else None  # the smallest draw says as much
+
+        def probe(kind: str, spec=spec, est=est, samples=samples) -> None:
+            spec.draw((1, n, d), (1, n, d), num_samples=samples, replicates=1, rng=np.random.default_rng(0),
+                      **est.params, **estimator_mask_kwargs(kind))
+
+        check_estimator_masks(spec, est.label, kinds, isinstance(config.mask, tuple), probe)
 
 
 def bind_layout(config: SweepConfig, acts) -> SweepConfig:
@@ -149,6 +204,12 @@ def consolidate(table, config: SweepConfig, acts=None):
     return _store.consolidate(table, [e.label for e in config.estimators], acts.images if acts is not None else ())
 
 
+def consolidate_positions(positions, config: SweepConfig, acts=None):
+    """The canonical per-position table: as :func:`consolidate`, then by position bucket."""
+    return _store.consolidate_positions(positions, [e.label for e in config.estimators],
+                                        acts.images if acts is not None else ())
+
+
 def _fingerprint(acts) -> dict[str, Any]:
     return {"shape": list(acts.shape), "layers": list(acts.layers), "images": list(acts.images),
             "model": acts.metadata.get("model"), "scale": acts.scale}
@@ -156,19 +217,6 @@ def _fingerprint(acts) -> dict[str, Any]:
 
 def _manifest(acts, config: SweepConfig) -> dict[str, Any]:
     return {"config": config.identity(), "activations": _fingerprint(acts)}
-
-
-def _normalise_message(message: str) -> str:
-    return re.sub(r"\d+ of \d+", "some", message)
-
-
-def _run_recording(runner: UnitRunner,
-                   unit: Unit) -> tuple[list[dict[str, Any]], list[tuple[str, str]], dict[str, float]]:
-    """``runner.run_timed(unit)`` with the warnings it raised, as (category, message) pairs: rows, warnings, seconds."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        rows, seconds = runner.run_timed(unit)
-    return rows, [(w.category.__name__, _normalise_message(str(w.message))) for w in caught], seconds
 
 
 def _phase_totals(totals: dict[tuple, dict[str, float]], unit: Unit, rows: list[dict[str, Any]],
@@ -207,6 +255,24 @@ def _check_memory(runner: UnitRunner, units: list[Unit]) -> None:
             runner.blocks(unit)
 
 
+@dataclass(frozen=True)
+class SweepTables:
+    """What a sweep returns: its table and, where it measured any, its per-position table.
+
+    Attributes
+    ----------
+    table : pandas.DataFrame
+        :func:`run_sweep`'s table (:data:`COLUMNS`).
+    positions : pandas.DataFrame or None
+        One row per (cell, position bucket) (:data:`POSITION_COLUMNS`), sorted like the table and then
+        by bucket; None when no layer of the run gets per-position metrics
+        (:meth:`SweepConfig.positions_of`).
+    """
+
+    table: Any
+    positions: Any = None
+
+
 def run_sweep(
     activations: Any,
     config: SweepConfig,
@@ -217,8 +283,9 @@ def run_sweep(
     lock: bool = True,
     resume_hint: str = "resume=True",
     scheduler: Any = None,
+    with_positions: bool = False,
 ):
-    r"""Run every cell of ``config`` over ``activations``; return the tidy table.
+    r"""Run every cell of ``config`` over ``activations``; return the tidy table (and the per-position table).
 
     Parameters
     ----------
@@ -244,18 +311,24 @@ def run_sweep(
         ``"processes:N"`` (a local Dask cluster of N worker processes), ``"tcp://HOST:PORT"`` (a
         running Dask scheduler) or a ``distributed.Client``. With Dask, ``activations`` must be a
         path that every worker can read. The table is the same whatever the scheduler.
+    with_positions : bool
+        Return a :class:`SweepTables`, with the per-position table of the layers that get one
+        (:meth:`SweepConfig.positions_of`; :func:`run_sweep_tables` does the same), instead of the
+        table alone.
 
     Returns
     -------
-    pandas.DataFrame
-        Columns :data:`COLUMNS`, one row per (image, layer, head, estimator config, S), sorted.
+    pandas.DataFrame or SweepTables
+        The table: columns :data:`COLUMNS`, one row per (image, layer, head, estimator config, S), sorted.
         ``table.attrs["warnings"]`` lists the distinct warnings the estimators raised in this
         call, with counts (:func:`summarize_warnings`); each is also re-issued once.
         ``table.attrs["timing"]`` gives the units run by this call and the wall seconds they
         took (``execute_s``: computing and storing them, not start-up or memory calibration),
         and ``phases``: per (label, num_samples, tokens), the units and cells run and the
         seconds of each phase of :data:`~randattn.analysis.execute.PHASES`, summed (on Dask, as
-        each worker measured them).
+        each worker measured them). With ``with_positions``, :class:`SweepTables` whose
+        ``positions`` is the per-position table of the layers that get one, else None; read back
+        from the parts folder like the table, so a resumed run's is the same too.
 
     Raises
     ------
@@ -278,7 +351,36 @@ def run_sweep(
     where not available); ``dtype`` is the precision the estimator ran in; ``ref_max_abs_dev``
     is ``max |batched - reference|`` on the first cell and replicate of the units chosen by
     ``config.check_reference`` (NaN elsewhere). Deterministic estimators run one replicate.
+
+    Under a mask every estimator call, the exact reference and its probabilities apply it
+    (:func:`~randattn.analysis.execute.exact_under_mask`): hidden probabilities are 0 in both
+    estimate and truth, so they add nothing to ``prob_mse``, which still divides by N M; the
+    importance-sampling diagnostics are NaN, with a :class:`~randattn.analysis.execute.DiagnosticsSkippedWarning`
+    saying why, where the spec's weight provider takes no mask. The per-position metrics are
+    those of the table's row restricted to a bucket's queries (:mod:`randattn.analysis.positions`).
     """
+    tables = _run_sweep(activations, config, parts_dir=parts_dir, resume=resume, progress=progress, lock=lock,
+                        resume_hint=resume_hint, scheduler=scheduler, stacklevel=3)
+    return tables if with_positions else tables.table
+
+
+def run_sweep_tables(activations: Any, config: SweepConfig, **options: Any) -> SweepTables:
+    """:func:`run_sweep` with ``with_positions=True``: the table and the per-position table, as :class:`SweepTables`.
+
+    Parameters
+    ----------
+    activations : Activations, path or mapping
+    config : SweepConfig
+    **options
+        ``parts_dir``, ``resume``, ``progress``, ``lock``, ``resume_hint``, ``scheduler``: as :func:`run_sweep`.
+    """
+    return _run_sweep(activations, config, **options, stacklevel=3)
+
+
+def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.PathLike | None = None,
+               resume: bool = False, progress: Callable[[SweepProgress], None] | None = None, lock: bool = True,
+               resume_hint: str = "resume=True", scheduler: Any = None, stacklevel: int = 2) -> SweepTables:
+    """:func:`run_sweep`'s work; the warnings it re-issues point ``stacklevel`` frames up (the public call's caller)."""
     import pandas as pd
 
     acts = as_activations(activations)
@@ -297,12 +399,14 @@ def run_sweep(
         total = total_cells(units)
         state = {"finished": total - total_cells(todo), "t0": time.perf_counter()}
         new_rows: list[dict[str, Any]] = []
+        new_positions: list[dict[str, Any]] = []
         caught: list[tuple[str, str, str]] = []
         phases: dict[tuple, dict[str, float]] = {}
 
         def done(unit: Unit, rows: list[dict[str, Any]], unit_warnings: list[tuple[str, str]],
-                 seconds: dict[str, float]) -> None:
+                 seconds: dict[str, float], positions: list[dict[str, Any]] | None = None) -> None:
             new_rows.extend(rows)
+            new_positions.extend(positions or ())
             _phase_totals(phases, unit, rows, seconds)
             caught.extend((c, m, unit.label) for c, m in unit_warnings)
             state["finished"] += len(unit.heads)
@@ -317,17 +421,22 @@ def run_sweep(
         executed_s = time.perf_counter() - started
         if parts is not None:
             table = read_parts(parts)  # exactly what is on disk, so a resumed run matches bit for bit
+            positions = read_position_parts(parts)
         else:
             table = _store.coerce(pd.DataFrame(new_rows, columns=list(COLUMNS))) if new_rows else empty_table()
+            positions = (_store.coerce_positions(pd.DataFrame(new_positions, columns=list(POSITION_COLUMNS)))
+                         if new_positions else empty_positions())
     table = consolidate(table, config, acts)
+    any_positions = any(config.positions_of(layer) is not None for layer in {u.layer for u in units})
+    positions = consolidate_positions(positions, config, acts) if any_positions else None
     table.attrs["warnings"] = summarize_warnings(caught)
     # wall time of running the units (writing their parts included), apart from start-up and memory calibration;
     # and where it went, per (configuration, S, tokens): the seconds of each phase of execute.PHASES, summed
     table.attrs["timing"] = {"units": len(todo), "execute_s": round(executed_s, 3), "phases": _phase_records(phases)}
     for record in table.attrs["warnings"]:
         warnings.warn(f"{record['label']}: {record['message']} ({record['count']} units)",
-                      _warning_category(record["category"]), stacklevel=2)
-    return table
+                      _warning_category(record["category"]), stacklevel=stacklevel)
+    return SweepTables(table, positions)
 
 
 def _execute(runner: UnitRunner, units: list[Unit], parts: Path | None, activations: Any, config: SweepConfig,
@@ -341,10 +450,10 @@ def _execute(runner: UnitRunner, units: list[Unit], parts: Path | None, activati
     spec = None if client is not None else (scheduler if isinstance(scheduler, Scheduler) else parse_scheduler(scheduler))
     if client is None and spec.kind == "local":
         for unit in units:
-            rows, unit_warnings, seconds = _run_recording(runner, unit)
+            rows, unit_warnings, seconds, positions = run_recording(runner, unit)
             if parts is not None:
-                write_part(parts, unit.uid, rows)
-            done(unit, rows, unit_warnings, seconds)
+                write_part(parts, unit.uid, rows, positions)
+            done(unit, rows, unit_warnings, seconds, positions)
         return
     if not isinstance(activations, (str, os.PathLike)):
         raise ValueError("a Dask scheduler needs the activations as a file path that every worker can read")
@@ -356,12 +465,13 @@ def _execute(runner: UnitRunner, units: list[Unit], parts: Path | None, activati
 
 
 def _warning_category(name: str) -> type[Warning]:
-    """The warning class called ``name`` (builtins or the SNIS skeleton's), else UserWarning."""
+    """The warning class called ``name`` (builtins, the SNIS skeleton's or the sweep's own), else UserWarning."""
     import builtins
 
+    from randattn.analysis import execute
     from randattn.estimators import snis
 
-    for where in (builtins, snis):
+    for where in (builtins, snis, execute):
         category = getattr(where, name, None)
         if isinstance(category, type) and issubclass(category, Warning):
             return category
@@ -380,7 +490,7 @@ def _bootstrap_mean_ci(values: np.ndarray, rng: np.random.Generator, n_boot: int
     return float(lo), float(hi)
 
 
-def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0):
+def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0, by: Sequence[str] = ()):
     r"""Summarize a sweep table like LARA app. H.1, with bootstrap confidence intervals.
 
     Per (layer, head, image) row -> mean over heads, then over layers, per image -> mean over
@@ -397,11 +507,15 @@ def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0):
         Bootstrap resamples.
     seed : int
         Seed of the bootstrap (each group gets ``SeedSequence(seed, spawn_key=(group index,))``).
+    by : sequence of str
+        More grouping columns (e.g. ``("position_lo", "position_hi")`` for a per-position table).
 
     Returns
     -------
     pandas.DataFrame
-        One row per (estimator, label, num_samples, tokens) with ``mse, mse_lo, mse_hi,
+        One row per (estimator, label, num_samples, tokens[, mask][, *by]) -- ``mask`` when the table
+        has that column, so that rows of differently masked runs are never averaged together -- with
+        ``mse, mse_lo, mse_hi,
         bias_sq, bias_sq_lo, bias_sq_hi, variance, variance_lo, variance_hi, units, ci_over``
         (``units``: the number of images, or heads, bootstrapped; CIs are NaN with one unit).
     """
@@ -411,7 +525,7 @@ def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0):
         raise ValueError(f"level must be in (0, 1), got {level!r}")
     check_positive_int("n_boot", n_boot)
     metrics = ["mse", "bias_sq", "variance"]
-    keys = ["estimator", "label", "num_samples", "tokens"]
+    keys = ["estimator", "label", "num_samples", "tokens", *(["mask"] if "mask" in table.columns else []), *by]
     missing = [c for c in keys + metrics + ["image", "layer", "head"] if c not in table.columns]
     if missing:
         raise ValueError(f"table lacks column(s) {missing}; expected a sweep table")
@@ -455,6 +569,36 @@ def table_records(table) -> list[dict[str, Any]]:
             clean[key] = value
         records.append(clean)
     return records
+
+
+def positions_path(path: str | os.PathLike) -> Path:
+    """Where the per-position table of the table at ``path`` lives: ``mse.parquet`` -> ``mse.positions.parquet``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.positions{path.suffix}")
+
+
+def write_tables(tables: SweepTables, path: str | os.PathLike, metadata: Mapping[str, Any]) -> list[Path]:
+    """Write a sweep's table to ``path`` and its per-position table beside it (:func:`positions_path`).
+
+    Both in ``path``'s format, each with its metadata (:func:`write_table`); the per-position table's
+    metadata adds ``"positions_of"``: the table it belongs to. A run without per-position metrics
+    removes a per-position table left at that path by an earlier run, so that a report never pairs a
+    table with another run's positions.
+
+    Returns
+    -------
+    list of Path
+        The files written (tables and sidecars).
+    """
+    path = Path(path)
+    written = list(write_table(tables.table, path, metadata))
+    beside = positions_path(path)
+    if tables.positions is not None:
+        written += write_table(tables.positions, beside, {**dict(metadata), "positions_of": path.name})
+    else:
+        for stale in (beside, beside.with_name(beside.name + ".meta.json")):
+            stale.unlink(missing_ok=True)
+    return written
 
 
 def write_table(table, path: str | os.PathLike, metadata: Mapping[str, Any]) -> tuple[Path, Path]:

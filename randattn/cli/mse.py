@@ -94,10 +94,19 @@ def parse_int_list(name: str, text: str | None) -> tuple[int, ...] | None:
               help="Where units run: local (this process), processes:N (a local Dask cluster of N worker "
                    "processes) or tcp://HOST:PORT (a running Dask scheduler; ACTS must be readable by every worker). "
                    "The table is the same whatever the scheduler.")
+@click.option("--mask", "mask_choice", type=click.Choice(["none", "causal", "file"]), default="file", show_default=True,
+              help="Attention mask of every layer: none (bidirectional), causal (key m visible to query n iff "
+                   "m <= n + M - N), or file: the activation file's own per-layer 'mask' metadata (a language-model "
+                   "capture records it; a file without it is bidirectional). Estimators, the exact softmax and the "
+                   "probabilities all apply it; an estimator that does not support it is refused by name.")
+@click.option("--position-buckets", "position_buckets", default=None, metavar="log2|none|EDGES",
+              help="Per-position metrics, by the query's position p = n + M - N + 1 (under the causal mask, the "
+                   "number of keys it sees): log2 (1, 2-3, 4-7, ...), none, or lower edges such as 1,2,4,8,64. "
+                   "Default: log2 on masked layers, none otherwise. Written to <out stem>.positions<suffix>.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def command(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images, seed, backend, device,
             dtype, check_reference, max_memory, probabilities, diagnostics, resume, overwrite, out, threads, scheduler,
-            as_json) -> None:
+            mask_choice, position_buckets, as_json) -> None:
     """Measure bias, variance and MSE of estimators on the activations in ACTS.
 
     One row per (image, layer, head, estimator, S); summary averaged as LARA app. H.1
@@ -108,6 +117,7 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
       randattn mse acts.safetensors --estimators "rfa;ra" --samples 16,64 --out mse.parquet
       randattn mse acts.safetensors -e rfa:coupling=orthogonal -e ra:variant=biased --json
       randattn mse acts.safetensors --device cuda --out mse.csv --resume
+      randattn mse lm.safetensors --mask causal -e rfa -e ra --out causal.parquet
     \b
     Exit codes: 0 ok, 2 bad usage or input (nothing is computed), 130 interrupted
     (finished units are kept; the message gives the --resume command).
@@ -127,12 +137,12 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
         abort(str(exc))
     config, activations = _prepare(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images,
                                    seed, backend, device, dtype, check_reference, max_memory, probabilities,
-                                   diagnostics, threads)
+                                   diagnostics, threads, mask_choice, position_buckets)
     if out is None:
         if resume:
             abort("--resume needs --out (the interrupted run's output path)")
-        table = _run(activations, config, None, False, err_console, where, acts)
-        _finish(table, config, activations, None, as_json)
+        tables = _run(activations, config, None, False, err_console, where, acts)
+        _finish(tables, config, activations, None, as_json)
         return
     out = _check_out(out)
     parts = out.with_name(out.name + ".parts")
@@ -140,26 +150,28 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
         with sweep_lock(out):
             if _already_complete(out, parts, config, resume, overwrite):
                 from randattn.analysis.store import coerce
+                from randattn.analysis.sweep import SweepTables
                 from randattn.reports.tables import read_results
 
                 err_console.print(f"{out} already holds this run, complete; nothing to do", highlight=False)
-                _finish(coerce(read_results(out).table), config, activations, None, as_json)
+                _finish(SweepTables(coerce(read_results(out).table)), config, activations, None, as_json)
                 return
             if overwrite:
                 shutil.rmtree(parts, ignore_errors=True)
             try:
-                table = _run(activations, config, parts, resume, err_console, where, acts)
+                tables = _run(activations, config, parts, resume, err_console, where, acts)
             except UserError:
                 _drop_empty_parts(parts)  # refused before any unit finished (memory): leave nothing behind
                 raise
-            _finish(table, config, activations, out, as_json)
+            _finish(tables, config, activations, out, as_json)
             shutil.rmtree(parts, ignore_errors=True)
     except SweepLockedError as exc:
         abort(str(exc))
 
 
 def _prepare(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images, seed, backend, device,
-             dtype, check_reference, max_memory, probabilities, diagnostics, threads=None):
+             dtype, check_reference, max_memory, probabilities, diagnostics, threads=None, mask_choice="file",
+             position_buckets=None):
     """Parse and validate every option; user errors exit 2 with a message."""
     from randattn.activations import load_activations
     from randattn.analysis.plan import with_threads
@@ -171,6 +183,7 @@ def _prepare(acts, estimator_list, estimator_items, samples, replicates, layers,
         activations = load_activations(acts)
     except (OSError, ValueError, TypeError) as exc:
         abort(f"cannot read activations: {exc}")
+    mask = _resolve_mask(mask_choice, activations)
     texts = [t for t in ([estimator_list] if estimator_list else []) + list(estimator_items)]
     if not texts:
         available = list_estimators()
@@ -187,18 +200,54 @@ def _prepare(acts, estimator_list, estimator_items, samples, replicates, layers,
             raise ValueError(f"--replicates {replicates}: random estimators need at least 2 replicates for a variance")
         num_samples = parse_int_list("--samples", samples)
         memory = parse_bytes(max_memory)
+        buckets = _parse_position_buckets(position_buckets)
         config = SweepConfig(
             estimators=estimators, num_samples=num_samples, replicates=replicates, seed=seed, backend=backend,
             device=device, dtype=dtype, max_memory=memory, layers=parse_int_list("--layers", layers),
             heads=parse_int_list("--heads", heads), images=parse_int_list("--images", images),
             probabilities=probabilities, diagnostics=diagnostics, check_reference=check_reference,
-            threads=threads,
+            threads=threads, mask=mask, position_buckets=buckets,
         )
         config = with_threads(config)
-        count_cells(activations, config)
     except (ValueError, TypeError) as exc:
         abort(str(exc).replace("device=", "--device ").replace("check_reference", "--check-reference"))
+    try:
+        count_cells(activations, config)  # validates the selection and refuses estimators the masks exclude
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        if mask_choice == "file" and mask is not None and "mask" in message:
+            message += (" (the mask is the activation file's own metadata 'mask'; --mask none or --mask causal "
+                        "overrides it)")
+        abort(message)
     return config, activations
+
+
+def _resolve_mask(choice: str, activations):
+    """``--mask``: None, ``"causal"``, or (``file``) the activation file's recorded masks (canonical form)."""
+    from randattn.analysis.masking import masks_of_activations
+    from randattn.cli._common import abort
+
+    if choice == "none":
+        return None
+    if choice == "causal":
+        return "causal"
+    try:
+        return masks_of_activations(activations)
+    except ValueError as exc:
+        abort(f"--mask file: {exc}")
+
+
+def _parse_position_buckets(text):
+    """``--position-buckets``: None (the default, ``auto``) or what :func:`parse_position_buckets` accepts."""
+    from randattn.analysis.positions import parse_position_buckets
+
+    if text is None:
+        return "auto"
+    try:
+        return parse_position_buckets(text)
+    except ValueError:
+        raise ValueError(f"--position-buckets {text!r}: use log2, none or strictly increasing positive lower edges "
+                         "such as 1,2,4,8,64") from None
 
 
 def _check_out(out: Path) -> Path:
@@ -261,13 +310,14 @@ def _resume_command() -> str:
 
 
 def _run(activations, config, parts, resume, console, where=None, source=None):
+    """Run the sweep with a progress bar; returns its :class:`~randattn.analysis.sweep.SweepTables`."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from randattn.analysis import sweep  # looked up at call time: tests replace sweep.run_sweep
     from randattn.analysis.execute import MemoryBudgetError, format_bytes
-    from randattn.analysis.sweep import count_cells, run_sweep
     from randattn.cli._common import abort
 
-    total = count_cells(activations, config)
+    total = sweep.count_cells(activations, config)
     state = {"done": 0}
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
@@ -282,9 +332,9 @@ def _run(activations, config, parts, resume, console, where=None, source=None):
         try:
             with warnings.catch_warnings(), _client(where, console, config.threads) as client:
                 warnings.simplefilter("ignore")  # run_sweep re-issues each distinct warning once; it returns them all
-                table = run_sweep(source if client is not None else activations, config, parts_dir=parts,
-                                  resume=resume, progress=report, lock=False, resume_hint="--resume",
-                                  scheduler=client)
+                tables = sweep.run_sweep(source if client is not None else activations, config, parts_dir=parts,
+                                         resume=resume, progress=report, lock=False, resume_hint="--resume",
+                                         scheduler=client, with_positions=True)
         except KeyboardInterrupt:
             bar.stop()
             if parts is None:
@@ -312,8 +362,8 @@ def _run(activations, config, parts, resume, console, where=None, source=None):
         except (FileExistsError, ValueError) as exc:  # bad input found while running (also raised by a Dask unit)
             kept = "" if parts is None else f"; finished units are kept in {parts} for --resume"
             abort(str(exc) + ("" if isinstance(exc, FileExistsError) or str(exc).startswith("cannot resume") else kept))
-    _report_warnings(table.attrs.get("warnings", []), console)
-    return table
+    _report_warnings(tables.table.attrs.get("warnings", []), console)
+    return tables
 
 
 @contextlib.contextmanager
@@ -376,10 +426,11 @@ def reference_check_summary(table) -> dict | None:
 REFERENCE_TOLERANCE = 0.01
 
 
-def _finish(table, config, activations, out, as_json) -> None:
-    from randattn.analysis.sweep import aggregate, table_records, write_table
+def _finish(tables, config, activations, out, as_json) -> None:
+    from randattn.analysis.sweep import aggregate, positions_path, table_records, write_tables
     from randattn.cli._common import err_console
 
+    table = tables.table
     summary = aggregate(table, seed=config.seed)
     check = reference_check_summary(table)
     if out is not None:
@@ -387,8 +438,11 @@ def _finish(table, config, activations, out, as_json) -> None:
         metadata["warnings"] = table.attrs.get("warnings", [])
         metadata["reference_check"] = check
         metadata["timing"] = table.attrs.get("timing")
-        write_table(table, out, metadata)
+        write_tables(tables, out, metadata)
         err_console.print(f"wrote {len(table)} rows to [bold]{out}[/] (metadata: {out.name}.meta.json)", highlight=False)
+        if tables.positions is not None:
+            err_console.print(f"wrote {len(tables.positions)} per-position rows to [bold]{positions_path(out)}[/]",
+                              highlight=False)
     if check is not None:
         flag = check["max_dev_over_rmse"] > REFERENCE_TOLERANCE
         colour = "yellow" if flag else "green"
@@ -402,6 +456,8 @@ def _finish(table, config, activations, out, as_json) -> None:
         click.echo(json.dumps(table_records(summary), indent=2))
     else:
         _print_summary(summary)
+        if tables.positions is not None and len(tables.positions):
+            _print_positions(tables.positions, config.seed)
 
 
 def _metadata(config, activations, out: Path) -> dict:
@@ -420,6 +476,8 @@ def _metadata(config, activations, out: Path) -> dict:
         "activations": {k: activations.metadata.get(k) for k in ("model", "layers", "heads", "head_dim", "tokens",
                                                                    "images", "scale", "source")},
         "config_identity": config.identity(),
+        # the mask every layer was measured under (None: bidirectional; {"<layer>": kind} when they differ)
+        "mask": config.mask_json(),
         "columns_doc": "see randattn.analysis.sweep.COLUMNS",
         "output": str(out),
     }
@@ -436,12 +494,40 @@ def _print_summary(summary) -> None:
 
     from randattn.cli._common import out_console
 
-    table = Table(title="attention MSE (mean over heads, layers, images; 95% bootstrap CI)")
-    for name in ("estimator", "S", "tokens", "MSE [CI]", "bias^2", "variance", "CI over"):
-        table.add_column(name, justify="left" if name in ("estimator", "CI over") else "right",
+    kinds = sorted(set(summary["mask"].astype(str))) if "mask" in summary else []
+    masks = [kind for kind in kinds if kind != "none"]
+    several = len(kinds) > 1  # layers under different masks: a row per mask, named
+    under = f" under the {', '.join(masks)} mask" if masks else ""
+    table = Table(title=f"attention MSE{under} (mean over heads, layers, images; 95% bootstrap CI)")
+    for name in ("estimator", "S", "tokens", *(["mask"] if several else []), "MSE [CI]", "bias^2", "variance",
+                 "CI over"):
+        table.add_column(name, justify="left" if name in ("estimator", "mask", "CI over") else "right",
                          no_wrap=name in ("estimator", "MSE [CI]"))
     for row in summary.itertuples(index=False):
         ci = "" if row.mse_lo != row.mse_lo else f" [{row.mse_lo:.3g}, {row.mse_hi:.3g}]"
-        table.add_row(row.label, str(row.num_samples), str(row.tokens), f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}",
-                      f"{row.variance:.3g}", f"{row.ci_over} ({row.units})")
+        table.add_row(row.label, str(row.num_samples), str(row.tokens), *([str(row.mask)] if several else []),
+                      f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}", f"{row.variance:.3g}", f"{row.ci_over} ({row.units})")
+    out_console.print(table)
+
+
+def _print_positions(positions, seed: int) -> None:
+    """MSE by position bucket at the largest S of each estimator: one row per label, one column per bucket."""
+    from rich.table import Table
+
+    from randattn.analysis.positions import bucket_text
+    from randattn.analysis.sweep import aggregate
+    from randattn.cli._common import out_console
+
+    means = aggregate(positions, n_boot=1, seed=seed, by=("position_lo", "position_hi"))
+    largest = means.groupby("label")["num_samples"].transform("max")
+    means = means[means["num_samples"] == largest]
+    buckets = sorted(set(zip(means["position_lo"], means["position_hi"])))
+    table = Table(title="MSE by query position (p = n + M - N + 1; mean over heads, layers, images)")
+    table.add_column("estimator", no_wrap=True)
+    table.add_column("S", justify="right")
+    for lo, hi in buckets:
+        table.add_column(f"p {bucket_text(lo, hi)}", justify="right")
+    for (label, s), group in means.groupby(["label", "num_samples"], sort=False):
+        values = {(lo, hi): mse for lo, hi, mse in zip(group["position_lo"], group["position_hi"], group["mse"])}
+        table.add_row(str(label), str(s), *(f"{values[b]:.3g}" if b in values else "" for b in buckets))
     out_console.print(table)

@@ -7,6 +7,8 @@ import click
 from randattn.cli._common import abort, err_console, writable_output
 
 _KINDS = ("mse-vs-samples", "bias-variance", "heatmap", "features", "all")
+#: figures that draw the per-position table beside the results (written by masked runs)
+_POSITION_KINDS = ("position",)
 _FORMATS = ("png", "svg", "pdf")
 
 
@@ -22,12 +24,15 @@ def _parse_formats(text: str) -> tuple[str, ...]:
 @click.argument("results", type=click.Path(dir_okay=False))
 @click.option("--kind", "kinds", multiple=True, default=("mse-vs-samples",), show_default=True,
               help="Figure to draw (repeatable): mse-vs-samples (LARA Fig. 1), bias-variance, heatmap "
-                   "(layer x head MSE), features (rfa couplings and feature maps, Performer Fig. 4), or all.")
+                   "(layer x head MSE), features (rfa couplings and feature maps, Performer Fig. 4), position (MSE by "
+                   "query position, from the per-position table a masked run writes beside RESULTS), or all.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Folder for the figures.")
 @click.option("--format", "formats", default="png,svg", show_default=True, help="Comma-separated: png, svg, pdf.")
 @click.option("--label", default=None, help="Heatmap: the estimator's spec (the table's label column), e.g. 'rfa:coupling=orthogonal'; "
                    "figures show it by its readable name, e.g. 'Performer (FAVOR+, orthogonal)'.")
-@click.option("--samples", "num_samples", type=int, default=None, help="Heatmap: the number of samples S.")
+@click.option("--samples", "num_samples", type=int, default=None,
+              help="Heatmap: the number of samples S (default: the largest); position: draw this S only (default: "
+                   "one panel per S).")
 @click.option("--dpi", type=int, default=150, show_default=True, help="Resolution of PNG files.")
 def command(results, kinds, out_dir, formats, label, num_samples, dpi):
     """Draw figures of a results table (CSV, Parquet or JSON written by `randattn mse` or `randattn demo`).
@@ -36,18 +41,21 @@ def command(results, kinds, out_dir, formats, label, num_samples, dpi):
     """
     from pathlib import Path
 
-    from randattn.reports.figures import FIGURE_KINDS, make_figure, save_figure
+    from randattn.reports.figures import FIGURE_KINDS, POSITION_FIGURE_KINDS, make_figure, save_figure
     from randattn.reports.tables import ResultsError, read_results
 
-    unknown = [k for k in kinds if k not in _KINDS]
+    unknown = [k for k in kinds if k not in (*_KINDS, *_POSITION_KINDS)]
     if unknown:
-        abort(f"unknown --kind {', '.join(map(repr, unknown))}; choose from {', '.join(_KINDS)}")
-    chosen = list(FIGURE_KINDS) if "all" in kinds else list(dict.fromkeys(kinds))
+        abort(f"unknown --kind {', '.join(map(repr, unknown))}; choose from {', '.join(_KINDS)}; or "
+              f"{', '.join(_POSITION_KINDS)} (from the per-position table beside RESULTS)")
+    chosen = [*FIGURE_KINDS, *POSITION_FIGURE_KINDS] if "all" in kinds else list(dict.fromkeys(kinds))
     fmt = _parse_formats(formats)
     if dpi <= 0:
         abort(f"--dpi must be positive, got {dpi}")
-    if (label is not None or num_samples is not None) and "heatmap" not in chosen:
+    if label is not None and "heatmap" not in chosen:
         abort("--label and --samples choose the heatmap's estimator and S; add --kind heatmap")
+    if num_samples is not None and not {"heatmap", *_POSITION_KINDS} & set(chosen):
+        abort("--samples chooses the S of the heatmap and the position figure; add --kind heatmap or --kind position")
     out_dir = writable_output(out_dir, "--out", directory=True)  # before reading or drawing anything
     try:
         loaded = read_results(results)
@@ -56,13 +64,25 @@ def command(results, kinds, out_dir, formats, label, num_samples, dpi):
     written = []
     for kind in chosen:
         options = {"metadata": loaded.metadata}
-        if kind == "heatmap":
-            options.update(label=label, num_samples=num_samples)
+        if kind in ("heatmap", *_POSITION_KINDS):
+            options.update(num_samples=num_samples, **({"label": label} if kind == "heatmap" else {}))
+        source = loaded.table
+        if kind in _POSITION_KINDS:
+            if loaded.positions is None:
+                from randattn.analysis.sweep import positions_path
+
+                message = (f"no per-position table beside {results} (expected {positions_path(results)}); "
+                           "randattn mse writes one under a mask (--mask causal) or with --position-buckets")
+                if "all" in kinds:
+                    err_console.print(f"[yellow]skipped[/] {kind}: {message}", highlight=False)
+                    continue
+                abort(f"{kind}: {message}")
+            source = loaded.positions
         try:
-            figure = make_figure(kind, loaded.table, **options)
+            figure = make_figure(kind, source, **options)
         except ResultsError as exc:
-            if "all" in kinds and kind == "features":
-                err_console.print(f"[yellow]skipped[/] features: {exc}")
+            if "all" in kinds and kind in ("features", *_POSITION_KINDS):
+                err_console.print(f"[yellow]skipped[/] {kind}: {exc}")
                 continue
             abort(f"{kind}: {exc}")
         written += save_figure(figure, Path(out_dir) / kind, fmt, dpi=dpi)

@@ -16,8 +16,9 @@ def command(results, out_dir, name, dpi):
     """Write an HTML report of a results table (CSV, Parquet or JSON) that opens offline.
 
     The page embeds its figures (PNG) and CSS, and lists the summary tables, importance-sampling
-    diagnostics, the command that produced the results and the software environment. Its path is printed
-    on stdout.
+    diagnostics, the command that produced the results and the software environment; a masked run's
+    per-position table beside RESULTS (<stem>.positions<suffix>) adds a section on the error by query
+    position. Its path is printed on stdout.
     """
     import sys
 
@@ -37,7 +38,7 @@ def command(results, out_dir, name, dpi):
         try:
             path = write_report(loaded.table, out_dir, metadata={**loaded.metadata,
                                                                  "report_command": " ".join(sys.argv)},
-                                name=name, dpi=dpi)
+                                name=name, dpi=dpi, positions=loaded.positions)
         except ResultsError as exc:
             abort(str(exc))
     click.echo(str(path))

@@ -64,7 +64,9 @@ def command(pattern: str | None, quick: bool, seed: int, activations: str | None
         results = run_checks(checks, seed=seed, quick=quick, data=data, on_result=advance)
 
     failed = [r for r in results if not r.passed]
+    skipped = [r for r in results if r.skipped]
     summary = (f"{len(results) - len(failed)} of {len(results)} checks passed"
+               + (f" ({len(skipped)} skipped: {', '.join(r.name for r in skipped)})" if skipped else "")
                + (f"; failed: {', '.join(r.name for r in failed)}" if failed else "")
                + f" (seed {seed}{', quick' if quick else ''}; Monte Carlo at {MC_K_SE:g} SE, "
                f"family-wise false alarm <= {family_wise_false_alarm(registry()):.2%})")
@@ -83,12 +85,14 @@ def command(pattern: str | None, quick: bool, seed: int, activations: str | None
         for col in ("source", "method", "measured", "tolerance", "pass"):
             table.add_column(col, overflow="fold")
         for check, result in zip(checks, results):
-            mark = "[green]yes[/]" if result.passed else "[bold red]NO[/]"
+            mark = "[yellow]skipped[/]" if result.skipped else "[green]yes[/]" if result.passed else "[bold red]NO[/]"
             table.add_row(check.name, check.source, check.method_label, _fmt(result.measured),
                           f"{result.comparison} {_fmt(result.tolerance)}", mark)
         out_console.print(table)
         for result in failed:
             err_console.print(f"[red]{result.name}[/]: {result.details}", highlight=False)
+        for result in skipped:
+            err_console.print(f"[yellow]{result.name}[/]: {result.details}", highlight=False)
         out_console.print(summary, highlight=False)
     if failed:
         raise SystemExit(1)

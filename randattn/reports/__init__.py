@@ -11,6 +11,7 @@ from randattn.reports.figures import (
     heatmap_figure,
     make_figure,
     mse_vs_samples_figure,
+    position_figure,
     save_figure,
 )
 from randattn.reports.tables import Results, ResultsError, read_results, summary_table
@@ -24,6 +25,7 @@ __all__ = [
     "heatmap_figure",
     "make_figure",
     "mse_vs_samples_figure",
+    "position_figure",
     "read_results",
     "save_figure",
     "summary_table",

@@ -1,4 +1,5 @@
-"""Figures of a results table: MSE vs samples, bias²/variance, layer x head heatmaps, feature-map comparison.
+"""Figures of a results table: MSE vs samples, bias²/variance, layer x head heatmaps, feature-map comparison,
+and the error by query position of a masked run (from its per-position table).
 
 Every function takes a results table (see :mod:`randattn.reports.tables`) and returns a
 :class:`matplotlib.figure.Figure` built without pyplot, so nothing is registered in pyplot's global figure
@@ -25,10 +26,13 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import NullLocator
 
+from randattn.analysis.positions import bucket_text
 from randattn.reports.tables import (
     PLOT_COLUMNS,
+    POSITION_PLOT_COLUMNS,
     ResultsError,
     aggregate_over_images,
+    aggregate_positions,
     approximate_labels,
     describe_data,
     display_names,
@@ -38,10 +42,12 @@ from randattn.reports.tables import (
     label_order,
     require_columns,
     row_params,
+    table_masks,
 )
 
 __all__ = [
     "FIGURE_KINDS",
+    "POSITION_FIGURE_KINDS",
     "MSE_UNITS",
     "save_figure",
     "make_figure",
@@ -49,6 +55,7 @@ __all__ = [
     "bias_variance_figure",
     "heatmap_figure",
     "features_figure",
+    "position_figure",
     "feature_estimators",
     "label_styles",
 ]
@@ -174,6 +181,22 @@ def _token_values(table: pd.DataFrame) -> list[int]:
     return sorted(int(t) for t in table["tokens"].dropna().unique())
 
 
+def _token_panels(aggregated: pd.DataFrame) -> list[tuple[int, str | None, pd.DataFrame, str]]:
+    """``(tokens, mask, rows, title)`` of each panel: one per token count, and per mask when rows of several masks
+    share a table (a concatenation of runs, or a file whose layers differ), so that no line mixes them."""
+    masks = sorted(aggregated["mask"].astype(str).unique()) if "mask" in aggregated else []
+    several = len(masks) > 1
+    panels = []
+    for n in _token_values(aggregated):
+        for mask in (masks if several else [None]):
+            rows = aggregated[(aggregated["tokens"] == n)
+                              & ((aggregated["mask"].astype(str) == mask) if mask is not None else True)]
+            if not rows.empty:
+                shown = "no mask" if mask == "none" else f"{mask} mask"
+                panels.append((n, mask, rows, f"N = {n} tokens" + (f", {shown}" if mask is not None else "")))
+    return panels
+
+
 def _band_text(aggregated: pd.DataFrame, confidence: float) -> str:
     """What the shaded bands are: a bootstrap over images, or over heads when there is a single image."""
     over = str(aggregated["ci_over"].iloc[0]) if "ci_over" in aggregated and len(aggregated) else "images"
@@ -260,12 +283,11 @@ def mse_vs_samples_figure(
     aggregated, exact = _drop_exact(aggregated, value, names, exact_labels(table))
     if aggregated.empty:
         raise ResultsError(f"the MSE-vs-samples figure has nothing to draw: every estimator has {value} = 0")
-    tokens = _token_values(aggregated)
+    panels = _token_panels(aggregated)
     styles = label_styles(aggregated["label"])
-    fig, axes = _new_figure(len(tokens), sharey=True)
+    fig, axes = _new_figure(len(panels), sharey=True)
     handles: dict[str, Line2D] = {}
-    for ax, n in zip(axes, tokens):
-        panel = aggregated[aggregated["tokens"] == n]
+    for ax, (n, _, panel, title) in zip(axes, panels):
         per_label = panel.groupby("label")["num_samples"].nunique()
         swept = panel[panel["label"].map(per_label) > 1]
         # the x axis spans the swept S; single-S labels (RA at S = 1) are horizontal lines across it
@@ -293,7 +315,7 @@ def mse_vs_samples_figure(
         ax.set_yscale("log")
         ax.set_xticks(all_s, [str(int(s)) for s in all_s])
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_title(f"N = {n} tokens", fontsize=10)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel(_SAMPLES_LABEL)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel(f"{value.replace('_', ' ')} ({MSE_UNITS})" if value != "mse" else f"MSE ({MSE_UNITS})")
@@ -342,11 +364,10 @@ def bias_variance_figure(
     aggregated, exact = _drop_exact(aggregated, "mse", names, exact_labels(table))
     if aggregated.empty:
         raise ResultsError("the bias/variance figure has nothing to draw: every estimator has MSE = 0")
-    tokens = _token_values(aggregated)
+    panels = _token_panels(aggregated)
     styles = label_styles(aggregated["label"])
-    fig, axes = _new_figure(len(tokens), sharey=True)
-    for ax, n in zip(axes, tokens):
-        panel = aggregated[aggregated["tokens"] == n]
+    fig, axes = _new_figure(len(panels), sharey=True)
+    for ax, (n, _, panel, title) in zip(axes, panels):
         all_s = sorted(panel["num_samples"].unique())
         for label in label_order(panel["label"]):
             rows = panel[panel["label"] == label].sort_values("num_samples")
@@ -364,7 +385,7 @@ def bias_variance_figure(
         ax.set_yscale("log")
         ax.set_xticks(all_s, [str(int(s)) for s in all_s])
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_title(f"N = {n} tokens", fontsize=10)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel(_SAMPLES_LABEL)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel(f"variance, bias² ({MSE_UNITS})")
@@ -642,23 +663,155 @@ def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: 
     return fig
 
 
-#: ``--kind`` name -> figure function
+_POSITION_LABEL = "query position p = n + M − N + 1 (log scale)"
+
+
+def _drop_single_visible_key(positions: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
+    """``positions`` without the buckets in which each query sees a single key under a mask, for normalized estimators.
+
+    Under a causal or sliding mask the query at position 1 sees key 0 only, and an estimator whose spec says it
+    is normalized (its weights sum to one) returns that key's value: its error there is round-off, which would
+    set the log axis. Returns the remaining rows and whether any were dropped.
+    """
+    if "mask" not in positions:
+        return positions, False
+    masked = positions["mask"].astype(str) != "none"
+    configs = positions[["estimator"]].astype(str).drop_duplicates()["estimator"]
+    normalized = {name: bool(getattr(estimator_spec(name), "normalized", False)) for name in configs}
+    single = masked & (positions["position_hi"] == 1) & positions["estimator"].astype(str).map(normalized)
+    return positions[~single], bool(single.any())
+
+
+def position_figure(
+    positions: pd.DataFrame,
+    *,
+    metadata: dict | None = None,
+    labels: Sequence[str] | None = None,
+    num_samples: int | None = None,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Figure:
+    """MSE against the query's position on log-log axes, one line per estimator, one panel per S (and token count).
+
+    Under a causal mask query n sees the :math:`p = n + M - N + 1` keys up to itself, so its error depends on
+    where it stands: this figure draws the per-position table of a masked run
+    (:mod:`randattn.analysis.positions`). Each point is a position bucket (``1``, ``2-3``, ``4-7``, ...) at its
+    geometric centre, aggregated like :func:`mse_vs_samples_figure` (mean over heads and layers per image, then
+    over images) with a shaded bootstrap band.
+
+    Parameters
+    ----------
+    positions : pandas.DataFrame
+        A per-position table with at least :data:`~randattn.reports.tables.POSITION_PLOT_COLUMNS`, ``bias_sq``
+        and ``variance``.
+    metadata : dict, optional
+        Table metadata, for the subtitle.
+    labels : sequence of str, optional
+        Labels to draw (default: all with a non-zero MSE).
+    num_samples : int, optional
+        Draw this S only (default: one panel per S).
+    confidence : float
+        Level of the band.
+    seed : int
+        Seed of the bootstrap.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        One axes per (token count, S); one line (plus a band) per label in each.
+    """
+    require_columns(positions, [*POSITION_PLOT_COLUMNS, "bias_sq", "variance"], "the error-by-position figure")
+    positions = _select_labels(positions, labels)
+    if num_samples is not None:
+        available = sorted(int(s) for s in positions["num_samples"].unique())
+        if int(num_samples) not in available:
+            raise ResultsError(f"the error-by-position figure: no rows at S = {num_samples}; available: "
+                               f"{', '.join(map(str, available))}")
+        positions = positions[positions["num_samples"] == int(num_samples)]
+    positions, single_key = _drop_single_visible_key(positions)
+    if positions.empty:
+        raise ResultsError("the error-by-position figure has nothing to draw: every row is a query that sees a single "
+                           "key, where a normalized estimator is exact")
+    aggregated = aggregate_positions(positions, confidence=confidence, seed=seed)
+    names = display_names(positions)
+    aggregated, exact = _drop_exact(aggregated, "mse", names, exact_labels(positions))
+    if aggregated.empty:
+        raise ResultsError("the error-by-position figure has nothing to draw: every estimator has MSE = 0")
+    panels = [(int(n), int(s)) for n in _token_values(aggregated)
+              for s in sorted(aggregated.loc[aggregated["tokens"] == n, "num_samples"].unique())]
+    several_tokens = len({n for n, _ in panels}) > 1
+    styles = label_styles(aggregated["label"])
+    fig, axes = _new_figure(len(panels), ncols=min(len(panels), 3), sharey=True)
+    handles: dict[str, Line2D] = {}
+    zeros = False
+    for ax, (n, s) in zip(axes, panels):
+        panel = aggregated[(aggregated["tokens"] == n) & (aggregated["num_samples"] == s)]
+        ticks: dict[float, str] = {}
+        for label in label_order(panel["label"]):
+            rows = panel[panel["label"] == label].sort_values("position_lo")
+            lo, hi = rows["position_lo"].to_numpy(dtype=float), rows["position_hi"].to_numpy(dtype=float)
+            x = np.sqrt(lo * hi)  # the bucket's geometric centre: evenly spaced log2 buckets stay evenly spaced
+            y = rows["mse"].to_numpy(dtype=float)
+            zeros |= bool((y <= 0).any())
+            shown = np.where(y > 0, y, np.nan)  # a query that sees one key is exact for a normalized estimator
+            low = np.maximum(rows["mse_ci_low"].to_numpy(dtype=float), shown / 1e3)
+            high = rows["mse_ci_high"].to_numpy(dtype=float)
+            style = styles[label]
+            (line,) = ax.plot(x, shown, color=style["color"], marker=style["marker"], markersize=4, linewidth=1.6,
+                              label=names[label])
+            band = np.isfinite(low) & np.isfinite(high) & np.isfinite(shown)
+            if band.any():
+                ax.fill_between(x, np.where(band, low, np.nan), np.where(band, high, np.nan), color=style["color"],
+                                alpha=0.18, linewidth=0)
+            handles.setdefault(label, line)
+            ticks.update({float(c): bucket_text(a, b) for c, a, b in zip(x, lo, hi)})
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        centres = sorted(ticks)
+        ax.set_xticks(centres, [ticks[c] for c in centres], rotation=45 if len(centres) > 6 else 0)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_title(f"S = {s}" + (f", N = {n} tokens" if several_tokens else ""), fontsize=10)
+        ax.set_xlabel(_POSITION_LABEL)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel(f"MSE ({MSE_UNITS})")
+    masks = table_masks(positions)
+    under = " and ".join(f"the {kind} mask" for kind in masks) if masks else "no mask"
+    notes = "; MSE 0 is not drawn on the log axis" if zeros else ""
+    if single_key:
+        notes += "; position 1 (a single visible key, which a normalized estimator returns exactly) is not drawn"
+    _titles(
+        fig,
+        f"MSE by query position, under {under}",
+        f"{describe_data(positions, metadata)}\nposition buckets 1, 2-3, 4-7, ...: mean over layers and heads per "
+        f"image, then over images; {_band_text(aggregated, confidence)}{notes}{_exact_note(exact)}",
+    )
+    ordered = [handles[label] for label in label_order(handles)]
+    _legend(fig, ordered, len(ordered))
+    return fig
+
+
+#: ``--kind`` name -> figure function of a results table
 FIGURE_KINDS: dict[str, Callable[..., Figure]] = {
     "mse-vs-samples": mse_vs_samples_figure,
     "bias-variance": bias_variance_figure,
     "heatmap": heatmap_figure,
     "features": features_figure,
 }
+#: ``--kind`` name -> figure function of a per-position table (:attr:`~randattn.reports.tables.Results.positions`)
+POSITION_FIGURE_KINDS: dict[str, Callable[..., Figure]] = {
+    "position": position_figure,
+}
 
 
 def make_figure(kind: str, table: pd.DataFrame, **options: Any) -> Figure:
-    """Build the figure ``kind`` (a key of :data:`FIGURE_KINDS`) from ``table``.
+    """Build the figure ``kind`` (a key of :data:`FIGURE_KINDS` or :data:`POSITION_FIGURE_KINDS`) from ``table``.
 
     Parameters
     ----------
     kind : str
-        ``"mse-vs-samples"``, ``"bias-variance"``, ``"heatmap"`` or ``"features"``.
+        ``"mse-vs-samples"``, ``"bias-variance"``, ``"heatmap"``, ``"features"`` or ``"position"``.
     table : pandas.DataFrame
+        A results table; for ``"position"``, a per-position table (:attr:`~randattn.reports.tables.Results.positions`).
     **options
         Passed to the figure function (``metadata``, ``labels``, ``label``, ``num_samples``, ...).
 
@@ -671,6 +824,7 @@ def make_figure(kind: str, table: pd.DataFrame, **options: Any) -> Figure:
     ValueError
         ``kind`` is not a known figure (the message lists the known ones).
     """
-    if kind not in FIGURE_KINDS:
-        raise ValueError(f"unknown figure kind {kind!r}; choose one of {', '.join(FIGURE_KINDS)}")
-    return FIGURE_KINDS[kind](table, **options)
+    kinds = {**FIGURE_KINDS, **POSITION_FIGURE_KINDS}
+    if kind not in kinds:
+        raise ValueError(f"unknown figure kind {kind!r}; choose one of {', '.join(kinds)}")
+    return kinds[kind](table, **options)

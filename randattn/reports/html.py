@@ -30,6 +30,7 @@ from randattn.reports.figures import (
     features_figure,
     heatmap_figure,
     mse_vs_samples_figure,
+    position_figure,
 )
 from randattn.reports.tables import (
     PLOT_COLUMNS,
@@ -40,9 +41,11 @@ from randattn.reports.tables import (
     estimator_spec,
     label_order,
     mse_pivot,
+    position_pivot,
     require_columns,
     row_params,
     summary_table,
+    table_masks,
 )
 
 __all__ = [
@@ -54,6 +57,8 @@ __all__ = [
     "diagnostics_summary",
     "diagnostics_overview",
     "warnings_summary",
+    "mask_note",
+    "positions_section",
     "WARNING_EXPLANATIONS",
     "default_figures",
     "build_report",
@@ -99,6 +104,12 @@ WARNING_EXPLANATIONS: dict[str, str] = {
         "variance or a jackknife standard error); the affected values are NaN, not guessed."
     ),
     "UserWarning": "A caveat raised while computing the results; read the message.",
+    "DiagnosticsSkippedWarning": (
+        "The importance-sampling diagnostics (ESS, delta-method variance, Pareto k-hat) of this estimator were not "
+        "computed under the run's attention mask: its importance-weight provider takes no mask, and weights that "
+        "pool later keys would describe the bidirectional estimator, not the one measured. Those columns are NaN; "
+        "the errors themselves are measured under the mask."
+    ),
 }
 
 @dataclass(frozen=True)
@@ -286,6 +297,20 @@ def _not_computed_reason(rows: pd.DataFrame, column: str, metadata: Mapping[str,
         return f"not defined for {name} (no self-normalized importance weights to diagnose)"
     if not spec.diagnostics_apply(params):
         return f"not defined for {shown} (no self-normalized importance weights to diagnose)"
+    masks = sorted(set(rows["mask"].astype(str)) - {"none", "nan"}) if "mask" in rows else []
+    if masks:
+        from randattn.analysis.masking import diagnostics_skip_reason, parse_mask_kind
+
+        config = metadata.get("config") if isinstance(metadata.get("config"), Mapping) else {}
+        backend = str(config.get("backend") or "torch")
+        for kind in masks:
+            try:
+                skipped = diagnostics_skip_reason(spec, params, parse_mask_kind(kind), backend)
+            except ValueError:
+                skipped = None
+            if skipped is not None:
+                return (f"mask={kind!r}, and the importance-weight provider of {name} takes no mask (bidirectional "
+                        "weights would describe another estimator)")
     if spec.has_signed_weights(params):
         # the diagnostics exist where a draw's weights happen to be all positive; in these cells none was
         return f"signed weights (the weights of {shown} can be negative)"
@@ -348,6 +373,84 @@ def diagnostics_overview(table: pd.DataFrame, metadata: Mapping[str, Any] | None
                          **texts, "flagged": flagged})
     return pd.DataFrame(rows, columns=["label", "estimator", "S", "cells", "k-hat", "variance ratio", "ESS",
                                        "flagged"])
+
+
+def mask_note(table: pd.DataFrame, has_positions: bool = False) -> str | None:
+    """One sentence on the mask the table's rows were measured under; None for a bidirectional table.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        With ``mask`` and ``layer`` columns (a table without ``mask`` predates masks: bidirectional).
+    has_positions : bool
+        Whether the report shows the error by position (the note then points to it).
+
+    Returns
+    -------
+    str or None
+    """
+    masks = table_masks(table)
+    if not masks:
+        return None
+    layers = sorted({int(x) for x in table["layer"].dropna()})
+    described = []
+    for kind, mask_layers in masks.items():
+        plural = "s" if len(mask_layers) > 1 else ""
+        where = "every layer" if mask_layers == layers else f"layer{plural} {', '.join(map(str, mask_layers))}"
+        rule = ("query n sees keys m ≤ n + (M − N) only" if kind == "causal"
+                else f"query n sees its last {kind.split(':', 1)[1]} keys only")
+        described.append(f"the {kind} mask on {where} ({rule})")
+    others = [layer for layer in layers if not any(layer in v for v in masks.values())]
+    tail = f"; layer{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} without a mask" if others else ""
+    return (f"These results were measured under {' and '.join(described)}{tail}. The exact softmax they are "
+            "compared with applies the same mask (hidden probabilities are 0 in both), and every MSE averages over "
+            "all queries, of which the early ones see few keys"
+            + ("; the section on error by position separates them." if has_positions else "."))
+
+
+def positions_section(positions: pd.DataFrame, metadata: Mapping[str, Any] | None = None, *,
+                      dpi: int = 110) -> list[str]:
+    """HTML of the report's error-by-position section: an explanation, the figure at the largest S, a short table.
+
+    Parameters
+    ----------
+    positions : pandas.DataFrame
+        A per-position table (:attr:`~randattn.reports.tables.Results.positions`).
+    metadata : dict, optional
+    dpi : int
+
+    Returns
+    -------
+    list of str
+        HTML fragments, starting with the ``<h2 id="positions">`` heading.
+    """
+    esc = html.escape
+    metadata = dict(metadata or {})
+    masks = table_masks(positions)
+    title = "Causal attention: error by position" if "causal" in masks else "Error by query position"
+    s = int(positions["num_samples"].max())
+    names = display_names(positions)
+    out = [f'<h2 id="positions">{esc(title)}</h2>',
+           "<p>Under a causal mask query n sees the p = n + M − N + 1 keys up to itself, so its estimate averages "
+           "fewer values the earlier it stands, and one MSE over all queries hides where the error lies. Here "
+           "each query's errors are grouped by its position p in buckets 1, 2–3, 4–7, … and aggregated like the "
+           "rest of the report (per layer, head and image; mean over heads and layers per image, then over "
+           f"images), at S = {s}.</p>"]
+    try:
+        figure = position_figure(positions, metadata=metadata, num_samples=s)
+    except ResultsError as exc:
+        out.append(f'<p class="ok">No figure: {esc(str(exc))}</p>')
+    else:
+        out += [f'<figure id="fig-position"><h3>MSE by query position, S = {s}</h3>',
+                f'<img alt="MSE by query position" src="{figure_data_uri(figure, dpi=dpi)}">',
+                "<figcaption>Mean squared error per output element against the exact masked softmax, by the query's "
+                "position (log-log axes; bands: bootstrap over images, or heads for a single image).</figcaption>"
+                "</figure>"]
+    pivot = position_pivot(positions, num_samples=s).rename(columns=str).map(_format_number)
+    pivot.index = [names.get(label, label) for label in pivot.index]
+    pivot.index.name = "estimator"
+    out += [f"<h3>Mean MSE by position bucket, S = {s}</h3>", _label_tooltips(_table_html(pivot, index=True), names)]
+    return out
 
 
 def default_figures(table: pd.DataFrame, metadata: Mapping[str, Any] | None = None) -> list[ReportFigure]:
@@ -424,6 +527,7 @@ def build_report(
     table: pd.DataFrame,
     *,
     metadata: Mapping[str, Any] | None = None,
+    positions: pd.DataFrame | None = None,
     command: str | None = None,
     figures: Sequence[ReportFigure] | None = None,
     title: str = "randattn report: randomized attention vs exact softmax",
@@ -438,6 +542,9 @@ def build_report(
         Results table.
     metadata : dict, optional
         Table metadata (shown in full; ``command`` is taken from it when not given).
+    positions : pandas.DataFrame, optional
+        The run's per-position table (:attr:`~randattn.reports.tables.Results.positions`): adds the section
+        on error by position (:func:`positions_section`).
     command : str, optional
         The exact command line that produced the results.
     figures : sequence of ReportFigure, optional
@@ -459,6 +566,7 @@ def build_report(
     figures = default_figures(table, metadata) if figures is None else list(figures)
     environment = environment_info() if environment is None else dict(environment)
     names = display_names(table)
+    has_positions = positions is not None and not positions.empty
     esc = html.escape
     pivot = mse_pivot(table).rename(columns=str).map(_format_number)
     pivot.index = [names.get(label, label) for label in pivot.index]
@@ -471,8 +579,10 @@ def build_report(
         f"<p>All errors are per output element, in {esc(MSE_UNITS)}, measured against exact float64 softmax attention on the same q, k, v, and "
         "aggregated as in LARA app. H.1: per (layer, head, image), then the mean over heads and layers of each "
         "image, then the mean over images with a percentile bootstrap interval over images.</p>",
-        '<nav><a href="#summary">summary</a> · <a href="#figures">figures</a> · <a href="#warnings">warnings</a> '
-        '· <a href="#diagnostics">diagnostics</a> · <a href="#provenance">provenance</a></nav>',
+        '<nav><a href="#summary">summary</a> · <a href="#figures">figures</a> · '
+        + ('<a href="#positions">error by position</a> · ' if has_positions else "")
+        + '<a href="#warnings">warnings</a> · <a href="#diagnostics">diagnostics</a> · '
+        '<a href="#provenance">provenance</a></nav>',
         '<h2 id="summary">Summary</h2>',
         "<p>Estimators are named as in their papers; hover a name for the exact spec (the <code>spec</code> "
         "column holds it too).</p>",
@@ -488,7 +598,11 @@ def build_report(
             f'<img alt="{esc(item.title)}" src="{figure_data_uri(item.figure, dpi=dpi)}">',
             f"<figcaption>{esc(item.caption)}</figcaption></figure>",
         ]
-    parts += ['<h2 id="warnings">Warnings</h2>', *_warnings_html(metadata, names)]
+    if has_positions:
+        parts += positions_section(positions, metadata, dpi=dpi)
+    note = mask_note(table, has_positions)
+    parts += ['<h2 id="warnings">Warnings</h2>', *([f'<p class="warning">{esc(note)}</p>'] if note else []),
+              *_warnings_html(metadata, names)]
     parts += ['<h2 id="diagnostics">Diagnostics</h2>', *_diagnostics_html(table, metadata, names)]
     parts += [
         '<h2 id="provenance">Provenance</h2>',
@@ -609,6 +723,7 @@ def write_report(
     name: str = "report.html",
     figures: Sequence[ReportFigure] | None = None,
     dpi: int = 110,
+    positions: pd.DataFrame | None = None,
 ) -> Path:
     """Write :func:`build_report` to ``out_dir / name`` (folder created; the write is atomic).
 
@@ -622,13 +737,15 @@ def write_report(
     figures : sequence of ReportFigure, optional
     dpi : int
         Resolution of the embedded PNGs.
+    positions : pandas.DataFrame, optional
+        The run's per-position table (see :func:`build_report`).
 
     Returns
     -------
     pathlib.Path
         The written file.
     """
-    text = build_report(table, metadata=metadata, command=command, figures=figures, dpi=dpi)
+    text = build_report(table, metadata=metadata, command=command, figures=figures, dpi=dpi, positions=positions)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / name, text)

@@ -5,6 +5,11 @@ A results table is the tidy long-format table written by ``randattn mse`` (one r
 JSON, checks the columns a figure needs, and aggregates it the way LARA app. H.1 does: per
 ``(layer, head, image)``, then the mean over heads and layers of each image, then the mean over images with a
 bootstrap confidence interval over images.
+
+A masked run also writes a per-position table beside its table
+(:func:`~randattn.analysis.sweep.positions_path`: ``mse.parquet`` -> ``mse.positions.parquet``; one row per
+cell and position bucket, :data:`~randattn.analysis.positions.POSITION_COLUMNS`); :func:`read_results` reads it
+into :attr:`Results.positions` and :func:`aggregate_positions` aggregates it the same way, per bucket.
 """
 
 from __future__ import annotations
@@ -18,17 +23,23 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from randattn.analysis.sweep import COLUMNS
+from randattn.analysis.positions import POSITION_COLUMNS
+from randattn.analysis.sweep import COLUMNS, positions_path
 
 __all__ = [
     "RESULT_COLUMNS",
     "PLOT_COLUMNS",
+    "POSITION_COLUMNS",
+    "POSITION_PLOT_COLUMNS",
     "ResultsError",
     "Results",
     "read_results",
     "require_columns",
     "AGGREGATED_VALUES",
     "aggregate_over_images",
+    "aggregate_positions",
+    "position_pivot",
+    "table_masks",
     "approximate_labels",
     "summary_table",
     "mse_pivot",
@@ -47,6 +58,8 @@ __all__ = [
 RESULT_COLUMNS: tuple[str, ...] = COLUMNS
 #: the columns every figure needs
 PLOT_COLUMNS: tuple[str, ...] = ("image", "layer", "head", "tokens", "estimator", "label", "num_samples", "mse")
+#: the columns the error-by-position figure needs of a per-position table
+POSITION_PLOT_COLUMNS: tuple[str, ...] = (*PLOT_COLUMNS, "position_lo", "position_hi")
 _READERS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "json"}
 #: where table metadata may live beside the table: ``results.csv`` -> ``results.csv.meta.json`` (what
 #: :func:`randattn.analysis.sweep.write_table` writes) or ``results.meta.json``
@@ -185,11 +198,15 @@ class Results:
         Model, master seed, command line, randattn version, ... (empty when the file carried none).
     path : pathlib.Path or None
         Where the table was read from.
+    positions : pandas.DataFrame or None
+        The per-position table stored beside it (:func:`~randattn.analysis.sweep.positions_path`), when
+        there is one.
     """
 
     table: pd.DataFrame
     metadata: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    positions: pd.DataFrame | None = None
 
 
 def read_results(path: str | os.PathLike) -> Results:
@@ -206,12 +223,22 @@ def read_results(path: str | os.PathLike) -> Results:
     Returns
     -------
     Results
+        With the per-position table beside it in :attr:`Results.positions`, when the run wrote one.
 
     Raises
     ------
     ResultsError
-        The file does not exist, has an unknown suffix, cannot be parsed, or holds no rows.
+        The file does not exist, has an unknown suffix, cannot be parsed, or holds no rows; or its
+        per-position table cannot be read.
     """
+    table, metadata, path = _read_one(path)
+    beside = positions_path(path)
+    positions = _read_one(beside)[0] if beside.is_file() and beside != path else None
+    return Results(table=table, metadata=metadata, path=path, positions=positions)
+
+
+def _read_one(path: str | os.PathLike) -> tuple[pd.DataFrame, dict[str, Any], Path]:
+    """One table file and its metadata (:func:`read_results` without what lies beside it)."""
     path = Path(path)
     kind = _READERS.get(path.suffix.lower())
     if kind is None:
@@ -236,7 +263,7 @@ def read_results(path: str | os.PathLike) -> Results:
     if not isinstance(table, pd.DataFrame) or table.empty:
         raise ResultsError(f"results {str(path)!r} hold no rows")
     metadata = {**_read_sidecar(path), **metadata}
-    return Results(table=_normalise_types(table), metadata=metadata, path=path)
+    return _normalise_types(table), metadata, path
 
 
 def _read_parquet(path: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
@@ -302,12 +329,12 @@ def _normalise_types(table: pd.DataFrame) -> pd.DataFrame:
         table["random"] = table["random"].map(
             lambda value: value if isinstance(value, (bool, np.bool_)) else str(value).strip().lower() in ("true", "1")
         ).astype(bool)
-    for column in ("layer", "head", "tokens", "num_samples", "replicates"):
+    for column in ("layer", "head", "tokens", "num_samples", "replicates", "position_lo", "position_hi", "queries"):
         if column in table:
             table[column] = pd.to_numeric(table[column], errors="coerce")
     if "label" not in table and "estimator" in table:
         table["label"] = table["estimator"]
-    for column in ("image", "label", "estimator", "model"):
+    for column in ("image", "label", "estimator", "model", "mask"):
         if column in table:
             table[column] = table[column].astype(str)
     return table
@@ -455,7 +482,7 @@ def aggregate_over_images(
         table, ["estimator", "label", "tokens", "num_samples", "image", "layer", "head", *AGGREGATED_VALUES],
         "the aggregation over images",
     )
-    keys = ["tokens", "label", "num_samples"]
+    keys = ["tokens", "label", "num_samples", *(["mask"] if "mask" in table else [])]
     result = aggregate(table, level=confidence, n_boot=n_boot, seed=seed)
     result = result.rename(columns={f"{v}_{end}": f"{v}_ci_{name}" for v in AGGREGATED_VALUES
                                     for end, name in (("lo", "low"), ("hi", "high"))})
@@ -467,6 +494,92 @@ def aggregate_over_images(
     order = {label: i for i, label in enumerate(label_order(result["label"]))}
     result = result.assign(_order=result["label"].map(order)).sort_values(["tokens", "_order", "num_samples"])
     return result.drop(columns="_order").reset_index(drop=True)
+
+
+def aggregate_positions(
+    positions: pd.DataFrame,
+    *,
+    confidence: float = 0.95,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """A per-position table aggregated like :func:`aggregate_over_images`, per position bucket.
+
+    Parameters
+    ----------
+    positions : pandas.DataFrame
+        A per-position table (:data:`POSITION_PLOT_COLUMNS` at least, plus ``bias_sq`` and ``variance``).
+    confidence, n_boot, seed
+        As :func:`aggregate_over_images`.
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per ``(tokens, label, num_samples, position_lo, position_hi)`` (and ``mask`` when the table has
+        it) with ``estimator``, ``mse``, ``mse_ci_low``, ``mse_ci_high`` and the same for ``bias_sq`` and
+        ``variance``, ``units``, ``ci_over``; labels in display order, then buckets in order.
+    """
+    from randattn.analysis.sweep import aggregate
+
+    require_columns(positions, [*POSITION_PLOT_COLUMNS, "bias_sq", "variance"], "the aggregation by position")
+    result = aggregate(positions, level=confidence, n_boot=n_boot, seed=seed, by=("position_lo", "position_hi"))
+    result = result.rename(columns={f"{v}_{end}": f"{v}_ci_{name}" for v in AGGREGATED_VALUES
+                                    for end, name in (("lo", "low"), ("hi", "high"))})
+    order = {label: i for i, label in enumerate(label_order(result["label"]))}
+    result = result.assign(_order=result["label"].map(order)).sort_values(
+        ["tokens", "_order", "num_samples", "position_lo"])
+    return result.drop(columns="_order").reset_index(drop=True)
+
+
+def position_pivot(positions: pd.DataFrame, *, num_samples: int | None = None, seed: int = 0) -> pd.DataFrame:
+    """Mean MSE over images (after heads and layers) as an estimator x position-bucket grid, at one S.
+
+    Parameters
+    ----------
+    positions : pandas.DataFrame
+        A per-position table.
+    num_samples : int, optional
+        S (default: the largest S of the table).
+    seed : int
+
+    Returns
+    -------
+    pandas.DataFrame
+        Index: estimator label in display order; columns: the buckets as text (``"1"``, ``"2-3"``, ...), in order;
+        with a single token count (else the columns are ``(tokens, bucket)``).
+    """
+    from randattn.analysis.positions import bucket_text
+
+    require_columns(positions, POSITION_PLOT_COLUMNS, "the table of errors by position")
+    s = int(positions["num_samples"].max()) if num_samples is None else int(num_samples)
+    rows = positions[positions["num_samples"] == s]
+    if rows.empty:
+        raise ResultsError(f"the per-position table has no rows at S = {s}; it has S = "
+                           f"{', '.join(str(int(x)) for x in sorted(positions['num_samples'].unique()))}")
+    means = aggregate_positions(rows, n_boot=1, seed=seed)
+    means = means.assign(bucket=[bucket_text(lo, hi) for lo, hi in zip(means["position_lo"], means["position_hi"])])
+    several = means["tokens"].nunique() > 1
+    columns = ["tokens", "position_lo", "bucket"] if several else ["position_lo", "bucket"]
+    pivot = means.pivot_table(index="label", columns=columns, values="mse", aggfunc="first")
+    pivot = pivot.droplevel("position_lo", axis=1)
+    pivot = pivot.reindex(label_order(pivot.index))
+    pivot.index.name = "estimator"
+    return pivot
+
+
+def table_masks(table: pd.DataFrame) -> dict[str, list[int]]:
+    """The masks a table's rows were measured under, each with its layers: ``{"causal": [0, 1]}``.
+
+    Empty for a bidirectional table (every ``mask`` is ``"none"``) and for a table written before the
+    ``mask`` column existed.
+    """
+    if "mask" not in table or "layer" not in table:
+        return {}
+    masks: dict[str, list[int]] = {}
+    for (kind, layer), _ in table.groupby([table["mask"].astype(str), "layer"], sort=True):
+        if kind not in ("none", "nan"):
+            masks.setdefault(kind, []).append(int(layer))
+    return masks
 
 
 def summary_table(table: pd.DataFrame, *, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
@@ -486,7 +599,8 @@ def summary_table(table: pd.DataFrame, *, confidence: float = 0.95, seed: int = 
     pandas.DataFrame
         Columns ``tokens, estimator`` (readable name, :func:`display_names`), ``spec`` (the exact label),
         ``S, images, MSE, MSE CI low, MSE CI high`` and, when the table has them,
-        ``variance, bias² (debiased)``, ``bias share`` (bias² / MSE).
+        ``variance, bias² (debiased)``, ``bias share`` (bias² / MSE); ``mask`` after ``tokens`` when the
+        table's rows were measured under several masks.
     """
     values = [name for name in ("mse", "variance", "bias_sq") if name in table]
     aggregated = aggregate_over_images(table, values, confidence=confidence, seed=seed)
@@ -495,8 +609,10 @@ def summary_table(table: pd.DataFrame, *, confidence: float = 0.95, seed: int = 
         "mse": "MSE", "mse_ci_low": "MSE CI low", "mse_ci_high": "MSE CI high",
         "variance": "variance", "bias_sq": "bias² (debiased)",
     }
+    if "mask" in aggregated and aggregated["mask"].nunique() > 1:
+        columns = {**dict(list(columns.items())[:1]), "mask": "mask", **dict(list(columns.items())[1:])}
     summary = aggregated[[c for c in columns if c in aggregated]].rename(columns=columns)
-    summary.insert(2, "spec", summary["estimator"])
+    summary.insert(list(summary.columns).index("estimator") + 1, "spec", summary["estimator"])
     summary["estimator"] = summary["spec"].map(display_names(table))
     if "bias² (debiased)" in summary:
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -516,13 +632,16 @@ def mse_pivot(table: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
     Returns
     -------
     pandas.DataFrame
-        Index: estimator label in display order; columns: ``(tokens, S)``.
+        Index: estimator label in display order; columns: ``(tokens, S)``, or ``(tokens, mask, S)`` when the
+        table's rows were measured under several masks.
     """
     aggregated = aggregate_over_images(table, ["mse"], n_boot=2, seed=seed)
-    pivot = aggregated.pivot_table(index="label", columns=["tokens", "num_samples"], values="mse", aggfunc="first")
+    several = "mask" in aggregated and aggregated["mask"].nunique() > 1  # keep differently masked rows apart
+    columns = ["tokens", *(["mask"] if several else []), "num_samples"]
+    pivot = aggregated.pivot_table(index="label", columns=columns, values="mse", aggfunc="first")
     pivot = pivot.reindex(label_order(pivot.index))
     pivot.index.name = "estimator"
-    pivot.columns.names = ["tokens", "S"]
+    pivot.columns.names = ["tokens", *(["mask"] if several else []), "S"]
     return pivot
 
 
@@ -554,6 +673,9 @@ def describe_data(table: pd.DataFrame, metadata: dict[str, Any] | None = None) -
         parts.append(("layer " if len(layers) == 1 else "layers ") + _compact_ints(layers))
     if "head" in table:
         parts.append(f"{table['head'].nunique()} heads")
+    masks = table_masks(table)
+    if masks:
+        parts.append(" and ".join(f"{kind} mask" for kind in masks))
     random_rows = table[table["random"].astype(bool)] if "random" in table else table
     if "replicates" in random_rows and random_rows["replicates"].notna().any():
         # deterministic estimators run one replicate; R is the random estimators' count

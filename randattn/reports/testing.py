@@ -100,7 +100,7 @@ def make_results_table(
                             mse = variance * (replicates - 1) / replicates + bias_sq
                             rows.append({
                                 "model": model, "image": image, "layer": layer, "head": head, "tokens": n,
-                                "estimator": estimator, "params": json.dumps(params, sort_keys=True),
+                                "mask": "none", "estimator": estimator, "params": json.dumps(params, sort_keys=True),
                                 "label": label, "num_samples": s, "replicates": replicates, "random": random,
                                 "mse": mse, "mse_se": 0.3 * mse / np.sqrt(replicates), "variance": variance,
                                 "bias_sq": bias_sq - (0.0 if random else 0.0),

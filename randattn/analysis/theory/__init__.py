@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from randattn.analysis.theory import _eva, _lara, _performer, _sderf, _stability
+from randattn.analysis.theory import _causal, _eva, _lara, _performer, _sderf, _stability
 from randattn.analysis.theory._base import (
     EXACT_RTOL,
     MC_K_SE,
@@ -67,7 +67,7 @@ _SYNTH_MC = "synthetic (variance grows like exp(|x+y|^2): needs small norms)"
 
 
 def registry() -> tuple[Check, ...]:
-    """Every documented check, in table order (LARA, EVA, Performer, OPRF, SNIS, numerics)."""
+    """Every documented check, in table order (LARA, EVA, Performer, OPRF, SNIS, causal masks, numerics)."""
     return (
         # ---------------- LARA
         Check("lara.prop3.1.mixture", "N(w;0,I) sum_m xi(x,w) xi(y_m,w) / Z = sum_m pi_m N(w; x + y_m, I) pointwise",
@@ -172,6 +172,21 @@ def registry() -> tuple[Check, ...]:
         Check("snis.delta-method-variance", "delta-method variance = replicate variance for RFA at large S",
               "Owen 2013 sec. 9.2; LARA app. D eq. 19-20", _MC, _performer.snis_delta_method, max_tested=6,
               synthetic_note="synthetic (moderate weights, |x+y|^2 <= 1.6)"),
+        # ---------------- causal masks
+        Check("causal.prefix-invariance",
+              "output n of every causal estimator is unchanged (bit-identical reference) when the keys and values "
+              "after its last visible key n + M - N are replaced by junk",
+              "ARCHITECTURE sec. 12; Performer App. B.1", _EXACT, _causal.prefix_invariance,
+              synthetic_note="synthetic (junk of scale 30 after each query's past)"),
+        Check("causal.mask-rule",
+              "key m is visible to query n iff m <= n + M - N: the rule, the causal softmax estimator and the sweep's "
+              "ground truth equal an explicit loop over the visible keys",
+              "ARCHITECTURE sec. 12", _EXACT, _causal.mask_rule),
+        Check("causal.last-query-bidirectional",
+              "the last query of a causal self-attention sees every key: = the bidirectional output (same draws)",
+              "ARCHITECTURE sec. 12", _EXACT, _causal.last_query_is_bidirectional),
+        Check("causal.eva-full-window", "causal EVA whose local window covers the whole past = causal softmax",
+              "EVA app. D, Alg. 2; app. G.1", _EXACT, _causal.eva_full_window_is_causal_softmax),
         # ---------------- numerics
         Check("numerics.large-norm-stability",
               "every registered estimator is finite at key norms >= 150, float32 and float64; batched = reference "

@@ -86,6 +86,9 @@ class CheckResult:
         (checks that must *detect* an effect).
     tested : int
         Number of tested elements (z-scores for Monte Carlo checks).
+    skipped : bool
+        The check could not apply here (e.g. the estimator it is about does not declare the
+        mask it needs); ``details`` says why. A skipped check does not fail (``passed`` is True).
     """
 
     name: str
@@ -95,6 +98,7 @@ class CheckResult:
     details: str
     comparison: str = "<="
     tested: int = 1
+    skipped: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready record."""
@@ -105,6 +109,7 @@ class CheckResult:
             "comparison": self.comparison,
             "passed": bool(self.passed),
             "tested": int(self.tested),
+            "skipped": bool(self.skipped),
             "details": self.details,
         }
 

@@ -1,0 +1,242 @@
+r"""Attention masks in the measurement engine: what a run's layers use, what the exact reference sees.
+
+A sweep measures each layer under one mask kind (ARCHITECTURE sec. 12):
+
+- ``None``: every query sees every key (bidirectional, a ViT);
+- ``"causal"``: key m is visible to query n iff :math:`m \le n + (M - N)` -- the one rule of
+  :func:`randattn.estimators.masks.causal_visible`, used here, never restated;
+- ``"sliding:W"``: the causal rule cut to the last W keys, :math:`n + (M - N) - W < m \le n + (M - N)`
+  (each query sees itself and the W - 1 keys before it, as transformers' sliding-window layers do).
+
+The exact float64 softmax (the ground truth of every error the sweep reports) is taken over the
+visible keys only, with the others exactly 0, in the probabilities too. An estimator runs under a
+mask only when its spec declares it (:attr:`~randattn.estimators.base.EstimatorSpec.masks`); no
+spec declares ``"sliding"`` today, so sliding-window layers are refused by name before anything is
+computed (:func:`check_estimator_masks`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from randattn.estimators.masks import causal_visible, check_causal_shapes, last_visible_key
+
+__all__ = [
+    "MASK_CHOICES",
+    "parse_mask_kind",
+    "mask_label",
+    "sliding_window",
+    "visible_keys",
+    "query_positions",
+    "masks_of_activations",
+    "normalize_layer_masks",
+    "estimator_mask_kwargs",
+    "check_estimator_masks",
+    "takes_mask",
+    "diagnostics_skip_reason",
+]
+
+#: how a run's mask is chosen on the command line: ``file`` reads the activation file's own metadata
+MASK_CHOICES = ("none", "causal", "file")
+_SLIDING = re.compile(r"^sliding:([1-9]\d*)$")
+
+
+def parse_mask_kind(kind: Any, where: str = "mask") -> str | None:
+    """``None`` / ``"none"`` -> None, ``"causal"``, ``"sliding:W"`` (W a positive integer); ValueError otherwise."""
+    if kind is None or kind == "none":
+        return None
+    if isinstance(kind, str) and (kind == "causal" or _SLIDING.match(kind)):
+        return kind
+    raise ValueError(f"{where} {kind!r} is not a mask kind; use none (bidirectional), 'causal' or 'sliding:W' "
+                     "(W a positive integer)")
+
+
+def mask_label(kind: str | None) -> str:
+    """The table's ``mask`` value of a kind: ``"none"``, ``"causal"`` or ``"sliding:W"``."""
+    return "none" if kind is None else str(kind)
+
+
+def sliding_window(kind: str | None) -> int | None:
+    """W of a ``"sliding:W"`` kind; None for other kinds."""
+    match = _SLIDING.match(kind) if isinstance(kind, str) else None
+    return None if match is None else int(match.group(1))
+
+
+def visible_keys(kind: str | None, num_queries: int, num_keys: int) -> np.ndarray | None:
+    r"""``(N, M)`` boolean, True where key m is visible to query n under ``kind``; None for no mask.
+
+    ``"causal"`` is :func:`~randattn.estimators.masks.causal_visible`; ``"sliding:W"`` adds the lower edge
+    :math:`m > n + (M - N) - W` to it.
+    """
+    kind = parse_mask_kind(kind)
+    if kind is None:
+        return None
+    visible = causal_visible(num_queries, num_keys)
+    window = sliding_window(kind)
+    if window is not None:
+        last = last_visible_key(num_queries, num_keys)
+        visible &= np.arange(num_keys)[None, :] > (last - window)[:, None]
+    return visible
+
+
+def query_positions(num_queries: int, num_keys: int) -> np.ndarray:
+    r"""``(N,)`` 1-based position of each query in the sequence of M tokens: :math:`p_n = n + (M - N) + 1`.
+
+    The queries are the last N of the M tokens (ARCHITECTURE sec. 12), so under the causal mask
+    :math:`p_n` is the number of keys query n sees; with M == N it is the query's index + 1.
+    """
+    check_causal_shapes(num_queries, num_keys)
+    return last_visible_key(num_queries, num_keys) + 1
+
+
+def normalize_layer_masks(masks: Any) -> str | None | tuple[tuple[int, str | None], ...]:
+    """A run's mask in canonical form: one kind for every layer, or ``((layer, kind), ...)`` sorted by layer.
+
+    Parameters
+    ----------
+    masks : None, str, or mapping of layer -> kind (or pairs)
+        A mapping whose layers all share one kind collapses to that kind, so that a file that marks
+        every layer causal and ``--mask causal`` give the same run (and the same manifest).
+
+    Raises
+    ------
+    ValueError
+        A kind that is not a mask kind, or a layer that is not an integer.
+    """
+    if masks is None or isinstance(masks, str):
+        return parse_mask_kind(masks)
+    pairs = masks.items() if isinstance(masks, Mapping) else masks
+    try:
+        per_layer = {int(layer): parse_mask_kind(kind, f"mask of layer {layer}") for layer, kind in pairs}
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ValueError) and "mask" in str(exc):
+            raise
+        raise ValueError(f"mask must be None, a mask kind or a mapping of layer -> kind, got {masks!r}") from None
+    kinds = set(per_layer.values())
+    if len(kinds) <= 1:
+        return next(iter(kinds)) if kinds else None
+    return tuple(sorted(per_layer.items()))
+
+
+def masks_of_activations(acts: Any) -> str | None | tuple[tuple[int, str | None], ...]:
+    """The mask kinds an activation file records (its metadata ``mask``), canonical; None when it records none.
+
+    The file's metadata holds either one kind for every layer or ``{"<layer>": kind}``
+    (:mod:`randattn.activations.io`); a file without the field is bidirectional.
+
+    Raises
+    ------
+    ValueError
+        The field holds something that is not a mask kind (naming the layer).
+    """
+    recorded = (getattr(acts, "metadata", None) or {}).get("mask")
+    try:
+        return normalize_layer_masks(recorded)
+    except ValueError as exc:
+        raise ValueError(f"the activation file's metadata 'mask': {exc}") from None
+
+
+def estimator_mask_kwargs(kind: str | None) -> dict[str, Any]:
+    """``{"mask": kind}`` for a masked layer, ``{}`` otherwise: a spec's callables get ``mask=`` only when set."""
+    return {} if kind is None else {"mask": kind}
+
+
+def check_estimator_masks(spec: Any, label: str, layer_kinds: Mapping[int, str | None], per_layer: bool,
+                          probe: Callable[[str], None] | None = None) -> None:
+    """Refuse, before anything is computed, an estimator configuration that cannot run under a layer's mask.
+
+    Parameters
+    ----------
+    spec : EstimatorSpec
+    label : str
+        The configuration's label, named in the message.
+    layer_kinds : mapping of int to kind
+        The selected layers and their masks.
+    per_layer : bool
+        Whether the kinds differ between layers (the message then names the layer).
+    probe : callable, optional
+        ``probe(kind)`` raises ValueError when this configuration's parameters have no form under
+        ``kind`` (e.g. a feature map fitted from every key), although the spec supports the mask.
+
+    Raises
+    ------
+    ValueError
+        Naming the estimator, the mask, the layer where it matters, and the spec's reason
+        (:meth:`~randattn.estimators.base.EstimatorSpec.check_mask`).
+    """
+    checked: set[str | None] = set()
+    for layer in sorted(layer_kinds):
+        kind = layer_kinds[layer]
+        if kind is None or kind in checked:
+            continue
+        checked.add(kind)
+        where = f"layer {layer} has mask {kind!r}: " if per_layer else ""
+        window = sliding_window(kind)
+        if window is not None:
+            if "sliding" in getattr(spec, "masks", ()):
+                continue
+            supported = ", ".join("none" if m is None else repr(m) for m in spec.masks)
+            raise ValueError(
+                f"layer {layer} uses a sliding-window mask ({kind!r}: each query sees its last {window} keys), which "
+                f"estimator {spec.name!r} does not compute (it supports: {supported}); leave the layer out with "
+                "--layers, or choose another mask with --mask"
+            )
+        try:
+            spec.check_mask(kind)
+            if probe is not None:
+                probe(kind)
+        except ValueError as exc:
+            text = str(exc)
+            named = text if spec.name in text or label in text else f"estimator {label!r}: {text}"
+            raise ValueError(where + named) from None
+
+
+def takes_mask(function: Callable[..., Any] | None) -> bool:
+    """Whether ``function`` accepts a ``mask`` keyword (a named parameter or ``**kwargs``)."""
+    if function is None:
+        return False
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: assume the narrowest protocol
+        return False
+    return any(p.name == "mask" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def diagnostics_skip_reason(spec: Any, params: Mapping[str, Any], kind: str | None,
+                            backend: str = "torch") -> str | None:
+    """Why the IS diagnostics are not computed for this configuration under ``kind``; None when they are.
+
+    The providers of :attr:`~randattn.estimators.base.EstimatorSpec.importance_weights` describe the
+    bidirectional estimator unless they take a ``mask``: weights that pool later keys would describe
+    another estimator than the one measured, so under a mask they are skipped (NaN), never computed
+    bidirectionally.
+
+    Parameters
+    ----------
+    spec : EstimatorSpec
+    params : mapping
+        The configuration's resolved parameters.
+    kind : str or None
+        The layer's mask kind.
+    backend : {"torch", "reference"}
+        The sweep's backend: which provider it would call (``batched``, or the numpy one).
+
+    Returns
+    -------
+    str or None
+        The reason, for the run's warnings and the report; None where the diagnostics are computed
+        (or do not apply to the estimator at all, which the report explains on its own).
+    """
+    if kind is None or not spec.diagnostics_apply(params):
+        return None
+    weights = spec.importance_weights
+    provider = weights.batched if backend == "torch" else weights.reference_per_element or weights.reference
+    if takes_mask(provider):
+        return None
+    return (f"IS diagnostics (ESS, delta-method variance, k-hat) not computed under mask={kind!r}: the importance-"
+            f"weight provider of {spec.name!r} takes no mask, and bidirectional weights would describe another "
+            "estimator")

@@ -1,0 +1,177 @@
+r"""Error by query position: the buckets, their metrics, their table (ARCHITECTURE sec. 12).
+
+Under a causal mask query n sees :math:`p_n = n + (M - N) + 1` keys, so an early query averages
+few values and its estimate errs differently from a late one: one MSE over all queries hides that.
+The sweep therefore also reports the metrics of each cell restricted to the queries of a
+**position bucket**.
+
+Position
+    :math:`p_n = n + (M - N) + 1`, the query's 1-based position among the M tokens
+    (:func:`~randattn.analysis.masking.query_positions`): under the causal mask the number of keys
+    it sees; with M == N its index + 1.
+Buckets
+    ``"log2"`` (the default under a mask): :math:`[1, 1], [2, 3], [4, 7], [8, 15], \dots`, the last
+    one cut at M. Explicit lower edges :math:`e_0 < e_1 < \dots` give :math:`[e_i, e_{i+1} - 1]` and a
+    last bucket :math:`[e_{last}, M]`; positions below :math:`e_0` are in no bucket. Buckets holding
+    no query are left out.
+Metrics
+    Those of :func:`randattn.analysis.metrics.replicate_metrics` (MSE, its SE, variance, debiased
+    and naive bias², the jackknife SE of the bias²) over the bucket's queries and the value dims,
+    from the same replicates as the cell's row.
+
+The per-position table (:data:`POSITION_COLUMNS`) has one row per (cell, bucket); the sweep stores
+it beside its main table (``<out>.positions<suffix>``), one part per unit like the main table's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+
+from randattn.analysis.masking import query_positions
+
+__all__ = [
+    "POSITION_COLUMNS",
+    "BUCKET_CHOICES",
+    "parse_position_buckets",
+    "position_buckets",
+    "bucket_query_slices",
+    "bucket_metrics",
+    "bucket_text",
+]
+
+#: the per-position table's columns, in order: the cell's identity, the bucket, the bucket's metrics
+POSITION_COLUMNS: tuple[str, ...] = (
+    "model", "image", "layer", "head", "tokens", "mask", "estimator", "params", "label", "num_samples", "replicates",
+    "random", "position_lo", "position_hi", "queries", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive",
+    "bias_sq_se", "seed",
+)
+#: the named bucketings; ``auto``: ``log2`` on masked layers, none on bidirectional ones
+BUCKET_CHOICES = ("auto", "none", "log2")
+
+
+def parse_position_buckets(value: Any) -> str | tuple[int, ...]:
+    """``"auto"``, ``"none"``, ``"log2"`` or strictly increasing positive lower edges (``"1,2,4,8,64"`` or ints).
+
+    Raises
+    ------
+    ValueError
+        Anything else, saying what is allowed.
+    """
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in BUCKET_CHOICES:
+            return text
+        items: list[Any] = [part.strip() for part in text.split(",") if part.strip()]
+    else:
+        items = list(value) if isinstance(value, (list, tuple)) else []
+    edges: list[int] = []
+    for item in items:
+        if isinstance(item, str) and item.isdigit():
+            edges.append(int(item))
+        elif isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+            edges.append(int(item))
+        else:
+            edges = []
+            break
+    if not edges or edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"position buckets {value!r}: use log2, none, auto or strictly increasing positive lower "
+                         "edges such as 1,2,4,8,64")
+    return tuple(edges)
+
+
+def position_buckets(scheme: str | Sequence[int], max_position: int) -> tuple[tuple[int, int], ...]:
+    """The inclusive ``(lo, hi)`` position ranges of ``scheme`` up to ``max_position`` (M).
+
+    Parameters
+    ----------
+    scheme : ``"log2"`` or sequence of int
+        As :func:`parse_position_buckets` returns (not ``"auto"`` / ``"none"``, which choose whether to bucket).
+    max_position : int
+        The largest position, M.
+
+    Examples
+    --------
+    >>> position_buckets("log2", 10)
+    ((1, 1), (2, 3), (4, 7), (8, 10))
+    >>> position_buckets((1, 4, 64), 10)
+    ((1, 3), (4, 10))
+    """
+    if isinstance(scheme, str):
+        if scheme != "log2":
+            raise ValueError(f"position_buckets: {scheme!r} is not a bucketing; use log2 or lower edges")
+        edges = [1 << i for i in range(max(int(max_position), 1).bit_length())]
+    else:
+        edges = [int(e) for e in scheme]
+    buckets = []
+    for i, lo in enumerate(edges):
+        if lo > max_position:
+            break
+        hi = edges[i + 1] - 1 if i + 1 < len(edges) else max_position
+        buckets.append((lo, min(hi, int(max_position))))
+    return tuple(buckets)
+
+
+def bucket_query_slices(scheme: str | Sequence[int], num_queries: int,
+                        num_keys: int) -> list[tuple[int, int, slice]]:
+    """``(lo, hi, queries)`` of every bucket holding a query: the queries as a slice of the N query indices.
+
+    Positions are consecutive (:math:`p_n = n + (M - N) + 1`), so each bucket's queries are a slice.
+    """
+    positions = query_positions(num_queries, num_keys)
+    first = int(positions[0])
+    out = []
+    for lo, hi in position_buckets(scheme, int(positions[-1])):
+        start, stop = max(lo, first) - first, hi - first + 1
+        if stop > start:
+            out.append((lo, hi, slice(start, stop)))
+    return out
+
+
+def bucket_text(lo: int, hi: int) -> str:
+    """``"1"``, ``"2-3"``: how a bucket is labelled in figures and reports."""
+    return str(int(lo)) if int(lo) == int(hi) else f"{int(lo)}-{int(hi)}"
+
+
+def bucket_metrics(out: Any, exact: Any, buckets: Sequence[tuple[int, int, slice]], *, random: bool,
+                   differences: bool) -> list[tuple[int, int, int, Any]]:
+    r"""The replicate metrics of each bucket's queries: ``[(lo, hi, queries, ReplicateMetrics), ...]``.
+
+    Parameters
+    ----------
+    out : (R, C, N, Dv) ndarray or float64 torch.Tensor
+        The replicates :math:`y_r` (``differences=False``, numpy) or :math:`y_r - y` (``differences=True``,
+        torch, as the sweep holds them on the device). Not modified.
+    exact : (C, N, Dv)
+        The exact output y (same kind as ``out``).
+    buckets : sequence of (lo, hi, slice)
+        From :func:`bucket_query_slices`.
+    random : bool
+        As :func:`~randattn.analysis.metrics.replicate_metrics`.
+    differences : bool
+        Whether ``out`` holds differences (the torch path, :func:`~randattn.analysis.metrics.metrics_of_differences`).
+
+    Notes
+    -----
+    Each bucket's metrics are :func:`~randattn.analysis.metrics.replicate_metrics` restricted to the
+    bucket's queries :math:`n \in B`:
+    :math:`\mathrm{MSE}_B = \frac{1}{R\,|B|\,D_v} \sum_r \sum_{n \in B} \sum_d (y_{rnd} - y_{nd})^2`, and so on.
+    Their warnings (too few replicates) repeat the cell's own and are not raised again.
+    """
+    from randattn.analysis.metrics import metrics_of_differences, replicate_metrics
+
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the cell's row already warned of the same replicates
+        for lo, hi, queries in buckets:
+            if differences:
+                # metrics_of_differences overwrites its input: a copy of the bucket, never the unit's array
+                metrics, _ = metrics_of_differences(out[:, :, queries].clone(), exact[:, queries].contiguous(),
+                                                    random=random)
+            else:
+                metrics = replicate_metrics(np.asarray(out)[:, :, queries], np.asarray(exact)[:, queries],
+                                            random=random)
+            results.append((int(lo), int(hi), int(queries.stop - queries.start), metrics))
+    return results

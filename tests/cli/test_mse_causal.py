@@ -1,0 +1,168 @@
+"""``randattn mse --mask``: causal runs end to end, refusals, the file's own mask, per-position tables, resume, Dask,
+and the figure and report section that read them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from randattn.activations import make_activations, save_activations
+from randattn.cli import main
+from randattn.estimators.registry import get_spec
+
+TOKENS = 11
+#: the log2 buckets of 11 positions: (lo, hi, queries)
+BUCKETS = [(1, 1, 1), (2, 3, 2), (4, 7, 4), (8, 11, 4)]
+
+
+def _arrays(seed=3):
+    rng = np.random.default_rng(seed)
+    return {layer: tuple(0.8 * rng.normal(size=(2, 2, TOKENS, 4)) for _ in range(3)) for layer in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("causal")
+    meta = {"scale": 0.5, "model": "synthetic", "layout": "sequence"}
+    plain = save_activations(make_activations(_arrays(), meta), folder / "plain.safetensors")
+    marked = save_activations(make_activations(_arrays(), {**meta, "mask": "causal"}), folder / "lm.safetensors")
+    return plain, marked
+
+
+def _invoke(*args):
+    return CliRunner().invoke(main, ["mse", *map(str, args)], catch_exceptions=False)
+
+
+def _causal_estimators():
+    """ra and softmax always; rfa and eva as soon as their specs declare the causal mask."""
+    return ["ra", "softmax", *(name for name in ("rfa", "eva") if get_spec(name).supports_mask("causal"))]
+
+
+@pytest.fixture(scope="module")
+def causal_run(files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "causal.parquet"
+    args = [a for name in _causal_estimators() for a in ("-e", name)]
+    result = _invoke(files[0], "--mask", "causal", *args, "--samples", "4", "--replicates", "3", "--out", out)
+    assert result.exit_code == 0, result.output
+    return out, result
+
+
+def test_a_causal_run_writes_its_table_and_positions_beside_it(causal_run):
+    out, result = causal_run
+    table = pd.read_parquet(out)
+    positions = pd.read_parquet(out.with_name("causal.positions.parquet"))
+    labels = _causal_estimators()
+    assert set(table.label) == set(labels) and set(table["mask"]) == {"causal"}
+    assert set(positions.label) == set(labels) and set(positions["mask"]) == {"causal"}
+    for _, cell in positions.groupby(["layer", "image", "head", "label"]):
+        assert list(zip(cell.position_lo, cell.position_hi, cell.queries)) == BUCKETS
+    assert positions[positions.label == "softmax"].mse.max() < 1e-12  # float32 round-off of the exact estimator
+    meta = json.loads(out.with_name("causal.parquet.meta.json").read_text())
+    assert meta["mask"] == "causal" and meta["config"]["mask"] == "causal"
+    assert meta["config_identity"]["mask"] == "causal"
+    side = json.loads(out.with_name("causal.positions.parquet.meta.json").read_text())
+    assert side["positions_of"] == "causal.parquet"
+    text = " ".join(result.output.split())
+    assert "attention MSE under the causal mask" in text and "MSE by query position" in text
+    assert "per-position rows to" in text
+
+
+def test_an_estimator_without_causal_support_exits_2_with_its_reason(files, tmp_path):
+    out = tmp_path / "r.parquet"
+    result = _invoke(files[0], "--mask", "causal", "-e", "ra", "-e", "lara", "--out", out)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "estimator 'lara' does not support mask='causal' (it supports: none): its proposals are built from " \
+           "landmarks that pool every query and key" in text
+    assert not out.exists() and not out.with_name("r.parquet.parts").exists()
+
+
+def test_the_file_mask_is_the_default_and_mask_none_overrides_it(files, tmp_path):
+    common = ["-e", "ra", "--samples", "4", "--replicates", "3", "--layers", "1", "--no-diagnostics"]
+    result = _invoke(files[1], *common, "--out", tmp_path / "file.csv")
+    assert result.exit_code == 0, result.output
+    assert set(pd.read_csv(tmp_path / "file.csv")["mask"]) == {"causal"}
+    assert (tmp_path / "file.positions.csv").exists()
+    result = _invoke(files[1], *common, "--mask", "none", "--out", tmp_path / "none.csv")
+    assert result.exit_code == 0, result.output
+    assert set(pd.read_csv(tmp_path / "none.csv")["mask"]) == {"none"}
+    assert not (tmp_path / "none.positions.csv").exists()
+    refused = _invoke(files[1], "-e", "lara", "--out", tmp_path / "lara.csv")
+    assert refused.exit_code == 2
+    assert "the mask is the activation file's own metadata 'mask'; --mask none" in " ".join(refused.output.split())
+
+
+def test_position_buckets_option(files, tmp_path):
+    common = [files[0], "-e", "ra", "--samples", "4", "--replicates", "3", "--layers", "0", "--no-diagnostics"]
+    result = _invoke(*common, "--position-buckets", "1,4", "--out", tmp_path / "b.parquet")
+    assert result.exit_code == 0, result.output
+    positions = pd.read_parquet(tmp_path / "b.positions.parquet")
+    assert sorted(set(zip(positions.position_lo, positions.position_hi))) == [(1, 3), (4, TOKENS)]
+    assert set(positions["mask"]) == {"none"}  # a bidirectional run, bucketed on request
+    bad = _invoke(*common, "--position-buckets", "4,2")
+    assert bad.exit_code == 2 and "--position-buckets '4,2': use log2, none" in " ".join(bad.output.split())
+
+
+def test_an_interrupted_causal_run_resumes_to_the_same_positions(files, tmp_path, monkeypatch):
+    from randattn.analysis import execute
+
+    args = [files[0], "--mask", "causal", "-e", "ra", "-e", "softmax", "--samples", "4,8", "--replicates", "3",
+            "--no-diagnostics"]
+    assert _invoke(*args, "--out", tmp_path / "full.parquet").exit_code == 0
+    original, calls = execute.UnitRunner.run_timed, []
+
+    def interrupt_after_three(self, unit):
+        calls.append(unit)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return original(self, unit)
+
+    monkeypatch.setattr(execute.UnitRunner, "run_timed", interrupt_after_three)
+    out = tmp_path / "cut.parquet"
+    cut = CliRunner().invoke(main, ["mse", *map(str, args), "--out", str(out)])
+    assert cut.exit_code == 130, cut.output
+    assert len(list(out.with_name("cut.parquet.parts").glob("positions-*.parquet"))) == 3
+    monkeypatch.undo()
+    resumed = _invoke(*args, "--out", out, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "full.positions.parquet"),
+                                  pd.read_parquet(tmp_path / "cut.positions.parquet"))
+
+
+def test_dask_workers_write_the_same_positions(files, tmp_path):
+    pytest.importorskip("distributed")
+    args = [files[0], "--mask", "causal", "-e", "ra", "--samples", "4", "--replicates", "3", "--no-diagnostics",
+            "--threads", "1"]
+    assert _invoke(*args, "--out", tmp_path / "local.parquet").exit_code == 0
+    result = _invoke(*args, "--out", tmp_path / "dask.parquet", "--scheduler", "processes:2")
+    assert result.exit_code == 0, result.output
+    local, dask = (pd.read_parquet(tmp_path / f"{name}.positions.parquet") for name in ("local", "dask"))
+    pd.testing.assert_frame_equal(local, dask)
+
+
+def test_plot_position_and_the_report_section(causal_run, tmp_path):
+    out, _ = causal_run
+    result = CliRunner().invoke(main, ["plot", str(out), "--kind", "position", "--out", str(tmp_path / "figs"),
+                                       "--format", "png", "--samples", "4"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "figs" / "position.png").stat().st_size > 1000
+    result = CliRunner().invoke(main, ["report", str(out), "--out", str(tmp_path / "rep")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert '<h2 id="positions">Causal attention: error by position</h2>' in page
+    assert 'href="#positions"' in page and 'id="fig-position"' in page
+    assert "measured under the causal mask on every layer" in page
+    assert "<h3>Mean MSE by position bucket, S = 4</h3>" in page
+
+
+def test_plot_position_without_a_positions_table_exits_2(files, tmp_path):
+    out = tmp_path / "plain.parquet"
+    assert _invoke(files[0], "-e", "ra", "--samples", "4", "--replicates", "3", "--layers", "0",
+                   "--no-diagnostics", "--out", out).exit_code == 0
+    result = CliRunner().invoke(main, ["plot", str(out), "--kind", "position", "--out", str(tmp_path / "f")])
+    assert result.exit_code == 2
+    assert "no per-position table beside" in " ".join(result.output.split())

@@ -1,0 +1,71 @@
+"""The error-by-position figure, its aggregation and the report's mask note, on a small real causal sweep."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from randattn.activations import make_activations
+from randattn.analysis.sweep import SweepConfig, parse_estimator_list, run_sweep_tables
+from randattn.reports.figures import position_figure
+from randattn.reports.html import build_report, mask_note
+from randattn.reports.tables import ResultsError, aggregate_positions, position_pivot, table_masks
+
+
+@pytest.fixture(scope="module")
+def tables():
+    rng = np.random.default_rng(4)
+    arrays = {layer: tuple(0.8 * rng.normal(size=(2, 2, 10, 4)) for _ in range(3)) for layer in (0, 3)}
+    acts = make_activations(arrays, {"scale": 0.5, "model": "synthetic", "images": ["a", "b"]})
+    config = SweepConfig(estimators=parse_estimator_list("ra;softmax"), num_samples=(2, 4), replicates=3, seed=1,
+                         backend="reference", diagnostics=False, mask={0: "causal", 3: None})
+    return run_sweep_tables(acts, config)
+
+
+def test_aggregate_positions_is_the_lara_h1_mean_per_bucket(tables):
+    positions = tables.positions
+    aggregated = aggregate_positions(positions, n_boot=200)
+    row = aggregated[(aggregated.label == "ra") & (aggregated.num_samples == 4) & (aggregated.position_lo == 4)]
+    cells = positions[(positions.label == "ra") & (positions.num_samples == 4) & (positions.position_lo == 4)]
+    # one layer: mean over heads per image, then over images
+    assert row.mse.iloc[0] == pytest.approx(cells.groupby("image").mse.mean().mean(), rel=1e-12)
+    assert row.mse_ci_low.iloc[0] <= row.mse.iloc[0] <= row.mse_ci_high.iloc[0]
+    assert list(aggregated.loc[aggregated.label == "ra"].groupby("num_samples").position_lo.apply(list)) == [
+        [1, 2, 4, 8], [1, 2, 4, 8]]
+    pivot = position_pivot(positions)
+    assert list(pivot.columns) == ["1", "2-3", "4-7", "8-10"] and list(pivot.index) == ["softmax", "ra"]
+
+
+def test_the_figure_has_a_panel_per_s_and_leaves_out_what_it_cannot_show(tables):
+    figure = position_figure(tables.positions)
+    axes = [ax for ax in figure.axes if ax.get_title()]
+    assert [ax.get_title() for ax in axes] == ["S = 2", "S = 4"]
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == ["2-3", "4-7", "8-10"]  # position 1: one key, exact
+    title = figure._suptitle.get_text()
+    assert "under the causal mask" in title and "position 1 (a single visible key" in title
+    assert "exact, not drawn: Softmax" in title
+    one = position_figure(tables.positions, num_samples=4)
+    assert [ax.get_title() for ax in one.axes if ax.get_title()] == ["S = 4"]
+    with pytest.raises(ResultsError, match="no rows at S = 3; available: 2, 4"):
+        position_figure(tables.positions, num_samples=3)
+    with pytest.raises(ResultsError, match="every estimator has MSE = 0"):
+        position_figure(tables.positions, labels=["softmax"])
+
+
+def test_the_mask_note_names_the_masked_layers(tables):
+    table = tables.table
+    assert table_masks(table) == {"causal": [0]}
+    note = mask_note(table, has_positions=True)
+    assert note.startswith("These results were measured under the causal mask on layer 0 (query n sees keys m ≤ n "
+                           "+ (M − N) only); layer 3 without a mask.")
+    assert note.endswith("the section on error by position separates them.")
+    assert mask_note(table[table.layer == 3]) is None
+    assert mask_note(table.drop(columns="mask")) is None  # a table from before masks: bidirectional
+
+
+def test_the_report_shows_the_positions_section_only_with_positions(tables):
+    without = build_report(tables.table, figures=[], environment={}, dpi=40)
+    assert 'id="positions"' not in without and "measured under the causal mask on layer 0" in without
+    page = build_report(tables.table, positions=tables.positions, figures=[], environment={}, dpi=40)
+    assert '<h2 id="positions">Causal attention: error by position</h2>' in page
+    assert "<h3>Mean MSE by position bucket, S = 4</h3>" in page
