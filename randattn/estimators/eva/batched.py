@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
@@ -285,8 +286,8 @@ def eva_attention(
         # padding: missing exact keys and missing chunks get -inf
         if pad.exact_visible is None:
             valid = torch.cat([bkm, per_block(chunk_ok, 0)], dim=-1)  # (b, E + C)
-            if not bool(valid.all()):
-                logits.masked_fill_(~valid.unsqueeze(-2), float("-inf"))
+            # unconditionally: asking whether any slot is padding would read the answer back from the device
+            logits.masked_fill_(~valid.unsqueeze(-2), float("-inf"))
         else:  # causal: Algorithm 2's K x K triangle M^E per query; every chunk of a block lies wholly before it
             seen = _t(pad.exact_visible, dev)[sl]  # (b, Q, E)
             chunks_seen = per_block(chunk_ok, 0).unsqueeze(-2).expand(num_b, seen.shape[-2], chunk_ok.shape[-1])
@@ -321,11 +322,13 @@ def eva_attention(
     return (out, wide) if with_probabilities else out
 
 
-def _query_of_slot(pad: PaddedPartition, device: torch.device) -> torch.Tensor:
-    """The query in each slot (block, position) of the partition, ``(B * Q,)``; -1 on padding slots."""
-    query_slot = _t(pad.query_slot, device)
-    slot_query = torch.full((pad.block_queries.size,), -1, dtype=torch.long, device=device)
-    slot_query[query_slot] = torch.arange(query_slot.shape[0], device=device)
+def _query_of_slot(pad: PaddedPartition, device: torch.device) -> np.ndarray:
+    """The query in each slot (block, position) of the partition, ``(B * Q,)``; -1 on padding slots.
+
+    A host array: which slots are padding is known before any device work, so nothing is read back.
+    """
+    slot_query = np.full(pad.block_queries.size, -1, dtype=np.int64)
+    slot_query[np.asarray(pad.query_slot)] = np.arange(len(pad.query_slot))
     return slot_query
 
 
@@ -338,10 +341,12 @@ def _place_rows(dest: torch.Tensor, piece: torch.Tensor, slot_query: torch.Tenso
     num_q, width = dest.shape[-2], dest.shape[-1]
     lead = math.prod(dest.shape[:-2])
     rows = piece.expand(dest.shape[0], *piece.shape[1:]).flatten(-3, -2)  # (R, ..., b Q, W)
-    valid = slot_query >= 0
-    if not bool(valid.all()):
-        rows, slot_query = rows[..., valid, :], slot_query[valid]
-    dest_rows = (torch.arange(lead, device=dest.device) * num_q).unsqueeze(-1) + slot_query  # (R ..., b Q)
+    valid = np.flatnonzero(slot_query >= 0)  # host arrays: no read back from the device
+    if valid.size != slot_query.size:
+        rows = rows.index_select(-2, torch.as_tensor(valid, device=dest.device))
+        slot_query = slot_query[valid]
+    queries = torch.as_tensor(slot_query, device=dest.device)
+    dest_rows = (torch.arange(lead, device=dest.device) * num_q).unsqueeze(-1) + queries  # (R ..., b Q)
     dest.view(lead * num_q, width).index_copy_(0, dest_rows.reshape(-1), rows.reshape(-1, width))
 
 
