@@ -14,8 +14,9 @@ import numpy as np
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
 from randattn.estimators.base import Draws, EstimatorSpec, ImportanceWeights, Param
-from randattn.estimators.features import FEATURE_MAPS
+from randattn.estimators.features import DATA_DEPENDENT_MAPS, FEATURE_MAPS
 from randattn.estimators.rfa import batched, reference, weights
+from randattn.estimators.rfa.masking import check_rfa_mask
 from randattn.estimators.sampling import COUPLINGS, draw_omegas
 
 PARAMS = {
@@ -32,12 +33,34 @@ def draw(
     replicates: int = 1,
     rng: np.random.Generator,
     coupling: str = "iid",
+    feature_map: str = "positive",
+    mask: str | None = None,
     **params,
 ) -> Draws:
-    """``omega : (R, ..., S, D)``, independent across replicates and batch elements."""
+    """``omega : (R, ..., S, D)``, independent across replicates and batch elements.
+
+    The draws do not depend on ``mask``; it is checked here so that a map with no causal form
+    (``oprf``, ``sderf``: :func:`~randattn.estimators.rfa.masking.check_rfa_mask`) fails before any work.
+    """
+    check_rfa_mask(mask, feature_map)
     num_samples = check_positive_int("num_samples", num_samples)
     omega = draw_omegas(rng, (replicates, *q_shape[:-2]), num_samples, q_shape[-1], coupling)
     return Draws({"omega": omega}, replicates)
+
+
+def _masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:
+    """Causal for every map whose features are fixed functions of one token (ARCHITECTURE sec. 12); not for the
+    data-dependent ``oprf`` and ``sderf`` (:func:`~randattn.estimators.rfa.masking.check_rfa_mask`)."""
+    return (None,) if params.get("feature_map") in DATA_DEPENDENT_MAPS else (None, "causal")
+
+
+def _causal_note(params: Mapping[str, Any]) -> str:
+    """Why this configuration has no causal form: the mask check's own words."""
+    try:
+        check_rfa_mask("causal", params.get("feature_map", "positive"))
+    except ValueError as exc:
+        return str(exc)
+    return "no causal form for this configuration"
 
 
 def _convergence(params: Mapping[str, Any]) -> str:
@@ -74,6 +97,9 @@ SPEC = EstimatorSpec(
         reference=weights.reference_terms, batched=weights.batched_terms,
         applies=weights.has_weights, weights_per_sample=weights.weights_per_sample,
     ),
+    masks=_masks,
+    mask_notes={"causal": _causal_note},
     normalized=True,
-    memory_hint="(N + M) S L features and the S L x Dv key sums per batch element",
+    memory_hint="(N + M) S L features and the S L x Dv key sums per batch element; causal: chunks of tokens "
+                "with their S L x Dv states (never N x S L x Dv)",
 )

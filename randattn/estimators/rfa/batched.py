@@ -10,6 +10,8 @@ from randattn.estimators._prepare import check_draw_array, prepare_batched, to_t
 from randattn.estimators.base import Draws
 from randattn.estimators.features import POSITIVE_MAPS
 from randattn.estimators.features.batched import affine_directions, data_params, log_features
+from randattn.estimators.rfa.causal import causal_estimate
+from randattn.estimators.rfa.masking import check_rfa_mask
 from randattn.estimators.snis import warn_non_positive
 from randattn.estimators.snis.batched import affine_feature_attention, feature_attention
 
@@ -40,8 +42,15 @@ def estimate(
     scale: float | None = None,
     feature_map: str = "positive",
     coupling: str = "iid",
+    mask: str | None = None,
 ) -> torch.Tensor:
-    """RFA over (R, ..., N, Dv); same signature and layout as ``rfa.reference.estimate``."""
+    """RFA over (R, ..., N, Dv); same signature and layout as ``rfa.reference.estimate``.
+
+    ``mask="causal"``: the chunked prefix sums of :func:`randattn.estimators.rfa.causal.causal_estimate`.
+    """
+    check_rfa_mask(mask, feature_map)
+    if mask == "causal":
+        return causal_estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling)
     x, y, v, omega, fitted = _prepared(q, k, v, draws, scale, feature_map)
     if feature_map in POSITIVE_MAPS:
         # every positive map is x.W_j + a_j - |x|^2/2: three matrix products, no log-feature tensors
@@ -63,16 +72,22 @@ def probabilities(
     scale: float | None = None,
     feature_map: str = "positive",
     coupling: str = "iid",
+    mask: str | None = None,
 ) -> torch.Tensor:
     r"""The attention probabilities RFA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
 
     For the positive maps without forming the identity (the key side's normalized
     exponentials are the values' weights themselves, see :func:`affine_feature_attention`);
-    the other maps go through :func:`estimate` with ``v = I_M``.
+    the other maps go through :func:`estimate` with ``v = I_M``. Under ``mask="causal"`` every
+    map goes through the causal :func:`estimate` with ``v = I_M`` (the prefix sums then carry
+    an S L x M state): exactly 0 at the keys a query may not see, and ``probabilities @ v``
+    equals the causal estimate to rounding.
     """
-    if feature_map not in POSITIVE_MAPS:
+    check_rfa_mask(mask, feature_map)
+    if mask == "causal" or feature_map not in POSITIVE_MAPS:
         eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device).expand(*k.shape[:-1], k.shape[-2])
-        return estimate(q, k, eye, draws, scale=scale, feature_map=feature_map, coupling=coupling)
+        return estimate(q, k, eye, draws, scale=scale, feature_map=feature_map, coupling=coupling,
+                        **({} if mask is None else {"mask": mask}))
     x, y, _, omega, fitted = _prepared(q, k, k, draws, scale, feature_map)
     directions, offset = affine_directions(feature_map, omega, **fitted)
     return affine_feature_attention(x, y, None, directions, offset)
@@ -87,15 +102,19 @@ def estimate_with_probabilities(
     scale: float | None = None,
     feature_map: str = "positive",
     coupling: str = "iid",
+    mask: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits, from one pass.
 
     For the positive maps the features, both softmaxes and the logits are computed once (see
-    :func:`affine_feature_attention`); the other maps make the two calls.
+    :func:`affine_feature_attention`); the other maps, and every map under ``mask="causal"``,
+    make the two calls.
     """
-    if feature_map not in POSITIVE_MAPS:
-        return (estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling),
-                probabilities(q, k, draws, scale=scale, feature_map=feature_map, coupling=coupling))
+    check_rfa_mask(mask, feature_map)
+    if mask == "causal" or feature_map not in POSITIVE_MAPS:
+        masked = {} if mask is None else {"mask": mask}
+        return (estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling, **masked),
+                probabilities(q, k, draws, scale=scale, feature_map=feature_map, coupling=coupling, **masked))
     x, y, v, omega, fitted = _prepared(q, k, v, draws, scale, feature_map)
     directions, offset = affine_directions(feature_map, omega, **fitted)
     return affine_feature_attention(x, y, v, directions, offset, with_probabilities=True)
@@ -110,6 +129,7 @@ def estimate_with_probability_factors(
     scale: float | None = None,
     feature_map: str = "positive",
     coupling: str = "iid",
+    mask: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(estimate(q, k, v, ...), L, R)`` with ``probabilities(q, k, ...) = L @ R``, or None for signed features.
 
@@ -117,8 +137,12 @@ def estimate_with_probability_factors(
     is the query softmax over the features and ``R (R, ..., J, M)`` the key softmax of
     :func:`~randattn.estimators.snis.batched.affine_feature_attention`; the estimate is the same bits
     as :func:`estimate`. The trigonometric map's features are signed: None (no such factors here).
+    Under ``mask="causal"``: None too -- each query's key softmax runs over its own visible keys, so
+    the masked probabilities are no product of an (N, J) and a (J, M) matrix; callers fall back to
+    :func:`estimate_with_probabilities`.
     """
-    if feature_map not in POSITIVE_MAPS:
+    check_rfa_mask(mask, feature_map)
+    if mask == "causal" or feature_map not in POSITIVE_MAPS:
         return None
     x, y, v, omega, fitted = _prepared(q, k, v, draws, scale, feature_map)
     directions, offset = affine_directions(feature_map, omega, **fitted)

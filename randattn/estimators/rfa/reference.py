@@ -9,8 +9,9 @@ import numpy as np
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
 from randattn.estimators.features.reference import paired_log_features
+from randattn.estimators.rfa.masking import check_rfa_mask
 from randattn.estimators.snis import NonPositiveDenominatorWarning, warn_non_positive
-from randattn.estimators.snis.reference import feature_attention
+from randattn.estimators.snis.reference import causal_feature_attention, feature_attention
 
 __all__ = ["estimate", "NonPositiveDenominatorWarning"]
 
@@ -24,6 +25,7 @@ def estimate(
     scale: float | None = None,
     feature_map: str = "positive",
     coupling: str = "iid",
+    mask: str | None = None,
 ) -> np.ndarray:
     r"""RFA (LARA eq. 2), computed as the log-space SNIS of ARCHITECTURE sec. 4.
 
@@ -46,6 +48,11 @@ def estimate(
         :func:`~randattn.estimators.features.reference.sderf_optimal_params`, computed from these inputs.
     coupling : str
         Only used by ``draw``; accepted here so that one parameter set serves both.
+    mask : {None, "causal"}
+        ``"causal"``: query n sees the keys :math:`m \le n + M - N` only (M >= N; ARCHITECTURE
+        sec. 12), the literal masked sum of Performer App. B.1 eq. 11 below
+        (:func:`~randattn.estimators.snis.reference.causal_feature_attention`); the data-dependent
+        ``oprf`` and ``sderf`` maps are refused (their parameters are fitted from every token).
 
     Returns
     -------
@@ -55,12 +62,25 @@ def estimate(
     -----
     Linear in N and M: never forms an N x M matrix and adds no epsilon. The regularized
     map estimates attention under the SMREG kernel (Performer Thm. 1), not softmax.
+
+    Under the causal mask, for query n with last visible key :math:`L_n = n + M - N`,
+
+    .. math::
+        \mathrm{RFA}(q_n) = \frac{\sum_s \xi(x_n, \omega_s)^\top \sum_{m \le L_n} \xi(y_m, \omega_s) v_m}
+                                 {\sum_s \xi(x_n, \omega_s)^\top \sum_{m \le L_n} \xi(y_m, \omega_s)},
+
+    computed per query as the log-space SNIS over its visible keys (one query at a time,
+    O(N M S L Dv); the batched form is the prefix-sum algorithm).
     """
+    check_rfa_mask(mask, feature_map)
     x, y, v, _, batch = prepare_reference(q, k, v, scale)
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
     # data-dependent maps (oprf, sderf): parameters from queries and keys, shared by both sides
     lx, sx, ly, sy = paired_log_features(feature_map, x, y, omega)
-    out, sign = feature_attention(lx, ly, v[None], q_sign=sx, k_sign=sy)
+    if mask == "causal":
+        out, sign = causal_feature_attention(lx, ly, v[None], q_sign=sx, k_sign=sy)
+    else:
+        out, sign = feature_attention(lx, ly, v[None], q_sign=sx, k_sign=sy)
     if sx is not None:
         warn_non_positive(sign, "signed trigonometric features")
     return out

@@ -9,8 +9,9 @@ from randattn.estimators.base import Draws, EstimatorSpec
 from randattn.estimators.softmax import batched, reference
 
 
-def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, replicates: int = 1, rng=None, **params) -> Draws:
-    """Softmax is deterministic: no random variables, only the replicate count."""
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, replicates: int = 1, rng=None,
+         mask: str | None = None, **params) -> Draws:
+    """Softmax is deterministic: no random variables, only the replicate count (whatever the ``mask``)."""
     return Draws({}, replicates)
 
 
@@ -30,6 +31,7 @@ SPEC = EstimatorSpec(
     describe=describe.softmax,
     convergence="exact",
     cost="quadratic",
+    masks=(None, "causal"),
     normalized=True,
     memory_hint="the N x M scores of one batch element at a time",
 )

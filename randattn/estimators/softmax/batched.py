@@ -6,16 +6,34 @@ from typing import Any
 
 import torch
 
+from randattn._validation import check_choice
 from randattn.estimators._prepare import prepare_batched
 from randattn.estimators.base import Draws
+from randattn.estimators.softmax.reference import MASKS
 
 __all__ = ["estimate"]
 
 
-def estimate(q: Any, k: Any, v: Any, draws: Draws | None = None, *, scale: float | None = None) -> torch.Tensor:
-    """Softmax attention; (R, ..., N, Dv) with draws, else (..., N, Dv). See ``softmax.reference``."""
+def estimate(
+    q: Any, k: Any, v: Any, draws: Draws | None = None, *, scale: float | None = None, mask: str | None = None
+) -> torch.Tensor:
+    """Softmax attention; (R, ..., N, Dv) with draws, else (..., N, Dv). See ``softmax.reference``.
+
+    ``mask="causal"``: the logits of keys m > n + M - N are set to -inf before ``torch.softmax``
+    (which subtracts the row max); M >= N keeps every row non-empty.
+    """
+    check_choice("mask", mask, MASKS)
     x, y, v, _, _ = prepare_batched(q, k, v, scale)
-    out = torch.softmax(x @ y.transpose(-1, -2), dim=-1) @ v
+    if mask is None:
+        out = torch.softmax(x @ y.transpose(-1, -2), dim=-1) @ v
+    else:
+        from randattn.estimators.masks import check_causal_shapes
+
+        n, m = x.shape[-2], y.shape[-2]
+        check_causal_shapes(n, m)
+        # key m hidden from query n iff m > n + (M - N): the strict upper triangle shifted by M - N
+        hidden = torch.ones(n, m, dtype=torch.bool, device=x.device).triu_(m - n + 1)
+        out = torch.softmax((x @ y.transpose(-1, -2)).masked_fill_(hidden, -torch.inf), dim=-1) @ v
     if draws is None:
         return out
     return out.unsqueeze(0).expand(draws.replicates, *out.shape).clone()

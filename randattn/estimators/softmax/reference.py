@@ -7,23 +7,49 @@ from typing import Any
 import numpy as np
 from scipy.special import softmax
 
+from randattn._validation import check_choice
 from randattn.estimators._prepare import prepare_reference
 from randattn.estimators.base import Draws
 
 __all__ = ["attention_probabilities", "estimate"]
 
+#: the masks exact softmax computes (ARCHITECTURE sec. 12)
+MASKS = (None, "causal")
 
-def attention_probabilities(q: Any, k: Any, *, scale: float | None = None) -> np.ndarray:
-    r"""``softmax_m(scale q_n·k_m)`` : (..., N, M), max-subtracted (scipy.special.softmax)."""
+
+def _masked_logits(x: np.ndarray, y: np.ndarray, mask: str | None) -> np.ndarray:
+    r"""``x_n·y_m`` : (..., N, M), with -inf where ``mask="causal"`` hides key m from query n (m > n + M - N).
+
+    Every row keeps at least key 0 (M >= N is enforced), so the max-subtracted softmax has no empty row.
+    """
+    logits = x @ np.swapaxes(y, -1, -2)
+    if mask == "causal":
+        from randattn.estimators.masks import causal_visible
+
+        logits = np.where(causal_visible(x.shape[-2], y.shape[-2]), logits, -np.inf)
+    return logits
+
+
+def attention_probabilities(q: Any, k: Any, *, scale: float | None = None, mask: str | None = None) -> np.ndarray:
+    r"""``softmax_m(scale q_n·k_m)`` : (..., N, M), max-subtracted (scipy.special.softmax).
+
+    ``mask="causal"``: over the visible keys m <= n + M - N only, exactly 0 at the others.
+    """
+    check_choice("mask", mask, MASKS)
     dummy_v = np.zeros((*np.shape(k)[:-1], 1))
     x, y, _, _, _ = prepare_reference(q, k, dummy_v, scale)
-    return softmax(x @ np.swapaxes(y, -1, -2), axis=-1)
+    return softmax(_masked_logits(x, y, mask), axis=-1)
 
 
-def estimate(q: Any, k: Any, v: Any, draws: Draws | None = None, *, scale: float | None = None) -> np.ndarray:
+def estimate(
+    q: Any, k: Any, v: Any, draws: Draws | None = None, *, scale: float | None = None, mask: str | None = None
+) -> np.ndarray:
     r"""Softmax attention (LARA sec. 2.1).
 
-    .. math:: y_n = \sum_m \frac{\exp(s\, q_n^\top k_m)}{\sum_{m'} \exp(s\, q_n^\top k_{m'})} v_m.
+    .. math:: y_n = \sum_{m \in V_n} \frac{\exp(s\, q_n^\top k_m)}{\sum_{m' \in V_n} \exp(s\, q_n^\top k_{m'})} v_m,
+
+    with :math:`V_n` every key, or under ``mask="causal"`` the keys :math:`m \le n + M - N`
+    (ARCHITECTURE sec. 12; the hidden logits are set to -inf before the max-subtracted softmax).
 
     Parameters
     ----------
@@ -34,13 +60,19 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws | None = None, *, scale: float
         Only its replicate count R is used (softmax is deterministic).
     scale : float, optional
         Temperature s; default ``D ** -0.5``.
+    mask : {None, "causal"}
+        ``"causal"`` requires M >= N (the queries are the last N of the M tokens).
 
     Returns
     -------
     (R, ..., N, Dv) with draws, else (..., N, Dv).
     """
+    check_choice("mask", mask, MASKS)
     x, y, v, _, _ = prepare_reference(q, k, v, scale)
-    out = softmax(x @ np.swapaxes(y, -1, -2), axis=-1) @ v
+    if mask is None:
+        out = softmax(x @ np.swapaxes(y, -1, -2), axis=-1) @ v
+    else:
+        out = softmax(_masked_logits(x, y, mask), axis=-1) @ v
     if draws is None:
         return out
     return np.broadcast_to(out, (draws.replicates, *out.shape)).copy()

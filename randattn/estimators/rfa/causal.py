@@ -1,0 +1,181 @@
+r"""RFA / Performer under ``mask="causal"``: validation and the batched prefix-sum form.
+
+Query n sees the keys :math:`m \le n + M - N` (ARCHITECTURE sec. 12). The batched form feeds the
+features of :mod:`randattn.estimators.features.batched`, computed a group of tokens at a time, to the
+chunked prefix sums of :mod:`randattn.estimators.snis.prefix` (Performer App. B.1 eq. 11 as the SNIS
+of ARCHITECTURE sec. 4); the reference form (``rfa.reference``) is the literal masked sum.
+
+The data-dependent maps (``oprf``, ``sderf``) are refused
+(:func:`~randattn.estimators.rfa.masking.check_rfa_mask`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from randattn._validation import check_qkv_shapes, check_scale
+from randattn.estimators._prepare import check_draw_array, to_torch_draws
+from randattn.estimators.base import Draws
+from randattn.estimators.features import POSITIVE_MAPS
+from randattn.estimators.features.batched import affine_directions
+from randattn.estimators.masks import check_causal_shapes
+from randattn.estimators.rfa.masking import check_rfa_mask
+from randattn.estimators.snis import warn_non_positive
+from randattn.estimators.snis.prefix import DEFAULT_CHUNK_SIZE, FeatureSlice, causal_feature_attention
+
+__all__ = ["causal_estimate", "causal_feature_slices"]
+
+#: log2(e): the prefix sums take base-2 log-features (``exp2`` is the faster exponential on CPU)
+LOG2_E = 1.0 / math.log(2.0)
+
+
+def causal_feature_slices(
+    feature_map: str, q: torch.Tensor, k: torch.Tensor, omega: torch.Tensor, scale: float
+) -> tuple[FeatureSlice, FeatureSlice, int]:
+    r"""``(query_features, key_features, J)`` of one map for the causal prefix sums.
+
+    What :func:`~randattn.estimators.snis.prefix.causal_feature_attention` takes.
+
+    ``q : (..., N, D)``, ``k : (..., M, D)`` as captured, ``omega : (R, ..., S, D)``, ``scale`` the
+    temperature; each callable returns the base-2 log-features of a slice of tokens as ``(R x batch, T, J)``
+    (and the signs, or None), i.e. :math:`\log_2 e` times, with :math:`x = \sqrt{s}\, q`, :math:`y = \sqrt{s}\, k`,
+
+    - positive maps (:func:`~randattn.estimators.features.batched.affine_directions`):
+      :math:`\ell^q_{nj} = x_n \cdot W_j + a_j`, :math:`\ell^k_{mj} = y_m \cdot W_j + a_j - \|y_m\|^2/2`;
+    - trigonometric: :math:`\ell^q_{nj} = \log|\mathrm{trig}(\omega_s \cdot x_n)|`,
+      :math:`\ell^k_{mj} = \log|\mathrm{trig}(\omega_s \cdot y_m)| + \|y_m\|^2/2`, with the signs.
+
+    The query's row term (:math:`-\|x_n\|^2/2`, or :math:`+\|x_n\|^2/2`) is left out: a per-query
+    constant cancels in the ratio, and in float32 it would round the query's logits by up to
+    :math:`\|x_n\|^2 \epsilon`. The temperature rides in the feature weights (:math:`\sqrt{s}\, W_j`,
+    :math:`s \|k_m\|^2 / 2`): no scaled copy of q and k is made.
+    """
+    replicates, num_features, dim = omega.shape[0], omega.shape[-2], q.shape[-1]
+    flat_batch = math.prod(q.shape[:-2])
+    root = math.sqrt(scale)
+    x_flat = q.reshape(flat_batch, q.shape[-2], dim)  # (B, N, D), a view of contiguous inputs
+    y_flat = k.reshape(flat_batch, k.shape[-2], dim)
+
+    def per_replicate(t: torch.Tensor) -> torch.Tensor:  # (B, T, F) -> (R B, T, F); a view when R = 1
+        return t if replicates == 1 else t.unsqueeze(0).expand(replicates, *t.shape).reshape(-1, *t.shape[1:])
+
+    def with_columns(part: torch.Tensor, *columns: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part, *columns], dim=-1)
+
+    if feature_map in POSITIVE_MAPS:
+        directions, offset = affine_directions(feature_map, omega)  # (R, ..., J, D), (R, ..., J)
+        num_features = directions.shape[-2]
+        w_t = directions.reshape(-1, num_features, dim).transpose(-1, -2) * root  # (P, D, J), acting on q
+        offset = offset.reshape(-1, 1, num_features)
+        # the offset a_j and the key's row term -|y|^2/2 ride in the product as extra coordinates,
+        # [x, 1] . [W_j; a_j] and [y, 1, -|y|^2/2] . [W_j; a_j; 1], and the whole product is scaled to base 2
+        # (log2 e): no separate passes over the (T, J) results
+        query_weights = torch.cat([w_t, offset], dim=-2).mul_(LOG2_E)
+        key_weights = torch.cat([w_t, offset, torch.ones_like(offset)], dim=-2).mul_(LOG2_E)
+
+        def query_features(tokens: slice):
+            part = x_flat[:, tokens]
+            return torch.bmm(per_replicate(with_columns(part, part.new_ones(*part.shape[:-1], 1))), query_weights), None
+
+        def key_features(tokens: slice):
+            part = y_flat[:, tokens]
+            row = (part * part).sum(-1, keepdim=True).mul_(-0.5 * scale)
+            return torch.bmm(per_replicate(with_columns(part, torch.ones_like(row), row)), key_weights), None
+
+        return query_features, key_features, num_features
+
+    omega_t = omega.reshape(-1, num_features, dim).transpose(-1, -2) * root  # (P, D, S), acting on q
+
+    def trigonometric(part: torch.Tensor, row: torch.Tensor | None):
+        proj = torch.bmm(per_replicate(part), omega_t)  # (P, T, S)
+        trig = torch.stack([torch.sin(proj), torch.cos(proj)], dim=-1).flatten(-2)  # j = 2 s + l, as the reference
+        log_mag = torch.log2(trig.abs())
+        if row is not None:
+            log_mag.add_(per_replicate(row), alpha=LOG2_E)
+        return log_mag, torch.sign(trig)
+
+    def query_features(tokens: slice):
+        return trigonometric(x_flat[:, tokens], None)
+
+    def key_features(tokens: slice):
+        part = y_flat[:, tokens]
+        return trigonometric(part, (part * part).sum(-1, keepdim=True).mul_(0.5 * scale))
+
+    return query_features, key_features, 2 * num_features
+
+
+def _unscaled_inputs(q: Any, k: Any, v: Any, scale: float | None):
+    """``(q, k, v, scale, batch_shape)`` validated as ``_prepare.prepare_batched`` does, but not multiplied by
+    ``sqrt(scale)`` (the features take the temperature in their weights, sparing two copies of the inputs)."""
+    batch, _, _, dim, _ = check_qkv_shapes(q, k, v)
+    scale = check_scale(scale, dim)
+    as_tensor = lambda a: a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))  # noqa: E731
+    q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    return q, k, v, scale, batch
+
+
+def causal_estimate(
+    q: Any,
+    k: Any,
+    v: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    feature_map: str = "positive",
+    coupling: str = "iid",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    r"""Causal RFA over ``(R, ..., N, Dv)``: the batched form of ``rfa.reference.estimate(..., mask="causal")``.
+
+    .. math::
+        \mathrm{RFA}(q_n) = \frac{\sum_s \xi(x_n, \omega_s)^\top \sum_{m \le n + M - N} \xi(y_m, \omega_s) v_m}
+                                 {\sum_s \xi(x_n, \omega_s)^\top \sum_{m \le n + M - N} \xi(y_m, \omega_s)}
+
+    (Performer App. B.1 eq. 11), by the chunked prefix sums of :mod:`randattn.estimators.snis.prefix`:
+    O((N + M) S L (D + Dv + C)) time, O(T S L + S L Dv) memory beyond the inputs and output (T a few hundred
+    tokens), no epsilon, and no stabilizer taken over a later key. The default chunk size and the timings
+    against an equal-FLOP matrix product and performer-pytorch: ``benchmarks/bench_causal.py``.
+
+    Parameters
+    ----------
+    q : (..., N, D)
+    k : (..., M, D)
+        M >= N: the queries are the last N of the M tokens.
+    v : (..., M, Dv)
+    draws : Draws
+        ``omega : (R, ..., S, D)``.
+    scale : float, optional
+        Temperature; default ``D ** -0.5``.
+    feature_map : {"positive", "hyperbolic", "trigonometric", "regularized"}
+        The data-dependent ``oprf`` and ``sderf`` are refused (:func:`check_rfa_mask`).
+    coupling : str
+        Only used by ``draw``.
+    chunk_size : int
+        Tokens per chunk (a power of two); changes the rounding, not the estimate.
+
+    Returns
+    -------
+    (R, ..., N, Dv)
+
+    Warns
+    -----
+    NonPositiveDenominatorWarning
+        Trigonometric features whose causal denominator is zero or negative for some queries.
+    """
+    check_rfa_mask("causal", feature_map)
+    q, k, v, scale, batch = _unscaled_inputs(q, k, v, scale)
+    check_causal_shapes(q.shape[-2], k.shape[-2])
+    omega = check_draw_array(to_torch_draws(draws, q), "omega", batch, (None, q.shape[-1]))
+    query_features, key_features, num_features = causal_feature_slices(feature_map, q, k, omega, scale)
+    out, sign = causal_feature_attention(query_features, key_features, v, num_queries=q.shape[-2],
+                                         replicates=draws.replicates, num_features=num_features,
+                                         chunk_size=chunk_size)
+    if feature_map not in POSITIVE_MAPS:
+        warn_non_positive(sign, "signed trigonometric features")
+    return out

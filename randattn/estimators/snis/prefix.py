@@ -1,0 +1,317 @@
+r"""The causal log-space SNIS skeleton in torch: chunked prefix sums, no epsilon, no look at the future.
+
+Under ``mask="causal"`` query n sees the keys :math:`m \le n + (M - N)` (ARCHITECTURE sec. 12,
+:mod:`randattn.estimators.masks`). With query log-features :math:`\ell^q_{nj}` (and signs
+:math:`\sigma^q_{nj}`), key log-features :math:`\ell^k_{mj}` (signs :math:`\sigma^k_{mj}`) over a shared
+feature index j (J = S L), the estimate of ``snis.reference.causal_feature_attention`` is
+
+.. math::
+    y_n = \frac{\sum_j \sum_{m \le n + M - N} \sigma^q_{nj}\sigma^k_{mj}\, e^{\ell^q_{nj} + \ell^k_{mj}} v_m}
+               {\sum_j \sum_{m \le n + M - N} \sigma^q_{nj}\sigma^k_{mj}\, e^{\ell^q_{nj} + \ell^k_{mj}}},
+
+the unidirectional FAVOR+ of Performer App. B.1 eq. 11 (Algorithm 1) written as the SNIS of
+ARCHITECTURE sec. 4. :func:`causal_feature_attention` computes it in O((N + M) J (D + Dv + C)) time
+and O(T J + J Dv) memory beyond its inputs and output (C the chunk size, T the tokens of one vectorized
+group, a few hundred); it never holds an N x M, an N x J or an N x J x Dv array. The log-features it
+takes are base-2 logarithms (:math:`\log_2 e\,\ell`): ``exp2`` is the faster exponential on CPU, and
+every step below is the same in either base.
+
+How, and why it is stable
+-------------------------
+Each query's terms are taken relative to its own reference
+
+.. math:: r_n = \max_j \big(\ell^q_{nj} + c_j(n)\big), \qquad c_j(n) = \max_{m \text{ visible to } n} \ell^k_{mj},
+
+a running maximum over the keys n may see, never over later ones (a per-feature maximum over the
+carried keys, then a dyadic prefix-max scan inside each chunk). The causal triangle is cut into
+*fully visible* blocks (a set of keys K every query of a set Q sees); a block contributes
+:math:`A B^\top V_K` with
+
+.. math::
+    A_{nj} = \sigma^q_{nj} e^{\ell^q_{nj} - r_n + s_j} ,\qquad B_{mj} = \sigma^k_{mj} e^{\ell^k_{mj} - s_j},
+    \qquad \max_{m \in K} \ell^k_{mj} \le s_j \le \min_{n \in Q} c_j(n),
+
+so both factors lie in [-1, 1]: nothing overflows, and a product is never smaller than either factor's
+share of it, so a term lost to underflow is below ``2 * tiny`` of the largest term, which is 1 (for
+positive features the denominator is then at least 1: no epsilon, no 0/0). The blocks are
+
+- the diagonal: each query with its own key (no shift: :math:`\ell^k_{nj} \le c_j(n)`);
+- inside a chunk of C tokens, a dyadic split of the triangle: in every aligned block of 2h tokens the
+  first half's keys for the second half's queries, h = C/2, C/4, ..., 1, with :math:`s_j` the running
+  maximum at the end of the first half;
+- the keys of all earlier chunks (and of the M - N prefix keys, which every query sees) for the queries
+  of a chunk: the carried S L x (Dv + 1) state, kept relative to :math:`s_j` = the running maximum before
+  the chunk and rescaled as the maximum grows.
+
+Stabilizers therefore only ever come from keys every query of the block sees: a key beyond query n
+changes none of query n's bits (``tests/estimators/test_causal_rfa.py``). The diagonal and dyadic
+blocks of all chunks of a group run at once; only the state (one S L x (Dv + 1) tensor, updated in
+place so that it stays in cache) goes chunk after chunk.
+
+Signed features (the trigonometric map) keep their signs in A and B; their denominators can be zero
+or negative, which :func:`causal_feature_attention` returns as the denominator's sign for the caller
+to report (``snis.warn_non_positive``), as the bidirectional form does.
+
+References
+----------
+Choromanski et al., "Rethinking attention with Performers", ICLR 2021: Algorithm 1 and App. B.1
+eq. 11 (prefix sums). ARCHITECTURE sec. 4 (the SNIS in log space) and sec. 12 (causal masks).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "FeatureSlice", "causal_feature_attention", "check_chunk_size"]
+
+#: ``features(tokens) -> (log2_magnitude, sign)``: the base-2 log-features of a slice of the tokens as
+#: ``(P, T, J)`` tensors (P = replicates x batch elements), ``sign`` None for positive features; fresh
+#: tensors (the query's are overwritten).
+FeatureSlice = Callable[[slice], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+#: tokens per chunk: 32 measured fastest among 16, 32, 64, 128 (1 CPU thread, 6 heads, S = 256, D = Dv = 64,
+#: N = 4096 and 16384; 64 within noise): the exponentials grow like log2 C (one pass per dyadic level), the
+#: chunk-by-chunk state updates like 1 / C
+DEFAULT_CHUNK_SIZE = 32
+#: elements (not bytes) of one vectorized group's five (P, T, J) temporaries and two (P, T, Dv + 1) sums:
+#: small enough to stay in cache (2^21 measured faster than 2^22..2^24 on 2 cores), large enough that
+#: Python's per-operator cost stays small
+_GROUP_ELEMENTS = 2**21
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    """``chunk_size`` if it is a positive power of two (the intra-chunk split halves it), else ValueError."""
+    power_of_two = isinstance(chunk_size, int) and chunk_size >= 1 and not chunk_size & (chunk_size - 1)
+    if isinstance(chunk_size, bool) or not power_of_two:
+        raise ValueError(f"chunk_size must be a positive power of two (1, 2, 4, ..., 64, ...), got {chunk_size!r}")
+    return chunk_size
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with -inf (a feature no key has mass in yet, e.g. an exact zero of sin) replaced by 0, to shift by."""
+    return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+
+
+def _exp2_(t: torch.Tensor) -> torch.Tensor:
+    """``2 ** t`` in place, arguments first raised to ``log2(tiny) + 1`` (-125 in float32, -1021 in float64).
+
+    Every argument here is a base-2 log-ratio to a term of at most 1 (module notes), so a raised one stands
+    for a term below ``2 * tiny`` (2e-38 in float32), which it now counts as that: a change of at most
+    ``2 * tiny`` per term, relative to a largest term of 1. Why: torch's CPU ``exp``/``exp2`` run 3-45 times
+    slower (measured up to 76 ns instead of 0.7 per float32) on arguments whose result underflows or lands at
+    the smallest normal number, and most features of most tokens are that far below the maximum at real key
+    norms; ``exp2`` itself is about twice as fast as ``exp`` (0.7 vs 1.7 ns per float32 on 1 core), hence
+    base-2 log-features. A -inf argument (no mass) is raised too; it only ever multiplies a zero sign or a
+    zero value here.
+    """
+    return t.clamp_(min=math.log2(torch.finfo(t.dtype).tiny) + 1.0).exp2_()
+
+
+def _merge(c: torch.Tensor | None, u: torch.Tensor | None, c2: torch.Tensor, u2: torch.Tensor):
+    """Two key sums ``u = sum_m 2^(l_mj - c_j) [v_m, 1]`` (relative to ``_finite(c)``) as one, relative to the larger
+    maximum.
+
+    ``c, c2 : (P, J)`` per-feature maxima of their keys' base-2 log-features, ``u, u2 : (P, J, Dv + 1)``; a
+    factor ``2^(c - max)`` takes the raw ``c``, so a feature with no mass yet (-inf, whose sum is 0) stays 0.
+    """
+    if c is None:
+        return c2, u2
+    top = torch.maximum(c, c2)
+    safe = _finite(top)
+    u = u * _exp2_(c - safe).unsqueeze(-1)
+    return top, u.addcmul_(u2, _exp2_(c2 - safe).unsqueeze(-1))
+
+
+class _Buffers:
+    """Scratch tensors reused by every group of one call: fresh multi-megabyte tensors cost page faults on CPU
+    (measured: an out-of-place ``exp`` of 25M floats took 3x the in-place one), so the hot loops write in place."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        size = math.prod(shape)
+        t = self.tensors.get(name)
+        if t is None or t.numel() < size:
+            t = self.tensors[name] = like.new_empty(size)
+        return t[:size].view(shape)
+
+
+def _group(lq, sq, lk, sk, va, chunk: int, state_c, state_u, buffers: _Buffers):
+    """Numerators and denominators ``(P, T, Dv + 1)`` of T = G C aligned tokens, and the state after them.
+
+    ``lq, lk : (P, T, J)`` (query n at position t sees the keys at positions <= t and the state; ``lq`` is
+    overwritten), ``va : (P, T, Dv + 1)``; ``state_c : (P, J)`` and ``state_u : (P, J, Dv + 1)`` (or None: no
+    earlier key), all log-features base 2. Each result row is relative to ``2^r_n`` (module notes); its ratio
+    is the estimate.
+    """
+    flat, tokens, feats = lq.shape
+    dva = va.shape[-1]
+    chunks = tokens // chunk
+    signed = sq is not None
+    # positive features: every running max is finite (each chunk starts with a real key), no -inf to guard
+    finite = _finite if signed else (lambda t: t)
+    work = buffers.get("work", (flat, tokens, feats), lq)
+    by_chunk = lambda t: t.view(flat, chunks, chunk, *t.shape[2:])  # noqa: E731
+
+    # the per-feature maximum over all keys before each chunk (state_max[:, g]) and through it (state_max[:, g + 1])
+    state_max = lq.new_empty((flat, chunks + 1, feats))
+    state_max[:, 0] = -math.inf if state_c is None else state_c
+    torch.amax(by_chunk(lk), dim=2, out=state_max[:, 1:])
+    for g in range(chunks):
+        torch.maximum(state_max[:, g], state_max[:, g + 1], out=state_max[:, g + 1])
+    # c_j(n): the running maximum over every key query n sees, by a dyadic scan within each chunk started from the
+    # state's maximum; after step h every aligned block of 2h tokens holds its prefix maxima
+    run_max = buffers.get("run_max", (flat, tokens, feats), lq).copy_(lk)
+    starts = by_chunk(run_max)[:, :, 0]
+    torch.maximum(starts, state_max[:, :-1], out=starts)
+    h = 1
+    while h < chunk:
+        blocks = run_max.view(flat, tokens // (2 * h), 2, h, feats)
+        torch.maximum(blocks[:, :, 1], blocks[:, :, 0, h - 1 : h], out=blocks[:, :, 1])
+        h *= 2
+    # r_n = max_j (l^q_nj + c_j(n)); from here on the query log-features are taken relative to it
+    lq.sub_(torch.add(lq, run_max, out=work).amax(-1, keepdim=True))
+
+    # the diagonal: each query with its own key
+    diag = _exp2_(torch.add(lq, lk, out=work))
+    if signed:
+        diag.mul_(sq).mul_(sk)
+    num = va * diag.sum(-1, keepdim=True)  # (P, T, Dv + 1)
+    # the dyadic blocks: in every aligned block of 2h tokens, the first half's keys for the second half's queries
+    halves = buffers.get("halves", (2, flat, tokens // 2, feats), lq)
+    h = chunk // 2
+    while h >= 1:
+        nb = tokens // (2 * h)
+        split = lambda t: t.view(flat, nb, 2, h, *t.shape[2:])  # noqa: E731
+        shift = split(run_max)[:, :, 0, h - 1].unsqueeze(-2)  # (P, nb, 1, J): the running max at the key half's end
+        a = _exp2_(torch.add(split(lq)[:, :, 1], shift, out=halves[0].view(flat, nb, h, feats)))
+        b = _exp2_(torch.sub(split(lk)[:, :, 0], finite(shift), out=halves[1].view(flat, nb, h, feats)))
+        if signed:
+            a.mul_(split(sq)[:, :, 1])
+            b.mul_(split(sk)[:, :, 0])
+        if h == 1:  # one query and one key per block: a dot product, not a batch of 1 x 1 matrix products
+            split(num)[:, :, 1].addcmul_(split(va)[:, :, 0], a.mul_(b).sum(-1, keepdim=True))
+        elif h == 2:  # 2 x 2 weights: two broadcast products, not a batch of (2, 2) @ (2, Dv + 1) products
+            weights, keys, queries = a @ b.transpose(-1, -2), split(va)[:, :, 0], split(num)[:, :, 1]
+            queries.addcmul_(weights[..., 0:1], keys[:, :, 0:1]).addcmul_(weights[..., 1:2], keys[:, :, 1:2])
+        else:
+            split(num)[:, :, 1] += (a @ b.transpose(-1, -2)) @ split(va)[:, :, 0]
+        h //= 2
+
+    # the earlier chunks' keys (and the prefix keys) for every query of a chunk: the carried sums are relative to
+    # state_max[:, g], which r_n covers, so these factors are at most 1
+    a = _exp2_(torch.add(by_chunk(lq), state_max[:, :-1].unsqueeze(-2), out=by_chunk(work)))
+    # each chunk's keys relative to the maximum through it
+    safe = finite(state_max[:, 1:])
+    e = _exp2_(torch.sub(by_chunk(lk), safe.unsqueeze(-2), out=by_chunk(run_max)))
+    if signed:
+        a.mul_(by_chunk(sq))
+        e.mul_(by_chunk(sk))
+    keep = _exp2_(state_max[:, :-1] - safe).unsqueeze(-1)  # 2^(c_g - c_{g+1}); where c_g = -inf the sums are 0
+    # one (J, Dv + 1) state, updated in place chunk after chunk (it stays in cache; per-chunk sums would not)
+    state = lq.new_zeros((flat, feats, dva)) if state_u is None else state_u
+    chunk_views = zip(by_chunk(num).unbind(1), a.unbind(1), keep.unbind(1), e.transpose(-1, -2).unbind(1),
+                      by_chunk(va).unbind(1))
+    for g, (num_g, a_g, keep_g, e_g, va_g) in enumerate(chunk_views):
+        if g or state_u is not None:
+            num_g.baddbmm_(a_g, state)
+            state.mul_(keep_g)
+        state.baddbmm_(e_g, va_g)
+    state_u = state
+    return num.view(flat, tokens, dva), state_max[:, -1].clone(), state_u
+
+
+def causal_feature_attention(
+    query_features: FeatureSlice,
+    key_features: FeatureSlice,
+    v: torch.Tensor,
+    *,
+    num_queries: int,
+    replicates: int,
+    num_features: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Causal normalized linear attention from log-features, as chunked prefix sums (module notes).
+
+    Parameters
+    ----------
+    query_features : callable
+        ``query_features(tokens) -> (log2_magnitude, sign)`` for a slice of the N queries: base-2
+        log-magnitudes, each ``(P, T, J)`` with P = R x batch elements in that order (replicates
+        first), fresh tensors (overwritten here); ``sign`` None for positive features. They may leave
+        out a per-query constant (it cancels in the ratio; e.g. :math:`-\|x_n\|^2/2`), which spares
+        float32 the rounding of a large one.
+    key_features : callable
+        The same for a slice of the M keys, with exact log-magnitudes (per-key terms do not cancel).
+    v : (..., M, Dv)
+        Values; ``...`` the batch dims (P / R elements).
+    num_queries : int
+        N; requires M >= N (the queries are the last N of M tokens).
+    replicates : int
+        R.
+    num_features : int
+        J, the feature count the callables return (sizes the vectorized groups).
+    chunk_size : int
+        C, a power of two; changes the rounding only.
+
+    Returns
+    -------
+    out : (R, ..., N, Dv)
+    denominator_sign : (R, ..., N)
+        +1 for positive features; 0 or -1 flags a query whose signed-feature denominator vanished
+        or turned negative (its output is not meaningful; callers warn).
+    """
+    chunk = check_chunk_size(chunk_size)
+    batch, num_keys, dv = tuple(v.shape[:-2]), v.shape[-2], v.shape[-1]
+    if num_keys < num_queries:
+        raise ValueError(f"a causal mask needs at least as many keys as queries, got N={num_queries}, M={num_keys}")
+    offset = num_keys - num_queries
+    flat = replicates * math.prod(batch)
+    # tokens per vectorized group: its five (P, T, J) log-feature and scratch tensors and two (P, T, Dv + 1) sums
+    # within budget, so that they stay in cache (measured faster than larger groups on 2 cores)
+    per_token = flat * (5 * num_features + 2 * (dv + 1))
+    group = max(chunk, int(_GROUP_ELEMENTS // per_token) // chunk * chunk)
+
+    def values(tokens: slice) -> torch.Tensor:  # (P, T, Dv + 1): the values and a ones column (the denominators)
+        part = v[..., tokens, :]
+        part = torch.cat([part, part.new_ones(*part.shape[:-1], 1)], dim=-1)
+        return part.unsqueeze(0).expand(replicates, *part.shape).reshape(flat, part.shape[-2], dv + 1)
+
+    state_c = state_u = None
+    # the M - N keys before the first query: every query sees them, so they only enter the initial state
+    for start in range(0, offset, group):
+        tokens = slice(start, min(start + group, offset))
+        lk, sk = key_features(tokens)
+        block_max = lk.amax(-2)  # (P, J)
+        e = _exp2_(lk - _finite(block_max).unsqueeze(-2))
+        if sk is not None:
+            e.mul_(sk)
+        state_c, state_u = _merge(state_c, state_u, block_max, e.transpose(-1, -2) @ values(tokens))
+        del e
+
+    buffers = _Buffers()
+    out = v.new_empty((flat, num_queries, dv))
+    sign = v.new_empty((flat, num_queries))
+    for start in range(0, num_queries, group):
+        stop = min(start + group, num_queries)
+        length = stop - start
+        lq, sq = query_features(slice(start, stop))
+        keys = slice(offset + start, offset + stop)
+        lk, sk = key_features(keys)
+        va = values(keys)
+        pad = -length % chunk
+        if pad:
+            # a last chunk filled up with keys of no mass (-inf) after every real one and queries that are dropped
+            padding = lambda t, value: torch.nn.functional.pad(t, (0, 0, 0, pad), value=value)  # noqa: E731
+            lq, lk, va = padding(lq, 0.0), padding(lk, -math.inf), padding(va, 0.0)
+            sq = None if sq is None else padding(sq, 1.0)
+            sk = None if sk is None else padding(sk, 1.0)
+        num, state_c, state_u = _group(lq, sq, lk, sk, va, chunk, state_c, state_u, buffers)
+        num = num[:, :length]
+        torch.div(num[..., :dv], num[..., dv:], out=out[:, start:stop])
+        torch.sign(num[..., dv], out=sign[:, start:stop])
+    return out.view(replicates, *batch, num_queries, dv), sign.view(replicates, *batch, num_queries)
