@@ -48,7 +48,7 @@ __all__ = ["COLUMNS", "PHASES", "DiagnosticsSkippedWarning", "MemoryBudgetError"
 COLUMNS: tuple[str, ...] = (
     "model", "image", "layer", "head", "tokens", "mask", "estimator", "params", "label", "num_samples", "replicates",
     "random", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
-    "ess_mean", "delta_var_ratio", "pareto_khat", "dtype", "ref_max_abs_dev", "seconds", "seed",
+    "ess_mean", "delta_var_ratio", "pareto_khat", "dtype", "ref_max_abs_dev", "seconds", "seed", "sink_mass",
 )
 
 #: the parts of a unit's wall time that :meth:`UnitRunner.run_timed` reports: the exact attention (the first unit of
@@ -237,11 +237,13 @@ class UnitRunner:
 
     # ------------------------------------------------------------------------------------------------ inputs
     def inputs(self, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """float64 ``q, k, v : (C, N, D)`` of the unit's heads."""
-        q, k, v = self.acts.qkv(unit.layer)
-        heads = list(unit.heads)
-        return (q[unit.image, heads].astype(np.float64), k[unit.image, heads].astype(np.float64),
-                v[unit.image, heads].astype(np.float64))
+        """float64 ``q, k, v : (C, N, D)`` of the unit's heads.
+
+        Taken through :meth:`~randattn.activations.io.Activations.layer_qkv` so that a grouped-query file's shared
+        keys and values are gathered for the unit's heads of one image only, never expanded to the whole layer.
+        """
+        q, k, v = self.acts.layer_qkv(unit.layer, heads=list(unit.heads), image=unit.image)
+        return q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
 
     def mask(self, unit: Unit) -> str | None:
         """The mask kind of ``unit``'s layer (:meth:`~randattn.analysis.plan.SweepConfig.mask_of`)."""
@@ -298,6 +300,18 @@ class UnitRunner:
             probs = self._last_inputs[1][3]
             converted["sq_norms"] = self.torch.as_tensor(np.einsum("...m,...m->...", probs, probs), device=self.device)
         return converted["sq_norms"]
+
+    def _sink_mass(self, unit: Unit) -> np.ndarray:
+        """float64 ``(C,)``: each cell's exact attention probability on key 0, averaged over the queries.
+
+        A language model's first token draws much of every head's attention (the attention sink); the column
+        says how much, so a reader can relate an estimator's error to it. Cached with the exact attention.
+        """
+        self._inputs_and_exact(unit, "float64")
+        converted = self._last_inputs[2]
+        if "sink" not in converted:
+            converted["sink"] = np.asarray(self._last_inputs[1][3][..., 0], dtype=np.float64).mean(-1)
+        return converted["sink"]
 
     def _exact_output(self, unit: Unit):
         """The exact output ``(C, N, Dv)`` as a float64 tensor on the device (cached as above)."""
@@ -683,6 +697,7 @@ class UnitRunner:
         _lap(seconds, "metrics", mark, clock)
         per_cell = (clock() - start) / cells
         rows = []
+        sink = self._sink_mass(unit)
         model = str(self.acts.metadata.get("model", "unknown"))
         dtype = self._dtype_name(est)
         mask = mask_label(kind)
@@ -699,7 +714,7 @@ class UnitRunner:
                     "prob_mse": prob_mse[j] if config.probabilities else np.nan,
                     "ess_mean": ess_mean[j], "delta_var_ratio": delta_ratio[j], "pareto_khat": khat[j],
                     "dtype": dtype, "ref_max_abs_dev": ref_dev if j == 0 else np.nan,
-                    "seconds": per_cell, "seed": int(unit.seeds[j]),
+                    "seconds": per_cell, "seed": int(unit.seeds[j]), "sink_mass": float(sink[j]),
                 })
         positions = None if per_bucket is None else [
             {"model": model, "image": unit.image_name, "layer": int(unit.layer), "head": int(h), "tokens": int(n),

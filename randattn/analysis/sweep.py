@@ -350,7 +350,9 @@ def run_sweep(
     / replicate variance) and ``pareto_khat`` from :mod:`randattn.analysis.diagnostics` (NaN
     where not available); ``dtype`` is the precision the estimator ran in; ``ref_max_abs_dev``
     is ``max |batched - reference|`` on the first cell and replicate of the units chosen by
-    ``config.check_reference`` (NaN elsewhere). Deterministic estimators run one replicate.
+    ``config.check_reference`` (NaN elsewhere); ``sink_mass`` is the cell's exact attention probability on
+    key 0 averaged over its queries (float64; the attention sink of a language model's first token).
+    Deterministic estimators run one replicate.
 
     Under a mask every estimator call, the exact reference and its probabilities apply it
     (:func:`~randattn.analysis.execute.exact_under_mask`): hidden probabilities are 0 in both

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "report": "report",
     "verify": "verify",
     "demo": "demo",
+    "demo-lm": "demo_lm",
 }
 
 

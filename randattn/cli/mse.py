@@ -460,6 +460,12 @@ def _finish(tables, config, activations, out, as_json) -> None:
             _print_positions(tables.positions, config.seed)
 
 
+#: activation-file metadata copied into the table's: what the report names; a language-model capture's fields
+#: (architecture, kv_heads, mask, ...) let it add its LM section. Absent fields are stored as None.
+_ACTIVATION_FIELDS = ("model", "layers", "heads", "head_dim", "tokens", "images", "scale", "source", "layout",
+                      "architecture", "kv_heads", "head_map", "mask", "sliding_window", "weights", "text", "add_bos")
+
+
 def _metadata(config, activations, out: Path) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -473,8 +479,7 @@ def _metadata(config, activations, out: Path) -> dict:
         "seed": config.seed,
         "randattn_version": randattn_version,
         "config": config.to_json(),
-        "activations": {k: activations.metadata.get(k) for k in ("model", "layers", "heads", "head_dim", "tokens",
-                                                                   "images", "scale", "source")},
+        "activations": {k: activations.metadata.get(k) for k in _ACTIVATION_FIELDS},
         "config_identity": config.identity(),
         # the mask every layer was measured under (None: bidirectional; {"<layer>": kind} when they differ)
         "mask": config.mask_json(),

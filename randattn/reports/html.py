@@ -59,6 +59,9 @@ __all__ = [
     "warnings_summary",
     "mask_note",
     "positions_section",
+    "lm_section",
+    "is_lm_metadata",
+    "sink_by_layer",
     "WARNING_EXPLANATIONS",
     "default_figures",
     "build_report",
@@ -453,6 +456,68 @@ def positions_section(positions: pd.DataFrame, metadata: Mapping[str, Any] | Non
     return out
 
 
+def is_lm_metadata(metadata: Mapping[str, Any] | None) -> bool:
+    """Whether a table's metadata says its activations are a decoder language-model capture.
+
+    ``randattn mse`` copies the activation file's ``architecture`` and ``layout`` into ``metadata["activations"]``;
+    either (an architecture, or the ``"sequence"`` layout) marks an LM capture.
+    """
+    acts = (metadata or {}).get("activations") or {}
+    return isinstance(acts, Mapping) and (bool(acts.get("architecture")) or acts.get("layout") == "sequence"
+                                          or bool(acts.get("token_strings")))
+
+
+def sink_by_layer(table: pd.DataFrame) -> pd.DataFrame | None:
+    """Mean, min and max over heads (and sequences) of the ``sink_mass`` column, one row per layer; None without it.
+
+    Every estimator row of a cell repeats the cell's exact sink mass, so one row per (image, layer, head) is kept.
+    """
+    if "sink_mass" not in table.columns or not np.isfinite(table["sink_mass"].astype(float)).any():
+        return None
+    cells = table.drop_duplicates(["image", "layer", "head"])
+    grouped = cells.groupby("layer")["sink_mass"]
+    return pd.DataFrame({"layer": grouped.mean().index.astype(int), "mean over heads": grouped.mean().to_numpy(),
+                         "min": grouped.min().to_numpy(), "max": grouped.max().to_numpy()})
+
+
+def lm_section(table: pd.DataFrame, metadata: Mapping[str, Any] | None = None) -> list[str]:
+    """HTML of the report's language-model section (empty unless :func:`is_lm_metadata`).
+
+    Names the model, its layers, query and key/value heads and the mask the table was measured under, and
+    tabulates the attention sink: the mean exact attention probability on the first token, by layer.
+    """
+    if not is_lm_metadata(metadata):
+        return []
+    esc = html.escape
+    acts = dict((metadata or {}).get("activations") or {})
+    heads = acts.get("heads")
+    kv = acts.get("kv_heads") or heads
+    masks = sorted(set(table["mask"].astype(str))) if "mask" in table.columns else []
+    layers = sorted(int(x) for x in table["layer"].unique())
+    facts = {
+        "model": acts.get("model"), "architecture": acts.get("architecture"), "weights": acts.get("weights"),
+        "text": acts.get("text") or acts.get("source"),
+        "sequences x tokens": f"{table['image'].nunique()} x {', '.join(map(str, sorted(table['tokens'].unique())))}",
+        "layers measured": ", ".join(map(str, layers)) + (f" (of {len(acts['layers'])} captured)"
+                                                          if isinstance(acts.get("layers"), list) else ""),
+        "query heads / key-value heads": f"{heads} / {kv}" + (" (grouped-query attention)"
+                                                               if heads and kv and kv != heads else ""),
+        "mask": ", ".join(masks) or "none",
+    }
+    out = ['<h2 id="language-model">Language model</h2>',
+           "<p>The activations are a decoder language model's q, k, v, measured under the mask it ran with. "
+           "Grouped-query heads share their key/value head's keys and values.</p>",
+           _table_html(pd.DataFrame({"item": list(facts), "value": [str(v) for v in facts.values()]}))]
+    sink = sink_by_layer(table)
+    if sink is not None:
+        out += ["<h3>Attention sink: exact probability on the first token, by layer</h3>",
+                "<p>The mean over queries of each head's exact attention probability on key 0; the first token "
+                "draws much of a language model's attention, so the estimators' error there weighs heavily.</p>",
+                _table_html(sink.assign(**{c: sink[c].map(_format_number)
+                                           for c in ("mean over heads", "min", "max")}))]
+    return out
+
+
 def default_figures(table: pd.DataFrame, metadata: Mapping[str, Any] | None = None) -> list[ReportFigure]:
     """Every figure the table supports: MSE vs S, bias²/variance, random features, one heatmap per estimator.
 
@@ -580,6 +645,7 @@ def build_report(
         "aggregated as in LARA app. H.1: per (layer, head, image), then the mean over heads and layers of each "
         "image, then the mean over images with a percentile bootstrap interval over images.</p>",
         '<nav><a href="#summary">summary</a> · <a href="#figures">figures</a> · '
+        + ('<a href="#language-model">language model</a> · ' if is_lm_metadata(metadata) else "")
         + ('<a href="#positions">error by position</a> · ' if has_positions else "")
         + '<a href="#warnings">warnings</a> · <a href="#diagnostics">diagnostics</a> · '
         '<a href="#provenance">provenance</a></nav>',
@@ -598,6 +664,9 @@ def build_report(
             f'<img alt="{esc(item.title)}" src="{figure_data_uri(item.figure, dpi=dpi)}">',
             f"<figcaption>{esc(item.caption)}</figcaption></figure>",
         ]
+    lm = lm_section(table, metadata)
+    if lm:
+        parts += lm
     if has_positions:
         parts += positions_section(positions, metadata, dpi=dpi)
     note = mask_note(table, has_positions)

