@@ -135,6 +135,7 @@ def test_randattn_estimators_lists_plugins_and_names_the_broken_one(tmp_path):
     assert broken.returncode == 2 and "brokenplug needs a GPU driver" in broken.stderr
 
 
+@pytest.mark.slow  # two Dask worker processes (~16 s); CI also runs it through examples/randattn-nystrom/run-example.sh
 def test_a_plugin_estimator_gives_the_same_table_on_dask_workers_as_locally(tmp_path):
     import numpy as np
 
