@@ -23,6 +23,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
+from randattn.estimators.eva.partition import layout_mask_note, layout_masks
 from randattn.estimators.base import ExactLimit,  Draws, EstimatorSpec, Param
 from randattn.estimators.eva import batched, reference
 from randattn.estimators.presets import EVA_PRESETS
@@ -122,26 +123,6 @@ def _variants() -> dict[str, dict]:
     return variants
 
 
-def _causal_note(params: Mapping[str, Any]) -> str:
-    """Why this configuration has no causal form: the layout check's own words."""
-    from randattn.estimators.eva.partition import check_mask_layout
-    from randattn.estimators.grid import resolve_grid
-
-    try:
-        check_mask_layout("causal", grid=resolve_grid(params.get("layout"), params.get("grid")), partition=params.get("partition", "paper"))
-    except ValueError as exc:
-        return str(exc)
-    return "no causal form for this configuration"
-
-
-def _masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:
-    """Causal with the paper's partition on a 1-D layout (App. D, Algorithm 2); see ``partition``'s docstring."""
-    from randattn.estimators.grid import resolve_grid
-
-    causal = params.get("partition") == "paper" and resolve_grid(params.get("layout"), params.get("grid")) is None
-    return (None, "causal") if causal else (None,)
-
-
 def _cost(params: Mapping[str, Any]) -> str:
     """Linear only where no block re-chunks its complement and no chunk weight sums exact scores."""
     if params.get("partition") == "reference-code" and params.get("chunk_weight") != "exact":
@@ -173,8 +154,8 @@ SPEC = EstimatorSpec(
     convergence="none",
     cost=_cost,
     normalized=True,
-    masks=_masks,
-    mask_notes={"causal": _causal_note},
+    masks=layout_masks,
+    mask_notes={"causal": layout_mask_note},
     exact_limits=(
         # with the paper's disjoint partition only: the code's chunks hold the window's keys again
         ExactLimit("the local window holds every key and the partition is disjoint, so nothing is left to the "

@@ -104,12 +104,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Mapping
 
 import numpy as np
 
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators.base import MASKS
-from randattn.estimators.grid import parse_grid, tile_of_tokens, tile_side_for_count, tiles, window_side
+from randattn.estimators.grid import parse_grid, resolve_grid, tile_of_tokens, tile_side_for_count, tiles, window_side
 from randattn.estimators.masks import last_visible_key
 from randattn.estimators.segments import segment_bounds
 
@@ -125,6 +126,25 @@ PARTITIONS = ("paper", "reference-code")
 def check_layout_params(window: int, prefix_tokens: int) -> tuple[int, int]:
     """``window >= 0`` and ``prefix_tokens >= 0`` as ints; ValueError/TypeError naming the argument."""
     return check_positive_int("window", window, minimum=0), check_positive_int("prefix_tokens", prefix_tokens, minimum=0)
+
+
+def layout_masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:
+    """The masks a windowed estimator's configuration supports (an ``EstimatorSpec.masks`` function).
+
+    Causal on a 1-D layout, and for EVA with the paper's disjoint partition (``params`` without a
+    ``partition`` -- local attention, Scatterbrain -- have no other); :func:`check_mask_layout` says why not.
+    """
+    return (None, "causal") if layout_mask_note(params) is None else (None,)
+
+
+def layout_mask_note(params: Mapping[str, Any]) -> str | None:
+    """Why this configuration has no causal form (:func:`check_mask_layout`'s own words), or None when it has one."""
+    try:
+        check_mask_layout("causal", grid=resolve_grid(params.get("layout", "grid"), params.get("grid")),
+                          partition=params.get("partition", "paper"))
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def check_mask_layout(mask: str | None, *, grid: tuple[int, int] | None, partition: str = "paper") -> str | None:

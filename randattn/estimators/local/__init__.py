@@ -9,9 +9,10 @@ prefix (CLS) keys and the N != M mapping as in :mod:`randattn.estimators.eva.par
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 from randattn.estimators import describe
+from randattn.estimators.eva.partition import layout_mask_note, layout_masks
 from randattn.estimators.base import ExactLimit,  Draws, EstimatorSpec
 from randattn.estimators.eva import LAYOUT_PARAMS
 from randattn.estimators.eva.partition import check_mask_layout
@@ -29,25 +30,6 @@ def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, re
     """
     check_mask_layout(mask, grid=resolve_grid(params.get("layout", "grid"), params.get("grid")))
     return Draws({}, replicates)
-
-
-def _causal_note(params: Mapping[str, Any]) -> str:
-    """Why this configuration has no causal form: the layout check's own words."""
-    from randattn.estimators.eva.partition import check_mask_layout
-    from randattn.estimators.grid import resolve_grid
-
-    try:
-        check_mask_layout("causal", grid=resolve_grid(params.get("layout"), params.get("grid")))
-    except ValueError as exc:
-        return str(exc)
-    return "no causal form for this configuration"
-
-
-def _masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:
-    """Causal on a 1-D layout; a 2-D window has no causal meaning."""
-    from randattn.estimators.grid import resolve_grid
-
-    return (None, "causal") if resolve_grid(params.get("layout"), params.get("grid")) is None else (None,)
 
 
 SPEC = EstimatorSpec(
@@ -76,8 +58,8 @@ SPEC = EstimatorSpec(
     convergence="none",
     cost="linear",
     normalized=True,
-    masks=_masks,
-    mask_notes={"causal": _causal_note},
+    masks=layout_masks,
+    mask_notes={"causal": layout_mask_note},
     exact_limits=(
         ExactLimit("the window holds every key: local attention is softmax attention",
                    params=lambda n, m: {"window": max(n, m), "layout": "sequence", "prefix_tokens": 0}),

@@ -10,11 +10,12 @@ before it (causal EVA's structure, app. D); 1-D layouts only.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from randattn.estimators import describe
+from randattn.estimators.eva.partition import layout_mask_note, layout_masks
 from randattn.estimators.base import ExactLimit, Draws, EstimatorSpec
 from randattn.estimators.eva import LAYOUT_PARAMS
 from randattn.estimators.eva.partition import check_mask_layout
@@ -43,25 +44,6 @@ def draw(
     return rfa.draw(q_shape, k_shape, num_samples=num_samples, replicates=replicates, rng=rng, **params)
 
 
-def _causal_note(params: Mapping[str, Any]) -> str:
-    """Why this configuration has no causal form: the layout check's own words."""
-    from randattn.estimators.eva.partition import check_mask_layout
-    from randattn.estimators.grid import resolve_grid
-
-    try:
-        check_mask_layout("causal", grid=resolve_grid(params.get("layout"), params.get("grid")))
-    except ValueError as exc:
-        return str(exc)
-    return "no causal form for this configuration"
-
-
-def _masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:
-    """Causal on a 1-D layout; a 2-D window has no causal meaning."""
-    from randattn.estimators.grid import resolve_grid
-
-    return (None, "causal") if resolve_grid(params.get("layout"), params.get("grid")) is None else (None,)
-
-
 SPEC = EstimatorSpec(
     name="scatterbrain",
     summary="Scatterbrain: positive random features off the local block, exact scores on it, renormalized",
@@ -85,8 +67,8 @@ SPEC = EstimatorSpec(
     convergence="none",
     cost="quadratic",
     normalized=True,
-    masks=_masks,
-    mask_notes={"causal": _causal_note},
+    masks=layout_masks,
+    mask_notes={"causal": layout_mask_note},
     exact_limits=(
         ExactLimit("the local window holds every key, so every score is exact (EVA app. G.5)",
                    params=lambda n, m: {"window": max(n, m), "layout": "sequence", "prefix_tokens": 0}),
