@@ -57,14 +57,20 @@ def draw(
 
     Returns float64 numpy draws; ``mask`` (None or ``"causal"``) must be one the estimator supports.
     """
-    spec = _spec_of(name)
+    return _draw(_spec_of(name), q_shape, k_shape, num_samples=num_samples, seed=seed, replicates=replicates,
+                 mask=mask, **params)
+
+
+def _draw(spec: EstimatorSpec, q_shape: Any, k_shape: Any, *, num_samples: int | None, seed: Any, replicates: int,
+          mask: str | None, **params: Any) -> Draws:
+    """:func:`draw` for a spec already looked up or validated (``estimate`` must not validate it twice per call)."""
     resolved = spec.resolve_params(params)
     q_shape, k_shape = _check_draw_shapes(q_shape, k_shape)
     masked = _mask_kwargs(spec, mask, q_shape[-2], k_shape[-2], resolved)
     replicates = check_positive_int("replicates", replicates)
     if spec.needs_samples:
         if num_samples is None:
-            raise ValueError(f"estimator {name!r} needs num_samples (the number of random samples S)")
+            raise ValueError(f"estimator {spec.name!r} needs num_samples (the number of random samples S)")
         num_samples = check_positive_int("num_samples", num_samples)
     return spec.draw(tuple(q_shape), tuple(k_shape), num_samples=num_samples, replicates=replicates,
                      rng=_normalize_rng(seed), **resolved, **masked)
@@ -159,7 +165,7 @@ def estimate(
     check_qkv_shapes(q, k, v)
     check_finite_on_device(q=q, k=k, v=v)
     masked = _mask_kwargs(spec, mask, q.shape[-2], k.shape[-2], resolved)
-    draws = draw(spec, tuple(q.shape), tuple(k.shape), num_samples=num_samples, seed=seed,
+    draws = _draw(spec, tuple(q.shape), tuple(k.shape), num_samples=num_samples, seed=seed,
                  replicates=1 if replicates is None else replicates, mask=mask, **resolved)
     if backend == "reference":
         if dtype is not None or device is not None:
