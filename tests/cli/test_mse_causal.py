@@ -133,6 +133,7 @@ def test_an_interrupted_causal_run_resumes_to_the_same_positions(files, tmp_path
                                   pd.read_parquet(tmp_path / "cut.positions.parquet"))
 
 
+@pytest.mark.slow  # two Dask worker processes (~8 s); the in-process resume test covers the positions' parts
 def test_dask_workers_write_the_same_positions(files, tmp_path):
     pytest.importorskip("distributed")
     args = [files[0], "--mask", "causal", "-e", "ra", "--samples", "4", "--replicates", "3", "--no-diagnostics",
