@@ -360,8 +360,86 @@ def test_causal_probabilities_are_masked_and_reproduce_the_estimate(feature_map)
         assert_close(probs.sum(-1), np.ones(probs.shape[:-1]), atol=1e-12, rtol=0)
     assert_close(probs @ v, out, atol=1e-12, rtol=1e-12, what="probabilities @ v vs estimate:")
     pair = _quiet(lambda: SPEC.batched_with_probabilities(tq, tk, tv, draws, **params))
-    assert torch.equal(pair[0], torch.as_tensor(out)) and torch.equal(pair[1], torch.as_tensor(probs))
+    # one dense pass: the pair's estimate is its probabilities times v, the prefix sums' estimate to rounding
+    assert torch.equal(pair[1], torch.as_tensor(probs)) and torch.equal(pair[0], pair[1] @ tv)
+    assert_close(pair[0], out, atol=1e-12, rtol=1e-12, what="one-pass estimate vs prefix sums:")
     assert SPEC.batched_with_probability_factors(tq, tk, tv, draws, **params) is None
+
+
+def _loop_probabilities(q, k, omega, feature_map):
+    """The implied causal probabilities written out: K_nm / sum_{m' visible} K_nm' with the explicit-feature
+    kernel of :func:`_loop_rfa`, 0 at hidden keys. ``q : (B, N, D)``, ``omega : (R, B, S, D)`` -> (R, B, N, M)."""
+    scale = q.shape[-1] ** -0.5
+    x, y = q * np.sqrt(scale), k * np.sqrt(scale)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    out = np.zeros((omega.shape[0], q.shape[0], n_q, n_k))
+    for r in range(omega.shape[0]):
+        for b in range(q.shape[0]):
+            kernel = np.einsum("nsl,msl->nm", _explicit_features(feature_map, x[b], omega[r, b]),
+                               _explicit_features(feature_map, y[b], omega[r, b]))
+            for n in range(n_q):
+                last = n + n_k - n_q
+                out[r, b, n, : last + 1] = kernel[n, : last + 1] / kernel[n, : last + 1].sum()
+    return out
+
+
+@pytest.mark.parametrize("feature_map", CAUSAL_MAPS)
+@pytest.mark.parametrize("n, m", [(1, 1), (13, 13), (16, 16), (17, 20), (5, 40)],
+                         ids=["N1", "N13", "N16-power-of-two", "N17-M20", "N5-M40"])
+def test_dense_causal_probabilities_equal_the_loop_in_many_groups(feature_map, n, m, monkeypatch):
+    """The dense dyadic weights (``snis.prefix.causal_feature_weights``) against the probabilities written out
+    query by query, 1e-10 (float64, small norms where the explicit features cannot overflow): with the triangle
+    padded to a power of two or not, a prompt of M - N keys, and the (replicate, head) slices cut into groups
+    of one and of three."""
+    from randattn.estimators.snis import prefix
+
+    q, k, _ = _inputs(40, n, m, batch=(2,), d=4, size=0.6)
+    draws = randattn.draw("rfa", q.shape, k.shape, num_samples=6, seed=41, replicates=3, feature_map=feature_map)
+    expected = _loop_probabilities(q, k, draws["omega"], feature_map)
+    for elements in (1, 3 * 4 * 32 * 8 * 2, prefix._GROUP_ELEMENTS):
+        monkeypatch.setattr(prefix, "_GROUP_ELEMENTS", elements)
+        got = _quiet(lambda: rfa_batched.probabilities(*_t(q, k), draws.to_torch(), feature_map=feature_map,
+                                                       mask="causal"))
+        assert_close(got, expected, atol=1e-10, rtol=1e-10, what=f"group of {elements} elements:")
+
+
+@pytest.mark.parametrize("feature_map", CAUSAL_MAPS)
+def test_dense_causal_probabilities_ignore_junk_after_the_query(feature_map):
+    """Keys a query may not see replaced by junk (norms x 50): its row of the dense probabilities keeps every
+    bit, in float64 and in float32 (no stabilizer is taken over a later key)."""
+    n = m = 21
+    q, k, _ = _inputs(42, n, m)
+    draws = randattn.draw("rfa", q.shape, k.shape, num_samples=32, seed=43, feature_map=feature_map)
+    rng = np.random.default_rng(44)
+    for dtype in (torch.float64, torch.float32):
+        probs = _quiet(lambda: rfa_batched.probabilities(*_t(q, k, dtype=dtype), draws.to_torch(dtype=dtype),
+                                                         feature_map=feature_map, mask="causal"))
+        for cut in (0, 7, 16):
+            k2 = k.copy()
+            k2[..., cut + 1 :, :] = rng.standard_normal(k2[..., cut + 1 :, :].shape) * 50
+            probs2 = _quiet(lambda: rfa_batched.probabilities(*_t(q, k2, dtype=dtype), draws.to_torch(dtype=dtype),
+                                                              feature_map=feature_map, mask="causal"))
+            assert torch.equal(probs[..., : cut + 1, :], probs2[..., : cut + 1, :]), (dtype, cut)
+
+
+@pytest.mark.parametrize("n", [48, 32], ids=["self", "prompt-of-16"])
+def test_dense_causal_probabilities_at_key_norms_150_to_200_in_float32(n):
+    """Real key norms: the float32 dense probabilities are finite, rows sum to 1 within M eps32, and agree
+    with the float64 ones within 8 L eps32 (L the largest logit, the conformance kit's bound). The keys
+    grow from norm 150 to 200 along the sequence, so the prompt's keys (seen by all) and the later ones
+    have per-feature maxima thousands of octaves apart: a stabilizer missing either side overflows."""
+    rng = np.random.default_rng(45)
+    q = rng.standard_normal((3, n, 16))
+    k = rng.standard_normal((3, 48, 16))
+    k *= np.linspace(150, 200, 48)[:, None] / np.linalg.norm(k, axis=-1, keepdims=True)
+    draws = randattn.draw("rfa", q.shape, k.shape, num_samples=64, seed=46)
+    p64 = rfa_batched.probabilities(*_t(q, k), draws.to_torch(), mask="causal")
+    p32 = rfa_batched.probabilities(*_t(q, k, dtype=torch.float32), draws.to_torch(dtype=torch.float32),
+                                    mask="causal")
+    assert torch.isfinite(p32).all()
+    assert_close(p32.sum(-1).double(), torch.ones(p32.shape[:-1], dtype=torch.float64), atol=48 * EPS32, rtol=0)
+    logit = float(np.abs(q @ np.swapaxes(k, -1, -2)).max()) * 16**-0.5
+    assert_close(p32.double(), p64, atol=8 * logit * EPS32, rtol=0)
 
 
 def test_bidirectional_path_is_untouched_by_the_mask_argument():

@@ -10,7 +10,7 @@ from randattn.estimators._prepare import check_draw_array, prepare_batched, to_t
 from randattn.estimators.base import Draws
 from randattn.estimators.features import POSITIVE_MAPS
 from randattn.estimators.features.batched import affine_directions, data_params, log_features
-from randattn.estimators.rfa.causal import causal_estimate
+from randattn.estimators.rfa.causal import causal_estimate, causal_estimate_with_probabilities
 from randattn.estimators.rfa.masking import check_rfa_mask
 from randattn.estimators.snis import warn_non_positive
 from randattn.estimators.snis.batched import affine_feature_attention, feature_attention
@@ -79,15 +79,16 @@ def probabilities(
     For the positive maps without forming the identity (the key side's normalized
     exponentials are the values' weights themselves, see :func:`affine_feature_attention`);
     the other maps go through :func:`estimate` with ``v = I_M``. Under ``mask="causal"`` every
-    map goes through the causal :func:`estimate` with ``v = I_M`` (the prefix sums then carry
-    an S L x M state): exactly 0 at the keys a query may not see, and ``probabilities @ v``
-    equals the causal estimate to rounding.
+    map takes the dense causal weights of
+    :func:`~randattn.estimators.rfa.causal.causal_estimate_with_probabilities`: exactly 0 at the keys
+    a query may not see, and ``probabilities @ v`` equals the causal estimate to rounding.
     """
     check_rfa_mask(mask, feature_map)
-    if mask == "causal" or feature_map not in POSITIVE_MAPS:
+    if mask == "causal":
+        return causal_estimate_with_probabilities(q, k, k[..., :1], draws, scale=scale, feature_map=feature_map)[1]
+    if feature_map not in POSITIVE_MAPS:
         eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device).expand(*k.shape[:-1], k.shape[-2])
-        return estimate(q, k, eye, draws, scale=scale, feature_map=feature_map, coupling=coupling,
-                        **({} if mask is None else {"mask": mask}))
+        return estimate(q, k, eye, draws, scale=scale, feature_map=feature_map, coupling=coupling)
     x, y, _, omega, fitted = _prepared(q, k, k, draws, scale, feature_map)
     directions, offset = affine_directions(feature_map, omega, **fitted)
     return affine_feature_attention(x, y, None, directions, offset)
@@ -104,17 +105,20 @@ def estimate_with_probabilities(
     coupling: str = "iid",
     mask: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits, from one pass.
+    """``(estimate(q, k, v, ...), probabilities(q, k, ...))`` from one pass (bidirectional: the same bits).
 
     For the positive maps the features, both softmaxes and the logits are computed once (see
-    :func:`affine_feature_attention`); the other maps, and every map under ``mask="causal"``,
-    make the two calls.
+    :func:`affine_feature_attention`); the other maps make the two calls. Under ``mask="causal"``
+    the estimate is ``probabilities @ v`` from one dense pass
+    (:func:`~randattn.estimators.rfa.causal.causal_estimate_with_probabilities`): equal to
+    :func:`estimate`'s prefix sums to rounding, not bit for bit.
     """
     check_rfa_mask(mask, feature_map)
-    if mask == "causal" or feature_map not in POSITIVE_MAPS:
-        masked = {} if mask is None else {"mask": mask}
-        return (estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling, **masked),
-                probabilities(q, k, draws, scale=scale, feature_map=feature_map, coupling=coupling, **masked))
+    if mask == "causal":
+        return causal_estimate_with_probabilities(q, k, v, draws, scale=scale, feature_map=feature_map)
+    if feature_map not in POSITIVE_MAPS:
+        return (estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling),
+                probabilities(q, k, draws, scale=scale, feature_map=feature_map, coupling=coupling))
     x, y, v, omega, fitted = _prepared(q, k, v, draws, scale, feature_map)
     directions, offset = affine_directions(feature_map, omega, **fitted)
     return affine_feature_attention(x, y, v, directions, offset, with_probabilities=True)

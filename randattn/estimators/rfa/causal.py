@@ -25,9 +25,14 @@ from randattn.estimators.features.batched import affine_directions
 from randattn.estimators.masks import check_causal_shapes
 from randattn.estimators.rfa.masking import check_rfa_mask
 from randattn.estimators.snis import warn_non_positive
-from randattn.estimators.snis.prefix import DEFAULT_CHUNK_SIZE, FeatureSlice, causal_feature_attention
+from randattn.estimators.snis.prefix import (
+    DEFAULT_CHUNK_SIZE,
+    FeatureSlice,
+    causal_feature_attention,
+    causal_feature_weights,
+)
 
-__all__ = ["causal_estimate", "causal_feature_slices"]
+__all__ = ["causal_estimate", "causal_estimate_with_probabilities", "causal_feature_slices"]
 
 #: log2(e): the prefix sums take base-2 log-features (``exp2`` is the faster exponential on CPU)
 LOG2_E = 1.0 / math.log(2.0)
@@ -179,3 +184,41 @@ def causal_estimate(
     if feature_map not in POSITIVE_MAPS:
         warn_non_positive(sign, "signed trigonometric features")
     return out
+
+
+def causal_estimate_with_probabilities(
+    q: Any,
+    k: Any,
+    v: Any,
+    draws: Draws,
+    *,
+    scale: float | None = None,
+    feature_map: str = "positive",
+    coupling: str = "iid",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Causal RFA and the probabilities it implies, ``((R, ..., N, Dv), (R, ..., N, M))``, from one dense pass.
+
+    The probabilities are :math:`\hat P_{nm} = W_{nm} / \sum_{m'} W_{nm'}` with the weights of
+    :func:`~randattn.estimators.snis.prefix.causal_feature_weights` (exactly 0 at the keys query n may not
+    see) and the estimate is :math:`\hat P v`: the same numbers as :func:`causal_estimate` to rounding
+    (its prefix sums group the additions differently), at the cost of the N x M product a probability
+    matrix needs anyway, O(N M (S L + Dv)), instead of prefix sums carrying an S L x M state.
+
+    Parameters and warnings as :func:`causal_estimate`.
+    """
+    check_rfa_mask("causal", feature_map)
+    q, k, v, scale, batch = _unscaled_inputs(q, k, v, scale)
+    check_causal_shapes(q.shape[-2], k.shape[-2])
+    omega = check_draw_array(to_torch_draws(draws, q), "omega", batch, (None, q.shape[-1]))
+    query_features, key_features, _ = causal_feature_slices(feature_map, q, k, omega, scale)
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    lq, sq = query_features(slice(0, num_queries))
+    lk, sk = key_features(slice(0, num_keys))
+    weights = causal_feature_weights(lq, sq, lk, sk)
+    del lq, sq, lk, sk
+    total = weights.sum(-1, keepdim=True)
+    if feature_map not in POSITIVE_MAPS:
+        warn_non_positive(torch.sign(total[..., 0]).view(draws.replicates, *batch, num_queries),
+                          "signed trigonometric features")
+    probs = weights.div_(total).view(draws.replicates, *batch, num_queries, num_keys)
+    return probs @ v, probs
