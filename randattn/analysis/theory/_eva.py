@@ -28,7 +28,7 @@ from randattn.estimators import scatterbrain as scatterbrain_pkg
 from randattn.estimators.base import Draws
 from randattn.estimators.eva import reference as eva_ref
 from randattn.estimators.features.reference import positive_log_features
-from randattn.estimators.montecarlo import (
+from randattn.analysis.theory.montecarlo import (
     control_variate,
     eva_per_key_terms,
     optimal_cv_coefficient,

@@ -32,7 +32,7 @@ from randattn.estimators.features.reference import (
     oprf_optimal_a,
     positive_log_features,
 )
-from randattn.estimators.montecarlo import snis, snis_delta_method_variance
+from randattn.analysis.theory.montecarlo import snis, snis_delta_method_variance
 from randattn.estimators.sampling import draw_omegas
 
 
