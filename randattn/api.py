@@ -179,6 +179,9 @@ def estimate(
             raise TypeError(f"dtype must be a floating torch dtype, got {dtype!r}")
         device = check_device(device)
         to = lambda a: torch.as_tensor(np.asarray(a) if not isinstance(a, torch.Tensor) else a).to(device=device, dtype=dtype)  # noqa: E731
-        out = spec.batched(to(q), to(k), to(v), draws.to_torch(device=device, dtype=dtype), scale=scale, **resolved,
-                           **masked)
+        from randattn._precision import full_precision_matmul
+
+        with full_precision_matmul():  # no TF32 / bfloat16 products; the caller's settings come back after
+            out = spec.batched(to(q), to(k), to(v), draws.to_torch(device=device, dtype=dtype), scale=scale,
+                               **resolved, **masked)
     return out[0] if replicates is None else out

@@ -360,7 +360,9 @@ class UnitRunner:
                     if self.config.diagnostics and est.random:
                         self._diagnostics_block(est, q, k, v, draws, first_block=False, mask=kind)
 
-                with warnings.catch_warnings():
+                from randattn._precision import full_precision_matmul
+
+                with warnings.catch_warnings(), full_precision_matmul():  # the code path and precision of the run
                     warnings.simplefilter("ignore")  # calibration only: the real run reports warnings
                     return measure_peak(one, torch_tensors=self.torch is not None) + _draw_bytes(draws)
 
@@ -593,20 +595,27 @@ class UnitRunner:
     def run(self, unit: Unit) -> list[dict[str, Any]]:
         """The rows of ``unit`` (one per head and reported S), in head order.
 
-        torch computes with ``config.threads`` intra-op threads (restored afterwards), so that the
-        rows are the same in every process that runs the unit.
+        torch computes with ``config.threads`` intra-op threads and float32 matrix products in IEEE float32
+        (:func:`randattn._precision.full_precision_matmul`; both restored afterwards), so that the rows are
+        the same in every process that runs the unit and no TF32 rounding enters them.
         """
         return self.run_timed(unit).rows
 
     def run_timed(self, unit: Unit) -> UnitResult:
         """:class:`UnitResult`: ``run(unit)``, the wall seconds of each of the unit's :data:`PHASES`, and its
         per-position rows (None when the unit's layer gets none)."""
-        if self.torch is None or self.config.threads is None:
+        if self.torch is None:
             return self._run(unit)
+        from randattn._precision import full_precision_matmul
+
+        if self.config.threads is None:
+            with full_precision_matmul():
+                return self._run(unit)
         before = self.torch.get_num_threads()
         self.torch.set_num_threads(self.config.threads)
         try:
-            return self._run(unit)
+            with full_precision_matmul():
+                return self._run(unit)
         finally:
             self.torch.set_num_threads(before)
 
