@@ -67,20 +67,38 @@ def _flops(name: str, n: int, s: int, d: int, probabilities: bool) -> float:
     return float(est + (prob if probabilities else 0))
 
 
-def _gemm_seconds(flops: float, dtype: str, repeats: int = 5) -> float:
+def _gemm_seconds(flops: float, dtype: str, repeats: int = 5, device: str = "cpu") -> float:
     import torch
 
     dt = getattr(torch, dtype)
     n = k = 256
     cols = max(1, round(flops / (2 * n * k)))
-    a, b = torch.randn(n, k, dtype=dt), torch.randn(k, cols, dtype=dt)
+    a, b = torch.randn(n, k, dtype=dt, device=device), torch.randn(k, cols, dtype=dt, device=device)
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     a @ b
+    sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         a @ b
+        sync()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def _exact_flops(tokens: int, heads: int = 6, d: int = 64) -> float:
+    """FLOPs of the exact attention of one image-layer (q k^T and P v for every head), computed once per image-layer."""
+    return float(heads * 2 * 2 * tokens * tokens * d)
+
+
+#: the launcher of a ``randattn`` process; on a GPU it also writes the process's peak GPU memory to $RANDATTN_PEAK
+_LAUNCH = ("import atexit, os\n"
+           "def _peak():\n"
+           "    import torch\n"
+           "    if os.environ.get('RANDATTN_PEAK') and torch.cuda.is_available():\n"
+           "        open(os.environ['RANDATTN_PEAK'], 'w').write(str(torch.cuda.max_memory_allocated()))\n"
+           "atexit.register(_peak)\n"
+           "from randattn.cli import main; main()")
 
 
 def _per_cell_ms(record: dict | None, exact_share_s: float) -> dict[str, float]:
@@ -127,6 +145,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="196,336,392")
     parser.add_argument("--replicates", type=int, default=32)
     parser.add_argument("--workdir", default="bench-w1")
+    parser.add_argument("--device", default="cpu", help="torch device of the sweeps and the GEMM floor (cpu, cuda)")
     args = parser.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -137,7 +156,8 @@ def main() -> None:
     work = Path(args.workdir)
     work.mkdir(exist_ok=True)
     layers = parse_int_list("--layers", args.layers)
-    randattn = [sys.executable, "-c", "from randattn.cli import main; main()"]
+    randattn = [sys.executable, "-c", _LAUNCH]
+    device = [] if args.device == "cpu" else ["--device", args.device]
     captured = {}
     for size in args.sizes.split(","):
         path = work / f"acts{size}.safetensors"
@@ -151,8 +171,11 @@ def main() -> None:
         for group, (estimators, samples) in GROUPS.items():
             out = work / f"w1-{size}-{group}.parquet"
             cmd = [*randattn, "mse", str(path), *estimators, "--samples", samples, "--replicates",
-                   str(args.replicates), "--layers", args.layers, "--out", str(out), "--overwrite"]
+                   str(args.replicates), "--layers", args.layers, "--out", str(out), "--overwrite", *device]
+            peak_file = work / f"w1-{size}-{group}.gpu-peak"
+            os.environ["RANDATTN_PEAK"] = str(peak_file)
             wall, peak, cpu = _run(cmd)
+            gpu_peak = float(peak_file.read_text()) / 2**30 if peak_file.exists() else None
             import pandas as pd
 
             part = pd.read_parquet(out)
@@ -161,9 +184,10 @@ def main() -> None:
             phases.update({(p["label"], p["num_samples"] or 1, p["tokens"]): p for p in timing.get("phases", [])})
             total_wall += wall
             extrapolated += (wall - unit_s) + unit_s * 12 / len(layers)
-            runs.append((size, group, wall, peak, unit_s, cpu))
+            runs.append((size, group, wall, peak, unit_s, cpu, gpu_peak))
+            gpu = "" if gpu_peak is None else f", peak GPU memory {gpu_peak:.2f} GiB"
             console.print(f"{size}px {group}: {wall:.1f} s ({unit_s:.1f} s in units, {cpu:.0f} CPU s), "
-                          f"peak RSS {peak:.2f} GiB", highlight=False)
+                          f"peak RSS {peak:.2f} GiB{gpu}", highlight=False)
             tables.append(part)
     import pandas as pd
 
@@ -177,11 +201,18 @@ def main() -> None:
         ratio.add_column(col, justify="left" if col == "estimator" else "right")
     probabilities = True
     summary = []
+    # the floor: each cell's GEMM (estimate and probability pass, the FLOPs of _flops) for all 12 layers, and the
+    # exact attention once per image-layer (float64, as the engine computes it)
+    floor = 0.0
+    for tokens, frame in table.groupby("tokens"):
+        image_layers = frame["image"].nunique() * 12
+        floor += image_layers * _gemm_seconds(_exact_flops(int(tokens)), "float64", device=args.device)
     for (label, s, tokens, dtype), frame in table.groupby(["label", "num_samples", "tokens", "dtype"], sort=False):
         name = frame["estimator"].iloc[0]
         reps = int(frame["replicates"].iloc[0])
         flops = reps * _flops(name, int(tokens), int(s), 64, probabilities)
-        gemm = _gemm_seconds(flops, dtype)
+        gemm = _gemm_seconds(flops, dtype, device=args.device)
+        floor += gemm * len(frame) * 12 / len(layers)
         split = _per_cell_ms(phases.get((label, int(s), int(tokens))), _exact_share_s(phases, int(tokens)))
         cell = sum(split.values()) / 1e3
         estimate_ratio = split["estimate"] / 1e3 / gemm
@@ -192,9 +223,16 @@ def main() -> None:
                       f"{cell / gemm:.1f}x", f"{estimate_ratio:.1f}x",
                       *(f"{split[k]:.1f}" for k in ("draws", "estimate", "diagnostics", "metrics", "rest")))
     console.print(ratio)
+    gpu_peaks = [r[6] for r in runs if r[6] is not None]
+    console.print(f"W1 vs its floor: {extrapolated:.0f} s against {floor:.0f} s of matrix products "
+                  f"(the cells' GEMMs and the exact attention per image-layer) = {extrapolated / floor:.2f}x "
+                  f"(goal <= 1.5x)" + (f"; peak GPU memory {max(gpu_peaks):.2f} GiB" if gpu_peaks else ""),
+                  highlight=False)
     (work / "bench_sweep.json").write_text(json.dumps({"runs": runs, "wall_s": total_wall, "layers": list(layers),
-                                                       "extrapolated_s": extrapolated, "cells": summary},
-                                                      indent=1))
+                                                       "extrapolated_s": extrapolated, "floor_s": floor,
+                                                       "ratio": extrapolated / floor, "device": args.device,
+                                                       "peak_gpu_gib": max(gpu_peaks) if gpu_peaks else None,
+                                                       "cells": summary}, indent=1))
 
 
 if __name__ == "__main__":

@@ -76,6 +76,32 @@ def test_causal_batched_runs_on_an_accelerator_without_host_syncs(name):
     run_on_fake_device(randattn.get_spec(name), {}, mask="causal")
 
 
+@pytest.mark.parametrize("mask", [None, "causal"], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("name", randattn.list_estimators())
+def test_probability_forms_run_on_an_accelerator_without_host_syncs(name, mask):
+    """The forms the engine calls with probabilities on (``batched_with_probabilities``,
+    ``batched_probabilities``) under both masks an estimator supports."""
+    spec = randattn.get_spec(name)
+    if mask is not None and not spec.supports_mask(mask):
+        pytest.skip(f"{name} does not support mask={mask}")
+    kwargs = {"mask": mask} if mask is not None else {}
+    q_shape, k_shape, _ = SHAPES
+    draws = spec.draw(q_shape, k_shape, num_samples=6 if spec.needs_samples else None, replicates=2,
+                      rng=np.random.default_rng(0), **spec.resolve_params({}), **kwargs)
+    forms = [f for f in (spec.batched_with_probabilities, spec.batched_probabilities) if f is not None]
+    if not forms:
+        pytest.skip(f"{name} has no probability form (the engine uses batched with identity values)")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v = (torch.empty(s, dtype=torch.float32, device=DEVICE) for s in SHAPES)
+        fake = Draws({key: torch.empty(np.shape(a), dtype=torch.float32, device=DEVICE)
+                      for key, a in draws.arrays.items()}, draws.replicates)
+        for form in forms:
+            args = (q, k, v, fake) if form is spec.batched_with_probabilities else (q, k, fake)
+            result = form(*args, scale=None, **spec.resolve_params({}), **kwargs)
+            for t in result if isinstance(result, tuple) else (result,):
+                assert t.device.type == DEVICE
+
+
 def test_a_planted_item_call_fails():
     rfa = randattn.get_spec("rfa")
 
