@@ -1,0 +1,98 @@
+"""A fixed sweep's tables, stored (``tests/data/golden-sweep.*``), against the engine of today: refactors of the
+engine (plan, execute, executors, store) must leave them unchanged.
+
+Bit for bit where the tables were made (the fingerprint in ``golden-sweep.json``: CPU model, torch, numpy and
+Python versions; "the same seed gives the same numbers, bit for bit, on the same machine"); elsewhere, where
+another BLAS may group float64 sums differently, to 1e-10 relative (float64 summation order alone moves a value
+by ~1e-15 relative per operation; ARCHITECTURE sec. 3). A draw change that moves the numbers on purpose
+regenerates the file (``python tests/analysis/test_golden_table.py --regenerate``) and says so in CHANGELOG.md.
+
+The sweep: every built-in estimator at S = 4, 8 (RA, LARA and EVA with their defaults; RFA iid and orthogonal),
+R = 3, float64, probabilities and diagnostics on, one bidirectional layer and one causal layer (per-position
+rows), 2 images x 2 heads x 12 tokens, seed 17.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+TABLE, POSITIONS, FINGERPRINT = (DATA / f"golden-sweep.{ext}" for ext in ("table.parquet", "positions.parquet",
+                                                                          "json"))
+BIDIRECTIONAL = "softmax;rfa;rfa:coupling=orthogonal;ra;lara;eva;local;scatterbrain"
+CAUSAL = "softmax;rfa;rfa:coupling=orthogonal;ra;eva;local"
+#: columns that measure the run, not the attention: wall-clock seconds
+VOLATILE = ("seconds",)
+
+
+def _fingerprint() -> dict:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__}
+
+
+def _sweep() -> tuple[pd.DataFrame, pd.DataFrame]:
+    from randattn.activations import make_activations
+    from randattn.analysis.plan import SweepConfig, parse_estimator_list
+    from randattn.analysis.sweep import run_sweep_tables
+
+    rng = np.random.default_rng(2026)
+    arrays = {layer: tuple(rng.normal(size=(2, 2, 12, 8)) for _ in range(3)) for layer in (0, 1)}
+    acts = make_activations(arrays, {"scale": 0.3, "model": "golden", "images": ["a", "b"]})
+    tables = []
+    for layer, mask, names in ((0, None, BIDIRECTIONAL), (1, "causal", CAUSAL)):
+        config = SweepConfig(estimators=parse_estimator_list(names), num_samples=(4, 8), replicates=3, seed=17,
+                             dtype="float64", layers=(layer,), mask=mask, threads=1)
+        tables.append(run_sweep_tables(acts, config))
+    table = pd.concat([t.table for t in tables], ignore_index=True)
+    positions = pd.concat([t.positions for t in tables if t.positions is not None], ignore_index=True)
+    return table, positions
+
+
+def test_a_fixed_sweep_gives_the_stored_tables():
+    table, positions = _sweep()
+    stored = json.loads(FINGERPRINT.read_text())
+    same_machine = stored == _fingerprint()
+    for got, path in ((table, TABLE), (positions, POSITIONS)):
+        expected = pd.read_parquet(path).drop(columns=list(VOLATILE), errors="ignore")
+        got = got.drop(columns=list(VOLATILE), errors="ignore")
+        assert list(got.columns) == list(expected.columns), path.name
+        if same_machine:
+            pd.testing.assert_frame_equal(got.reset_index(drop=True), expected, check_exact=True, obj=path.name)
+        else:
+            pd.testing.assert_frame_equal(got.reset_index(drop=True), expected, check_exact=False, rtol=1e-10,
+                                          atol=0, obj=path.name)
+
+
+def test_the_comparison_can_fail():
+    """Negative control: one estimator's draws with another seed change the table beyond the tolerance."""
+    table = pd.read_parquet(TABLE)
+    moved = table.copy()
+    moved.loc[moved["estimator"] == "rfa", "mse"] *= 1 + 1e-9
+    try:
+        pd.testing.assert_frame_equal(moved, table, check_exact=False, rtol=1e-10, atol=0)
+    except AssertionError:
+        return
+    raise AssertionError("a change of 1e-9 relative in the rfa rows went unnoticed")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--regenerate"]:
+    DATA.mkdir(exist_ok=True)
+    table, positions = _sweep()
+    table.to_parquet(TABLE, index=False)
+    positions.to_parquet(POSITIONS, index=False)
+    FINGERPRINT.write_text(json.dumps(_fingerprint(), indent=1) + "\n")
+    print(f"wrote {TABLE}, {POSITIONS} ({len(table)} and {len(positions)} rows) and {FINGERPRINT}")
