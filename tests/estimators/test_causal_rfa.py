@@ -403,6 +403,23 @@ def test_dense_causal_probabilities_equal_the_loop_in_many_groups(feature_map, n
         assert_close(got, expected, atol=1e-10, rtol=1e-10, what=f"group of {elements} elements:")
 
 
+@pytest.mark.parametrize("n, m", [(16, 16), (13, 13), (8, 11)], ids=["in-place", "padded", "prompt"])
+def test_dense_causal_weights_write_every_entry(n, m):
+    """The weights overwrite a NaN-filled output everywhere: the hidden keys (above the diagonal) get exact 0s,
+    whether the triangle is written in place (N a power of two) or through a padded scratch."""
+    from randattn.estimators.snis.prefix import causal_feature_weights
+
+    rng = np.random.default_rng(47)
+    lq, lk = (torch.as_tensor(rng.standard_normal((3, t, 5))) for t in (n, m))
+    out = torch.full((3, n, m), float("nan"), dtype=torch.float64)
+    weights = causal_feature_weights(lq, None, lk, None, out=out)
+    from randattn.estimators.masks import causal_visible
+
+    visible = torch.as_tensor(causal_visible(n, m))
+    assert weights.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+    assert (out[:, ~visible] == 0).all() and (out[:, visible] > 0).all()
+
+
 @pytest.mark.parametrize("feature_map", CAUSAL_MAPS)
 def test_dense_causal_probabilities_ignore_junk_after_the_query(feature_map):
     """Keys a query may not see replaced by junk (norms x 50): its row of the dense probabilities keeps every

@@ -328,6 +328,8 @@ def causal_feature_weights(
     sq: torch.Tensor | None,
     lk: torch.Tensor,
     sk: torch.Tensor | None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""The causal attention weights the features imply, ``(P, N, M)``, each row relative to its largest term.
 
@@ -356,6 +358,8 @@ def causal_feature_weights(
     lk : (P, M, J)
         Base-2 key log-features, M >= N (the queries are the last N of the M tokens).
     sk : (P, M, J) or None
+    out : (P, N, M), optional
+        Where to write W (contiguous, the dtype of ``lq``); every entry is written, none is read.
 
     Returns
     -------
@@ -366,7 +370,7 @@ def causal_feature_weights(
     num_keys = lk.shape[1]
     if num_keys < num_queries:
         raise ValueError(f"a causal mask needs at least as many keys as queries, got N={num_queries}, M={num_keys}")
-    weights = lq.new_empty((flat, num_queries, num_keys))
+    weights = lq.new_empty((flat, num_queries, num_keys)) if out is None else out
     size = 1 << max(num_queries - 1, 0).bit_length()  # the triangle padded to a power of two for the dyadic split
     # replicates x heads a group: its log-features and weights about the last-level cache (measured on 2 cores)
     per_slice = 4 * size * feats + size * (num_keys - num_queries + size)
@@ -406,7 +410,8 @@ def _causal_weights_group(lq, sq, lk, sk, size: int, out: torch.Tensor) -> None:
     sq_sq = None if sq is None else padded(sq, 1.0)
     sk_sq = None if sk is None else padded(sk[:, offset:], 1.0)
 
-    weights = out.zero_() if not pad else lq.new_zeros((flat, size, offset + size))
+    # unpadded, the weights are written in place: every entry below is set, the upper triangle by its dyadic blocks
+    weights = out if not pad else lq.new_zeros((flat, size, offset + size))
     square = weights[:, :, offset:]
     if offset:
         prefix = _exp2_(lk[:, :offset] - finite(prefix_max))
@@ -434,6 +439,8 @@ def _causal_weights_group(lq, sq, lk, sk, size: int, out: torch.Tensor) -> None:
         # the (query half, key half) block of each aligned 2h block, as a strided view of the weights
         blocks = torch.diagonal(square.view(flat, size // (2 * h), 2 * h, size // (2 * h), 2 * h), dim1=1, dim2=3)
         blocks[:, h:, :h, :used].copy_((a @ b.transpose(-1, -2)).permute(0, 2, 3, 1))
+        if not pad:  # the mirrored block: keys after the queries, 0 (the strict upper triangle, once per entry)
+            blocks[:, :h, h:].zero_()
         h *= 2
     if pad:
         out.copy_(weights[:, :num_queries, : offset + num_queries])
