@@ -564,6 +564,8 @@ def save_activations(acts: Activations, path: str | os.PathLike, *, dtype: str |
     ------
     ValueError
         Unknown suffix or dtype, or values that overflow float16.
+    OSError
+        The write failed (e.g. ``ENOSPC``, a full disk); its ``filename`` is ``path``, which is left as it was.
     """
     path, fmt, target = _save_iv(acts, path, dtype)
     flat: dict[str, np.ndarray] = {}
@@ -580,20 +582,42 @@ def save_activations(acts: Activations, path: str | os.PathLike, *, dtype: str |
     meta["dtype"] = str(next(iter(flat.values())).dtype)
     text = json.dumps(meta, sort_keys=True)
 
-    with atomic_path(path) as tmp:
-        tmp_name = str(tmp)
-        if fmt == "safetensors":
-            from safetensors.numpy import save_file
+    try:
+        with atomic_path(path) as tmp:
+            tmp_name = str(tmp)
+            if fmt == "safetensors":
+                from safetensors.numpy import save_file
 
-            save_file(flat, tmp_name, metadata={SAFETENSORS_METADATA_KEY: text})
-        elif fmt == "npz":
-            with open(tmp_name, "wb") as fh:
-                np.savez(fh, **flat, **{METADATA_KEY: np.array(text)})
-        else:
-            import torch
+                save_file(flat, tmp_name, metadata={SAFETENSORS_METADATA_KEY: text})
+            elif fmt == "npz":
+                with open(tmp_name, "wb") as fh:
+                    np.savez(fh, **flat, **{METADATA_KEY: np.array(text)})
+            else:
+                import io
 
-            torch.save({**{k: torch.from_numpy(v.copy()) for k, v in flat.items()}, METADATA_KEY: text}, tmp_name)
+                import torch
+
+                # serialised in memory first: torch's writer turns a failed write (a full disk) into a
+                # RuntimeError that no longer says why; Python's own write keeps the OSError
+                buffer = io.BytesIO()
+                torch.save({**{k: torch.from_numpy(v.copy()) for k, v in flat.items()}, METADATA_KEY: text}, buffer)
+                with open(tmp_name, "wb") as fh:
+                    fh.write(buffer.getbuffer())
+    except OSError as exc:
+        # the error names the temporary file (or nothing); the caller wrote ``path``, which is left as it was
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    except Exception as exc:
+        code = _os_error_code(exc)
+        if code is None:
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from exc
     return path
+
+
+def _os_error_code(exc: BaseException) -> int | None:
+    """The errno of a failed write that a Rust writer (safetensors' ``SafetensorError``) reports in its text only."""
+    match = re.search(r"os error (\d+)", str(exc))
+    return int(match.group(1)) if match else None
 
 
 def _save_iv(acts: Any, path: Any, dtype: Any) -> tuple[Path, str, Any]:

@@ -3,7 +3,9 @@
 Each command lives in its own module (``randattn/cli/<command>.py``) and exposes a
 click command named ``command``; heavy imports happen inside the command body so
 that ``randattn --help`` stays fast. Only this package prints (through rich).
-Exit codes: 0 ok, 1 a check failed or an unexpected error, 2 bad usage or input, 130 interrupted (Ctrl-C).
+Exit codes: 0 ok; 1 a check failed or an unexpected error; 2 bad usage or input, or no space left to write
+an output (the message names the file and the cause); 130 interrupted by Ctrl-C (SIGINT), 143 stopped by
+SIGTERM. A command that keeps partial work (mse) says where it is and how to continue.
 """
 
 from __future__ import annotations
@@ -33,15 +35,24 @@ class _LazyGroup(click.Group):
         return [name for name in COMMANDS if self._load(name) is not None]
 
     def invoke(self, ctx: click.Context):
-        # click turns Ctrl-C into "Aborted!" and exit 1; the shell's convention is 130 (128 + SIGINT).
-        # Commands that keep partial work (mse) catch it themselves and say what was kept.
-        try:
-            return super().invoke(ctx)
-        except KeyboardInterrupt:
-            from randattn.cli._common import err_console
+        # click turns Ctrl-C into "Aborted!" and exit 1; the shell's convention is 128 + the signal: 130 for
+        # SIGINT, 143 for SIGTERM, which raises like Ctrl-C (_common.Terminated). Commands that keep partial
+        # work (mse) catch it themselves and say what was kept. A write that finds no space (a full disk, a
+        # quota, a file-size limit) is an error of the environment, not a bug: exit 2 naming the file.
+        from randattn.cli._common import UserError, err_console, interrupt_exit_code, no_space_message, sigterm_raises
 
-            err_console.print("[bold red]interrupted[/]", highlight=False)
-            raise SystemExit(130) from None
+        with sigterm_raises():
+            try:
+                return super().invoke(ctx)
+            except KeyboardInterrupt as exc:
+                err_console.print("[bold red]interrupted[/]", highlight=False)
+                raise SystemExit(interrupt_exit_code(exc)) from None
+            except OSError as exc:
+                message = no_space_message(exc)
+                if message is None:
+                    raise
+                UserError(message).show()
+                raise SystemExit(2) from None
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         return self._load(name)

@@ -1,9 +1,14 @@
-"""Helpers shared by the CLI commands: one exit path for user errors, consoles."""
+"""Helpers shared by the CLI commands: one exit path for user errors, consoles, signals, a full disk."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import re
+import signal
 import sys
-from typing import NoReturn
+import threading
+from typing import Iterator, NoReturn
 
 import click
 from rich.console import Console
@@ -67,3 +72,73 @@ def writable_output(path, what: str = "--out", *, directory: bool = False):
     if not directory and path.exists() and not os.access(path, os.W_OK):
         abort(f"{what} {str(path)!r} exists and is not writable")
     return path
+
+
+# ------------------------------------------------------------------------------------------------ SIGTERM
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a batch scheduler's stop), raised like Ctrl-C's :class:`KeyboardInterrupt`.
+
+    A subclass, so that every ``except KeyboardInterrupt`` that cleans up or says what was kept does
+    the same for it; the exit code is 128 + 15 = 143 where Ctrl-C's is 130 (:func:`interrupt_exit_code`).
+    """
+
+    signum = signal.SIGTERM
+
+
+def interrupt_exit_code(exc: BaseException) -> int:
+    """128 + the signal that interrupted: 130 for Ctrl-C (SIGINT), 143 for :class:`Terminated` (SIGTERM)."""
+    return 128 + int(getattr(exc, "signum", signal.SIGINT))
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """For the block, SIGTERM raises :class:`Terminated` in the main thread (elsewhere: nothing changes).
+
+    A second SIGTERM, while the first one's cleanup runs, ends the process at once (the default action).
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        yield  # a signal handler can only be set in the main thread; an ignored SIGTERM stays ignored, as SIGINT does
+        return
+
+    def terminate(signum, frame) -> NoReturn:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+# ------------------------------------------------------------------------------------------------ a full disk
+#: errno -> the cause a message names: a full disk, a quota and a file-size limit are the same failure to the user
+NO_SPACE_ERRNOS: dict[int, str] = {errno.ENOSPC: "no space left on device", errno.EFBIG: "file too large",
+                                   **({errno.EDQUOT: "disk quota exceeded"} if hasattr(errno, "EDQUOT") else {})}
+#: a writer in Rust or C++ (safetensors, pyarrow) may carry the OS error in its text only
+_ERRNO_TEXT = re.compile(r"(?:os error|errno) (\d+)", re.IGNORECASE)
+#: the temporary file of :func:`randattn._files.atomic_path`: ``.<name>.<random>.tmp`` beside ``<name>``
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[^.]+\.tmp$")
+
+
+def no_space_message(exc: BaseException) -> str | None:
+    """``"no space left writing '<file>' (<cause>)"`` when ``exc`` is a write that failed for want of space
+    (ENOSPC, EDQUOT, EFBIG), else None. The file is the one the write was for (an atomic write's target, not
+    its temporary name), or "a file" when the error names none."""
+    code = getattr(exc, "errno", None)
+    if code not in NO_SPACE_ERRNOS:
+        match = _ERRNO_TEXT.search(str(exc))
+        code = int(match.group(1)) if match else None
+    if code not in NO_SPACE_ERRNOS:
+        return None
+    filename = getattr(exc, "filename", None)
+    if filename:
+        from pathlib import Path
+
+        path = Path(str(filename))
+        temporary = _TEMPORARY.match(path.name)
+        where = repr(str(path.with_name(temporary.group("name")) if temporary else path))
+    else:
+        where = "a file"
+    return f"no space left writing {where} ({NO_SPACE_ERRNOS[code]})"

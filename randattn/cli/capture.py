@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from randattn.cli._common import abort as _abort_markup
@@ -12,6 +14,11 @@ _VIT_EXTRA = 'this needs the "vit" extra: pip install "randattn[vit]"'
 _VIT_MODELS = ("dinov2-s14",)
 _LM_MODELS = ("smollm2-135m",)
 _LM_OPTIONS = ("--text", "--token-ids", "--max-tokens", "--add-bos/--no-add-bos")
+#: most tokens per image a ViT capture takes: each attention layer holds heads x N^2 float32 scores at once
+#: (1.6 GB for dinov2-s14 at the limit, --size 1260); far beyond it the capture exhausts memory and crashes
+MAX_VIT_TOKENS = 8192
+#: the largest patch of a usual ViT: the fewest tokens a side can give before the model is loaded
+_LARGEST_PATCH = 32
 
 
 def abort(message: str):
@@ -37,7 +44,10 @@ def abort(message: str):
               help="ViTs: 'skimage:NAME,NAME', a folder of PNG/JPEG files, or one image file.")
 @click.option("--size", type=int, default=None,
               help="ViTs: input side in pixels, a multiple of 14 for dinov2-s14: 196, 336, 392 -> 197, 577, 785 "
-                   "tokens (default 196; for --timm and --hf the model's own size).")
+                   "tokens (default 196; for --timm and --hf the model's own size). At most "
+                   f"{MAX_VIT_TOKENS:,} tokens per image ((size / patch)² + prefix tokens; --size "
+                   f"{14 * math.isqrt(MAX_VIT_TOKENS - 1)} for dinov2-s14): every attention layer holds "
+                   "heads x tokens² scores.")
 @click.option("--text", "text_specs", multiple=True, metavar="FILE",
               help="Decoder LMs: a UTF-8 text file, one sequence; repeat for several. 'pydoc:TOPIC,TOPIC' takes "
                    "topics of Python's bundled documentation (pydoc_data.topics). Default: "
@@ -56,10 +66,12 @@ def abort(message: str):
                    "Python (-1 is the last layer).")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True,
-              help="Output file: .safetensors (recommended), .npz or .pt.")
+              help="Output file: .safetensors (recommended), .npz or .pt; an existing one is replaced only with "
+                   "--force.")
+@click.option("--force", is_flag=True, help="Replace an existing --out file.")
 @click.pass_context
 def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, token_ids_path, max_tokens,
-            add_bos, layers, dtype, out_path):
+            add_bos, layers, dtype, out_path, force):
     """Capture q, k, v of a model's attention layers and write them to an activation file.
 
     ViTs run on images; decoder language models run on text, and their queries and keys are captured after the
@@ -68,9 +80,11 @@ def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, 
     from pathlib import Path
 
     from randattn.activations.io import FORMATS
+    from randattn.cli._outputs import refuse_to_replace_file, taken_back_on_failure
 
     if Path(out_path).suffix.lower() not in FORMATS:
         abort(f"--out must end in one of {', '.join(sorted(FORMATS))}, got {out_path!r}")
+    refuse_to_replace_file(Path(out_path), force)  # before loading a model: a capture takes seconds to minutes
     if timm_name is not None and hf_name is not None:
         abort("use either --timm NAME or --hf PATH_OR_NAME, not both")
     if timm_name is None and checkpoint is not None:
@@ -80,6 +94,13 @@ def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, 
     if size is not None and size <= 0:
         abort(f"--size must be positive, got {size}")
 
+    with taken_back_on_failure(Path(out_path).parent):  # the folders writable_output makes for --out
+        _capture(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, token_ids_path,
+                 max_tokens, add_bos, layers, dtype, out_path)
+
+
+def _capture(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, token_ids_path,
+             max_tokens, add_bos, layers, dtype, out_path) -> None:
     lm = _is_lm(model_name, timm_name, hf_name)
     given = {name for name in ("images_spec", "size", "text_specs", "token_ids_path", "max_tokens", "add_bos")
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
@@ -94,8 +115,47 @@ def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, 
     else:
         if timm_name is None and hf_name is None and size is not None and size % 14:
             abort(f"--size must be a multiple of 14 for dinov2-s14 (e.g. 196, 336, 392), got {size}")
+        if size is not None:  # before loading images or the model: too many tokens exhaust memory mid-capture
+            if timm_name is None and hf_name is None:
+                check_vit_tokens(size, patch=14, prefix_tokens=1, model="dinov2-s14")
+            else:
+                check_vit_tokens(size, patch=_LARGEST_PATCH, prefix_tokens=0, model=timm_name or hf_name, fewest=True)
         acts = _capture_vit(timm_name, checkpoint, hf_name, images_spec, size, layers, out_path)
     _write(acts, out_path, dtype, lm)
+
+
+def check_vit_tokens(size: int, *, patch: int, prefix_tokens: int, model: str, fewest: bool = False) -> None:
+    """Exit 2 when a ``size`` x ``size`` input gives a ViT with ``patch``-pixel patches more than
+    :data:`MAX_VIT_TOKENS` tokens per image (``fewest``: ``patch`` is the largest a model may have)."""
+    tokens = (size // patch) ** 2 + prefix_tokens
+    if tokens <= MAX_VIT_TOKENS:
+        return
+    largest = patch * math.isqrt(max(MAX_VIT_TOKENS - prefix_tokens, 0))
+    implies = (f"at least {tokens:,} tokens per image (patches of at most {patch} px)" if fewest else
+               f"{tokens:,} tokens per image for {model} (({size} / {patch})² + {prefix_tokens})")
+    abort(f"--size {size} gives {implies}, more than the {MAX_VIT_TOKENS:,} tokens a capture allows"
+          + ("" if fewest else f" (--size {largest} at most)")
+          + f": every attention layer holds heads x tokens² scores, {_bytes(4 * tokens**2)} per head here")
+
+
+def _check_loaded_vit_tokens(model, size: int | None, name: str) -> None:
+    """:func:`check_vit_tokens` with the patch size and prefix tokens of a loaded timm or transformers ViT."""
+    if size is None:
+        return
+    config = getattr(model, "config", None)
+    config = getattr(config, "vision_config", None) or config
+    patch = getattr(config, "patch_size", None) or getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    if isinstance(patch, int) and patch > 0:
+        check_vit_tokens(size, patch=patch, prefix_tokens=int(getattr(model, "num_prefix_tokens", 0) or 0),
+                         model=name)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:,} bytes"
 
 
 def _is_lm(model_name: str, timm_name: str | None, hf_name: str | None) -> bool:
@@ -143,6 +203,7 @@ def _capture_vit(timm_name, checkpoint, hf_name, images_spec, size, layers, out_
                 from randattn.activations.hf import capture_hf, hf_preprocessing, load_hf_model
 
                 model = load_hf_model(hf_name)
+                _check_loaded_vit_tokens(model, size, hf_name)
                 progress.update(task, description="capturing")
                 return capture_hf(model, images, size, layers, name=hf_name,
                                   preprocessing=hf_preprocessing(hf_name, model.config), progress=advance)
@@ -156,6 +217,7 @@ def _capture_vit(timm_name, checkpoint, hf_name, images_spec, size, layers, out_
             from randattn.activations.torch_vit import capture_timm, load_timm_model
 
             model = load_timm_model(timm_name, checkpoint, img_size=size)
+            _check_loaded_vit_tokens(model, size, timm_name)
             progress.update(task, description="capturing")
             return capture_timm(model, images, size, layers, name=timm_name, checkpoint=checkpoint,
                                 progress=advance)
@@ -236,9 +298,13 @@ def _capture_lm(model_name, hf_name, text_specs, token_ids_path, max_tokens, add
 def _write(acts, out_path, dtype, lm: bool) -> None:
     from randattn.activations.io import save_activations
 
+    from randattn.cli._common import no_space_message
+
     try:
-        written = save_activations(acts, out_path, dtype=dtype)
-    except (ValueError, OSError) as exc:
+        written = save_activations(acts, out_path, dtype=dtype)  # atomic: a failed write leaves --out as it was
+    except OSError as exc:
+        abort(no_space_message(exc) or f"cannot write {out_path!r}: {exc.strerror or exc}")
+    except ValueError as exc:
         abort(f"writing {out_path!r}: {exc}")
     b, h, n, d = acts.shape
     size_mb = written.stat().st_size / 2**20

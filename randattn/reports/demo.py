@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 
-__all__ = ["DemoConfig", "DemoResult", "DemoStep", "QUICK", "run_demo"]
+__all__ = ["DemoConfig", "DemoResult", "DemoStep", "QUICK", "demo_outputs", "run_demo"]
 
 #: estimators of the default demo over S (LARA Fig. 1's methods plus EVA; softmax is the exact reference row;
 #: RA runs at S = 1, see DemoConfig.single_sample). LARA appears twice: its default decoupled weights (eq. 38)
@@ -166,7 +166,8 @@ def run_demo(
     ----------
     config : DemoConfig
     out_dir : str or path-like
-        Created if needed; existing files of the same names are replaced.
+        Created if needed; existing files of the same names (:func:`demo_outputs`) are replaced (``randattn demo``
+        refuses that without ``--force``).
     command : str, optional
         The command line, recorded in the metadata and the report.
     capture : callable(images, size, layers, model) -> Activations, optional
@@ -187,6 +188,7 @@ def run_demo(
     DemoResult
     """
     from randattn.analysis.sweep import SweepConfig, aggregate, parse_estimator_list, write_table
+    from randattn.reports._writing import named_write_errors
     from randattn.reports.figures import mse_vs_samples_figure, save_figure
     from randattn.reports.html import write_report
 
@@ -248,7 +250,8 @@ def run_demo(
         "activations": [_activation_summary(acts) for acts in activations],
         "warnings": warnings_seen,
     }
-    table_path, metadata_path = write_table(table, out / table_name, metadata)
+    with named_write_errors(out / table_name):
+        table_path, metadata_path = write_table(table, out / table_name, metadata)
     files = {"table": table_path, "metadata": metadata_path}
     figure = mse_vs_samples_figure(table, metadata=metadata)
     for path in save_figure(figure, out / "mse-vs-samples", formats):
@@ -261,6 +264,12 @@ def run_demo(
     seconds["total"] = time.perf_counter() - start
     report(DemoStep("report", 1, 1))
     return DemoResult(table=table, summary=aggregate(table, seed=config.seed), files=files, seconds=seconds)
+
+
+def demo_outputs(table_name: str = "results.csv", formats: Sequence[str] = ("png", "svg")) -> tuple[str, ...]:
+    """The names of the files :func:`run_demo` writes into its folder (with the same ``table_name`` and
+    ``formats``)."""
+    return (table_name, f"{table_name}.meta.json", *(f"mse-vs-samples.{fmt}" for fmt in formats), "report.html")
 
 
 def _merge_warnings(lists) -> list[dict[str, Any]]:

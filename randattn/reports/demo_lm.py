@@ -18,9 +18,9 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from randattn.reports.demo import DemoResult, DemoStep, _cells, _merge_warnings, _version
+from randattn.reports.demo import DemoResult, DemoStep, _cells, _merge_warnings, _version, demo_outputs
 
-__all__ = ["LMDemoConfig", "LM_QUICK", "run_demo_lm"]
+__all__ = ["LMDemoConfig", "LM_QUICK", "demo_lm_outputs", "run_demo_lm"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,16 @@ def _default_capture(config: LMDemoConfig):
     return capture_lm(lm, ids, list(config.layers), names=[name for name, _ in texts], text=config.text)
 
 
+def demo_lm_outputs(table_name: str = "results.csv", formats: Sequence[str] = ("png", "svg")) -> tuple[str, ...]:
+    """The names of the files :func:`run_demo_lm` writes into its folder (with the same ``table_name`` and
+    ``formats``)."""
+    from randattn.analysis.sweep import positions_path
+
+    positions = positions_path(table_name).name
+    return (*demo_outputs(table_name, formats), positions, f"{positions}.meta.json",
+            *(f"position.{fmt}" for fmt in formats))
+
+
 def run_demo_lm(
     config: LMDemoConfig,
     out_dir: str | Path,
@@ -106,7 +116,8 @@ def run_demo_lm(
     ----------
     config : LMDemoConfig
     out_dir : str or Path
-        Created if missing; files in it are replaced.
+        Created if missing; files in it of the same names (:func:`demo_lm_outputs`) are replaced
+        (``randattn demo-lm`` refuses that without ``--force``).
     command : str, optional
         The command line, recorded in the metadata and the report.
     progress : callable(DemoStep), optional
@@ -128,6 +139,7 @@ def run_demo_lm(
     from randattn.analysis.masking import masks_of_activations
     from randattn.analysis.sweep import (SweepConfig, SweepTables, aggregate, parse_estimator_list,
                                          positions_path, run_sweep_tables, write_tables)
+    from randattn.reports._writing import named_write_errors
     from randattn.reports.figures import mse_vs_samples_figure, position_figure, save_figure
     from randattn.reports.html import write_report
 
@@ -183,7 +195,8 @@ def run_demo_lm(
         "activations": {k: acts.metadata.get(k) for k in fields},
         "warnings": _merge_warnings(r.table.attrs.get("warnings", []) for r in results),
     }
-    written = write_tables(SweepTables(table, positions), out / table_name, metadata)
+    with named_write_errors(out / table_name):
+        written = write_tables(SweepTables(table, positions), out / table_name, metadata)
     files = {"table": written[0], "metadata": written[1]}
     if positions is not None:
         files["positions"] = positions_path(out / table_name)

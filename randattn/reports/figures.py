@@ -113,8 +113,17 @@ def save_figure(
     -------
     list of pathlib.Path
         The written files, in the order of ``formats``.
+
+    Raises
+    ------
+    OSError
+        A write failed (e.g. ``ENOSPC``, a full disk); its ``filename`` is the figure's path, which is left as
+        it was (each file is written under a temporary name and renamed when complete).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from randattn._files import atomic_path
+    from randattn.reports._writing import named_write_errors
 
     if not isinstance(fig, Figure):
         raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
@@ -130,8 +139,10 @@ def save_figure(
         path = base.with_name(base.name + "." + fmt)
         # metadata without dates keeps repeated runs byte-stable
         metadata = {"Date": None} if fmt in ("svg", "pdf") else {}
-        # the layouts keep every text inside the canvas (tested); "tight" is the backstop for unusual tables
-        fig.savefig(path, format=fmt, dpi=dpi, metadata=metadata, bbox_inches="tight", pad_inches=0.05)
+        # written under a temporary name and renamed when complete: a full disk leaves no half figure behind
+        with named_write_errors(path), atomic_path(path) as tmp:
+            # the layouts keep every text inside the canvas (tested); "tight" is the backstop for unusual tables
+            fig.savefig(tmp, format=fmt, dpi=dpi, metadata=metadata, bbox_inches="tight", pad_inches=0.05)
         written.append(path)
     return written
 
@@ -217,10 +228,35 @@ def _drop_exact(aggregated: pd.DataFrame, value: str, names: dict[str, str] | No
         values = group[value].to_numpy(dtype=float)
         if label in exact or not (values > 0).any():
             dropped.append(label)
-            largest = np.nanmax(values) if np.isfinite(values).any() else np.nan
             shown = (names or {}).get(label, label)
+            if not np.isfinite(values).any():  # NaN everywhere: not measured, which is not an error of 0
+                notes.append(f"{shown} (no finite {value})")
+                continue
+            largest = np.nanmax(values)
             notes.append(f"{shown} ({value} {largest:.2g}, round-off)" if largest > 0 else f"{shown} ({value} 0)")
     return aggregated[~aggregated["label"].isin(dropped)], notes
+
+
+def _nothing_to_draw(what: str, aggregated: pd.DataFrame, value: str, exact: Iterable[str],
+                     notes: Sequence[str]) -> ResultsError:
+    """The error of a figure with no line left, said as it is: the estimators have a ``value`` of 0, or NaN
+    (not measured, which is not an error of 0), or are exact (round-off), or some of each (``notes`` name which)."""
+    name = "MSE" if value == "mse" else value
+    is_exact = aggregated["label"].isin(set(exact)).to_numpy()
+    values = aggregated[value].to_numpy(dtype=float)
+    approximate, finite = values[~is_exact], values[~is_exact & np.isfinite(values)]
+    if (np.isfinite(values) & (values == 0)).all():
+        why = f"every estimator has {name} = 0"
+    elif not len(approximate):
+        why = "every estimator is exact (its error is round-off)"
+    elif not len(finite):
+        why = (f"no estimator has a finite {name} (every value is NaN)" if is_exact.sum() == 0 else
+               f"no estimator but the exact ones has a finite {name} (every value is NaN)")
+    elif len(finite) == len(approximate) and (finite == 0).all():
+        why = f"every estimator but the exact ones has {name} = 0"
+    else:
+        why = f"no estimator has a finite {name} above 0: {'; '.join(notes)}"
+    return ResultsError(f"{what} has nothing to draw: {why}")
 
 
 def _select_labels(table: pd.DataFrame, labels: Sequence[str] | None) -> pd.DataFrame:
@@ -280,9 +316,10 @@ def mse_vs_samples_figure(
     table = _select_labels(table, labels)
     aggregated = aggregate_over_images(table, [value], confidence=confidence, seed=seed)
     names = display_names(table)
+    every = aggregated
     aggregated, exact = _drop_exact(aggregated, value, names, exact_labels(table))
     if aggregated.empty:
-        raise ResultsError(f"the MSE-vs-samples figure has nothing to draw: every estimator has {value} = 0")
+        raise _nothing_to_draw("the MSE-vs-samples figure", every, value, exact_labels(table), exact)
     panels = _token_panels(aggregated)
     styles = label_styles(aggregated["label"])
     fig, axes = _new_figure(len(panels), sharey=True)
@@ -361,9 +398,10 @@ def bias_variance_figure(
     table = _select_labels(table, labels)
     aggregated = aggregate_over_images(table, ["mse", "variance", "bias_sq"], n_boot=1, seed=seed)
     names = display_names(table)
+    every = aggregated
     aggregated, exact = _drop_exact(aggregated, "mse", names, exact_labels(table))
     if aggregated.empty:
-        raise ResultsError("the bias/variance figure has nothing to draw: every estimator has MSE = 0")
+        raise _nothing_to_draw("the bias/variance figure", every, "mse", exact_labels(table), exact)
     panels = _token_panels(aggregated)
     styles = label_styles(aggregated["label"])
     fig, axes = _new_figure(len(panels), sharey=True)
@@ -409,7 +447,17 @@ def bias_variance_figure(
 def _default_heatmap_label(table: pd.DataFrame) -> str:
     candidates = approximate_labels(table)
     if not candidates:
-        raise ResultsError("the heatmap has nothing to draw: every estimator has MSE = 0")
+        approximate = table[~table["label"].astype(str).isin(exact_labels(table))]
+        values = approximate["mse"].to_numpy(dtype=float)
+        if approximate.empty:
+            why = "every estimator is exact"
+        elif not np.isfinite(values).any():
+            why = "no estimator has a finite MSE (every value is NaN)"
+        elif (values[np.isfinite(values)] == 0).all() and np.isfinite(values).all():
+            why = "every estimator has MSE = 0"
+        else:
+            why = "no estimator has a finite MSE above 0"
+        raise ResultsError(f"the heatmap has nothing to draw: {why}")
     return candidates[0]
 
 
@@ -456,7 +504,9 @@ def heatmap_figure(
     grid = rows.groupby(["tokens", "layer", "head"])["mse"].mean()
     positive = grid[grid > 0]
     if positive.empty:
-        raise ResultsError(f"the heatmap has nothing to draw: {label} has MSE = 0 at S = {num_samples}")
+        finite = grid[np.isfinite(grid)]
+        what = "no finite MSE" if finite.empty else "MSE = 0" if (finite == 0).all() else "no MSE above 0"
+        raise ResultsError(f"the heatmap has nothing to draw: {label} has {what} at S = {num_samples}")
     norm = LogNorm(vmin=float(positive.min()), vmax=float(positive.max()))
     tokens = sorted(int(t) for t in grid.index.get_level_values("tokens").unique())
     layers = sorted(int(x) for x in rows["layer"].unique())
@@ -556,34 +606,77 @@ def _feature_variants(table: pd.DataFrame) -> pd.DataFrame:
     return rows
 
 
+def _map_coupling(rows: pd.DataFrame) -> str | None:
+    """The coupling at which the feature-map panel compares maps: orthogonal when two or more maps were measured
+    with it (Performer Fig. 4), else the coupling with the most maps (an estimator's default first on a tie);
+    None when no coupling was measured with two maps."""
+    maps = rows.groupby("coupling")["feature_map"].nunique()
+    if maps.get(_PREFERRED_COUPLING, 0) >= 2:
+        return _PREFERRED_COUPLING
+    defaults = set(rows["_default_coupling"])
+    candidates = sorted((c for c in maps.index if maps[c] >= 2), key=lambda c: (-maps[c], c not in defaults, c))
+    return candidates[0] if candidates else None
+
+
 def _feature_panels(rows: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str]]:
     """(title, rows, compared column) of each panel with at least two variants to compare.
 
-    Couplings are compared on each estimator's default feature map (positive features for rfa); feature maps on
-    the orthogonal coupling when it was measured, else on each estimator's default coupling (iid for rfa).
+    Couplings are compared on each estimator's default feature map (positive features for rfa); feature maps at
+    the orthogonal coupling when two maps were measured with it, else at the coupling measured with the most
+    maps (:func:`_map_coupling`).
     """
     panels: list[tuple[str, pd.DataFrame, str]] = []
     by_coupling = rows[rows["feature_map"] == rows["_default_map"]]
     if by_coupling["coupling"].nunique() >= 2:
         panels.append((f"coupling ({', '.join(sorted(by_coupling['feature_map'].unique()))} features)",
                        by_coupling, "coupling"))
-    preferred = rows["coupling"] == _PREFERRED_COUPLING
-    by_map = rows[preferred] if preferred.any() else rows[rows["coupling"] == rows["_default_coupling"]]
-    if by_map["feature_map"].nunique() >= 2:
-        panels.append((f"feature map ({', '.join(sorted(by_map['coupling'].unique()))} coupling)",
-                       by_map, "feature_map"))
+    coupling = _map_coupling(rows)
+    if coupling is not None:
+        panels.append((f"feature map ({coupling} coupling)", rows[rows["coupling"] == coupling], "feature_map"))
     return panels
 
 
-def _not_shown_note(rows: pd.DataFrame, panels: list[tuple[str, pd.DataFrame, str]], table: pd.DataFrame) -> str:
-    """Which measured variants no panel shows (neither the default feature map nor the panels' coupling), so that
-    the figure does not drop them silently."""
+def _left_out(rows: pd.DataFrame, panels: list[tuple[str, pd.DataFrame, str]], table: pd.DataFrame
+              ) -> tuple[list[str], str]:
+    """The readable names of the measured variants that no panel shows, and why."""
     shown = set().union(*(set(subset["label"]) for _, subset, _ in panels)) if panels else set()
     missing = [label for label in label_order(rows["label"]) if label not in shown]
     if not missing:
-        return ""
+        return [], ""
     names = display_names(table)
-    return "\nnot shown (no panel compares them): " + "; ".join(names.get(label, label) for label in missing)
+    compared = [f"couplings on {', '.join(sorted(set(subset['feature_map'])))} features" if column == "coupling"
+                else f"feature maps at {', '.join(sorted(set(subset['coupling'])))} coupling"
+                for _, subset, column in panels]
+    why = f"the figure compares {' and '.join(compared)} only" if compared else "no two variants compare"
+    return [names.get(label, label) for label in missing], why
+
+
+def feature_variants_left_out(table: pd.DataFrame) -> tuple[list[str], str]:
+    """The variants :func:`features_figure` measured but does not draw, and why (empty when it draws them all).
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        A results table with ``estimator`` and ``params`` columns.
+
+    Returns
+    -------
+    (list of str, str)
+        Readable names of the variants left out, and the reason, e.g.
+        ``(["Performer (trigonometric RFA, iid)"], "the figure compares couplings on positive features and
+        feature maps at orthogonal coupling only")``.
+    """
+    try:
+        rows = _feature_variants(table)
+    except ResultsError:
+        return [], ""
+    return _left_out(rows, _feature_panels(rows), table)
+
+
+def _not_shown_note(rows: pd.DataFrame, panels: list[tuple[str, pd.DataFrame, str]], table: pd.DataFrame) -> str:
+    """Which measured variants no panel shows and why, so that the figure does not drop them silently."""
+    missing, why = _left_out(rows, panels, table)
+    return f"\nnot shown: {'; '.join(missing)} ({why})" if missing else ""
 
 
 def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: int = 0) -> Figure:
@@ -592,10 +685,11 @@ def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: 
 
     The rows compared are those of every estimator whose spec has ``feature_map`` and ``coupling`` parameters
     (:func:`feature_estimators`: rfa among the built-ins). Left column: couplings with the default feature map
-    (positive). Right column: feature maps with the orthogonal coupling (the default, iid, when orthogonal was
-    not measured). One row per token count; MSE against S on log-log axes with a bootstrap band over images.
-    Variants that neither column holds (e.g. trigonometric features with iid directions beside orthogonal ones)
-    are named in the subtitle.
+    (positive). Right column: feature maps with the orthogonal coupling, or, when fewer than two maps were
+    measured with it, with the coupling measured with the most maps (e.g. iid). One row per token count; MSE
+    against S on log-log axes with a bootstrap band over images. Variants that neither column holds (e.g.
+    trigonometric features with iid directions beside orthogonal ones) are named in the subtitle with the
+    reason (:func:`feature_variants_left_out`).
 
     Parameters
     ----------
@@ -734,9 +828,10 @@ def position_figure(
                            "key, where a normalized estimator is exact")
     aggregated = aggregate_positions(positions, confidence=confidence, seed=seed)
     names = display_names(positions)
+    every = aggregated
     aggregated, exact = _drop_exact(aggregated, "mse", names, exact_labels(positions))
     if aggregated.empty:
-        raise ResultsError("the error-by-position figure has nothing to draw: every estimator has MSE = 0")
+        raise _nothing_to_draw("the error-by-position figure", every, "mse", exact_labels(positions), exact)
     panels = [(int(n), int(s)) for n in _token_values(aggregated)
               for s in sorted(aggregated.loc[aggregated["tokens"] == n, "num_samples"].unique())]
     several_tokens = len({n for n, _ in panels}) > 1

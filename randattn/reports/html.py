@@ -57,6 +57,7 @@ __all__ = [
     "diagnostics_summary",
     "diagnostics_overview",
     "warnings_summary",
+    "reference_check_html",
     "mask_note",
     "positions_section",
     "lm_section",
@@ -750,16 +751,61 @@ def _diagnostics_html(table: pd.DataFrame, metadata: Mapping[str, Any], names: M
     return out
 
 
+def reference_check_html(metadata: Mapping[str, Any] | None, names: Mapping[str, str] | None = None) -> list[str]:
+    """The float32-reference check that ``randattn mse`` records (``metadata["reference_check"]``), as HTML.
+
+    A sample of units is re-run on the float64 reference; when the batched result deviates from it by more than
+    the tolerance (a fraction of the cell's RMSE), float32 rounding can move the measured MSE, and the advice is
+    to rerun with ``--dtype float64``.
+
+    Parameters
+    ----------
+    metadata : dict or None
+        Table metadata; its ``"reference_check"`` entry holds ``units_checked``, ``max_abs_dev``,
+        ``max_abs_dev_label``, ``max_dev_over_rmse``, ``max_dev_over_rmse_label``, ``max_dev_over_rmse_dtype`` and
+        ``tolerance_dev_over_rmse``.
+    names : dict, optional
+        Label -> readable name.
+
+    Returns
+    -------
+    list of str
+        A warning paragraph above the tolerance, a short note within it; empty when nothing was recorded.
+    """
+    check = (metadata or {}).get("reference_check")
+    if not isinstance(check, Mapping):
+        return []
+    try:
+        ratio, tolerance = float(check["max_dev_over_rmse"]), float(check["tolerance_dev_over_rmse"])
+        units = int(check.get("units_checked", 0))
+    except (KeyError, TypeError, ValueError):
+        return []
+    esc = html.escape
+    label = str(check.get("max_dev_over_rmse_label", ""))
+    who = esc((names or {}).get(label, label))
+    dtype = esc(str(check.get("max_dev_over_rmse_dtype", "")))
+    measured = (f"{units} unit(s) were re-run on the float64 reference; the batched result deviates from it by "
+                f"at most {ratio:.2g} of a cell's RMSE (<span title=\"{esc(label)}\">{who}</span>, {dtype})")
+    if not ratio > tolerance:
+        return [f'<p class="ok">Reference check: {measured}, within the tolerance {tolerance:g}.</p>']
+    return [f'<div class="warning"><b>Reference check</b>: {measured}, above the tolerance {tolerance:g}: '
+            f"{dtype} rounding can move the measured MSE by up to about {200 * ratio:.2g}% (twice that fraction). "
+            "Rerun with <code>--dtype float64</code>.</div>"]
+
+
 def _warnings_html(metadata: Mapping[str, Any], names: Mapping[str, str]) -> list[str]:
     esc = html.escape
+    reference = reference_check_html(metadata, names)
     if "warnings" not in metadata:
-        return ['<p class="ok">The results carry no record of warnings (the metadata has no "warnings" entry; '
+        return [*reference,
+                '<p class="ok">The results carry no record of warnings (the metadata has no "warnings" entry; '
                 "tables written before randattn recorded them show none here, so check the run's terminal "
                 "output).</p>"]
     frame = warnings_summary(metadata)
     if frame.empty:
-        return ['<p class="ok">No warnings were raised while computing these results.</p>']
-    out = [f"<p>{int(frame['count'].sum())} warning(s) of {len(frame)} distinct kind(s) were raised while computing "
+        return [*reference, '<p class="ok">No warnings were raised while computing these results.</p>']
+    out = [*reference,
+           f"<p>{int(frame['count'].sum())} warning(s) of {len(frame)} distinct kind(s) were raised while computing "
            "these results. Each is listed once with how often it occurred and what it means.</p>"]
     for category, group in frame.groupby("category", sort=False):
         out.append(f'<div class="warning"><b>{esc(category)}</b> ({int(group["count"].sum())} times): '
@@ -813,9 +859,18 @@ def write_report(
     -------
     pathlib.Path
         The written file.
+
+    Raises
+    ------
+    OSError
+        The write failed (e.g. ``ENOSPC``, a full disk); its ``filename`` is the page's path, which is left as
+        it was.
     """
+    from randattn.reports._writing import named_write_errors
+
     text = build_report(table, metadata=metadata, command=command, figures=figures, dpi=dpi, positions=positions)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / name, text)
+    with named_write_errors(out / name):
+        atomic_write_text(out / name, text)
     return out / name

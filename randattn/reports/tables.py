@@ -228,8 +228,9 @@ def read_results(path: str | os.PathLike) -> Results:
     Raises
     ------
     ResultsError
-        The file does not exist, has an unknown suffix, cannot be parsed, or holds no rows; or its
-        per-position table cannot be read.
+        The file does not exist, has an unknown suffix, cannot be parsed, or holds no rows; a measured column
+        (``mse``, ``variance``, ...) holds text that is not a number, or an error column (``mse``, ``variance``,
+        ``bias_sq``) an infinite value; or its per-position table cannot be read.
     """
     table, metadata, path = _read_one(path)
     beside = positions_path(path)
@@ -263,7 +264,7 @@ def _read_one(path: str | os.PathLike) -> tuple[pd.DataFrame, dict[str, Any], Pa
     if not isinstance(table, pd.DataFrame) or table.empty:
         raise ResultsError(f"results {str(path)!r} hold no rows")
     metadata = {**_read_sidecar(path), **metadata}
-    return _normalise_types(table), metadata, path
+    return _checked_values(_normalise_types(table), path), metadata, path
 
 
 def _read_parquet(path: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
@@ -337,6 +338,51 @@ def _normalise_types(table: pd.DataFrame) -> pd.DataFrame:
     for column in ("image", "label", "estimator", "model", "mask"):
         if column in table:
             table[column] = table[column].astype(str)
+    return table
+
+
+#: the measured columns: numbers, NaN where a value was not computed
+_NUMBER_COLUMNS = ("mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
+                   "ess_mean", "delta_var_ratio", "pareto_khat", "ref_max_abs_dev", "seconds", "sink_mass")
+#: the columns that are aggregated and drawn: finite as well (or NaN)
+_FINITE_COLUMNS = ("mse", "variance", "bias_sq")
+#: text that reads as a missing number
+_MISSING_TEXT = frozenset({"", "nan", "none", "null", "na", "n/a", "<na>"})
+
+
+def _where(row: pd.Series) -> str:
+    """Where a row of a results table was measured, for a message: ``"rfa at S = 16, layer 0, head 1"``."""
+    parts = [str(row["label"]) if "label" in row else None,
+             f"S = {row['num_samples']:g}" if "num_samples" in row and pd.notna(row["num_samples"]) else None]
+    return " at ".join(part for part in parts if part) or f"row {row.name}"
+
+
+def _checked_values(table: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """``table`` with its measured columns as floats; text that is not a number, or an infinite error, raises
+    :class:`ResultsError` naming the file, the column and the first such row."""
+    for column in _NUMBER_COLUMNS:
+        if column not in table or pd.api.types.is_numeric_dtype(table[column]):
+            continue
+        values = table[column]
+        numbers = pd.to_numeric(values, errors="coerce")
+        missing = values.isna() | values.astype(str).str.strip().str.lower().isin(_MISSING_TEXT)
+        bad = numbers.isna() & ~missing
+        if bad.any():
+            first = table[bad].iloc[0]
+            raise ResultsError(
+                f"results {str(path)!r}: column {column!r} holds {int(bad.sum())} value(s) that are not numbers, "
+                f"e.g. {values[bad].iloc[0]!r} ({_where(first)})"
+            )
+        table[column] = numbers.astype(float)
+    for column in _FINITE_COLUMNS:
+        if column in table:
+            infinite = np.isinf(table[column].to_numpy(dtype=float))
+            if infinite.any():
+                first = table[infinite].iloc[0]
+                raise ResultsError(
+                    f"results {str(path)!r}: column {column!r} holds {int(infinite.sum())} infinite value(s), e.g. "
+                    f"{first[column]} ({_where(first)}); an error must be a finite number, or NaN where not computed"
+                )
     return table
 
 

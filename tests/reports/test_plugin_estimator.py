@@ -108,13 +108,26 @@ def test_the_features_figure_compares_every_estimator_with_feature_map_and_coupl
     assert feature_estimators(table) == ["rfa", "myrfa"]
     fig = features_figure(table)
     labels = {line.get_label() for ax in fig.axes for line in ax.get_lines()}
-    # two families in one panel: each variant is named with its family
-    assert labels == {"Performer: iid", "Performer: orthogonal", "My RFA: iid", "My RFA: orthogonal"}
-    assert "Random-feature attention (rfa/myrfa)" in fig.get_suptitle()
+    # two families in one panel: each variant is named with its family; no coupling was measured with two maps but
+    # iid, so the feature maps are compared there (myrfa:feature_map=trigonometric is measured with iid only)
+    assert labels == {"Performer: iid", "Performer: orthogonal", "My RFA: iid", "My RFA: orthogonal",
+                      "Performer: positive", "My RFA: positive", "My RFA: trigonometric"}
+    assert "Random-feature attention (rfa/myrfa)" in fig.get_suptitle() and "not shown" not in fig.get_suptitle()
     alone = features_figure(table[table["estimator"] == "myrfa"])
     assert {line.get_label() for line in alone.axes[0].get_lines()} == {"iid", "orthogonal"}
-    # myrfa:feature_map=trigonometric with iid directions is in neither panel beside orthogonal ones: said so
-    assert "not shown (no panel compares them): My RFA (trigonometric RFA, iid)" in alone.get_suptitle()
+    assert alone.axes[1].get_title().startswith("feature map (iid coupling)")
+    assert {line.get_label() for line in alone.axes[1].get_lines()} == {"positive", "trigonometric"}
+    # beside an orthogonal trigonometric variant the maps are compared at orthogonal: the iid one is named, and why
+    trig_orthogonal = "myrfa:coupling=orthogonal,feature_map=trigonometric"
+    both = make_results_table(tokens=(197,), samples=(16, 64), heads=1, layers=(0,),
+                              profiles={**PROFILES, trig_orthogonal: ("myrfa", {"coupling": "orthogonal",
+                                                                                "feature_map": "trigonometric"},
+                                                                      15.0, 0.1)},
+                              labels=["myrfa", "myrfa:coupling=orthogonal", "myrfa:feature_map=trigonometric",
+                                      trig_orthogonal])
+    subtitle = " ".join(features_figure(both).get_suptitle().split())
+    assert ("not shown: My RFA (trigonometric RFA, iid) (the figure compares couplings on positive features and "
+            "feature maps at orthogonal coupling only)") in subtitle
 
 
 def test_the_report_shows_and_explains_the_plugins(table):

