@@ -10,8 +10,14 @@ writes runs again and replaces them). Resume = the planned units minus the store
 :func:`consolidate` sorts the rows into the canonical table, identical whatever executor or
 order produced the parts.
 
-A sweep's output is protected by a lock (:func:`sweep_lock`, the ``filelock`` library): a
-second writer is refused with :class:`SweepLockedError`, naming the process that holds it.
+A sweep's output is protected by a lock (:func:`sweep_lock`, an OS file lock): a second writer
+is refused with :class:`SweepLockedError`, naming the process that holds it; the lock's files are
+removed when it is released.
+
+Every write error names the file the writer was asked for (not its temporary name), so that a
+full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``) can be reported as that file and its cause. A part
+that cannot be read back -- cut short by a crash of the machine, or overwritten -- is set aside
+into ``corrupt/`` when a sweep resumes (:func:`set_aside_unreadable`), and its unit runs again.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -31,10 +38,15 @@ from randattn.analysis.positions import POSITION_COLUMNS
 
 __all__ = [
     "MANIFEST",
+    "CORRUPT_DIR",
+    "CorruptPartWarning",
     "SweepLockedError",
     "sweep_lock",
     "prepare_parts_dir",
     "stored_unit_ids",
+    "unit_id_of",
+    "unreadable_parts",
+    "set_aside_unreadable",
     "write_part",
     "read_parts",
     "read_position_parts",
@@ -47,6 +59,8 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+#: subfolder of a parts folder where unreadable parts are set aside
+CORRUPT_DIR = "corrupt"
 _PART_PREFIX, _PART_SUFFIX = "part-", ".parquet"
 _POSITIONS_PREFIX = "positions-"
 _STR_COLUMNS = ("model", "image", "mask", "estimator", "params", "label", "dtype")
@@ -58,6 +72,27 @@ class SweepLockedError(RuntimeError):
     """Another process holds the lock of this sweep output."""
 
 
+class CorruptPartWarning(UserWarning):
+    """A stored part could not be read: it was set aside and its unit runs again."""
+
+
+@contextmanager
+def named_write_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Re-raise an ``OSError`` of the block as one whose ``filename`` is ``path`` (the file the caller asked for).
+
+    The writers are atomic (:func:`randattn._files.atomic_path`): their errors name a temporary file beside
+    ``path``, or no file at all (pyarrow, pandas), while ``path`` itself is left as it was. The errno is kept, so
+    a caller can tell a full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``) from other failures.
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename == str(path):
+            raise
+        reason = os.strerror(exc.errno) if exc.errno else (exc.strerror or str(exc))
+        raise OSError(exc.errno, reason, str(path)) from exc
+
+
 # ------------------------------------------------------------------------------------------------------------ lock
 def _lock_paths(target: Path) -> tuple[Path, Path]:
     return target.with_name(f".{target.name}.lock"), target.with_name(f".{target.name}.owner.json")
@@ -67,37 +102,102 @@ def _lock_paths(target: Path) -> tuple[Path, Path]:
 def sweep_lock(target: str | os.PathLike) -> Iterator[None]:
     """Hold the lock of the sweep output ``target`` (a parts folder or table path) for the block.
 
-    The lock is ``.<name>.lock`` beside ``target`` (``filelock.FileLock``, an OS lock released
-    when the process dies, even by SIGKILL); who holds it is written to
-    ``.<name>.owner.json`` so a refused writer can say which process it is.
+    The lock is an OS lock (``flock``) on ``.<name>.lock`` beside ``target``, released when the
+    process dies, even by SIGKILL; who holds it is written to ``.<name>.owner.json`` so a refused
+    writer can say which process it is. Both files are removed when the block ends, however it
+    ends (a SIGKILLed process leaves them; they are harmless: the next writer takes the lock over).
 
     Raises
     ------
     SweepLockedError
         Another process holds the lock.
-    """
-    from filelock import FileLock, Timeout
 
+    Notes
+    -----
+    Removing a lock file is safe only under two rules, which :func:`_hold_file_lock` keeps:
+
+    1. the file is removed only by the process holding its lock, *before* it lets the lock go;
+    2. a process that obtains the lock then checks that the file it locked is still the one at the path,
+       and if not (its holder removed it between this process's ``open`` and ``flock``) it lets go and
+       locks the file now at the path.
+
+    Without rule 2, a process B could open the old file, its holder A remove it and release it, B lock
+    the removed file and a process C create and lock a new one: two writers. With both rules, a process
+    holds the lock only while the path names the very file it locked, and the path changes only after
+    its holder's work is done, so at most one process at a time is inside the block.
+    """
     target = Path(target)
     lock_path, owner_path = _lock_paths(target)
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(lock_path), timeout=0)
-    try:
-        lock.acquire()
-    except Timeout:
+    with named_write_errors(lock_path):
+        release = _hold_file_lock(lock_path)
+    if release is None:
         raise SweepLockedError(f"{str(target)!r} is being written by another randattn process ({_owner(owner_path)}); "
-                               "wait for it to finish, or write to another --out") from None
+                               "wait for it to finish, or write to another --out")
     try:
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "command": " ".join(sys.argv)}
-        atomic_write_text(owner_path, json.dumps(owner))
+        with named_write_errors(owner_path):
+            atomic_write_text(owner_path, json.dumps(owner))
         yield
     finally:
         try:
             owner_path.unlink()
         except FileNotFoundError:
             pass
-        lock.release()
+        release()
+
+
+def _hold_file_lock(lock_path: Path):
+    """Lock ``lock_path`` (created if missing); a function that removes the file and releases the lock, or None
+    when another process holds it. See :func:`sweep_lock` for why removing the file is safe."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: filelock's lock (Windows removes its file itself)
+        return _hold_filelock(lock_path)
+    for _ in range(100):  # each retry means the holder removed the file in between: the lock is free now
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError:  # a file system without flock
+            os.close(fd)
+            return _hold_filelock(lock_path)
+        try:
+            current = os.stat(lock_path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and os.path.samestat(os.fstat(fd), current):
+            break
+        os.close(fd)  # the file we locked was removed by its holder as it let go (rule 2)
+    else:
+        raise SweepLockedError(f"cannot take the lock {str(lock_path)!r}: it keeps being removed")
+
+    def release() -> None:
+        try:
+            current = os.stat(lock_path)
+            if os.path.samestat(os.fstat(fd), current):
+                os.unlink(lock_path)  # rule 1: while still holding the lock
+        except OSError:
+            pass
+        finally:
+            os.close(fd)  # releases the lock
+
+    return release
+
+
+def _hold_filelock(lock_path: Path):
+    """The ``filelock`` library's lock (systems without ``flock``); its file is left in place on such systems."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(lock_path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        return None
+    return lock.release
 
 
 def _owner(owner_path: Path) -> str:
@@ -121,31 +221,74 @@ def prepare_parts_dir(parts_dir: str | os.PathLike, manifest: Mapping[str, Any],
     FileExistsError
         ``parts_dir`` holds parts and ``resume`` is False.
     ValueError
-        Resuming with settings that differ from the stored ones (the message names them).
+        Resuming with settings that differ from the stored ones (the message names them), or
+        parts whose manifest is missing or unreadable (the message names it and what is wrong).
     """
     parts_dir = Path(parts_dir)
     path = parts_dir / MANIFEST
-    if path.exists() and stored_unit_ids(parts_dir):
+    if stored_unit_ids(parts_dir):
         if not resume:
             raise FileExistsError(
                 f"{str(parts_dir)!r} already holds a sweep; pass {resume_hint} to continue it or remove the folder"
             )
-        old = json.loads(path.read_text())
+        old = read_manifest(parts_dir)
         new = json.loads(json.dumps(manifest, default=str))  # the same JSON normal form as the stored one
-        changed = sorted(
-            key
-            for part in ("config", "activations")
-            for key in set(old.get(part, {})) | set(new.get(part, {}))
-            if old.get(part, {}).get(key) != new.get(part, {}).get(key)
-        )
-        if changed:
+        changed = {part: sorted(key for key in set(old[part]) | set(new.get(part, {}))
+                                if old[part].get(key) != new.get(part, {}).get(key))
+                   for part in ("config", "activations")}
+        if changed["config"] or changed["activations"]:
+            what = []
+            if changed["config"]:
+                what.append(f"different settings ({', '.join(changed['config'])})")
+            if changed["activations"]:
+                what.append(f"other activations (their {', '.join(changed['activations'])})")
             raise ValueError(
-                f"cannot resume {str(parts_dir)!r}: it was started with different settings ({', '.join(changed)}); "
-                "use the same options or a new output"
+                f"cannot resume {str(parts_dir)!r}: it was started with {' and '.join(what)}; "
+                "use the same options and activations, or a new output"
             )
         return
-    parts_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    with named_write_errors(parts_dir):
+        parts_dir.mkdir(parents=True, exist_ok=True)
+    with named_write_errors(path):
+        atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True, default=str))
+
+
+def read_manifest(parts_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """The manifest of ``parts_dir``: ``{"config": {...}, "activations": {...}}``.
+
+    Raises
+    ------
+    ValueError
+        It is missing, not JSON, or not of that form; the message starts with ``cannot resume``
+        and names the file and what is wrong with it.
+    """
+    path = Path(parts_dir) / MANIFEST
+    where = f"cannot resume {str(Path(parts_dir))!r}: its manifest {str(path)!r}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        missing = "is missing, so the finished units cannot be checked against these settings"
+        raise ValueError(f"{where} {missing}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where} cannot be read ({exc})") from None
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{where} is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{where} holds a JSON {type(manifest).__name__}, not an object with 'config' and "
+                         "'activations'")
+    bad = [key for key in ("config", "activations") if not isinstance(manifest.get(key), dict)]
+    if bad:
+        raise ValueError(f"{where} lacks {' and '.join(repr(k) for k in bad)} (expected objects)")
+    return manifest
+
+
+def unit_id_of(path: str | os.PathLike) -> str:
+    """The unit id of a part or per-position part: ``part-<id>.parquet`` or ``positions-<id>.parquet`` -> ``<id>``."""
+    name = Path(path).name
+    prefix = _POSITIONS_PREFIX if name.startswith(_POSITIONS_PREFIX) else _PART_PREFIX
+    return name[len(prefix) : -len(_PART_SUFFIX)]
 
 
 def stored_unit_ids(parts_dir: str | os.PathLike) -> set[str]:
@@ -184,9 +327,73 @@ def _write_rows(path: Path, rows: Sequence[Mapping[str, Any]], columns: Sequence
     import pyarrow.parquet as pq
 
     table = pa.table({c: _column(c, [row[c] for row in rows]) for c in columns})
-    with atomic_path(path) as tmp:
+    with named_write_errors(path), atomic_path(path) as tmp:
         pq.write_table(table, tmp)
     return path
+
+
+# ------------------------------------------------------------------------------------------------- unreadable parts
+def unreadable_parts(parts_dir: str | os.PathLike, *, full: bool = False) -> dict[Path, str]:
+    """Parts (and per-position parts) of ``parts_dir`` that cannot be read, with the reason.
+
+    Parameters
+    ----------
+    parts_dir : path
+    full : bool
+        Read every file whole (about 3 ms a part); by default only its Parquet footer (0.3 ms), which
+        finds a file cut short, empty or overwritten.
+    """
+    import pyarrow.parquet as pq
+
+    parts_dir = Path(parts_dir)
+    if not parts_dir.is_dir():
+        return {}
+    bad = {}
+    for path in sorted([*parts_dir.glob(f"{_PART_PREFIX}*{_PART_SUFFIX}"),
+                        *parts_dir.glob(f"{_POSITIONS_PREFIX}*{_PART_SUFFIX}")]):
+        try:
+            if full:
+                pq.read_table(path)
+            else:
+                pq.read_metadata(path)
+        except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+            bad[path] = (str(exc).splitlines() or [type(exc).__name__])[0]
+    return bad
+
+
+def set_aside_unreadable(parts_dir: str | os.PathLike, *, full: bool = False) -> list[dict[str, str]]:
+    """Move the parts of ``parts_dir`` that cannot be read into its ``corrupt/`` folder, so that their units run again.
+
+    A unit counts as stored when its part exists (module docstring): an unreadable per-position part
+    takes its unit's part aside too, so that the unit runs again and writes both.
+
+    Returns
+    -------
+    list of dict
+        One ``{"file", "moved_to", "reason"}`` per file moved (the reason: an unreadable one's error, or
+        ``"its per-position part is unreadable"``). Each is also warned about, as :class:`CorruptPartWarning`.
+    """
+    parts_dir = Path(parts_dir)
+    bad = unreadable_parts(parts_dir, full=full)
+    for path in list(bad):
+        if path.name.startswith(_POSITIONS_PREFIX):
+            part = path.with_name(f"{_PART_PREFIX}{unit_id_of(path)}{_PART_SUFFIX}")
+            if part.exists() and part not in bad:
+                bad[part] = "its per-position part is unreadable"
+    moved = []
+    for path, reason in bad.items():
+        aside = parts_dir / CORRUPT_DIR / path.name
+        for n in range(1, 1000):
+            if not aside.exists():
+                break
+            aside = parts_dir / CORRUPT_DIR / f"{path.name}.{n}"
+        with named_write_errors(aside):
+            aside.parent.mkdir(exist_ok=True)
+            os.replace(path, aside)
+        moved.append({"file": str(path), "moved_to": str(aside), "reason": reason})
+        warnings.warn(f"{str(path)!r} cannot be read ({reason}); set aside as {str(aside)!r}, its unit runs again",
+                      CorruptPartWarning, stacklevel=2)
+    return moved
 
 
 def _column(name: str, values: list):

@@ -39,16 +39,23 @@ import os
 import time
 import warnings
 from collections import Counter
-from contextlib import nullcontext
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from randattn._files import atomic_path, atomic_write_text
+from randattn._files import atomic_path
 from randattn._validation import check_positive_int
-from randattn.analysis.execute import COLUMNS, PHASES, MemoryBudgetError, UnitRunner, run_recording
+from randattn.analysis.execute import (
+    CANONICAL_REPLICATES,
+    COLUMNS,
+    PHASES,
+    MemoryBudgetError,
+    UnitRunner,
+    run_recording,
+)
 from randattn.analysis.plan import (
     BACKENDS,
     DTYPES,
@@ -71,11 +78,14 @@ from randattn.analysis.store import (
     SweepLockedError,
     empty_positions,
     empty_table,
+    named_write_errors,
     prepare_parts_dir,
     read_parts,
     read_position_parts,
+    set_aside_unreadable,
     stored_unit_ids,
     sweep_lock,
+    unreadable_parts,
     write_part,
 )
 from randattn.analysis import store as _store
@@ -95,7 +105,9 @@ __all__ = [
     "replicate_rng",
     "POSITION_COLUMNS",
     "SweepTables",
+    "SweepPlan",
     "plan",
+    "plan_sweep",
     "run_sweep",
     "run_sweep_tables",
     "read_parts",
@@ -256,6 +268,171 @@ def _check_memory(runner: UnitRunner, units: list[Unit]) -> None:
 
 
 @dataclass(frozen=True)
+class SweepPlan:
+    """What a sweep will do, worked out before it does it (:func:`plan_sweep`).
+
+    Attributes
+    ----------
+    config : SweepConfig
+        The configuration, bound to the activations (token layout, threads).
+    units : tuple of Unit
+        Every unit, in canonical order.
+    todo : tuple of Unit
+        The units still to compute (all of them, unless resuming).
+    unreadable : tuple of str
+        Stored parts that cannot be read: the sweep sets them aside and computes their units again
+        (they are in ``todo``).
+    layers, heads : tuple of int
+    images : tuple of str
+        The selection.
+    peak_bytes : int
+        The memory model's estimate of the largest block of estimator work among ``todo``
+        (:meth:`~randattn.analysis.execute.UnitRunner.block_bytes`; the activations and the
+        interpreter come on top).
+    split_units : int
+        Units of ``todo`` that the budget splits below the canonical block of every head x
+        ``min(8, R)`` replicates (their rows may then differ in the last bit from a larger budget's).
+    refused : str or None
+        Why the sweep will be refused before computing (one replicate of one head exceeds
+        ``max_memory``: :class:`MemoryBudgetError`'s message), else None.
+    seconds : float or None
+        Estimated wall seconds of computing ``todo`` in this process (``timing=True``), else None.
+    timed_heads : tuple of int
+        The head counts that were timed for ``seconds``: one, and two where a unit has more heads.
+    """
+
+    config: SweepConfig
+    units: tuple
+    todo: tuple
+    unreadable: tuple
+    layers: tuple
+    heads: tuple
+    images: tuple
+    peak_bytes: int
+    split_units: int
+    refused: str | None
+    seconds: float | None = None
+    timed_heads: tuple = ()
+    runner: Any = field(default=None, repr=False, compare=False)  # calibrated; run_sweep reuses it
+
+    @property
+    def cells(self) -> int:
+        """Cells of the whole sweep (one per unit and head)."""
+        return total_cells(self.units)
+
+    @property
+    def todo_cells(self) -> int:
+        """Cells still to compute."""
+        return total_cells(self.todo)
+
+
+@contextmanager
+def _pinned_threads(runner: UnitRunner):
+    """For the block, torch computes with the sweep's intra-op threads (as :meth:`UnitRunner.run_timed` does)."""
+    torch, threads = runner.torch, runner.config.threads
+    if torch is None or threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.PathLike | None = None,
+               resume: bool = False, timing: bool = False) -> SweepPlan:
+    """Plan a sweep without running it or writing anything: its units, memory and (``timing``) wall time.
+
+    Parameters
+    ----------
+    activations : Activations, path or mapping
+        See :func:`as_activations`.
+    config : SweepConfig
+    parts_dir : path, optional
+        With ``resume``: the parts folder whose finished units are not computed again (read only).
+    resume : bool
+    timing : bool
+        Estimate the wall time: for each (configuration, S, mask) still to compute, one head of its
+        first unit is computed (and two heads, where units have more), timed, and the time of a unit
+        taken as linear in its heads; one head is computed untimed first (first calls, lazy imports).
+        Those results are dropped. Costs about 4 / (heads x layers x images) of the sweep.
+
+    Returns
+    -------
+    SweepPlan
+        Its ``runner`` holds the memory calibration, which :func:`run_sweep` reuses when given the
+        plan (``calibrated=``).
+
+    Raises
+    ------
+    ValueError
+        A selection or mask the activations refuse (as :func:`plan`). A unit that cannot fit the
+        budget is not raised but reported in ``refused``.
+    """
+    from dataclasses import replace
+
+    acts = as_activations(activations)
+    config = with_threads(bind_layout(config, acts))
+    units = plan(acts, config)
+    unreadable: dict = {}
+    stored: set[str] = set()
+    if parts_dir is not None and resume:
+        unreadable = unreadable_parts(parts_dir)
+        stored = stored_unit_ids(parts_dir)
+        stored -= {_store.unit_id_of(path) for path in unreadable}  # a per-position part takes its unit along
+    todo = tuple(u for u in units if u.uid not in stored)
+    runner = UnitRunner(acts, config)
+    peak, split, refused = 0, 0, None
+    first_of: dict[tuple, Unit] = {}
+    for unit in todo:
+        first_of.setdefault((unit.label, unit.num_samples, config.mask_of(unit.layer)), unit)
+    layout: dict[tuple, tuple[int, bool]] = {}
+    with _pinned_threads(runner):  # calibrated as it runs: with the run's threads (a small machine's cores are few)
+        for key, unit in first_of.items():
+            try:
+                blocks = runner.blocks(unit)
+            except MemoryBudgetError as exc:
+                refused = refused or str(exc)
+                peak = max(peak, runner.cell_bytes(unit))
+                continue
+            cells, reps = blocks[0]
+            canonical = (cells.stop - cells.start == len(unit.heads)
+                         and reps.stop - reps.start == min(CANONICAL_REPLICATES, runner.replicates(
+                             config.estimators[unit.est_index])))
+            layout[key] = (runner.block_bytes(unit, cells.stop - cells.start, reps.stop - reps.start), canonical)
+    for unit in todo:
+        bytes_, canonical = layout.get((unit.label, unit.num_samples, config.mask_of(unit.layer)), (0, True))
+        peak = max(peak, bytes_)
+        split += not canonical
+    seconds, timed = None, ()
+    if timing and refused is None and todo:
+        seconds, timed = 0.0, (1, 2) if len(todo[0].heads) > 1 else (1,)
+        per_unit = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the run reports warnings; a timing run says nothing
+            first = todo[0]  # untimed: what a run does once (lazy imports, first calls) is not a unit's time
+            runner.run(replace(first, heads=first.heads[:1], seeds=first.seeds[:1], check_reference=False))
+            for key, unit in first_of.items():
+                times = []
+                for h in timed:
+                    sub = replace(unit, heads=unit.heads[:h], seeds=unit.seeds[:h], check_reference=False)
+                    start = time.perf_counter()
+                    runner.run(sub)
+                    times.append(time.perf_counter() - start)
+                slope = max(times[-1] - times[0], 0.0) if len(times) > 1 else times[0]
+                per_unit[key] = times[0] + slope * (len(unit.heads) - 1)
+        for unit in todo:
+            seconds += per_unit[(unit.label, unit.num_samples, config.mask_of(unit.layer))]
+    acts_layers = select("layers", config.layers, list(acts.layers))
+    heads = select("heads", config.heads, range(acts.shape[1]))
+    images = tuple(acts.images[i] for i in select("images", config.images, range(len(acts.images))))
+    return SweepPlan(config, tuple(units), todo, tuple(str(p) for p in unreadable), tuple(acts_layers),
+                     tuple(heads), images, int(peak), int(split), refused, seconds, timed, runner)
+
+
+@dataclass(frozen=True)
 class SweepTables:
     """What a sweep returns: its table and, where it measured any, its per-position table.
 
@@ -284,6 +461,7 @@ def run_sweep(
     resume_hint: str = "resume=True",
     scheduler: Any = None,
     with_positions: bool = False,
+    calibrated: SweepPlan | None = None,
 ):
     r"""Run every cell of ``config`` over ``activations``; return the tidy table (and the per-position table).
 
@@ -315,6 +493,9 @@ def run_sweep(
         Return a :class:`SweepTables`, with the per-position table of the layers that get one
         (:meth:`SweepConfig.positions_of`; :func:`run_sweep_tables` does the same), instead of the
         table alone.
+    calibrated : SweepPlan, optional
+        :func:`plan_sweep`'s plan of this very sweep (same activations and config): its memory
+        calibration is reused instead of measured again, and its refusal raised.
 
     Returns
     -------
@@ -329,6 +510,9 @@ def run_sweep(
         each worker measured them). With ``with_positions``, :class:`SweepTables` whose
         ``positions`` is the per-position table of the layers that get one, else None; read back
         from the parts folder like the table, so a resumed run's is the same too.
+        ``table.attrs["set_aside"]``: the stored parts that could not be read, each
+        ``{"file", "moved_to", "reason"}`` (:func:`~randattn.analysis.store.set_aside_unreadable`);
+        their units were computed again.
 
     Raises
     ------
@@ -337,6 +521,16 @@ def run_sweep(
         any unit is computed).
     SweepLockedError
         Another process is writing ``parts_dir``.
+    OSError
+        A write failed; its ``filename`` is the file meant (a part, the manifest), never a
+        temporary name, and its ``errno`` says why (``ENOSPC``, ``EDQUOT``, ``EFBIG``: no space).
+        Finished parts stay for a resume.
+
+    Warns
+    -----
+    CorruptPartWarning
+        Resuming, a stored part could not be read: it is set aside into ``parts_dir/corrupt/`` and
+        its unit computed again.
 
     Notes
     -----
@@ -362,7 +556,7 @@ def run_sweep(
     those of the table's row restricted to a bucket's queries (:mod:`randattn.analysis.positions`).
     """
     tables = _run_sweep(activations, config, parts_dir=parts_dir, resume=resume, progress=progress, lock=lock,
-                        resume_hint=resume_hint, scheduler=scheduler, stacklevel=3)
+                        resume_hint=resume_hint, scheduler=scheduler, calibrated=calibrated, stacklevel=3)
     return tables if with_positions else tables.table
 
 
@@ -374,30 +568,39 @@ def run_sweep_tables(activations: Any, config: SweepConfig, **options: Any) -> S
     activations : Activations, path or mapping
     config : SweepConfig
     **options
-        ``parts_dir``, ``resume``, ``progress``, ``lock``, ``resume_hint``, ``scheduler``: as :func:`run_sweep`.
+        ``parts_dir``, ``resume``, ``progress``, ``lock``, ``resume_hint``, ``scheduler``, ``calibrated``: as
+        :func:`run_sweep`.
     """
     return _run_sweep(activations, config, **options, stacklevel=3)
 
 
 def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.PathLike | None = None,
                resume: bool = False, progress: Callable[[SweepProgress], None] | None = None, lock: bool = True,
-               resume_hint: str = "resume=True", scheduler: Any = None, stacklevel: int = 2) -> SweepTables:
+               resume_hint: str = "resume=True", scheduler: Any = None, calibrated: SweepPlan | None = None,
+               stacklevel: int = 2) -> SweepTables:
     """:func:`run_sweep`'s work; the warnings it re-issues point ``stacklevel`` frames up (the public call's caller)."""
     import pandas as pd
 
     acts = as_activations(activations)
     config = with_threads(bind_layout(config, acts))
+    if calibrated is not None and calibrated.config != config:
+        raise ValueError("calibrated: that plan is of another configuration; plan_sweep this one")
+    if calibrated is not None and calibrated.refused is not None:
+        raise MemoryBudgetError(calibrated.refused)  # before anything is written
     units = plan(acts, config)
     parts = Path(parts_dir) if parts_dir is not None else None
     context = sweep_lock(parts) if parts is not None and lock else nullcontext()
     with context:
         stored: set[str] = set()
+        set_aside: list[dict[str, str]] = []
         if parts is not None:
             prepare_parts_dir(parts, _manifest(acts, config), resume, resume_hint)
+            if resume:
+                set_aside = set_aside_unreadable(parts)  # warns CorruptPartWarning for each
             stored = stored_unit_ids(parts)
         todo = [u for u in units if u.uid not in stored]
-        runner = UnitRunner(acts, config)
-        _check_memory(runner, todo)
+        runner = calibrated.runner if calibrated is not None else UnitRunner(acts, config)
+        _check_memory(runner, todo)  # with a calibrated plan: measured already, so only the units set aside since
         total = total_cells(units)
         state = {"finished": total - total_cells(todo), "t0": time.perf_counter()}
         new_rows: list[dict[str, Any]] = []
@@ -422,8 +625,18 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
         _execute(runner, todo, parts, activations, config, scheduler, done)
         executed_s = time.perf_counter() - started
         if parts is not None:
-            table = read_parts(parts)  # exactly what is on disk, so a resumed run matches bit for bit
-            positions = read_position_parts(parts)
+            # exactly what is on disk, so a resumed run matches bit for bit; a part whose footer was whole but
+            # whose data is not (found only by reading it) is set aside and its unit computed again, once
+            table, positions, damaged = _read_stored(parts)
+            if damaged:
+                set_aside += damaged
+                redo = [u for u in units if u.uid not in stored_unit_ids(parts)]
+                state["finished"] -= total_cells(redo)
+                started = time.perf_counter()
+                _execute(runner, redo, parts, activations, config, scheduler, done)
+                executed_s += time.perf_counter() - started
+                table, positions = read_parts(parts), read_position_parts(parts)
+                todo += redo
         else:
             table = _store.coerce(pd.DataFrame(new_rows, columns=list(COLUMNS))) if new_rows else empty_table()
             positions = (_store.coerce_positions(pd.DataFrame(new_positions, columns=list(POSITION_COLUMNS)))
@@ -435,10 +648,23 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
     # wall time of running the units (writing their parts included), apart from start-up and memory calibration;
     # and where it went, per (configuration, S, tokens): the seconds of each phase of execute.PHASES, summed
     table.attrs["timing"] = {"units": len(todo), "execute_s": round(executed_s, 3), "phases": _phase_records(phases)}
+    table.attrs["set_aside"] = set_aside
     for record in table.attrs["warnings"]:
         warnings.warn(f"{record['label']}: {record['message']} ({record['count']} units)",
                       _warning_category(record["category"]), stacklevel=stacklevel)
     return SweepTables(table, positions)
+
+
+def _read_stored(parts: Path):
+    """``(table, positions, set_aside)`` of the parts on disk; a part that cannot be read whole is set aside (then
+    the tables are not read: the caller computes the units set aside again and reads once more)."""
+    try:
+        return read_parts(parts), read_position_parts(parts), []
+    except Exception:  # pyarrow's errors for a damaged file: find which, by reading each whole
+        damaged = set_aside_unreadable(parts, full=True)
+        if not damaged:
+            raise
+        return None, None, damaged
 
 
 def _execute(runner: UnitRunner, units: list[Unit], parts: Path | None, activations: Any, config: SweepConfig,
@@ -528,7 +754,7 @@ def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0, 
     check_positive_int("n_boot", n_boot)
     metrics = ["mse", "bias_sq", "variance"]
     keys = ["estimator", "label", "num_samples", "tokens", *(["mask"] if "mask" in table.columns else []), *by]
-    missing = [c for c in keys + metrics + ["image", "layer", "head"] if c not in table.columns]
+    missing = [c for c in dict.fromkeys(keys + metrics + ["image", "layer", "head"]) if c not in table.columns]
     if missing:
         raise ValueError(f"table lacks column(s) {missing}; expected a sweep table")
     records = []
@@ -585,19 +811,27 @@ def write_tables(tables: SweepTables, path: str | os.PathLike, metadata: Mapping
     Both in ``path``'s format, each with its metadata (:func:`write_table`); the per-position table's
     metadata adds ``"positions_of"``: the table it belongs to. A run without per-position metrics
     removes a per-position table left at that path by an earlier run, so that a report never pairs a
-    table with another run's positions.
+    table with another run's positions. Every file is first written under a temporary name and all
+    are renamed into place only once all are written: a failed write (a full disk) leaves each output
+    as it was, never a table without its metadata or its per-position table.
 
     Returns
     -------
     list of Path
         The files written (tables and sidecars).
+
+    Raises
+    ------
+    OSError
+        A write failed; its ``filename`` is the output file meant (not a temporary name).
     """
     path = Path(path)
-    written = list(write_table(tables.table, path, metadata))
     beside = positions_path(path)
+    outputs = [(tables.table, path, metadata)]
     if tables.positions is not None:
-        written += write_table(tables.positions, beside, {**dict(metadata), "positions_of": path.name})
-    else:
+        outputs.append((tables.positions, beside, {**dict(metadata), "positions_of": path.name}))
+    written = _write_together(outputs)
+    if tables.positions is None:
         for stale in (beside, beside.with_name(beside.name + ".meta.json")):
             stale.unlink(missing_ok=True)
     return written
@@ -608,30 +842,52 @@ def write_table(table, path: str | os.PathLike, metadata: Mapping[str, Any]) -> 
 
     The metadata (master seed, command line, randattn version, config, ...) goes to the sidecar
     ``<path>.meta.json`` for every format, and for parquet also into the file's schema metadata
-    under the key ``randattn``. Both writes are atomic.
+    under the key ``randattn``. Both are written under temporary names and renamed into place
+    together, once both are written.
 
     Returns
     -------
     (table path, sidecar path)
-    """
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in OUTPUT_FORMATS:
-        raise ValueError(f"output {str(path)!r}: unknown suffix {path.suffix!r}; use one of {list(OUTPUT_FORMATS)}")
-    text = json.dumps(dict(metadata), indent=2, sort_keys=True, default=str)
-    with atomic_path(path) as tmp:
-        if suffix == ".parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
 
-            arrow = pa.Table.from_pandas(table, preserve_index=False)
-            arrow = arrow.replace_schema_metadata({**(arrow.schema.metadata or {}), b"randattn": text.encode()})
-            pq.write_table(arrow, tmp)
-        elif suffix == ".csv":
-            table.to_csv(tmp, index=False)
-        else:
-            with open(tmp, "w") as fh:
-                json.dump(table_records(table), fh, indent=1)
-    sidecar = path.with_name(path.name + ".meta.json")
-    atomic_write_text(sidecar, text)
-    return path, sidecar
+    Raises
+    ------
+    OSError
+        A write failed; its ``filename`` is the output file meant (not a temporary name).
+    """
+    table_path, sidecar = _write_together([(table, Path(path), metadata)])
+    return table_path, sidecar
+
+
+def _write_together(outputs: Sequence[tuple[Any, Path, Mapping[str, Any]]]) -> list[Path]:
+    """Write each ``(table, path, metadata)`` and its sidecar; rename them all into place only when all are written."""
+    from contextlib import ExitStack
+
+    for _, path, _ in outputs:
+        if path.suffix.lower() not in OUTPUT_FORMATS:
+            raise ValueError(f"output {str(path)!r}: unknown suffix {path.suffix!r}; use one of {list(OUTPUT_FORMATS)}")
+    written: list[Path] = []
+    with ExitStack() as renames:  # on leaving, each atomic_path renames its file into place (or, failing, removes it)
+        for table, path, metadata in outputs:
+            text = json.dumps(dict(metadata), indent=2, sort_keys=True, default=str)
+            with named_write_errors(path):
+                _write_format(table, renames.enter_context(atomic_path(path)), path.suffix.lower(), text)
+            sidecar = path.with_name(path.name + ".meta.json")
+            with named_write_errors(sidecar):
+                renames.enter_context(atomic_path(sidecar)).write_text(text, encoding="utf-8")
+            written += [path, sidecar]
+    return written
+
+
+def _write_format(table, tmp: Path, suffix: str, text: str) -> None:
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        arrow = pa.Table.from_pandas(table, preserve_index=False)
+        arrow = arrow.replace_schema_metadata({**(arrow.schema.metadata or {}), b"randattn": text.encode()})
+        pq.write_table(arrow, tmp)
+    elif suffix == ".csv":
+        table.to_csv(tmp, index=False)
+    else:
+        with open(tmp, "w") as fh:
+            json.dump(table_records(table), fh, indent=1)

@@ -9,6 +9,7 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -84,7 +85,11 @@ def parse_int_list(name: str, text: str | None) -> tuple[int, ...] | None:
 @click.option("--diagnostics/--no-diagnostics", default=True, show_default=True,
               help="Importance-sampling diagnostics (ESS, delta-method variance, Pareto k-hat) where available.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run with the same --out and options.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing --out table (and any unfinished run of it).")
+@click.option("--force", "--overwrite", "force", is_flag=True,
+              help="Replace an existing --out table and any unfinished run of it (--overwrite: the same).")
+@click.option("--dry-run", "dry_run", is_flag=True,
+              help="Print the plan -- cells, units, estimated wall time and peak memory -- and exit without "
+                   "writing anything (the time is measured by computing one and two heads of each estimator and S).")
 @click.option("--out", "out", type=click.Path(path_type=Path), default=None,
               help="Result table: .parquet, .csv or .json (metadata in <out>.meta.json).")
 @click.option("--threads", type=int, default=None, metavar="N",
@@ -105,8 +110,8 @@ def parse_int_list(name: str, text: str | None) -> tuple[int, ...] | None:
                    "Default: log2 on masked layers, none otherwise. Written to <out stem>.positions<suffix>.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def command(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images, seed, backend, device,
-            dtype, check_reference, max_memory, probabilities, diagnostics, resume, overwrite, out, threads, scheduler,
-            mask_choice, position_buckets, as_json) -> None:
+            dtype, check_reference, max_memory, probabilities, diagnostics, resume, force, dry_run, out, threads,
+            scheduler, mask_choice, position_buckets, as_json) -> None:
     """Measure bias, variance and MSE of estimators on the activations in ACTS.
 
     One row per (image, layer, head, estimator, S); summary averaged as LARA app. H.1
@@ -118,37 +123,51 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
       randattn mse acts.safetensors -e rfa:coupling=orthogonal -e ra:variant=biased --json
       randattn mse acts.safetensors --device cuda --out mse.csv --resume
       randattn mse lm.safetensors --mask causal -e rfa -e ra --out causal.parquet
+      randattn mse acts.safetensors --samples 16,64,256 --dry-run
     \b
-    Exit codes: 0 ok, 2 bad usage or input (nothing is computed), 130 interrupted
-    (finished units are kept; the message gives the --resume command).
+    Exit codes: 0 ok; 1 an unexpected error; 2 bad usage or input (refused before
+    computing), or no space left to write an output (the message names the file);
+    130 interrupted by Ctrl-C (SIGINT), 143 stopped by SIGTERM. After 2 (no space),
+    130 or 143, finished units are kept beside --out and the message gives the
+    --resume command that continues the run.
     """
     from randattn._process import retain_freed_memory
     from randattn.analysis.executors import parse_scheduler
     from randattn.analysis.store import SweepLockedError, sweep_lock
-    from randattn.cli._common import UserError, abort, err_console
+    from randattn.cli._common import UserError, abort, err_console, no_space_message
 
     retain_freed_memory()  # the sweep reuses its large blocks' pages instead of faulting them in again
 
-    if resume and overwrite:
-        abort("--resume and --overwrite exclude each other")
+    if resume and force:
+        abort("--resume and --force exclude each other")
     try:
         where = parse_scheduler(scheduler)
     except ValueError as exc:
         abort(str(exc))
+    if resume and out is not None:
+        _check_manifest(out.with_name(out.name + ".parts"))  # before loading anything: a damaged one is said at once
     config, activations = _prepare(acts, estimator_list, estimator_items, samples, replicates, layers, heads, images,
                                    seed, backend, device, dtype, check_reference, max_memory, probabilities,
                                    diagnostics, threads, mask_choice, position_buckets)
+    if dry_run:
+        _dry_run(activations, config, out, resume, force, where)
+        return
     if out is None:
         if resume:
             abort("--resume needs --out (the interrupted run's output path)")
-        tables = _run(activations, config, None, False, err_console, where, acts)
+        plan = None
+        try:
+            plan = _plan(activations, config, None, False, err_console, where)
+            tables = _run(activations, config, None, False, err_console, where, acts, plan)
+        except KeyboardInterrupt as exc:
+            _interrupted(exc, None, plan, err_console)
         _finish(tables, config, activations, None, as_json)
         return
     out = _check_out(out)
     parts = out.with_name(out.name + ".parts")
     try:
         with sweep_lock(out):
-            if _already_complete(out, parts, config, resume, overwrite):
+            if _already_complete(out, parts, config, resume, force):
                 from randattn.analysis.store import coerce
                 from randattn.analysis.sweep import SweepTables
                 from randattn.reports.tables import read_results
@@ -156,14 +175,23 @@ def command(acts, estimator_list, estimator_items, samples, replicates, layers, 
                 err_console.print(f"{out} already holds this run, complete; nothing to do", highlight=False)
                 _finish(SweepTables(coerce(read_results(out).table)), config, activations, None, as_json)
                 return
-            if overwrite:
+            if force:
                 shutil.rmtree(parts, ignore_errors=True)
+            plan = None
             try:
-                tables = _run(activations, config, parts, resume, err_console, where, acts)
+                plan = _plan(activations, config, parts, resume, err_console, where)
+                tables = _run(activations, config, parts, resume, err_console, where, acts, plan)
+                _finish(tables, config, activations, out, as_json)
             except UserError:
                 _drop_empty_parts(parts)  # refused before any unit finished (memory): leave nothing behind
                 raise
-            _finish(tables, config, activations, out, as_json)
+            except KeyboardInterrupt as exc:
+                _interrupted(exc, parts, plan, err_console)
+            except OSError as exc:
+                message = no_space_message(exc)
+                if message is None:
+                    raise
+                abort(message + _kept(parts, then="once there is space"))
             shutil.rmtree(parts, ignore_errors=True)
     except SweepLockedError as exc:
         abort(str(exc))
@@ -250,40 +278,68 @@ def _parse_position_buckets(text):
                          "such as 1,2,4,8,64") from None
 
 
-def _check_out(out: Path) -> Path:
+def _check_out(out: Path, dry_run: bool = False) -> Path:
+    """``--out``'s suffix, and that it can be written (checked by writing, except in a dry run, which only looks)."""
+    import os
+
     from randattn.analysis.sweep import OUTPUT_FORMATS
     from randattn.cli._common import abort, writable_output
 
     if out.suffix.lower() not in OUTPUT_FORMATS:
         abort(f"--out {str(out)!r}: unknown suffix {out.suffix!r}; use one of {', '.join(OUTPUT_FORMATS)}")
-    return writable_output(out)
+    if not dry_run:
+        return writable_output(out)
+    if out.is_dir():
+        abort(f"--out {str(out)!r} is a folder; give a file name")
+    folder = next(p for p in [out.parent, *out.parent.parents] if p.exists() or p == Path(p.anchor))
+    if not folder.is_dir():
+        abort(f"--out {str(out)!r}: {str(folder)!r} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        abort(f"--out {str(out)!r}: cannot write to {str(folder)!r} (Permission denied)")
+    return out
 
 
-def _already_complete(out: Path, parts: Path, config, resume: bool, overwrite: bool) -> bool:
+def _already_complete(out: Path, parts: Path, config, resume: bool, force: bool, dry_run: bool = False) -> bool:
     """Apply the rules for an existing output; True when ``--resume`` finds the same run already finished.
 
-    Nothing finished is replaced without ``--overwrite``: an existing table refuses a plain run;
-    ``--resume`` on a finished table of the same settings does nothing, of other settings refuses.
+    Nothing finished is replaced without ``--force``: an existing table refuses a plain run;
+    ``--resume`` on a finished table of the same settings does nothing, of other settings refuses;
+    ``--resume`` with an unreadable manifest refuses, naming it. A dry run applies the same rules
+    and changes nothing.
     """
     from randattn.analysis.store import stored_unit_ids
     from randattn.cli._common import abort
 
-    if parts.exists() and not stored_unit_ids(parts) and not resume:
+    if parts.exists() and not stored_unit_ids(parts) and not resume and not dry_run:
         shutil.rmtree(parts, ignore_errors=True)  # a run stopped before its first unit: nothing to keep
-    if overwrite:
+    if force:
         return False
-    if stored_unit_ids(parts) and not resume:
-        abort(f"{str(parts)!r} holds an unfinished run; add --resume to continue it, or --overwrite to start afresh")
+    if stored_unit_ids(parts):
+        if not resume:
+            abort(f"{str(parts)!r} holds an unfinished run; add --resume to continue it, or --force to start afresh")
+        _check_manifest(parts)
     if out.exists():
         if not resume:
-            abort(f"{str(out)!r} exists; pass --overwrite to replace it (or --resume to check it is complete)")
+            abort(f"{str(out)!r} exists; pass --force to replace it (or --resume to check it is complete)")
         if parts.exists():
             return False  # a finished table beside an unfinished rerun: the parts decide
         stored = _stored_identity(out)
         if stored != json.loads(json.dumps(config.identity())):
-            abort(f"{str(out)!r} holds a finished run with different settings; use --overwrite or another --out")
+            abort(f"{str(out)!r} holds a finished run with different settings; use --force or another --out")
         return True
     return False
+
+
+def _check_manifest(parts: Path) -> None:
+    """Exit 2 when ``parts`` holds finished units whose manifest is missing or damaged, naming it and what is wrong."""
+    from randattn.analysis.store import read_manifest, stored_unit_ids
+    from randattn.cli._common import abort
+
+    if stored_unit_ids(parts):
+        try:
+            read_manifest(parts)
+        except ValueError as exc:
+            abort(f"{exc}; --force starts afresh (its finished units are lost)")
 
 
 def _drop_empty_parts(parts: Path) -> None:
@@ -292,6 +348,46 @@ def _drop_empty_parts(parts: Path) -> None:
 
     if parts.is_dir() and not stored_unit_ids(parts):
         shutil.rmtree(parts, ignore_errors=True)
+
+
+def _kept(parts: Path | None, then: str | None = None) -> str:
+    """What a failed run kept, to end its message: the parts folder for --resume if it holds a finished unit (and,
+    with ``then``, "<then>, continue with: <the resume command>"), else that nothing was kept (and the empty
+    folder is removed)."""
+    from randattn.analysis.store import stored_unit_ids
+
+    if parts is None:
+        return "; nothing was kept (no --out)"
+    if stored_unit_ids(parts):
+        how = "" if then is None else f"; {then}, continue with: {_resume_command()}"
+        return f"; finished units are kept in {parts} for --resume{how}"
+    _drop_empty_parts(parts)
+    return "; nothing was kept (no unit had finished)"
+
+
+def _interrupted(exc: BaseException, parts: Path | None, plan, console) -> NoReturn:
+    """Say what an interrupted (Ctrl-C, SIGTERM) run kept and how to continue it; exit 128 + the signal."""
+    from rich.markup import escape
+
+    from randattn.analysis.plan import total_cells
+    from randattn.analysis.store import stored_unit_ids
+    from randattn.cli._common import interrupt_exit_code
+
+    stored = stored_unit_ids(parts) if parts is not None else set()
+    if not stored:
+        if parts is not None:
+            _drop_empty_parts(parts)
+        why = "no --out" if parts is None else "no unit had finished"
+        console.print(f"[bold red]interrupted[/]: nothing was kept ({why})", highlight=False)
+    else:
+        if plan is not None:
+            kept = f"{total_cells([u for u in plan.units if u.uid in stored])} of {plan.cells} cells are"
+        else:
+            kept = f"{len(stored)} finished unit{'s are' if len(stored) > 1 else ' is'}"
+        # soft_wrap: the command stays on one line, whole, for copy and paste
+        console.print(f"[bold red]interrupted[/]: {kept} kept in {escape(str(parts))}\ncontinue with:\n  "
+                      f"{escape(_resume_command())}", highlight=False, soft_wrap=True)
+    raise SystemExit(interrupt_exit_code(exc)) from None
 
 
 def _stored_identity(out: Path):
@@ -303,65 +399,153 @@ def _stored_identity(out: Path):
 
 
 def _resume_command() -> str:
-    argv = [a for a in sys.argv[1:] if a != "--overwrite"]
+    argv = [a for a in sys.argv[1:] if a not in ("--overwrite", "--force", "--dry-run")]
     if "--resume" not in argv:
         argv.append("--resume")
     return " ".join(map(_quote, ["randattn", *argv]))
 
 
-def _run(activations, config, parts, resume, console, where=None, source=None):
-    """Run the sweep with a progress bar; returns its :class:`~randattn.analysis.sweep.SweepTables`."""
+# ------------------------------------------------------------------------------------------------------------ plan
+def _plan(activations, config, parts, resume, console, where, *, timing: bool = False):
+    """Plan the sweep (:func:`~randattn.analysis.sweep.plan_sweep`: units, memory calibration, ``timing``), print it,
+    and refuse (exit 2) one that cannot fit the memory budget. Writes nothing."""
+    from randattn.analysis import sweep
+    from randattn.cli._common import abort
+
+    try:
+        plan = sweep.plan_sweep(activations, config, parts_dir=parts, resume=resume, timing=timing)
+    except ValueError as exc:
+        abort(str(exc))
+    for line in _plan_lines(plan, where, timing):
+        console.print(line, highlight=False, soft_wrap=True)
+    if plan.refused is not None:
+        abort(plan.refused)
+    return plan
+
+
+def _plan_lines(plan, where, timing: bool) -> list[str]:
+    """The plan in words: two lines (cells, units, selection; memory), three with the wall time."""
+    from randattn.analysis.execute import format_bytes
+
+    config = plan.config
+    pairs = sum(len(config.num_samples) if e.needs_samples else 1 for e in config.estimators)
+    n_layers, n_heads, n_images = len(plan.layers), len(plan.heads), len(plan.images)
+    first = (f"[bold]plan[/]: {plan.cells} cells in {_count(len(plan.units), 'unit')} = {_count(n_layers, 'layer')} x "
+             f"{_count(n_heads, 'head')} x {_count(n_images, 'image')} x {pairs} (estimator, S) "
+             f"{'pair' if pairs == 1 else 'pairs'}, R = {config.replicates}")
+    if len(plan.todo) < len(plan.units):
+        first += f"; resuming: {plan.todo_cells} cells left to compute"
+    if plan.unreadable:
+        first += (f" ({_count(len(plan.unreadable), 'unreadable part')} will be set aside into corrupt/ and "
+                  "computed again)")
+    budget = format_bytes(config.max_memory)
+    if plan.refused is not None:
+        memory = (f"[bold]memory[/]: refused before computing: one replicate of one head needs more than --max-memory "
+                  f"{budget} (the error says how much)")
+    elif not plan.todo:
+        memory = "[bold]memory[/]: nothing left to compute"
+    else:
+        memory = (f"[bold]memory[/]: the estimator work peaks at about {format_bytes(plan.peak_bytes)} "
+                  f"(memory model, calibrated here; --max-memory {budget}); ")
+        if plan.split_units:
+            memory += (f"{plan.split_units} of {len(plan.todo)} units are split into smaller blocks to fit it "
+                       "(their rows may differ in the last bit from a run with more memory)")
+        else:
+            memory += "every unit runs in its canonical blocks"
+    lines = [first, memory]
+    if timing and plan.seconds is not None:
+        heads = " and ".join(map(str, plan.timed_heads))
+        dask = "" if where is None or where.kind == "local" else "; the Dask workers share it"
+        lines.append(f"[bold]wall time[/]: about {_duration(plan.seconds)} of computing in this process{dask} "
+                     f"(estimated by computing {heads} head{'s' if plan.timed_heads[-1] > 1 else ''} of each "
+                     f"estimator and S here, timed, and extrapolated linearly to {n_heads} heads per unit; start-up "
+                     "and writing not included)")
+    return lines
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _dry_run(activations, config, out, resume, force, where) -> None:
+    """``--dry-run``: the rules for --out and the plan, with its wall time; nothing is computed for the table and
+    nothing is written."""
+    from randattn.cli._common import abort, err_console
+
+    parts = None
+    if out is None:
+        if resume:
+            abort("--resume needs --out (the interrupted run's output path)")
+    else:
+        out = _check_out(out, dry_run=True)
+        parts = out.with_name(out.name + ".parts")
+        if _already_complete(out, parts, config, resume, force, dry_run=True):
+            err_console.print(f"{out} already holds this run, complete; the run would do nothing", highlight=False)
+            return
+    _plan(activations, config, parts, resume, err_console, where, timing=True)
+    target = "" if out is None else f" (it would write {out})"
+    err_console.print(f"dry run: nothing was written; the same command without --dry-run runs it{target}",
+                      highlight=False, soft_wrap=True)
+
+
+def _run(activations, config, parts, resume, console, where=None, source=None, plan=None):
+    """Run the sweep with a progress bar; returns its :class:`~randattn.analysis.sweep.SweepTables`.
+
+    ``plan``: :func:`_plan`'s, whose memory calibration the sweep reuses. Ctrl-C and SIGTERM propagate
+    (the command says what was kept).
+    """
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from randattn.analysis import sweep  # looked up at call time: tests replace sweep.run_sweep
     from randattn.analysis.execute import MemoryBudgetError, format_bytes
+    from randattn.analysis.store import CorruptPartWarning
     from randattn.cli._common import abort
 
-    total = sweep.count_cells(activations, config)
-    state = {"done": 0}
+    total = plan.cells if plan is not None else sweep.count_cells(activations, config)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
                   transient=False) as bar:
         task = bar.add_task("mse", total=total)
 
         def report(p) -> None:
-            state["done"] = p.done
             s = "" if p.num_samples is None else f" S={p.num_samples}"
             bar.update(task, completed=p.done, description=f"layer {p.layer} {p.label}{s}")
+
+        def show(message, category, *args, **kwargs) -> None:  # a part set aside is said at once
+            console.print(f"[yellow]warning[/]: {escape(str(message))}", highlight=False, soft_wrap=True)
 
         try:
             with warnings.catch_warnings(), _client(where, console, config.threads) as client:
                 warnings.simplefilter("ignore")  # run_sweep re-issues each distinct warning once; it returns them all
+                warnings.simplefilter("always", CorruptPartWarning)
+                warnings.showwarning = show
                 tables = sweep.run_sweep(source if client is not None else activations, config, parts_dir=parts,
                                          resume=resume, progress=report, lock=False, resume_hint="--resume",
-                                         scheduler=client, with_positions=True)
-        except KeyboardInterrupt:
-            bar.stop()
-            if parts is None:
-                console.print("[bold red]interrupted[/]: nothing was kept (no --out)", highlight=False)
-            else:
-                from rich.markup import escape
-
-                # soft_wrap: the command stays on one line, whole, for copy and paste
-                console.print(f"[bold red]interrupted[/]: {state['done']} of {total} cells are kept in "
-                              f"{escape(str(parts))}\ncontinue with:\n  {escape(_resume_command())}",
-                              highlight=False, soft_wrap=True)
-            raise SystemExit(130) from None
+                                         scheduler=client, with_positions=True, calibrated=plan)
         except MemoryBudgetError as exc:
             abort(str(exc))
         except MemoryError as exc:
             # numpy says what did not fit ("Unable to allocate 66.4 GiB for an array with shape ...")
             what = (str(exc).splitlines() or [""])[0] or "an allocation failed"
             abort(f"out of memory ({what}); lower --max-memory (now {format_bytes(config.max_memory)}) so that work "
-                  "is split into smaller blocks, or use fewer --samples / --replicates")
+                  "is split into smaller blocks, or use fewer --samples / --replicates" + _kept(parts))
         except RuntimeError as exc:
             if "memory" in str(exc).lower() and ("allocate" in str(exc).lower() or "out of" in str(exc).lower()):
                 abort(f"out of memory ({str(exc).splitlines()[0]}); lower --max-memory (now "
-                      f"{format_bytes(config.max_memory)}) or use fewer --samples / --replicates")
+                      f"{format_bytes(config.max_memory)}) or use fewer --samples / --replicates" + _kept(parts))
             raise
         except (FileExistsError, ValueError) as exc:  # bad input found while running (also raised by a Dask unit)
-            kept = "" if parts is None else f"; finished units are kept in {parts} for --resume"
-            abort(str(exc) + ("" if isinstance(exc, FileExistsError) or str(exc).startswith("cannot resume") else kept))
+            plain = isinstance(exc, FileExistsError) or str(exc).startswith("cannot resume")
+            abort(str(exc) + ("" if plain else _kept(parts)))
     _report_warnings(tables.table.attrs.get("warnings", []), console)
     return tables
 
@@ -396,7 +580,8 @@ def _client(where, console, threads=None):
 def _report_warnings(records, console) -> None:
     """One line per distinct warning, with how many units raised it."""
     for r in records:
-        console.print(f"[yellow]warning[/] ({r['count']} units, {r['label']}) {r['category']}: {r['message']}",
+        units = _count(r["count"], "unit")
+        console.print(f"[yellow]warning[/] ({units}, {r['label']}) {r['category']}: {r['message']}",
                       highlight=False, markup=True)
 
 
@@ -447,8 +632,8 @@ def _finish(tables, config, activations, out, as_json) -> None:
         flag = check["max_dev_over_rmse"] > REFERENCE_TOLERANCE
         colour = "yellow" if flag else "green"
         err_console.print(
-            f"[{colour}]reference check[/]: {check['units_checked']} units re-run on the float64 reference; largest "
-            f"|batched - reference| = {check['max_abs_dev']:.2e} ({check['max_abs_dev_label']}), at most "
+            f"[{colour}]reference check[/]: {_count(check['units_checked'], 'unit')} re-run on the float64 reference; "
+            f"largest |batched - reference| = {check['max_abs_dev']:.2e} ({check['max_abs_dev_label']}), at most "
             f"{check['max_dev_over_rmse']:.1e} of a cell's RMSE ({check['max_dev_over_rmse_label']}, "
             f"{check['max_dev_over_rmse_dtype']})"
             + (f" -- above {REFERENCE_TOLERANCE:g}: rerun with --dtype float64" if flag else ""), highlight=False)
@@ -502,7 +687,7 @@ def _print_summary(summary) -> None:
     kinds = sorted(set(summary["mask"].astype(str))) if "mask" in summary else []
     masks = [kind for kind in kinds if kind != "none"]
     several = len(kinds) > 1  # layers under different masks: a row per mask, named
-    under = f" under the {', '.join(masks)} mask" if masks else ""
+    under = (f" under the {' and '.join(masks)} mask{'s' if len(masks) > 1 else ''}" if masks else "")
     table = Table(title=f"attention MSE{under} (mean over heads, layers, images; 95% bootstrap CI)")
     for name in ("estimator", "S", "tokens", *(["mask"] if several else []), "MSE [CI]", "bias^2", "variance",
                  "CI over"):

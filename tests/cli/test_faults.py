@@ -255,7 +255,7 @@ def test_a_finished_table_is_never_replaced_without_overwrite(acts, reference, t
     shutil.copy(reference, out)
     shutil.copy(reference.with_name(reference.name + ".meta.json"), out.with_name(out.name + ".meta.json"))
     before = out.stat().st_mtime_ns
-    for extra, message in [((), "exists; pass --overwrite to replace it"),
+    for extra, message in [((), "exists; pass --force to replace it"),
                            (("--replicates", "2", "--resume"), "holds a finished run with different settings")]:
         result = CliRunner().invoke(main, ["mse", str(acts), *SWEEP, "--out", str(out), "--threads", "1", *extra])
         assert result.exit_code == 2 and message in " ".join(result.stderr.split()), result.output
@@ -306,7 +306,7 @@ def test_sigkill_during_a_part_write_leaves_no_partial_part_and_resume_is_identi
 
     refused = _cli("mse", acts, *SWEEP, "--out", out)  # an unfinished run is not silently restarted
     assert refused.returncode == 2
-    assert "holds an unfinished run; add --resume to continue it, or --overwrite" in _said(refused)
+    assert "holds an unfinished run; add --resume to continue it, or --force" in _said(refused)
     assert "resume=True" not in refused.stderr
 
     resumed = _cli("mse", acts, *SWEEP, "--out", out, "--resume")

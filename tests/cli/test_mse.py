@@ -58,7 +58,7 @@ def test_mse_resume_continues_with_same_out(acts_file, tmp_path):
     (parts / "part-L0-0123456789abcdef.parquet").write_bytes(b"")
     result = _invoke(acts_file, "--estimators", "rfa", "--samples", "4", "--replicates", "3", "--out", out)
     assert result.exit_code == 2
-    assert "holds an unfinished run; add --resume to continue it, or --overwrite" in result.output
+    assert "holds an unfinished run; add --resume to continue it, or --force" in result.output
     import shutil
 
     shutil.rmtree(parts)
