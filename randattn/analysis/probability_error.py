@@ -20,6 +20,10 @@ is negligible against the error it measures (:func:`factored_rounding_negligible
 float32, then, for a block whose errors are too small for float32's bound (LARA on early layers,
 say), from the same factors in float64, whose bound is 2^29 times smaller; only where both fail
 does it form :math:`\hat P` as before.
+
+The formed probabilities' row errors (:func:`row_errors`) and the bound test of an estimator's
+float32 probability product in a float64 run (:func:`probability_rounding_negligible`) live here
+too; :mod:`~randattn.analysis.estimate_block` chooses among the three ways.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported by the functions that need it: plotting and reporting never load it
     import torch
 
-__all__ = ["factored_sq_errors", "factored_rounding_negligible", "factored_pays"]
+__all__ = ["factored_sq_errors", "factored_rounding_negligible", "factored_pays", "probability_rounding_negligible",
+           "row_errors"]
 
 #: unit roundoff and a bound on the absolute error of a product or conversion that underflows (half the smallest
 #: subnormal for float32; the smallest subnormal itself for float64, whose half is not a float), per working dtype
@@ -153,3 +158,44 @@ def factored_rounding_negligible(sq: torch.Tensor, bound: torch.Tensor, rtol: fl
     import torch
 
     return bool((torch.isfinite(sq) & torch.isfinite(bound) & (bound <= rtol * (sq - bound))).all())
+
+
+def row_errors(probs: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """float64 ``|P_hat_n - P_n|`` per row ``(R, C, N)``, overwriting ``probs`` (the run's dtype, no float64 copy).
+
+    Parameters
+    ----------
+    probs : (R, C, N, M) tensor
+        The estimator's implied probabilities, in the run's dtype; overwritten with the difference.
+    exact : (C, N, M) tensor
+        The exact probabilities in ``probs``' dtype.
+
+    Notes
+    -----
+    The exact P rounded to float32 is off by <= 6e-8 P, negligible against an estimator's |P_hat - P|. Each row's
+    norm is taken in the run's dtype (each row alone, whatever the block); sum(dtype=float64) over the block would
+    convert it whole (20x slower).
+    """
+    import torch
+
+    return torch.linalg.vector_norm(probs.sub_(exact), dim=-1).to(torch.float64)  # one fused pass; rounding ~1e-8
+
+
+def probability_rounding_negligible(row_err: torch.Tensor, bound: torch.Tensor, exact_norms: torch.Tensor,
+                                    rtol: float) -> bool:
+    r"""Whether rounding moves every (replicate, cell)'s probability squared error by at most ``rtol`` of it.
+
+    ``row_err (R, C, N)`` are the computed :math:`\tilde e_n = \|\tilde P_n - \mathrm{fl_{32}}(P_n)\|_2`,
+    ``bound (R, C, N)`` bounds :math:`\|\tilde P_n - \hat P_n\|_2` (the estimator's product rounding) and
+    ``exact_norms (C, N)`` are :math:`\|\mathrm{fl_{32}}(P_n)\|_2`. With
+    :math:`\delta_n = b_n + 1.01\,u \|P_n\|_2` (also the exact probabilities' rounding to float32,
+    :math:`u = 2^{-24}`), the exact :math:`e_n = \|\hat P_n - P_n\|_2` lies within :math:`\delta_n` of
+    :math:`\tilde e_n`, so :math:`|\sum_n \tilde e_n^2 - \sum_n e_n^2| \le \sum_n \delta_n (2 \tilde e_n + \delta_n)`
+    and :math:`\sum_n e_n^2 \ge \sum_n \max(\tilde e_n - \delta_n, 0)^2`; the test is that the first is at most
+    ``rtol`` times the second. The float32 difference and norm round relative to :math:`\tilde e_n` only, as in
+    every float32 run. A NaN or inf anywhere fails the test.
+    """
+    delta = bound + 1.01 * 2.0**-24 * exact_norms.to(bound.dtype)
+    change = (delta * (2.0 * row_err + delta)).sum(-1)
+    floor = (row_err - delta).clamp(min=0.0).square().sum(-1)
+    return bool((change <= rtol * floor).all())

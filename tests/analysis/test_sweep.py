@@ -333,17 +333,17 @@ def test_signed_lara_probabilities_take_the_float32_product_only_within_its_boun
     """Under dtype=auto, signed LARA's prob_mse comes from the float32 product: within the guaranteed
     1e-3 of the float64 run's (and not its bits), every other column the float64 run's bits. With
     the tolerance at 0 no block qualifies and every block is recomputed in float64: the same bits."""
-    from randattn.analysis import execute
+    from randattn.analysis import estimate_block, execute
 
     config = dict(backend="torch", estimators=parse_estimator_list("lara;lara:proposal=eq32,weighting=coupled"),
                   num_samples=(4, 8), diagnostics=True, khat_queries=2)
     full = _without_time(run_sweep(acts, _config(dtype="float64", **config)))
     auto = _without_time(run_sweep(acts, _config(**config)))
-    assert execute.PROBABILITY_ROUNDING_RTOL == 1e-3
+    assert execute.PROBABILITY_ROUNDING_RTOL == estimate_block.PROBABILITY_ROUNDING_RTOL == 1e-3
     np.testing.assert_allclose(auto.prob_mse, full.prob_mse, rtol=1e-3, atol=0)
     assert not np.array_equal(auto.prob_mse, full.prob_mse)
     pd.testing.assert_frame_equal(auto.drop(columns="prob_mse"), full.drop(columns="prob_mse"), check_exact=True)
-    monkeypatch.setattr(execute, "PROBABILITY_ROUNDING_RTOL", 0.0)
+    monkeypatch.setattr(estimate_block, "PROBABILITY_ROUNDING_RTOL", 0.0)
     fallback = _without_time(run_sweep(acts, _config(**config)))
     pd.testing.assert_frame_equal(fallback, full, check_exact=True)
 
@@ -387,7 +387,7 @@ def test_low_rank_probability_errors_come_from_the_factors_within_their_bound(rn
     """Where 16 S <= N, RFA's and LARA's prob_mse are measured from their factors: within the guaranteed 1e-3 of
     the dense pass's (and not its bits), every other column the dense run's bits. With the tolerance at 0 no
     block qualifies and every block goes the dense way: the same bits as a run without factors."""
-    from randattn.analysis import execute
+    from randattn.analysis import estimate_block
 
     arrays = {0: tuple(0.8 * rng.normal(size=(2, 2, 70, 4)) for _ in range(3))}
     wide = make_activations(arrays, {"scale": 0.5, "model": "synthetic", "images": ["cat", "dog"]})
@@ -395,18 +395,18 @@ def test_low_rank_probability_errors_come_from_the_factors_within_their_bound(rn
         "rfa:coupling=orthogonal;lara:weighting=balance;lara;rfa:feature_map=trigonometric"), num_samples=(4, 8),
         diagnostics=True, khat_queries=2)
     factored = _without_time(run_sweep(wide, config))
-    monkeypatch.setattr(execute, "factored_pays", lambda rank, queries: False)
+    monkeypatch.setattr(estimate_block, "factored_pays", lambda rank, queries: False)
     dense = _without_time(run_sweep(wide, config))
     np.testing.assert_allclose(factored.prob_mse, dense.prob_mse, rtol=1e-3, atol=0)
     low_rank = (factored.num_samples == 4) & ~factored.label.str.contains("trigonometric")
     assert (factored.prob_mse[low_rank] != dense.prob_mse[low_rank]).all()
     assert np.array_equal(factored.prob_mse[~low_rank], dense.prob_mse[~low_rank])  # 16 x 8 > 70, or no factors
     pd.testing.assert_frame_equal(factored.drop(columns="prob_mse"), dense.drop(columns="prob_mse"), check_exact=True)
-    monkeypatch.setattr(execute, "PROBABILITY_ROUNDING_RTOL", 0.0)
+    monkeypatch.setattr(estimate_block, "PROBABILITY_ROUNDING_RTOL", 0.0)
     refused = _without_time(run_sweep(wide, config))
     monkeypatch.undo()
-    monkeypatch.setattr(execute, "PROBABILITY_ROUNDING_RTOL", 0.0)
-    monkeypatch.setattr(execute, "factored_pays", lambda rank, queries: False)
+    monkeypatch.setattr(estimate_block, "PROBABILITY_ROUNDING_RTOL", 0.0)
+    monkeypatch.setattr(estimate_block, "factored_pays", lambda rank, queries: False)
     pd.testing.assert_frame_equal(refused, _without_time(run_sweep(wide, config)), check_exact=True)
 
 
@@ -416,13 +416,13 @@ def test_factored_errors_too_small_for_float32_are_taken_in_float64(rng, monkeyp
     1e-3 of the dense pass and not its bits (a dense pass would give them)."""
     import torch
 
-    from randattn.analysis import execute
+    from randattn.analysis import estimate_block
 
     arrays = {0: tuple(0.8 * rng.normal(size=(1, 2, 70, 4)) for _ in range(3))}
     wide = make_activations(arrays, {"scale": 0.5, "model": "synthetic", "images": ["cat"]})
     config = _config(backend="torch", estimators=parse_estimator_list("rfa:coupling=orthogonal;lara"),
                      num_samples=(4,))
-    original = execute.factored_sq_errors
+    original = estimate_block.factored_sq_errors
     seen = []
 
     def float32_too_loose(left, *args):
@@ -430,11 +430,11 @@ def test_factored_errors_too_small_for_float32_are_taken_in_float64(rng, monkeyp
         seen.append(left.dtype)
         return sq, (torch.full_like(bound, float("inf")) if left.dtype == torch.float32 else bound)
 
-    monkeypatch.setattr(execute, "factored_sq_errors", float32_too_loose)
+    monkeypatch.setattr(estimate_block, "factored_sq_errors", float32_too_loose)
     second_try = _without_time(run_sweep(wide, config))
     assert seen.count(torch.float32) == seen.count(torch.float64) > 0
     monkeypatch.undo()
-    monkeypatch.setattr(execute, "factored_pays", lambda rank, queries: False)
+    monkeypatch.setattr(estimate_block, "factored_pays", lambda rank, queries: False)
     dense = _without_time(run_sweep(wide, config))
     np.testing.assert_allclose(second_try.prob_mse, dense.prob_mse, rtol=1e-3, atol=0)
     assert (second_try.prob_mse != dense.prob_mse).all()

@@ -1,0 +1,151 @@
+r"""The memory model of a unit: bytes per (cell, replicate), calibrated, and the blocks a budget allows (issue #26).
+
+A block of c cells x r replicates is modelled to need ``c (a + b r)`` bytes: ``a`` per cell
+whatever R, ``b`` per replicate. Both are calibrated once per (configuration, S, shape) by
+:func:`~randattn.analysis.memory.measure_peak` on the code path that runs
+(:func:`measure_block_peak`) at one cell with one and two replicates, after a warm-up call, at
+S = 16 and 64, and extrapolated linearly in S (every estimator's working set is affine in S)
+(:func:`fit_cell_model`), plus the stored estimate (:func:`with_margin`). :func:`split_blocks`
+cuts a unit into blocks under the budget; a unit whose single (cell, replicate) exceeds it is
+refused with :class:`MemoryBudgetError` (:func:`check_fits`) before anything is computed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+from randattn.analysis.memory import measure_peak
+from randattn.estimators.base import Draws
+
+__all__ = ["CANONICAL_REPLICATES", "MemoryBudgetError", "block_bytes", "check_fits", "fit_cell_model",
+           "format_bytes", "measure_block_peak", "split_blocks", "with_margin"]
+
+#: replicates per estimator call whenever the memory budget allows (see split_blocks)
+CANONICAL_REPLICATES = 8
+
+#: S at which the working set is measured (then extrapolated linearly in S)
+_CALIBRATION_SAMPLES = (16, 64)
+
+
+class MemoryBudgetError(ValueError):
+    """One (cell, replicate) of a unit needs more memory than ``max_memory`` allows."""
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.3g} TiB"  # pragma: no cover
+
+
+def draw_bytes(draws: Draws) -> int:
+    """Bytes of the draws' arrays (made before the measured call, so :func:`measure_peak` does not see them)."""
+    return sum(a.nbytes for a in draws.arrays.values())
+
+
+def measure_block_peak(run: Callable[[], Any], draws: Draws, *, torch_tensors: bool) -> int:
+    """Peak bytes of one calibration block: ``run()`` measured as the sweep runs it, plus its ``draws``.
+
+    Parameters
+    ----------
+    run : callable
+        The block's code path (estimates, the probability pass, diagnostics), without arguments.
+    draws : Draws
+        The block's draws, allocated before ``run``.
+    torch_tensors : bool
+        Count torch tensors too (the torch backend).
+    """
+    from randattn._precision import full_precision_matmul
+
+    with warnings.catch_warnings(), full_precision_matmul():  # the code path and precision of the run
+        warnings.simplefilter("ignore")  # calibration only: the real run reports warnings
+        return measure_peak(run, torch_tensors=torch_tensors) + draw_bytes(draws)
+
+
+def fit_cell_model(peak_at: Callable[[int | None, int], int], num_samples: int | None,
+                   random: bool) -> tuple[int, int]:
+    """``(a, b)`` of the model ``c (a + b r)``, from peaks measured at one cell (no margin).
+
+    Parameters
+    ----------
+    peak_at : callable
+        ``(S, replicates) -> peak bytes`` of one cell (:func:`measure_block_peak`).
+    num_samples : int or None
+        The unit's S (None: an estimator without samples).
+    random : bool
+        Whether the estimator is random: only then is a second replicate measured (a deterministic one has one).
+
+    Notes
+    -----
+    A warm-up call comes first (caches, lazy imports). Up to S = 64 the model is measured at S itself; above,
+    at S = 16 and 64 and extrapolated affinely in S, never decreasing.
+    """
+    reps_measured = (1, 2) if random else (1,)
+
+    def model_at(samples: int | None) -> tuple[int, int]:
+        peaks = [peak_at(samples, r) for r in reps_measured]
+        per_rep = max(peaks[-1] - peaks[0], 0) if len(peaks) > 1 else peaks[0]
+        return max(peaks[0] - per_rep, 0), per_rep
+
+    s = num_samples
+    peak_at(min(s, _CALIBRATION_SAMPLES[0]) if s is not None else None, 1)  # warm-up: caches, lazy imports
+    if s is None or s <= _CALIBRATION_SAMPLES[1]:
+        return model_at(s)
+    (s1, s2) = _CALIBRATION_SAMPLES  # affine in S through the two calibration points
+    (a1, b1), (a2, b2) = model_at(s1), model_at(s2)
+    a = int(max(a1, a2) + max(a2 - a1, 0) / (s2 - s1) * (s - s2))
+    b = int(max(b1, b2) + max(b2 - b1, 0) / (s2 - s1) * (s - s2))
+    return a, b
+
+
+def with_margin(a: int, b: int, *, queries: int, value_dim: int, key_dim: int,
+                num_samples: int | None) -> tuple[int, int]:
+    """``(a, b)`` as the budget counts them: a margin of 1.5 for allocator slack, and per (cell, replicate)
+    the stored float64 estimate ``(N, Dv)`` and ``S x D`` of draws."""
+    return int(1.5 * a), int(1.5 * b) + 8 * queries * value_dim + 8 * (num_samples or 1) * key_dim
+
+
+def block_bytes(per_cell: int, per_rep: int, cells: int, reps: int) -> int:
+    """Modelled peak bytes ``cells * (per_cell + per_rep * reps)`` of a block of ``cells`` x ``reps``."""
+    return cells * (per_cell + per_rep * reps)
+
+
+def check_fits(per_cell: int, per_rep: int, budget: int, *, label: str, num_samples: int | None,
+               tokens: int) -> None:
+    """Raises :class:`MemoryBudgetError` if one (cell, replicate) exceeds ``budget``, naming the configuration."""
+    per = block_bytes(per_cell, per_rep, 1, 1)
+    if per > budget:
+        s = "" if num_samples is None else f" at S = {num_samples}"
+        raise MemoryBudgetError(
+            f"one replicate of one head of {label}{s} with {tokens} tokens needs about "
+            f"{format_bytes(per)}, more than the memory budget of {format_bytes(budget)}; "
+            "raise --max-memory or use fewer --samples"
+        )
+
+
+def split_blocks(cells: int, reps: int, budget: int, per_cell: int, per_rep: int) -> list[tuple[slice, slice]]:
+    """(cells, replicates) blocks of a unit of ``cells`` x ``reps`` under ``budget`` (one (cell, replicate) fits).
+
+    Blocks are canonical -- every cell and :data:`CANONICAL_REPLICATES` replicates -- whenever
+    the budget holds one such block: the estimators' BLAS calls then see the same shapes whatever
+    the budget, so rows are bitwise identical across budgets (a batched matmul's rounding may
+    depend on its batch size). Smaller budgets take every cell and as many replicates as fit,
+    else one cell at a time; this can change results in the last bit.
+    """
+
+    def most_reps(c: int) -> int:  # the most replicates a block of c cells holds within the budget
+        return (budget // c - per_cell) // per_rep if per_rep else reps
+
+    canonical = min(CANONICAL_REPLICATES, reps)
+    if block_bytes(per_cell, per_rep, cells, canonical) <= budget:
+        size = canonical
+    elif block_bytes(per_cell, per_rep, cells, 1) <= budget:
+        size = most_reps(cells)
+    else:
+        size = max(1, most_reps(1))
+        return [(slice(c, c + 1), slice(r, min(r + size, reps))) for c in range(cells)
+                for r in range(0, reps, size)]
+    return [(slice(0, cells), slice(r, min(r + size, reps))) for r in range(0, reps, size)]

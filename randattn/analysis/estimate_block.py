@@ -1,0 +1,225 @@
+r"""The estimates of one block of a unit and its probabilities' squared error: which way to measure it (issue #26).
+
+:class:`BlockEstimator` runs an estimator on a block of (cells, replicates) and measures the
+squared error of its implied probabilities the cheapest way whose rounding is provably negligible:
+
+1. from the probabilities' low-rank factors (:mod:`~randattn.analysis.probability_error`), where
+   they exist and pay (:func:`~randattn.analysis.probability_error.factored_pays`), in float32 and
+   then float64 while the bound allows;
+2. else, in a float64 run under ``dtype="auto"``, from the estimator's float32 probability product
+   where its bound allows (:func:`~randattn.analysis.probability_error.probability_rounding_negligible`);
+3. else densely, in the run's dtype (the float64 reference on the reference backend).
+
+Every way gives the same estimates; the probabilities' error differs between them by at most
+:data:`PROBABILITY_ROUNDING_RTOL` of itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from randattn.analysis.masking import estimator_mask_kwargs
+from randattn.analysis.plan import EstimatorConfig
+from randattn.analysis.probability_error import (
+    factored_pays,
+    factored_rounding_negligible,
+    factored_sq_errors,
+    probability_rounding_negligible,
+    row_errors,
+)
+from randattn.estimators.base import Draws
+
+__all__ = ["PROBABILITY_ROUNDING_RTOL", "BlockEstimator"]
+
+#: a float64 run takes an estimator's float32 probability product (``batched_with_float32_probabilities``), and any
+#: run the factored probability error (:mod:`~randattn.analysis.probability_error`), only where its rounding bound
+#: changes every (replicate, cell)'s probability squared error by at most this fraction; a block where it may change
+#: more is recomputed the dense way. Two orders below the ~10% standard error of a prob_mse over R = 32 replicates
+PROBABILITY_ROUNDING_RTOL = 1e-3
+
+
+class BlockEstimator:
+    """Estimates and probability squared errors of blocks of a sweep's units, on one backend.
+
+    Parameters
+    ----------
+    scale : float
+        The logit temperature.
+    probabilities : bool
+        Whether the run measures the implied probabilities' error (``SweepConfig.probabilities``).
+    dtype : str
+        The run's dtype setting (``SweepConfig.dtype``: ``"auto"``, ``"float32"`` or ``"float64"``).
+    torch : module, optional
+        The torch module on the torch backend; None: the float64 numpy reference.
+    device : torch.device, optional
+        Where the torch backend computes.
+    """
+
+    def __init__(self, scale: float, probabilities: bool, dtype: str, *, torch: Any = None, device: Any = None) -> None:
+        self.scale = scale
+        self.probabilities = probabilities
+        self.dtype = dtype
+        self.torch = torch
+        self.device = device
+
+    def dtype_name(self, est: EstimatorConfig) -> str:
+        """The dtype ``est`` computes in: float64 on the reference backend, else its torch dtype under the run's."""
+        return "float64" if self.torch is None else est.torch_dtype_name(self.dtype)
+
+    def rounds_probabilities(self, spec, est: EstimatorConfig) -> bool:
+        """Whether this run may take ``spec``'s float32 probability product (a float64 run under ``dtype="auto"``)."""
+        return (self.torch is not None and self.probabilities and self.dtype == "auto"
+                and self.dtype_name(est) == "float64" and spec.batched_with_float32_probabilities is not None)
+
+    def factors_pay(self, spec, est: EstimatorConfig, rank: int | None, queries: int) -> bool:
+        """Whether this block measures the probability error from the estimator's factors.
+
+        On the torch backend, with probabilities, where the estimator has factors and they are
+        the faster way (:func:`~randattn.analysis.probability_error.factored_pays`), in float32
+        runs and in float64 runs under ``dtype="auto"`` (an explicit float64 run stays float64).
+        """
+        if (self.torch is None or not self.probabilities or spec.batched_with_probability_factors is None
+                or not factored_pays(rank, queries)):
+            return False
+        return self.dtype_name(est) == "float32" or self.dtype == "auto"
+
+    def estimate(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, exact_probs32=None, *,
+                 full_precision: bool = False, rank: int | None = None, exact_sq_norms=None,
+                 exact64: Callable[[], Any] | None = None, mask: str | None = None):
+        """Estimates ``(R_b, C_b, N, Dv)`` and the probabilities' squared error ``(R_b, C_b)`` (or None).
+
+        Parameters
+        ----------
+        spec : EstimatorSpec
+        est : EstimatorConfig
+        q, k, v : (C_b, N, D), (C_b, M, D), (C_b, M, Dv) float64 ndarrays
+            The block's cells.
+        draws : Draws
+            The block's draws ``(R_b, C_b, ...)``.
+        exact_probs : (C_b, N, M) or None
+            The exact probabilities (a run-dtype tensor on the torch backend); None without probabilities.
+        exact_probs32 : (C_b, N, M) tensor, optional
+            The exact probabilities in float32, if at hand.
+        full_precision : bool
+            Force the dense product in the run's dtype (the calibration measures that, the larger working set).
+        rank : int, optional
+            The unit's S: the rank of the factored probabilities, where they have factors.
+        exact_sq_norms : (C_b, N) float64 tensor, optional
+            The exact probabilities' squared row norms.
+        exact64 : callable, optional
+            Gives the exact probabilities as a float64 tensor (for the factored float64 retry).
+        mask : str, optional
+            The layer's mask kind, passed to every estimator call when set (a form that returns
+            None for it, as the probability factors of a causal estimator may, is taken as absent).
+
+        Returns
+        -------
+        out : (R_b, C_b, N, Dv)
+            As computed: a torch tensor in the run's dtype on its device, or the reference's float64 array.
+        prob_sq : (R_b, C_b) float64 ndarray or None
+            None without probabilities.
+        """
+        if (not full_precision and exact_sq_norms is not None and exact64 is not None
+                and self.factors_pay(spec, est, rank, q.shape[-2])):
+            factored = self._factored(spec, est, q, k, v, draws, exact_probs32, exact_sq_norms, exact64, mask=mask)
+            if factored is not None:
+                return factored
+        if not full_precision and self.rounds_probabilities(spec, est):
+            rounded = self._float32_product(spec, est, q, k, v, draws,
+                                            exact_probs if exact_probs32 is None else exact_probs32, mask=mask)
+            if rounded is not None:
+                return rounded
+        if self.torch is None:
+            return self._reference(spec, est, q, k, v, draws, exact_probs, mask=mask)
+        return self._dense(spec, est, q, k, v, draws, exact_probs, mask=mask)
+
+    def _reference(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: str | None = None):
+        """:meth:`estimate` by the float64 numpy reference; the probabilities as its estimate of the identity."""
+        masked = estimator_mask_kwargs(mask)
+        m = k.shape[-2]
+        out = np.asarray(spec.reference(q, k, v, draws, scale=self.scale, **est.params, **masked), dtype=np.float64)
+        prob_sq = None
+        if self.probabilities:
+            eye = np.broadcast_to(np.eye(m), (*k.shape[:-1], m))
+            probs = np.asarray(spec.reference(q, k, eye, draws, scale=self.scale, **est.params, **masked),
+                               dtype=np.float64)
+            prob_sq = ((probs - exact_probs) ** 2).sum(axis=(-2, -1))
+        return out, prob_sq
+
+    def _dense(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: str | None = None):
+        """:meth:`estimate` by the batched torch form, the probabilities formed densely in the run's dtype."""
+        torch = self.torch
+        masked = estimator_mask_kwargs(mask)
+        m = k.shape[-2]
+        dt = getattr(torch, self.dtype_name(est))
+        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
+        tdraws = draws.to_torch(device=self.device, dtype=dt)
+        with torch.no_grad():
+            prob_sq = None
+            if not self.probabilities:
+                out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
+            elif spec.batched_with_probabilities is not None:
+                # one pass: the features and weights the two results share are computed once (same bits as two calls)
+                out, probs = spec.batched_with_probabilities(tq, tk, tv, tdraws, scale=self.scale, **est.params,
+                                                             **masked)
+            else:
+                out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
+                if spec.batched_probabilities is not None:
+                    probs = spec.batched_probabilities(tq, tk, tdraws, scale=self.scale, **est.params, **masked)
+                else:
+                    eye = torch.eye(m, device=self.device, dtype=dt).expand(*k.shape[:-1], m)
+                    probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params, **masked)
+            if self.probabilities:
+                # in place in the run's dtype; the N squared row norms summed in float64
+                prob_sq = row_errors(probs, torch.as_tensor(exact_probs, device=self.device, dtype=probs.dtype))
+                prob_sq = prob_sq.square_().sum(-1).cpu().numpy()
+                del probs
+        return out, prob_sq
+
+    def _factored(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact32, sq_norms,
+                  exact64: Callable[[], Any], mask: str | None = None):
+        """:meth:`estimate` through the probabilities' factors, or None where they have none or the bound is loose.
+
+        The error is taken in float32 where its bound allows, else from the same factors in float64
+        (``exact64``: a callable giving the exact probabilities as a float64 tensor), else None.
+        """
+        torch = self.torch
+        dt = getattr(torch, self.dtype_name(est))
+        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
+        with torch.no_grad():
+            result = spec.batched_with_probability_factors(tq, tk, tv, draws.to_torch(device=self.device, dtype=dt),
+                                                           scale=self.scale, **est.params,
+                                                           **estimator_mask_kwargs(mask))
+            if result is None:  # no factors for this variant (e.g. under a causal mask)
+                return None
+            out, left, right = result
+            sq, bound = factored_sq_errors(left.to(torch.float32), right.to(torch.float32),
+                                           torch.as_tensor(exact32, device=self.device, dtype=torch.float32), sq_norms)
+            if not factored_rounding_negligible(sq, bound, PROBABILITY_ROUNDING_RTOL):
+                # errors too small for float32's bound: the same factors in float64 cost about the dense pass
+                sq, bound = factored_sq_errors(left.to(torch.float64), right.to(torch.float64), exact64(), sq_norms)
+                if not factored_rounding_negligible(sq, bound, PROBABILITY_ROUNDING_RTOL):
+                    return None
+        return out, sq.cpu().numpy()
+
+    def _float32_product(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs,
+                         mask: str | None = None):
+        """:meth:`estimate` through the float32 probability product, or None where its bound is too loose."""
+        torch = self.torch
+        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k, v))
+        with torch.no_grad():
+            result = spec.batched_with_float32_probabilities(
+                tq, tk, tv, draws.to_torch(device=self.device, dtype=torch.float64), scale=self.scale, **est.params,
+                **estimator_mask_kwargs(mask))
+            if result is None:  # no float32 product for this variant
+                return None
+            out, probs, bound = result
+            exact32 = torch.as_tensor(exact_probs, device=self.device, dtype=torch.float32)
+            row_err = row_errors(probs, exact32)
+            del probs
+            if not probability_rounding_negligible(row_err, bound, torch.linalg.vector_norm(exact32, dim=-1),
+                                                   PROBABILITY_ROUNDING_RTOL):
+                return None
+        return out, row_err.square_().sum(-1).cpu().numpy()

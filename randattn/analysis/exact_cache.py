@@ -1,0 +1,190 @@
+r"""The ground truth of a unit: its heads' inputs and exact attention, cached per image-layer (issue #26).
+
+:func:`exact_attention` computes the exact float64 softmax probabilities and output of a unit's
+heads (under the layer's mask, if any); :class:`ExactCache` keeps them for the last
+(layer, image, heads) with the conversions the run needs (the probabilities in the run's dtype
+on its device, their squared row norms, the output on the device, the attention sink's mass).
+The plan runs the units of one (layer, image) consecutively (17 units per image-layer in W1),
+so one entry is enough and at most one image-layer's arrays are held.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from randattn.analysis.masking import visible_keys
+from randattn.analysis.plan import Unit
+
+__all__ = ["ExactCache", "exact_attention", "exact_under_mask"]
+
+
+def exact_under_mask(kind: str, q, k, v, scale: float, *, torch: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    r"""The sweep's ground truth under a mask: exact float64 softmax probabilities ``(C, N, M)``, output ``(C, N, Dv)``.
+
+    .. math:: P_{nm} = \frac{\exp(s\, q_n \cdot k_m - c_n)}{\sum_{m' \in V_n} \exp(s\, q_n \cdot k_{m'} - c_n)}
+        \ (m \in V_n), \qquad P_{nm} = 0 \ (m \notin V_n), \qquad y_n = \sum_m P_{nm} v_m,
+
+    with :math:`V_n` the keys visible to query n under ``kind``
+    (:func:`~randattn.analysis.masking.visible_keys`) and :math:`c_n` its largest visible logit (every row
+    keeps its own key, so it is finite): the hidden logits are set to :math:`-\infty`, so the hidden
+    probabilities are exactly 0. ``torch``: the torch module, to compute as the torch backend does
+    (float64, the process's thread count); None: numpy.
+
+    Parameters
+    ----------
+    kind : str
+        ``"causal"`` or ``"sliding:W"``.
+    q : (C, N, D) ndarray
+    k : (C, M, D) ndarray
+    v : (C, M, Dv) ndarray
+    scale : float
+        The logit temperature s.
+    torch : module, optional
+    """
+    visible = visible_keys(kind, q.shape[-2], k.shape[-2])
+    if torch is None:
+        logits = np.where(visible, scale * (q @ np.swapaxes(k, -1, -2)), -np.inf)
+        weights = np.exp(logits - logits.max(-1, keepdims=True))
+        probs = weights / weights.sum(-1, keepdims=True)
+        return probs, probs @ v
+    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64)) for a in (q, k, v))
+    logits = (scale * (tq @ tk.transpose(-1, -2))).masked_fill_(~torch.from_numpy(visible), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return probs.numpy(), (probs @ tv).numpy()
+
+
+def exact_attention(q, k, v, scale: float, kind: str | None, *, torch: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    r"""Exact float64 softmax probabilities ``(C, N, M)`` and output ``(C, N, Dv)``.
+
+    On the torch backend (``torch``: the torch module) they are computed by torch in float64 with
+    the sweep's pinned thread count, so that every process (a Dask worker too) gets the same bits;
+    numpy's BLAS takes its thread count from the environment, which a Dask nanny sets on its own.
+
+    Under a mask (``kind``) the softmax runs over the visible keys only
+    (:func:`exact_under_mask`): the hidden logits are set to :math:`-\infty`, so the hidden
+    probabilities are exactly 0.
+
+    Parameters
+    ----------
+    q : (C, N, D) float64 ndarray
+    k : (C, M, D) float64 ndarray
+    v : (C, M, Dv) float64 ndarray
+    scale : float
+        The logit temperature s.
+    kind : str or None
+        The layer's mask kind (:meth:`~randattn.analysis.plan.SweepConfig.mask_of`).
+    torch : module, optional
+        The torch module on the torch backend; None: numpy (the reference backend).
+    """
+    if kind is not None:
+        return exact_under_mask(kind, q, k, v, scale, torch=torch)
+    if torch is None:
+        from randattn.estimators.softmax.reference import attention_probabilities
+
+        probs = attention_probabilities(q, k, scale=scale)
+        return probs, probs @ v
+    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v))
+    probs = torch.softmax(scale * (tq @ tk.transpose(-1, -2)), dim=-1)
+    return probs.numpy(), (probs @ tv).numpy()
+
+
+class ExactCache:
+    """The inputs and exact attention of the last (layer, image, heads), with their conversions per run.
+
+    Parameters
+    ----------
+    acts : Activations
+    mask_of : callable
+        ``layer -> mask kind or None`` (:meth:`~randattn.analysis.plan.SweepConfig.mask_of`).
+    scale : float
+        The logit temperature.
+    probabilities : bool
+        Whether the run measures the probabilities' error (only then are they converted for it).
+    torch : module, optional
+        The torch module on the torch backend; None: the reference backend (numpy).
+    device : torch.device, optional
+        Where the torch backend computes.
+    """
+
+    def __init__(self, acts, mask_of: Callable[[int], str | None], scale: float, probabilities: bool, *,
+                 torch: Any = None, device: Any = None) -> None:
+        self.acts = acts
+        self.mask_of = mask_of
+        self.scale = scale
+        self.probabilities = probabilities
+        self.torch = torch
+        self.device = device
+        # (key, (q, k, v, exact_probs, exact), conversions): one image-layer's arrays at most
+        self._last: tuple[tuple, tuple, dict] | None = None
+
+    def inputs(self, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """float64 ``q, k, v : (C, N, D)`` of the unit's heads.
+
+        Taken through :meth:`~randattn.activations.io.Activations.layer_qkv` so that a grouped-query file's shared
+        keys and values are gathered for the unit's heads of one image only, never expanded to the whole layer.
+        """
+        q, k, v = self.acts.layer_qkv(unit.layer, heads=list(unit.heads), image=unit.image)
+        return q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
+
+    def exact(self, unit: Unit, q, k, v) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`exact_attention` of ``q, k, v`` under ``unit``'s mask, as this backend computes it."""
+        return exact_attention(q, k, v, self.scale, self.mask_of(unit.layer), torch=self.torch)
+
+    def _entry(self, unit: Unit) -> tuple[tuple, dict]:
+        """``((q, k, v, exact_probs, exact), conversions)`` of ``unit``'s heads, computed on a new image-layer."""
+        key = (unit.layer, unit.image, tuple(unit.heads))
+        if self._last is None or self._last[0] != key:
+            q, k, v = self.inputs(unit)
+            self._last = (key, (q, k, v, *self.exact(unit, q, k, v)), {})
+        return self._last[1], self._last[2]
+
+    def _derived(self, unit: Unit) -> tuple[tuple, dict]:
+        """:meth:`_entry`, after :meth:`get` in float64 as the derived arrays have always been taken (the
+        float64 probabilities then stay cached on the device for the unit's float64 fallbacks)."""
+        self.get(unit, "float64")
+        return self._entry(unit)
+
+    def get(self, unit: Unit, dtype_name: str):
+        """``(q, k, v, exact_probs, exact)`` of the unit's heads; probabilities as a run-dtype tensor on torch.
+
+        Parameters
+        ----------
+        unit : Unit
+        dtype_name : str
+            ``"float32"`` or ``"float64"``: the dtype of the probabilities on the torch backend.
+        """
+        (q, k, v, exact_probs, exact), converted = self._entry(unit)
+        if self.torch is not None and self.probabilities:
+            if dtype_name not in converted:
+                converted[dtype_name] = self.torch.as_tensor(exact_probs, device=self.device,
+                                                             dtype=getattr(self.torch, dtype_name))
+            exact_probs = converted[dtype_name]
+        return q, k, v, exact_probs, exact
+
+    def sq_norms(self, unit: Unit):
+        """The exact probabilities' squared row norms ``||P_n||^2 (C, N)``, float64 on the device (cached)."""
+        arrays, converted = self._derived(unit)
+        if "sq_norms" not in converted:
+            probs = arrays[3]
+            converted["sq_norms"] = self.torch.as_tensor(np.einsum("...m,...m->...", probs, probs), device=self.device)
+        return converted["sq_norms"]
+
+    def sink_mass(self, unit: Unit) -> np.ndarray:
+        """float64 ``(C,)``: each cell's exact attention probability on key 0, averaged over the queries.
+
+        A language model's first token draws much of every head's attention (the attention sink); the column
+        says how much, so a reader can relate an estimator's error to it. Cached with the exact attention.
+        """
+        arrays, converted = self._derived(unit)
+        if "sink" not in converted:
+            converted["sink"] = np.asarray(arrays[3][..., 0], dtype=np.float64).mean(-1)
+        return converted["sink"]
+
+    def output(self, unit: Unit):
+        """The exact output ``(C, N, Dv)`` as a float64 tensor on the device (cached)."""
+        arrays, converted = self._derived(unit)
+        if "output" not in converted:
+            converted["output"] = self.torch.as_tensor(arrays[4], device=self.device)
+        return converted["output"]
