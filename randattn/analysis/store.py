@@ -18,12 +18,19 @@ Every write error names the file the writer was asked for (not its temporary nam
 full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``) can be reported as that file and its cause. A part
 that cannot be read back -- cut short by a crash of the machine, or overwritten -- is set aside
 into ``corrupt/`` when a sweep resumes (:func:`set_aside_unreadable`), and its unit runs again.
+
+An output table's whole life is ruled here too (:func:`check_output`): nothing finished is replaced without
+``force``, ``resume`` continues the parts folder beside it (:func:`parts_path`) or finds the table complete,
+and a failed run says what it kept (:func:`kept_message`). The rules raise typed errors
+(:class:`OutputExistsError`, :class:`ResumeMismatchError`, :class:`OutputPathError`) whose messages are the
+command line's, so ``randattn mse`` and a Python caller refuse alike.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -39,6 +46,17 @@ from randattn.analysis.positions import POSITION_COLUMNS
 __all__ = [
     "MANIFEST",
     "CORRUPT_DIR",
+    "OUTPUT_FORMATS",
+    "OutputRuleError",
+    "OutputPathError",
+    "OutputExistsError",
+    "ResumeMismatchError",
+    "parts_path",
+    "check_output_path",
+    "check_output",
+    "check_manifest",
+    "drop_empty_parts",
+    "kept_message",
     "CorruptPartWarning",
     "SweepLockedError",
     "sweep_lock",
@@ -66,6 +84,26 @@ _POSITIONS_PREFIX = "positions-"
 _STR_COLUMNS = ("model", "image", "mask", "estimator", "params", "label", "dtype")
 _INT_COLUMNS = ("layer", "head", "tokens", "num_samples", "replicates", "seed", "position_lo", "position_hi", "queries")
 _BOOL_COLUMNS = ("random",)
+
+
+#: the suffixes a sweep's table can be written as
+OUTPUT_FORMATS = (".parquet", ".csv", ".json")
+
+
+class OutputRuleError(ValueError):
+    """An output rule refuses the run (the message says which and what to do): the base of the three below."""
+
+
+class OutputPathError(OutputRuleError):
+    """The output path cannot be a table: an unknown suffix, a folder, or a folder that cannot be written."""
+
+
+class OutputExistsError(OutputRuleError):
+    """The output, or an unfinished run of it, exists and neither ``force`` nor ``resume`` allows continuing."""
+
+
+class ResumeMismatchError(OutputRuleError):
+    """``resume`` cannot continue: the stored run has other settings, or its manifest is missing or damaged."""
 
 
 class SweepLockedError(RuntimeError):
@@ -492,3 +530,147 @@ def _consolidate(table, extra: list[str], estimator_labels: Sequence[str], image
         _img=table["image"].map(image_order) if image_order else 0,
     ).sort_values(["layer", "_est", "num_samples", "_img", "head", *extra], kind="stable")
     return order.drop(columns=["_est", "_img"]).reset_index(drop=True)
+
+
+# ------------------------------------------------------------------------------------------------------------ output
+def parts_path(out: str | os.PathLike) -> Path:
+    """The parts folder of the table ``out``: ``mse.parquet`` -> ``mse.parquet.parts``."""
+    out = Path(out)
+    return out.with_name(out.name + ".parts")
+
+
+def check_output_path(out: str | os.PathLike, *, look_only: bool = False) -> Path:
+    """Check that ``out`` can name a table: its suffix (:data:`OUTPUT_FORMATS`) and, with ``look_only``, that it
+    is not a folder and its nearest existing folder is one this process can write to (without writing, as a
+    dry run must).
+
+    Raises
+    ------
+    OutputPathError
+        The message names ``--out`` and what is wrong.
+    """
+    out = Path(out)
+    if out.suffix.lower() not in OUTPUT_FORMATS:
+        raise OutputPathError(f"--out {str(out)!r}: unknown suffix {out.suffix!r}; use one of {', '.join(OUTPUT_FORMATS)}")
+    if not look_only:
+        return out
+    if out.is_dir():
+        raise OutputPathError(f"--out {str(out)!r} is a folder; give a file name")
+    folder = next(p for p in [out.parent, *out.parent.parents] if p.exists() or p == Path(p.anchor))
+    if not folder.is_dir():
+        raise OutputPathError(f"--out {str(out)!r}: {str(folder)!r} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputPathError(f"--out {str(out)!r}: cannot write to {str(folder)!r} (Permission denied)")
+    return out
+
+
+def check_manifest(parts: str | os.PathLike) -> None:
+    """Check that the finished units of ``parts`` (if any) have a readable manifest.
+
+    Raises
+    ------
+    ResumeMismatchError
+        The manifest is missing or damaged; the message names it and what is wrong.
+    """
+    if stored_unit_ids(parts):
+        try:
+            read_manifest(parts)
+        except ValueError as exc:
+            raise ResumeMismatchError(f"{exc}; --force starts afresh (its finished units are lost)") from None
+
+
+def _stored_identity(out: Path):
+    sidecar = out.with_name(out.name + ".meta.json")
+    try:
+        return json.loads(sidecar.read_text())["config_identity"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume: bool, force: bool,
+                 dry_run: bool = False) -> bool:
+    """Apply the rules for an existing output ``out`` (and its :func:`parts_path`) before a run writes it.
+
+    Nothing finished is replaced without ``force``: an existing table refuses a plain run; ``resume`` on a
+    finished table of the same settings does nothing, of other settings refuses; ``resume`` with an
+    unreadable manifest refuses, naming it. A parts folder without a finished unit (a run stopped before its
+    first) is removed, and with ``force`` (not in a dry run) the parts folder is removed: the run starts afresh.
+    Call it holding :func:`sweep_lock` of ``out``. A dry run applies the same rules and changes nothing.
+
+    Parameters
+    ----------
+    out : path
+        The table.
+    identity : mapping
+        The run's ``SweepConfig.identity()``, compared with the one stored beside a finished table.
+    resume, force, dry_run : bool
+
+    Returns
+    -------
+    bool
+        True when ``resume`` finds this very run already finished in ``out``: nothing is left to do.
+
+    Raises
+    ------
+    OutputExistsError
+        ``out`` or an unfinished run of it exists, and neither ``resume`` nor ``force`` is set.
+    ResumeMismatchError
+        ``resume`` on a finished table of other settings, or on parts whose manifest is damaged.
+    """
+    out = Path(out)
+    parts = parts_path(out)
+    if parts.exists() and not stored_unit_ids(parts) and not resume and not dry_run:
+        shutil.rmtree(parts, ignore_errors=True)  # a run stopped before its first unit: nothing to keep
+    if force:
+        if not dry_run:
+            shutil.rmtree(parts, ignore_errors=True)
+        return False
+    if stored_unit_ids(parts):
+        if not resume:
+            raise OutputExistsError(f"{str(parts)!r} holds an unfinished run; add --resume to continue it, or --force "
+                                    "to start afresh")
+        check_manifest(parts)
+    if out.exists():
+        if not resume:
+            raise OutputExistsError(f"{str(out)!r} exists; pass --force to replace it (or --resume to check it is "
+                                    "complete)")
+        if parts.exists():
+            return False  # a finished table beside an unfinished rerun: the parts decide
+        if _stored_identity(out) != json.loads(json.dumps(identity)):
+            raise ResumeMismatchError(f"{str(out)!r} holds a finished run with different settings; use --force or "
+                                      "another --out")
+        return True
+    return False
+
+
+def drop_empty_parts(parts: str | os.PathLike) -> None:
+    """Remove a parts folder that holds no finished unit (only its manifest): there is nothing to resume."""
+    if Path(parts).is_dir() and not stored_unit_ids(parts):
+        shutil.rmtree(parts, ignore_errors=True)
+
+
+def kept_message(parts: str | os.PathLike | None, resume_command: str, then: str | None = None) -> str:
+    """What a failed run kept, to end its message; an empty parts folder is removed (:func:`drop_empty_parts`).
+
+    Parameters
+    ----------
+    parts : path or None
+        The run's parts folder (None: the run had no output).
+    resume_command : str
+        The command that continues the run, named after ``then``.
+    then : str, optional
+        When to continue (``"once there is space"``): adds ``"; <then>, continue with: <resume_command>"``.
+
+    Returns
+    -------
+    str
+        ``"; finished units are kept in <parts> for --resume..."`` when a unit finished, else
+        ``"; nothing was kept (...)"``.
+    """
+    if parts is None:
+        return "; nothing was kept (no --out)"
+    if stored_unit_ids(parts):
+        how = "" if then is None else f"; {then}, continue with: {resume_command}"
+        return f"; finished units are kept in {parts} for --resume{how}"
+    drop_empty_parts(parts)
+    return "; nothing was kept (no unit had finished)"

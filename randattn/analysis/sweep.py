@@ -75,6 +75,7 @@ from randattn.analysis.plan import (
 )
 from randattn.analysis.positions import POSITION_COLUMNS
 from randattn.analysis.store import (
+    OUTPUT_FORMATS,
     SweepLockedError,
     empty_positions,
     empty_table,
@@ -781,9 +782,6 @@ def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0, 
 
 
 # ------------------------------------------------------------------------------------------------------------ output
-OUTPUT_FORMATS = (".parquet", ".csv", ".json")
-
-
 def table_records(table) -> list[dict[str, Any]]:
     """Rows as JSON-ready dicts: numpy scalars become Python ones, NaN and inf become None (exact floats)."""
     records = []

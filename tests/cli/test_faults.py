@@ -536,7 +536,7 @@ def test_readme_python_example_runs_as_written():
 def test_tables_are_bitwise_identical_across_memory_budgets(acts, reference, tmp_path):
     from randattn.analysis.execute import CANONICAL_REPLICATES, UnitRunner
     from randattn.analysis.sweep import plan
-    from randattn.cli.mse import _prepare
+    from randattn.cli._parsing import prepare as _prepare
 
     config, activations = _prepare(acts, None, ("rfa", "ra"), "4,8,16", 4, None, None, None, 3, "torch", None, "auto",
                                    0.02, "2GiB", True, True)  # the configuration SWEEP gives

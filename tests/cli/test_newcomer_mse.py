@@ -97,7 +97,7 @@ def reference(acts, tmp_path_factory) -> Path:
 def stopped_parts(acts, tmp_path_factory) -> Path:
     """The parts folder of an unfinished run of SWEEP (every unit stored, the table not written yet)."""
     from randattn.analysis.sweep import run_sweep
-    from randattn.cli.mse import _prepare
+    from randattn.cli._parsing import prepare as _prepare
 
     config, activations = _prepare(acts, None, ("rfa", "ra"), "4,8,16", 4, None, None, None, 3, "torch", None, "auto",
                                    0.02, "2GiB", True, True, threads=1)  # the configuration SWEEP gives

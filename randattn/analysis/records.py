@@ -1,0 +1,131 @@
+"""What a sweep's table records about itself: its metadata sidecar and the float64 reference check.
+
+Kept in the library, not the command line, so that a Python caller writing a table
+(:func:`randattn.analysis.sweep.write_tables`) can record the same metadata as ``randattn mse``.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = [
+    "ACTIVATION_FIELDS",
+    "REFERENCE_TOLERANCE",
+    "command_line",
+    "reference_check_summary",
+    "resume_command",
+    "table_metadata",
+]
+
+#: activation-file metadata copied into the table's: what the report names; a language-model capture's fields
+#: (architecture, kv_heads, mask, ...) let it add its LM section. Absent fields are stored as None.
+ACTIVATION_FIELDS = ("model", "layers", "heads", "head_dim", "tokens", "images", "scale", "source", "layout",
+                     "architecture", "kv_heads", "head_map", "mask", "sliding_window", "weights", "text", "add_bos")
+
+#: a batched result deviating from the reference by more than this fraction of the cell's RMSE is flagged:
+#: its rounding would then move the measured MSE by more than ~2 %
+REFERENCE_TOLERANCE = 0.01
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """``argv`` as a shell command starting with ``randattn``, each argument quoted where needed.
+
+    Parameters
+    ----------
+    argv : sequence of str
+        The arguments after the program name (``sys.argv[1:]``).
+    """
+    return " ".join(shlex.quote(str(arg)) for arg in ["randattn", *argv])
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    """The command that continues the run of ``argv``: without --force/--overwrite/--dry-run, with --resume.
+
+    Parameters
+    ----------
+    argv : sequence of str
+        The interrupted run's arguments after the program name (``sys.argv[1:]``).
+    """
+    kept = [a for a in argv if a not in ("--overwrite", "--force", "--dry-run")]
+    if "--resume" not in kept:
+        kept.append("--resume")
+    return command_line(kept)
+
+
+def reference_check_summary(table) -> dict | None:
+    """The largest |batched - reference| over the checked units, per dtype, with its ratio to the cell's RMSE.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        A sweep's table; the units re-run on the float64 reference have a finite ``ref_max_abs_dev``.
+
+    Returns
+    -------
+    dict or None
+        None when no unit was checked.
+    """
+    import numpy as np
+
+    checked = table[np.isfinite(table["ref_max_abs_dev"])] if "ref_max_abs_dev" in table else table.iloc[:0]
+    if not len(checked):
+        return None
+    worst = checked.loc[checked["ref_max_abs_dev"].idxmax()]
+    ratio = checked["ref_max_abs_dev"] / np.sqrt(checked["mse"].clip(lower=1e-300))
+    worst_ratio = checked.loc[ratio.idxmax()]
+    return {
+        "units_checked": int(len(checked)),
+        "max_abs_dev": float(worst["ref_max_abs_dev"]),
+        "max_abs_dev_label": str(worst["label"]),
+        "max_dev_over_rmse": float(ratio.max()),
+        "max_dev_over_rmse_label": str(worst_ratio["label"]),
+        "max_dev_over_rmse_dtype": str(worst_ratio["dtype"]),
+        "tolerance_dev_over_rmse": REFERENCE_TOLERANCE,
+    }
+
+
+def table_metadata(config, activations, out: str | Path, table, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The metadata written beside a sweep's table (``<out>.meta.json`` and, for Parquet, into the file).
+
+    Parameters
+    ----------
+    config : SweepConfig
+    activations : Activations
+        Their metadata's :data:`ACTIVATION_FIELDS` are copied.
+    out : path
+        The table's path, recorded.
+    table : pandas.DataFrame
+        The sweep's table: its warnings and timing (``attrs``) and reference check are recorded.
+    argv : sequence of str, optional
+        The command line (default ``sys.argv``).
+
+    Returns
+    -------
+    dict
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        randattn_version = version("randattn")
+    except PackageNotFoundError:  # a source tree that is not installed
+        randattn_version = "unknown"
+    return {
+        "command_line": command_line(argv[1:]) if argv else None,
+        "argv": argv,
+        "seed": config.seed,
+        "randattn_version": randattn_version,
+        "config": config.to_json(),
+        "activations": {k: activations.metadata.get(k) for k in ACTIVATION_FIELDS},
+        "config_identity": config.identity(),
+        # the mask every layer was measured under (None: bidirectional; {"<layer>": kind} when they differ)
+        "mask": config.mask_json(),
+        "columns_doc": "see randattn.analysis.sweep.COLUMNS",
+        "output": str(out),
+        "warnings": table.attrs.get("warnings", []),
+        "reference_check": reference_check_summary(table),
+        "timing": table.attrs.get("timing"),
+    }

@@ -1,0 +1,138 @@
+"""``randattn mse``'s option parsing: text -> values, and every option checked before anything is computed.
+
+Kept apart from :mod:`randattn.cli.mse` so that the command stays a thin click layer; the parsers are also
+imported by the benchmarks (through ``randattn.cli.mse``, which re-exports them).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+#: estimators run when none are named (those of them that are registered)
+DEFAULT_ESTIMATORS = ("rfa", "lara", "ra", "eva")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"500MB"``, ``"1e9"`` or ``"1073741824"`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"--max-memory: cannot read {text!r}; use e.g. 2GiB, 500MB or a number of bytes")
+    try:
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    except ValueError:
+        raise ValueError(f"--max-memory: cannot read {text!r}; use e.g. 2GiB, 500MB or a number of bytes") from None
+    if not value >= 1:
+        raise ValueError(f"--max-memory must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+def parse_int_list(name: str, text: str | None) -> tuple[int, ...] | None:
+    """``"0,2,5-7"`` -> ``(0, 2, 5, 6, 7)``; None stays None (all)."""
+    if text is None:
+        return None
+    values: list[int] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            if re.fullmatch(r"\d+-\d+", item):
+                lo, hi = map(int, item.split("-"))
+                if hi < lo:
+                    raise ValueError
+                values.extend(range(lo, hi + 1))
+            else:
+                values.append(int(item))
+        except ValueError:
+            raise ValueError(f"{name}: cannot read {item!r} in {text!r}; use integers and ranges like 0,2,5-7") from None
+    if not values:
+        raise ValueError(f"{name}: no values in {text!r}")
+    return tuple(dict.fromkeys(values))
+
+
+def parse_position_buckets(text: str | None):
+    """``--position-buckets``: ``"auto"`` for None (the default), else what
+    :func:`randattn.analysis.positions.parse_position_buckets` accepts."""
+    from randattn.analysis.positions import parse_position_buckets as parse
+
+    if text is None:
+        return "auto"
+    try:
+        return parse(text)
+    except ValueError:
+        raise ValueError(f"--position-buckets {text!r}: use log2, none or strictly increasing positive lower edges "
+                         "such as 1,2,4,8,64") from None
+
+
+def resolve_mask(choice: str, activations: Any):
+    """``--mask``: None, ``"causal"``, or (``file``) the activation file's recorded masks (canonical form)."""
+    from randattn.analysis.masking import masks_of_activations
+    from randattn.cli._common import abort
+
+    if choice == "none":
+        return None
+    if choice == "causal":
+        return "causal"
+    try:
+        return masks_of_activations(activations)
+    except ValueError as exc:
+        abort(f"--mask file: {exc}")
+
+
+def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, layers, heads, images, seed, backend,
+            device, dtype, check_reference, max_memory, probabilities, diagnostics, threads=None, mask_choice="file",
+            position_buckets=None):
+    """Parse and validate every option of ``randattn mse``; user errors exit 2 with a message.
+
+    Returns
+    -------
+    (SweepConfig, Activations)
+    """
+    from randattn.activations import load_activations
+    from randattn.analysis.plan import with_threads
+    from randattn.analysis.sweep import SweepConfig, count_cells, parse_estimator_list
+    from randattn.cli._common import abort
+    from randattn.estimators.registry import list_estimators
+
+    try:
+        activations = load_activations(acts)
+    except (OSError, ValueError, TypeError) as exc:
+        abort(f"cannot read activations: {exc}")
+    mask = resolve_mask(mask_choice, activations)
+    texts = [t for t in ([estimator_list] if estimator_list else []) + list(estimator_items)]
+    if not texts:
+        available = list_estimators()
+        texts = [";".join(name for name in DEFAULT_ESTIMATORS if name in available)]
+    try:
+        if backend == "torch":
+            from randattn._validation import check_device
+
+            check_device(device)
+        elif device not in (None, "cpu"):
+            raise ValueError(f"--device {device} needs --backend torch (the reference runs on the CPU)")
+        estimators = parse_estimator_list(texts)
+        if replicates < 2 and any(e.random for e in estimators):
+            raise ValueError(f"--replicates {replicates}: random estimators need at least 2 replicates for a variance")
+        num_samples = parse_int_list("--samples", samples)
+        memory = parse_bytes(max_memory)
+        buckets = parse_position_buckets(position_buckets)
+        config = SweepConfig(
+            estimators=estimators, num_samples=num_samples, replicates=replicates, seed=seed, backend=backend,
+            device=device, dtype=dtype, max_memory=memory, layers=parse_int_list("--layers", layers),
+            heads=parse_int_list("--heads", heads), images=parse_int_list("--images", images),
+            probabilities=probabilities, diagnostics=diagnostics, check_reference=check_reference,
+            threads=threads, mask=mask, position_buckets=buckets,
+        )
+        config = with_threads(config)
+    except (ValueError, TypeError) as exc:
+        abort(str(exc).replace("device=", "--device ").replace("check_reference", "--check-reference"))
+    try:
+        count_cells(activations, config)  # validates the selection and refuses estimators the masks exclude
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        if mask_choice == "file" and mask is not None and "mask" in message:
+            message += (" (the mask is the activation file's own metadata 'mask'; --mask none or --mask causal "
+                        "overrides it)")
+        abort(message)
+    return config, activations

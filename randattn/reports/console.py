@@ -1,0 +1,178 @@
+"""``randattn mse``'s results as rich renderables and lines of rich markup, for a console to print.
+
+Nothing here prints: each function takes a table, a plan or records and returns what to show, so that a
+notebook or another front end can show the same as the command line.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+__all__ = [
+    "count",
+    "duration",
+    "interrupted_text",
+    "plan_lines",
+    "positions_table",
+    "reference_check_line",
+    "summary_table",
+    "warning_lines",
+]
+
+
+def count(n: int, word: str) -> str:
+    """``"1 unit"``, ``"3 units"``: ``n`` and ``word``, plural when ``n`` is not 1."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def duration(seconds: float) -> str:
+    """A wall time in the unit a reader wants: ``"4.2 s"``, ``"37 s"``, ``"12 min"``, ``"1.5 h"``."""
+    if seconds < 60:
+        return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def plan_lines(plan, timing: bool, dask: bool = False) -> list[str]:
+    """The plan in words (rich markup): two lines (cells, units, selection; memory), three with the wall time.
+
+    Parameters
+    ----------
+    plan : SweepPlan
+        :func:`randattn.analysis.sweep.plan_sweep`'s.
+    timing : bool
+        Add the wall-time line (when the plan has one).
+    dask : bool
+        Units run on Dask workers (the time line says they share it).
+    """
+    config = plan.config
+    pairs = sum(len(config.num_samples) if e.needs_samples else 1 for e in config.estimators)
+    n_layers, n_heads, n_images = len(plan.layers), len(plan.heads), len(plan.images)
+    first = (f"[bold]plan[/]: {plan.cells} cells in {count(len(plan.units), 'unit')} = {count(n_layers, 'layer')} x "
+             f"{count(n_heads, 'head')} x {count(n_images, 'image')} x {pairs} (estimator, S) "
+             f"{'pair' if pairs == 1 else 'pairs'}, R = {config.replicates}")
+    if len(plan.todo) < len(plan.units):
+        first += f"; resuming: {plan.todo_cells} cells left to compute"
+    if plan.unreadable:
+        first += (f" ({count(len(plan.unreadable), 'unreadable part')} will be set aside into corrupt/ and "
+                  "computed again)")
+    lines = [first, _memory_line(plan)]
+    if timing and plan.seconds is not None:
+        heads = " and ".join(map(str, plan.timed_heads))
+        shared = "; the Dask workers share it" if dask else ""
+        lines.append(f"[bold]wall time[/]: about {duration(plan.seconds)} of computing in this process{shared} "
+                     f"(estimated by computing {heads} head{'s' if plan.timed_heads[-1] > 1 else ''} of each "
+                     f"estimator and S here, timed, and extrapolated linearly to {n_heads} heads per unit; start-up "
+                     "and writing not included)")
+    return lines
+
+
+def _memory_line(plan) -> str:
+    from randattn.analysis.execute import format_bytes
+
+    budget = format_bytes(plan.config.max_memory)
+    if plan.refused is not None:
+        return (f"[bold]memory[/]: refused before computing: one replicate of one head needs more than --max-memory "
+                f"{budget} (the error says how much)")
+    if not plan.todo:
+        return "[bold]memory[/]: nothing left to compute"
+    memory = (f"[bold]memory[/]: the estimator work peaks at about {format_bytes(plan.peak_bytes)} "
+              f"(memory model, calibrated here; --max-memory {budget}); ")
+    if plan.split_units:
+        return memory + (f"{plan.split_units} of {len(plan.todo)} units are split into smaller blocks to fit it "
+                         "(their rows may differ in the last bit from a run with more memory)")
+    return memory + "every unit runs in its canonical blocks"
+
+
+def warning_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line (rich markup) per distinct warning of a sweep, with how many units raised it."""
+    return [f"[yellow]warning[/] ({count(r['count'], 'unit')}, {r['label']}) {r['category']}: {r['message']}"
+            for r in records]
+
+
+def reference_check_line(check: Mapping[str, Any]) -> str:
+    """:func:`~randattn.analysis.records.reference_check_summary` in words (rich markup), flagged above
+    :data:`~randattn.analysis.records.REFERENCE_TOLERANCE`."""
+    from randattn.analysis.records import REFERENCE_TOLERANCE
+
+    flag = check["max_dev_over_rmse"] > REFERENCE_TOLERANCE
+    colour = "yellow" if flag else "green"
+    return (f"[{colour}]reference check[/]: {count(check['units_checked'], 'unit')} re-run on the float64 reference; "
+            f"largest |batched - reference| = {check['max_abs_dev']:.2e} ({check['max_abs_dev_label']}), at most "
+            f"{check['max_dev_over_rmse']:.1e} of a cell's RMSE ({check['max_dev_over_rmse_label']}, "
+            f"{check['max_dev_over_rmse_dtype']})"
+            + (f" -- above {REFERENCE_TOLERANCE:g}: rerun with --dtype float64" if flag else ""))
+
+
+def interrupted_text(parts, stored: set[str], plan, resume_command: str) -> str:
+    """What an interrupted run kept and how to continue it (rich markup).
+
+    Parameters
+    ----------
+    parts : path or None
+        The run's parts folder (None: no output).
+    stored : set of str
+        The ids of its finished units.
+    plan : SweepPlan or None
+        Its plan, to count the kept cells; without one, the units are counted.
+    resume_command : str
+        The command that continues the run.
+    """
+    from rich.markup import escape
+
+    from randattn.analysis.plan import total_cells
+
+    if not stored:
+        why = "no --out" if parts is None else "no unit had finished"
+        return f"[bold red]interrupted[/]: nothing was kept ({why})"
+    if plan is not None:
+        kept = f"{total_cells([u for u in plan.units if u.uid in stored])} of {plan.cells} cells are"
+    else:
+        kept = f"{len(stored)} finished unit{'s are' if len(stored) > 1 else ' is'}"
+    return (f"[bold red]interrupted[/]: {kept} kept in {escape(str(parts))}\ncontinue with:\n  "
+            f"{escape(resume_command)}")
+
+
+def summary_table(summary):
+    """The aggregated MSE (:func:`randattn.analysis.sweep.aggregate`) as a rich table, a row per mask when the
+    layers were measured under different ones."""
+    from rich.table import Table
+
+    kinds = sorted(set(summary["mask"].astype(str))) if "mask" in summary else []
+    masks = [kind for kind in kinds if kind != "none"]
+    several = len(kinds) > 1  # layers under different masks: a row per mask, named
+    under = (f" under the {' and '.join(masks)} mask{'s' if len(masks) > 1 else ''}" if masks else "")
+    table = Table(title=f"attention MSE{under} (mean over heads, layers, images; 95% bootstrap CI)")
+    for name in ("estimator", "S", "tokens", *(["mask"] if several else []), "MSE [CI]", "bias^2", "variance",
+                 "CI over"):
+        table.add_column(name, justify="left" if name in ("estimator", "mask", "CI over") else "right",
+                         no_wrap=name in ("estimator", "MSE [CI]"))
+    for row in summary.itertuples(index=False):
+        ci = "" if row.mse_lo != row.mse_lo else f" [{row.mse_lo:.3g}, {row.mse_hi:.3g}]"
+        table.add_row(row.label, str(row.num_samples), str(row.tokens), *([str(row.mask)] if several else []),
+                      f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}", f"{row.variance:.3g}", f"{row.ci_over} ({row.units})")
+    return table
+
+
+def positions_table(positions, seed: int):
+    """MSE by position bucket at the largest S of each estimator, as a rich table: a row per label, a column per
+    bucket."""
+    from rich.table import Table
+
+    from randattn.analysis.positions import bucket_text
+    from randattn.analysis.sweep import aggregate
+
+    means = aggregate(positions, n_boot=1, seed=seed, by=("position_lo", "position_hi"))
+    largest = means.groupby("label")["num_samples"].transform("max")
+    means = means[means["num_samples"] == largest]
+    buckets = sorted(set(zip(means["position_lo"], means["position_hi"])))
+    table = Table(title="MSE by query position (p = n + M - N + 1; mean over heads, layers, images)")
+    table.add_column("estimator", no_wrap=True)
+    table.add_column("S", justify="right")
+    for lo, hi in buckets:
+        table.add_column(f"p {bucket_text(lo, hi)}", justify="right")
+    for (label, s), group in means.groupby(["label", "num_samples"], sort=False):
+        values = {(lo, hi): mse for lo, hi, mse in zip(group["position_lo"], group["position_hi"], group["mse"])}
+        table.add_row(str(label), str(s), *(f"{values[b]:.3g}" if b in values else "" for b in buckets))
+    return table
