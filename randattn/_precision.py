@@ -60,7 +60,7 @@ def full_precision_matmul() -> Iterator[None]:
 
 
 def compute_environment(device: Any = None) -> dict[str, Any]:
-    """What a table's numbers were computed with: torch version, device (and its name), float32 matmul precision.
+    """What a table's numbers were computed with: torch version, device (and its GPU name), float32 matmul precision.
 
     ``device``: the run's torch device (None: CPU). The precision is the one
     :func:`full_precision_matmul` enforces while randattn computes.
@@ -75,6 +75,5 @@ def compute_environment(device: Any = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "device": str(device),
         "device_name": name,
-        "threads": torch.get_num_threads(),
         "float32_matmul": "ieee (TF32 and bfloat16 reductions off while randattn computes)",
     }

@@ -102,5 +102,27 @@ def test_the_legacy_settings_are_used_where_the_per_backend_ones_are_absent():
 
 def test_compute_environment_names_device_and_precision():
     env = compute_environment()
-    assert env["device"] == "cpu" and env["torch"] == torch.__version__
-    assert env["float32_matmul"].startswith("ieee")
+    assert env == {"torch": torch.__version__, "device": "cpu", "device_name": None,
+                   "float32_matmul": "ieee (TF32 and bfloat16 reductions off while randattn computes)"}
+    assert compute_environment("cpu")["device"] == "cpu"
+
+
+@pytest.mark.parametrize("backend, dtype", [("torch", "auto"), ("torch", "float64"), ("reference", "auto")])
+def test_the_table_metadata_records_device_dtype_and_precision(backend, dtype):
+    from randattn.analysis.records import table_metadata
+
+    rng = np.random.default_rng(4)
+    acts = make_activations({0: tuple(rng.normal(size=(1, 2, 6, 4)) for _ in range(3))},
+                            {"scale": 0.5, "model": "synthetic"})
+    config = SweepConfig(estimators=parse_estimator_list("rfa;lara:proposal=eq32,weighting=coupled"),
+                         num_samples=(2,), replicates=2, seed=0, backend=backend, dtype=dtype, diagnostics=False)
+    table = run_sweep(acts, config)
+    compute = table_metadata(config, acts, "t.parquet", table, argv=["randattn"])["compute"]
+    assert compute["backend"] == backend and compute["device"] == "cpu"
+    if backend == "reference":
+        assert compute["dtypes"] == ["float64"] and compute["float32_matmul"] is None
+    else:
+        # auto: float32 for RFA, float64 for signed LARA; float64 for both when asked
+        assert compute["dtype"] == dtype and compute["torch"] == torch.__version__
+        assert compute["dtypes"] == (["float32", "float64"] if dtype == "auto" else ["float64"])
+        assert compute["float32_matmul"].startswith("ieee")

@@ -128,4 +128,25 @@ def table_metadata(config, activations, out: str | Path, table, argv: Sequence[s
         "warnings": table.attrs.get("warnings", []),
         "reference_check": reference_check_summary(table),
         "timing": table.attrs.get("timing"),
+        "compute": compute_record(config, table),
     }
+
+
+def compute_record(config, table) -> dict[str, Any]:
+    """Where and in what precision a sweep's numbers were computed: backend, device (and GPU name), torch version,
+    the dtypes the rows were estimated in, and the float32 matrix-product precision randattn enforced.
+
+    Parameters
+    ----------
+    config : SweepConfig
+    table : pandas.DataFrame
+        The sweep's table; its ``dtype`` column gives the dtypes used (``dtype="auto"`` mixes them).
+    """
+    dtypes = sorted(set(map(str, table["dtype"]))) if "dtype" in table else []
+    if config.backend == "reference":
+        return {"backend": "reference", "device": "cpu", "dtype": "float64", "dtypes": dtypes,
+                "float32_matmul": None}
+    from randattn._precision import compute_environment
+
+    return {"backend": "torch", **compute_environment(config.device), "dtype": config.dtype, "dtypes": dtypes,
+            "threads": config.threads}
