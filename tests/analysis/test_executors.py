@@ -59,6 +59,7 @@ def test_parse_scheduler():
             parse_scheduler(bad)
 
 
+@pytest.mark.slow  # a Dask cluster, ~9 s on 2 cores; CI runs the plugin example on Dask workers after the suite
 def test_dask_table_is_identical_to_local(acts_path, client, local_table, tmp_path):
     table = run_sweep(acts_path, _config(), scheduler=client, parts_dir=tmp_path / "parts")
     _same(local_table, table)

@@ -75,7 +75,7 @@ def _one_cell_replicate_budget(acts, config) -> int:
     return int(1.1 * max(runner.cell_bytes(u) for u in plan(acts, config)))  # calibration varies by a few bytes
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow), "torch"])
 def test_rows_are_bitwise_independent_of_the_memory_budget(acts, backend):
     from randattn.analysis.execute import CANONICAL_REPLICATES
 

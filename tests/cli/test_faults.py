@@ -289,6 +289,7 @@ def test_sigint_keeps_finished_units_and_prints_the_resume_command(acts, referen
 
 
 # ------------------------------------------------------------------------------------------------------ 3. SIGKILL mid-write
+@pytest.mark.slow  # three processes, ~11 s on 2 cores; SIGINT and SIGTERM resume tests stay in the default run
 def test_sigkill_during_a_part_write_leaves_no_partial_part_and_resume_is_identical(acts, reference, tmp_path):
     out, marker = tmp_path / "x.parquet", tmp_path / "torn"
     child = _spawn("mse", acts, *SWEEP, "--out", out, hook={"parts": 3, "marker": str(marker), "torn": True})
