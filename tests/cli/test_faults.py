@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from _cli_processes import finish
 
 from randattn.activations import make_activations, save_activations
 
@@ -112,23 +113,13 @@ def _spawn(*args, hook: dict | None = None, preexec_fn=None) -> subprocess.Popen
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=setup)
 
 
-def _finish(process: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, err = process.communicate()
-        pytest.fail(f"{process.args[3:]} still running after {timeout} s; stderr: {err[-2000:]}")
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
-
-
 def _cli(*args, **kwargs) -> subprocess.CompletedProcess:
-    return _finish(_spawn(*args, **kwargs))
+    return finish(_spawn(*args, **kwargs))
 
 
 def _all(*processes: subprocess.Popen) -> list[subprocess.CompletedProcess]:
     """Wait for processes started side by side."""
-    return [_finish(p) for p in processes]
+    return [finish(p) for p in processes]
 
 
 def _said(result: subprocess.CompletedProcess) -> str:
@@ -140,7 +131,7 @@ def _wait_for(marker: Path, process: subprocess.Popen, timeout: float = 120) -> 
     deadline = time.monotonic() + timeout
     while not marker.exists():
         if process.poll() is not None:
-            result = _finish(process)
+            result = finish(process)
             pytest.fail(f"the child ended (exit {result.returncode}) before reaching the hook: {result.stderr[-2000:]}")
         if time.monotonic() > deadline:
             process.kill()
@@ -234,7 +225,7 @@ def test_second_writer_is_refused_naming_the_first_and_nothing_finished_is_repla
         kept = sorted(p.name for p in _parts(out).glob("part-*.parquet"))
     finally:
         release.touch()
-    done = _finish(first)
+    done = finish(first)
     for result in (plain, resumed):
         assert result.returncode == 2, result.stderr
         assert f"pid {first.pid}" in _said(result) and "being written by another randattn process" in _said(result)
@@ -272,7 +263,7 @@ def test_sigint_keeps_finished_units_and_prints_the_resume_command(acts, referen
     child = _spawn("mse", acts, *SWEEP, "--out", out, hook={"parts": 4, "marker": str(marker)})
     _wait_for(marker, child)  # three units written, the fourth being written
     child.send_signal(signal.SIGINT)
-    result = _finish(child)
+    result = finish(child)
     assert result.returncode == 130, result.stderr
     assert f"{3 * HEADS} of {UNITS * HEADS} cells are kept in {_parts(out)}" in _said(result)
     assert "Aborted!" not in result.stderr and "Traceback" not in result.stderr and "resume=True" not in result.stderr
@@ -295,7 +286,7 @@ def test_sigkill_during_a_part_write_leaves_no_partial_part_and_resume_is_identi
     child = _spawn("mse", acts, *SWEEP, "--out", out, hook={"parts": 3, "marker": str(marker), "torn": True})
     _wait_for(marker, child)  # the third part's file is half written
     child.kill()
-    assert _finish(child).returncode == -signal.SIGKILL
+    assert finish(child).returncode == -signal.SIGKILL
     parts = _parts(out)
     complete = sorted(parts.glob("part-*.parquet"))
     assert len(complete) == 2
@@ -321,7 +312,7 @@ def test_sigint_to_any_command_exits_130_without_a_traceback(reference, tmp_path
                    hook={"hold": "randattn.reports.figures:make_figure", "marker": str(marker)})
     _wait_for(marker, child)
     child.send_signal(signal.SIGINT)
-    result = _finish(child)
+    result = finish(child)
     assert result.returncode == 130, result.stderr
     assert "interrupted" in result.stderr and "Traceback" not in result.stderr and "Aborted!" not in result.stderr
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from _cli_processes import finish
 from click.testing import CliRunner
 
 from randattn.activations import make_activations, save_activations
@@ -131,19 +132,9 @@ def _spawn(*args, hook: dict | None = None, file_size_limit: int | None = None) 
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=setup)
 
 
-def _finish(process: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, err = process.communicate()
-        pytest.fail(f"{process.args[3:]} still running after {timeout} s; stderr: {err[-2000:]}")
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
-
-
 def _all(running: dict[str, subprocess.Popen]) -> dict[str, subprocess.CompletedProcess]:
     """Wait for commands started side by side."""
-    return {name: _finish(process) for name, process in running.items()}
+    return {name: finish(process) for name, process in running.items()}
 
 
 def _said(result: subprocess.CompletedProcess) -> str:
@@ -328,7 +319,7 @@ def test_failed_plot_and_demo_in_earnest_leave_no_folder(measured, tmp_path):
 @pytest.mark.skipif(not _HAS_LM_EXTRA, reason="demo-lm stops before making its folder without its extra")
 def test_failed_demo_lm_leaves_no_folder_it_made(tmp_path):
     out = tmp_path / "made" / "demo-lm"
-    result = _finish(_spawn("demo-lm", "--quick", "--out", out,
+    result = finish(_spawn("demo-lm", "--quick", "--out", out,
                             hook={"fail": {"randattn.reports.demo_lm:_default_capture": "text: no such file: 'x'"}}))
     _refused(result, "text: no such file: 'x'")
     assert not (tmp_path / "made").exists()
@@ -404,7 +395,7 @@ def test_a_full_tmpfs_exits_2_naming_the_file(measured, small_tmpfs):
     filler = small_tmpfs / "filler"
     with open(filler, "wb") as handle:  # leave 16 KiB: less than the figure
         handle.write(b"\0" * (256 - 16) * 1024)
-    result = _finish(_spawn("plot", measured, "--format", "png", "--dpi", "300", "--out", small_tmpfs))
+    result = finish(_spawn("plot", measured, "--format", "png", "--dpi", "300", "--out", small_tmpfs))
     _refused(result, f"no space left writing '{small_tmpfs / 'mse-vs-samples.png'}' (no space left on device)")
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]
 
@@ -453,7 +444,7 @@ def test_demo_warnings_keep_the_numbers_they_share():
 @pytest.mark.skipif(not _HAS_VIT_EXTRA, reason="the demo checks for the vit extra before it runs")
 def test_demo_prints_warnings_without_placeholders_in_their_references(tmp_path):
     """LARA with beta = 8 on large synthetic q, k has negative normalizers: the warning cites eq. 37-38 as is."""
-    result = _finish(_spawn(*_SYNTHETIC_DEMO, "--estimators", "softmax;lara:beta=8", "--replicates", "4",
+    result = finish(_spawn(*_SYNTHETIC_DEMO, "--estimators", "softmax;lara:beta=8", "--replicates", "4",
                             "--out", tmp_path / "demo", hook={"synthetic_vit": 3.0}))
     said = _said(result)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -494,7 +485,7 @@ def test_plot_features_names_what_it_left_out_on_stderr(tmp_path):
                                labels=["rfa", "rfa:coupling=orthogonal", "rfa:feature_map=trigonometric",
                                        "rfa:coupling=orthogonal,feature_map=trigonometric"])
     path, _ = write_table(table, tmp_path / "r.csv", {})
-    result = _finish(_spawn("plot", path, "--kind", "features", "--format", "svg", "--out", tmp_path / "f"))
+    result = finish(_spawn("plot", path, "--kind", "features", "--format", "svg", "--out", tmp_path / "f"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "note features: not drawn: Performer (trigonometric RFA, iid) (the figure compares couplings on " \
            "positive features and feature maps at orthogonal coupling only)" in _said(result)
@@ -544,7 +535,7 @@ def test_report_command_shows_the_reference_check_of_the_table_it_reads(measured
     assert meta["reference_check"]["units_checked"] >= 1  # written by randattn mse
     meta["reference_check"].update(max_dev_over_rmse=0.034, max_dev_over_rmse_dtype="float32")
     path.with_name(path.name + ".meta.json").write_text(json.dumps(meta))
-    result = _finish(_spawn("report", path, "--dpi", "20", "--out", tmp_path / "rep"))
+    result = finish(_spawn("report", path, "--dpi", "20", "--out", tmp_path / "rep"))
     assert result.returncode == 0, result.stderr[-3000:]
     page = (tmp_path / "rep" / "report.html").read_text(encoding="utf-8")
     warnings_part = page.split('id="warnings"', 1)[1].split('id="diagnostics"', 1)[0]
