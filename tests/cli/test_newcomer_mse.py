@@ -24,7 +24,8 @@ import pytest
 from click.testing import CliRunner
 
 from randattn.cli import main
-from test_faults import HEADS, SWEEP, UNITS, _assert_same_table, _finish, _said, _spawn, _wait_for
+from _cli_processes import finish
+from test_faults import HEADS, SWEEP, UNITS, _assert_same_table, _said, _spawn, _wait_for
 
 #: the in-process twin of the children's options: the children run with OMP_NUM_THREADS=1, so --threads 1 makes the
 #: same run (the same configuration identity, the same bits)
@@ -156,7 +157,7 @@ def children(acts, reference, stopped_parts, tmp_path_factory):
 def test_a_full_disk_at_the_table_exits_2_naming_it_and_keeps_the_finished_units(children, acts, reference):
     started, outs, _ = children
     out = outs["disk"]
-    result = _finish(started["disk"])
+    result = finish(started["disk"])
     said = _said(result)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
@@ -223,7 +224,7 @@ def test_sigterm_keeps_finished_units_says_how_to_resume_and_exits_143(children,
     _wait_for(root / "plot.marker", plot)
     child.send_signal(signal.SIGTERM)
     plot.send_signal(signal.SIGTERM)
-    result, plotted = _finish(child), _finish(plot)
+    result, plotted = finish(child), finish(plot)
 
     assert result.returncode == 143, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
@@ -268,7 +269,7 @@ def test_an_interrupt_before_the_first_unit_says_nothing_was_kept(children):
     out, child = outs["early"], started["early"]
     _wait_for(root / "early.marker", child)  # the first part is about to be written
     child.send_signal(signal.SIGINT)
-    result = _finish(child)
+    result = finish(child)
     assert result.returncode == 130, result.stderr[-3000:]
     assert _said(result).endswith("interrupted: nothing was kept (no unit had finished)"), _said(result)
     assert "kept in" not in result.stderr and "continue with" not in result.stderr
@@ -279,7 +280,7 @@ def test_an_interrupt_before_the_first_unit_says_nothing_was_kept(children):
 def test_resume_sets_aside_corrupt_parts_and_computes_their_units_again(children, reference):
     started, outs, _ = children
     out = outs["corrupt"]
-    result = _finish(started["corrupt"])
+    result = finish(started["corrupt"])
     said = _said(result)
     assert result.returncode == 0, result.stderr[-3000:]
     for damaged in (outs["corrupt_parts"], outs["garbage_part"]):
@@ -293,7 +294,7 @@ def test_resume_sets_aside_corrupt_parts_and_computes_their_units_again(children
 def test_a_corrupt_manifest_exits_2_naming_it_and_what_is_wrong(children):
     started, outs, _ = children
     out = outs["manifest"]
-    result = _finish(started["manifest"])
+    result = finish(started["manifest"])
     said = _said(result)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
@@ -338,7 +339,7 @@ def test_force_replaces_a_finished_table_and_overwrite_is_the_same(acts, referen
 # ------------------------------------------------------------------------------------------------------ 9. --dry-run
 def test_dry_run_prints_the_plan_and_computes_and_writes_nothing(children):
     started, outs, _ = children
-    result = _finish(started["dry"])
+    result = finish(started["dry"])
     said = _said(result)
     assert result.returncode == 0, result.stderr[-3000:]  # exit 3 ("FORBIDDEN") if it ran or wrote anything
     assert (f"plan: {UNITS * HEADS} cells in {UNITS} units = 2 layers x 4 heads x 1 image x 6 (estimator, S) pairs, "
