@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
+from bench_sweep import _gemm_seconds, _run  # the same GEMM floor and child-process measurement as W1
 
 LAYERS_TOTAL = 30
 HEAD_DIM = 64
@@ -58,39 +56,6 @@ def _flops(name: str, n: int, s: int, d: int, probabilities: bool) -> float:
     else:
         return float("nan")
     return float(est + (prob if probabilities else 0))
-
-
-def _gemm_seconds(flops: float, dtype: str, repeats: int = 5) -> float:
-    import torch
-
-    dt = getattr(torch, dtype)
-    n = k = 256
-    cols = max(1, round(flops / (2 * n * k)))
-    a, b = torch.randn(n, k, dtype=dt), torch.randn(k, cols, dtype=dt)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def _run(cmd: list[str]) -> tuple[float, float, float]:
-    """Wall seconds, peak RSS (GiB) and CPU seconds (user + system, all threads) of one child process.
-
-    The CPU seconds tell a slow phase of a shared machine (wall up, CPU per unit of work up too, as
-    memory bandwidth and clocks drop) from idle cores (wall up, CPU not).
-    """
-    t0 = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return wall, max(after.ru_maxrss, before.ru_maxrss) / 2**20, cpu
 
 
 def main() -> None:
