@@ -2,31 +2,42 @@
 
 Figures are built as :class:`matplotlib.figure.Figure` objects without pyplot (no global figure state) and
 rendered with the Agg canvas.
+
+The names below are imported on first use (PEP 562): importing :mod:`randattn.reports.console` for the command
+line's text must not cost matplotlib's import (about half a second).
 """
 
-from randattn.reports.figures import (
-    FIGURE_KINDS,
-    bias_variance_figure,
-    features_figure,
-    heatmap_figure,
-    make_figure,
-    mse_vs_samples_figure,
-    position_figure,
-    save_figure,
-)
-from randattn.reports.tables import Results, ResultsError, read_results, summary_table
+from __future__ import annotations
 
-__all__ = [
-    "FIGURE_KINDS",
-    "Results",
-    "ResultsError",
-    "bias_variance_figure",
-    "features_figure",
-    "heatmap_figure",
-    "make_figure",
-    "mse_vs_samples_figure",
-    "position_figure",
-    "read_results",
-    "save_figure",
-    "summary_table",
-]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "FIGURE_KINDS": "figures",
+    "bias_variance_figure": "figures",
+    "features_figure": "figures",
+    "heatmap_figure": "figures",
+    "make_figure": "figures",
+    "mse_vs_samples_figure": "figures",
+    "position_figure": "figures",
+    "save_figure": "figures",
+    "Results": "tables",
+    "ResultsError": "tables",
+    "read_results": "tables",
+    "summary_table": "tables",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
