@@ -150,7 +150,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from randattn.cli.mse import parse_int_list
+    from randattn.cli._parsing import parse_int_list
 
     console = Console(width=None if sys.stdout.isatty() else 200)  # a log keeps every column of the table
     work = Path(args.workdir)

@@ -32,7 +32,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     # the Dask scheduler called "local" (run in this process), not the local-attention estimator
     ("randattn/analysis/executors.py", "text == 'local'"): "the --scheduler value 'local'",
     ("randattn/analysis/sweep.py", "spec.kind == 'local'"): "Scheduler.kind 'local' (this process)",
-    ("randattn/cli/mse.py", "where.kind == 'local'"): "Scheduler.kind 'local' (no Dask client)",
+    ("randattn/cli/_mse_session.py", "where.kind == 'local'"): "Scheduler.kind 'local' (no Dask client)",
 }
 
 

@@ -1,7 +1,7 @@
 """``randattn mse``'s option parsing: text -> values, and every option checked before anything is computed.
 
-Kept apart from :mod:`randattn.cli.mse` so that the command stays a thin click layer; the parsers are also
-imported by the benchmarks (through ``randattn.cli.mse``, which re-exports them).
+Kept apart from :mod:`randattn.cli.mse` so that the command stays a thin click layer (its options and their help);
+the parsers are also imported by the benchmarks.
 """
 
 from __future__ import annotations
