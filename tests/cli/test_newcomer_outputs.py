@@ -425,7 +425,7 @@ def test_demo_warnings_keep_the_numbers_they_share():
     """In process: numbers that differ between warnings of a kind read '#', shared ones (eq. 37-38) stay."""
     import warnings
 
-    from randattn.cli.demo import warning_lines
+    from randattn.cli._demo_session import warning_lines
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
