@@ -8,7 +8,6 @@ import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws
-from randattn.estimators.masks import last_visible_key
 from randattn.estimators.ra.reference import check_ra_params, noise_std, visible_keys
 
 __all__ = ["estimate", "probabilities", "estimate_with_probabilities"]
@@ -137,8 +136,14 @@ def estimate_with_probabilities(
 
 def _hidden(mask: str | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
     """``(N, M)`` boolean on ``x``'s device, True where ``mask`` hides key m from query n; None for no mask."""
-    visible = visible_keys(mask, x.shape[-2], y.shape[-2])
-    return None if visible is None else ~torch.as_tensor(visible, device=x.device)
+    if visible_keys(mask, 1, 1) is None:  # checks the mask's name; None for no mask
+        return None
+    from randattn.estimators.masks import check_causal_shapes
+
+    n, m = x.shape[-2], y.shape[-2]
+    check_causal_shapes(n, m)
+    # made on the device, not uploaded: key m hidden from query n iff m > n + (M - N), as causal_visible
+    return torch.ones(n, m, dtype=torch.bool, device=x.device).triu_(m - n + 1)
 
 
 def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, *, scale: float, variant: str, noise: str, sample: str,
@@ -175,7 +180,8 @@ def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, *, scale: float, va
         z = z.clamp_max(y.shape[-2] - 1)
     else:
         # the CDF is flat after the last visible key; u above its rounded-down total picks that key (as the reference)
-        last = torch.as_tensor(last_visible_key(num_q, y.shape[-2]), device=z.device).unsqueeze(-1)  # (N, 1)
+        # made on the device, as masks.last_visible_key: n + (M - N) (the shapes were checked by _hidden)
+        last = torch.arange(num_q, device=z.device).add_(y.shape[-2] - num_q).unsqueeze(-1)  # (N, 1)
         z = torch.minimum(z, last)
     z = z.reshape(*u.shape[1:-1], reps, num_samples).movedim(-2, 0)  # (R, ..., N, S)
     y_b = y.unsqueeze(0).expand(draws.replicates, *y.shape)
