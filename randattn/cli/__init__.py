@@ -11,6 +11,7 @@ SIGTERM. A command that keeps partial work (mse) says where it is and how to con
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import click
 
@@ -41,7 +42,8 @@ class _LazyGroup(click.Group):
         # quota, a file-size limit) is an error of the environment, not a bug: exit 2 naming the file.
         from randattn.cli._common import UserError, err_console, interrupt_exit_code, no_space_message, sigterm_raises
 
-        with sigterm_raises():
+        with sigterm_raises(), warnings.catch_warnings():
+            warnings.showwarning = _show_warning
             try:
                 return super().invoke(ctx)
             except KeyboardInterrupt as exc:
@@ -70,6 +72,16 @@ class _LazyGroup(click.Group):
                 return None
             raise
         return module.command
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library warning as the user reads it: its kind and message, not the source line that raised it."""
+    from rich.markup import escape
+
+    from randattn.cli._common import err_console
+
+    err_console.print(f"[yellow]warning[/] ({category.__name__}): {escape(str(message))}", highlight=False,
+                      soft_wrap=True)
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

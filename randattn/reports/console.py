@@ -49,11 +49,11 @@ def plan_lines(plan, timing: bool, dask: bool = False) -> list[str]:
     config = plan.config
     pairs = sum(len(config.num_samples) if e.needs_samples else 1 for e in config.estimators)
     n_layers, n_heads, n_images = len(plan.layers), len(plan.heads), len(plan.images)
-    first = (f"[bold]plan[/]: {plan.cells} cells in {count(len(plan.units), 'unit')} = {count(n_layers, 'layer')} x "
+    first = (f"[bold]plan[/]: {count(plan.cells, 'cell')} in {count(len(plan.units), 'unit')} = {count(n_layers, 'layer')} x "
              f"{count(n_heads, 'head')} x {count(n_images, 'image')} x {pairs} (estimator, S) "
              f"{'pair' if pairs == 1 else 'pairs'}, R = {config.replicates}")
     if len(plan.todo) < len(plan.units):
-        first += f"; resuming: {plan.todo_cells} cells left to compute"
+        first += f"; resuming: {count(plan.todo_cells, 'cell')} left to compute"
     if plan.unreadable:
         first += (f" ({count(len(plan.unreadable), 'unreadable part')} will be set aside into corrupt/ and "
                   "computed again)")
