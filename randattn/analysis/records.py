@@ -6,6 +6,8 @@ Kept in the library, not the command line, so that a Python caller writing a tab
 
 from __future__ import annotations
 
+import json
+
 import shlex
 import sys
 from pathlib import Path
@@ -58,6 +60,11 @@ def resume_command(argv: Sequence[str]) -> str:
 def reference_check_summary(table) -> dict | None:
     """The largest |batched - reference| over the checked units, per dtype, with its ratio to the cell's RMSE.
 
+    The ratio says how far the run's rounding can move a measured MSE; it is taken over the estimators whose
+    spec does not declare them exact (``convergence == "exact"``, e.g. softmax): an exact estimator's RMSE is
+    rounding itself, so any deviation is many times it and says nothing about the table. Its deviation still
+    enters ``max_abs_dev``.
+
     Parameters
     ----------
     table : pandas.DataFrame
@@ -66,7 +73,7 @@ def reference_check_summary(table) -> dict | None:
     Returns
     -------
     dict or None
-        None when no unit was checked.
+        None when no unit was checked. The ratio's entries are None when every checked estimator is exact.
     """
     import numpy as np
 
@@ -74,17 +81,35 @@ def reference_check_summary(table) -> dict | None:
     if not len(checked):
         return None
     worst = checked.loc[checked["ref_max_abs_dev"].idxmax()]
-    ratio = checked["ref_max_abs_dev"] / np.sqrt(checked["mse"].clip(lower=1e-300))
-    worst_ratio = checked.loc[ratio.idxmax()]
-    return {
+    summary = {
         "units_checked": int(len(checked)),
         "max_abs_dev": float(worst["ref_max_abs_dev"]),
         "max_abs_dev_label": str(worst["label"]),
-        "max_dev_over_rmse": float(ratio.max()),
-        "max_dev_over_rmse_label": str(worst_ratio["label"]),
-        "max_dev_over_rmse_dtype": str(worst_ratio["dtype"]),
+        "max_dev_over_rmse": None,
+        "max_dev_over_rmse_label": None,
+        "max_dev_over_rmse_dtype": None,
         "tolerance_dev_over_rmse": REFERENCE_TOLERANCE,
     }
+    inexact = checked[[not _declared_exact(name, params) for name, params in zip(checked["estimator"],
+                                                                                  checked["params"])]]
+    if len(inexact):
+        ratio = inexact["ref_max_abs_dev"] / np.sqrt(inexact["mse"].clip(lower=1e-300))
+        worst_ratio = inexact.loc[ratio.idxmax()]
+        summary.update(max_dev_over_rmse=float(ratio.max()), max_dev_over_rmse_label=str(worst_ratio["label"]),
+                       max_dev_over_rmse_dtype=str(worst_ratio["dtype"]))
+    return summary
+
+
+def _declared_exact(name: str, params: str) -> bool:
+    """Whether estimator ``name`` with the table's ``params`` (JSON) declares itself exact; False for one not
+    registered here (a plugin that is not installed: its ratio is kept, as before specs were read)."""
+    from randattn.estimators.registry import get_spec
+
+    try:
+        spec = get_spec(name)
+        return spec.convergence_of(spec.resolve_params(json.loads(params))) == "exact"
+    except (KeyError, ValueError, TypeError):
+        return False
 
 
 def table_metadata(config, activations, out: str | Path, table, argv: Sequence[str] | None = None) -> dict[str, Any]:

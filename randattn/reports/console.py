@@ -96,11 +96,14 @@ def reference_check_line(check: Mapping[str, Any]) -> str:
     :data:`~randattn.analysis.records.REFERENCE_TOLERANCE`."""
     from randattn.analysis.records import REFERENCE_TOLERANCE
 
-    flag = check["max_dev_over_rmse"] > REFERENCE_TOLERANCE
+    ratio = check.get("max_dev_over_rmse")
+    flag = ratio is not None and ratio > REFERENCE_TOLERANCE
     colour = "yellow" if flag else "green"
-    return (f"[{colour}]reference check[/]: {count(check['units_checked'], 'unit')} re-run on the float64 reference; "
-            f"largest |batched - reference| = {check['max_abs_dev']:.2e} ({check['max_abs_dev_label']}), at most "
-            f"{check['max_dev_over_rmse']:.1e} of a cell's RMSE ({check['max_dev_over_rmse_label']}, "
+    measured = (f"[{colour}]reference check[/]: {count(check['units_checked'], 'unit')} re-run on the float64 "
+                f"reference; largest |batched - reference| = {check['max_abs_dev']:.2e} ({check['max_abs_dev_label']})")
+    if ratio is None:  # only exact estimators were checked: their RMSE is rounding, no ratio to give
+        return measured + " (exact estimators only)"
+    return (measured + f", at most {ratio:.1e} of a cell's RMSE ({check['max_dev_over_rmse_label']}, "
             f"{check['max_dev_over_rmse_dtype']})"
             + (f" -- above {REFERENCE_TOLERANCE:g}: rerun with --dtype float64" if flag else ""))
 

@@ -223,33 +223,14 @@ def run_demo(
 
     tables = []
     for acts in activations:
-        tokens = int(acts.shape[2])
-        name = f"sweep N={tokens}"
-
-        offset = 0
-        totals = [_cells(acts, c) for c in sweep_configs]
-        for sweep_config, total in zip(sweep_configs, totals):
-
-            def on_progress(p: Any, name: str = name, offset: int = offset) -> None:
-                report(DemoStep(name, offset + int(p.done), sum(totals)))
-
-            tables.append(sweep(acts, sweep_config, progress=on_progress))
-            offset += total
-    warnings_seen = _merge_warnings(t.attrs.get("warnings", []) for t in tables)
+        tables += run_sweeps(sweep, acts, sweep_configs, report, f"sweep N={int(acts.shape[2])}")
     table = pd.concat(tables, ignore_index=True)
     seconds["sweep"] = time.perf_counter() - start - seconds["capture"]
 
     report(DemoStep("report", 0, 1))
     t_report = time.perf_counter()
-    metadata = {
-        "command_line": command,
-        "demo": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()},
-        "sweeps": [c.to_json() for c in sweep_configs],
-        "seed": config.seed,
-        "randattn_version": _version(),
-        "activations": [_activation_summary(acts) for acts in activations],
-        "warnings": warnings_seen,
-    }
+    metadata = demo_metadata(config, command, sweep_configs, table, tables,
+                             activations=[_activation_summary(acts) for acts in activations])
     with named_write_errors(out / table_name):
         table_path, metadata_path = write_table(table, out / table_name, metadata)
     files = {"table": table_path, "metadata": metadata_path}
@@ -270,6 +251,42 @@ def demo_outputs(table_name: str = "results.csv", formats: Sequence[str] = ("png
     """The names of the files :func:`run_demo` writes into its folder (with the same ``table_name`` and
     ``formats``)."""
     return (table_name, f"{table_name}.meta.json", *(f"mse-vs-samples.{fmt}" for fmt in formats), "report.html")
+
+
+def run_sweeps(sweep: Callable[..., Any], acts: Any, sweep_configs: Sequence[Any],
+               report: Callable[[DemoStep], None], step: str) -> list[Any]:
+    """``sweep(acts, config, progress=...)`` for each of ``sweep_configs``, reported as one step ``step`` whose
+    total is the cells of them all; their results, in order."""
+    totals = [_cells(acts, c) for c in sweep_configs]
+    results, offset = [], 0
+    for sweep_config, total in zip(sweep_configs, totals):
+
+        def on_progress(p: Any, offset: int = offset) -> None:
+            report(DemoStep(step, offset + int(p.done), sum(totals)))
+
+        results.append(sweep(acts, sweep_config, progress=on_progress))
+        offset += total
+    return results
+
+
+def demo_metadata(config: Any, command: str | None, sweep_configs: Sequence[Any], table: pd.DataFrame,
+                  tables: Sequence[pd.DataFrame], *, activations: Any) -> dict[str, Any]:
+    """What a demo records beside its table: the command, its configuration and sweeps, the activations
+    (``activations``, as the demo summarizes them), the sweeps' warnings, and -- as ``randattn mse`` records
+    them -- the float64 reference check of the checked units and where the numbers were computed."""
+    from randattn.analysis.records import compute_record, reference_check_summary
+
+    return {
+        "command_line": command,
+        "demo": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()},
+        "sweeps": [c.to_json() for c in sweep_configs],
+        "seed": config.seed,
+        "randattn_version": _version(),
+        "activations": activations,
+        "warnings": _merge_warnings(t.attrs.get("warnings", []) for t in tables),
+        "reference_check": reference_check_summary(table),
+        "compute": compute_record(sweep_configs[0], table) if sweep_configs else None,
+    }
 
 
 def _merge_warnings(lists) -> list[dict[str, Any]]:

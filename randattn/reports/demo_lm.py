@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import io
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from randattn.reports.demo import DemoResult, DemoStep, _cells, _merge_warnings, _version, demo_outputs
+from randattn.reports.demo import DemoResult, DemoStep, demo_metadata, demo_outputs, run_sweeps
 
 __all__ = ["LMDemoConfig", "LM_QUICK", "demo_lm_outputs", "run_demo_lm"]
 
@@ -167,15 +167,7 @@ def run_demo_lm(
     if config.single_sample and config.ra:
         sweep_configs.append(SweepConfig(estimators=parse_estimator_list(list(config.ra)),
                                          num_samples=tuple(config.single_sample), **common))
-    totals = [_cells(acts, c) for c in sweep_configs]
-    results, offset = [], 0
-    for sweep_config, total in zip(sweep_configs, totals):
-
-        def on_progress(p: Any, offset: int = offset) -> None:
-            report(DemoStep("sweep", offset + int(p.done), sum(totals)))
-
-        results.append(run_sweep_tables(acts, sweep_config, progress=on_progress))
-        offset += total
+    results = run_sweeps(run_sweep_tables, acts, sweep_configs, report, "sweep")
     table = pd.concat([r.table for r in results], ignore_index=True)
     position_parts = [r.positions for r in results if r.positions is not None]
     positions = pd.concat(position_parts, ignore_index=True) if position_parts else None
@@ -185,16 +177,9 @@ def run_demo_lm(
     t_report = time.perf_counter()
     fields = ("model", "layers", "heads", "head_dim", "tokens", "images", "scale", "source", "layout",
               "architecture", "kv_heads", "head_map", "mask", "sliding_window", "weights", "text", "add_bos")
-    metadata = {
-        "command_line": command,
-        "demo": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()},
-        "sweeps": [c.to_json() for c in sweep_configs],
-        "seed": config.seed,
-        "randattn_version": _version(),
-        # a mapping (not the ViT demo's list): the report's language-model section reads it
-        "activations": {k: acts.metadata.get(k) for k in fields},
-        "warnings": _merge_warnings(r.table.attrs.get("warnings", []) for r in results),
-    }
+    # activations: a mapping (not the ViT demo's list): the report's language-model section reads it
+    metadata = demo_metadata(config, command, sweep_configs, table, [r.table for r in results],
+                             activations={k: acts.metadata.get(k) for k in fields})
     with named_write_errors(out / table_name):
         written = write_tables(SweepTables(table, positions), out / table_name, metadata)
     files = {"table": written[0], "metadata": written[1]}

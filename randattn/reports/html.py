@@ -775,12 +775,20 @@ def reference_check_html(metadata: Mapping[str, Any] | None, names: Mapping[str,
     check = (metadata or {}).get("reference_check")
     if not isinstance(check, Mapping):
         return []
+    esc = html.escape
+    if check.get("max_dev_over_rmse", 0.0) is None:  # only exact estimators checked: their RMSE is rounding
+        try:
+            units, deviation = int(check.get("units_checked", 0)), float(check["max_abs_dev"])
+        except (KeyError, TypeError, ValueError):
+            return []
+        return [f'<p class="ok">Reference check: {units} unit(s) were re-run on the float64 reference; the batched '
+                f"result deviates from it by at most {deviation:.2g} (exact estimators only: their RMSE is "
+                "rounding, so no ratio to it is given).</p>"]
     try:
         ratio, tolerance = float(check["max_dev_over_rmse"]), float(check["tolerance_dev_over_rmse"])
         units = int(check.get("units_checked", 0))
     except (KeyError, TypeError, ValueError):
         return []
-    esc = html.escape
     label = str(check.get("max_dev_over_rmse_label", ""))
     who = esc((names or {}).get(label, label))
     dtype = esc(str(check.get("max_dev_over_rmse_dtype", "")))

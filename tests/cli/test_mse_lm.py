@@ -144,3 +144,10 @@ def test_demo_lm_runs_on_a_tiny_capture(lm_file, tmp_path):
     assert {"table", "positions", "figure.png", "position.png", "report"} <= set(result.files)
     assert set(result.table["mask"]) == {"causal"} and result.table["sink_mass"].notna().all()
     assert 'id="language-model"' in result.files["report"].read_text()
+    import json
+
+    import numpy as np
+
+    check = json.loads(result.files["metadata"].read_text())["reference_check"]
+    checked = result.table[np.isfinite(result.table["ref_max_abs_dev"])]
+    assert check["units_checked"] == len(checked) >= 1 and check["max_abs_dev"] == checked["ref_max_abs_dev"].max()

@@ -525,6 +525,44 @@ def test_report_warnings_show_a_reference_check_above_its_tolerance():
     assert "within the tolerance 0.01" in within and "--dtype float64" not in within
 
 
+def _checked_rows(*rows):
+    """A table's reference-check columns: (estimator, params JSON, label, dtype, mse, ref_max_abs_dev) per row."""
+    columns = ("estimator", "params", "label", "dtype", "mse", "ref_max_abs_dev")
+    return pd.DataFrame([dict(zip(columns, row)) for row in rows])
+
+
+def test_the_reference_check_ratio_leaves_out_exact_estimators():
+    """softmax's MSE is rounding (1e-30 here): a 1e-7 deviation is 1e8 times its RMSE and says nothing. The ratio
+    is rfa's, 1e-6 / sqrt(1e-2) = 1e-5, written out; the largest deviation is still taken over every row."""
+    from randattn.analysis.records import reference_check_summary
+    from randattn.reports.console import reference_check_line
+
+    table = _checked_rows(("softmax", "{}", "softmax", "float32", 1e-30, 2e-6),
+                          ("rfa", '{"coupling": "iid", "feature_map": "positive"}', "rfa", "float32", 1e-2, 1e-6),
+                          ("rfa", "{}", "rfa", "float32", 4e-2, float("nan")))  # not checked
+    check = reference_check_summary(table)
+    assert check["units_checked"] == 2 and check["max_abs_dev"] == 2e-6 and check["max_abs_dev_label"] == "softmax"
+    assert check["max_dev_over_rmse"] == pytest.approx(1e-5, rel=1e-12)
+    assert (check["max_dev_over_rmse_label"], check["max_dev_over_rmse_dtype"]) == ("rfa", "float32")
+    assert "rerun with --dtype float64" not in reference_check_line(check)
+    # an estimator not registered here keeps its ratio (its spec cannot say it is exact)
+    plugin = reference_check_summary(_checked_rows(("not-installed", "{}", "x", "float32", 1e-30, 1e-7)))
+    assert plugin["max_dev_over_rmse"] == pytest.approx(1e-7 / 1e-15, rel=1e-12)
+
+
+def test_a_reference_check_of_exact_estimators_only_gives_no_ratio_and_no_advice():
+    from randattn.analysis.records import reference_check_summary
+    from randattn.reports.console import reference_check_line
+    from randattn.reports.html import reference_check_html
+
+    check = reference_check_summary(_checked_rows(("softmax", "{}", "softmax", "float32", 1e-30, 2.5e-7)))
+    assert check["max_dev_over_rmse"] is None and check["max_abs_dev"] == 2.5e-7
+    line = reference_check_line(check)
+    assert line.endswith("largest |batched - reference| = 2.50e-07 (softmax) (exact estimators only)"), line
+    (html,) = reference_check_html({"reference_check": check})
+    assert "deviates from it by at most 2.5e-07 (exact estimators only" in html and "--dtype" not in html
+
+
 @pytest.mark.slow  # a report child (~8 s)
 def test_report_command_shows_the_reference_check_of_the_table_it_reads(measured, tmp_path):
     """The check randattn mse recorded, edited above its tolerance in the table's .meta.json."""

@@ -161,6 +161,14 @@ def test_run_demo_with_fake_capture_and_real_sweep(tmp_path):
     assert "k-hat not computed: diagnostics were turned off for this run" in page
     assert {step.name for step in steps} >= {"loading model", "capture", "sweep N=5", "sweep N=10", "report"}
     assert set(result.seconds) == {"capture", "sweep", "report", "total"}
+    # the float64 reference check is recorded as randattn mse records it: the worst of the checked units' rows
+    import json
+
+    check = json.loads(result.files["metadata"].read_text())["reference_check"]
+    checked = table[np.isfinite(table["ref_max_abs_dev"])]
+    assert check["units_checked"] == len(checked) >= 1
+    assert check["max_abs_dev"] == checked["ref_max_abs_dev"].max()
+    assert f"Reference check: {len(checked)} unit(s) were re-run on the float64 reference" in page
 
 
 def test_demo_quick_end_to_end(tmp_path):
