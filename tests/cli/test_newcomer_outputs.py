@@ -556,11 +556,37 @@ def test_a_reference_check_of_exact_estimators_only_gives_no_ratio_and_no_advice
     from randattn.reports.html import reference_check_html
 
     check = reference_check_summary(_checked_rows(("softmax", "{}", "softmax", "float32", 1e-30, 2.5e-7)))
-    assert check["max_dev_over_rmse"] is None and check["max_abs_dev"] == 2.5e-7
+    assert check == {"units_checked": 1, "max_abs_dev": 2.5e-7, "max_abs_dev_label": "softmax",
+                     "max_dev_over_rmse": None, "max_dev_over_rmse_label": None, "max_dev_over_rmse_dtype": None,
+                     "tolerance_dev_over_rmse": 0.01}
     line = reference_check_line(check)
     assert line.endswith("largest |batched - reference| = 2.50e-07 (softmax) (exact estimators only)"), line
     (html,) = reference_check_html({"reference_check": check})
     assert "deviates from it by at most 2.5e-07 (exact estimators only" in html and "--dtype" not in html
+
+
+def test_the_reference_check_line_says_the_ratio_and_advises_float64_only_above_the_tolerance():
+    from randattn.reports.console import reference_check_line
+
+    assert reference_check_line(_CHECK) == (
+        "[yellow]reference check[/]: 4 units re-run on the float64 reference; largest |batched - reference| = "
+        "3.10e-06 (rfa), at most 3.4e-02 of a cell's RMSE (rfa:coupling=orthogonal, float32) -- above 0.01: rerun "
+        "with --dtype float64")
+    assert reference_check_line({**_CHECK, "units_checked": 1, "max_dev_over_rmse": 0.002}) == (
+        "[green]reference check[/]: 1 unit re-run on the float64 reference; largest |batched - reference| = "
+        "3.10e-06 (rfa), at most 2.0e-03 of a cell's RMSE (rfa:coupling=orthogonal, float32)")
+
+
+def test_a_reference_check_with_nothing_checked_or_a_zero_mse():
+    """No checked unit (or no such column): None. A random estimator whose MSE is exactly 0 still gets a finite
+    ratio (its MSE is taken as at least 1e-300): 1e-7 / 1e-150."""
+    from randattn.analysis.records import reference_check_summary
+
+    assert reference_check_summary(_checked_rows(("rfa", "{}", "rfa", "float32", 1e-2, float("nan")))) is None
+    assert reference_check_summary(_checked_rows(("rfa", "{}", "rfa", "float32", 1e-2, 1e-6)).drop(
+        columns="ref_max_abs_dev")) is None
+    zero = reference_check_summary(_checked_rows(("rfa", "{}", "rfa", "float32", 0.0, 1e-7)))
+    assert zero["max_dev_over_rmse"] == pytest.approx(1e-7 / 1e-150, rel=1e-12)
 
 
 @pytest.mark.slow  # a report child (~8 s)
