@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -32,6 +33,7 @@ __all__ = [
     "POSITION_COLUMNS",
     "POSITION_PLOT_COLUMNS",
     "ResultsError",
+    "MetadataConflictWarning",
     "Results",
     "read_results",
     "require_columns",
@@ -65,6 +67,11 @@ _READERS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "js
 #: :func:`randattn.analysis.sweep.write_table` writes) or ``results.meta.json``
 _SIDECAR_SUFFIXES = (".meta.json", ".metadata.json")
 _PARQUET_METADATA_KEYS = (b"randattn", b"randattn_metadata", b"metadata")
+
+
+class MetadataConflictWarning(UserWarning):
+    """A table's metadata stored in the file (Parquet, JSON) and in the ``.meta.json`` beside it differ; the
+    file's own is used."""
 
 
 class ResultsError(ValueError):
@@ -263,7 +270,15 @@ def _read_one(path: str | os.PathLike) -> tuple[pd.DataFrame, dict[str, Any], Pa
         raise ResultsError(f"cannot read results {str(path)!r} as {kind}: {exc}") from exc
     if not isinstance(table, pd.DataFrame) or table.empty:
         raise ResultsError(f"results {str(path)!r} hold no rows")
-    metadata = {**_read_sidecar(path), **metadata}
+    sidecar, sidecar_path = _read_sidecar(path)
+    differing = sorted(key for key in sidecar.keys() & metadata.keys()
+                       if json.dumps(sidecar[key], sort_keys=True) != json.dumps(metadata[key], sort_keys=True))
+    if differing:
+        shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
+        warnings.warn(f"{path}: {sidecar_path.name} differs from the metadata stored in the file ({shown}); the "
+                      "file's own is used (edit the metadata inside the file, or remove it to use the sidecar)",
+                      MetadataConflictWarning, stacklevel=3)
+    metadata = {**sidecar, **metadata}
     return _checked_values(_normalise_types(table), path), metadata, path
 
 
@@ -308,7 +323,8 @@ def _read_json(path: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     return pd.DataFrame(document), metadata
 
 
-def _read_sidecar(path: Path) -> dict[str, Any]:
+def _read_sidecar(path: Path) -> tuple[dict[str, Any], Path | None]:
+    """The metadata in the sidecar beside ``path`` and the sidecar's path ({} and None without one)."""
     # write_table writes ``results.csv.meta.json``; hand-made sidecars may drop the table's suffix
     candidates = [path.with_name(path.name + suffix) for suffix in _SIDECAR_SUFFIXES]
     candidates += [path.with_name(path.stem + suffix) for suffix in _SIDECAR_SUFFIXES]
@@ -318,9 +334,9 @@ def _read_sidecar(path: Path) -> dict[str, Any]:
                 with open(sidecar, encoding="utf-8") as handle:
                     value = json.load(handle)
             except (OSError, ValueError):
-                return {}
-            return value if isinstance(value, dict) else {}
-    return {}
+                return {}, sidecar
+            return (value if isinstance(value, dict) else {}), sidecar
+    return {}, None
 
 
 def _normalise_types(table: pd.DataFrame) -> pd.DataFrame:
