@@ -91,9 +91,14 @@ def _exact_flops(tokens: int, heads: int = 6, d: int = 64) -> float:
     return float(heads * 2 * 2 * tokens * tokens * d)
 
 
-#: the launcher of a ``randattn`` process; on a GPU it also writes the process's peak GPU memory to $RANDATTN_PEAK
+#: the launcher of a ``randattn`` process: at exit it writes its own peak RSS (``VmHWM``, kB) to
+#: $RANDATTN_RSS_PEAK and, on a GPU, its peak GPU memory to $RANDATTN_PEAK. ``ru_maxrss`` would not do: Linux carries
+#: the RSS of the forked copy of the parent into a child's maximum, and RUSAGE_CHILDREN is the maximum over children.
 _LAUNCH = ("import atexit, os\n"
            "def _peak():\n"
+           "    if os.environ.get('RANDATTN_RSS_PEAK'):\n"
+           "        kb = next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+           "        open(os.environ['RANDATTN_RSS_PEAK'], 'w').write(kb)\n"
            "    import torch\n"
            "    if os.environ.get('RANDATTN_PEAK') and torch.cuda.is_available():\n"
            "        open(os.environ['RANDATTN_PEAK'], 'w').write(str(torch.cuda.max_memory_allocated()))\n"
@@ -128,15 +133,21 @@ def _run(cmd: list[str]) -> tuple[float, float, float]:
     The CPU seconds tell a slow phase of a shared machine (wall up, CPU per unit of work up too, as
     memory bandwidth and clocks drop) from idle cores (wall up, CPU not).
     """
-    t0 = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        rss_file = Path(scratch) / "rss-peak-kb"
+        env = {**os.environ, "RANDATTN_RSS_PEAK": str(rss_file)}
+        t0 = time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        peak_gib = int(rss_file.read_text()) / 2**20 if rss_file.exists() else float("nan")
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return wall, max(after.ru_maxrss, before.ru_maxrss) / 2**20, cpu
+    return wall, peak_gib, cpu
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_sweep import _gemm_seconds, _run  # the same GEMM floor and child-process measurement as W1
+from bench_sweep import _LAUNCH, _gemm_seconds, _run  # the same GEMM floor, launcher and measurement as W1
 
 LAYERS_TOTAL = 30
 HEAD_DIM = 64
@@ -75,7 +75,7 @@ def main() -> None:
     work = Path(args.workdir)
     work.mkdir(exist_ok=True)
     layers = parse_int_list("--layers", args.layers)
-    randattn = [sys.executable, "-c", "from randattn.cli import main; main()"]
+    randattn = [sys.executable, "-c", _LAUNCH]
     path = work / f"smollm2-{args.max_tokens}.safetensors"
     if not path.exists():  # the capture is W2's input, not part of the measurement
         subprocess.run([*randattn, "capture", "--model", "smollm2-135m", "--max-tokens", str(args.max_tokens),
