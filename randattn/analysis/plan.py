@@ -408,8 +408,12 @@ def cell_seed(master_seed: int, image: str, layer: int, head: int, label_params_
 
 
 def replicate_rng(seed: int, replicate: int) -> np.random.Generator:
-    """The generator of replicate ``replicate`` of the cell with this ``seed``."""
-    return np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(int(replicate),)))
+    """The generator of replicate ``replicate`` of the cell with this ``seed``.
+
+    ``Generator(PCG64(...))`` is what ``default_rng`` builds from a SeedSequence (the same bits), without its
+    argument dispatch: a third of the cost, paid R x cells times per unit.
+    """
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed), spawn_key=(int(replicate),))))
 
 
 class StackedGenerators:

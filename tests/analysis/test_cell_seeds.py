@@ -135,3 +135,13 @@ def test_stacked_generators_check_the_requested_shape():
         grid.standard_normal((3, 2))
     with pytest.raises(TypeError, match="numpy.random.Generator"):
         StackedGenerators([np.random.RandomState(0)])
+
+
+@pytest.mark.parametrize("seed, replicate", [(0, 0), (17, 3), (2**62 + 5, 31)])
+def test_replicate_rng_is_the_seed_sequence_of_the_cell_and_replicate(seed, replicate):
+    """The documented stream: ``default_rng(SeedSequence(seed, spawn_key=(r,)))``, written out here (tables of earlier
+    versions depend on it bit for bit)."""
+    expected = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(replicate,)))
+    got = replicate_rng(seed, replicate)
+    assert np.array_equal(got.standard_normal(64), expected.standard_normal(64))
+    assert np.array_equal(got.integers(0, 2**63, 8), expected.integers(0, 2**63, 8))
