@@ -71,6 +71,7 @@ def test_dask_table_is_identical_to_local(acts_path, client, local_table, tmp_pa
     assert sum(p["units"] for p in phases) == table.attrs["timing"]["units"] == 3 * 2 * 3 * 2
 
 
+@pytest.mark.slow  # ~4 s; the default run keeps Dask's table against the local one (scheduler address)
 def test_resumed_dask_run_equals_uninterrupted_local_run(acts_path, client, local_table, tmp_path):
     seen = []
 
