@@ -204,7 +204,7 @@ def _acts(mask: str | None):
     return make_activations({0: layer}, meta)
 
 
-def _run_units(mask: str | None, estimators: str = ESTIMATORS, **planted) -> Transfers:
+def _run_units(mask: str | None, estimators: str = ESTIMATORS) -> Transfers:
     acts = _acts(mask)
     config = SweepConfig(estimators=parse_estimator_list(estimators), num_samples=(S,), replicates=R, seed=3,
                          backend="torch", diagnostics=True, khat_queries=Q, check_reference=1.0, mask=mask,
