@@ -7,7 +7,6 @@ Kept in the library, not the command line, so that a Python caller writing a tab
 from __future__ import annotations
 
 import json
-
 import shlex
 import sys
 from pathlib import Path
