@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
+from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws
-from randattn.estimators.ra.reference import check_ra_params, noise_std, visible_keys
+from randattn.estimators.ra.reference import check_ra_params, noise_std
 
 __all__ = ["estimate", "probabilities", "estimate_with_probabilities"]
 
@@ -136,7 +137,8 @@ def estimate_with_probabilities(
 
 def _hidden(mask: str | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
     """``(N, M)`` boolean on ``x``'s device, True where ``mask`` hides key m from query n; None for no mask."""
-    if visible_keys(mask, 1, 1) is None:  # checks the mask's name; None for no mask
+    check_choice("mask", mask, (None, "causal"))  # the masks the reference accepts (visible_keys)
+    if mask is None:
         return None
     from randattn.estimators.masks import check_causal_shapes
 
