@@ -220,8 +220,10 @@ def _capture_vit(timm_name, checkpoint, hf_name, images_spec, size, layers, out_
 
         try:
             if hf_name is not None:
-                from randattn.activations.hf import capture_hf, hf_preprocessing, load_hf_model
+                from randattn.activations.dinov2 import parse_layers
+                from randattn.activations.hf import capture_hf, hf_num_layers, hf_preprocessing, load_hf_model
 
+                parse_layers(layers, num_layers=hf_num_layers(hf_name))  # from the config, before the weights load
                 model = load_hf_model(hf_name)
                 _check_loaded_vit_tokens(model, size, hf_name)
                 progress.update(task, description="capturing")
