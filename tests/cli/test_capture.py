@@ -144,3 +144,19 @@ def test_dinov2_layers_refused_before_the_model_loads(tmp_path, monkeypatch):
     result = _run("--model", "dinov2-s14", "--layers", "40", "--out", str(tmp_path / "a.safetensors"))
     assert result.exit_code == 2, result.output
     assert "layers: layer 40 is out of range; the model has layers 0..11" in " ".join(result.stderr.split())
+
+
+def test_capture_refused_while_another_process_holds_the_outputs_lock(tmp_path, monkeypatch):
+    """In process: the lock ``randattn mse`` takes, held here (an OS lock on its own open file, as another process
+    holds it); tests/cli/test_faults.py runs two real captures."""
+    from randattn.analysis.store import sweep_lock
+
+    _forbid(monkeypatch, "randattn.activations.dinov2", "Dinov2Onnx", "capture_dinov2")
+    out = tmp_path / "a.safetensors"
+    with sweep_lock(out):
+        for force in ([], ["--force"]):
+            result = _run("--layers", "0", "--out", str(out), *force)
+            assert result.exit_code == 2, result.output
+            said = " ".join(result.stderr.split())
+            assert f"{str(out)!r} is being written by another randattn process (pid " in said
+    assert not out.exists() and list(tmp_path.iterdir()) == []
