@@ -38,10 +38,11 @@ def _timm_import_error(exc: ImportError) -> ModuleNotFoundError:
 
     import torch
 
+    if importlib.util.find_spec("timm") is None:
+        return ModuleNotFoundError(_MISSING_TIMM, name="timm")
     missing = (exc.name or "").partition(".")[0]
-    if importlib.util.find_spec("timm") is None or missing in ("", "timm"):
-        return ModuleNotFoundError(_MISSING_TIMM if importlib.util.find_spec("timm") is None else
-                                   f"timm is installed, but importing it failed ({exc}); {_MISSING_TIMM}", name="timm")
+    if missing in ("", "timm"):  # timm is there but broken in itself
+        return ModuleNotFoundError(f"timm is installed, but importing it failed ({exc}); {_MISSING_TIMM}", name="timm")
     how = (f"install the torchvision release built for your torch {torch.__version__} (pytorch.org lists the "
            "pip command for your platform)" if missing == "torchvision" else f"pip install {missing}")
     return ModuleNotFoundError(f"the timm capture needs {missing}, which timm imports: timm is installed but "

@@ -80,7 +80,6 @@ def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, 
     ViTs run on images; decoder language models run on text, and their queries and keys are captured after the
     rotary embedding, keys and values once per key/value head, with each layer's mask (causal or sliding window).
     """
-    from pathlib import Path
 
     from randattn.activations.io import FORMATS
     from randattn.cli._outputs import refuse_to_replace_file, taken_back_on_failure
@@ -267,8 +266,6 @@ def _load_lm_quietly(model_name: str, hf_name: str | None):
 
 
 def _capture_lm(model_name, hf_name, text_specs, token_ids_path, max_tokens, add_bos, layers, out_path):
-    from pathlib import Path
-
     if text_specs and token_ids_path is not None:
         abort("use either --text FILE or --token-ids FILE, not both")
     if token_ids_path is not None and add_bos is not None:

@@ -548,7 +548,8 @@ def test_gguf_size_is_what_transformers_reads(tmp_path):
     assert lm_mod.lm_size(path) == lm_mod.LMSize(config.num_hidden_layers, config.vocab_size)
 
 
-@pytest.mark.parametrize("content", [b"", b"GGUF\x03\x00\x00\x00", b"GGML" + bytes(40)], ids=["empty", "short", "magic"])
+@pytest.mark.parametrize("content", [b"", b"GGUF\x03\x00\x00\x00", b"GGML" + bytes(40)],
+                         ids=["empty", "short", "magic"])
 def test_unreadable_gguf_header_is_named(tmp_path, content):
     (tmp_path / "bad.gguf").write_bytes(content)
     with pytest.raises(ValueError, match="cannot read the GGUF header of .*bad.gguf"):

@@ -257,7 +257,8 @@ def test_second_writer_is_refused_naming_the_first_and_nothing_finished_is_repla
     _assert_same_table(out, reference)  # the first writer's full table
 
 
-@pytest.mark.slow  # two processes, one a real DINOv2 capture: ~8 s on 2 busy cores; test_capture.py has the in-process twin
+@pytest.mark.slow  # two processes, one a real DINOv2 capture: 13 s on 2 busy cores; the in-process twin is in
+# tests/cli/test_capture.py
 def test_second_capture_to_the_same_out_is_refused_naming_the_first(tmp_path):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("skimage")
