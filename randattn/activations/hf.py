@@ -39,6 +39,7 @@ __all__ = [
     "hf_preprocessing",
     "capture_hf_attention",
     "capture_hf",
+    "hf_num_layers",
 ]
 
 _MISSING_TRANSFORMERS = 'the Hugging Face capture needs transformers: pip install "randattn[hf]"'
@@ -98,6 +99,47 @@ def _vision_config(config):
     return getattr(config, "vision_config", None) or config
 
 
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModuleNotFoundError(_MISSING_TRANSFORMERS, name="transformers") from exc
+    return transformers
+
+
+def _supported_config(where: str, local_files_only: bool):
+    """The checkpoint's config (its JSON only, no weights); ValueError when unreadable or not a supported ViT."""
+    try:
+        config = _transformers().AutoConfig.from_pretrained(where, local_files_only=local_files_only)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"cannot load a transformers config from {where!r} (a local save_pretrained folder, or a hub name "
+            f"that is cached or reachable): {exc}"
+        ) from exc
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{where!r} is a {config.model_type!r} model; the HF capture supports model types "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (plain softmax attention without logit biases or token dropping); "
+            "decoder language models go through randattn.activations.lm"
+        )
+    return config
+
+
+def hf_num_layers(name_or_path: str | os.PathLike, *, local_files_only: bool = False) -> int:
+    """The attention layers of a ``transformers`` ViT from its config (``num_hidden_layers`` of its vision tower),
+    without loading its weights: a layer selection is checked against it before the load.
+
+    Raises
+    ------
+    ModuleNotFoundError
+        transformers is missing.
+    ValueError
+        As :func:`load_hf_model`, for the config.
+    """
+    config = _supported_config(os.fspath(name_or_path), local_files_only)
+    return int(_vision_config(config).num_hidden_layers)
+
+
 def load_hf_model(name_or_path: str | os.PathLike, *, local_files_only: bool = False):
     """Load a ``transformers`` vision model (float32, eval mode) and return its vision tower.
 
@@ -120,24 +162,9 @@ def load_hf_model(name_or_path: str | os.PathLike, *, local_files_only: bool = F
     ValueError
         The model cannot be loaded, or its ``model_type`` is not in :data:`SUPPORTED_MODEL_TYPES`.
     """
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ModuleNotFoundError(_MISSING_TRANSFORMERS, name="transformers") from exc
+    transformers = _transformers()
     where = os.fspath(name_or_path)
-    try:
-        config = transformers.AutoConfig.from_pretrained(where, local_files_only=local_files_only)
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"cannot load a transformers config from {where!r} (a local save_pretrained folder, or a hub name "
-            f"that is cached or reachable): {exc}"
-        ) from exc
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{where!r} is a {config.model_type!r} model; the HF capture supports model types "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (plain softmax attention without logit biases or token dropping); "
-            "decoder language models go through randattn.activations.lm"
-        )
+    config = _supported_config(where, local_files_only)
     try:
         model = transformers.AutoModel.from_pretrained(where, local_files_only=local_files_only)
     except (OSError, ValueError) as exc:

@@ -36,7 +36,9 @@ import contextvars
 import functools
 import hashlib
 import importlib.util
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -55,7 +57,10 @@ __all__ = [
     "BundledLM",
     "LoadedLM",
     "LMCaptureRefused",
+    "LMSize",
     "bundled_lm_path",
+    "lm_size",
+    "bundled_lm_size",
     "load_lm",
     "load_bundled_lm",
     "is_lm_config",
@@ -269,6 +274,154 @@ def _cached_gguf_name_map():
         yield
     finally:
         gguf.get_tensor_name_map = original
+
+
+# ------------------------------------------------------------------------------------- checks before the weights
+@dataclass(frozen=True)
+class LMSize:
+    """What a capture request is checked against before the weights load (milliseconds, not the load's seconds).
+
+    Attributes
+    ----------
+    num_layers : int
+        Decoder layers: ``config.num_hidden_layers``, a GGUF file's ``<architecture>.block_count``.
+    vocab_size : int
+        Token ids ``0 .. vocab_size - 1``: ``config.vocab_size``, a GGUF file's ``<architecture>.vocab_size`` or
+        else the length of its token list (as transformers reads it).
+    """
+
+    num_layers: int
+    vocab_size: int
+
+    def check_layers(self, layers: str | int | Iterable[int] | None) -> tuple[int, ...]:
+        """The selected layers (:func:`~randattn.activations.dinov2.parse_layers`); ValueError naming the range."""
+        return parse_layers(layers, num_layers=self.num_layers)
+
+    def check_token_ids(self, token_ids: np.ndarray) -> np.ndarray:
+        """``token_ids`` as int64 ``(sequences, N)``; ValueError naming the first id outside the vocabulary."""
+        return _check_vocabulary(token_ids, self.vocab_size)
+
+
+def lm_size(name_or_path: str | os.PathLike, *, gguf_file: str | None = None,
+            local_files_only: bool = False) -> LMSize:
+    """Layers and vocabulary of a decoder LM from its configuration alone, without loading any weights.
+
+    Parameters
+    ----------
+    name_or_path, gguf_file, local_files_only
+        As :func:`load_lm` takes them.
+
+    Returns
+    -------
+    LMSize
+
+    Raises
+    ------
+    ModuleNotFoundError
+        transformers is missing (a ``save_pretrained`` folder or hub name).
+    ValueError
+        An unreadable configuration or GGUF header, or an architecture :func:`check_lm_config` refuses.
+
+    Notes
+    -----
+    A GGUF file's header is read here directly, in milliseconds: for its configuration transformers parses every
+    field of the file with gguf's ``GGUFReader``, the tokenizer's 98,000 vocabulary and merge strings included
+    for SmolLM2-135M (16.6 s for ``AutoConfig`` alone, 11.7 s of it in ``GGUFReader``, on a busy 2-core machine).
+    """
+    folder, gguf_file = _split_gguf(name_or_path, gguf_file)
+    where = os.fspath(name_or_path)
+    if gguf_file is not None:
+        return _gguf_size(Path(folder) / gguf_file, where)
+    try:
+        config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=local_files_only)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"cannot load a transformers config from {where!r} (a local save_pretrained folder, a .gguf file, or a "
+            f"hub name that is cached or reachable): {exc}"
+        ) from exc
+    check_lm_config(config, where)
+    return LMSize(num_layers=int(config.num_hidden_layers), vocab_size=int(config.vocab_size))
+
+
+def bundled_lm_size(name: str) -> LMSize:
+    """:func:`lm_size` of a model of :data:`BUNDLED_LMS` (its checksum verified first, as the load does)."""
+    path = bundled_lm_path(name)
+    return lm_size(path.parent, gguf_file=path.name)
+
+
+#: GGUF metadata value types (the GGUF specification, ggml/docs/gguf.md): struct formats of the scalars
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_size(path: Path, where: str) -> LMSize:
+    """:class:`LMSize` from the metadata of the GGUF file ``path``, the keys transformers maps to its config."""
+    header = _gguf_header(path)
+    architecture = header.get("general.architecture")
+    layers = header.get(f"{architecture}.block_count")
+    vocab = header.get(f"{architecture}.vocab_size", header.get("tokenizer.ggml.tokens"))
+    if not isinstance(layers, int) or not isinstance(vocab, int):
+        raise ValueError(f"{where}: the GGUF header gives no {architecture}.block_count or no vocabulary size "
+                         f"({architecture}.vocab_size, tokenizer.ggml.tokens)")
+    return LMSize(num_layers=layers, vocab_size=vocab)
+
+
+def _gguf_header(path: Path) -> dict[str, Any]:
+    """The metadata key-values of a little-endian GGUF (version 2 or 3) file: scalars and strings as values,
+    arrays as their lengths (their items are skipped, not read).
+
+    Layout (GGUF specification): ``b"GGUF"``, uint32 version, uint64 tensor count, uint64 key-value count, then
+    per key-value a string key, a uint32 type and the value; a string is a uint64 length and UTF-8 bytes, an array
+    a uint32 item type, a uint64 count and the items.
+    """
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            if buf[:4] != b"GGUF":
+                raise ValueError("it does not start with the GGUF magic bytes")
+            version, _, count = struct.unpack_from("<IQQ", buf, 4)
+            if version not in (2, 3):
+                raise ValueError(f"GGUF version {version} (versions 2 and 3 are read)")
+            offset, header = 24, {}
+
+            def string() -> str:
+                nonlocal offset
+                (length,) = struct.unpack_from("<Q", buf, offset)
+                text = buf[offset + 8:offset + 8 + length]
+                if len(text) != length:
+                    raise ValueError("it ends inside its header")
+                offset += 8 + length
+                return text.decode("utf-8", errors="replace")
+
+            def skip(kind: int) -> Any:
+                nonlocal offset
+                if kind == _GGUF_STRING:
+                    return string()
+                if kind in _GGUF_SCALARS:
+                    (value,) = struct.unpack_from("<" + _GGUF_SCALARS[kind], buf, offset)
+                    offset += struct.calcsize(_GGUF_SCALARS[kind])
+                    return value
+                if kind == _GGUF_ARRAY:
+                    item, length = struct.unpack_from("<IQ", buf, offset)
+                    offset += 12
+                    if item in _GGUF_SCALARS:
+                        offset += length * struct.calcsize(_GGUF_SCALARS[item])
+                    elif item == _GGUF_STRING:  # a vocabulary: its strings' lengths only, nothing decoded
+                        for _ in range(length):
+                            offset += 8 + struct.unpack_from("<Q", buf, offset)[0]
+                    else:
+                        for _ in range(length):
+                            skip(item)
+                    return length
+                raise ValueError(f"unknown GGUF value type {kind}")
+
+            for _ in range(count):
+                key = string()
+                (kind,) = struct.unpack_from("<I", buf, offset)
+                offset += 4
+                header[key] = skip(kind)
+            return header
+    except (OSError, ValueError, struct.error) as exc:  # mmap: ValueError for an empty file; a short one: struct.error
+        raise ValueError(f"cannot read the GGUF header of {str(path)!r}: {exc}") from None
 
 
 def load_lm(name_or_path: str | os.PathLike, *, gguf_file: str | None = None, local_files_only: bool = False,
@@ -525,10 +678,13 @@ def check_token_ids(model, token_ids: np.ndarray) -> np.ndarray:
     ValueError
         Naming the first id outside ``[0, vocabulary)`` and where it is.
     """
+    return _check_vocabulary(token_ids, int(model.get_input_embeddings().num_embeddings))
+
+
+def _check_vocabulary(token_ids: np.ndarray, vocab: int) -> np.ndarray:
     ids = np.asarray(token_ids)
     if ids.dtype.kind not in "iu" or ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 2:
         raise ValueError(f"token ids must be an integer array (sequences, tokens >= 2), got {ids.dtype} {ids.shape}")
-    vocab = int(model.get_input_embeddings().num_embeddings)
     bad = np.argwhere((ids < 0) | (ids >= vocab))
     if len(bad):
         row, col = (int(x) for x in bad[0])

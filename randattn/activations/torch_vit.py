@@ -31,6 +31,24 @@ _MISSING_TIMM = (
 )
 
 
+def _timm_import_error(exc: ImportError) -> ModuleNotFoundError:
+    """What ``import timm`` failing means: timm missing, or timm installed and a module it imports missing (named
+    by ``exc.name``: torchvision, beside a timm installed with ``--no-deps``)."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("timm") is None:
+        return ModuleNotFoundError(_MISSING_TIMM, name="timm")
+    missing = (exc.name or "").partition(".")[0]
+    if missing in ("", "timm"):  # timm is there but broken in itself
+        return ModuleNotFoundError(f"timm is installed, but importing it failed ({exc}); {_MISSING_TIMM}", name="timm")
+    how = (f"install the torchvision release built for your torch {torch.__version__} (pytorch.org lists the "
+           "pip command for your platform)" if missing == "torchvision" else f"pip install {missing}")
+    return ModuleNotFoundError(f"the timm capture needs {missing}, which timm imports: timm is installed but "
+                               f"{missing} is not ({exc}); {how}", name=missing)
+
+
 def attention_modules(model) -> list:
     """The model's attention modules (those with ``qkv``, ``num_heads`` and ``scale``), in module order."""
     return [
@@ -139,7 +157,7 @@ def load_timm_model(
     try:
         import timm
     except ImportError as exc:
-        raise ModuleNotFoundError(_MISSING_TIMM, name="timm") from exc
+        raise _timm_import_error(exc) from exc
     if checkpoint is not None and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint not found: {os.fspath(checkpoint)!r}")
     kwargs = dict(model_kwargs) if img_size is None else {**model_kwargs, "img_size": int(img_size)}

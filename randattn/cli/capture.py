@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from pathlib import Path
+from typing import Iterator
 
 import click
 
@@ -77,7 +80,6 @@ def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, 
     ViTs run on images; decoder language models run on text, and their queries and keys are captured after the
     rotary embedding, keys and values once per key/value head, with each layer's mask (causal or sliding window).
     """
-    from pathlib import Path
 
     from randattn.activations.io import FORMATS
     from randattn.cli._outputs import refuse_to_replace_file, taken_back_on_failure
@@ -94,9 +96,26 @@ def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, 
     if size is not None and size <= 0:
         abort(f"--size must be positive, got {size}")
 
-    with taken_back_on_failure(Path(out_path).parent):  # the folders writable_output makes for --out
+    # the folders writable_output and the lock make for --out are taken back when the capture fails
+    with taken_back_on_failure(Path(out_path).parent), _output_lock(Path(out_path)):
+        refuse_to_replace_file(Path(out_path), force)  # again: another capture may have written it in the meantime
         _capture(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, token_ids_path,
                  max_tokens, add_bos, layers, dtype, out_path)
+
+
+@contextlib.contextmanager
+def _output_lock(out: Path) -> Iterator[None]:
+    """Hold the lock ``randattn mse`` takes on its --out (:func:`randattn.analysis.store.sweep_lock`) for the
+    capture: a second capture to the same file is refused, naming the first, instead of both writing it."""
+    from randattn.analysis.store import SweepLockedError, sweep_lock
+
+    writable_output(out)  # a folder that cannot be written is said as such, not as a lock that cannot be taken
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(sweep_lock(out))
+        except SweepLockedError as exc:
+            abort(str(exc))
+        yield
 
 
 def _capture(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, token_ids_path,
@@ -200,8 +219,10 @@ def _capture_vit(timm_name, checkpoint, hf_name, images_spec, size, layers, out_
 
         try:
             if hf_name is not None:
-                from randattn.activations.hf import capture_hf, hf_preprocessing, load_hf_model
+                from randattn.activations.dinov2 import parse_layers
+                from randattn.activations.hf import capture_hf, hf_num_layers, hf_preprocessing, load_hf_model
 
+                parse_layers(layers, num_layers=hf_num_layers(hf_name))  # from the config, before the weights load
                 model = load_hf_model(hf_name)
                 _check_loaded_vit_tokens(model, size, hf_name)
                 progress.update(task, description="capturing")
@@ -222,7 +243,7 @@ def _capture_vit(timm_name, checkpoint, hf_name, images_spec, size, layers, out_
             return capture_timm(model, images, size, layers, name=timm_name, checkpoint=checkpoint,
                                 progress=advance)
         except ModuleNotFoundError as exc:
-            if exc.name in ("timm", "transformers"):
+            if exc.name in ("timm", "torchvision", "transformers"):  # their messages say how to install them
                 abort(str(exc))
             abort(f"{exc}; {_VIT_EXTRA}" if "randattn[vit]" not in str(exc) else str(exc))
         except (ValueError, FileNotFoundError) as exc:
@@ -245,8 +266,6 @@ def _load_lm_quietly(model_name: str, hf_name: str | None):
 
 
 def _capture_lm(model_name, hf_name, text_specs, token_ids_path, max_tokens, add_bos, layers, out_path):
-    from pathlib import Path
-
     if text_specs and token_ids_path is not None:
         abort("use either --text FILE or --token-ids FILE, not both")
     if token_ids_path is not None and add_bos is not None:
@@ -255,13 +274,15 @@ def _capture_lm(model_name, hf_name, text_specs, token_ids_path, max_tokens, add
         abort(f"--max-tokens must be at least 2, got {max_tokens}")
     writable_output(out_path)
     try:
-        from randattn.activations.dinov2 import parse_layers
-        from randattn.activations.lm import DEFAULT_TEXT, capture_lm, read_texts, read_token_ids, tokenize_texts
+        from randattn.activations.lm import (DEFAULT_TEXT, bundled_lm_size, capture_lm, lm_size, read_texts,
+                                             read_token_ids, tokenize_texts)
 
-        parse_layers(layers, num_layers=10**6)  # bad syntax fails before the model loads; the range is checked after
+        # layers and token ids are checked against the configuration (milliseconds), not after the load (seconds)
+        size = lm_size(hf_name) if hf_name is not None else bundled_lm_size(model_name)
+        size.check_layers(layers)
         if token_ids_path is not None:
             ids = read_token_ids(token_ids_path)
-            ids = ids[:, :max_tokens] if max_tokens is not None else ids
+            ids = size.check_token_ids(ids[:, :max_tokens] if max_tokens is not None else ids)
             names = [f"{Path(token_ids_path).name}[{i}]" for i in range(len(ids))]
             texts = None
         else:

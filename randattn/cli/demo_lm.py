@@ -37,7 +37,7 @@ def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, 
     from pathlib import Path
 
     from randattn.cli._outputs import output_folder, refuse_to_replace, space_errors
-    from randattn.reports.demo_lm import LM_QUICK, LMDemoConfig, demo_lm_outputs
+    from randattn.reports.demo_lm import LM_QUICK, LMDemoConfig, check_bundled_layers, demo_lm_outputs
 
     base = LM_QUICK if quick else LMDemoConfig()
     overrides = {"max_tokens": max_tokens, "layers": _ints("--layers", layers),
@@ -51,6 +51,10 @@ def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, 
                if importlib.util.find_spec(m) is None]
     if missing:
         abort(f"the language-model demo needs {', '.join(missing)}: {_INSTALL}")
+    try:
+        check_bundled_layers(config)  # from the model file's header, before the seconds its load takes
+    except ValueError as exc:
+        abort(str(exc))
     # before the minutes of capture and sweep; a folder the demo made is taken back if it fails
     refuse_to_replace(Path(out_dir), demo_lm_outputs(), force)
     with output_folder(out_dir) as folder, space_errors(folder):

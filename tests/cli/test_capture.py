@@ -109,3 +109,54 @@ def test_bad_hf_input_exits_2(tmp_path, args, message, monkeypatch):
     result = _run(*args, "--images", "skimage:astronaut", "--out", str(tmp_path / "a.safetensors"))
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.stderr.split())
+
+
+# ------------------------------------------------------------------------------ refused before the model loads
+def _forbid(monkeypatch, module: str, *names: str) -> None:
+    import importlib
+
+    owner = importlib.import_module(module)
+    for name in names:
+        monkeypatch.setattr(owner, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran before the refusal"))
+
+
+@pytest.mark.parametrize("model", ["vit", "clip"])
+def test_hf_vit_layers_refused_from_the_config_before_the_weights_load(tmp_path, monkeypatch, model):
+    """Only a config.json is saved: the refusal needs no weights, and loading them is forbidden."""
+    transformers = pytest.importorskip("transformers")
+    vision = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64, image_size=32,
+                  patch_size=8)
+    if model == "vit":
+        config = transformers.ViTConfig(**vision)
+    else:  # the layers are the vision tower's (3), not the text tower's (5)
+        config = transformers.CLIPConfig(vision_config=vision, text_config=dict(num_hidden_layers=5))
+    config.save_pretrained(tmp_path / model)
+    _forbid(monkeypatch, "randattn.activations.hf", "load_hf_model", "capture_hf_attention")
+    out = tmp_path / "out" / "a.safetensors"
+    result = _run("--hf", str(tmp_path / model), "--layers", "0,3", "--images", "skimage:astronaut", "--out", str(out))
+    assert result.exit_code == 2, result.output
+    assert "layers: layer 3 is out of range; the model has layers 0..2" in " ".join(result.stderr.split())
+    assert not out.parent.exists()
+
+
+def test_dinov2_layers_refused_before_the_model_loads(tmp_path, monkeypatch):
+    _forbid(monkeypatch, "randattn.activations.dinov2", "Dinov2Onnx", "capture_dinov2")
+    result = _run("--model", "dinov2-s14", "--layers", "40", "--out", str(tmp_path / "a.safetensors"))
+    assert result.exit_code == 2, result.output
+    assert "layers: layer 40 is out of range; the model has layers 0..11" in " ".join(result.stderr.split())
+
+
+def test_capture_refused_while_another_process_holds_the_outputs_lock(tmp_path, monkeypatch):
+    """In process: the lock ``randattn mse`` takes, held here (an OS lock on its own open file, as another process
+    holds it); tests/cli/test_faults.py runs two real captures."""
+    from randattn.analysis.store import sweep_lock
+
+    _forbid(monkeypatch, "randattn.activations.dinov2", "Dinov2Onnx", "capture_dinov2")
+    out = tmp_path / "a.safetensors"
+    with sweep_lock(out):
+        for force in ([], ["--force"]):
+            result = _run("--layers", "0", "--out", str(out), *force)
+            assert result.exit_code == 2, result.output
+            said = " ".join(result.stderr.split())
+            assert f"{str(out)!r} is being written by another randattn process (pid " in said
+    assert not out.exists() and list(tmp_path.iterdir()) == []

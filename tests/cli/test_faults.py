@@ -12,6 +12,8 @@ variable ``RANDATTN_FAULTS_HOOK`` (JSON):
 - ``{"forbid": ["module:attr.attr", ...]}``: those functions exit the child with code 3 ("computed") if called;
   a command that must refuse before computing is run with its computation forbidden.
 - ``{"hold": "module:attr", "marker": path}``: that function creates ``marker`` and sleeps (to be interrupted).
+- ``{"pause": "module:attr", "marker": path, "release": path}``: that function creates ``marker``, waits for
+  ``release`` to exist, then runs as it would have.
 - ``{"peak": path}``: at exit, write the process's peak RSS in kB (``VmHWM`` of ``/proc/self/status``) to ``path``.
 
 Children print through rich to pipes (200 columns); messages are compared with whitespace collapsed.
@@ -71,6 +73,18 @@ for target in hook.get("forbid", ()):
     _replace(target, _forbidden)
 if "hold" in hook:
     _replace(hook["hold"], _hold)
+if "pause" in hook:
+    import functools, importlib
+    _module, _, _attr = hook["pause"].partition(":")
+    _paused = getattr(importlib.import_module(_module), _attr)
+    @functools.wraps(_paused)
+    def _pause(*args, **kwargs):
+        open(hook["marker"], "w").close()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not os.path.exists(hook["release"]):
+            time.sleep(0.02)
+        return _paused(*args, **kwargs)
+    _replace(hook["pause"], _pause)
 if "parts" in hook:
     import pyarrow.parquet as pq
     _write_table, _count = pq.write_table, [0]
@@ -241,6 +255,33 @@ def test_second_writer_is_refused_naming_the_first_and_nothing_finished_is_repla
     assert len(kept) == 1  # the refused writers did not touch the first one's parts
     assert done.returncode == 0, done.stderr
     _assert_same_table(out, reference)  # the first writer's full table
+
+
+@pytest.mark.slow  # two processes, one a real DINOv2 capture: 13 s on 2 busy cores; the in-process twin is in
+# tests/cli/test_capture.py
+def test_second_capture_to_the_same_out_is_refused_naming_the_first(tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("skimage")
+    from randattn.activations.io import load_activations
+
+    out = tmp_path / "c" / "a.safetensors"
+    marker, release = tmp_path / "holding", tmp_path / "release"
+    capture = ("capture", "--model", "dinov2-s14", "--images", "skimage:astronaut", "--layers", "0", "--out", out)
+    # the first capture stops where it is about to write its file, holding the lock
+    first = _spawn(*capture, hook={"pause": "randattn.activations.io:save_activations", "marker": str(marker),
+                                   "release": str(release)})
+    try:
+        _wait_for(marker, first)
+        plain, forced = _all(_spawn(*capture), _spawn(*capture, "--force"))
+    finally:
+        release.touch()
+    done = finish(first)
+    for result in (plain, forced):
+        assert result.returncode == 2, result.stderr
+        assert f"pid {first.pid}" in _said(result) and "being written by another randattn process" in _said(result)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.parent.iterdir()) == ["a.safetensors"], "one output; no lock or temporary left"
+    assert load_activations(out).layers == (0,)
 
 
 def test_a_finished_table_is_never_replaced_without_overwrite(acts, reference, tmp_path):

