@@ -95,6 +95,18 @@ def test_mse_on_text_sequences_calls_them_sequences(lm_results):
     assert "image" not in text
 
 
+def test_demo_lm_summary_calls_them_sequences(lm_results, capsys):
+    from randattn.analysis.sweep import aggregate
+    from randattn.cli._demo_session import print_summary
+
+    _, out, _ = lm_results
+    capsys.readouterr()
+    print_summary(aggregate(pd.read_parquet(out)), "sequence")
+    said = " ".join(capsys.readouterr().out.split())
+    assert "attention MSE vs exact softmax (mean over heads, layers, sequences; 95% bootstrap CI)" in said
+    assert "sequences (2)" in said and "image" not in said
+
+
 @pytest.mark.slow  # draws the report's figures: about 5 s
 def test_report_and_figures_on_text_sequences_call_them_sequences(lm_results):
     from randattn.reports.figures import mse_vs_samples_figure
