@@ -4,7 +4,8 @@
    ``../benchmarks/mutation.sh``) work when the Markdown is read on the repository, but mkdocs only builds
    ``docs/``. Each such link is checked (a target that does not exist is a warning, an error under
    ``--strict``) and then pointed at the repository (``repo_url``, when mkdocs.yml sets one) or, without a
-   ``repo_url``, replaced by its text.
+   ``repo_url``, at a copy built into the site under ``repo/``: a linked file is copied as it is; a linked
+   folder gets a page (its README, then a list of its files, each copied), so the link works offline too.
 2. mkdocs-click 0.9.0 (pinned in docs/requirements.txt) renders click 8.3+'s unset defaults as
    ``Sentinel.UNSET``, marks required options ``_required``, lists no arguments, and runs a command's help
    through Markdown as it is: click's ``\\b`` (do not rewrap) paragraphs merge into one line and ``<kind>``
@@ -47,6 +48,67 @@ def _repository_link(target: str, page_src: str, docs_dir: Path, root: Path) -> 
     return None if in_repo.startswith("../") else in_repo
 
 
+#: where the site keeps its copies of linked repository files (without a repo_url)
+_COPIES = "repo"
+
+
+def _links_out(config: Any) -> set[str]:
+    """The repository paths (files or folders, existing) that the documentation's pages link to."""
+    docs_dir = Path(config["docs_dir"]).resolve()
+    root = Path(config["config_file_path"]).resolve().parent
+    found = set()
+    for source in docs_dir.rglob("*.md"):
+        src_uri = source.relative_to(docs_dir).as_posix()
+        if src_uri.startswith("_tooling/"):
+            continue
+        fenced = False
+        for line in source.read_text(encoding="utf-8").split("\n"):
+            if _FENCE.match(line.lstrip()):
+                fenced = not fenced
+            if fenced:
+                continue
+            for match in _LINK.finditer(line):
+                path = _repository_link(match.group("target"), src_uri, docs_dir, root)
+                if path is not None and (root / path).exists():
+                    found.add(path)
+    return found
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """The files of a linked folder worth showing: no hidden files, caches or build outputs."""
+    skip = {"__pycache__", "build", "dist", ".pytest_cache"}
+    return sorted(p for p in folder.rglob("*") if p.is_file()
+                  and not any(part.startswith(".") or part in skip or part.endswith(".egg-info")
+                              for part in p.relative_to(folder).parts))
+
+
+def on_files(files: Any, config: Any) -> Any:
+    """Without a repo_url, build a copy of every linked repository file or folder into the site (``repo/``)."""
+    from mkdocs.structure.files import File, InclusionLevel
+
+    if config.get("repo_url"):
+        return files
+    root = Path(config["config_file_path"]).resolve().parent
+    for path in sorted(_links_out(config)):
+        target = root / path
+        copies = _folder_files(target) if target.is_dir() else [target]
+        for file in copies:
+            if file.suffix == ".md":
+                continue  # a folder's README is its page, below; Markdown is not served raw
+            uri = f"{_COPIES}/{file.relative_to(root).as_posix()}"
+            files.append(File.generated(config, uri, abs_src_path=str(file), inclusion=InclusionLevel.NOT_IN_NAV))
+        if target.is_dir():
+            listed = "\n".join(f"- [`{f.relative_to(target).as_posix()}`]({f.relative_to(target).as_posix()})"
+                                for f in copies if f.suffix != ".md")
+            readme = target / "README.md"
+            intro = readme.read_text(encoding="utf-8") if readme.is_file() else f"# `{path}/`\n"
+            page = (f"{intro.rstrip()}\n\n## Files\n\nThe folder `{path}/` of the repository, as this site was "
+                    f"built:\n\n{listed}\n")
+            files.append(File.generated(config, f"{_COPIES}/{path}/index.md", content=page,
+                                        inclusion=InclusionLevel.NOT_IN_NAV))
+    return files
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     docs_dir = Path(config["docs_dir"]).resolve()
     root = Path(config["config_file_path"]).resolve().parent
@@ -69,8 +131,11 @@ def _rewrite(match: re.Match[str], page: Any, docs_dir: Path, root: Path, repo_u
     if not (root / path).exists():
         log.warning("Doc file '%s' links to '%s', which is not in the repository (%s)", page.file.src_uri, target, path)
         return match.group(0)
-    if not repo_url:
-        return match.group("text")
+    if not repo_url:  # the copy on_files built into the site
+        copy = f"{_COPIES}/{path}/index.md" if (root / path).is_dir() else f"{_COPIES}/{path}"
+        anchor = "#" + target.split("#", 1)[1] if "#" in target else ""
+        relative = posixpath.relpath(copy, posixpath.dirname(page.file.src_uri) or ".")
+        return f"[{match.group('text')}]({relative}{anchor})"
     kind = "tree" if (root / path).is_dir() else "blob"
     anchor = "#" + target.split("#", 1)[1] if "#" in target else ""
     return f"[{match.group('text')}]({repo_url}/{kind}/HEAD/{path}{anchor})"

@@ -689,9 +689,10 @@ def load_activations(path: str | os.PathLike) -> Activations:
     if acts.grid is None and acts.layout != "sequence" and not _warned_no_grid:
         _warned_no_grid = True
         warnings.warn(
-            f"{where}: no patch 'grid' in the metadata (a file from before the token layout was recorded); "
-            "estimators use 1-D (sequence) windows. Re-capture, or pass grid=HxW and prefix_tokens "
-            "(randattn.activations.io.infer_grid gives the square-grid reading). Said once per process.",
+            f"{where}: no patch 'grid' in the metadata, nor layout 'sequence', so the token layout is unknown; "
+            "estimators use 1-D (sequence) windows. For ViT patch tokens add 'grid' [rows, columns] and "
+            "'prefix_tokens' to the metadata (randattn.activations.io.infer_grid gives the square-grid reading); "
+            "for text add \"layout\": \"sequence\". Said once per process.",
             NoGridWarning,
             stacklevel=2,
         )

@@ -22,12 +22,13 @@ def command_line() -> str:
     return " ".join(shlex.quote(a) for a in ["randattn", *sys.argv[1:]])
 
 
-def run_steps(run: Callable[[Callable[[Any], None]], Any], *, label_width: int, missing_module: str) -> None:
+def run_steps(run: Callable[[Callable[[Any], None]], Any], *, label_width: int, missing_module: str,
+              noun: str = "image") -> None:
     """Call ``run(progress)`` under a progress bar per named step (``progress(step)`` with ``step.name``,
     ``.done``, ``.total``), then print the warnings, the summary, the files and the time of its result.
 
     A ``ModuleNotFoundError`` exits 2 with ``missing_module`` (how to install what is missing), a ``ValueError``
-    exits 2 with its message.
+    exits 2 with its message. ``noun`` (image or sequence) names what the demo's activations hold.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -52,7 +53,7 @@ def run_steps(run: Callable[[Callable[[Any], None]], Any], *, label_width: int, 
                 abort(str(exc))
     elapsed = time.perf_counter() - start
     print_warnings(caught)
-    print_summary(result.summary)
+    print_summary(result.summary, noun)
     shown = [k for k in ("table", "positions", "figure.png", "figure.svg", "position.png", "report") if k in result.files]
     for key in shown:
         err_console.print(f"  {key:<{max(map(len, shown)) + 1}} {result.files[key]}", highlight=False)
@@ -87,14 +88,15 @@ def print_warnings(caught: Sequence[warnings.WarningMessage]) -> None:
         err_console.print(f"[yellow]warning[/] ({category}, {count}x): {escape(message)}", highlight=False)
 
 
-def print_summary(summary: Any) -> None:
-    """The demo's summary: MSE with its CI, bias² and variance per (tokens, estimator, S)."""
+def print_summary(summary: Any, noun: str = "image") -> None:
+    """The demo's summary: MSE with its CI, bias² and variance per (tokens, estimator, S); ``noun`` (image or
+    sequence) names what the activations hold."""
     import pandas as pd
     from rich.table import Table
 
     from randattn.reports.tables import label_order
 
-    table = Table(title="attention MSE vs exact softmax (mean over heads, layers, images; 95% bootstrap CI)")
+    table = Table(title=f"attention MSE vs exact softmax (mean over heads, layers, {noun}s; 95% bootstrap CI)")
     for name in ("tokens", "estimator", "S", "MSE [95% CI]", "bias²", "variance", "CI over"):
         table.add_column(name, justify="left" if name in ("estimator", "CI over") else "right",
                          no_wrap=name in ("estimator", "MSE [95% CI]"))
@@ -111,7 +113,7 @@ def print_summary(summary: Any) -> None:
         ci = "" if row.mse_lo != row.mse_lo else f" [{row.mse_lo:.3g}, {row.mse_hi:.3g}]"
         table.add_row(str(row.tokens), row.label, "–" if row.num_samples < 0 else str(row.num_samples),
                       f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}", f"{row.variance:.3g}",
-                      f"{row.ci_over} ({row.units})")
+                      f"{noun + 's' if row.ci_over == 'images' else row.ci_over} ({row.units})")
     out_console.print(table)
 
 

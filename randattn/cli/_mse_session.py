@@ -104,13 +104,14 @@ def _plan(activations, config, parts, resume, where, *, timing: bool = False):
     from randattn.analysis import sweep  # looked up at call time: tests replace its functions
     from randattn.cli._common import abort, err_console
     from randattn.reports.console import plan_lines
+    from randattn.reports.tables import item_noun
 
     try:
         plan = sweep.plan_sweep(activations, config, parts_dir=parts, resume=resume, timing=timing)
     except ValueError as exc:
         abort(str(exc))
     local = where.kind == "local"
-    for line in plan_lines(plan, timing, dask=not local):
+    for line in plan_lines(plan, timing, dask=not local, noun=item_noun(activations.metadata)):
         err_console.print(line, highlight=False, soft_wrap=True)
     if plan.refused is not None:
         abort(plan.refused)
@@ -225,6 +226,7 @@ def _finish(tables, config, activations, out, as_json) -> None:
     from randattn.analysis.sweep import aggregate, positions_path, table_records, write_tables
     from randattn.cli._common import err_console, out_console
     from randattn.reports.console import positions_table, reference_check_line, summary_table
+    from randattn.reports.tables import item_noun
 
     table = tables.table
     summary = aggregate(table, seed=config.seed)
@@ -240,6 +242,7 @@ def _finish(tables, config, activations, out, as_json) -> None:
     if as_json:
         click.echo(json.dumps(table_records(summary), indent=2))
     else:
-        out_console.print(summary_table(summary))
+        noun = item_noun(activations.metadata)
+        out_console.print(summary_table(summary, noun))
         if tables.positions is not None and len(tables.positions):
-            out_console.print(positions_table(tables.positions, config.seed))
+            out_console.print(positions_table(tables.positions, config.seed, noun))

@@ -30,8 +30,8 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def parse_int_list(name: str, text: str | None) -> tuple[int, ...] | None:
-    """``"0,2,5-7"`` -> ``(0, 2, 5, 6, 7)``; None stays None (all)."""
+def parse_int_list(name: str, text: str | None, example: str = "0,2,5-7") -> tuple[int, ...] | None:
+    """``"0,2,5-7"`` -> ``(0, 2, 5, 6, 7)``; None stays None (all). ``example`` is the hint an unreadable item gets."""
     if text is None:
         return None
     values: list[int] = []
@@ -45,7 +45,7 @@ def parse_int_list(name: str, text: str | None) -> tuple[int, ...] | None:
             else:
                 values.append(int(item))
         except ValueError:
-            raise ValueError(f"{name}: cannot read {item!r} in {text!r}; use integers and ranges like 0,2,5-7") from None
+            raise ValueError(f"{name}: cannot read {item!r} in {text!r}; use integers and ranges like {example}") from None
     if not values:
         raise ValueError(f"{name}: no values in {text!r}")
     return tuple(dict.fromkeys(values))
@@ -114,7 +114,9 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
         estimators = parse_estimator_list(texts)
         if replicates < 2 and any(e.random for e in estimators):
             raise ValueError(f"--replicates {replicates}: random estimators need at least 2 replicates for a variance")
-        num_samples = parse_int_list("--samples", samples)
+        num_samples = parse_int_list("--samples", samples, example="16,64 or 4-8")
+        if num_samples and min(num_samples) < 1:
+            raise ValueError(f"--samples: every S must be >= 1 (samples per estimate), got {samples!r}")
         memory = parse_bytes(max_memory)
         buckets = parse_position_buckets(position_buckets)
         config = SweepConfig(

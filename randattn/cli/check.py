@@ -22,10 +22,17 @@ def command(target: str, param_items: tuple[str, ...], check_names: tuple[str, .
 
     from randattn.cli._common import abort, out_console
     from randattn.estimators.registry import parse_estimator
-    from randattn.testing import CHECKS, check_estimator, load_spec
+    from randattn.testing import CHECKS, SPEC_TARGETS, SpecTargetError, check_estimator, load_spec
 
     try:
         spec = load_spec(target)
+    except SpecTargetError as exc:
+        if exc.estimator is None:
+            abort(f"{target!r} is {exc.got}; randattn check wants {SPEC_TARGETS}")
+        # the -e form of randattn mse: the same configuration, with the parameters as -p options
+        options = " ".join(f"-p {item if '=' in item else item + '=VALUE'}" for item in exc.params)
+        abort(f"{target!r} is the estimator {exc.estimator!r} with parameters, as randattn mse -e writes it; "
+              f"randattn check takes the parameters apart: randattn check {exc.estimator} {options}")
     except (TypeError, ValueError) as exc:
         abort(str(exc))
     params: dict = {}

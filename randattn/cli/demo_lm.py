@@ -74,4 +74,4 @@ def _run(config, out_dir) -> None:
         highlight=False,
     )
     run_steps(lambda progress: run_demo_lm(config, out_dir, command=command_line(), progress=progress),
-              label_width=10, missing_module=_INSTALL)
+              label_width=10, missing_module=_INSTALL, noun="sequence")

@@ -98,7 +98,7 @@ def _draw(results, kinds, chosen, out_dir, fmt, label, num_samples, dpi) -> None
             if "all" in kinds and kind in ("features", *_POSITION_KINDS):
                 err_console.print(f"[yellow]skipped[/] {kind}: {exc}")
                 continue
-            abort(f"{kind}: {exc}")
+            abort(str(exc))  # the library's message names the figure
         if kind == "features":
             left_out, why = feature_variants_left_out(source)
             if left_out:

@@ -34,7 +34,7 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def plan_lines(plan, timing: bool, dask: bool = False) -> list[str]:
+def plan_lines(plan, timing: bool, dask: bool = False, noun: str = "image") -> list[str]:
     """The plan in words (rich markup): two lines (cells, units, selection; memory), three with the wall time.
 
     Parameters
@@ -45,12 +45,14 @@ def plan_lines(plan, timing: bool, dask: bool = False) -> list[str]:
         Add the wall-time line (when the plan has one).
     dask : bool
         Units run on Dask workers (the time line says they share it).
+    noun : str
+        What an entry of the activations is (:func:`randattn.reports.tables.item_noun`): image or sequence.
     """
     config = plan.config
     pairs = sum(len(config.num_samples) if e.needs_samples else 1 for e in config.estimators)
     n_layers, n_heads, n_images = len(plan.layers), len(plan.heads), len(plan.images)
     first = (f"[bold]plan[/]: {count(plan.cells, 'cell')} in {count(len(plan.units), 'unit')} = {count(n_layers, 'layer')} x "
-             f"{count(n_heads, 'head')} x {count(n_images, 'image')} x {pairs} (estimator, S) "
+             f"{count(n_heads, 'head')} x {count(n_images, noun)} x {pairs} (estimator, S) "
              f"{'pair' if pairs == 1 else 'pairs'}, R = {config.replicates}")
     if len(plan.todo) < len(plan.units):
         first += f"; resuming: {count(plan.todo_cells, 'cell')} left to compute"
@@ -137,16 +139,16 @@ def interrupted_text(parts, stored: set[str], plan, resume_command: str) -> str:
             f"{escape(resume_command)}")
 
 
-def summary_table(summary):
+def summary_table(summary, noun: str = "image"):
     """The aggregated MSE (:func:`randattn.analysis.sweep.aggregate`) as a rich table, a row per mask when the
-    layers were measured under different ones."""
+    layers were measured under different ones; ``noun`` (image or sequence) names what the activations hold."""
     from rich.table import Table
 
     kinds = sorted(set(summary["mask"].astype(str))) if "mask" in summary else []
     masks = [kind for kind in kinds if kind != "none"]
     several = len(kinds) > 1  # layers under different masks: a row per mask, named
     under = (f" under the {' and '.join(masks)} mask{'s' if len(masks) > 1 else ''}" if masks else "")
-    table = Table(title=f"attention MSE{under} (mean over heads, layers, images; 95% bootstrap CI)")
+    table = Table(title=f"attention MSE{under} (mean over heads, layers, {noun}s; 95% bootstrap CI)")
     for name in ("estimator", "S", "tokens", *(["mask"] if several else []), "MSE [CI]", "bias^2", "variance",
                  "CI over"):
         table.add_column(name, justify="left" if name in ("estimator", "mask", "CI over") else "right",
@@ -154,13 +156,19 @@ def summary_table(summary):
     for row in summary.itertuples(index=False):
         ci = "" if row.mse_lo != row.mse_lo else f" [{row.mse_lo:.3g}, {row.mse_hi:.3g}]"
         table.add_row(row.label, str(row.num_samples), str(row.tokens), *([str(row.mask)] if several else []),
-                      f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}", f"{row.variance:.3g}", f"{row.ci_over} ({row.units})")
+                      f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}", f"{row.variance:.3g}",
+                      f"{_over(row.ci_over, noun)} ({row.units})")
     return table
 
 
-def positions_table(positions, seed: int):
+def _over(ci_over: str, noun: str) -> str:
+    """The aggregate's ``ci_over`` ("images" or "heads") in the activations' own word."""
+    return f"{noun}s" if ci_over == "images" else ci_over
+
+
+def positions_table(positions, seed: int, noun: str = "image"):
     """MSE by position bucket at the largest S of each estimator, as a rich table: a row per label, a column per
-    bucket."""
+    bucket; ``noun`` (image or sequence) names what the activations hold."""
     from rich.table import Table
 
     from randattn.analysis.positions import bucket_text
@@ -170,7 +178,7 @@ def positions_table(positions, seed: int):
     largest = means.groupby("label")["num_samples"].transform("max")
     means = means[means["num_samples"] == largest]
     buckets = sorted(set(zip(means["position_lo"], means["position_hi"])))
-    table = Table(title="MSE by query position (p = n + M - N + 1; mean over heads, layers, images)")
+    table = Table(title=f"MSE by query position (p = n + M - N + 1; mean over heads, layers, {noun}s)")
     table.add_column("estimator", no_wrap=True)
     table.add_column("S", justify="right")
     for lo, hi in buckets:

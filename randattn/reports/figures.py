@@ -39,6 +39,7 @@ from randattn.reports.tables import (
     estimator_order,
     estimator_spec,
     exact_labels,
+    item_noun,
     label_order,
     require_columns,
     row_params,
@@ -208,9 +209,11 @@ def _token_panels(aggregated: pd.DataFrame) -> list[tuple[int, str | None, pd.Da
     return panels
 
 
-def _band_text(aggregated: pd.DataFrame, confidence: float) -> str:
-    """What the shaded bands are: a bootstrap over images, or over heads when there is a single image."""
+def _band_text(aggregated: pd.DataFrame, confidence: float, noun: str = "image") -> str:
+    """What the shaded bands are: a bootstrap over images (sequences, ``noun``), or over heads when there is a
+    single one."""
     over = str(aggregated["ci_over"].iloc[0]) if "ci_over" in aggregated and len(aggregated) else "images"
+    over = f"{noun}s" if over == "images" else over
     units = int(aggregated["units"].max()) if "units" in aggregated and len(aggregated) else 0
     return f"bands: {round(confidence * 100)}% percentile bootstrap CI over {units} {over}"
 
@@ -356,11 +359,12 @@ def mse_vs_samples_figure(
         ax.set_xlabel(_SAMPLES_LABEL)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel(f"{value.replace('_', ' ')} ({MSE_UNITS})" if value != "mse" else f"MSE ({MSE_UNITS})")
-    band = _band_text(aggregated, confidence)
+    noun = item_noun(metadata)
+    band = _band_text(aggregated, confidence, noun)
     _titles(
         fig,
         f"{'MSE' if value == 'mse' else value} of randomized attention vs exact softmax, by number of samples",
-        f"{describe_data(table, metadata)}\nmean over layers and heads per image, then over images; {band}"
+        f"{describe_data(table, metadata)}\nmean over layers and heads per {noun}, then over {noun}s; {band}"
         f"{_exact_note(exact)}",
     )
     ordered = [handles[label] for label in label_order(handles)]
@@ -493,11 +497,11 @@ def heatmap_figure(
     available = sorted(int(s) for s in rows["num_samples"].dropna().unique())
     if num_samples is None:
         if not available:
-            raise ResultsError(f"the heatmap: estimator {label!r} has no num_samples values")
+            raise ResultsError(f"the heatmap's estimator {label!r} has no num_samples values")
         num_samples = available[-1]
     elif num_samples not in available:
         raise ResultsError(
-            f"the heatmap: estimator {label!r} was not measured at S = {num_samples}; "
+            f"the heatmap's estimator {label!r} was not measured at S = {num_samples}; "
             f"available: {', '.join(map(str, available))}"
         )
     rows = rows[rows["num_samples"] == num_samples]
@@ -543,7 +547,7 @@ def heatmap_figure(
     _titles(
         fig,
         f"MSE per layer and head: {shown}, S = {num_samples}" + (f" [{label}]" if shown != label else ""),
-        f"{describe_data(table, metadata)}\nmean over images; darker is more accurate",
+        f"{describe_data(table, metadata)}\nmean over {item_noun(metadata)}s; darker is more accurate",
     )
     return fig
 
@@ -746,11 +750,12 @@ def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: 
             ax.set_xlabel(_SAMPLES_LABEL)
             ax.set_ylabel(f"MSE ({MSE_UNITS})")
             ax.grid(True, which="both", alpha=0.3)
+    noun = item_noun(metadata)
     _titles(
         fig,
         f"Random-feature attention ({families}): coupling and feature map",
-        f"{describe_data(rows, metadata)}\nmean over layers and heads per image, then over images; "
-        f"{_band_text(aggregate_over_images(rows, ['mse'], n_boot=2, seed=seed), 0.95)}"
+        f"{describe_data(rows, metadata)}\nmean over layers and heads per {noun}, then over {noun}s; "
+        f"{_band_text(aggregate_over_images(rows, ['mse'], n_boot=2, seed=seed), 0.95, noun)}"
         f"{_not_shown_note(rows, panels, table)}",
     )
     _legend(fig, [handles[v] for v in sorted(handles)], len(handles))
@@ -819,7 +824,7 @@ def position_figure(
     if num_samples is not None:
         available = sorted(int(s) for s in positions["num_samples"].unique())
         if int(num_samples) not in available:
-            raise ResultsError(f"the error-by-position figure: no rows at S = {num_samples}; available: "
+            raise ResultsError(f"the error-by-position figure has no rows at S = {num_samples}; available: "
                                f"{', '.join(map(str, available))}")
         positions = positions[positions["num_samples"] == int(num_samples)]
     positions, single_key = _drop_single_visible_key(positions)
@@ -874,11 +879,12 @@ def position_figure(
     notes = "; MSE 0 is not drawn on the log axis" if zeros else ""
     if single_key:
         notes += "; position 1 (a single visible key, which a normalized estimator returns exactly) is not drawn"
+    noun = item_noun(metadata)
     _titles(
         fig,
         f"MSE by query position, under {under}",
         f"{describe_data(positions, metadata)}\nposition buckets 1, 2-3, 4-7, ...: mean over layers and heads per "
-        f"image, then over images; {_band_text(aggregated, confidence)}{notes}{_exact_note(exact)}",
+        f"{noun}, then over {noun}s; {_band_text(aggregated, confidence, noun)}{notes}{_exact_note(exact)}",
     )
     ordered = [handles[label] for label in label_order(handles)]
     _legend(fig, ordered, len(ordered))

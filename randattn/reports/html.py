@@ -39,6 +39,7 @@ from randattn.reports.tables import (
     describe_data,
     display_names,
     estimator_spec,
+    item_noun,
     label_order,
     mse_pivot,
     position_pivot,
@@ -101,7 +102,7 @@ WARNING_EXPLANATIONS: dict[str, str] = {
         "heavy-tailed and can make it rise with S. That is why LARA as written (lara: eq. 38, beta = 1, signs "
         "kept) and LARA as run (lara:preset=official-code: the authors' code clips alpha at 1e-8, so every weight "
         "is positive, and draws its noise unscaled) differ: the clipped estimator is a different, biased but "
-        "stable one. weighting=balance (eq. 36) also converges; see the README's findings."
+        "stable one. weighting=balance (eq. 36) also converges; docs/guide/reading-results.md shows both on DINOv2."
     ),
     "RuntimeWarning": (
         "A numerical or statistical caveat raised while computing the results (e.g. too few replicates for a "
@@ -434,12 +435,13 @@ def positions_section(positions: pd.DataFrame, metadata: Mapping[str, Any] | Non
     title = "Causal attention: error by position" if "causal" in masks else "Error by query position"
     s = int(positions["num_samples"].max())
     names = display_names(positions)
+    noun = item_noun(metadata)
     out = [f'<h2 id="positions">{esc(title)}</h2>',
            "<p>Under a causal mask query n sees the p = n + M − N + 1 keys up to itself, so its estimate averages "
            "fewer values the earlier it stands, and one MSE over all queries hides where the error lies. Here "
            "each query's errors are grouped by its position p in buckets 1, 2–3, 4–7, … and aggregated like the "
-           "rest of the report (per layer, head and image; mean over heads and layers per image, then over "
-           f"images), at S = {s}.</p>"]
+           f"rest of the report (per layer, head and {noun}; mean over heads and layers per {noun}, then over "
+           f"{noun}s), at S = {s}.</p>"]
     try:
         figure = position_figure(positions, metadata=metadata, num_samples=s)
     except ResultsError as exc:
@@ -448,7 +450,7 @@ def positions_section(positions: pd.DataFrame, metadata: Mapping[str, Any] | Non
         out += [f'<figure id="fig-position"><h3>MSE by query position, S = {s}</h3>',
                 f'<img alt="MSE by query position" src="{figure_data_uri(figure, dpi=dpi)}">',
                 "<figcaption>Mean squared error per output element against the exact masked softmax, by the query's "
-                "position (log-log axes; bands: bootstrap over images, or heads for a single image).</figcaption>"
+                f"position (log-log axes; bands: bootstrap over {noun}s, or heads for a single {noun}).</figcaption>"
                 "</figure>"]
     pivot = position_pivot(positions, num_samples=s).rename(columns=str).map(_format_number)
     pivot.index = [names.get(label, label) for label in pivot.index]
@@ -535,10 +537,11 @@ def default_figures(table: pd.DataFrame, metadata: Mapping[str, Any] | None = No
     list of ReportFigure
     """
     metadata = dict(metadata or {})
+    noun = item_noun(metadata)
     figures = [ReportFigure(
         "mse-vs-samples", "MSE vs number of samples (LARA Fig. 1)",
         "Mean squared error between each estimator and exact softmax attention, per element of the output, "
-        "averaged over queries and value dimensions, then over layers and heads per image, then over images. "
+        f"averaged over queries and value dimensions, then over layers and heads per {noun}, then over {noun}s. "
         "Lower is better; a slope of -1 on these log-log axes is the Monte Carlo rate 1/S.",
         mse_vs_samples_figure(table, metadata=metadata),
     )]
@@ -565,7 +568,7 @@ def default_figures(table: pd.DataFrame, metadata: Mapping[str, Any] | None = No
         s = int(table.loc[table["label"] == label, "num_samples"].max())
         figures.append(ReportFigure(
             f"heatmap-{_safe_name(label)}", f"MSE per layer and head: {names.get(label, label)}, S = {s}",
-            "Which layers and heads are hard for this estimator (mean over images; log colour scale).",
+            f"Which layers and heads are hard for this estimator (mean over {noun}s; log colour scale).",
             heatmap_figure(table, label=label, num_samples=s, metadata=metadata),
         ))
     return figures
@@ -632,6 +635,7 @@ def build_report(
     figures = default_figures(table, metadata) if figures is None else list(figures)
     environment = environment_info() if environment is None else dict(environment)
     names = display_names(table)
+    noun = item_noun(metadata)
     has_positions = positions is not None and not positions.empty
     esc = html.escape
     pivot = mse_pivot(table).rename(columns=str).map(_format_number)
@@ -643,8 +647,8 @@ def build_report(
         f"<title>{esc(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
         f"<h1>{esc(title)}</h1>", f'<p class="subtitle">{esc(describe_data(table, metadata))}</p>',
         f"<p>All errors are per output element, in {esc(MSE_UNITS)}, measured against exact float64 softmax attention on the same q, k, v, and "
-        "aggregated as in LARA app. H.1: per (layer, head, image), then the mean over heads and layers of each "
-        "image, then the mean over images with a percentile bootstrap interval over images.</p>",
+        f"aggregated as in LARA app. H.1: per (layer, head, {noun}), then the mean over heads and layers of each "
+        f"{noun}, then the mean over {noun}s with a percentile bootstrap interval over {noun}s.</p>",
         '<nav><a href="#summary">summary</a> · <a href="#figures">figures</a> · '
         + ('<a href="#language-model">language model</a> · ' if is_lm_metadata(metadata) else "")
         + ('<a href="#positions">error by position</a> · ' if has_positions else "")
@@ -656,7 +660,7 @@ def build_report(
         "<h3>Mean MSE by estimator, token count and samples S</h3>",
         _label_tooltips(_table_html(pivot, index=True), names),
         "<h3>MSE with bootstrap interval, variance and debiased bias²</h3>",
-        _label_tooltips(_table_html(summary_table(table)), names),
+        _label_tooltips(_table_html(summary_table(table, noun=noun)), names),
         '<h2 id="figures">Figures</h2>',
     ]
     for item in figures:

@@ -47,6 +47,7 @@ __all__ = [
     "mse_pivot",
     "label_order",
     "describe_data",
+    "item_noun",
     "display_names",
     "estimator_order",
     "estimator_spec",
@@ -414,7 +415,8 @@ def require_columns(table: pd.DataFrame, columns: Iterable[str], what: str) -> N
     """
     if not isinstance(table, pd.DataFrame):
         raise TypeError(f"table must be a pandas DataFrame, got {type(table).__name__}")
-    missing = [column for column in columns if column not in table.columns]
+    # each missing column named once, though a caller's list may repeat one (PLOT_COLUMNS plus value="mse")
+    missing = [column for column in dict.fromkeys(columns) if column not in table.columns]
     if missing:
         raise ResultsError(
             f"{what} needs the column(s) {', '.join(missing)}; the table has {', '.join(map(str, table.columns))}"
@@ -644,7 +646,7 @@ def table_masks(table: pd.DataFrame) -> dict[str, list[int]]:
     return masks
 
 
-def summary_table(table: pd.DataFrame, *, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+def summary_table(table: pd.DataFrame, *, confidence: float = 0.95, seed: int = 0, noun: str = "image") -> pd.DataFrame:
     """The headline table: MSE with its CI, variance and bias² per token count, estimator and S.
 
     Parameters
@@ -655,19 +657,22 @@ def summary_table(table: pd.DataFrame, *, confidence: float = 0.95, seed: int = 
         Level of the bootstrap interval over images.
     seed : int
         Seed of the bootstrap.
+    noun : str
+        What the table's entries are (:func:`item_noun`): names the column that counts them.
 
     Returns
     -------
     pandas.DataFrame
         Columns ``tokens, estimator`` (readable name, :func:`display_names`), ``spec`` (the exact label),
-        ``S, images, MSE, MSE CI low, MSE CI high`` and, when the table has them,
+        ``S, images`` (``sequences`` with ``noun="sequence"``), ``MSE, MSE CI low, MSE CI high`` and, when the
+        table has them,
         ``variance, bias² (debiased)``, ``bias share`` (bias² / MSE); ``mask`` after ``tokens`` when the
         table's rows were measured under several masks.
     """
     values = [name for name in ("mse", "variance", "bias_sq") if name in table]
     aggregated = aggregate_over_images(table, values, confidence=confidence, seed=seed)
     columns = {
-        "tokens": "tokens", "label": "estimator", "num_samples": "S", "n_images": "images",
+        "tokens": "tokens", "label": "estimator", "num_samples": "S", "n_images": f"{noun}s",
         "mse": "MSE", "mse_ci_low": "MSE CI low", "mse_ci_high": "MSE CI high",
         "variance": "variance", "bias_sq": "bias² (debiased)",
     }
@@ -707,6 +712,23 @@ def mse_pivot(table: pd.DataFrame, *, seed: int = 0) -> pd.DataFrame:
     return pivot
 
 
+def item_noun(metadata: dict[str, Any] | None = None) -> str:
+    """What one entry of the activations' leading axis is: ``"sequence"`` for a language-model capture, else
+    ``"image"``.
+
+    Parameters
+    ----------
+    metadata : dict, optional
+        A table's metadata (the activation file's under ``"activations"``, as ``randattn mse`` writes it) or an
+        activation file's own. Its ``layout`` ``"sequence"``, a model ``architecture`` or ``token_strings`` mark
+        a language-model capture.
+    """
+    metadata = metadata or {}
+    acts = metadata.get("activations") if isinstance(metadata.get("activations"), dict) else metadata
+    lm = acts.get("layout") == "sequence" or bool(acts.get("architecture")) or bool(acts.get("token_strings"))
+    return "sequence" if lm else "image"
+
+
 def describe_data(table: pd.DataFrame, metadata: dict[str, Any] | None = None) -> str:
     """One line naming the model and the data behind a table, for figure subtitles and the report.
 
@@ -719,7 +741,8 @@ def describe_data(table: pd.DataFrame, metadata: dict[str, Any] | None = None) -
     Returns
     -------
     str
-        E.g. ``"dinov2-s14 · 2 images (astronaut, coffee) · layers 0, 5, 11 · 6 heads · R = 8"``.
+        E.g. ``"dinov2-s14 · 2 images (astronaut, coffee) · layers 0, 5, 11 · 6 heads · R = 8"``; the entries
+        are sequences for a language-model capture (:func:`item_noun`).
     """
     metadata = metadata or {}
     parts = []
@@ -729,7 +752,7 @@ def describe_data(table: pd.DataFrame, metadata: dict[str, Any] | None = None) -
     if "image" in table:
         images = sorted(set(table["image"].astype(str)))
         shown = ", ".join(images[:4]) + (", ..." if len(images) > 4 else "")
-        parts.append(f"{len(images)} image{'s' if len(images) != 1 else ''} ({shown})")
+        parts.append(f"{len(images)} {item_noun(metadata)}{'s' if len(images) != 1 else ''} ({shown})")
     if "layer" in table:
         layers = sorted(set(int(x) for x in table["layer"].dropna()))
         parts.append(("layer " if len(layers) == 1 else "layers ") + _compact_ints(layers))

@@ -35,6 +35,8 @@ __all__ = [
     "CheckResult",
     "ConformanceReport",
     "EstimatorCheckError",
+    "SPEC_TARGETS",
+    "SpecTargetError",
     "TOLERANCES",
     "all_variants",
     "assert_close",
@@ -92,10 +94,52 @@ class EstimatorCheckError(AssertionError):
         super().__init__(f"{len(report.failures)} check(s) failed ({failed})\n{report.summary()}")
 
 
-def load_spec(target: str | EstimatorSpec) -> EstimatorSpec:
-    """A spec from a registered name, ``"module:OBJECT"`` (an EstimatorSpec or a function returning one), or itself.
+#: what :func:`load_spec` accepts, for its messages
+SPEC_TARGETS = ("a registered estimator name, or 'module:OBJECT' where OBJECT is an EstimatorSpec or a function of "
+                "no arguments that returns one")
 
-    Raises ValueError naming the target when it cannot be found or is not a spec.
+
+class SpecTargetError(ValueError):
+    """A target that does not lead to an :class:`EstimatorSpec`.
+
+    Attributes
+    ----------
+    target : str
+        As given.
+    got : str
+        What it turned out to be, in words (``"a function, join, that needs arguments (a)"``).
+    estimator, params : str or None, tuple of str
+        For ``"name:param=value,..."`` (a registered estimator with parameters, as ``randattn mse -e`` writes
+        it): the name and the ``param=value`` items, which go to ``check_estimator``'s ``params`` instead.
+    """
+
+    def __init__(self, target: str, got: str, *, estimator: str | None = None, params: Sequence[str] = ()) -> None:
+        self.target, self.got, self.estimator, self.params = target, got, estimator, tuple(params)
+        wants = ("the estimator's name alone, with its parameters given apart" if estimator is not None
+                 else SPEC_TARGETS)
+        super().__init__(f"{target!r} is {got}; expected {wants}")
+
+
+def _needed_arguments(obj: Any) -> list[str] | None:
+    """The parameters ``obj()`` would miss, or None when its signature cannot be read."""
+    import inspect
+
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    return [p.name for p in signature.parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def load_spec(target: str | EstimatorSpec) -> EstimatorSpec:
+    """A spec from a registered name, ``"module:OBJECT"`` (an EstimatorSpec or a function of no arguments
+    returning one), or itself.
+
+    Raises :class:`SpecTargetError` (a ValueError) saying what the target is and what is wanted when it does not
+    lead to a spec: a module, a class, a function that needs arguments or returns something else, or
+    ``"name:param=value"`` (an estimator with parameters; give the parameters apart). An unknown name or a module
+    that cannot be imported raises ValueError naming it.
     """
     if isinstance(target, EstimatorSpec):
         return target
@@ -107,7 +151,14 @@ def load_spec(target: str | EstimatorSpec) -> EstimatorSpec:
         return get_spec(target)
     import importlib
 
+    from randattn.estimators.registry import list_estimators
+
     module_name, _, attr = target.partition(":")
+    items = [item.strip() for item in attr.split(",") if item.strip()]
+    # no object name holds "="; a registered name before ":" that is no module is the same -e form
+    if "=" in attr or (module_name in list_estimators() and _find_module(module_name) is None):
+        raise SpecTargetError(target, f"the estimator {module_name!r} with parameters {', '.join(items)}",
+                              estimator=module_name, params=items)
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:
@@ -116,11 +167,34 @@ def load_spec(target: str | EstimatorSpec) -> EstimatorSpec:
         if not hasattr(obj, part):
             raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {target!r})")
         obj = getattr(obj, part)
-    if callable(obj) and not isinstance(obj, EstimatorSpec):
-        obj = obj()
-    if not isinstance(obj, EstimatorSpec):
-        raise ValueError(f"{target!r} is a {type(obj).__name__}, not a randattn EstimatorSpec")
-    return obj
+    if isinstance(obj, EstimatorSpec):
+        return obj
+    if isinstance(obj, type):
+        raise SpecTargetError(target, f"a class ({obj.__qualname__}), not an EstimatorSpec instance")
+    if callable(obj):
+        name = getattr(obj, "__qualname__", type(obj).__name__)
+        needed = _needed_arguments(obj)
+        if needed:
+            raise SpecTargetError(target, f"a function, {name}, that needs arguments ({', '.join(needed)})")
+        try:
+            made = obj()
+        except Exception as exc:  # whatever the call raised, the user hears it as what the target is
+            raise SpecTargetError(target, f"a function, {name}, whose call raised {type(exc).__name__}: {exc}") from None
+        if not isinstance(made, EstimatorSpec):
+            raise SpecTargetError(target, f"a function, {name}, that returned a {type(made).__name__}, not an "
+                                          "EstimatorSpec")
+        return made
+    what = "a module" if isinstance(obj, type(importlib)) else f"a {type(obj).__name__}"
+    raise SpecTargetError(target, f"{what}, not an EstimatorSpec")
+
+
+def _find_module(name: str) -> Any:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
 
 
 def _run_check(name: str, spec: EstimatorSpec, params: Mapping[str, Any]) -> CheckResult:

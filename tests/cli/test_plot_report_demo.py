@@ -63,7 +63,7 @@ def test_plot_heatmap_label_and_samples(results, tmp_path):
         (["--kind", "pie"], "error: unknown --kind 'pie'; choose from mse-vs-samples, bias-variance, heatmap, "
                             "features, all"),
         (["--format", "gif"], "error: --format must be a comma-separated subset of png, svg, pdf, got 'gif'"),
-        (["--kind", "heatmap", "--samples", "7"], "error: heatmap: the heatmap: estimator 'rfa' was not measured "
+        (["--kind", "heatmap", "--samples", "7"], "error: the heatmap's estimator 'rfa' was not measured "
                                                   "at S = 7; available: 16, 64"),
         (["--label", "rfa"], "error: --label and --samples choose the heatmap's estimator and S; add --kind heatmap"),
     ],
@@ -85,7 +85,7 @@ def test_plot_missing_columns_exit_2(tmp_path):
     pd.DataFrame({"image": ["a"], "layer": [0], "mse": [1.0]}).to_csv(path, index=False)
     result = invoke("plot", str(path), "--out", str(tmp_path))
     assert result.exit_code == 2, result.output
-    assert "error: mse-vs-samples: the MSE-vs-samples figure needs the column(s) head, tokens, estimator, " \
+    assert "error: the MSE-vs-samples figure needs the column(s) head, tokens, estimator, " \
            "label, num_samples; the table has image, layer, mse" in error_text(result)
 
 

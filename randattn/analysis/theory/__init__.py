@@ -80,7 +80,7 @@ def registry() -> tuple[Check, ...]:
               "LARA Prop. 3.2, app. B, eq. 29-30", _MC, _lara.prop32_ra_unbiased, uses_data=True, max_tested=64),
         Check("lara.prop3.2.reference-code-noise-biased",
               "RA with the official code's noise N(0, scale I) is biased (passes when detected)",
-              "LARA Prop. 3.2; ARCHITECTURE sec. 10", _MC, _lara.prop32_reference_code_biased, max_tested=15,
+              "LARA Prop. 3.2; docs: Architecture, The estimators", _MC, _lara.prop32_reference_code_biased, max_tested=15,
               synthetic_note=_SYNTH_MC),
         Check("lara.appF.mis-unbiased", "sum_c alpha_nc = 1 => eq. 8 MIS with exact p_n is unbiased (decoupled, balance)",
               "LARA eq. 8, app. F", _MC, _lara.appf_mis_unbiased, max_tested=36,
@@ -127,7 +127,7 @@ def registry() -> tuple[Check, ...]:
         Check("performer.lemma1.hyperbolic-unbiased", "hyperbolic features are unbiased, iid and orthogonal",
               "Performer Lemma 1", _MC, _performer.lemma1_hyperbolic, max_tested=12, synthetic_note=_SYNTH_MC),
         Check("performer.orthogonal.plain-qr-biased", "orthogonal features without the QR sign fix are biased (passes when detected)",
-              "ARCHITECTURE sec. 10; Mezzadri 2007", _MC, _performer.plain_qr_biased, max_tested=1,
+              "Mezzadri 2007; docs: Architecture, The estimators", _MC, _performer.plain_qr_biased, max_tested=1,
               synthetic_note=_SYNTH_MC),
         Check("performer.lemma2.trigonometric-mse", "MSE_trig = (1/2m) e^{|z|^2} SM^-2 (1 - e^{-|x-y|^2})^2",
               "Performer Lemma 2 eq. 8", _MC, _performer.lemma2_trigonometric, max_tested=3, synthetic_note=_SYNTH_MC),
@@ -176,22 +176,22 @@ def registry() -> tuple[Check, ...]:
         Check("causal.prefix-invariance",
               "output n of every causal estimator is unchanged (bit-identical reference) when the keys and values "
               "after its last visible key n + M - N are replaced by junk",
-              "ARCHITECTURE sec. 12; Performer App. B.1", _EXACT, _causal.prefix_invariance,
+              "Performer App. B.1; docs: Causal masks", _EXACT, _causal.prefix_invariance,
               synthetic_note="synthetic (junk of scale 30 after each query's past)"),
         Check("causal.mask-rule",
               "key m is visible to query n iff m <= n + M - N: the rule, the causal softmax estimator and the sweep's "
               "ground truth equal an explicit loop over the visible keys",
-              "ARCHITECTURE sec. 12", _EXACT, _causal.mask_rule),
+              "docs: Causal masks", _EXACT, _causal.mask_rule),
         Check("causal.last-query-bidirectional",
               "the last query of a causal self-attention sees every key: = the bidirectional output (same draws)",
-              "ARCHITECTURE sec. 12", _EXACT, _causal.last_query_is_bidirectional),
+              "docs: Causal masks", _EXACT, _causal.last_query_is_bidirectional),
         Check("causal.eva-full-window", "causal EVA whose local window covers the whole past = causal softmax",
               "EVA app. D, Alg. 2; app. G.1", _EXACT, _causal.eva_full_window_is_causal_softmax),
         # ---------------- numerics
         Check("numerics.large-norm-stability",
               "every registered estimator is finite at key norms >= 150, float32 and float64; batched = reference "
               "within its dtype's tolerance; softmax = verify's own exact softmax",
-              "ARCHITECTURE sec. 3 (ViT norms); engineering rule 3", _EXACT, _stability.large_norm_stability,
+              "docs: Architecture, Numerics (ViT key norms above 100, no epsilon)", _EXACT, _stability.large_norm_stability,
               synthetic_note="synthetic (key norms 150..160)"),
     )
 

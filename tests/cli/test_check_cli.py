@@ -1,0 +1,68 @@
+"""``randattn check`` on something that is not an estimator spec: exit 2, saying what it got and what it wants,
+before any check runs. The ``name:param=value`` form of ``randattn mse -e`` is answered with the ``-p`` options
+that give the same configuration."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from randattn.cli import main
+
+WANTS = ("randattn check wants a registered estimator name, or 'module:OBJECT' where OBJECT is an EstimatorSpec or "
+         "a function of no arguments that returns one")
+
+
+def _check(*args: str):
+    return CliRunner().invoke(main, ["check", *args])
+
+
+@pytest.mark.parametrize(
+    ("target", "got"),
+    [
+        ("os.path:join", "a function, join, that needs arguments (a)"),
+        ("os:getcwd", "a function, getcwd, that returned a str, not an EstimatorSpec"),
+        ("os.path:sep", "a str, not an EstimatorSpec"),
+        ("os:path", "a module, not an EstimatorSpec"),
+        ("randattn.estimators.base:EstimatorSpec", "a class (EstimatorSpec), not an EstimatorSpec instance"),
+    ],
+)
+def test_check_refuses_an_object_that_is_no_spec(target, got):
+    result = _check(target)
+    assert result.exit_code == 2, result.output
+    assert result.output == f"error: {target!r} is {got}; {WANTS}\n"
+
+
+@pytest.mark.parametrize(
+    ("target", "options"),
+    [
+        ("rfa:coupling=orthogonal", "-p coupling=orthogonal"),
+        ("rfa:coupling=orthogonal,feature_map=hyperbolic", "-p coupling=orthogonal -p feature_map=hyperbolic"),
+        ("rfa:coupling", "-p coupling=VALUE"),
+    ],
+)
+def test_check_points_the_mse_estimator_syntax_to_its_p_options(target, options):
+    result = _check(target)
+    assert result.exit_code == 2, result.output
+    assert result.output == (f"error: {target!r} is the estimator 'rfa' with parameters, as randattn mse -e writes "
+                             f"it; randattn check takes the parameters apart: randattn check rfa {options}\n")
+
+
+def test_the_suggested_p_options_are_accepted():
+    result = _check("rfa", "-p", "coupling=orthogonal", "--check", "reference == batched (float64)")
+    assert result.exit_code == 0, result.output
+    assert "all checks passed" in result.output
+
+
+def test_load_spec_error_carries_the_facts():
+    from randattn.testing import SpecTargetError, load_spec
+
+    with pytest.raises(SpecTargetError) as caught:
+        load_spec("rfa:coupling=orthogonal")
+    assert (caught.value.estimator, caught.value.params) == ("rfa", ("coupling=orthogonal",))
+    assert str(caught.value) == ("'rfa:coupling=orthogonal' is the estimator 'rfa' with parameters "
+                                 "coupling=orthogonal; expected the estimator's name alone, with its parameters "
+                                 "given apart")
+    with pytest.raises(SpecTargetError) as caught:
+        load_spec("os.path:join")
+    assert caught.value.estimator is None and caught.value.got == "a function, join, that needs arguments (a)"
