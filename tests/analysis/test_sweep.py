@@ -137,17 +137,71 @@ def test_reference_check_reruns_the_first_unit_of_each_configuration(acts):
     assert none.ref_max_abs_dev.isna().all()
 
 
-def test_warnings_are_counted_per_configuration():
+def _signed_acts():
+    """2 layers x 2 images of large q, k: trigonometric RFA's normalizer turns negative in every unit."""
     rng = np.random.default_rng(3)
-    arrays = {0: (rng.normal(size=(1, 2, 30, 6)) * 3, rng.normal(size=(1, 2, 30, 6)) * 8, rng.normal(size=(1, 2, 30, 6)))}
-    acts = make_activations(arrays, {"scale": 0.5, "model": "synthetic"})
-    config = SweepConfig(estimators=parse_estimator_list("rfa:feature_map=trigonometric;rfa"), num_samples=(4,),
-                         replicates=8, seed=0, backend="reference", diagnostics=False)
-    with pytest.warns(RuntimeWarning, match="rfa:feature_map=trigonometric: .*normalizer.*\\(2 units\\)"):
+    arrays = {layer: (rng.normal(size=(2, 2, 30, 6)) * 3, rng.normal(size=(2, 2, 30, 6)) * 8,
+                      rng.normal(size=(2, 2, 30, 6))) for layer in (0, 1)}
+    return make_activations(arrays, {"scale": 0.5, "model": "synthetic", "images": ["cat", "dog"]})
+
+
+def _signed_config(**kw):
+    return SweepConfig(estimators=parse_estimator_list("rfa:feature_map=trigonometric;rfa"), num_samples=(4,),
+                       replicates=8, seed=0, backend="reference", diagnostics=False, **kw)
+
+
+def _raised_per_unit(acts, config):
+    """unit id -> the warnings running it alone raises (one UnitRunner.run per unit, warnings caught here)."""
+    import warnings
+
+    from randattn.analysis.execute import UnitRunner
+
+    runner, raised = UnitRunner(acts, config), {}
+    for unit in plan(acts, config):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner.run(unit)
+        raised[unit.uid] = caught
+    return raised
+
+
+def test_warnings_count_the_units_that_raised_them_and_the_times_in_all():
+    acts, config = _signed_acts(), _signed_config()
+    raised = _raised_per_unit(acts, config)  # independent: each unit run alone, its warnings counted here
+    units = sum(bool(caught) for caught in raised.values())
+    times = sum(len(caught) for caught in raised.values())
+    assert units == 4 and times > units  # 4 units of trigonometric RFA raise it, each more than once
+    with pytest.warns(RuntimeWarning, match=f"rfa:feature_map=trigonometric: .*normalizer.*\\(raised by {units} "
+                                            f"units, {times} times in all\\)"):
         table = run_sweep(acts, config)
     records = table.attrs["warnings"]
-    assert len(records) == 1 and records[0]["label"] == "rfa:feature_map=trigonometric" and records[0]["count"] == 2
+    assert len(records) == 1 and records[0]["label"] == "rfa:feature_map=trigonometric"
+    assert records[0]["units"] == units and records[0]["count"] == times
     assert records[0]["category"] == "NonPositiveDenominatorWarning"
+
+
+def test_a_resumed_sweep_reports_the_warnings_its_first_part_raised(tmp_path):
+    """Each part keeps its unit's warnings: the resumed run's record is the uninterrupted run's."""
+    acts, config = _signed_acts(), _signed_config()
+    with pytest.warns(RuntimeWarning):
+        full = run_sweep(acts, config, parts_dir=tmp_path / "full").attrs["warnings"]
+    seen = []
+
+    def stop_after_three(progress):
+        seen.append(progress)
+        if len(seen) == 3:
+            raise KeyboardInterrupt("simulated interruption")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(acts, config, parts_dir=tmp_path / "cut", progress=stop_after_three)
+    first = stored_unit_ids(tmp_path / "cut")
+    raised = _raised_per_unit(acts, config)
+    assert len(first) == 3 and sum(bool(raised[uid]) for uid in first) == 2  # the first part raised it twice over
+    with pytest.warns(RuntimeWarning, match="raised by 4 units"):
+        resumed = run_sweep(acts, config, parts_dir=tmp_path / "cut", resume=True)
+    assert resumed.attrs["timing"]["units"] == len(raised) - 3
+    assert resumed.attrs["warnings"] == full
+    assert full[0]["units"] == 4 and full[0]["count"] == sum(len(c) for c in raised.values())
 
 
 def test_interrupted_sweep_resumes_to_the_same_table(acts, tmp_path):
