@@ -332,7 +332,8 @@ class SweepPlan:
         interpreter come on top).
     split_units : int
         Units of ``todo`` that the budget splits below the canonical block of every head x
-        ``min(8, R)`` replicates (their rows may then differ in the last bit from a larger budget's).
+        ``min(8, R)`` replicates (their rows may then differ by rounding from a larger budget's:
+        :data:`~randattn.analysis.cell_memory.SPLIT_ROUNDING`).
     refused : str or None
         Why the sweep will be refused before computing (one replicate of one head exceeds
         ``max_memory``: :class:`MemoryBudgetError`'s message), else None.

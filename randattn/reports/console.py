@@ -80,8 +80,10 @@ def _memory_line(plan) -> str:
     memory = (f"[bold]memory[/]: the estimator work peaks at about {format_bytes(plan.peak_bytes)} "
               f"(memory model, calibrated here; --max-memory {budget}); ")
     if plan.split_units:
+        from randattn.analysis.cell_memory import SPLIT_ROUNDING
+
         return memory + (f"{plan.split_units} of {len(plan.todo)} units are split into smaller blocks to fit it "
-                         "(their rows may differ in the last bit from a run with more memory)")
+                         f"({SPLIT_ROUNDING})")
     return memory + "every unit runs in its canonical blocks"
 
 
