@@ -6,7 +6,9 @@ temporary name and renamed when complete, so a process killed mid-write leaves n
 part. A unit with per-position metrics (:mod:`randattn.analysis.positions`) also writes
 ``positions-<unit id>.parquet``, atomically and *before* its part: a unit counts as stored only
 when its part exists, and then its per-position rows exist too (a unit killed between the two
-writes runs again and replaces them). Resume = the planned units minus the stored unit ids.
+writes runs again and replaces them). A part also carries, in its Parquet schema metadata, the
+warnings its unit raised (:func:`read_part_warnings`), so they survive a resume as its rows do.
+Resume = the planned units minus the stored unit ids.
 :func:`consolidate` sorts the rows into the canonical table, identical whatever executor or
 order produced the parts.
 
