@@ -18,11 +18,18 @@ from typing import Any, Callable
 from randattn.analysis.memory import measure_peak
 from randattn.estimators.base import Draws
 
-__all__ = ["CANONICAL_REPLICATES", "MemoryBudgetError", "block_bytes", "check_fits", "fit_cell_model",
+__all__ = ["CANONICAL_REPLICATES", "MemoryBudgetError", "SPLIT_ROUNDING", "block_bytes", "check_fits", "fit_cell_model",
            "format_bytes", "measure_block_peak", "split_blocks", "with_margin"]
 
 #: replicates per estimator call whenever the memory budget allows (see split_blocks)
 CANONICAL_REPLICATES = 8
+
+#: what a split below the canonical block does to a row, said alike by ``randattn mse``'s plan and the sweeps guide
+#: (tests/analysis/test_sweep.py measures it): the bound of the estimates follows from both runs' rounding errors,
+#: the MSE's from |mean((e + d)^2) - mean(e^2)| <= 2 max|d| RMSE + max|d|^2
+SPLIT_ROUNDING = ("the torch kernels' rounding depends on a block's shape, so each estimate of a split unit may differ "
+                  "from a run with more memory by up to twice its rounding error in the run's dtype (which "
+                  "ref_max_abs_dev samples), and a row's MSE by up to about 4 ref_max_abs_dev / RMSE relative")
 
 #: S at which the working set is measured (then extrapolated linearly in S)
 _CALIBRATION_SAMPLES = (16, 64)
@@ -133,7 +140,7 @@ def split_blocks(cells: int, reps: int, budget: int, per_cell: int, per_rep: int
     the budget holds one such block: the estimators' BLAS calls then see the same shapes whatever
     the budget, so rows are bitwise identical across budgets (a batched matmul's rounding may
     depend on its batch size). Smaller budgets take every cell and as many replicates as fit,
-    else one cell at a time; this can change results in the last bit.
+    else one cell at a time; this can change results by rounding (:data:`SPLIT_ROUNDING`).
     """
 
     def most_reps(c: int) -> int:  # the most replicates a block of c cells holds within the budget

@@ -10,8 +10,11 @@ Reproducibility across memory budgets
 -------------------------------------
 The budget splits a unit into blocks of (cells, replicates). Every reduction is first taken
 per (replicate, cell) -- the squared error of the implied probabilities, Kish's ESS, the
-delta-method variance -- and the blocks are joined before any reduction over replicates, so a
-row is the same, bit for bit, whatever the budget (tested).
+delta-method variance -- and the blocks are joined before any reduction over replicates. A
+budget that holds the canonical block (every head x ``min(8, R)`` replicates) gives the same
+rows, bit for bit, whatever its size (tested); a smaller one reshapes the estimators' batched
+kernels, whose rounding depends on the batch's shape, so a row can move by rounding, within
+:data:`~randattn.analysis.cell_memory.SPLIT_ROUNDING` (measured by a test).
 
 Where each job lives
 --------------------
@@ -224,7 +227,8 @@ class UnitRunner:
 
         Blocks are canonical -- every head of the unit and :data:`CANONICAL_REPLICATES`
         replicates -- whenever the budget holds one such block, so rows are bitwise identical
-        across budgets; smaller budgets split further, which can change results in the last bit.
+        across budgets; smaller budgets split further, which can change results by rounding
+        (:data:`~randattn.analysis.cell_memory.SPLIT_ROUNDING`).
 
         Raises
         ------

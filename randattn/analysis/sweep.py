@@ -123,6 +123,7 @@ __all__ = [
     "positions_path",
     "table_records",
     "summarize_warnings",
+    "warning_text",
 ]
 
 
@@ -251,11 +252,50 @@ def _phase_records(totals: dict[tuple, dict[str, float]]) -> list[dict[str, Any]
             for (label, s, tokens), total in totals.items()]
 
 
-def summarize_warnings(records: Iterable[tuple[str, str, str]]) -> list[dict[str, Any]]:
-    """``[(category, message, label), ...]`` -> one record per distinct warning with its count, most frequent first."""
-    counts = Counter(records)
-    return [{"category": c, "message": m, "label": label, "count": n}
-            for (c, m, label), n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
+def summarize_warnings(records: Iterable[tuple[str, str, str, str]]) -> list[dict[str, Any]]:
+    """One record per distinct warning, with how many units raised it and how many times in all.
+
+    Parameters
+    ----------
+    records : iterable of (unit id, category, message, label)
+        One per time a unit raised a warning (a unit may raise the same one several times: once per
+        block, per S, ...).
+
+    Returns
+    -------
+    list of dict
+        ``{"category", "message", "label", "units", "count"}`` per distinct (category, message, label):
+        ``units`` the number of distinct units that raised it, ``count`` the times it was raised in
+        all; most units first.
+    """
+    counts: Counter = Counter()
+    units: dict[tuple[str, str, str], set[str]] = {}
+    for uid, category, message, label in records:
+        key = (category, message, label)
+        counts[key] += 1
+        units.setdefault(key, set()).add(uid)
+    return [{"category": c, "message": m, "label": label, "units": len(units[(c, m, label)]), "count": n}
+            for (c, m, label), n in sorted(counts.items(), key=lambda item: (-len(units[item[0]]), -item[1], item[0]))]
+
+
+def warning_text(record: Mapping[str, Any]) -> str:
+    """A :func:`summarize_warnings` record in words: ``"<label>: <message> (raised by 8 units, 456 times in all)"``."""
+    units, times = int(record["units"]), int(record["count"])
+    return (f"{record['label']}: {record['message']} (raised by {units} unit{'s' * (units != 1)}, "
+            f"{times} time{'s' * (times != 1)} in all)")
+
+
+def _run_warnings(raised: dict[str, tuple[str, list[tuple[str, str]]]], units: Sequence[Unit],
+                  parts: Path | None) -> list[dict[str, Any]]:
+    """The warnings of the whole run: those of the units this call computed (``raised``: unit id -> (label,
+    its warnings)) and, with a parts folder, those stored with the parts of units an earlier process computed
+    (:func:`~randattn.analysis.store.read_part_warnings`), so a resumed run reports what its first part raised."""
+    if parts is not None:
+        by_uid = {u.uid: u for u in units}
+        earlier = sorted(uid for uid in stored_unit_ids(parts) if uid in by_uid and uid not in raised)
+        for uid, stored in _store.read_part_warnings(parts, earlier).items():
+            raised[uid] = (by_uid[uid].label, stored or [])  # a part of an older randattn: its warnings unknown
+    return summarize_warnings((uid, c, m, label) for uid, (label, caught) in raised.items() for c, m in caught)
 
 
 def _check_memory(runner: UnitRunner, units: list[Unit]) -> None:
@@ -292,7 +332,8 @@ class SweepPlan:
         interpreter come on top).
     split_units : int
         Units of ``todo`` that the budget splits below the canonical block of every head x
-        ``min(8, R)`` replicates (their rows may then differ in the last bit from a larger budget's).
+        ``min(8, R)`` replicates (their rows may then differ by rounding from a larger budget's:
+        :data:`~randattn.analysis.cell_memory.SPLIT_ROUNDING`).
     refused : str or None
         Why the sweep will be refused before computing (one replicate of one head exceeds
         ``max_memory``: :class:`MemoryBudgetError`'s message), else None.
@@ -502,8 +543,11 @@ def run_sweep(
     -------
     pandas.DataFrame or SweepTables
         The table: columns :data:`COLUMNS`, one row per (image, layer, head, estimator config, S), sorted.
-        ``table.attrs["warnings"]`` lists the distinct warnings the estimators raised in this
-        call, with counts (:func:`summarize_warnings`); each is also re-issued once.
+        ``table.attrs["warnings"]`` lists the distinct warnings the estimators raised, with the
+        number of units that raised each and the times it was raised (:func:`summarize_warnings`):
+        those of every unit of the table, a resumed run's included (each part stores its unit's
+        warnings, on Dask too); each is also re-issued once (:func:`warning_text`), carrying its
+        record as the warning's ``record`` attribute.
         ``table.attrs["timing"]`` gives the units run by this call and the wall seconds they
         took (``execute_s``: computing and storing them, not start-up or memory calibration),
         and ``phases``: per (label, num_samples, tokens), the units and cells run and the
@@ -606,7 +650,7 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
         state = {"finished": total - total_cells(todo), "t0": time.perf_counter()}
         new_rows: list[dict[str, Any]] = []
         new_positions: list[dict[str, Any]] = []
-        caught: list[tuple[str, str, str]] = []
+        raised: dict[str, tuple[str, list[tuple[str, str]]]] = {}  # unit id -> (label, its warnings)
         phases: dict[tuple, dict[str, float]] = {}
 
         def done(unit: Unit, rows: list[dict[str, Any]], unit_warnings: list[tuple[str, str]],
@@ -614,7 +658,7 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
             new_rows.extend(rows)
             new_positions.extend(positions or ())
             _phase_totals(phases, unit, rows, seconds)
-            caught.extend((c, m, unit.label) for c, m in unit_warnings)
+            raised[unit.uid] = (unit.label, list(unit_warnings))  # a unit computed again replaces its first run's
             state["finished"] += len(unit.heads)
             if progress is not None:
                 now = time.perf_counter()
@@ -645,14 +689,15 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
     table = consolidate(table, config, acts)
     any_positions = any(config.positions_of(layer) is not None for layer in {u.layer for u in units})
     positions = consolidate_positions(positions, config, acts) if any_positions else None
-    table.attrs["warnings"] = summarize_warnings(caught)
+    table.attrs["warnings"] = _run_warnings(raised, units, parts)
     # wall time of running the units (writing their parts included), apart from start-up and memory calibration;
     # and where it went, per (configuration, S, tokens): the seconds of each phase of execute.PHASES, summed
     table.attrs["timing"] = {"units": len(todo), "execute_s": round(executed_s, 3), "phases": _phase_records(phases)}
     table.attrs["set_aside"] = set_aside
     for record in table.attrs["warnings"]:
-        warnings.warn(f"{record['label']}: {record['message']} ({record['count']} units)",
-                      _warning_category(record["category"]), stacklevel=stacklevel)
+        reissued = _warning_category(record["category"])(warning_text(record))
+        reissued.record = record  # a caller that catches it (the demo) can merge the counts of several sweeps
+        warnings.warn(reissued, stacklevel=stacklevel)
     return SweepTables(table, positions)
 
 
@@ -681,7 +726,7 @@ def _execute(runner: UnitRunner, units: list[Unit], parts: Path | None, activati
         for unit in units:
             rows, unit_warnings, seconds, positions = run_recording(runner, unit)
             if parts is not None:
-                write_part(parts, unit.uid, rows, positions)
+                write_part(parts, unit.uid, rows, positions, unit_warnings)
             done(unit, rows, unit_warnings, seconds, positions)
         return
     if not isinstance(activations, (str, os.PathLike)):

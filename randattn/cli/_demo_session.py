@@ -64,14 +64,26 @@ def run_steps(run: Callable[[Callable[[Any], None]], Any], *, label_width: int, 
 def warning_lines(caught: Iterable[warnings.WarningMessage]) -> list[tuple[str, str, int]]:
     """``(category, message, count)`` per kind of warning, most frequent first.
 
-    Warnings whose messages differ in their numbers only are one kind; in its message a number that differs
-    between them reads ``#`` and one they share stays (``LARA eq. 37-38``, ``lara:beta=8``, ``of 130 queries``).
+    A sweep re-issues each distinct warning of its units once, carrying its record (``record``:
+    :func:`~randattn.analysis.sweep.summarize_warnings`): the records of the demo's sweeps are summed per
+    (category, message, label), and the line says how many units raised it, its count the times in all.
+    Other warnings whose messages differ in their numbers only are one kind; in its message a number that
+    differs between them reads ``#`` and one they share stays (``LARA eq. 37-38``, ``lara:beta=8``,
+    ``of 130 queries``).
     """
     kinds: dict[tuple[str, str], list[str]] = {}
+    swept: dict[tuple[str, str, str], list[int]] = {}
     for w in caught:
+        record = getattr(w.message, "record", None)
+        if isinstance(record, dict):
+            totals = swept.setdefault((w.category.__name__, str(record["message"]), str(record["label"])), [0, 0])
+            totals[0] += int(record["units"])
+            totals[1] += int(record["count"])
+            continue
         message = str(w.message)
         kinds.setdefault((w.category.__name__, _NUMBER.sub("#", message)), []).append(message)
-    lines = []
+    lines = [(category, f"{label}: {message} (raised by {units} unit{'s' * (units != 1)})", times)
+             for (category, message, label), (units, times) in swept.items()]
     for (category, _), messages in kinds.items():
         numbers = [_NUMBER.findall(message) for message in messages]
         texts = _NUMBER.split(messages[0])

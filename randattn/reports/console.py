@@ -82,14 +82,24 @@ def _memory_line(plan) -> str:
     memory = (f"[bold]memory[/]: the estimator work peaks at about {format_bytes(plan.peak_bytes)} "
               f"(memory model, calibrated here; --max-memory {budget}); ")
     if plan.split_units:
+        from randattn.analysis.cell_memory import SPLIT_ROUNDING
+
         return memory + (f"{plan.split_units} of {len(plan.todo)} units are split into smaller blocks to fit it "
-                         "(their rows may differ in the last bit from a run with more memory)")
+                         f"({SPLIT_ROUNDING})")
     return memory + "every unit runs in its canonical blocks"
 
 
 def warning_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One line (rich markup) per distinct warning of a sweep, with how many units raised it."""
-    return [f"[yellow]warning[/] ({count(r['count'], 'unit')}, {r['label']}) {r['category']}: {r['message']}"
+    """One line (rich markup) per distinct warning of a sweep, with how many units raised it and how many times
+    it was raised in all (:func:`~randattn.analysis.sweep.summarize_warnings`; a record without ``units``, from
+    an older table, gives its times only)."""
+    from rich.markup import escape
+
+    def how_often(r: Mapping[str, Any]) -> str:
+        times = count(int(r["count"]), "time")
+        return times if r.get("units") is None else f"raised by {count(int(r['units']), 'unit')}, {times} in all"
+
+    return [f"[yellow]warning[/] ({how_often(r)}; {escape(str(r['label']))}) {r['category']}: {escape(str(r['message']))}"
             for r in records]
 
 

@@ -290,14 +290,17 @@ def demo_metadata(config: Any, command: str | None, sweep_configs: Sequence[Any]
 
 
 def _merge_warnings(lists) -> list[dict[str, Any]]:
-    """The sweeps' warning records (category, message, label, count) summed over sweeps, most frequent first."""
-    counts: dict[tuple, int] = {}
+    """The sweeps' warning records (category, message, label; units, count) summed over sweeps -- whose units are
+    distinct -- most units first (:func:`~randattn.analysis.sweep.summarize_warnings`)."""
+    totals: dict[tuple, list[int]] = {}
     for records in lists:
         for r in records:
-            key = (r["category"], r["message"], r["label"])
-            counts[key] = counts.get(key, 0) + int(r["count"])
-    return [{"category": c, "message": m, "label": label, "count": n}
-            for (c, m, label), n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
+            total = totals.setdefault((r["category"], r["message"], r["label"]), [0, 0])
+            total[0] += int(r["units"])
+            total[1] += int(r["count"])
+    return [{"category": c, "message": m, "label": label, "units": units, "count": n}
+            for (c, m, label), (units, n) in sorted(totals.items(), key=lambda item: (-item[1][0], -item[1][1],
+                                                                                      item[0]))]
 
 
 def _cells(acts: Any, config: Any) -> int:

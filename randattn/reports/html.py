@@ -243,18 +243,20 @@ def warnings_summary(metadata: Mapping[str, Any] | None) -> pd.DataFrame:
     ----------
     metadata : dict or None
         Table metadata; its ``"warnings"`` entry is a list of
-        ``{"category": str, "message": str, "count": int, "label": str}`` (label optional).
+        ``{"category": str, "message": str, "count": int, "units": int, "label": str}`` (label optional;
+        ``units``, the number of units that raised it, absent from tables written before it was recorded).
 
     Returns
     -------
     pandas.DataFrame
-        Columns ``category, label, message, count, meaning`` (``meaning`` from :data:`WARNING_EXPLANATIONS`);
-        counts of repeated entries are summed. Empty when none were recorded.
+        Columns ``category, label, message, count, units, meaning`` (``meaning`` from
+        :data:`WARNING_EXPLANATIONS`); counts of repeated entries are summed, and their units where every
+        entry has them (else ``units`` is None). Empty when none were recorded.
     """
     records = (metadata or {}).get("warnings") or []
     if isinstance(records, Mapping):
         records = [records]
-    rows: dict[tuple[str, str, str], int] = {}
+    rows: dict[tuple[str, str, str], list] = {}
     for record in records if isinstance(records, (list, tuple)) else []:
         if not isinstance(record, Mapping):
             continue
@@ -264,12 +266,18 @@ def warnings_summary(metadata: Mapping[str, Any] | None) -> pd.DataFrame:
             count = int(record.get("count", 1))
         except (TypeError, ValueError):
             count = 1
-        rows[key] = rows.get(key, 0) + count
+        try:
+            units = int(record["units"])
+        except (KeyError, TypeError, ValueError):
+            units = None
+        total = rows.setdefault(key, [0, 0])
+        total[0] += count
+        total[1] = None if units is None or total[1] is None else total[1] + units
     frame = pd.DataFrame(
-        [{"category": c, "label": lab, "message": m, "count": n,
+        [{"category": c, "label": lab, "message": m, "count": n, "units": units,
           "meaning": WARNING_EXPLANATIONS.get(c, "No explanation recorded for this category; read the message.")}
-         for (c, lab, m), n in rows.items()],
-        columns=["category", "label", "message", "count", "meaning"],
+         for (c, lab, m), (n, units) in rows.items()],
+        columns=["category", "label", "message", "count", "units", "meaning"],
     )
     return frame.sort_values(["category", "label", "message"], kind="stable").reset_index(drop=True)
 
@@ -825,7 +833,9 @@ def _warnings_html(metadata: Mapping[str, Any], names: Mapping[str, str]) -> lis
         for row in group.itertuples(index=False):
             who = (f'<span title="{esc(row.label)}">{esc(names.get(row.label, row.label))}</span>: '
                    if row.label else "")
-            out.append(f"<li>{who}{row.count} × <q>{esc(row.message)}</q></li>")
+            by = "" if row.units is None or pd.isna(row.units) else \
+                f" (raised by {int(row.units)} unit{'s' * (int(row.units) != 1)})"
+            out.append(f"<li>{who}{row.count} × <q>{esc(row.message)}</q>{by}</li>")
         out.append("</ul></div>")
     return out
 

@@ -224,7 +224,7 @@ def test_diagnostics_whose_weights_take_no_mask_are_nan_with_the_reason(acts):
         table = run_sweep(acts, config)
     assert table.ess_mean.isna().all() and table.delta_var_ratio.isna().all() and table.pareto_khat.isna().all()
     [record] = table.attrs["warnings"]
-    assert record["category"] == "DiagnosticsSkippedWarning" and record["count"] == 2  # 2 images
+    assert record["category"] == "DiagnosticsSkippedWarning" and record["count"] == record["units"] == 2  # 2 images
     with warnings.catch_warnings():
         warnings.simplefilter("error", DiagnosticsSkippedWarning)
         bidirectional = run_sweep(acts, _config(estimators=parse_estimator_list("rfa"), diagnostics=True, layers=(0,),

@@ -87,6 +87,29 @@ def test_resumed_dask_run_equals_uninterrupted_local_run(acts_path, client, loca
     _same(local_table, run_sweep(acts_path, _config(), scheduler=client, parts_dir=tmp_path / "p", resume=True))
 
 
+@pytest.mark.slow  # a Dask run between two local ones, ~10 s on 2 idle cores
+def test_warnings_raised_on_workers_are_stored_with_their_parts_and_survive_resume(acts_path, client, tmp_path):
+    """A unit's warnings travel with its part, whoever wrote it: a local resume of a Dask run reports what the
+    workers' units raised, as an uninterrupted local run does."""
+    config = _config(estimators=parse_estimator_list("rfa:feature_map=trigonometric"), num_samples=(4,), images=(0,))
+    with pytest.warns(RuntimeWarning):
+        local = run_sweep(acts_path, config).attrs["warnings"]
+    assert local and local[0]["units"] == 3  # every layer's unit raises it
+    seen = []
+
+    def stop(progress):
+        seen.append(progress)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(acts_path, config, scheduler=client, parts_dir=tmp_path / "p", progress=stop)
+    with pytest.warns(RuntimeWarning):
+        resumed = run_sweep(acts_path, config, parts_dir=tmp_path / "p", resume=True)
+    assert resumed.attrs["timing"]["units"] < 3  # the workers' parts were not computed again
+    assert resumed.attrs["warnings"] == local
+
+
 def test_a_worker_killed_mid_run_loses_only_its_unit(acts_path, client, local_table):
     pids = client.run(os.getpid)
     killed = []

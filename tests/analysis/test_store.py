@@ -119,6 +119,23 @@ def test_unreadable_parts_are_set_aside_named_with_their_reason(tmp_path):
         assert Path(set_aside_unreadable(parts)[0]["moved_to"]).name == "part-L0-a.parquet.1"
 
 
+def test_a_part_keeps_its_units_warnings_beside_unchanged_rows(tmp_path):
+    """Each time raised, in order; a part without them (written before parts kept them) reads as None: unknown."""
+    import pyarrow.parquet as pq
+
+    from randattn.analysis.store import read_part_warnings, read_parts
+
+    raised = [("NonPositiveDenominatorWarning", "some queries"), ("NonPositiveDenominatorWarning", "some queries"),
+              ("DiagnosticsSkippedWarning", "no mask")]
+    write_part(tmp_path, "L0-a", [_row("L0-a")], unit_warnings=raised)
+    write_part(tmp_path, "L0-b", [_row("L0-b")])
+    plain = pq.read_table(tmp_path / "part-L0-b.parquet")
+    pq.write_table(plain.replace_schema_metadata({}), tmp_path / "part-L0-c.parquet")  # as an older randattn wrote
+    assert read_part_warnings(tmp_path, ["L0-a", "L0-b", "L0-c"]) == {"L0-a": raised, "L0-b": [], "L0-c": None}
+    rows = read_parts(tmp_path).sort_values("image").reset_index(drop=True)
+    assert rows["image"].tolist() == ["L0-a", "L0-b", "L0-b"]  # the metadata leaves the rows as they were
+
+
 def test_an_unreadable_per_position_part_takes_its_unit_along(tmp_path):
     from randattn.analysis.positions import POSITION_COLUMNS
 

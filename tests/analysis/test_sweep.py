@@ -137,17 +137,131 @@ def test_reference_check_reruns_the_first_unit_of_each_configuration(acts):
     assert none.ref_max_abs_dev.isna().all()
 
 
-def test_warnings_are_counted_per_configuration():
+def _signed_acts():
+    """2 layers x 2 images of large q, k: trigonometric RFA's normalizer turns negative in every unit."""
     rng = np.random.default_rng(3)
-    arrays = {0: (rng.normal(size=(1, 2, 30, 6)) * 3, rng.normal(size=(1, 2, 30, 6)) * 8, rng.normal(size=(1, 2, 30, 6)))}
-    acts = make_activations(arrays, {"scale": 0.5, "model": "synthetic"})
-    config = SweepConfig(estimators=parse_estimator_list("rfa:feature_map=trigonometric;rfa"), num_samples=(4,),
-                         replicates=8, seed=0, backend="reference", diagnostics=False)
-    with pytest.warns(RuntimeWarning, match="rfa:feature_map=trigonometric: .*normalizer.*\\(2 units\\)"):
+    arrays = {layer: (rng.normal(size=(2, 2, 30, 6)) * 3, rng.normal(size=(2, 2, 30, 6)) * 8,
+                      rng.normal(size=(2, 2, 30, 6))) for layer in (0, 1)}
+    return make_activations(arrays, {"scale": 0.5, "model": "synthetic", "images": ["cat", "dog"]})
+
+
+def _signed_config(**kw):
+    return SweepConfig(estimators=parse_estimator_list("rfa:feature_map=trigonometric;rfa"), num_samples=(4,),
+                       replicates=8, seed=0, backend="reference", diagnostics=False, **kw)
+
+
+def _raised_per_unit(acts, config):
+    """unit id -> the warnings running it alone raises (one UnitRunner.run per unit, warnings caught here)."""
+    import warnings
+
+    from randattn.analysis.execute import UnitRunner
+
+    runner, raised = UnitRunner(acts, config), {}
+    for unit in plan(acts, config):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner.run(unit)
+        raised[unit.uid] = caught
+    return raised
+
+
+def test_warnings_count_the_units_that_raised_them_and_the_times_in_all():
+    acts, config = _signed_acts(), _signed_config()
+    raised = _raised_per_unit(acts, config)  # independent: each unit run alone, its warnings counted here
+    units = sum(bool(caught) for caught in raised.values())
+    times = sum(len(caught) for caught in raised.values())
+    assert units == 4 and times > units  # 4 units of trigonometric RFA raise it, each more than once
+    with pytest.warns(RuntimeWarning, match=f"rfa:feature_map=trigonometric: .*normalizer.*\\(raised by {units} "
+                                            f"units, {times} times in all\\)"):
         table = run_sweep(acts, config)
     records = table.attrs["warnings"]
-    assert len(records) == 1 and records[0]["label"] == "rfa:feature_map=trigonometric" and records[0]["count"] == 2
+    assert len(records) == 1 and records[0]["label"] == "rfa:feature_map=trigonometric"
+    assert records[0]["units"] == units and records[0]["count"] == times
     assert records[0]["category"] == "NonPositiveDenominatorWarning"
+
+
+def test_a_resumed_sweep_reports_the_warnings_its_first_part_raised(tmp_path):
+    """Each part keeps its unit's warnings: the resumed run's record is the uninterrupted run's."""
+    acts, config = _signed_acts(), _signed_config()
+    with pytest.warns(RuntimeWarning):
+        full = run_sweep(acts, config, parts_dir=tmp_path / "full").attrs["warnings"]
+    seen = []
+
+    def stop_after_three(progress):
+        seen.append(progress)
+        if len(seen) == 3:
+            raise KeyboardInterrupt("simulated interruption")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(acts, config, parts_dir=tmp_path / "cut", progress=stop_after_three)
+    first = stored_unit_ids(tmp_path / "cut")
+    raised = _raised_per_unit(acts, config)
+    assert len(first) == 3 and sum(bool(raised[uid]) for uid in first) == 2  # the first part raised it twice over
+    with pytest.warns(RuntimeWarning, match="raised by 4 units"):
+        resumed = run_sweep(acts, config, parts_dir=tmp_path / "cut", resume=True)
+    assert resumed.attrs["timing"]["units"] == len(raised) - 3
+    assert resumed.attrs["warnings"] == full
+    assert full[0]["units"] == 4 and full[0]["count"] == sum(len(c) for c in raised.values())
+
+
+def test_the_guide_states_the_split_rounding_as_the_cli_does():
+    """docs/guide/sweeps.md says what ``randattn mse``'s plan says of a split (SPLIT_ROUNDING), and no longer
+    that the split never changes a row."""
+    from pathlib import Path
+
+    from randattn.analysis.cell_memory import SPLIT_ROUNDING
+
+    guide = " ".join((Path(__file__).resolve().parents[2] / "docs" / "guide" / "sweeps.md").read_text().split())
+    assert SPLIT_ROUNDING in guide and "never changes a row" not in guide
+
+
+@pytest.mark.slow  # three memory calibrations and two sweeps, ~5 s on 2 cores
+def test_a_split_moves_rows_within_the_stated_rounding(monkeypatch):
+    """Below the canonical block, float32 rows move by rounding: each estimate by at most twice its rounding error
+    (the largest |float32 - float64 reference| of its cell, same draws), the MSE by at most
+    2 d / RMSE + (d / RMSE)^2 relative with d that bound (|mean((e + x)^2) - mean(e^2)| <= 2 max|x| RMSE + max|x|^2),
+    as SPLIT_ROUNDING says."""
+    from randattn.analysis import execute
+    from randattn.estimators.registry import get_spec
+
+    rng = np.random.default_rng(1)
+    heads, n, d = 2, 32, 16
+    arrays = {0: tuple(rng.normal(size=(1, heads, n, d)) for _ in range(3))}
+    acts = make_activations(arrays, {"scale": d ** -0.5, "model": "synthetic"})
+    spied = []
+    original = execute.output_metrics
+    monkeypatch.setattr(execute, "output_metrics",
+                        lambda out, *a, **k: (spied.append(out.clone()), original(out, *a, **k))[1])
+    common = dict(estimators=parse_estimator_list("eva:window=4"), num_samples=(8,), replicates=16, seed=0,
+                  backend="torch", dtype="float32", diagnostics=False, probabilities=False, threads=1)
+    runner = execute.UnitRunner(acts, SweepConfig(**common))
+    units = plan(acts, SweepConfig(**common))
+    tiny = int(1.1 * max(runner.cell_bytes(u) for u in units))
+    big = run_sweep(acts, SweepConfig(**common))
+    small = run_sweep(acts, SweepConfig(**common, max_memory=tiny))
+    assert all(len(execute.UnitRunner(acts, SweepConfig(**common, max_memory=tiny)).blocks(u)) > 2 for u in units)
+    q, k, v = (arrays[0][i][0] for i in range(3))
+    logits = np.einsum("cnd,cmd->cnm", q, k) * d ** -0.5
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    exact = np.einsum("cnm,cmd->cnd", weights / weights.sum(-1, keepdims=True), v)  # float64 softmax attention
+    moved = {}
+    for i, unit in enumerate(units):  # spied: the canonical run's units, then the split run's, in plan order
+        est = SweepConfig(**common).estimators[unit.est_index]
+        spec = get_spec(est.name)
+        draws = execute.cell_draws(spec, est, (n, d), (n, d), unit.seeds, range(16), 8)
+        reference = np.asarray(spec.reference(q, k, v, draws, scale=d ** -0.5, **est.params))  # (R, C, N, Dv)
+        canonical, split = (spied[j].numpy() + exact for j in (i, len(units) + i))
+        error = np.abs(canonical - reference).max(axis=(0, 2, 3))  # per head: the float32 rounding of its estimates
+        delta = np.abs(split - canonical).max(axis=(0, 2, 3))
+        assert (delta <= 2 * error).all(), (unit.label, delta / error)
+        rows = big.label == unit.label
+        mse, rmse = big.mse[rows].to_numpy(), np.sqrt(big.mse[rows].to_numpy())
+        bound = 2 * (2 * error) / rmse + (2 * error / rmse) ** 2
+        relative = np.abs(small.mse[rows].to_numpy() - mse) / mse
+        assert (relative <= bound).all(), (unit.label, relative, bound)
+        moved[unit.label] = (float((delta / error).max()), float(relative.max()))
+    print("split: max delta / rounding error, max relative MSE change:", moved)
+    assert moved["eva:window=4"][0] > 0  # the split did change EVA's bits (else this test measures nothing)
 
 
 def test_interrupted_sweep_resumes_to_the_same_table(acts, tmp_path):

@@ -329,6 +329,34 @@ def test_sigint_keeps_finished_units_and_prints_the_resume_command(acts, referen
     assert not _parts(out).exists()
 
 
+@pytest.mark.slow  # three processes, ~8 s on 2 cores; tests/analysis/test_sweep.py checks the same in process
+def test_a_resumed_run_records_and_prints_the_warnings_of_its_first_part(acts, tmp_path):
+    """Trigonometric RFA raises NonPositiveDenominatorWarning: after Ctrl-C and the printed --resume, the metadata
+    lists the warnings of every unit, those the first process computed included, as an uninterrupted run's does."""
+    sweep = ("-e", "rfa:feature_map=trigonometric", "-e", "ra", "--samples", "4,8", "--replicates", "4", "--seed", "3")
+    whole = tmp_path / "whole.parquet"
+    assert _cli("mse", acts, *sweep, "--out", whole).returncode == 0
+    expected = json.loads(whole.with_name(whole.name + ".meta.json").read_text())["warnings"]
+    assert expected and expected[0]["units"] == 4  # 2 layers x 2 S of trigonometric RFA; ra raises nothing
+
+    out, marker = tmp_path / "x.parquet", tmp_path / "writing"
+    child = _spawn("mse", acts, *sweep, "--out", out, hook={"parts": 4, "marker": str(marker)})
+    _wait_for(marker, child)  # three units written, the fourth being written
+    child.send_signal(signal.SIGINT)
+    result = finish(child)
+    assert result.returncode == 130, result.stderr
+    kept = pd.concat([pd.read_parquet(p) for p in _parts(out).glob("part-*.parquet")])
+    assert kept.groupby("label").size().to_dict().get("rfa:feature_map=trigonometric", 0) > 0  # it raised there
+    lines = result.stderr.splitlines()
+    argv = shlex.split(lines[next(i for i, line in enumerate(lines) if "continue with:" in line) + 1].strip())
+    resumed = _cli(*argv[1:])
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(out.with_name(out.name + ".meta.json").read_text())["warnings"] == expected
+    record = expected[0]
+    assert f"warning (raised by 4 units, {record['count']} times in all; rfa:feature_map=trigonometric)" in _said(
+        resumed)
+
+
 # ------------------------------------------------------------------------------------------------------ 3. SIGKILL mid-write
 @pytest.mark.slow  # three processes, ~11 s on 2 cores; SIGINT and SIGTERM resume tests stay in the default run
 def test_sigkill_during_a_part_write_leaves_no_partial_part_and_resume_is_identical(acts, reference, tmp_path):

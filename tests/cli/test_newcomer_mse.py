@@ -352,7 +352,7 @@ def test_dry_run_prints_the_plan_and_computes_and_writes_nothing(children):
 
 
 @pytest.mark.parametrize(("budget", "expected"), [
-    ("1MB", "units are split into smaller blocks to fit it (their rows may differ in the last bit"),
+    ("1MB", "units are split into smaller blocks to fit it (the torch kernels' rounding depends on a block's shape"),
     ("50kB", "memory: refused before computing: one replicate of one head needs more than --max-memory"),
 ], ids=["split", "refused"])
 def test_dry_run_states_what_the_budget_does(acts, monkeypatch, budget, expected):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -440,6 +441,33 @@ def test_demo_warnings_keep_the_numbers_they_share():
     ]
 
 
+def test_demo_sums_its_sweeps_warnings_over_units_without_a_placeholder():
+    """In process: two sweeps (as the demo runs one per token count) whose units raise a warning 2 and 4 times over:
+    one line with the units and times summed, never '(# units)'."""
+    import warnings
+
+    from randattn.activations import make_activations
+    from randattn.analysis.sweep import SweepConfig, parse_estimator_list, run_sweep
+    from randattn.cli._demo_session import warning_lines
+
+    rng = np.random.default_rng(3)
+    config = SweepConfig(estimators=parse_estimator_list("rfa:feature_map=trigonometric"), num_samples=(4,),
+                         replicates=8, seed=0, backend="reference", diagnostics=False)
+    records = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layers, tokens in (((0,), 30), ((0, 1), 20)):
+            arrays = {layer: (rng.normal(size=(2, 2, tokens, 6)) * 3, rng.normal(size=(2, 2, tokens, 6)) * 8,
+                              rng.normal(size=(2, 2, tokens, 6))) for layer in layers}
+            acts = make_activations(arrays, {"scale": 0.5, "model": "synthetic", "images": ["cat", "dog"]})
+            records += run_sweep(acts, config).attrs["warnings"]
+    assert [r["units"] for r in records] == [2, 4]  # every unit (layer x image) of each sweep raises it
+    [(category, message, times)] = warning_lines(caught)
+    assert category == "NonPositiveDenominatorWarning" and times == sum(r["count"] for r in records)
+    assert message == f"rfa:feature_map=trigonometric: {records[0]['message']} (raised by 6 units)"
+    assert "#" not in message
+
+
 @pytest.mark.slow  # the demo's sweep, figure and report in a child (~10 s)
 @pytest.mark.skipif(not _HAS_VIT_EXTRA, reason="the demo checks for the vit extra before it runs")
 def test_demo_prints_warnings_without_placeholders_in_their_references(tmp_path):
@@ -449,7 +477,7 @@ def test_demo_prints_warnings_without_placeholders_in_their_references(tmp_path)
     said = _said(result)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LARA eq. 37-38" in said and "eq. #-#" not in said, said
-    assert "lara:beta=8.0: " in said and "(2 units)" in said, said  # one warning: every number as it is
+    assert "lara:beta=8.0: " in said and re.search(r"\(raised by \d+ units?\)", said), said  # the units, as counted
 
 
 def test_features_draws_non_orthogonal_variants_or_says_which_it_left_out_and_why(measured):

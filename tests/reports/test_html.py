@@ -120,9 +120,9 @@ def test_environment_lists_versions_without_importing():
 
 # ------------------------------------------------------------------------------------ warnings and diagnostics
 WARNINGS = [
-    {"category": "NonPositiveDenominatorWarning", "label": "lara", "count": 38,
+    {"category": "NonPositiveDenominatorWarning", "label": "lara", "count": 38, "units": 5,
      "message": "the estimator's normalizer is zero or negative for 3 of 197 queries"},
-    {"category": "NonPositiveDenominatorWarning", "label": "lara", "count": 2,
+    {"category": "NonPositiveDenominatorWarning", "label": "lara", "count": 2, "units": 1,
      "message": "the estimator's normalizer is zero or negative for 3 of 197 queries"},
     {"category": "SomethingNewWarning", "message": "<odd>", "count": 1},
 ]
@@ -146,6 +146,8 @@ def test_warnings_are_listed_once_with_counts_and_meaning(nan_table):
     assert "NonPositiveDenominatorWarning</b> (40 times)" in section
     assert "LARA&#x27;s decoupled weights (eq. 38" in section  # the meaning, not just the name
     assert 'title="lara">LARA (paper, decoupled β=1)</span>: 40 ×' in section
+    assert "197 queries</q> (raised by 6 units)</li>" in section  # the units of the merged entries, summed
+    assert summary["units"].isna().tolist() == [False, True]  # a record without units (an older table): unknown
     assert "&lt;odd&gt;" in section and "No explanation recorded for this category" in section
 
 
