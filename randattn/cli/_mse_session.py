@@ -142,13 +142,17 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                 err_console.print(f"dry run: nothing was written; the same command without --dry-run runs it{target}",
                                   highlight=False, soft_wrap=True)
                 return
-            for job in jobs:  # planned, and refused if one cannot fit the budget, before any unit is computed
-                if not job.done:
-                    _header(job, several and not job.done)
-                    job.plan = _plan(job, resume, where)
-            client = None
-            if any(not job.done for job in jobs):
-                client = held.enter_context(_client(where, jobs[0].config.threads))
+            client, current = None, None
+            try:
+                for current in jobs:  # planned, and refused if one cannot fit the budget, before any unit is computed
+                    if not current.done:
+                        _header(current, several)
+                        current.plan = _plan(current, resume, where)
+                if any(not job.done for job in jobs):  # one Dask client (where asked for) serves every file
+                    client = held.enter_context(_client(where, jobs[0].config.threads))
+            except KeyboardInterrupt as exc:  # nothing computed yet; a resumed run's kept units are said
+                out = None if current is None else current.out
+                _interrupted(exc, None if out is None else store.parts_path(out), None)
             summaries: dict[str, Any] = {}
             show = "table" if not as_json else "none" if several else "json"
             written: list[Path] = []
