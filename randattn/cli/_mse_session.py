@@ -11,18 +11,81 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import click
 
-__all__ = ["measure", "preflight"]
+__all__ = ["Job", "measure", "outputs", "preflight", "prepare_jobs"]
 
 
-def preflight(out: Path | None, scheduler: str, *, resume: bool, force: bool) -> Any:
+@dataclass
+class Job:
+    """One activation file of a run and what the run does with it: its output, its parsed options and, once
+    planned, its plan. Several files make several jobs, each exactly the run of that file alone."""
+
+    source: Path
+    out: Path | None
+    config: Any
+    activations: Any
+    done: bool = False  # --resume found this very run finished in ``out``
+    plan: Any = None
+
+
+def outputs(sources: Sequence[Path], out: Path | None) -> list[Path | None]:
+    """Each activation file's output: ``out`` with ``{stem}`` replaced by the file's name without its suffix.
+
+    Several files need ``{stem}`` in ``out`` and distinct outputs; a file given twice is refused. Without ``out``
+    every file's output is None (the summary only)."""
+    from randattn.cli._common import abort
+
+    seen: dict[str, Path] = {}
+    for source in sources:
+        key = os.path.realpath(source)
+        if key in seen:
+            abort(f"ACTS {str(source)!r} is given twice" + ("" if str(seen[key]) == str(source)
+                                                             else f" (as {str(seen[key])!r})"))
+        seen[key] = source
+    if out is None:
+        return [None] * len(sources)
+    if len(sources) > 1 and STEM not in str(out):
+        abort(f"--out {str(out)!r}: with {len(sources)} activation files, --out needs {STEM} (each file's name "
+              f"without its suffix), e.g. --out 'mse-{STEM}{out.suffix or '.parquet'}'")
+    targets = [Path(str(out).replace(STEM, Path(source).stem)) for source in sources]
+    first: dict[str, Path] = {}
+    for source, target in zip(sources, targets):
+        key = os.path.realpath(target)
+        if key in first:
+            abort(f"--out {str(out)!r}: {str(first[key])!r} and {str(source)!r} would both write {str(target)!r}; "
+                  "rename one of them")
+        first[key] = source
+    return targets
+
+
+def prepare_jobs(sources: Sequence[Path], outs: Sequence[Path | None], prepare: Callable[..., tuple[Any, Any]],
+                 options: dict[str, Any]) -> list[Job]:
+    """Parse the options against each file (:func:`randattn.cli._parsing.prepare`), all before any work: each
+    file's own mask (``--mask file``) and scale; with several files a refusal names the file it is about."""
+    from randattn.cli._common import UserError
+
+    jobs = []
+    for source, out in zip(sources, outs):
+        try:
+            config, activations = prepare(source, **options)
+        except UserError as exc:
+            if len(sources) > 1:
+                exc.message = f"{source}: {exc.message}"
+            raise
+        jobs.append(Job(source, out, config, activations))
+    return jobs
+
+
+def preflight(outs: Sequence[Path | None], scheduler: str, *, resume: bool, force: bool) -> Any:
     """The checks that need no activations: exclusive flags, the scheduler, and (``--resume``) a damaged manifest,
     said before anything is loaded. Returns the parsed scheduler."""
     from randattn.analysis import store
@@ -31,64 +94,121 @@ def preflight(out: Path | None, scheduler: str, *, resume: bool, force: bool) ->
 
     if resume and force:
         abort("--resume and --force exclude each other")
-    if resume and out is None:
+    if resume and outs[0] is None:
         abort("--resume needs --out (the interrupted run's output path)")
     try:
         where = parse_scheduler(scheduler)
         if resume:
-            store.check_manifest(store.parts_path(out))
+            for out in outs:
+                store.check_manifest(store.parts_path(out))
     except ValueError as exc:
         abort(str(exc))
     return where
 
 
-def measure(source: Path, config: Any, activations: Any, where: Any, out: Path | None, *, resume: bool,
-            force: bool, dry_run: bool, as_json: bool) -> None:
-    """Run (or, ``dry_run``, plan) the sweep of ``config`` on ``activations`` (read from ``source``), write ``out``
-    and show the summary; exits through :func:`~randattn.cli._common.abort` on a refusal."""
+def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_run: bool, as_json: bool) -> None:
+    """Run (or, ``dry_run``, plan) each job's sweep, write its output and show its summary; exits through
+    :func:`~randattn.cli._common.abort` on a refusal.
+
+    Every output is checked, locked and its rules applied, and every sweep planned (refused where it cannot fit
+    the memory budget), before the first unit is computed; then the jobs run in order."""
     from randattn.analysis import store
     from randattn.cli._common import UserError, abort, err_console, no_space_message, writable_output
 
-    parts = None if out is None else store.parts_path(out)
-    lock = contextlib.nullcontext() if out is None or dry_run else store.sweep_lock(out)
+    several = len(jobs) > 1
     try:
-        if out is not None:
-            store.check_output_path(out, look_only=dry_run)
-            if not dry_run:
-                writable_output(out)
-        with lock:
-            if out is not None and store.check_output(out, config.identity(), resume=resume, force=force,
-                                                      dry_run=dry_run):
-                would = "the run would do nothing" if dry_run else "nothing to do"
-                err_console.print(f"{out} already holds this run, complete; {would}", highlight=False)
+        for job in jobs:
+            if job.out is not None:
+                store.check_output_path(job.out, look_only=dry_run)
                 if not dry_run:
-                    _finish_stored(out, config, activations, as_json)
-                return
-            if dry_run:  # the plan with its wall time; nothing computed for the table, nothing written
-                _plan(activations, config, parts, resume, where, timing=True)
-                target = "" if out is None else f" (it would write {out})"
+                    writable_output(job.out)
+        with contextlib.ExitStack() as held:
+            if not dry_run:
+                for job in jobs:  # every output's lock for the whole run: none of them changes under it
+                    if job.out is not None:
+                        held.enter_context(store.sweep_lock(job.out))
+            for job in jobs:
+                job.done = job.out is not None and store.check_output(job.out, job.config.identity(), resume=resume,
+                                                                      force=force, dry_run=dry_run)
+            if dry_run:  # the plans with their wall time; nothing computed for the tables, nothing written
+                for job in jobs:
+                    _header(job, several)
+                    if job.done:
+                        _said_complete(job.out, dry_run=True)
+                    else:
+                        _plan(job, resume, where, timing=True)
+                written = [str(job.out) for job in jobs if job.out is not None and not job.done]
+                target = f" (it would write {', '.join(written)})" if written else ""
                 err_console.print(f"dry run: nothing was written; the same command without --dry-run runs it{target}",
                                   highlight=False, soft_wrap=True)
                 return
-            plan = None
+            client, current = None, None
             try:
-                plan = _plan(activations, config, parts, resume, where)
-                _finish(_run(activations, config, parts, resume, where, source, plan), config, activations, out,
-                        as_json)
-            except UserError:
-                if parts is not None:
-                    store.drop_empty_parts(parts)  # refused before any unit finished (memory): leave nothing behind
-                raise
-            except KeyboardInterrupt as exc:
-                _interrupted(exc, parts, plan)
-            except OSError as exc:
-                if parts is None or no_space_message(exc) is None:
+                for current in jobs:  # planned, and refused if one cannot fit the budget, before any unit is computed
+                    if not current.done:
+                        _header(current, several)
+                        current.plan = _plan(current, resume, where)
+                if any(not job.done for job in jobs):  # one Dask client (where asked for) serves every file
+                    client = held.enter_context(_client(where, jobs[0].config.threads))
+            except KeyboardInterrupt as exc:  # nothing computed yet; a resumed run's kept units are said
+                out = None if current is None else current.out
+                _interrupted(exc, None if out is None else store.parts_path(out), None)
+            summaries: dict[str, Any] = {}
+            show = "table" if not as_json else "none" if several else "json"
+            written: list[Path] = []
+            for job in jobs:
+                if several:
+                    _header(job, True, to_stdout=not as_json)
+                if job.done:
+                    _said_complete(job.out)
+                    summaries[str(job.source)] = _finish_stored(job, show)
+                    continue
+                parts = None if job.out is None else store.parts_path(job.out)
+                try:
+                    tables = _run(job, parts, resume, where, client, several)
+                    summaries[str(job.source)] = _finish(tables, job, job.out, show)
+                except UserError:
+                    if parts is not None:
+                        store.drop_empty_parts(parts)  # refused before any unit finished (memory): leave nothing
                     raise
-                abort(no_space_message(exc) + store.kept_message(parts, _resume(), then="once there is space"))
-            if parts is not None:
-                shutil.rmtree(parts, ignore_errors=True)
+                except KeyboardInterrupt as exc:
+                    _interrupted(exc, parts, job.plan, written)
+                except OSError as exc:
+                    if parts is None or no_space_message(exc) is None:
+                        raise
+                    abort(no_space_message(exc) + store.kept_message(parts, _resume(), then="once there is space"))
+                if parts is not None:
+                    shutil.rmtree(parts, ignore_errors=True)
+                    written.append(job.out)
+                job.plan = job.activations = None  # its memory calibration and activations are not needed again
+            if as_json and several:
+                click.echo(json.dumps(summaries, indent=2))
     except (store.OutputRuleError, store.SweepLockedError) as exc:  # the output's rules (store), said as they are
         abort(str(exc))
+
+
+#: the placeholder of --out replaced by each activation file's stem
+STEM = "{stem}"
+
+
+def _header(job: Job, shown: bool, *, to_stdout: bool = False) -> None:
+    """With several files, the line that says which file (and output) the lines below are about."""
+    if not shown:
+        return
+    from rich.markup import escape
+
+    from randattn.cli._common import err_console, out_console
+
+    target = "" if job.out is None else f" -> {escape(str(job.out))}"
+    console = out_console if to_stdout else err_console
+    console.print(f"[bold]{escape(str(job.source))}[/]{target}", highlight=False, soft_wrap=True)
+
+
+def _said_complete(out: Path, *, dry_run: bool = False) -> None:
+    from randattn.cli._common import err_console
+
+    would = "the run would do nothing" if dry_run else "nothing to do"
+    err_console.print(f"{out} already holds this run, complete; {would}", highlight=False)
 
 
 def _resume() -> str:
@@ -98,29 +218,30 @@ def _resume() -> str:
     return resume_command(sys.argv[1:])
 
 
-def _plan(activations, config, parts, resume, where, *, timing: bool = False):
+def _plan(job: Job, resume: bool, where: Any, *, timing: bool = False):
     """Plan the sweep (:func:`~randattn.analysis.sweep.plan_sweep`), print it, and refuse (exit 2) one that cannot
     fit the memory budget. Writes nothing."""
-    from randattn.analysis import sweep  # looked up at call time: tests replace its functions
+    from randattn.analysis import store, sweep  # looked up at call time: tests replace its functions
     from randattn.cli._common import abort, err_console
     from randattn.reports.console import plan_lines
     from randattn.reports.tables import item_noun
 
+    parts = None if job.out is None else store.parts_path(job.out)
     try:
-        plan = sweep.plan_sweep(activations, config, parts_dir=parts, resume=resume, timing=timing)
+        plan = sweep.plan_sweep(job.activations, job.config, parts_dir=parts, resume=resume, timing=timing)
     except ValueError as exc:
         abort(str(exc))
     local = where.kind == "local"
-    for line in plan_lines(plan, timing, dask=not local, noun=item_noun(activations.metadata)):
+    for line in plan_lines(plan, timing, dask=not local, noun=item_noun(job.activations.metadata)):
         err_console.print(line, highlight=False, soft_wrap=True)
     if plan.refused is not None:
         abort(plan.refused)
     return plan
 
 
-def _run(activations, config, parts, resume, where, source, plan):
-    """Run the sweep with a progress bar; its :class:`~randattn.analysis.sweep.SweepTables`. Ctrl-C and SIGTERM
-    propagate (the command says what was kept)."""
+def _run(job: Job, parts: Path | None, resume: bool, where: Any, client: Any, several: bool):
+    """Run ``job``'s sweep with a progress bar (on ``client``, a Dask client, where not None); its
+    :class:`~randattn.analysis.sweep.SweepTables`. Ctrl-C and SIGTERM propagate (the command says what was kept)."""
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -130,24 +251,27 @@ def _run(activations, config, parts, resume, where, source, plan):
     from randattn.cli._common import abort, err_console
     from randattn.reports.console import warning_lines
 
+    config, plan = job.config, job.plan
     budget = format_bytes(config.max_memory)
+    name = f"{job.source.stem} " if several else ""  # which file the bar is on
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=err_console) as bar:
         task = bar.add_task("mse", total=plan.cells)
 
         def report(p) -> None:
             s = "" if p.num_samples is None else f" S={p.num_samples}"
-            bar.update(task, completed=p.done, description=f"layer {p.layer} {p.label}{s}")
+            bar.update(task, completed=p.done, description=f"{name}layer {p.layer} {p.label}{s}")
 
         def show(message, category, *args, **kwargs) -> None:  # a part set aside is said at once
             err_console.print(f"[yellow]warning[/]: {escape(str(message))}", highlight=False, soft_wrap=True)
 
         try:
-            with warnings.catch_warnings(), _client(where, config.threads) as client:
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # run_sweep re-issues each distinct warning once; it returns them all
                 warnings.simplefilter("always", CorruptPartWarning)
                 warnings.showwarning = show
-                tables = sweep.run_sweep(source if client is not None else activations, config, parts_dir=parts,
+                tables = sweep.run_sweep(job.source if client is not None else job.activations, config,
+                                         parts_dir=parts,
                                          resume=resume, progress=report, lock=False, resume_hint="--resume",
                                          scheduler=client, with_positions=True, calibrated=plan)
         except MemoryBudgetError as exc:
@@ -197,8 +321,11 @@ def _client(where: Any, threads: int | None = None) -> Iterator[Any]:
         manager.__exit__(None, None, None)
 
 
-def _interrupted(exc: BaseException, parts, plan) -> NoReturn:
-    """Say what an interrupted (Ctrl-C, SIGTERM) run kept and how to continue it; exit 128 + the signal."""
+def _interrupted(exc: BaseException, parts, plan, written: Sequence[Path] = ()) -> NoReturn:
+    """Say what an interrupted (Ctrl-C, SIGTERM) run kept and how to continue it; exit 128 + the signal.
+    ``written``: the outputs of the files this run finished before (several files)."""
+    from rich.markup import escape
+
     from randattn.analysis.store import drop_empty_parts, stored_unit_ids
     from randattn.cli._common import err_console, interrupt_exit_code
     from randattn.reports.console import interrupted_text
@@ -207,27 +334,36 @@ def _interrupted(exc: BaseException, parts, plan) -> NoReturn:
     if parts is not None and not stored:
         drop_empty_parts(parts)
     # soft_wrap: the command stays on one line, whole, for copy and paste
+    if written:
+        err_console.print(f"written before the interruption: {escape(', '.join(map(str, written)))} "
+                          "(--resume finds them complete)", highlight=False, soft_wrap=True)
     err_console.print(interrupted_text(parts, stored, plan, _resume()), highlight=False, soft_wrap=True)
+    if written and not stored:
+        err_console.print(f"continue with:\n  {escape(_resume())}", highlight=False, soft_wrap=True)
     raise SystemExit(interrupt_exit_code(exc)) from None
 
 
-def _finish_stored(out, config, activations, as_json) -> None:
-    """Show the table a finished run of the same settings left in ``out`` (``--resume`` with nothing to do)."""
+def _finish_stored(job: Job, show: str) -> list[dict[str, Any]]:
+    """Show the table a finished run of the same settings left in ``job.out`` (``--resume`` with nothing to do);
+    its summary records."""
     from randattn.analysis.store import coerce
     from randattn.analysis.sweep import SweepTables
     from randattn.reports.tables import read_results
 
-    _finish(SweepTables(coerce(read_results(out).table)), config, activations, None, as_json)
+    return _finish(SweepTables(coerce(read_results(job.out).table)), job, None, show)
 
 
-def _finish(tables, config, activations, out, as_json) -> None:
-    """Write the table (with ``out``), then show the reference check and the summary (``--json``: on stdout)."""
+def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any]]:
+    """Write the table (with ``out``), then show the reference check and the summary on stdout (``show``: "table",
+    "json", or "none" where the caller prints the records of several files as one JSON object); the summary's
+    records."""
     from randattn.analysis.records import reference_check_summary, table_metadata
     from randattn.analysis.sweep import aggregate, positions_path, table_records, write_tables
     from randattn.cli._common import err_console, out_console
     from randattn.reports.console import positions_table, reference_check_line, summary_table
     from randattn.reports.tables import item_noun
 
+    config, activations = job.config, job.activations
     table = tables.table
     summary = aggregate(table, seed=config.seed)
     if out is not None:
@@ -239,10 +375,12 @@ def _finish(tables, config, activations, out, as_json) -> None:
     check = reference_check_summary(table)
     if check is not None:
         err_console.print(reference_check_line(check), highlight=False)
-    if as_json:
-        click.echo(json.dumps(table_records(summary), indent=2))
-    else:
+    records = table_records(summary)
+    if show == "json":
+        click.echo(json.dumps(records, indent=2))
+    elif show == "table":
         noun = item_noun(activations.metadata)
         out_console.print(summary_table(summary, noun))
         if tables.positions is not None and len(tables.positions):
             out_console.print(positions_table(tables.positions, config.seed, noun))
+    return records

@@ -13,7 +13,7 @@ import click
 
 
 @click.command("mse")
-@click.argument("acts", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("acts", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--estimators", "estimator_list", default=None, metavar="SPECS",
               help="';'-separated estimators with options, e.g. \"rfa;rfa:coupling=orthogonal,feature_map=hyperbolic;ra\". "
                    "Default: rfa, lara, ra, eva (those registered).")
@@ -49,7 +49,9 @@ import click
               help="Print the plan -- cells, units, estimated wall time and peak memory -- and exit without "
                    "writing anything (the time is measured by computing one and two heads of each estimator and S).")
 @click.option("--out", "out", type=click.Path(path_type=Path), default=None,
-              help="Result table: .parquet, .csv or .json (metadata in <out>.meta.json).")
+              help="Result table: .parquet, .csv or .json (metadata in <out>.meta.json). With several ACTS, one "
+                   "table per file: {stem} in --out is replaced by each file's name without its suffix, e.g. "
+                   "--out 'w1-{stem}.parquet'.")
 @click.option("--threads", type=int, default=None, metavar="N",
               help="torch intra-op threads per process (default: torch's, usually the number of cores); recorded, "
                    "and needed to reproduce a table bit for bit: float32 rounding depends on it.")
@@ -73,6 +75,10 @@ def command(acts, out, resume, force, dry_run, scheduler, as_json, **options) ->
     One row per (image, layer, head, estimator, S); summary averaged as LARA app. H.1
     (heads and layers per image, then images) with bootstrap CIs.
 
+    Several ACTS files run one after the other in this process (start-up paid once), each
+    exactly as its own run would: its own table (--out with {stem}), metadata, mask and
+    scale, lock and --resume. Every file and output is checked before the first is computed.
+
     \b
     Examples:
       randattn mse acts.safetensors --estimators "rfa;ra" --samples 16,64 --out mse.parquet
@@ -80,6 +86,7 @@ def command(acts, out, resume, force, dry_run, scheduler, as_json, **options) ->
       randattn mse acts.safetensors --device cuda --out mse.csv --resume
       randattn mse lm.safetensors --mask causal -e rfa -e ra --out causal.parquet
       randattn mse acts.safetensors --samples 16,64,256 --dry-run
+      randattn mse acts196.safetensors acts336.safetensors --out 'w1-{stem}.parquet'
     \b
     Exit codes: 0 ok; 1 an unexpected error; 2 bad usage or input (refused before
     computing), or no space left to write an output (the message names the file);
@@ -92,7 +99,7 @@ def command(acts, out, resume, force, dry_run, scheduler, as_json, **options) ->
     from randattn.cli._parsing import prepare
 
     retain_freed_memory()  # the sweep reuses its large blocks' pages instead of faulting them in again
-    where = session.preflight(out, scheduler, resume=resume, force=force)
-    config, activations = prepare(acts, **options)
-    session.measure(acts, config, activations, where, out, resume=resume, force=force, dry_run=dry_run,
-                    as_json=as_json)
+    outs = session.outputs(acts, out)
+    where = session.preflight(outs, scheduler, resume=resume, force=force)
+    jobs = session.prepare_jobs(acts, outs, prepare, options)
+    session.measure(jobs, where, resume=resume, force=force, dry_run=dry_run, as_json=as_json)

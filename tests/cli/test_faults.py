@@ -623,3 +623,60 @@ def test_tables_are_bitwise_identical_across_memory_budgets(acts, reference, tmp
     result = _cli("mse", acts, *SWEEP, "--max-memory", budget, "--out", out)
     assert result.returncode == 0, result.stderr
     _assert_same_table(out, reference)
+
+
+# ------------------------------------------------------------------------------------------------------ 9. several files
+@pytest.fixture(scope="module")
+def acts_b(acts) -> Path:
+    """A second file beside ``acts``: other tokens and scale."""
+    rng = np.random.default_rng(12)
+    arrays = {layer: tuple(0.8 * rng.normal(size=(1, HEADS, 24, 8)) for _ in range(3)) for layer in (0, 1)}
+    return save_activations(make_activations(arrays, {"scale": 0.4, "model": "synthetic"}),
+                            acts.with_name("acts_b.safetensors"))
+
+
+@pytest.mark.slow  # four sweep processes, ~15 s on 2 cores; in process: tests/cli/test_mse_files.py
+def test_sigint_in_the_second_file_keeps_the_first_table_and_resume_gives_the_single_file_tables(
+        acts, acts_b, reference, tmp_path):
+    reference_b = tmp_path / "alone" / "b.parquet"
+    alone = _cli("mse", acts_b, *SWEEP, "--out", reference_b)
+    assert alone.returncode == 0, alone.stderr
+    out, marker = tmp_path / "x-{stem}.parquet", tmp_path / "writing"
+    out_a, out_b = tmp_path / "x-acts.parquet", tmp_path / "x-acts_b.parquet"
+    child = _spawn("mse", acts, acts_b, *SWEEP, "--out", out, hook={"parts": UNITS + 3, "marker": str(marker)})
+    _wait_for(marker, child)  # the first file's table written, two of the second's units, the third being written
+    child.send_signal(signal.SIGINT)
+    result = finish(child)
+    assert result.returncode == 130, result.stderr
+    assert f"written before the interruption: {out_a}" in _said(result)
+    assert f"{2 * HEADS} of {UNITS * HEADS} cells are kept in {_parts(out_b)}" in _said(result)
+    lines = result.stderr.splitlines()
+    argv = shlex.split(lines[next(i for i, line in enumerate(lines) if "continue with:" in line) + 1].strip())
+    assert argv[0] == "randattn" and "--resume" in argv
+    before = out_a.stat().st_mtime_ns
+
+    resumed = _cli(*argv[1:])
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{out_a} already holds this run, complete; nothing to do" in _said(resumed)
+    assert out_a.stat().st_mtime_ns == before
+    _assert_same_table(out_a, reference)
+    _assert_same_table(out_b, reference_b)
+    assert not _parts(out_b).exists()
+
+
+@pytest.mark.slow  # two processes; the lock is an OS lock between processes
+def test_a_locked_output_of_any_file_refuses_the_whole_run_before_computing(acts, acts_b, tmp_path):
+    out_b = tmp_path / "x-acts_b.parquet"
+    marker, release = tmp_path / "holding", tmp_path / "release"
+    first = _spawn("mse", acts_b, *SWEEP, "--out", out_b,
+                   hook={"parts": 1, "marker": str(marker), "release": str(release)})
+    try:
+        _wait_for(marker, first)  # the single-file run of acts_b holds its output's lock
+        refused = _cli("mse", acts, acts_b, *SWEEP, "--out", tmp_path / "x-{stem}.parquet",
+                       hook={"forbid": ["randattn.analysis.sweep:plan_sweep", "randattn.analysis.sweep:run_sweep"]})
+    finally:
+        release.touch()
+    assert refused.returncode == 2, refused.stderr
+    assert f"pid {first.pid}" in _said(refused) and "being written by another randattn process" in _said(refused)
+    assert not (tmp_path / "x-acts.parquet").exists() and not _parts(tmp_path / "x-acts.parquet").exists()
+    assert finish(first).returncode == 0

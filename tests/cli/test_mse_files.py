@@ -1,0 +1,193 @@
+"""``randattn mse A B ...``: several activation files in one process, each exactly its own run.
+
+Each file gets its own table (``--out`` with ``{stem}``), metadata, mask and scale; every file and output is checked
+before the first unit is computed. The real-process cases (the lock, an interrupted run resumed) are in
+``test_faults.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from randattn.activations import make_activations, save_activations
+from randattn.cli import main
+
+#: a small sweep: 2 layers x 2 heads x 2 images x (rfa, ra) x S in (4, 8): 16 units of 2 heads (32 cells) a file
+SWEEP = ("-e", "rfa", "-e", "ra", "--samples", "4,8", "--replicates", "3", "--seed", "5", "--no-diagnostics",
+         "--threads", "1")
+
+
+def _save(path, rng, tokens, meta=None):
+    arrays = {layer: tuple(0.8 * rng.normal(size=(2, 2, tokens, 4)) for _ in range(3)) for layer in (0, 1)}
+    return save_activations(make_activations(arrays, {"scale": 0.5, "model": "synthetic", **(meta or {})}), path)
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Two files of other token counts, scales and masks: b is a causal (language-model-like) capture."""
+    rng = np.random.default_rng(3)
+    a = _save(tmp_path / "in" / "a.safetensors", rng, 8)
+    b = _save(tmp_path / "in" / "b.safetensors", rng, 12, {"scale": 0.3, "mask": "causal"})
+    return a, b
+
+
+def _invoke(*args):
+    return CliRunner().invoke(main, ["mse", *map(str, args)], catch_exceptions=False)
+
+
+def _said(result) -> str:
+    return " ".join(result.stderr.split())
+
+
+def _assert_bitwise_equal(got: pd.DataFrame, want: pd.DataFrame) -> None:
+    """Equal in every column but ``seconds`` (wall time), floats bit for bit."""
+    got, want = got.drop(columns=["seconds"]), want.drop(columns=["seconds"])
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    for column in got.columns[got.dtypes == "float64"]:
+        assert np.array_equal(got[column].to_numpy().view(np.int64), want[column].to_numpy().view(np.int64)), column
+
+
+def test_two_files_in_one_run_give_the_two_single_file_runs_tables_bit_for_bit(files, tmp_path):
+    a, b = files
+    for source in files:
+        alone = _invoke(source, *SWEEP, "--out", tmp_path / "alone" / f"{source.stem}.parquet")
+        assert alone.exit_code == 0, alone.output
+    both = _invoke(a, b, *SWEEP, "--out", tmp_path / "both" / "w-{stem}.parquet")
+    assert both.exit_code == 0, both.output
+    for source in files:
+        out = tmp_path / "both" / f"w-{source.stem}.parquet"
+        _assert_bitwise_equal(pd.read_parquet(out), pd.read_parquet(tmp_path / "alone" / f"{source.stem}.parquet"))
+        meta = json.loads(out.with_name(out.name + ".meta.json").read_text())
+        alone = json.loads((tmp_path / "alone" / f"{source.stem}.parquet.meta.json").read_text())
+        # each file's own mask (--mask file) and scale, and the same identity as its run alone (--resume relies on it)
+        assert meta["config_identity"] == alone["config_identity"]
+        assert meta["activations"] == alone["activations"] and meta["output"] == str(out)
+        assert not out.with_name(out.name + ".parts").exists()
+    metas = [json.loads((tmp_path / "both" / f"w-{s.stem}.parquet.meta.json").read_text()) for s in files]
+    assert [m["mask"] for m in metas] == [None, "causal"] and [m["activations"]["scale"] for m in metas] == [0.5, 0.3]
+    # the summaries on stdout follow the file each is about
+    assert both.stdout.index(str(a)) < both.stdout.index(str(b))
+    assert both.stdout.count("attention MSE") == 2
+
+
+def test_json_with_several_files_is_one_object_of_the_single_runs_summaries(files):
+    args = ("-e", "rfa", "--samples", "4", "--replicates", "3", "--layers", "1", "--no-diagnostics",
+            "--no-probabilities", "--threads", "1", "--json")
+    single = {str(source): json.loads(_invoke(source, *args).stdout) for source in files}
+    both = _invoke(*files, *args)
+    assert both.exit_code == 0, both.output
+    assert json.loads(both.stdout) == single
+
+
+def _one_layer(path):
+    rng = np.random.default_rng(0)
+    arrays = {0: tuple(0.8 * rng.normal(size=(2, 2, 8, 4)) for _ in range(3))}
+    return save_activations(make_activations(arrays, {"scale": 0.5}), path)
+
+
+def _corrupt(path):
+    path.write_bytes(b"\x00" * 64)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make_args", "message"),
+    [
+        (lambda a, b, t: [a, t / "missing.safetensors"],
+         "{t}/missing.safetensors: cannot read activations: activation file not found"),
+        (lambda a, b, t: [a, _corrupt(b)], "{b}: cannot read activations:"),
+        (lambda a, b, t: [a, _one_layer(t / "in" / "one.safetensors"), "--layers", "0,1"],
+         "{t}/in/one.safetensors: layers [1] not in the activations; available: [0]"),
+        (lambda a, b, t: [a, b, "-e", "lara", "--samples", "4"],  # b's own mask (causal) excludes lara
+         "{b}: estimator 'lara' does not support mask='causal'"),
+    ],
+    ids=["missing", "corrupt", "layer-mismatch", "mask"],
+)
+def test_a_bad_file_is_refused_by_name_before_any_work(files, tmp_path, monkeypatch, make_args, message):
+    from randattn.analysis import sweep
+
+    a, b = files
+    args = make_args(a, b, tmp_path)
+    for name in ("plan_sweep", "run_sweep"):
+        monkeypatch.setattr(sweep, name, lambda *x, **k: pytest.fail("computed before refusing"))
+    result = _invoke(*args, *(SWEEP if "-e" not in args else ()), "--out", tmp_path / "o" / "{stem}.parquet")
+    assert result.exit_code == 2, result.output
+    assert message.format(a=a, b=b, t=tmp_path) in _said(result)
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("make_args", "message"),
+    [
+        (lambda a, b, t: [a, b, "--out", t / "one.parquet"],
+         "--out '{t}/one.parquet': with 2 activation files, --out needs {{stem}} (each file's name without its "
+         "suffix), e.g. --out 'mse-{{stem}}.parquet'"),
+        (lambda a, b, t: [a, a, "--out", t / "{stem}.csv"], "ACTS '{a}' is given twice"),
+        (lambda a, b, t: [a, _save(t / "other" / "a.safetensors", np.random.default_rng(1), 8),
+                          "--out", t / "{stem}.csv"],
+         "'{a}' and '{t}/other/a.safetensors' would both write '{t}/a.csv'; rename one of them"),
+        (lambda a, b, t: [a, b, "--resume"], "--resume needs --out"),
+    ],
+    ids=["no-stem", "twice", "same-output", "resume-without-out"],
+)
+def test_outputs_that_cannot_map_one_to_one_are_refused(files, tmp_path, make_args, message):
+    a, b = files
+    result = _invoke(*make_args(a, b, tmp_path), *SWEEP)
+    assert result.exit_code == 2, result.output
+    assert message.format(a=a, b=b, t=tmp_path) in _said(result)
+
+
+def test_dry_run_plans_every_file_and_writes_nothing(files, tmp_path):
+    a, b = files
+    out = tmp_path / "o" / "{stem}.parquet"
+    result = _invoke(a, b, *SWEEP, "--out", out, "--dry-run")
+    assert result.exit_code == 0, result.output
+    said = _said(result)
+    assert said.count("plan: 32 cells in 16 units") == 2 and said.count("wall time: about") == 2
+    assert said.index(f"{a} -> {tmp_path}/o/a.parquet") < said.index(f"{b} -> {tmp_path}/o/b.parquet")
+    assert f"it would write {tmp_path}/o/a.parquet, {tmp_path}/o/b.parquet" in said
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_interrupted_run_resumes_skipping_finished_files_to_the_single_file_tables(files, tmp_path, monkeypatch):
+    """In process: Ctrl-C while b's third unit is written (a's table written, two of b's units kept); --resume then
+    leaves a's table alone and ends b's equal to its run alone. The same with a real SIGINT: test_faults.py."""
+    from randattn.analysis import sweep
+
+    a, b = files
+    alone = _invoke(b, *SWEEP, "--out", tmp_path / "alone" / "b.parquet")
+    assert alone.exit_code == 0, alone.output
+    write_part, calls = sweep.write_part, []
+
+    def interrupted_write(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 16 + 3:  # a's 16 units, then b's first two
+            raise KeyboardInterrupt
+        return write_part(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "write_part", interrupted_write)
+    out = tmp_path / "o" / "{stem}.parquet"
+    done_a, done_b = tmp_path / "o" / "a.parquet", tmp_path / "o" / "b.parquet"
+    stopped = CliRunner().invoke(main, ["mse", str(a), str(b), *SWEEP, "--out", str(out)])
+    assert stopped.exit_code == 130, stopped.output
+    said = _said(stopped)
+    assert f"written before the interruption: {done_a} (--resume finds them complete)" in said
+    assert f"interrupted: 4 of 32 cells are kept in {done_b}.parts" in said
+    assert done_a.exists() and not done_b.exists()
+    monkeypatch.setattr(sweep, "write_part", write_part)
+
+    before = done_a.stat().st_mtime_ns
+    plain = _invoke(a, b, *SWEEP, "--out", out)
+    assert plain.exit_code == 2 and f"'{done_a}' exists; pass --force" in _said(plain)
+    resumed = _invoke(a, b, *SWEEP, "--out", out, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    said = _said(resumed)
+    assert f"{done_a} already holds this run, complete; nothing to do" in said
+    assert "resuming: 28 cells left to compute" in said
+    assert done_a.stat().st_mtime_ns == before
+    _assert_bitwise_equal(pd.read_parquet(done_b), pd.read_parquet(tmp_path / "alone" / "b.parquet"))
