@@ -130,10 +130,10 @@ def tiled_attention(
     Raises
     ------
     ValueError
-        Shapes that disagree, a tile size < 1, an unknown mask, M < N under ``mask="causal"``, or NaN/inf
-        inputs (on the CPU), before any work.
+        Shapes that disagree, a tile size < 1, an unknown mask, a ``dtype`` other than float64/float32,
+        M < N under ``mask="causal"``, or NaN/inf inputs (on the CPU), before any work.
     TypeError
-        A non-floating input, a non-integer tile size, or a ``dtype`` other than float64/float32.
+        A non-floating input or a non-integer tile size.
 
     Notes
     -----
