@@ -77,13 +77,11 @@ def _one_cell_replicate_budget(acts, config) -> int:
 
 @pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow), "torch"])
 def test_rows_are_bitwise_independent_of_the_memory_budget(acts, backend):
-    from randattn.analysis.execute import CANONICAL_REPLICATES
-
     every = parse_estimator_list("rfa;rfa:coupling=orthogonal;ra;softmax;lara;lara:weighting=balance;eva:window=4")
     common = dict(backend=backend, diagnostics=True, khat_queries=2, estimators=every, layers=(5,),
-                  replicates=2 * CANONICAL_REPLICATES + 1)
+                  replicates=17)
     config = _config(**common)
-    one_block = _one_cell_replicate_budget(acts, config) * 2 * CANONICAL_REPLICATES  # 2 heads x 8 replicates
+    one_block = _one_cell_replicate_budget(acts, config) * 2 * 17  # the canonical block: 2 heads x 17 replicates
     big = run_sweep(acts, config)
     small = run_sweep(acts, _config(**common, max_memory=one_block))
     pd.testing.assert_frame_equal(_without_time(big), _without_time(small), check_exact=True)
