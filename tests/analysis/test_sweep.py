@@ -332,6 +332,9 @@ def test_timing_phases_add_every_blocks_interval(acts, monkeypatch):
 
     ticks = itertools.count()
     monkeypatch.setattr(execute, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    # a whole unit fits one block under the default budget; blocks of 8 replicates, as a small budget makes them
+    monkeypatch.setattr(execute, "split_blocks", lambda cells, reps, *budget: [
+        (slice(0, cells), slice(r, min(r + 8, reps))) for r in range(0, reps, 8)])
     config = _config(estimators=parse_estimator_list("rfa"), num_samples=(4,), replicates=20, diagnostics=True)
     table = run_sweep(acts, config)
     [record] = table.attrs["timing"]["phases"]

@@ -2,19 +2,20 @@
 
 ARCHITECTURE §14 ("On a GPU"): a cell should cost a handful of kernel launches whatever R is; replicates are a
 batch dimension, never a Python loop. On this CPU machine the proxy for launches is the number of torch operator
-calls, counted at torch's dispatcher (each aten call is one or a few kernels on a device), and the proxy for
-host->device traffic is the number of uploads (the recorder of ``test_unit_transfers``: a tensor made with an
-explicit ``device=``). Both are counted for one unit of every built-in estimator -- the draws, the estimates with
-their implied probabilities, the importance-sampling diagnostics, the reference spot check and the metrics, as
-:class:`~randattn.analysis.execute.UnitRunner` runs them -- at R = 2, 8 and 20, and must be the same at every R:
-two points could not tell a constant from a slow growth, and R = 20 lies past the 8 replicates that the diagnostics
-read and that the engine once took per estimator call.
+calls, counted at torch's dispatcher (each aten call is at most a few kernels on a device; views count too, so the
+count bounds the launches from above), and the proxy for host->device traffic is the number of uploads (the
+recorder of ``test_unit_transfers``: a tensor made with an explicit ``device=``). Both are counted for one unit of
+every built-in estimator -- the draws, the estimates with their implied probabilities, the importance-sampling
+diagnostics, the reference spot check and the metrics, as :class:`~randattn.analysis.execute.UnitRunner` runs
+them -- at R = 2, 8 and 20, and must be the same at every R: two points could not tell a constant from a slow
+growth, and R = 20 lies past the 8 replicates that the diagnostics read (a unit split into blocks of 8 replicates
+would show as 3x the calls).
 
-The draws are counted too: one ``draw`` call per unit whatever R, and for orthogonal features one QR per unit (the
-QR of every replicate's Gaussian blocks runs once on their stack). What does grow with R on the host is inherent
-and is not a launch: every (replicate, cell) keeps its own numpy generator (a unit's rows depend only on its id,
-the seed and the inputs, not on the block split), so :class:`~randattn.analysis.plan.StackedGenerators` asks R x C
-generators for their numbers; the numbers are then uploaded once per array per unit.
+The draws are counted too: one ``draw`` call per unit whatever R, and for orthogonal features one QR per block
+shape (the QR of every replicate's Gaussian blocks runs once on their stack). What does grow with R on the host
+is inherent and is not a launch: every (replicate, cell) keeps its own numpy generator (a unit's rows depend only
+on its id, the seed and the inputs, not on the block split), so :class:`~randattn.analysis.plan.StackedGenerators`
+asks R x C generators for their numbers; the numbers are then uploaded once per array per unit.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ class UnitCounts:
 
 def _runner(estimator: str, mask: str | None) -> UnitRunner:
     config = SweepConfig(estimators=parse_estimator_list(estimator), num_samples=(S,), replicates=R_VALUES[0], seed=3,
-                         backend="torch", diagnostics=True, khat_queries=2, check_reference=1.0, mask=mask,
-                         dtype="auto")
+                         backend="torch", probabilities=True, diagnostics=True, khat_queries=2, check_reference=1.0,
+                         mask=mask, dtype="auto")
     runner = UnitRunner(_acts(mask), config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
