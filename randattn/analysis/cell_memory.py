@@ -18,11 +18,8 @@ from typing import Any, Callable
 from randattn.analysis.memory import measure_peak
 from randattn.estimators.base import Draws
 
-__all__ = ["CANONICAL_REPLICATES", "MemoryBudgetError", "SPLIT_ROUNDING", "block_bytes", "check_fits", "fit_cell_model",
+__all__ = ["MemoryBudgetError", "SPLIT_ROUNDING", "block_bytes", "check_fits", "fit_cell_model",
            "format_bytes", "measure_block_peak", "split_blocks", "with_margin"]
-
-#: replicates per estimator call whenever the memory budget allows (see split_blocks)
-CANONICAL_REPLICATES = 8
 
 #: what a split below the canonical block does to a row, said alike by ``randattn mse``'s plan and the sweeps guide
 #: (tests/analysis/test_sweep.py measures it): the bound of the estimates follows from both runs' rounding errors,
@@ -136,19 +133,20 @@ def check_fits(per_cell: int, per_rep: int, budget: int, *, label: str, num_samp
 def split_blocks(cells: int, reps: int, budget: int, per_cell: int, per_rep: int) -> list[tuple[slice, slice]]:
     """(cells, replicates) blocks of a unit of ``cells`` x ``reps`` under ``budget`` (one (cell, replicate) fits).
 
-    Blocks are canonical -- every cell and :data:`CANONICAL_REPLICATES` replicates -- whenever
-    the budget holds one such block: the estimators' BLAS calls then see the same shapes whatever
-    the budget, so rows are bitwise identical across budgets (a batched matmul's rounding may
-    depend on its batch size). Smaller budgets take every cell and as many replicates as fit,
-    else one cell at a time; this can change results by rounding (:data:`SPLIT_ROUNDING`).
+    The canonical block is the whole unit -- every cell and every replicate -- whenever the
+    budget holds it: one estimator call per unit, so the number of operator calls (kernel
+    launches on a GPU) and of uploads per unit does not grow with R, and the estimators' BLAS
+    calls see the same shapes whatever the budget, so rows are bitwise identical across such
+    budgets (a batched matmul's rounding may depend on its batch size). Smaller budgets take
+    every cell and as many replicates as fit, else one cell at a time; this can change results
+    by rounding (:data:`SPLIT_ROUNDING`).
     """
 
     def most_reps(c: int) -> int:  # the most replicates a block of c cells holds within the budget
         return (budget // c - per_cell) // per_rep if per_rep else reps
 
-    canonical = min(CANONICAL_REPLICATES, reps)
-    if block_bytes(per_cell, per_rep, cells, canonical) <= budget:
-        size = canonical
+    if block_bytes(per_cell, per_rep, cells, reps) <= budget:
+        size = reps
     elif block_bytes(per_cell, per_rep, cells, 1) <= budget:
         size = most_reps(cells)
     else:

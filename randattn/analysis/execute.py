@@ -11,7 +11,7 @@ Reproducibility across memory budgets
 The budget splits a unit into blocks of (cells, replicates). Every reduction is first taken
 per (replicate, cell) -- the squared error of the implied probabilities, Kish's ESS, the
 delta-method variance -- and the blocks are joined before any reduction over replicates. A
-budget that holds the canonical block (every head x ``min(8, R)`` replicates) gives the same
+budget that holds the canonical block (every head x every replicate) gives the same
 rows, bit for bit, whatever its size (tested); a smaller one reshapes the estimators' batched
 kernels, whose rounding depends on the batch's shape, so a row can move by rounding, within
 :data:`~randattn.analysis.cell_memory.SPLIT_ROUNDING` (measured by a test).
@@ -41,11 +41,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-# CANONICAL_REPLICATES, DIAGNOSTIC_REPLICATES, PROBABILITY_ROUNDING_RTOL, probability_rounding_negligible,
+# DIAGNOSTIC_REPLICATES, PROBABILITY_ROUNDING_RTOL, probability_rounding_negligible,
 # MemoryBudgetError, format_bytes, exact_under_mask, COLUMNS and DiagnosticsSkippedWarning are imported from here by
 # the sweep, the CLI and tests: they stay importable from this module, where the unit runner used to define them
 from randattn.analysis.cell_memory import (
-    CANONICAL_REPLICATES,
     MemoryBudgetError,
     block_bytes,
     check_fits,
@@ -225,9 +224,9 @@ class UnitRunner:
         """(cells, replicates) blocks of ``unit`` under ``max_memory``
         (:func:`~randattn.analysis.cell_memory.split_blocks`).
 
-        Blocks are canonical -- every head of the unit and :data:`CANONICAL_REPLICATES`
-        replicates -- whenever the budget holds one such block, so rows are bitwise identical
-        across budgets; smaller budgets split further, which can change results by rounding
+        The block is canonical -- every head and every replicate of the unit, one estimator call
+        whatever R -- whenever the budget holds it, so rows are bitwise identical across such
+        budgets; smaller budgets split further, which can change results by rounding
         (:data:`~randattn.analysis.cell_memory.SPLIT_ROUNDING`).
 
         Raises

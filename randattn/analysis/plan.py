@@ -444,22 +444,36 @@ class StackedGenerators:
         """The grid's shape G: the leading dims of every array it draws."""
         return self._grid.shape
 
-    def _draw(self, method: str, size: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+    def _size(self, size: Any) -> tuple[int, ...]:
         size = (int(size),) if np.ndim(size) == 0 and size is not None else tuple(size or ())
         lead = self._grid.shape
         if size[: len(lead)] != lead:
             raise ValueError(f"a draw of shape {size} does not start with the generators' grid shape {lead}")
-        one = (1,) * len(lead) + size[len(lead):]
+        return size
+
+    def _draw(self, method: str, size: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        size = self._size(size)
+        one = (1,) * self._grid.ndim + size[self._grid.ndim:]
         parts = [getattr(g, method)(*args, size=one, **kwargs) for g in self._grid.flat]
         return np.concatenate(parts, axis=0).reshape(size)
 
+    def _fill(self, method: str, size: Any, dtype: Any) -> np.ndarray:
+        """Each generator fills its own slice of one array (``out=``): the numbers of ``_draw``, without the
+        concatenation's copy of the whole stack (RA's noise is R x C x N x S x D values)."""
+        size = self._size(size)
+        out = np.empty(size, dtype=dtype)
+        rows = out.reshape(self._grid.size, -1)  # a view: out is contiguous
+        for g, row in zip(self._grid.flat, rows):
+            getattr(g, method)(dtype=dtype, out=row)
+        return out
+
     def standard_normal(self, size: Any, dtype: Any = np.float64) -> np.ndarray:
         """``Generator.standard_normal`` per generator, stacked."""
-        return self._draw("standard_normal", size, dtype=dtype)
+        return self._fill("standard_normal", size, dtype)
 
     def random(self, size: Any, dtype: Any = np.float64) -> np.ndarray:
         """``Generator.random`` per generator, stacked."""
-        return self._draw("random", size, dtype=dtype)
+        return self._fill("random", size, dtype)
 
     def chisquare(self, df: float, size: Any) -> np.ndarray:
         """``Generator.chisquare`` per generator, stacked."""

@@ -49,7 +49,6 @@ import numpy as np
 from randattn._files import atomic_path
 from randattn._validation import check_positive_int
 from randattn.analysis.execute import (
-    CANONICAL_REPLICATES,
     COLUMNS,
     PHASES,
     MemoryBudgetError,
@@ -331,8 +330,8 @@ class SweepPlan:
         (:meth:`~randattn.analysis.execute.UnitRunner.block_bytes`; the activations and the
         interpreter come on top).
     split_units : int
-        Units of ``todo`` that the budget splits below the canonical block of every head x
-        ``min(8, R)`` replicates (their rows may then differ by rounding from a larger budget's:
+        Units of ``todo`` that the budget splits below the canonical block of every head x every
+        replicate (their rows may then differ by rounding from a larger budget's:
         :data:`~randattn.analysis.cell_memory.SPLIT_ROUNDING`).
     refused : str or None
         Why the sweep will be refused before computing (one replicate of one head exceeds
@@ -441,8 +440,7 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
                 continue
             cells, reps = blocks[0]
             canonical = (cells.stop - cells.start == len(unit.heads)
-                         and reps.stop - reps.start == min(CANONICAL_REPLICATES, runner.replicates(
-                             config.estimators[unit.est_index])))
+                         and reps.stop - reps.start == runner.replicates(config.estimators[unit.est_index]))
             layout[key] = (runner.block_bytes(unit, cells.stop - cells.start, reps.stop - reps.start), canonical)
     for unit in todo:
         bytes_, canonical = layout.get((unit.label, unit.num_samples, config.mask_of(unit.layer)), (0, True))

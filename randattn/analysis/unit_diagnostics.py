@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from randattn.analysis.cell_memory import CANONICAL_REPLICATES
 from randattn.analysis.masking import diagnostics_skip_reason
 from randattn.analysis.plan import EstimatorConfig
 from randattn.estimators.base import Draws
@@ -21,7 +20,7 @@ __all__ = ["DIAGNOSTIC_REPLICATES", "DiagnosticsSkippedWarning", "UnitDiagnostic
 
 #: importance-sampling diagnostics (ESS, delta-method variance) are averaged over the first replicates only: they
 #: describe the weights' spread, which 8 replicates of every query already show, at a quarter of the cost for R = 32
-DIAGNOSTIC_REPLICATES = CANONICAL_REPLICATES
+DIAGNOSTIC_REPLICATES = 8
 
 
 class DiagnosticsSkippedWarning(UserWarning):

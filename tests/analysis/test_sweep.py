@@ -77,13 +77,11 @@ def _one_cell_replicate_budget(acts, config) -> int:
 
 @pytest.mark.parametrize("backend", [pytest.param("reference", marks=pytest.mark.slow), "torch"])
 def test_rows_are_bitwise_independent_of_the_memory_budget(acts, backend):
-    from randattn.analysis.execute import CANONICAL_REPLICATES
-
     every = parse_estimator_list("rfa;rfa:coupling=orthogonal;ra;softmax;lara;lara:weighting=balance;eva:window=4")
     common = dict(backend=backend, diagnostics=True, khat_queries=2, estimators=every, layers=(5,),
-                  replicates=2 * CANONICAL_REPLICATES + 1)
+                  replicates=17)
     config = _config(**common)
-    one_block = _one_cell_replicate_budget(acts, config) * 2 * CANONICAL_REPLICATES  # 2 heads x 8 replicates
+    one_block = _one_cell_replicate_budget(acts, config) * 2 * 17  # the canonical block: 2 heads x 17 replicates
     big = run_sweep(acts, config)
     small = run_sweep(acts, _config(**common, max_memory=one_block))
     pd.testing.assert_frame_equal(_without_time(big), _without_time(small), check_exact=True)
@@ -334,6 +332,9 @@ def test_timing_phases_add_every_blocks_interval(acts, monkeypatch):
 
     ticks = itertools.count()
     monkeypatch.setattr(execute, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    # a whole unit fits one block under the default budget; blocks of 8 replicates, as a small budget makes them
+    monkeypatch.setattr(execute, "split_blocks", lambda cells, reps, *budget: [
+        (slice(0, cells), slice(r, min(r + 8, reps))) for r in range(0, reps, 8)])
     config = _config(estimators=parse_estimator_list("rfa"), num_samples=(4,), replicates=20, diagnostics=True)
     table = run_sweep(acts, config)
     [record] = table.attrs["timing"]["phases"]

@@ -608,14 +608,14 @@ def test_readme_python_example_runs_as_written():
 # ------------------------------------------------------------------------------------------------------ 8. budgets
 @pytest.mark.slow  # one more sweep process; in process, tests/analysis/test_sweep.py checks the same
 def test_tables_are_bitwise_identical_across_memory_budgets(acts, reference, tmp_path):
-    from randattn.analysis.execute import CANONICAL_REPLICATES, UnitRunner
+    from randattn.analysis.execute import UnitRunner
     from randattn.analysis.sweep import plan
     from randattn.cli._parsing import prepare as _prepare
 
     config, activations = _prepare(acts, None, ("rfa", "ra"), "4,8,16", 4, None, None, None, 3, "torch", None, "auto",
                                    0.02, "2GiB", True, True)  # the configuration SWEEP gives
     runner = UnitRunner(activations, config)
-    canonical = max(runner.cell_bytes(u) * len(u.heads) * min(CANONICAL_REPLICATES, config.replicates)
+    canonical = max(runner.cell_bytes(u) * len(u.heads) * config.replicates
                     for u in plan(activations, config))
     budget = int(1.5 * canonical)  # holds one canonical block of every unit, ~100x less than the reference's
     assert 2 * 2**30 > 10 * budget
