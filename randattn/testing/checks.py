@@ -457,9 +457,9 @@ def check_causal_prefix_invariance(spec: EstimatorSpec, params: Mapping[str, Any
             ref2 = _quiet(lambda: _reference(spec, q, k2, v2, draws, params, mask="causal"))
             if not np.array_equal(ref[..., : cut + 1, :], ref2[..., : cut + 1, :], equal_nan=True):
                 diff = np.nanmax(np.abs(ref[..., : cut + 1, :] - ref2[..., : cut + 1, :]))
-                raise CheckFailed(f"causal (N={n}, M={m}): replacing keys/values after position {int(last[cut])} changed "
-                                  f"the reference outputs of queries 0..{cut} (max change {diff:.3g}): it uses keys "
-                                  "its mask hides")
+                raise CheckFailed(f"causal (N={n}, M={m}): replacing keys/values after position {int(last[cut])} "
+                                  f"changed the reference outputs of queries 0..{cut} (max change {diff:.3g}): it uses "
+                                  "keys its mask hides")
             bat2 = _quiet(lambda: _batched(spec, q, k2, v2, draws, params, dtype=torch.float64, mask="causal"))
             _close(bat2[..., : cut + 1, :], bat[..., : cut + 1, :], atol=1e-12, rtol=1e-12,
                    what=f"causal (N={n}, M={m}), batched, queries 0..{cut} after junk beyond key {int(last[cut])}:")
