@@ -244,10 +244,12 @@ def test_a_batched_form_that_disagrees_in_float64_fails():
 
 
 def test_an_invalid_spec_fails_validation_with_every_problem_listed():
-    bad = dataclasses.replace(randattn.get_spec("rfa"), name="Bad:Name", convergence="sometimes", masks=("causal",))
+    bad = dataclasses.replace(randattn.get_spec("rfa"), name="Bad:Name", convergence="sometimes", masks=("causal",),
+                              selection="fuzzy")
     with pytest.raises(SpecError) as info:
         randattn.estimators.validate_spec(bad)
     message = str(info.value)
     assert "name 'Bad:Name'" in message and "'sometimes'" in message and "masks" in message
+    assert "selection of the defaults is 'fuzzy'; allowed: continuous, discrete" in message
     report = check_estimator(bad, raise_on_failure=False)
     assert [r.check for r in report.failures] == ["spec is valid"] or "spec is valid" in [r.check for r in report.failures]
