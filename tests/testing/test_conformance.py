@@ -10,6 +10,7 @@ the package: softmax over the keys ``m <= n + offset + M - N``.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -200,6 +201,12 @@ def test_a_biased_estimator_declared_unbiased_fails_the_convergence_check():
     failed = _failures(biased)
     assert set(failed) == {"declared convergence"}
     assert "declared unbiased" in failed["declared convergence"]
+    # plain numbers: "element (1, 2)", not "(np.int64(1), np.int64(2))"; the difference itself, which six digits of
+    # the mean and the exact value may not show
+    message = failed["declared convergence"]
+    assert re.search(r"at element \(\d+, \d+\) \(mean -?[\d.e+-]+, exact -?[\d.e+-]+, difference -?[\d.e+-]+, "
+                     r"standard error [\d.e+-]+;", message), message
+    assert "np." not in message, message
 
 
 def test_a_biased_estimator_declared_consistent_fails_the_convergence_check():
@@ -253,3 +260,20 @@ def test_an_invalid_spec_fails_validation_with_every_problem_listed():
     assert "selection of the defaults is 'fuzzy'; allowed: continuous, discrete" in message
     report = check_estimator(bad, raise_on_failure=False)
     assert [r.check for r in report.failures] == ["spec is valid"] or "spec is valid" in [r.check for r in report.failures]
+
+
+def test_assert_close_names_the_worst_element_in_plain_numbers():
+    """Index and values as python prints them, with the digits that tell 0.4274710001 from 0.427471."""
+    from randattn.testing import assert_close
+
+    expected = np.zeros((2, 3))
+    expected[1, 2] = 0.427471
+    actual = expected.copy()
+    actual[1, 2] = 0.4274710001
+    with pytest.raises(AssertionError) as info:
+        assert_close(actual, expected, atol=1e-12, what="x:")
+    assert "worst at index (1, 2): actual 0.4274710001, expected 0.427471, |diff| 1.000e-10" in str(info.value)
+    nan = actual.copy()
+    nan[0, 1] = np.nan
+    with pytest.raises(AssertionError, match=r"NaN in one array only at \(0, 1\): actual nan, expected 0.0"):
+        assert_close(nan, expected, atol=1.0)
