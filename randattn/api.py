@@ -145,7 +145,9 @@ def estimate(
         ``m <= n + M - N`` (:mod:`randattn.estimators.masks`); the estimator must declare it
         supports it (its spec's ``masks``), else ValueError naming the estimator.
     **params
-        Estimator options (see ``randattn estimators``); unknown names raise ValueError.
+        Estimator options (see ``randattn estimators``); unknown names raise ValueError. No option is named
+        like an argument above: specs are refused with such names
+        (:data:`~randattn.estimators.base.RESERVED_PARAMETER_NAMES`).
 
     Returns
     -------

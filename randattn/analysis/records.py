@@ -72,7 +72,8 @@ def reference_check_summary(table) -> dict | None:
     Returns
     -------
     dict or None
-        None when no unit was checked. The ratio's entries are None when every checked estimator is exact.
+        None when no unit was checked. The ratio's entries are None when every checked estimator is exact;
+        otherwise ``above_tolerance_dtypes`` lists the dtypes of the units whose ratio exceeds the tolerance.
     """
     import numpy as np
 
@@ -95,7 +96,9 @@ def reference_check_summary(table) -> dict | None:
         ratio = inexact["ref_max_abs_dev"] / np.sqrt(inexact["mse"].clip(lower=1e-300))
         worst_ratio = inexact.loc[ratio.idxmax()]
         summary.update(max_dev_over_rmse=float(ratio.max()), max_dev_over_rmse_label=str(worst_ratio["label"]),
-                       max_dev_over_rmse_dtype=str(worst_ratio["dtype"]))
+                       max_dev_over_rmse_dtype=str(worst_ratio["dtype"]),
+                       # which dtypes ran the units above the tolerance: --dtype float64 can only help the others
+                       above_tolerance_dtypes=sorted(set(map(str, inexact["dtype"][ratio > REFERENCE_TOLERANCE]))))
     return summary
 
 

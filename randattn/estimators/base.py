@@ -19,6 +19,8 @@ __all__ = [
     "CONVERGENCE",
     "COSTS",
     "MASKS",
+    "RESERVED_PARAMETER_NAMES",
+    "SELECTIONS",
     "Draws",
     "ExactLimit",
     "ImportanceWeights",
@@ -39,6 +41,16 @@ COSTS = ("linear", "quadratic")
 #: attention masks an estimator may support (:attr:`EstimatorSpec.masks`): None (bidirectional)
 #: and ``"causal"`` (key m visible to query n iff m <= n + M - N; ARCHITECTURE sec. 12).
 MASKS = (None, "causal")
+#: how an estimator picks the keys it weighs (:attr:`EstimatorSpec.selection`): ``continuous``: every key's weight
+#: is a continuous function of the inputs (or the keys are chosen by position or by the draws alone);
+#: ``discrete``: keys are chosen by comparing values computed from the inputs (top-k scores, hash buckets), so
+#: where two candidates nearly tie, float32 rounding may choose other keys than the float64 reference.
+SELECTIONS = ("continuous", "discrete")
+#: names an estimator parameter may not take: the arguments of ``randattn.estimate`` and ``randattn.draw`` and
+#: the names the protocol passes to ``draw``, ``reference`` and ``batched`` beside the parameters (a parameter
+#: ``k`` would collide with the keys of ``estimate(name, q, k, v, ...)``).
+RESERVED_PARAMETER_NAMES = ("name", "q", "k", "v", "q_shape", "k_shape", "draws", "num_samples", "seed",
+                            "replicates", "rng", "scale", "mask", "backend", "dtype", "device", "preset")
 
 
 class SpecError(ValueError):
@@ -250,6 +262,10 @@ class EstimatorSpec:
         The masks of :data:`MASKS` it supports, or ``masks(params) -> tuple`` where a parameter decides (EVA:
         causal with the paper's disjoint partition on a 1-D layout only); ``draw``, ``reference`` and
         ``batched`` get a ``mask=`` keyword only when it is not None.
+    selection : str or callable
+        One of :data:`SELECTIONS`, or ``selection(params) -> str``: ``discrete`` where keys are chosen by
+        comparing values computed from the inputs (top-k, hashing), so that near ties may select other keys in
+        float32; the float32 checks then compare such rows like with like (:mod:`randattn.testing.checks`).
     mask_notes : mapping of str to str or callable
         Why a mask is not supported (``{"causal": "its proposals pool every key"}``), or
         ``note(params) -> str`` where the reason depends on the configuration, for the error a
@@ -288,6 +304,7 @@ class EstimatorSpec:
     importance_weights: ImportanceWeights | None = None
     masks: tuple[str | None, ...] | Callable[[Mapping[str, Any]], tuple[str | None, ...]] = (None,)
     mask_notes: Mapping[str, str | Callable[[Mapping[str, Any]], str]] = field(default_factory=dict)
+    selection: str | Callable[[Mapping[str, Any]], str] = "continuous"
     normalized: bool = False
     exact_limits: tuple[ExactLimit, ...] = ()
     memory_hint: str = ""
@@ -305,6 +322,10 @@ class EstimatorSpec:
     def cost_of(self, params: Mapping[str, Any]) -> str:
         """One of :data:`COSTS` for this configuration."""
         return _fact(self.cost, params)
+
+    def selection_of(self, params: Mapping[str, Any]) -> str:
+        """One of :data:`SELECTIONS` for this configuration."""
+        return _fact(self.selection, params)
 
     def has_signed_weights(self, params: Mapping[str, Any]) -> bool:
         """Whether this configuration's weights can be negative."""
@@ -394,7 +415,8 @@ def validate_spec(spec: Any) -> EstimatorSpec:
     SpecError
         Listing every problem found: the type, the name (lower-case letters, digits, ``-``,
         ``_``; no ``:``, ``,`` or ``=``, which the ``name:p=v`` syntax uses), missing callables,
-        declared facts outside their allowed values, parameter defaults their own check refuses,
+        declared facts outside their allowed values, parameter names in :data:`RESERVED_PARAMETER_NAMES`
+        (the message lists them), parameter defaults their own check refuses,
         variants, presets and exact limits naming unknown parameters.
     """
     if not isinstance(spec, EstimatorSpec):
@@ -418,8 +440,9 @@ def validate_spec(spec: Any) -> EstimatorSpec:
         problems.append("params must map parameter names to randattn.estimators.Param")
         return _raise_if(spec, problems)
     for pname, param in spec.params.items():
-        if pname in ("preset", "mask", "scale", "num_samples", "replicates", "rng"):
-            problems.append(f"parameter name {pname!r} is reserved by randattn")
+        if pname in RESERVED_PARAMETER_NAMES:
+            problems.append(f"parameter name {pname!r} is reserved by randattn (the reserved names: "
+                            f"{', '.join(RESERVED_PARAMETER_NAMES)}); rename it")
         try:
             param.check(pname, param.default)
         except (TypeError, ValueError) as exc:
@@ -429,7 +452,8 @@ def validate_spec(spec: Any) -> EstimatorSpec:
     except (TypeError, ValueError) as exc:
         problems.append(f"the defaults do not resolve: {exc}")
         return _raise_if(spec, problems)
-    facts = (("convergence", spec.convergence_of, CONVERGENCE), ("cost", spec.cost_of, COSTS))
+    facts = (("convergence", spec.convergence_of, CONVERGENCE), ("cost", spec.cost_of, COSTS),
+             ("selection", spec.selection_of, SELECTIONS))
     for label, params in [("defaults", defaults), *((f"variant {v!r}", p) for v, p in spec.variants.items())]:
         try:
             resolved = spec.resolve_params(params)

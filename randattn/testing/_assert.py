@@ -37,18 +37,26 @@ def assert_close(actual: Any, expected: Any, *, atol: float, rtol: float = 0.0, 
         return
     nan_mismatch = np.isnan(a) != np.isnan(e)
     if nan_mismatch.any():
-        idx = np.unravel_index(np.argmax(nan_mismatch), a.shape)
-        raise AssertionError(f"{what} NaN in one array only at {idx}: actual {a[idx]}, expected {e[idx]}")
+        idx = plain_index(np.unravel_index(np.argmax(nan_mismatch), a.shape))
+        raise AssertionError(f"{what} NaN in one array only at {idx}: actual {float(a[idx])!r}, "
+                             f"expected {float(e[idx])!r}")
     diff = np.abs(np.where(np.isnan(a), 0.0, a - e))
     allowed = atol + rtol * np.abs(np.where(np.isnan(e), 0.0, e))
     bad = diff > allowed
     if bad.any():
-        idx = np.unravel_index(np.argmax(diff - allowed), a.shape)
+        idx = plain_index(np.unravel_index(np.argmax(diff - allowed), a.shape))
+        # python floats: repr gives the shortest digits that tell the two apart, and no np.float64(...) wrapper
         raise AssertionError(
-            f"{what} not close: worst at index {idx}: actual {a[idx]!r}, expected {e[idx]!r}, "
+            f"{what} not close: worst at index {idx}: actual {float(a[idx])!r}, expected {float(e[idx])!r}, "
             f"|diff| {diff[idx]:.3e} > {allowed[idx]:.3e} (atol={atol:g}, rtol={rtol:g}); "
             f"{bad.mean():.2%} of {a.size} elements out of tolerance; max |diff| {diff.max():.3e}"
         )
+
+
+def plain_index(index: Any) -> tuple[int, ...]:
+    """A numpy index (e.g. from ``np.unravel_index``) as a tuple of python ints, which print as ``(0, 2)``
+    rather than ``(np.int64(0), np.int64(2))``."""
+    return tuple(int(i) for i in index)
 
 
 def all_variants() -> list[tuple[str, str, dict]]:

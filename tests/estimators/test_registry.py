@@ -84,6 +84,43 @@ def test_register_estimator_refuses_a_taken_name_and_an_invalid_spec():
     assert "session-local" not in randattn.list_estimators()
 
 
+def test_a_plugin_parameter_named_like_an_argument_of_estimate_is_refused_with_the_list():
+    """A parameter ``k`` would collide with the keys of ``randattn.estimate(name, q, k, v, ...)``: the spec is refused
+    before it is registered, naming the parameter and every reserved name (written out here)."""
+    from randattn.estimators.base import Param
+
+    top_k = dataclasses.replace(_copy("top-k"), params={**_copy("top-k").params, "k": Param(4, "keys kept", kind=int)})
+    listed = ("name, q, k, v, q_shape, k_shape, draws, num_samples, seed, replicates, rng, scale, mask, backend, "
+              "dtype, device, preset")
+    with pytest.raises(randattn.estimators.SpecError) as info:
+        register_estimator(top_k)
+    assert f"parameter name 'k' is reserved by randattn (the reserved names: {listed}); rename it" in str(info.value)
+    assert "top-k" not in randattn.list_estimators()
+    registry = EstimatorRegistry(lambda: [FakeEntryPoint("top-k", lambda: top_k)])
+    assert registry.names() == [] and "parameter name 'k' is reserved" in registry.errors()[0].message
+    # the conformance kit says so once, instead of every check failing on estimate()'s argument k
+    from randattn.testing import check_estimator
+
+    report = check_estimator(top_k, raise_on_failure=False)
+    assert [r.check for r in report.failures] == ["spec is valid"]
+    assert f"(the reserved names: {listed})" in report.failures[0].message
+    assert {r.status for r in report.results[1:]} == {"skipped"}
+
+
+def test_the_reserved_names_cover_every_argument_of_estimate_and_draw_and_of_the_protocol_calls():
+    """Any name ``randattn.estimate``/``draw`` take, or that ``draw``/``reference``/``batched`` get beside the
+    parameters, is one a parameter would collide with."""
+    import inspect
+
+    from randattn.estimators.base import RESERVED_PARAMETER_NAMES
+
+    taken = set()
+    for function in (randattn.estimate, randattn.draw):
+        taken |= {p.name for p in inspect.signature(function).parameters.values() if p.kind != p.VAR_KEYWORD}
+    protocol = {"q", "k", "v", "draws", "scale", "mask", "q_shape", "k_shape", "num_samples", "replicates", "rng"}
+    assert taken | protocol | {"preset"} <= set(RESERVED_PARAMETER_NAMES)
+
+
 def test_a_repeated_estimator_parameter_is_refused():
     with pytest.raises(ValueError, match="parameter 'window' is given twice in 'local:window=4,window=8'"):
         randattn.estimators.registry.parse_estimator("local:window=4,window=8")

@@ -10,6 +10,7 @@ the package: softmax over the keys ``m <= n + offset + M - N``.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -32,8 +33,11 @@ def test_builtin_estimators_conform(estimator, check):
 
 
 # ------------------------------------------------------------------------------------------------ causal softmax
-def _causal_softmax_spec(name: str, offset: int) -> EstimatorSpec:
-    """Exact causal softmax with key m visible to query n iff m <= n + offset + (M - N); offset 0 is correct."""
+def _causal_softmax_spec(name: str, offset: int, *, causal_batched=None) -> EstimatorSpec:
+    """Exact causal softmax with key m visible to query n iff m <= n + offset + (M - N); offset 0 is correct.
+
+    ``causal_batched(logits, keep) -> out``, when given, replaces the batched form's masked softmax (a planted
+    defect that only a causal call runs)."""
 
     def draw(q_shape, k_shape, *, num_samples=None, replicates=1, rng, mask=None):
         return Draws({"slots": np.zeros((replicates, 0))}, replicates)
@@ -55,6 +59,9 @@ def _causal_softmax_spec(name: str, offset: int) -> EstimatorSpec:
         logits = scale * q @ k.transpose(-1, -2)
         if mask == "causal":
             keep = torch.as_tensor(visible(q.shape[-2], k.shape[-2]), device=q.device)
+            if causal_batched is not None:
+                out = causal_batched(logits, keep) @ v
+                return out.unsqueeze(0).expand(draws.replicates, *out.shape).clone()
             logits = logits.masked_fill(~keep, float("-inf"))
         out = torch.softmax(logits, -1) @ v
         return out.unsqueeze(0).expand(draws.replicates, *out.shape).clone()
@@ -80,6 +87,99 @@ def test_an_off_by_one_causal_mask_fails(offset, expected):
     assert "causal prefix invariance" in failed and expected in failed["causal prefix invariance"]
 
 
+def _causal_off_by_1e8(logits, keep):
+    """The right masked softmax, times 1 + 1e-8: a disagreement only the float64 comparison can see."""
+    return torch.softmax(logits.masked_fill(~keep, float("-inf")), -1) * (1 + 1e-8)
+
+
+def _causal_diagonal_counted_twice(logits, keep):
+    """A weighting bug: the last visible key of each query (its own token) weighs twice. It reads no hidden key,
+    and the last query's weights still sum to one, so prefix invariance and query 0's check cannot see it."""
+    n, m = logits.shape[-2:]
+    own = torch.arange(m)[None, :] == torch.arange(n)[:, None] + (m - n)
+    logits = logits + torch.log(torch.tensor(2.0, dtype=logits.dtype)) * own
+    return torch.softmax(logits.masked_fill(~keep, float("-inf")), -1)
+
+
+@pytest.mark.parametrize(("defect", "failing"), [
+    (_causal_off_by_1e8, {"reference == batched (float64)", "key norms 150-200"}),
+    # at key norms 150-200 one key takes nearly all the weight, and doubling another one moves no output visibly
+    (_causal_diagonal_counted_twice, {"reference == batched (float64)", "float32 batched"}),
+], ids=["off-by-1e-8", "diagonal-counted-twice"])
+def test_a_batched_form_wrong_only_under_the_causal_mask_fails(defect, failing):
+    """Both defects live in the causal branch of batched only; the kit compares batched with the reference under
+    every mask the spec declares, so the bidirectional comparisons pass and the causal ones fail, naming the mask."""
+    failed = _failures(_causal_softmax_spec("causal-only-defect", 0, causal_batched=defect))
+    assert set(failed) == failing
+    for check in failing:
+        assert "mask='causal'" in failed[check] and "not close" in failed[check], failed[check]
+        assert "np." not in failed[check], failed[check]  # plain numbers: (0, 1, 2), not (np.int64(0), ...)
+
+
+# ------------------------------------------------------------------------------------------------ discrete selection
+def _hard_attention_spec(selection: str, *, second_best: bool = False) -> EstimatorSpec:
+    """Hard attention: each query returns the value of its highest-scoring key (a top-1 selection, written out
+    here). ``second_best`` plants a defect: batched returns the runner-up's value instead."""
+
+    def draw(q_shape, k_shape, *, num_samples=None, replicates=1, rng):
+        return Draws({"slots": np.zeros((replicates, 0))}, replicates)
+
+    def reference(q, k, v, draws, *, scale=None):
+        best = np.argmax(np.einsum("...nd,...md->...nm", q, k), -1)
+        out = np.take_along_axis(v, best[..., None], -2)
+        return np.broadcast_to(out, (draws.replicates, *out.shape)).copy()
+
+    def batched(q, k, v, draws, *, scale=None):
+        scores = q @ k.transpose(-1, -2)
+        pick = scores.topk(2, -1).indices[..., 1] if second_best else scores.argmax(-1)
+        out = torch.gather(v, -2, pick[..., None].expand(*pick.shape, v.shape[-1]))
+        return out.unsqueeze(0).expand(draws.replicates, *out.shape).clone()
+
+    return EstimatorSpec(name="hard-attention", summary="top-1 hard attention (test)", source="test",
+                         complexity="O(N M D)", params={}, draw=draw, reference=reference, batched=batched,
+                         needs_samples=False, is_random=lambda p: False, selection=selection)
+
+
+@pytest.fixture
+def near_tied_keys(monkeypatch):
+    """The kit's inputs, rounded to float32, with key 1 = key 0 (1 + 1e-9): float32 rounds the two to the same
+    key (1e-9 is below half an ulp, 6e-8), so its argmax takes key 0 (torch returns the first maximum), while
+    float64 sees key 1 score higher wherever key 0's score is positive, which it is where the pair wins."""
+    from randattn.testing import checks
+
+    original = checks._inputs
+
+    def inputs(shapes, seed, scale=1.0):
+        q, k, v = (np.asarray(a, dtype=np.float32).astype(np.float64) for a in original(shapes, seed, scale))
+        k[..., 1, :] = k[..., 0, :] * (1 + 1e-9)
+        return q, k, v
+
+    monkeypatch.setattr(checks, "_inputs", inputs)
+
+
+def _float32_check(spec):
+    report = check_estimator(spec, checks=["float32 batched"], raise_on_failure=False)
+    return report.results[0]
+
+
+def test_a_discrete_selection_declared_continuous_fails_at_near_ties(near_tied_keys):
+    """The near tie is real: compared row for row, float32 picks other keys than the float64 reference."""
+    result = _float32_check(_hard_attention_spec("continuous"))
+    assert result.status == "failed" and "not close" in result.message
+
+
+def test_a_declared_discrete_selection_compares_near_ties_like_with_like(near_tied_keys):
+    """The rows where float32 took key 0 match the reference with q and k perturbed by float32-sized amounts."""
+    assert _float32_check(_hard_attention_spec("discrete")).status == "passed"
+
+
+def test_a_declared_discrete_selection_still_fails_a_wrong_selection(near_tied_keys):
+    """Taking the runner-up everywhere moves rows whose reference no float32-sized perturbation moves."""
+    result = _float32_check(_hard_attention_spec("discrete", second_best=True))
+    assert result.status == "failed" and "selection='discrete'" in result.message
+    assert "so this is no near tie" in result.message and "np." not in result.message, result.message
+
+
 # ------------------------------------------------------------------------------------------------ planted defects
 def _wrap(spec: EstimatorSpec, name: str, *, reference=None, batched=None, **facts) -> EstimatorSpec:
     return dataclasses.replace(spec, name=name, reference=reference or spec.reference,
@@ -101,6 +201,12 @@ def test_a_biased_estimator_declared_unbiased_fails_the_convergence_check():
     failed = _failures(biased)
     assert set(failed) == {"declared convergence"}
     assert "declared unbiased" in failed["declared convergence"]
+    # plain numbers: "element (1, 2)", not "(np.int64(1), np.int64(2))"; the difference itself, which six digits of
+    # the mean and the exact value may not show
+    message = failed["declared convergence"]
+    assert re.search(r"at element \(\d+, \d+\) \(mean -?[\d.e+-]+, exact -?[\d.e+-]+, difference -?[\d.e+-]+, "
+                     r"standard error [\d.e+-]+;", message), message
+    assert "np." not in message, message
 
 
 def test_a_biased_estimator_declared_consistent_fails_the_convergence_check():
@@ -145,10 +251,29 @@ def test_a_batched_form_that_disagrees_in_float64_fails():
 
 
 def test_an_invalid_spec_fails_validation_with_every_problem_listed():
-    bad = dataclasses.replace(randattn.get_spec("rfa"), name="Bad:Name", convergence="sometimes", masks=("causal",))
+    bad = dataclasses.replace(randattn.get_spec("rfa"), name="Bad:Name", convergence="sometimes", masks=("causal",),
+                              selection="fuzzy")
     with pytest.raises(SpecError) as info:
         randattn.estimators.validate_spec(bad)
     message = str(info.value)
     assert "name 'Bad:Name'" in message and "'sometimes'" in message and "masks" in message
+    assert "selection of the defaults is 'fuzzy'; allowed: continuous, discrete" in message
     report = check_estimator(bad, raise_on_failure=False)
     assert [r.check for r in report.failures] == ["spec is valid"] or "spec is valid" in [r.check for r in report.failures]
+
+
+def test_assert_close_names_the_worst_element_in_plain_numbers():
+    """Index and values as python prints them, with the digits that tell 0.4274710001 from 0.427471."""
+    from randattn.testing import assert_close
+
+    expected = np.zeros((2, 3))
+    expected[1, 2] = 0.427471
+    actual = expected.copy()
+    actual[1, 2] = 0.4274710001
+    with pytest.raises(AssertionError) as info:
+        assert_close(actual, expected, atol=1e-12, what="x:")
+    assert "worst at index (1, 2): actual 0.4274710001, expected 0.427471, |diff| 1.000e-10" in str(info.value)
+    nan = actual.copy()
+    nan[0, 1] = np.nan
+    with pytest.raises(AssertionError, match=r"NaN in one array only at \(0, 1\): actual nan, expected 0.0"):
+        assert_close(nan, expected, atol=1.0)
