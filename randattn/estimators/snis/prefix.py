@@ -10,9 +10,10 @@ feature index j (J = S L), the estimate of ``snis.reference.causal_feature_atten
                {\sum_j \sum_{m \le n + M - N} \sigma^q_{nj}\sigma^k_{mj}\, e^{\ell^q_{nj} + \ell^k_{mj}}},
 
 the unidirectional FAVOR+ of Performer App. B.1 eq. 11 (Algorithm 1) written as the SNIS of
-ARCHITECTURE sec. 4. :func:`causal_feature_attention` computes it in O((N + M) J (D + Dv + C)) time
-and O(T J + J Dv) memory beyond its inputs and output (C the chunk size, T the tokens of one vectorized
-group, a few hundred); it never holds an N x M, an N x J or an N x J x Dv array. The log-features it
+ARCHITECTURE sec. 4. :func:`causal_feature_attention` computes it in O((N + M) J (D + Dv + C + T / C)) time
+and O(T J (1 + Dv / C)) memory beyond its inputs and output (C the chunk size, T the tokens of one vectorized
+group, set by a memory budget: a hundred or so on the CPU, a few thousand on a GPU); it never holds an
+N x M, an N x J or an N x J x Dv array. The log-features it
 takes are base-2 logarithms (:math:`\log_2 e\,\ell`): ``exp2`` is the faster exponential on CPU, and
 every step below is the same in either base.
 
@@ -40,13 +41,17 @@ positive features the denominator is then at least 1: no epsilon, no 0/0). The b
   first half's keys for the second half's queries, h = C/2, C/4, ..., 1, with :math:`s_j` the running
   maximum at the end of the first half;
 - the keys of all earlier chunks (and of the M - N prefix keys, which every query sees) for the queries
-  of a chunk: the carried S L x (Dv + 1) state, kept relative to :math:`s_j` = the running maximum before
-  the chunk and rescaled as the maximum grows.
+  of a chunk: their sums, an S L x (Dv + 1) state relative to :math:`s_j` = the running maximum before
+  the chunk (:math:`M_g`, a cummax of the chunks' own maxima). Chunkwise-parallel: each chunk's key sums
+  :math:`u_i` (relative to :math:`M_i`, the running maximum through it) come from one batched product,
+  and the state of every chunk at once from one masked product per feature,
+  :math:`U_g = \sum_{i \le g} 2^{M_i - M_g} u_i` (a cumulative sum with a running-max rescale; each
+  factor one exponential of visible maxima, at most 1; the entries i > g exact zeros).
 
 Stabilizers therefore only ever come from keys every query of the block sees: a key beyond query n
-changes none of query n's bits (``tests/estimators/test_causal_rfa.py``). The diagonal and dyadic
-blocks of all chunks of a group run at once; only the state (one S L x (Dv + 1) tensor, updated in
-place so that it stays in cache) goes chunk after chunk.
+changes none of query n's bits (``tests/estimators/test_causal_rfa.py``). Every step runs on all chunks
+of a group at once (no Python loop over chunks: the only loop is over the log2 C dyadic levels); the
+groups, which a memory budget sizes, pass their last state on.
 
 Signed features (the trigonometric map) keep their signs in A and B; their denominators can be zero
 or negative, which :func:`causal_feature_attention` returns as the denominator's sign for the caller
