@@ -94,6 +94,8 @@ _GROUP_ELEMENTS = 2**21
 #: the same on a GPU, where a group costs about 90 kernel launches whatever its size, so that groups must be few:
 #: 2^25 elements (128 MiB in float32) hold 2,496 tokens of 6 heads at S = 256, Dv = 64 (7 groups at N = 16,384)
 _GPU_GROUP_ELEMENTS = 2**25
+#: up to this many elements (chunks of a group, and the state) their prefix sums are one broadcast product
+_BROADCAST_ELEMENTS = 4
 
 
 def check_chunk_size(chunk_size: int) -> int:
@@ -196,7 +198,12 @@ def _group(lq, sq, lk, sk, va, chunk: int, state_c, state_u, buffers: _Buffers):
     rescale = _exp2_(state_max.unsqueeze(1) - _finite(state_max).unsqueeze(2))
     later = torch.ones(chunks + 1, chunks + 1, dtype=torch.bool, device=lq.device).triu_(1)
     rescale.masked_fill_(later.unsqueeze(-1), 0.0)
-    prefix = (rescale.permute(0, 3, 1, 2) @ sums.transpose(1, 2)).transpose(1, 2)  # (P, G + 1, J, Dv + 1)
+    if chunks + 1 <= _BROADCAST_ELEMENTS:
+        # a few elements (the CPU's cache-sized groups): a broadcast product summed over i, at most 4x the sums; a
+        # batch of P J tiny (G + 1)^2 matrix products and the transposed copies it needs measured 5x slower
+        prefix = (rescale.unsqueeze(-1) * sums.unsqueeze(1)).sum(2)  # (P, G + 1, J, Dv + 1)
+    else:
+        prefix = (rescale.permute(0, 3, 1, 2) @ sums.transpose(1, 2)).transpose(1, 2)
     del rescale, sums
 
     # c_j(n): the running maximum over every key query n sees, by a dyadic scan within each chunk started from the
