@@ -187,8 +187,7 @@ def _group(lq, sq, lk, sk, va, chunk: int, state_c, state_u, buffers: _Buffers):
     e = _exp2_(torch.sub(by_chunk(lk), safe[:, 1:].unsqueeze(-2), out=by_chunk(work)))
     if signed:
         e.mul_(by_chunk(sk))
-    sums = torch.cat([lq.new_zeros((flat, 1, feats, dva)) if state_u is None else state_u.unsqueeze(1),
-                      e.transpose(-1, -2) @ by_chunk(va)], dim=1)  # (P, G + 1, J, Dv + 1)
+    chunk_sums = e.transpose(-1, -2) @ by_chunk(va)  # (P, G, J, Dv + 1), elements 1..G
     del e
     # the prefix sums of the elements, each rescaled to the running maximum of the prefix: a cumulative sum with a
     # running-max rescale, as one masked product per feature, U_g = sum_{i <= g} 2^(M_i - M_g) u_i. Each factor is
@@ -201,10 +200,15 @@ def _group(lq, sq, lk, sk, va, chunk: int, state_c, state_u, buffers: _Buffers):
     if chunks + 1 <= _BROADCAST_ELEMENTS:
         # a few elements (the CPU's cache-sized groups): a broadcast product summed over i, at most 4x the sums; a
         # batch of P J tiny (G + 1)^2 matrix products and the transposed copies it needs measured 5x slower
-        prefix = (rescale.unsqueeze(-1) * sums.unsqueeze(1)).sum(2)  # (P, G + 1, J, Dv + 1)
+        prefix = (rescale[:, :, 1:].unsqueeze(-1) * chunk_sums.unsqueeze(1)).sum(2)  # (P, G + 1, J, Dv + 1)
+        if state_u is not None:
+            prefix.addcmul_(rescale[:, :, 0].unsqueeze(-1), state_u.unsqueeze(1))
     else:
+        sums = torch.cat([lq.new_zeros((flat, 1, feats, dva)) if state_u is None else state_u.unsqueeze(1),
+                          chunk_sums], dim=1)  # (P, G + 1, J, Dv + 1)
         prefix = (rescale.permute(0, 3, 1, 2) @ sums.transpose(1, 2)).transpose(1, 2)
-    del rescale, sums
+        del sums
+    del rescale, chunk_sums
 
     # c_j(n): the running maximum over every key query n sees, by a dyadic scan within each chunk started from the
     # state's maximum; after step h every aligned block of 2h tokens holds its prefix maxima
