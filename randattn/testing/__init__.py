@@ -17,7 +17,8 @@ In a pytest suite (one test per estimator and check, as scikit-learn's ``paramet
 
 The checks and their tolerances are in :mod:`randattn.testing.checks`; from the command line,
 ``randattn check NAME`` or ``randattn check MODULE:OBJECT`` runs them with a pass/fail table.
-The comparison helpers of randattn's own tests (:func:`assert_close`, :data:`TOLERANCES`) live here too.
+The comparison helpers of randattn's own tests (:func:`assert_close`, :data:`TOLERANCES`,
+:func:`assert_close_to_rounding` for tables of metrics) live here too.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from randattn.estimators.base import EstimatorSpec, SpecError, validate_spec
-from randattn.testing._assert import TOLERANCES, all_variants, assert_close, to_numpy, variant_id
+from randattn.testing._assert import (
+    ROUNDING_FLOOR,
+    TOLERANCES,
+    all_variants,
+    assert_close,
+    assert_close_to_rounding,
+    to_numpy,
+    variant_id,
+)
 from randattn.testing.checks import CHECKS, CheckFailed, CheckSkipped
 
 __all__ = [
@@ -35,11 +44,13 @@ __all__ = [
     "CheckResult",
     "ConformanceReport",
     "EstimatorCheckError",
+    "ROUNDING_FLOOR",
     "SPEC_TARGETS",
     "SpecTargetError",
     "TOLERANCES",
     "all_variants",
     "assert_close",
+    "assert_close_to_rounding",
     "check_estimator",
     "load_spec",
     "parametrize_with_checks",

@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["assert_close", "to_numpy", "TOLERANCES", "all_variants", "variant_id"]
+__all__ = ["ROUNDING_FLOOR", "assert_close", "assert_close_to_rounding", "to_numpy", "TOLERANCES", "all_variants",
+           "variant_id"]
 
 #: (atol, rtol) per dtype for batched-vs-reference comparisons. float64: the issue's
 #: 1e-10 (observed differences are ~1e-14, summation order only). float32: a few hundred
@@ -57,6 +58,40 @@ def plain_index(index: Any) -> tuple[int, ...]:
     """A numpy index (e.g. from ``np.unravel_index``) as a tuple of python ints, which print as ``(0, 2)``
     rather than ``(np.int64(0), np.int64(2))``."""
     return tuple(int(i) for i in index)
+
+
+#: the absolute floor of :func:`assert_close_to_rounding`, as a fraction of the column's largest magnitude: an exact
+#: estimator's squared error is float64 rounding itself (softmax's MSE is ~1e-33 where random estimators' are ~1e-1),
+#: which any change of summation order (another machine's kernels, a GPU) moves by 100 %
+ROUNDING_FLOOR = 1e-14
+
+
+def assert_close_to_rounding(actual: Any, expected: Any, *, rtol: float, floor: float | None = None,
+                             what: str = "") -> None:
+    """Assert one float column (of a table of metrics) equals another to ``rtol`` plus an absolute floor.
+
+    The floor is ``floor`` if given, else :data:`ROUNDING_FLOOR` times the largest finite ``|expected|``: the
+    column's rows that measure rounding (exact estimators) compare to rounding of the column's scale, the others
+    to ``rtol``. Non-finite entries must sit at the same places with the same values (NaN where NaN).
+
+    Parameters
+    ----------
+    actual, expected : (n,)
+        The column, numpy or torch.
+    rtol : float
+        Relative tolerance of the finite entries.
+    floor : float, optional
+        Absolute tolerance instead of the column-relative one (a column that measures rounding itself).
+    what : str
+        Named in the failure message.
+    """
+    have, want = to_numpy(actual), to_numpy(expected)
+    finite = np.isfinite(want)
+    if floor is None:
+        floor = ROUNDING_FLOOR * float(np.max(np.abs(want[finite]), initial=0.0))
+    np.testing.assert_array_equal(np.isfinite(have), finite, err_msg=f"{what} (finite or not)")
+    np.testing.assert_array_equal(have[~finite], want[~finite], err_msg=f"{what} (non-finite values)")
+    np.testing.assert_allclose(have[finite], want[finite], rtol=rtol, atol=floor, err_msg=what)
 
 
 def all_variants() -> list[tuple[str, str, dict]]:

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from randattn.testing import assert_close_to_rounding as column_close_to_rounding
+
 DATA = Path(__file__).resolve().parents[1] / "data"
 TABLE, POSITIONS, FINGERPRINT = (DATA / f"golden-sweep.{ext}" for ext in ("table.parquet", "positions.parquet",
                                                                           "json"))
@@ -92,18 +94,15 @@ def test_a_fixed_sweep_gives_the_stored_tables():
 
 
 def assert_close_to_rounding(got: pd.DataFrame, expected: pd.DataFrame, name: str) -> None:
-    """Float columns to 1e-10 relative plus 1e-14 of the column's largest magnitude (module docstring); NaN where
-    NaN; every other column exactly."""
+    """Float columns to 1e-10 relative plus 1e-14 of the column's largest magnitude (module docstring; the rule
+    ``randattn.testing.assert_close_to_rounding`` shares with the GPU test); NaN where NaN; every other column
+    exactly."""
     floats = [c for c in expected.columns if expected[c].dtype.kind == "f"]
     others = [c for c in expected.columns if c not in floats]
     pd.testing.assert_frame_equal(got[others], expected[others], check_exact=True, obj=name)
     for column in floats:
-        want, have = expected[column].to_numpy(), got[column].to_numpy(dtype=float)
-        finite = np.isfinite(want)
-        floor = ROUNDING.get(column, 1e-14 * np.max(np.abs(want[finite]), initial=0.0))
-        np.testing.assert_array_equal(np.isfinite(have), finite, err_msg=f"{name}: {column} (finite or not)")
-        np.testing.assert_array_equal(have[~finite], want[~finite], err_msg=f"{name}: {column} (non-finite values)")
-        np.testing.assert_allclose(have[finite], want[finite], rtol=1e-10, atol=floor, err_msg=f"{name}: {column}")
+        column_close_to_rounding(got[column].to_numpy(dtype=float), expected[column].to_numpy(), rtol=1e-10,
+                                 floor=ROUNDING.get(column), what=f"{name}: {column}")
 
 
 def test_the_comparison_can_fail():

@@ -154,6 +154,34 @@ def test_many_groups_and_chunks_match_the_reference():
         assert_close(got[picks], expected, atol=1e-10, rtol=1e-10, what=f"chunk {chunk}:")
 
 
+def _operator_count(n: int, chunk: int, feature_map: str) -> int:
+    """The aten operators one causal_estimate call dispatches (TorchDispatchMode sees every one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _t(*_inputs(9, n, n, batch=(), d=4, dv=2))
+    draws = randattn.draw("rfa", q.shape, k.shape, num_samples=8, seed=10, mask="causal").to_torch()
+    with Count():
+        _quiet(lambda: causal_estimate(q, k, v, draws, feature_map=feature_map, chunk_size=chunk))
+    return Count.calls
+
+
+@pytest.mark.parametrize("feature_map", ["positive", "trigonometric"])
+def test_the_operators_do_not_grow_with_the_number_of_chunks(feature_map):
+    """Chunkwise-parallel: 8 and 128 chunks of 4 tokens (one vectorized group either way, at S = 8 and 1 head)
+    dispatch the same operators, a fixed count: no Python loop over the chunks (the prefix sums of the chunks'
+    key states are one masked product, not a chunk-by-chunk update); the only loop left is over the log2 C
+    dyadic levels inside a chunk."""
+    few, many = _operator_count(32, 4, feature_map), _operator_count(512, 4, feature_map)
+    assert few == many, f"{few} operators for 8 chunks, {many} for 128"
+
+
 # ------------------------------------------------------------------------------ what the mask implies
 @pytest.mark.parametrize("feature_map", CAUSAL_MAPS)
 @pytest.mark.parametrize("n, m", [(10, 10), (6, 10)], ids=["N10-M10", "N6-M10"])

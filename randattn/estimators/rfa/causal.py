@@ -142,9 +142,10 @@ def causal_estimate(
         \mathrm{RFA}(q_n) = \frac{\sum_s \xi(x_n, \omega_s)^\top \sum_{m \le n + M - N} \xi(y_m, \omega_s) v_m}
                                  {\sum_s \xi(x_n, \omega_s)^\top \sum_{m \le n + M - N} \xi(y_m, \omega_s)}
 
-    (Performer App. B.1 eq. 11), by the chunked prefix sums of :mod:`randattn.estimators.snis.prefix`:
-    O((N + M) S L (D + Dv + C)) time, O(T S L + S L Dv) memory beyond the inputs and output (T a few hundred
-    tokens), no epsilon, and no stabilizer taken over a later key. The default chunk size and the timings
+    (Performer App. B.1 eq. 11), by the chunkwise-parallel prefix sums of :mod:`randattn.estimators.snis.prefix`
+    (no Python loop over chunks): O((N + M) S L (D + Dv + C + T / C)) time, O(T S L (1 + Dv / C)) memory beyond
+    the inputs and output (T the tokens of one group, a hundred or so on the CPU, a few thousand on a GPU), no
+    epsilon, and no stabilizer taken over a later key. The default chunk size and the timings
     against an equal-FLOP matrix product and performer-pytorch: ``benchmarks/bench_causal.py``.
 
     Parameters

@@ -10,9 +10,10 @@ feature index j (J = S L), the estimate of ``snis.reference.causal_feature_atten
                {\sum_j \sum_{m \le n + M - N} \sigma^q_{nj}\sigma^k_{mj}\, e^{\ell^q_{nj} + \ell^k_{mj}}},
 
 the unidirectional FAVOR+ of Performer App. B.1 eq. 11 (Algorithm 1) written as the SNIS of
-ARCHITECTURE sec. 4. :func:`causal_feature_attention` computes it in O((N + M) J (D + Dv + C)) time
-and O(T J + J Dv) memory beyond its inputs and output (C the chunk size, T the tokens of one vectorized
-group, a few hundred); it never holds an N x M, an N x J or an N x J x Dv array. The log-features it
+ARCHITECTURE sec. 4. :func:`causal_feature_attention` computes it in O((N + M) J (D + Dv + C + T / C)) time
+and O(T J (1 + Dv / C)) memory beyond its inputs and output (C the chunk size, T the tokens of one vectorized
+group, set by a memory budget: a hundred or so on the CPU, a few thousand on a GPU); it never holds an
+N x M, an N x J or an N x J x Dv array. The log-features it
 takes are base-2 logarithms (:math:`\log_2 e\,\ell`): ``exp2`` is the faster exponential on CPU, and
 every step below is the same in either base.
 
@@ -40,13 +41,17 @@ positive features the denominator is then at least 1: no epsilon, no 0/0). The b
   first half's keys for the second half's queries, h = C/2, C/4, ..., 1, with :math:`s_j` the running
   maximum at the end of the first half;
 - the keys of all earlier chunks (and of the M - N prefix keys, which every query sees) for the queries
-  of a chunk: the carried S L x (Dv + 1) state, kept relative to :math:`s_j` = the running maximum before
-  the chunk and rescaled as the maximum grows.
+  of a chunk: their sums, an S L x (Dv + 1) state relative to :math:`s_j` = the running maximum before
+  the chunk (:math:`M_g`, a cummax of the chunks' own maxima). Chunkwise-parallel: each chunk's key sums
+  :math:`u_i` (relative to :math:`M_i`, the running maximum through it) come from one batched product,
+  and the state of every chunk at once from one masked product per feature,
+  :math:`U_g = \sum_{i \le g} 2^{M_i - M_g} u_i` (a cumulative sum with a running-max rescale; each
+  factor one exponential of visible maxima, at most 1; the entries i > g exact zeros).
 
 Stabilizers therefore only ever come from keys every query of the block sees: a key beyond query n
-changes none of query n's bits (``tests/estimators/test_causal_rfa.py``). The diagonal and dyadic
-blocks of all chunks of a group run at once; only the state (one S L x (Dv + 1) tensor, updated in
-place so that it stays in cache) goes chunk after chunk.
+changes none of query n's bits (``tests/estimators/test_causal_rfa.py``). Every step runs on all chunks
+of a group at once (no Python loop over chunks: the only loop is over the log2 C dyadic levels); the
+groups, which a memory budget sizes, pass their last state on.
 
 Signed features (the trigonometric map) keep their signs in A and B; their denominators can be zero
 or negative, which :func:`causal_feature_attention` returns as the denominator's sign for the caller
@@ -78,14 +83,19 @@ __all__ = [
 #: tensors (the query's are overwritten).
 FeatureSlice = Callable[[slice], "tuple[torch.Tensor, torch.Tensor | None]"]
 
-#: tokens per chunk: 32 measured fastest among 16, 32, 64, 128 (1 CPU thread, 6 heads, S = 256, D = Dv = 64,
-#: N = 4096 and 16384; 64 within noise): the exponentials grow like log2 C (one pass per dyadic level), the
-#: chunk-by-chunk state updates like 1 / C
-DEFAULT_CHUNK_SIZE = 32
-#: elements (not bytes) of one vectorized group's five (P, T, J) temporaries and two (P, T, Dv + 1) sums:
-#: small enough to stay in cache (2^21 measured faster than 2^22..2^24 on 2 cores), large enough that
-#: Python's per-operator cost stays small
+#: tokens per chunk: 64 measured faster than 32 (1 CPU thread, 6 heads, S = 256, D = Dv = 64, N = 4096, time
+#: relative to an equal-FLOP matrix product: 4.5x against 5.2x, on a loaded machine): the exponentials grow like
+#: log2 C (one pass per dyadic level), the per-chunk key sums, (N / C) J (Dv + 1) elements, like 1 / C
+DEFAULT_CHUNK_SIZE = 64
+#: elements (not bytes) of one vectorized group's five (P, T, J) temporaries, two (P, T, Dv + 1) sums and the
+#: per-chunk key sums (three copies of (P, T / C, J, Dv + 1) at most): on the CPU small enough to stay in cache
+#: (2^21 measured faster than 2^22..2^24 on 2 cores), large enough that Python's per-operator cost stays small
 _GROUP_ELEMENTS = 2**21
+#: the same on a GPU, where a group costs about 90 kernel launches whatever its size, so that groups must be few:
+#: 2^25 elements (128 MiB in float32) hold 2,496 tokens of 6 heads at S = 256, Dv = 64 (7 groups at N = 16,384)
+_GPU_GROUP_ELEMENTS = 2**25
+#: up to this many elements (chunks of a group, and the state) their prefix sums are one broadcast product
+_BROADCAST_ELEMENTS = 4
 
 
 def check_chunk_size(chunk_size: int) -> int:
@@ -152,23 +162,54 @@ def _group(lq, sq, lk, sk, va, chunk: int, state_c, state_u, buffers: _Buffers):
     ``lq, lk : (P, T, J)`` (query n at position t sees the keys at positions <= t and the state; ``lq`` is
     overwritten), ``va : (P, T, Dv + 1)``; ``state_c : (P, J)`` and ``state_u : (P, J, Dv + 1)`` (or None: no
     earlier key), all log-features base 2. Each result row is relative to ``2^r_n`` (module notes); its ratio
-    is the estimate.
+    is the estimate. Chunkwise-parallel: every step runs on all G chunks at once; the only loop is over the
+    log2 C dyadic levels inside a chunk.
     """
     flat, tokens, feats = lq.shape
     dva = va.shape[-1]
     chunks = tokens // chunk
     signed = sq is not None
-    # positive features: every running max is finite (each chunk starts with a real key), no -inf to guard
+    # positive features: every chunk's maximum is finite (each chunk starts with a real key); only the state's
+    # may be -inf (no earlier key), whose sums are 0
     finite = _finite if signed else (lambda t: t)
     work = buffers.get("work", (flat, tokens, feats), lq)
     by_chunk = lambda t: t.view(flat, chunks, chunk, *t.shape[2:])  # noqa: E731
 
-    # the per-feature maximum over all keys before each chunk (state_max[:, g]) and through it (state_max[:, g + 1])
+    # element 0 the carried state (earlier groups and the prompt keys), element g + 1 chunk g. state_max[:, i]: the
+    # per-feature maximum over the keys of elements 0..i, a running maximum over visible keys only (a cummax over
+    # the chunks' own maxima); state_max[:, g] is what every query of chunk g sees before its chunk
     state_max = lq.new_empty((flat, chunks + 1, feats))
     state_max[:, 0] = -math.inf if state_c is None else state_c
     torch.amax(by_chunk(lk), dim=2, out=state_max[:, 1:])
-    for g in range(chunks):
-        torch.maximum(state_max[:, g], state_max[:, g + 1], out=state_max[:, g + 1])
+    state_max = torch.cummax(state_max, dim=1).values
+    safe = finite(state_max)
+    # each chunk's key sums [v, 1], relative to the running maximum through it: one batched product for all chunks
+    e = _exp2_(torch.sub(by_chunk(lk), safe[:, 1:].unsqueeze(-2), out=by_chunk(work)))
+    if signed:
+        e.mul_(by_chunk(sk))
+    chunk_sums = e.transpose(-1, -2) @ by_chunk(va)  # (P, G, J, Dv + 1), elements 1..G
+    del e
+    # the prefix sums of the elements, each rescaled to the running maximum of the prefix: a cumulative sum with a
+    # running-max rescale, as one masked product per feature, U_g = sum_{i <= g} 2^(M_i - M_g) u_i. Each factor is
+    # one exponential of a difference of visible maxima (at most 1, no product of factors rounds); the entries
+    # i > g are set to exact zeros after the exponential, so a later chunk adds +0 whatever its keys
+    # (P, g, i, J); _finite: the state's maximum is -inf when there is no earlier key, of any map
+    rescale = _exp2_(state_max.unsqueeze(1) - _finite(state_max).unsqueeze(2))
+    later = torch.ones(chunks + 1, chunks + 1, dtype=torch.bool, device=lq.device).triu_(1)
+    rescale.masked_fill_(later.unsqueeze(-1), 0.0)
+    if chunks + 1 <= _BROADCAST_ELEMENTS:
+        # a few elements (the CPU's cache-sized groups): a broadcast product summed over i, at most 4x the sums; a
+        # batch of P J tiny (G + 1)^2 matrix products and the transposed copies it needs measured 5x slower
+        prefix = (rescale[:, :, 1:].unsqueeze(-1) * chunk_sums.unsqueeze(1)).sum(2)  # (P, G + 1, J, Dv + 1)
+        if state_u is not None:
+            prefix.addcmul_(rescale[:, :, 0].unsqueeze(-1), state_u.unsqueeze(1))
+    else:
+        sums = torch.cat([lq.new_zeros((flat, 1, feats, dva)) if state_u is None else state_u.unsqueeze(1),
+                          chunk_sums], dim=1)  # (P, G + 1, J, Dv + 1)
+        prefix = (rescale.permute(0, 3, 1, 2) @ sums.transpose(1, 2)).transpose(1, 2)
+        del sums
+    del rescale, chunk_sums
+
     # c_j(n): the running maximum over every key query n sees, by a dyadic scan within each chunk started from the
     # state's maximum; after step h every aligned block of 2h tokens holds its prefix maxima
     run_max = buffers.get("run_max", (flat, tokens, feats), lq).copy_(lk)
@@ -208,27 +249,13 @@ def _group(lq, sq, lk, sk, va, chunk: int, state_c, state_u, buffers: _Buffers):
             split(num)[:, :, 1] += (a @ b.transpose(-1, -2)) @ split(va)[:, :, 0]
         h //= 2
 
-    # the earlier chunks' keys (and the prefix keys) for every query of a chunk: the carried sums are relative to
-    # state_max[:, g], which r_n covers, so these factors are at most 1
+    # the earlier chunks' keys (and the state) for every query of a chunk, one batched product: their sums are
+    # relative to state_max[:, g], which r_n covers, so these factors are at most 1
     a = _exp2_(torch.add(by_chunk(lq), state_max[:, :-1].unsqueeze(-2), out=by_chunk(work)))
-    # each chunk's keys relative to the maximum through it
-    safe = finite(state_max[:, 1:])
-    e = _exp2_(torch.sub(by_chunk(lk), safe.unsqueeze(-2), out=by_chunk(run_max)))
     if signed:
         a.mul_(by_chunk(sq))
-        e.mul_(by_chunk(sk))
-    keep = _exp2_(state_max[:, :-1] - safe).unsqueeze(-1)  # 2^(c_g - c_{g+1}); where c_g = -inf the sums are 0
-    # one (J, Dv + 1) state, updated in place chunk after chunk (it stays in cache; per-chunk sums would not)
-    state = lq.new_zeros((flat, feats, dva)) if state_u is None else state_u
-    chunk_views = zip(by_chunk(num).unbind(1), a.unbind(1), keep.unbind(1), e.transpose(-1, -2).unbind(1),
-                      by_chunk(va).unbind(1))
-    for g, (num_g, a_g, keep_g, e_g, va_g) in enumerate(chunk_views):
-        if g or state_u is not None:
-            num_g.baddbmm_(a_g, state)
-            state.mul_(keep_g)
-        state.baddbmm_(e_g, va_g)
-    state_u = state
-    return num.view(flat, tokens, dva), state_max[:, -1].clone(), state_u
+    by_chunk(num).add_(a @ prefix[:, :-1])
+    return num.view(flat, tokens, dva), state_max[:, -1].clone(), prefix[:, -1].clone()
 
 
 def causal_feature_attention(
@@ -277,10 +304,11 @@ def causal_feature_attention(
         raise ValueError(f"a causal mask needs at least as many keys as queries, got N={num_queries}, M={num_keys}")
     offset = num_keys - num_queries
     flat = replicates * math.prod(batch)
-    # tokens per vectorized group: its five (P, T, J) log-feature and scratch tensors and two (P, T, Dv + 1) sums
-    # within budget, so that they stay in cache (measured faster than larger groups on 2 cores)
-    per_token = flat * (5 * num_features + 2 * (dv + 1))
-    group = max(chunk, int(_GROUP_ELEMENTS // per_token) // chunk * chunk)
+    # tokens per vectorized group: its five (P, T, J) log-feature and scratch tensors, two (P, T, Dv + 1) sums and
+    # the per-chunk key sums within budget (on the CPU so that they stay in cache; on a GPU so that groups are few)
+    per_token = flat * (5 * num_features + 2 * (dv + 1) + -(-3 * num_features * (dv + 1) // chunk))
+    budget = _GROUP_ELEMENTS if v.device.type == "cpu" else _GPU_GROUP_ELEMENTS
+    group = max(chunk, int(budget // per_token) // chunk * chunk)
 
     def values(tokens: slice) -> torch.Tensor:  # (P, T, Dv + 1): the values and a ones column (the denominators)
         part = v[..., tokens, :]
