@@ -159,22 +159,21 @@ def check_fits(per_cell: int, per_rep: int, budget: int, *, label: str, num_samp
                tokens: int, stored: int = 0, replicates: int = 1, heads: int = 1) -> None:
     """Raises :class:`MemoryBudgetError` if one (cell, replicate) with the unit's ``stored`` estimates (``replicates``
     of ``heads`` heads, :func:`stored_bytes`) exceeds ``budget``, naming the configuration."""
-    whole = unit_peak_bytes(block_bytes(per_cell, per_rep, 1, 1), stored)
-    if stored and STORE_FACTOR * stored > budget:
-        s = "" if num_samples is None else f" at S = {num_samples}"
+    per = block_bytes(per_cell, per_rep, 1, 1)
+    s = "" if num_samples is None else f" at S = {num_samples}"
+    if per > budget:
+        raise MemoryBudgetError(
+            f"one replicate of one head of {label}{s} with {tokens} tokens needs about "
+            f"{format_bytes(per)}, more than the memory budget of {format_bytes(budget)}; "
+            "raise --max-memory or use fewer --samples"
+        )
+    whole = unit_peak_bytes(per, stored)
+    if whole > budget:
         raise MemoryBudgetError(
             f"{label}{s} keeps the estimates of all {replicates:,} replicates of {heads} head(s) with {tokens} tokens "
             f"until their metrics, about {format_bytes(whole)} with the metrics' working memory, more than the "
             f"memory budget of {format_bytes(budget)}; use fewer --replicates, select fewer --heads, or raise "
             "--max-memory"
-        )
-    per = block_bytes(per_cell, per_rep, 1, 1)
-    if stored + per > budget:
-        s = "" if num_samples is None else f" at S = {num_samples}"
-        raise MemoryBudgetError(
-            f"one replicate of one head of {label}{s} with {tokens} tokens needs about "
-            f"{format_bytes(stored + per)}, more than the memory budget of {format_bytes(budget)}; "
-            "raise --max-memory or use fewer --samples"
         )
 
 
