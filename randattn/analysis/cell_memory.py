@@ -8,6 +8,19 @@ S = 16 and 64, and extrapolated linearly in S (every estimator's working set is 
 (:func:`fit_cell_model`), plus the stored estimate (:func:`with_margin`). :func:`split_blocks`
 cuts a unit into blocks under the budget; a unit whose single (cell, replicate) exceeds it is
 refused with :class:`MemoryBudgetError` (:func:`check_fits`) before anything is computed.
+
+What a unit holds across its blocks
+-----------------------------------
+The blocks are not all: a unit keeps the float64 estimate (or its difference from the exact
+output) of every replicate and head, ``(R, C, N, Dv)``, until its metrics reduce them over the
+replicates (:func:`~randattn.analysis.unit_rows.output_metrics`), whose temporaries take up to
+about as much again (measured: 1.03 x the store without per-position buckets, 1.67 x with
+``log2`` buckets, R = 500, C = 4, N = 197, Dv = 64). That store grows with R whatever the
+block, and a calibration at one and two replicates does not see it: R = 2,000 of four
+197-token heads peaked at 1.98 GB while the blocks were modelled at 17 MiB. The unit is
+therefore modelled as ``stored + max(block, (STORE_FACTOR - 1) stored)`` with
+``stored = 8 R C N Dv`` (:func:`stored_bytes`, :func:`unit_peak_bytes`); the blocks get the
+budget less the store, and a unit whose store alone cannot fit is refused (:func:`check_fits`).
 """
 
 from __future__ import annotations
@@ -18,8 +31,9 @@ from typing import Any, Callable
 from randattn.analysis.memory import measure_peak
 from randattn.estimators.base import Draws
 
-__all__ = ["MemoryBudgetError", "SPLIT_ROUNDING", "block_bytes", "check_fits", "fit_cell_model",
-           "format_bytes", "measure_block_peak", "split_blocks", "with_margin"]
+__all__ = ["MIN_MAX_MEMORY", "MemoryBudgetError", "SPLIT_ROUNDING", "STORE_FACTOR", "block_bytes", "check_fits",
+           "fit_cell_model", "format_bytes", "measure_block_peak", "split_blocks", "stored_bytes", "unit_peak_bytes",
+           "with_margin"]
 
 #: what a split below the canonical block does to a row, said alike by ``randattn mse``'s plan and the sweeps guide
 #: (tests/analysis/test_sweep.py measures it): the bound of the estimates follows from both runs' rounding errors,
@@ -27,6 +41,16 @@ __all__ = ["MemoryBudgetError", "SPLIT_ROUNDING", "block_bytes", "check_fits", "
 SPLIT_ROUNDING = ("the torch kernels' rounding depends on a block's shape, so each estimate of a split unit may differ "
                   "from a run with more memory by up to twice its rounding error in the run's dtype (which "
                   "ref_max_abs_dev samples), and a row's MSE by up to about 4 ref_max_abs_dev / RMSE relative")
+
+#: the unit's peak over its store of estimates ``8 R C N Dv`` once the metrics run: the store plus the metrics'
+#: temporaries, measured at up to 1.67 x the store (module docstring), rounded up to 2 x
+STORE_FACTOR = 3
+
+#: the smallest ``--max-memory`` that any unit could use: one replicate of one head at the smallest shape
+#: (N = M = D = S = 1) measured 23 KiB (RA) to 70 KiB (Scatterbrain) with the margin of :func:`with_margin`
+#: (torch backend, CPU); 16 KiB, below all of them, so a budget under it can never run anything and is refused as
+#: soon as it is read, before a file is loaded
+MIN_MAX_MEMORY = 16 * 2**10
 
 #: S at which the working set is measured (then extrapolated linearly in S)
 _CALIBRATION_SAMPLES = (16, 64)
@@ -117,21 +141,44 @@ def block_bytes(per_cell: int, per_rep: int, cells: int, reps: int) -> int:
     return cells * (per_cell + per_rep * reps)
 
 
+def stored_bytes(cells: int, reps: int, queries: int, value_dim: int) -> int:
+    """Bytes of a unit's store of estimates, float64 ``(reps, cells, N, Dv)``, held across its blocks."""
+    return 8 * reps * cells * queries * value_dim
+
+
+def unit_peak_bytes(block: int, stored: int) -> int:
+    """Modelled peak of a unit: its ``stored`` estimates plus the larger of a ``block``'s working set and the
+    metrics' temporaries (``(STORE_FACTOR - 1) stored``)."""
+    return stored + max(block, (STORE_FACTOR - 1) * stored)
+
+
 def check_fits(per_cell: int, per_rep: int, budget: int, *, label: str, num_samples: int | None,
-               tokens: int) -> None:
-    """Raises :class:`MemoryBudgetError` if one (cell, replicate) exceeds ``budget``, naming the configuration."""
+               tokens: int, stored: int = 0, replicates: int = 1, heads: int = 1) -> None:
+    """Raises :class:`MemoryBudgetError` if one (cell, replicate) with the unit's ``stored`` estimates (``replicates``
+    of ``heads`` heads, :func:`stored_bytes`) exceeds ``budget``, naming the configuration."""
     per = block_bytes(per_cell, per_rep, 1, 1)
+    s = "" if num_samples is None else f" at S = {num_samples}"
     if per > budget:
-        s = "" if num_samples is None else f" at S = {num_samples}"
         raise MemoryBudgetError(
             f"one replicate of one head of {label}{s} with {tokens} tokens needs about "
             f"{format_bytes(per)}, more than the memory budget of {format_bytes(budget)}; "
             "raise --max-memory or use fewer --samples"
         )
+    whole = unit_peak_bytes(per, stored)
+    if whole > budget:
+        raise MemoryBudgetError(
+            f"{label}{s} keeps the estimates of all {replicates:,} replicates of {heads} head(s) with {tokens} tokens "
+            f"until their metrics, about {format_bytes(whole)} with the metrics' working memory, more than the "
+            f"memory budget of {format_bytes(budget)}; use fewer --replicates, select fewer --heads, or raise "
+            "--max-memory"
+        )
 
 
 def split_blocks(cells: int, reps: int, budget: int, per_cell: int, per_rep: int) -> list[tuple[slice, slice]]:
     """(cells, replicates) blocks of a unit of ``cells`` x ``reps`` under ``budget`` (one (cell, replicate) fits).
+
+    ``budget`` is what the blocks may use: the caller takes the unit's store of estimates off first
+    (:func:`stored_bytes`).
 
     The canonical block is the whole unit -- every cell and every replicate -- whenever the
     budget holds it: one estimator call per unit, so the number of operator calls (kernel

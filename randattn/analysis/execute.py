@@ -52,6 +52,8 @@ from randattn.analysis.cell_memory import (
     format_bytes,
     measure_block_peak,
     split_blocks,
+    stored_bytes,
+    unit_peak_bytes,
     with_margin,
 )
 from randattn.analysis.estimate_block import PROBABILITY_ROUNDING_RTOL, BlockEstimator
@@ -184,14 +186,26 @@ class UnitRunner:
         return self.block_bytes(unit, 1, 1)
 
     def block_bytes(self, unit: Unit, cells: int, reps: int) -> int:
-        """Approximate peak bytes of a block of ``cells`` heads x ``reps`` replicates of ``unit``.
+        """Approximate peak bytes of ``unit`` run in blocks of ``cells`` heads x ``reps`` replicates.
 
-        The working set is modelled as ``cells * (a + b * reps)``: ``a`` is what a cell needs
+        A block's working set is modelled as ``cells * (a + b * reps)``: ``a`` is what a cell needs
         whatever R (EVA's exact chunk weights, the exact probabilities, gathered keys), ``b``
         what each replicate adds. Both are measured at one cell with one and two replicates
-        (:mod:`~randattn.analysis.cell_memory`).
+        (:mod:`~randattn.analysis.cell_memory`). On top comes what the unit holds across its
+        blocks, its estimates of every replicate and head (:meth:`stored_bytes`), and the metrics'
+        temporaries after the last block (:func:`~randattn.analysis.cell_memory.unit_peak_bytes`).
         """
-        return block_bytes(*self._calibration(unit), cells, reps)
+        return unit_peak_bytes(block_bytes(*self._calibration(unit), cells, reps), self.stored_bytes(unit))
+
+    def stored_bytes(self, unit: Unit) -> int:
+        """Bytes of ``unit``'s float64 estimates ``(R, C, N, Dv)``, kept from its first block to its metrics."""
+        est = self.config.estimators[unit.est_index]
+        return stored_bytes(len(unit.heads), self.replicates(est), self.acts.shape[2], self.value_dim)
+
+    @property
+    def value_dim(self) -> int:
+        """Dv of the activations (the values' last axis)."""
+        return int(self.acts.arrays[self.acts.layers[0]][2].shape[-1])
 
     def _calibration(self, unit: Unit) -> tuple[int, int]:
         """``(a, b)`` of :meth:`block_bytes` for ``unit``'s configuration, S and shape (measured once)."""
@@ -236,9 +250,10 @@ class UnitRunner:
         """
         est = self.config.estimators[unit.est_index]
         per_cell, per_rep = self._calibration(unit)
+        stored = self.stored_bytes(unit)  # held across the blocks: they get the rest of the budget
         check_fits(per_cell, per_rep, self.config.max_memory, label=est.label, num_samples=unit.num_samples,
-                   tokens=self.acts.shape[2])
-        return split_blocks(len(unit.heads), self.replicates(est), self.config.max_memory, per_cell, per_rep)
+                   tokens=self.acts.shape[2], stored=stored, replicates=self.replicates(est), heads=len(unit.heads))
+        return split_blocks(len(unit.heads), self.replicates(est), self.config.max_memory - stored, per_cell, per_rep)
 
     def replicates(self, est: EstimatorConfig) -> int:
         return self.config.replicates if est.random else 1

@@ -17,7 +17,41 @@ import tracemalloc
 import weakref
 from typing import Any, Callable
 
-__all__ = ["measure_peak"]
+__all__ = ["DEFAULT_BUDGET_FRACTION", "available_memory", "default_max_memory", "measure_peak"]
+
+#: the share of the device's free memory that ``randattn mse`` gives the estimator work unless told otherwise
+#: (``--max-memory``): the rest is left to the activations, the interpreter and the other processes of the machine
+DEFAULT_BUDGET_FRACTION = 0.5
+
+#: what :func:`available_memory` assumes where it cannot ask the system (no ``/proc/meminfo``, no ``sysconf``)
+_FALLBACK_AVAILABLE = 4 * 2**30
+
+
+def available_memory(device: str | None = None) -> int:
+    """Bytes free for new work on ``device``: ``torch.cuda.mem_get_info`` on a CUDA device, else the host's
+    ``MemAvailable`` (``/proc/meminfo``, Linux), else its free pages (``sysconf``), else 4 GiB."""
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel says kB, meaning KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    import os
+
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return _FALLBACK_AVAILABLE
+
+
+def default_max_memory(device: str | None = None) -> int:
+    """The default budget: :data:`DEFAULT_BUDGET_FRACTION` of :func:`available_memory` on ``device``."""
+    return int(DEFAULT_BUDGET_FRACTION * available_memory(device))
 
 
 def _storage_tracker():

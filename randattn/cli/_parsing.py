@@ -17,7 +17,10 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 
 def parse_bytes(text: str) -> int:
-    """``"2GiB"``, ``"500MB"``, ``"1e9"`` or ``"1073741824"`` -> bytes."""
+    """``"2GiB"``, ``"500MB"``, ``"1e9"`` or ``"1073741824"`` -> bytes; under
+    :data:`~randattn.analysis.cell_memory.MIN_MAX_MEMORY` (no unit could ever run) refused, naming it."""
+    from randattn.analysis.cell_memory import MIN_MAX_MEMORY, format_bytes
+
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"--max-memory: cannot read {text!r}; use e.g. 2GiB, 500MB or a number of bytes")
@@ -25,8 +28,11 @@ def parse_bytes(text: str) -> int:
         value = float(match.group(1)) * _UNITS[match.group(2).lower()]
     except ValueError:
         raise ValueError(f"--max-memory: cannot read {text!r}; use e.g. 2GiB, 500MB or a number of bytes") from None
-    if not value >= 1:
-        raise ValueError(f"--max-memory must be at least 1 byte, got {text!r}")
+    if not value >= MIN_MAX_MEMORY:
+        read = f" (read as {int(value)} bytes)" if value >= 0 and not match.group(2) else ""
+        raise ValueError(f"--max-memory {text}{read} is below the least that one replicate of one head needs at "
+                         f"the smallest shape; use at least {format_bytes(MIN_MAX_MEMORY)} (e.g. 16KiB; "
+                         "2GiB or 500MB are typical)")
     return int(value)
 
 
@@ -90,11 +96,16 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
     (SweepConfig, Activations)
     """
     from randattn.activations import load_activations
+    from randattn.analysis.memory import default_max_memory
     from randattn.analysis.plan import with_threads
     from randattn.analysis.sweep import SweepConfig, count_cells, parse_estimator_list
     from randattn.cli._common import abort
     from randattn.estimators.registry import list_estimators
 
+    try:  # before the file is loaded: a budget nothing fits is refused at once
+        memory = None if max_memory is None else parse_bytes(max_memory)
+    except ValueError as exc:
+        abort(str(exc))
     try:
         activations = load_activations(acts)
     except (OSError, ValueError, TypeError) as exc:
@@ -111,13 +122,14 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
             check_device(device)
         elif device not in (None, "cpu"):
             raise ValueError(f"--device {device} needs --backend torch (the reference runs on the CPU)")
+        if memory is None:  # once the device is known to exist
+            memory = default_max_memory(device)
         estimators = parse_estimator_list(texts)
         if replicates < 2 and any(e.random for e in estimators):
             raise ValueError(f"--replicates {replicates}: random estimators need at least 2 replicates for a variance")
         num_samples = parse_int_list("--samples", samples, example="16,64 or 4-8")
         if num_samples and min(num_samples) < 1:
             raise ValueError(f"--samples: every S must be >= 1 (samples per estimate), got {samples!r}")
-        memory = parse_bytes(max_memory)
         buckets = parse_position_buckets(position_buckets)
         config = SweepConfig(
             estimators=estimators, num_samples=num_samples, replicates=replicates, seed=seed, backend=backend,

@@ -37,7 +37,10 @@ import click
 @click.option("--check-reference", "check_reference", default=0.02, show_default=True, type=float, metavar="FRACTION",
               help="Re-run this fraction of units (at least one per estimator) on the float64 reference with the "
                    "same draws and report the largest deviation; 0 turns it off.")
-@click.option("--max-memory", default="2GiB", show_default=True, help="Approximate memory budget of the estimator work.")
+@click.option("--max-memory", default=None,
+              help="Approximate memory budget of the estimator work, e.g. 2GiB or 500MB (a bare number is bytes; at "
+                   "least 16KiB)  [default: half the memory free on the device: MemAvailable on the CPU, "
+                   "torch.cuda.mem_get_info on a GPU]")
 @click.option("--probabilities/--no-probabilities", default=True, show_default=True,
               help="Also measure the MSE of the attention probabilities.")
 @click.option("--diagnostics/--no-diagnostics", default=True, show_default=True,

@@ -75,8 +75,8 @@ def _memory_line(plan) -> str:
 
     budget = format_bytes(plan.config.max_memory)
     if plan.refused is not None:
-        return (f"[bold]memory[/]: refused before computing: one replicate of one head needs more than --max-memory "
-                f"{budget} (the error says how much)")
+        return (f"[bold]memory[/]: refused before computing: the work needs more than --max-memory {budget} "
+                "(the error says what and how much)")
     if not plan.todo:
         return "[bold]memory[/]: nothing left to compute"
     memory = (f"[bold]memory[/]: the estimator work peaks at about {format_bytes(plan.peak_bytes)} "

@@ -353,7 +353,7 @@ def test_dry_run_prints_the_plan_and_computes_and_writes_nothing(children):
 
 @pytest.mark.parametrize(("budget", "expected"), [
     ("1MB", "units are split into smaller blocks to fit it (the torch kernels' rounding depends on a block's shape"),
-    ("50kB", "memory: refused before computing: one replicate of one head needs more than --max-memory"),
+    ("50kB", "memory: refused before computing: the work needs more than --max-memory"),
 ], ids=["split", "refused"])
 def test_dry_run_states_what_the_budget_does(acts, monkeypatch, budget, expected):
     """In process: a budget below a unit's canonical block splits it; below one head's replicate, refuses (exit 2)."""

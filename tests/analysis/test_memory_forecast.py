@@ -1,0 +1,172 @@
+"""The memory forecast counts every dimension of a unit's work, R included, and a budget is refused before work.
+
+A unit keeps its float64 estimates ``(R, C, N, Dv)`` from its first block to its metrics: a calibration at one and
+two replicates does not see that store, so before it was counted a sweep of R = 20,000 replicates was planned at
+26 MiB and grew to 24 GB. The expected bytes here are written out (8 bytes x R x C x N x Dv), not taken from the
+model under test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from randattn.activations import make_activations, save_activations
+from randattn.analysis.cell_memory import MIN_MAX_MEMORY, STORE_FACTOR, MemoryBudgetError, split_blocks
+from randattn.analysis.plan import SweepConfig, parse_estimator_list
+from randattn.analysis.sweep import plan_sweep
+
+
+def _acts(n: int = 16, heads: int = 2, d: int = 8, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return make_activations({0: tuple(0.3 * rng.normal(size=(1, heads, n, d)) for _ in range(3))},
+                            {"scale": d ** -0.5, "layout": "sequence"})
+
+
+def _config(reps: int, budget: int = 2**40) -> SweepConfig:
+    return SweepConfig(estimators=parse_estimator_list("rfa"), num_samples=(2,), replicates=reps, max_memory=budget,
+                       diagnostics=False, threads=1)
+
+
+def test_forecast_grows_with_the_replicates_store():
+    """The plan's peak includes STORE_FACTOR x 8 R C N Dv bytes: at R = 10^6 that term dominates any block."""
+    acts = _acts()
+    store = 8 * 10**6 * 2 * 16 * 8  # R x C x N x Dv float64 estimates
+    plan = plan_sweep(acts, _config(10**6))
+    assert plan.refused is None
+    assert STORE_FACTOR * store <= plan.peak_bytes < STORE_FACTOR * store + 2**24  # + a block of 8 replicates
+
+
+def test_a_store_over_the_budget_is_refused_without_allocating_it():
+    """R = 10^10 replicates of 2 heads of 16 tokens would store 20 TB: refused by the plan, nothing allocated."""
+    plan = plan_sweep(_acts(), _config(10**10, budget=2**30))
+    assert plan.refused is not None and "10,000,000,000 replicates" in plan.refused
+    assert "fewer --replicates" in plan.refused
+
+
+def test_blocks_get_the_budget_less_the_store():
+    """The blocks get the budget less the store: at exactly STORE_FACTOR x the store (8 R C N Dv, written out), the
+    canonical blocks of an unlimited budget (the store dwarfs a block here); one byte less is refused."""
+    from randattn.analysis.execute import UnitRunner
+    from randattn.analysis.sweep import plan as plan_units
+
+    acts = _acts()
+    reps = 4000
+    store = 8 * reps * 2 * 16 * 8
+    runner = UnitRunner(acts, _config(reps))
+    unit = plan_units(acts, _config(reps))[0]
+    per_cell, per_rep = runner._calibration(unit)
+    canonical = 2 * (per_cell + 8 * per_rep)
+    roomy = UnitRunner(acts, _config(reps, budget=STORE_FACTOR * store + canonical)).blocks(unit)
+    assert roomy == split_blocks(2, reps, 2**40, per_cell, per_rep) and roomy[0][1] == slice(0, 8)
+    assert canonical < (STORE_FACTOR - 1) * store  # so the least budget is the store's
+    assert UnitRunner(acts, _config(reps, budget=STORE_FACTOR * store)).blocks(unit) == roomy
+    with pytest.raises(MemoryBudgetError, match="fewer --replicates"):
+        UnitRunner(acts, _config(reps, budget=STORE_FACTOR * store - 1)).blocks(unit)
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys, numpy as np
+    from randattn.activations import make_activations
+    from randattn.analysis.plan import SweepConfig, parse_estimator_list
+    from randattn.analysis.sweep import plan_sweep, run_sweep
+
+    def hwm():  # the process's peak resident set so far (Linux)
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+
+    rng = np.random.default_rng(0)
+    acts = make_activations({0: tuple(0.3 * rng.normal(size=(1, 1, 1024, 64)) for _ in range(3))},
+                            {"scale": 0.125, "layout": "sequence"})
+    cfg = SweepConfig(estimators=parse_estimator_list("rfa"), num_samples=(1,), replicates=400, probabilities=False,
+                      diagnostics=False, max_memory=2**34, threads=1, position_buckets="none")
+    plan = plan_sweep(acts, cfg)
+    before = hwm()
+    run_sweep(acts, cfg, calibrated=plan)
+    print(json.dumps([plan.peak_bytes, hwm() - before]))
+""")
+
+
+@pytest.mark.slow  # a child process that imports torch and runs 400 replicates: ~15 s on 2 busy cores
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmHWM from /proc/self/status")
+def test_forecast_holds_in_a_real_process_at_many_replicates():
+    """R = 400 of one 1024-token head (Dv = 64): the estimates alone are 8 x 400 x 1024 x 64 = 210 MB, which the
+    1-and-2-replicate calibration does not see. The process's peak RSS growth over the sweep must stay under the
+    plan's forecast, and the forecast within 3x of it (measured: 629 MB forecast, 512 MB grown)."""
+    import json
+
+    result = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    forecast, grown = json.loads(result.stdout.strip().splitlines()[-1])
+    assert grown > 8 * 400 * 1024 * 64  # the store itself was resident: the test measures what it means to
+    assert grown <= forecast <= 3 * grown, (forecast, grown)
+
+
+# ------------------------------------------------------------------------------------------------------ the CLI
+@pytest.fixture
+def acts_file(tmp_path):
+    return save_activations(_acts(), tmp_path / "acts.safetensors")
+
+
+def _invoke(*args):
+    result = CliRunner().invoke(__import__("randattn.cli", fromlist=["main"]).main, [str(a) for a in args])
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.output
+    return result.exit_code, " ".join(result.stderr.split())
+
+
+@pytest.mark.parametrize("budget", ["60", "16383", "10kB", "0.01MiB"])
+def test_a_budget_below_the_least_any_unit_needs_is_refused_before_loading(acts_file, monkeypatch, budget):
+    """``--max-memory 60`` is 60 bytes: refused at parse time, before the file is read, naming 16 KiB."""
+    import randattn.activations
+
+    monkeypatch.setattr(randattn.activations, "load_activations", lambda *a, **k: pytest.fail("the file was loaded"))
+    code, said = _invoke("mse", acts_file, "-e", "rfa", "--max-memory", budget, "--dry-run")
+    assert code == 2 and "use at least 16 KiB" in said, said
+    assert MIN_MAX_MEMORY == 16 * 1024
+
+
+def test_the_least_budget_itself_is_read(acts_file):
+    code, said = _invoke("mse", acts_file, "-e", "softmax", "--max-memory", "16KiB", "--dry-run")
+    assert "use at least" not in said, said
+
+
+def test_ten_million_replicates_dry_run_refuses_without_a_traceback(acts_file):
+    code, said = _invoke("mse", acts_file, "-e", "rfa", "--samples", "2", "--replicates", "10000000",
+                         "--max-memory", "1GiB", "--dry-run")
+    assert code == 2, said
+    assert "keeps the estimates of all 10,000,000 replicates" in said and "Traceback" not in said, said
+
+
+def test_default_budget_is_half_the_free_memory(acts_file, monkeypatch):
+    """No --max-memory: the plan's budget is DEFAULT_BUDGET_FRACTION of available_memory (patched: 6 GiB -> 3 GiB)."""
+    import randattn.analysis.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: 6 * 2**30)
+    code, said = _invoke("mse", acts_file, "-e", "rfa", "--samples", "2", "--replicates", "2", "--dry-run",
+                         "--threads", "1")
+    assert code == 0 and "--max-memory 3 GiB" in said, said
+
+
+def test_available_memory_reads_meminfo_and_cuda(monkeypatch, tmp_path):
+    """MemAvailable in kB (KiB) from /proc/meminfo; on a CUDA device, torch.cuda.mem_get_info's free bytes."""
+    import builtins
+
+    import torch
+
+    import randattn.analysis.memory as memory
+
+    fake = tmp_path / "meminfo"
+    fake.write_text("MemTotal:       1000 kB\nMemFree:         300 kB\nMemAvailable:    700 kB\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(fake if path == "/proc/meminfo" else path,
+                                                                          *a, **k))
+    assert memory.available_memory() == 700 * 1024
+    assert memory.default_max_memory() == 350 * 1024
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * 2**30, 80 * 2**30))
+    assert memory.available_memory("cuda:0") == 5 * 2**30
