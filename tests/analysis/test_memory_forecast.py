@@ -33,13 +33,21 @@ def _config(reps: int, budget: int = 2**40) -> SweepConfig:
                        diagnostics=False, threads=1)
 
 
-def test_forecast_grows_with_the_replicates_store():
-    """The plan's peak includes STORE_FACTOR x 8 R C N Dv bytes: at R = 10^6 that term dominates any block."""
-    acts = _acts()
-    store = 8 * 10**6 * 2 * 16 * 8  # R x C x N x Dv float64 estimates
-    plan = plan_sweep(acts, _config(10**6))
+def test_forecast_grows_with_the_replicates_store(monkeypatch):
+    """The plan's peak is the store of 8 R C N Dv bytes plus the larger of the unit's one block of every head and
+    replicate, c (a + b R), and the metrics' temporaries, (STORE_FACTOR - 1) x the store: at R = 10^6 at least
+    STORE_FACTOR x the store. The calibration is fixed (a, b) so that the arithmetic, not a measurement, is tested."""
+    from randattn.analysis.execute import UnitRunner
+
+    per_cell, per_rep = 10_000, 100
+    monkeypatch.setattr(UnitRunner, "_calibration", lambda self, unit: (per_cell, per_rep))
+    reps = 10**6
+    store = 8 * reps * 2 * 16 * 8  # R x C x N x Dv float64 estimates
+    plan = plan_sweep(_acts(), _config(reps))
     assert plan.refused is None
-    assert STORE_FACTOR * store <= plan.peak_bytes < STORE_FACTOR * store + 2**24  # + a block of 8 replicates
+    block = 2 * (per_cell + reps * per_rep)
+    assert block < (STORE_FACTOR - 1) * store
+    assert plan.peak_bytes == STORE_FACTOR * store
 
 
 def test_a_store_over_the_budget_is_refused_without_allocating_it():
@@ -49,23 +57,27 @@ def test_a_store_over_the_budget_is_refused_without_allocating_it():
     assert "fewer --replicates" in plan.refused
 
 
-def test_blocks_get_the_budget_less_the_store():
-    """The blocks get the budget less the store: at exactly STORE_FACTOR x the store (8 R C N Dv, written out), the
-    canonical blocks of an unlimited budget (the store dwarfs a block here); one byte less is refused."""
+def test_blocks_get_the_budget_less_the_store(monkeypatch):
+    """The blocks get the budget less the store (8 R C N Dv, written out): the least budget that keeps the unit in
+    its one canonical block is the store plus that block; one byte less splits it; under STORE_FACTOR x the store
+    the unit is refused. The calibration is fixed (a, b) so that the arithmetic, not a measurement, is tested."""
     from randattn.analysis.execute import UnitRunner
     from randattn.analysis.sweep import plan as plan_units
 
+    per_cell, per_rep = 10_000, 5_000
+    monkeypatch.setattr(UnitRunner, "_calibration", lambda self, unit: (per_cell, per_rep))
     acts = _acts()
     reps = 4000
     store = 8 * reps * 2 * 16 * 8
-    runner = UnitRunner(acts, _config(reps))
     unit = plan_units(acts, _config(reps))[0]
-    per_cell, per_rep = runner._calibration(unit)
-    canonical = 2 * (per_cell + 8 * per_rep)
-    roomy = UnitRunner(acts, _config(reps, budget=STORE_FACTOR * store + canonical)).blocks(unit)
-    assert roomy == split_blocks(2, reps, 2**40, per_cell, per_rep) and roomy[0][1] == slice(0, 8)
-    assert canonical < (STORE_FACTOR - 1) * store  # so the least budget is the store's
-    assert UnitRunner(acts, _config(reps, budget=STORE_FACTOR * store)).blocks(unit) == roomy
+    canonical = 2 * (per_cell + reps * per_rep)  # 2 heads x every replicate in one block
+    whole = [(slice(0, 2), slice(0, reps))]
+    assert UnitRunner(acts, _config(reps)).blocks(unit) == whole
+    assert canonical > (STORE_FACTOR - 1) * store  # so the least budget for one block is the store plus the block
+    assert UnitRunner(acts, _config(reps, budget=store + canonical)).blocks(unit) == whole
+    tighter = UnitRunner(acts, _config(reps, budget=store + canonical - 1)).blocks(unit)
+    fit = (canonical - 1 - 2 * per_cell) // (2 * per_rep)  # replicates of both heads within the rest of the budget
+    assert tighter[0] == (slice(0, 2), slice(0, fit)) and tighter[-1][1].stop == reps
     with pytest.raises(MemoryBudgetError, match="fewer --replicates"):
         UnitRunner(acts, _config(reps, budget=STORE_FACTOR * store - 1)).blocks(unit)
 
