@@ -110,6 +110,7 @@ def test_warnings_raised_on_workers_are_stored_with_their_parts_and_survive_resu
     assert resumed.attrs["warnings"] == local
 
 
+@pytest.mark.slow  # over 6 s on the 2-core machine: in the slow target
 def test_a_worker_killed_mid_run_loses_only_its_unit(acts_path, client, local_table):
     pids = client.run(os.getpid)
     killed = []

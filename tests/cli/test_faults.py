@@ -237,6 +237,7 @@ def reference(acts, tmp_path_factory) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------------ 1. a second writer
+@pytest.mark.slow  # over 6 s on the 2-core machine: in the slow target
 def test_second_writer_is_refused_naming_the_first_and_nothing_finished_is_replaced(acts, reference, tmp_path):
     out = tmp_path / "r" / "x.parquet"
     marker, release = tmp_path / "holding", tmp_path / "release"
@@ -308,6 +309,7 @@ def test_a_finished_table_is_never_replaced_without_overwrite(acts, reference, t
 
 
 # ------------------------------------------------------------------------------------------------------ 2. SIGINT
+@pytest.mark.slow  # over 6 s on the 2-core machine: in the slow target
 def test_sigint_keeps_finished_units_and_prints_the_resume_command(acts, reference, tmp_path):
     out, marker = tmp_path / "x.parquet", tmp_path / "writing"
     child = _spawn("mse", acts, *SWEEP, "--out", out, hook={"parts": 4, "marker": str(marker)})

@@ -170,6 +170,7 @@ def test_demo_lm_library_refuses_layers_before_loading(tmp_path, monkeypatch):
         run_demo_lm(dataclasses.replace(LM_QUICK, layers=(31,)), tmp_path / "demo")
 
 
+@pytest.mark.slow  # over 6 s on the 2-core machine: in the slow target
 def test_demo_lm_runs_on_a_tiny_capture(lm_file, tmp_path):
     from randattn.reports.demo_lm import LMDemoConfig, run_demo_lm
 

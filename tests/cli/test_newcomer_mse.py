@@ -154,6 +154,7 @@ def children(acts, reference, stopped_parts, tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------------------ 1. a full disk
+@pytest.mark.slow  # over 6 s on the 2-core machine: in the slow target
 def test_a_full_disk_at_the_table_exits_2_naming_it_and_keeps_the_finished_units(children, acts, reference):
     started, outs, _ = children
     out = outs["disk"]

@@ -339,6 +339,7 @@ def test_an_existing_folder_is_never_removed(measured, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------ a full disk
+@pytest.mark.slow  # over 6 s on the 2-core machine: in the slow target
 @pytest.mark.skipif(not _HAS_VIT_EXTRA, reason="capture needs the vit extra (pip install 'randattn[vit]')")
 def test_a_full_disk_exits_2_naming_the_file_and_leaves_no_half_file(measured, tmp_path):
     """capture and plot under a 4 KiB file-size limit (EFBIG): exit 2, the file and the cause named, the target

@@ -128,6 +128,7 @@ def test_demo_rejects_bad_options_before_doing_work(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # over 6 s on the 2-core machine: in the slow target
 def test_run_demo_with_fake_capture_and_real_sweep(tmp_path):
     """The pipeline without the ONNX model: synthetic activations through the real sweep, table, figure, report."""
     import numpy as np

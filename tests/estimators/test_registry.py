@@ -158,6 +158,7 @@ def _randattn(args, site: Path, cwd: Path):
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
 
+@pytest.mark.slow  # over 6 s on the 2-core machine: in the slow target
 def test_randattn_estimators_lists_plugins_and_names_the_broken_one(tmp_path):
     site = _plugin_path(tmp_path)
     done = _randattn(["estimators", "--json"], site, tmp_path)
