@@ -23,37 +23,17 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Callable
 
 import torch
+from bench_causal import _best_time, _peak_extra  # the same timing and memory measurement as causal RFA's
 
-from randattn.analysis.memory import measure_peak
 from randattn.estimators.softmax import batched as softmax_batched
 from randattn.estimators.softmax.tiled import DEFAULT_KEY_TILE, DEFAULT_QUERY_TILE, tiled_attention
 
 DIM = DIM_V = 64
 GEMM_ROWS = 1024
 MIB = 2**20
-
-
-def _best_time(func: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        func()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def _peak_extra(func: Callable[[], object], *inputs: torch.Tensor) -> int:
-    """Peak bytes the call allocates beyond its inputs (its output included); as ``bench_causal._peak_extra``."""
-    def run():
-        for t in inputs:
-            t.view(t.shape)
-        func()
-
-    return measure_peak(run, torch_tensors=True) - sum(t.untyped_storage().nbytes() for t in inputs)
 
 
 def _gemm(n: int, m: int, causal: bool) -> Callable[[], None]:

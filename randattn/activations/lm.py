@@ -253,6 +253,20 @@ def check_lm_config(config, where: str = "model") -> None:
         )
 
 
+def _checked_config(transformers: Any, folder: Any, where: str, local_files_only: bool, **extra: Any) -> Any:
+    """The model's transformers config from ``folder``, checked by :func:`check_lm_config`; a clear ValueError naming
+    ``where`` when it cannot be read."""
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=local_files_only, **extra)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"cannot load a transformers config from {where!r} (a local save_pretrained folder, a .gguf file, or a "
+            f"hub name that is cached or reachable): {exc}"
+        ) from exc
+    check_lm_config(config, where)
+    return config
+
+
 def _has_tokenizer(folder: str, gguf_file: str | None) -> bool:
     if gguf_file is not None or not Path(folder).is_dir():
         return True  # GGUF files carry their tokenizer; a hub name decides for itself
@@ -332,14 +346,7 @@ def lm_size(name_or_path: str | os.PathLike, *, gguf_file: str | None = None,
     where = os.fspath(name_or_path)
     if gguf_file is not None:
         return _gguf_size(Path(folder) / gguf_file, where)
-    try:
-        config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=local_files_only)
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"cannot load a transformers config from {where!r} (a local save_pretrained folder, a .gguf file, or a "
-            f"hub name that is cached or reachable): {exc}"
-        ) from exc
-    check_lm_config(config, where)
+    config = _checked_config(_transformers(), folder, where, local_files_only)
     return LMSize(num_layers=int(config.num_hidden_layers), vocab_size=int(config.vocab_size))
 
 
@@ -462,14 +469,7 @@ def load_lm(name_or_path: str | os.PathLike, *, gguf_file: str | None = None, lo
             if importlib.util.find_spec(module) is None:
                 raise ModuleNotFoundError(f'reading GGUF files needs {module}: pip install "randattn[lm]"',
                                           name=module)
-    try:
-        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=local_files_only, **extra)
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"cannot load a transformers config from {where!r} (a local save_pretrained folder, a .gguf file, or a "
-            f"hub name that is cached or reachable): {exc}"
-        ) from exc
-    check_lm_config(config, where)
+    config = _checked_config(transformers, folder, where, local_files_only, **extra)
     try:
         # config=config: a GGUF file's metadata is parsed once for the config, not again for the model
         with _cached_gguf_name_map() if gguf_file is not None else contextlib.nullcontext():
