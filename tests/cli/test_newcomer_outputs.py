@@ -209,6 +209,7 @@ def _nan_mse(table: pd.DataFrame) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------------------------------ refusals
+@pytest.mark.slow  # over 5 s on the 2-core AVX2 machine: in the slow target
 def test_refusals_come_before_any_work_and_name_the_value_and_the_way_out(measured, tmp_path):
     """--size too large (2), --dpi out of range (3), and outputs that exist without --force (6)."""
     old = tmp_path / "old"
@@ -278,6 +279,7 @@ def test_force_lets_each_command_replace_its_outputs(measured, tmp_path, monkeyp
 
 
 # ------------------------------------------------------------------------------------------------------ failures
+@pytest.mark.slow  # over 5 s on the 2-core AVX2 machine: in the slow target
 def test_failed_commands_name_the_bad_column_and_leave_no_folder_they_made(measured, tmp_path):
     """Text or infinity in the mse column (4), and the folders of failed commands (5)."""
     text = _variant(measured, tmp_path, "text.parquet", _text_in_mse)

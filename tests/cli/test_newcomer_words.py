@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from randattn.activations import make_activations, save_activations
 from _cli_processes import finish
@@ -18,6 +19,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return finish(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
 
 
+@pytest.mark.slow  # over 5 s on the 2-core AVX2 machine: in the slow target
 def test_a_library_warning_is_its_kind_and_message_without_a_source_line(tmp_path):
     rng = np.random.default_rng(0)
     layer = tuple(rng.normal(size=(1, 1, 17, 4)) for _ in range(3))  # 17 = 4 x 4 + 1: a ViT's tokens, no grid

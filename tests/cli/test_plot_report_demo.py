@@ -98,6 +98,7 @@ def test_plot_features_without_rfa_variants_exits_2(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------- report
+@pytest.mark.slow  # over 5 s on the 2-core AVX2 machine: in the slow target
 def test_report_writes_one_self_contained_page(results, tmp_path):
     result = invoke("report", str(results), "--out", str(tmp_path / "rep"), "--dpi", "40")
     assert result.exit_code == 0, result.output

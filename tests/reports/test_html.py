@@ -36,6 +36,7 @@ def page(table):
                         environment=ENV, dpi=60)
 
 
+@pytest.mark.slow  # over 5 s on the 2-core AVX2 machine: in the slow target
 def test_page_is_complete_html_with_every_section(page):
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     for anchor in ("summary", "figures", "diagnostics", "provenance"):
