@@ -199,14 +199,21 @@ def check_reference_matches_batched(spec: EstimatorSpec, params: Mapping[str, An
     import torch
 
     atol, rtol = TOLERANCES["float64"]
+    for mask, label, _, ref, bat in _reference_and_batched(spec, params, torch.float64, seed=10):
+        _close(bat, ref, atol=atol, rtol=rtol,
+               what=f"batched (float64) against reference, same draws, {label}{_mask_words(mask)}:")
+
+
+def _reference_and_batched(spec: EstimatorSpec, params: Mapping[str, Any], dtype: Any, *, seed: int):
+    """For every declared mask and odd shape: ``(mask, label, (q, k, v, draws), reference, batched in dtype)``, the
+    inputs seeded ``seed + i`` and the draws ``seed + 10 + i``."""
     for mask in _masks(spec, params):
         for i, (label, *shapes) in enumerate(_odd_shapes(mask)):
-            q, k, v = _inputs(shapes, seed=10 + i)
-            draws = _draw(spec, q.shape, k.shape, params, seed=20 + i, mask=mask)
+            q, k, v = _inputs(shapes, seed=seed + i)
+            draws = _draw(spec, q.shape, k.shape, params, seed=seed + 10 + i, mask=mask)
             ref = _quiet(lambda: _reference(spec, q, k, v, draws, params, mask=mask))
-            bat = _quiet(lambda: _batched(spec, q, k, v, draws, params, dtype=torch.float64, mask=mask))
-            _close(bat, ref, atol=atol, rtol=rtol,
-                   what=f"batched (float64) against reference, same draws, {label}{_mask_words(mask)}:")
+            bat = _quiet(lambda: _batched(spec, q, k, v, draws, params, dtype=dtype, mask=mask))
+            yield mask, label, (q, k, v, draws), ref, bat
 
 
 def check_shapes_and_dtypes(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
@@ -260,14 +267,9 @@ def check_float32_matches_reference(spec: EstimatorSpec, params: Mapping[str, An
     if spec.has_signed_weights(params):
         raise CheckSkipped("signed weights cancel in float32; the float64 check covers this configuration")
     atol, rtol = TOLERANCES["float32"]
-    for mask in _masks(spec, params):
-        for i, (label, *shapes) in enumerate(_odd_shapes(mask)):
-            q, k, v = _inputs(shapes, seed=60 + i)
-            draws = _draw(spec, q.shape, k.shape, params, seed=70 + i, mask=mask)
-            ref = _quiet(lambda: _reference(spec, q, k, v, draws, params, mask=mask))
-            bat = _quiet(lambda: _batched(spec, q, k, v, draws, params, dtype=torch.float32, mask=mask))
-            _close32(spec, params, q, k, v, draws, bat, ref, atol=atol, rtol=rtol, mask=mask,
-                     what=f"batched (float32) against reference (float64), {label}{_mask_words(mask)}:")
+    for mask, label, (q, k, v, draws), ref, bat in _reference_and_batched(spec, params, torch.float32, seed=60):
+        _close32(spec, params, q, k, v, draws, bat, ref, atol=atol, rtol=rtol, mask=mask,
+                 what=f"batched (float32) against reference (float64), {label}{_mask_words(mask)}:")
 
 
 def _large_norm_inputs(seed: int):
