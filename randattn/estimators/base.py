@@ -275,6 +275,11 @@ class EstimatorSpec:
         returns that key's value exactly (checked).
     exact_limits : tuple of ExactLimit
         Configurations in which it equals softmax attention (checked).
+    keys_used : callable or None
+        torch ``keys_used(q, k, draws, *, scale, **params) -> (R, ..., N)``: how many distinct keys each query's
+        estimate reads, exact and sampled together (the budget axis of the decode-time sparse and sampling
+        estimators, ARCHITECTURE sec. 14); a float64 tensor of counts, random where the selection is. ``mask=``
+        is passed as to ``batched``. None: not declared (the sweep leaves the ``keys_used`` column empty).
     memory_hint : str
         What dominates its working memory, for the catalogue (the sweep measures the actual
         bytes of a cell before it plans, :mod:`randattn.analysis.memory`).
@@ -307,6 +312,7 @@ class EstimatorSpec:
     selection: str | Callable[[Mapping[str, Any]], str] = "continuous"
     normalized: bool = False
     exact_limits: tuple[ExactLimit, ...] = ()
+    keys_used: Callable[..., Any] | None = None
     memory_hint: str = ""
 
     # -- declared facts of one configuration (``params`` resolved) -----------------------------------------------------
@@ -429,7 +435,7 @@ def validate_spec(spec: Any) -> EstimatorSpec:
         if not callable(getattr(spec, attr)):
             problems.append(f"{attr} must be callable, got {type(getattr(spec, attr)).__name__}")
     for attr in ("batched_probabilities", "batched_with_probabilities", "batched_with_float32_probabilities",
-                 "batched_with_probability_factors", "describe"):
+                 "batched_with_probability_factors", "describe", "keys_used"):
         value = getattr(spec, attr)
         if value is not None and not callable(value):
             problems.append(f"{attr} must be callable or None, got {type(value).__name__}")

@@ -1,0 +1,41 @@
+"""Attention over selected, weighted keys in torch (the batched form of :mod:`.reference`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from randattn.estimators.masks import causal_visible
+
+__all__ = ["keys_used", "masked_logits", "visible_keys", "weighted_attention"]
+
+
+def visible_keys(num_queries: int, num_keys: int, mask: str | None, device: Any = None) -> torch.Tensor | None:
+    """``(N, M)`` boolean on ``device``: the keys each query may see; None without a mask (every key)."""
+    if mask != "causal":
+        return None
+    return torch.as_tensor(causal_visible(num_queries, num_keys), device=device)
+
+
+def masked_logits(x: torch.Tensor, y: torch.Tensor, mask: str | None) -> torch.Tensor:
+    """``x_n . y_m`` : (..., N, M), ``-inf`` where the mask hides key m from query n."""
+    logits = x @ y.transpose(-1, -2)
+    visible = visible_keys(x.shape[-2], y.shape[-2], mask, x.device)
+    if visible is None:
+        return logits
+    return logits.masked_fill(~visible, float("-inf"))
+
+
+def weighted_attention(logits: torch.Tensor, log_weights: torch.Tensor, v: torch.Tensor):
+    r"""``(out, probabilities)``: :math:`\sum_m p_{nm} v_m`, :math:`p_{nm} \propto w_{nm} e^{l_{nm}}` (max-subtracted)."""
+    probabilities = torch.softmax(logits + log_weights, dim=-1)
+    return probabilities @ v, probabilities
+
+
+def keys_used(log_weights: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """``(..., N)`` float64: the keys each query reads (finite log weight, and visible when ``logits`` is given)."""
+    used = torch.isfinite(log_weights)
+    if logits is not None:
+        used = used & torch.isfinite(logits)
+    return used.sum(dim=-1).to(torch.float64)
