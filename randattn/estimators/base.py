@@ -280,6 +280,11 @@ class EstimatorSpec:
         estimate reads, exact and sampled together (the budget axis of the decode-time sparse and sampling
         estimators, ARCHITECTURE sec. 14); a float64 tensor of counts, random where the selection is. ``mask=``
         is passed as to ``batched``. None: not declared (the sweep leaves the ``keys_used`` column empty).
+    promise : callable or None
+        ``promise(params) -> (epsilon, delta) | None``: the accuracy the configuration guarantees, as
+        :math:`P(\lVert \hat y_n - y_n \rVert / \lVert y_n \rVert > \epsilon) \le \delta` for each query n
+        (vAttention's "verified" attention); the sweep then measures the violation rate against it. None, or a
+        None result: no promise.
     memory_hint : str
         What dominates its working memory, for the catalogue (the sweep measures the actual
         bytes of a cell before it plans, :mod:`randattn.analysis.memory`).
@@ -313,6 +318,7 @@ class EstimatorSpec:
     normalized: bool = False
     exact_limits: tuple[ExactLimit, ...] = ()
     keys_used: Callable[..., Any] | None = None
+    promise: Callable[[Mapping[str, Any]], tuple[float, float] | None] | None = None
     memory_hint: str = ""
 
     # -- declared facts of one configuration (``params`` resolved) -----------------------------------------------------
@@ -349,6 +355,13 @@ class EstimatorSpec:
     def weights_per_sample(self, params: Mapping[str, Any]) -> int:
         """Importance weights per sample (J = S L), 1 when the diagnostics do not apply."""
         return int(self.importance_weights.weights_per_sample(params)) if self.importance_weights else 1
+
+    def promise_of(self, params: Mapping[str, Any]) -> tuple[float, float] | None:
+        """``(epsilon, delta)`` this configuration promises (see :attr:`promise`), or None."""
+        if self.promise is None:
+            return None
+        promised = self.promise(params)
+        return None if promised is None else (float(promised[0]), float(promised[1]))
 
     def masks_of(self, params: Mapping[str, Any] | None = None) -> tuple[str | None, ...]:
         """The masks this configuration supports (the estimator's, for ``params=None``: any configuration's)."""
@@ -435,7 +448,7 @@ def validate_spec(spec: Any) -> EstimatorSpec:
         if not callable(getattr(spec, attr)):
             problems.append(f"{attr} must be callable, got {type(getattr(spec, attr)).__name__}")
     for attr in ("batched_probabilities", "batched_with_probabilities", "batched_with_float32_probabilities",
-                 "batched_with_probability_factors", "describe", "keys_used"):
+                 "batched_with_probability_factors", "describe", "keys_used", "promise"):
         value = getattr(spec, attr)
         if value is not None and not callable(value):
             problems.append(f"{attr} must be callable or None, got {type(value).__name__}")
