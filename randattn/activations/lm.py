@@ -63,6 +63,7 @@ __all__ = [
     "bundled_lm_size",
     "load_lm",
     "load_bundled_lm",
+    "pack_texts",
     "is_lm_config",
     "check_lm_config",
     "lm_attention_modules",
@@ -534,7 +535,9 @@ def read_texts(specs: str | Sequence[str] | None = None) -> list[tuple[str, str]
     ----------
     specs : str or sequence of str, optional
         Each either ``"pydoc:TOPIC[,TOPIC...]"`` (Python's bundled documentation topics,
-        ``pydoc_data.topics.topics``: no download) or a UTF-8 text file. Default :data:`DEFAULT_TEXT`.
+        ``pydoc_data.topics.topics``: no download; ``"pydoc:all"`` is every topic in sorted order, about
+        465,000 characters, enough for a 100,000-token context once packed, :func:`pack_texts`) or a UTF-8 text
+        file. Default :data:`DEFAULT_TEXT`.
 
     Raises
     ------
@@ -554,6 +557,8 @@ def read_texts(specs: str | Sequence[str] | None = None) -> list[tuple[str, str]
             from pydoc_data.topics import topics
 
             names = [n.strip() for n in spec[len("pydoc:"):].split(",") if n.strip()]
+            if names == ["all"]:
+                names = sorted(topics)
             unknown = [n for n in names if n not in topics]
             if unknown or not names:
                 raise ValueError(
@@ -576,6 +581,23 @@ def read_texts(specs: str | Sequence[str] | None = None) -> list[tuple[str, str]
     if not texts:
         raise ValueError("text: no text given")
     return texts
+
+
+#: what joins packed texts: a blank line, as between the sections of one document
+PACK_SEPARATOR = "\n\n"
+
+
+def pack_texts(texts: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The texts joined into one sequence (separated by :data:`PACK_SEPARATOR`), for a context longer than any.
+
+    A long-context capture needs one sequence of many tokens, where the bundled texts are each a few thousand;
+    packing them is how language models are trained on short documents. The name lists the first texts.
+    """
+    if not texts:
+        raise ValueError("text: no text given")
+    names = [name for name, _ in texts]
+    shown = ", ".join(names[:3]) + (f", ... ({len(names)} texts)" if len(names) > 3 else "")
+    return [(f"packed({shown})", PACK_SEPARATOR.join(text for _, text in texts))]
 
 
 def tokenize_texts(tokenizer, texts: Sequence[str], *, max_tokens: int | None = None,

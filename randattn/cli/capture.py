@@ -16,7 +16,7 @@ _VIT_EXTRA = 'this needs the "vit" extra: pip install "randattn[vit]"'
 #: bundled models: ViTs take images, decoder LMs take text
 _VIT_MODELS = ("dinov2-s14",)
 _LM_MODELS = ("smollm2-135m",)
-_LM_OPTIONS = ("--text", "--token-ids", "--max-tokens", "--add-bos/--no-add-bos")
+_LM_OPTIONS = ("--text", "--pack", "--token-ids", "--max-tokens", "--add-bos/--no-add-bos")
 #: most tokens per image a ViT capture takes: each attention layer holds heads x N^2 float32 scores at once
 #: (1.6 GB for dinov2-s14 at the limit, --size 1260); far beyond it the capture exhausts memory and crashes
 MAX_VIT_TOKENS = 8192
@@ -53,8 +53,11 @@ def abort(message: str):
                    "heads x tokens² scores.")
 @click.option("--text", "text_specs", multiple=True, metavar="FILE",
               help="Decoder LMs: a UTF-8 text file, one sequence; repeat for several. 'pydoc:TOPIC,TOPIC' takes "
-                   "topics of Python's bundled documentation (pydoc_data.topics). Default: "
-                   "pydoc:assignment,function.")
+                   "topics of Python's bundled documentation (pydoc_data.topics), 'pydoc:all' every topic. "
+                   "Default: pydoc:assignment,function.")
+@click.option("--pack", is_flag=True,
+              help="Decoder LMs with --text: join the texts into one sequence (blank lines between them), for a "
+                   "context longer than any one text, e.g. --text pydoc:all --pack --max-tokens 8192.")
 @click.option("--token-ids", "token_ids_path", type=click.Path(dir_okay=False), default=None,
               help="Decoder LMs, instead of --text: a .npy or .pt integer array, one row of token ids per sequence "
                    "(exactly reproducible; works for models saved without a tokenizer).")
@@ -73,8 +76,8 @@ def abort(message: str):
                    "--force.")
 @click.option("--force", is_flag=True, help="Replace an existing --out file.")
 @click.pass_context
-def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, token_ids_path, max_tokens,
-            add_bos, layers, dtype, out_path, force):
+def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, pack, token_ids_path,
+            max_tokens, add_bos, layers, dtype, out_path, force):
     """Capture q, k, v of a model's attention layers and write them to an activation file.
 
     ViTs run on images; decoder language models run on text, and their queries and keys are captured after the
@@ -99,8 +102,8 @@ def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, 
     # the folders writable_output and the lock make for --out are taken back when the capture fails
     with taken_back_on_failure(Path(out_path).parent), _output_lock(Path(out_path)):
         refuse_to_replace_file(Path(out_path), force)  # again: another capture may have written it in the meantime
-        _capture(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, token_ids_path,
-                 max_tokens, add_bos, layers, dtype, out_path)
+        _capture(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, pack,
+                 token_ids_path, max_tokens, add_bos, layers, dtype, out_path)
 
 
 @contextlib.contextmanager
@@ -118,19 +121,20 @@ def _output_lock(out: Path) -> Iterator[None]:
         yield
 
 
-def _capture(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, token_ids_path,
+def _capture(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, pack, token_ids_path,
              max_tokens, add_bos, layers, dtype, out_path) -> None:
     lm = _is_lm(model_name, timm_name, hf_name)
-    given = {name for name in ("images_spec", "size", "text_specs", "token_ids_path", "max_tokens", "add_bos")
+    given = {name for name in ("images_spec", "size", "text_specs", "pack", "token_ids_path", "max_tokens", "add_bos")
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
     if lm and given & {"images_spec", "size"}:
         abort("--images and --size are for vision models; a decoder language model takes --text FILE or "
               "--token-ids FILE")
-    if not lm and given & {"text_specs", "token_ids_path", "max_tokens", "add_bos"}:
+    if not lm and given & {"text_specs", "pack", "token_ids_path", "max_tokens", "add_bos"}:
         abort(f"{', '.join(_LM_OPTIONS)} are for decoder language models (--model {_LM_MODELS[0]} or --hf with an "
               "LM); this is a vision model, which takes --images")
     if lm:
-        acts = _capture_lm(model_name, hf_name, text_specs, token_ids_path, max_tokens, add_bos, layers, out_path)
+        acts = _capture_lm(model_name, hf_name, text_specs, pack, token_ids_path, max_tokens, add_bos, layers,
+                           out_path)
     else:
         if timm_name is None and hf_name is None and size is not None and size % 14:
             abort(f"--size must be a multiple of 14 for dinov2-s14 (e.g. 196, 336, 392), got {size}")
@@ -265,17 +269,19 @@ def _load_lm_quietly(model_name: str, hf_name: str | None):
         return load_lm(hf_name) if hf_name is not None else load_bundled_lm(model_name)
 
 
-def _capture_lm(model_name, hf_name, text_specs, token_ids_path, max_tokens, add_bos, layers, out_path):
+def _capture_lm(model_name, hf_name, text_specs, pack, token_ids_path, max_tokens, add_bos, layers, out_path):
     if text_specs and token_ids_path is not None:
         abort("use either --text FILE or --token-ids FILE, not both")
+    if pack and token_ids_path is not None:
+        abort("--pack joins --text texts; token ids from --token-ids are used as they are (one row per sequence)")
     if token_ids_path is not None and add_bos is not None:
         abort("--add-bos/--no-add-bos apply to --text; token ids from --token-ids are used as they are")
     if max_tokens is not None and max_tokens < 2:
         abort(f"--max-tokens must be at least 2, got {max_tokens}")
     writable_output(out_path)
     try:
-        from randattn.activations.lm import (DEFAULT_TEXT, bundled_lm_size, capture_lm, lm_size, read_texts,
-                                             read_token_ids, tokenize_texts)
+        from randattn.activations.lm import (DEFAULT_TEXT, bundled_lm_size, capture_lm, lm_size, pack_texts,
+                                             read_texts, read_token_ids, tokenize_texts)
 
         # layers and token ids are checked against the configuration (milliseconds), not after the load (seconds)
         size = lm_size(hf_name) if hf_name is not None else bundled_lm_size(model_name)
@@ -287,6 +293,7 @@ def _capture_lm(model_name, hf_name, text_specs, token_ids_path, max_tokens, add
             texts = None
         else:
             texts = read_texts(list(text_specs) or None)
+            texts = pack_texts(texts) if pack else texts
     except ModuleNotFoundError as exc:
         abort(str(exc))
     except (ValueError, FileNotFoundError) as exc:
@@ -307,8 +314,8 @@ def _capture_lm(model_name, hf_name, text_specs, token_ids_path, max_tokens, add
             def advance(done: int, total: int) -> None:
                 progress.update(task, completed=done)
 
-            source = ", ".join(list(text_specs) or [DEFAULT_TEXT]) if texts is not None else \
-                f"token ids from {token_ids_path}"
+            source = ", ".join(list(text_specs) or [DEFAULT_TEXT]) + (" (packed)" if pack else "") \
+                if texts is not None else f"token ids from {token_ids_path}"
             return capture_lm(lm, ids, layers, names=names, add_bos=add_bos, text=source, progress=advance)
         except ModuleNotFoundError as exc:
             abort(str(exc))

@@ -282,9 +282,8 @@ class EstimatorSpec:
         is passed as to ``batched``. None: not declared (the sweep leaves the ``keys_used`` column empty).
     promise : callable or None
         ``promise(params) -> (epsilon, delta) | None``: the accuracy the configuration guarantees, as
-        :math:`P(\lVert \hat y_n - y_n \rVert / \lVert y_n \rVert > \epsilon) \le \delta` for each query n
-        (vAttention's "verified" attention); the sweep then measures the violation rate against it. None, or a
-        None result: no promise.
+        ``P(||y_hat_n - y_n|| / ||y_n|| > epsilon) <= delta`` for each query n (vAttention's "verified"
+        attention); the sweep then measures the violation rate against it. None, or a None result: no promise.
     memory_hint : str
         What dominates its working memory, for the catalogue (the sweep measures the actual
         bytes of a cell before it plans, :mod:`randattn.analysis.memory`).

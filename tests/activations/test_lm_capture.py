@@ -450,6 +450,24 @@ def test_cli_captures_an_lm_from_text_and_token_ids(tmp_path, tokenizer_files):
     np.testing.assert_array_equal(load_activations(again).stored_qkv(1)[0], acts.stored_qkv(1)[0])
 
 
+def test_cli_packs_texts_into_one_long_sequence(tmp_path, tokenizer_files):
+    """--pack: one sequence longer than any of its texts, whose tokens are the joined text's (tokenized here)."""
+    folder = _save("mistral", tmp_path / "mistral", tokenizer_files)
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_files)
+    texts = [read_texts(["pydoc:if"])[0][1], read_texts(["pydoc:for"])[0][1]]
+    alone = [len(tok(t)["input_ids"]) for t in texts]
+    joined = tok("\n\n".join(texts))["input_ids"]
+    out = tmp_path / "packed.safetensors"
+    result = _cli("--hf", str(folder), "--text", "pydoc:if,for", "--pack", "--max-tokens", "100000", "--layers", "0",
+                  "--out", str(out))
+    assert result.exit_code == 0, result.output
+    acts = load_activations(out)
+    assert acts.shape[0] == 1 and acts.shape[2] == len(joined) > max(alone)
+    assert acts.images == ("packed(pydoc:if, pydoc:for)",)
+    np.testing.assert_array_equal(acts.metadata["token_ids"][0], joined)
+    assert len(read_texts(["pydoc:all"])) == len(__import__("pydoc_data.topics").topics.topics)
+
+
 @pytest.mark.parametrize(
     ("setup", "args", "message"),
     [
@@ -463,9 +481,11 @@ def test_cli_captures_an_lm_from_text_and_token_ids(tmp_path, tokenizer_files):
         ("llama", ["--text", "pydoc:for", "--token-ids", "{tmp}/big.npy"], "use either --text FILE or --token-ids"),
         ("llama", ["--token-ids", "{tmp}/ok.npy", "--layers", "5"], "layers: layer 5 is out of range"),
         (None, ["--text", "pydoc:for"], "are for decoder language models"),
+        ("llama", ["--token-ids", "{tmp}/ok.npy", "--pack"], "--pack joins --text texts"),
+        (None, ["--pack"], "--pack, --token-ids"),
     ],
     ids=["unknown-architecture", "softcap", "missing-text", "not-utf8", "out-of-vocabulary", "no-tokenizer",
-         "images-for-lm", "text-and-ids", "layer-range", "text-for-vit"],
+         "images-for-lm", "text-and-ids", "layer-range", "text-for-vit", "pack-with-ids", "pack-for-vit"],
 )
 def test_cli_bad_lm_input_exits_2(tmp_path, setup, args, message):
     if setup == "bloom":
