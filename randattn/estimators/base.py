@@ -506,6 +506,16 @@ def validate_spec(spec: Any) -> EstimatorSpec:
         if not isinstance(masks, tuple) or None not in masks or not set(masks) <= set(MASKS):
             problems.append(f"masks must be a tuple holding None and optionally 'causal', got {masks!r}")
             break
+    if spec.promise is not None:
+        for params in [{}, *spec.variants.values()]:
+            try:
+                promised = spec.promise_of(spec.resolve_params(params))
+            except Exception as exc:
+                problems.append(f"promise raised {type(exc).__name__}: {exc}")
+                break
+            if promised is not None and not all(0 < x < 1 for x in promised):
+                problems.append(f"promise must give (epsilon, delta) in (0, 1) or None, got {promised!r}")
+                break
     if spec.importance_weights is not None and not isinstance(spec.importance_weights, ImportanceWeights):
         problems.append("importance_weights must be an ImportanceWeights or None")
     for limit in spec.exact_limits:

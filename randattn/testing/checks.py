@@ -30,6 +30,9 @@ Tolerances, and why:
   at least like :math:`1/\sqrt{S}`; self-normalized IS has :math:`O(1/S)`), plus four jackknife
   standard errors of the difference; and the MSE falls. A constant bias fails.
 - **exact limits**: the limit's declared ``rtol`` (1e-10 unless the spec says why not).
+- **keys used**: where a spec declares ``keys_used``, its count for each query equals, exactly, the number of
+  keys with a nonzero implied probability (``batched`` with ``v = I_M``, float64, inputs of norm ~ 1 so that no
+  read key's weight underflows), under every declared mask, with N = M and N < M (the decode regime).
 - **one key**: a normalized estimator returns that key's value to ``1e-12`` relative (a weight
   divided by itself: one rounding).
 
@@ -419,6 +422,39 @@ def check_exact_limits(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
                    what=f"exact limit '{limit.description}' (N={n}, M={m}), batched:")
 
 
+def check_keys_used(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """``keys_used`` counts, per query and replicate, exactly the keys its estimate reads: those with a nonzero
+    implied probability (``batched`` with ``v = I_M``), never more than the query sees."""
+    import torch
+
+    from randattn.estimators.masks import causal_visible
+
+    if spec.keys_used is None:
+        raise CheckSkipped("the spec declares no keys_used")
+    for mask in _masks(spec, params):
+        for n, m in ((9, 9), (3, 20)):
+            q, k, _ = _inputs(((2, n, 5), (2, m, 5), (2, m, 1)), seed=150 + m)
+            draws = _draw(spec, q.shape, k.shape, params, seed=151, mask=mask)
+            eye = np.broadcast_to(np.eye(m), (2, m, m))
+            kwargs = {"mask": mask} if mask is not None else {}
+            t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
+            used = to_numpy(_quiet(lambda: spec.keys_used(t(q), t(k), draws.to_torch(dtype=torch.float64), scale=None,
+                                                         **params, **kwargs)))
+            probabilities = to_numpy(_quiet(lambda: _batched(spec, q, k, eye, draws, params, dtype=torch.float64,
+                                                             mask=mask)))
+            where = f"keys_used (N={n}, M={m}{_mask_words(mask)})"
+            if used.shape != (_REPLICATES, 2, n):
+                raise CheckFailed(f"{where}: shape {used.shape}, expected (R, 2, N) = {(_REPLICATES, 2, n)}")
+            read = (probabilities != 0).sum(axis=-1)
+            if not np.array_equal(used, read):
+                at = plain_index(np.argwhere(used != read)[0])
+                raise CheckFailed(f"{where}: says {used[at]:g} keys at (replicate, batch, query) {at}, but the "
+                                  f"estimate gives {int(read[at])} keys a nonzero probability")
+            visible = causal_visible(n, m).sum(-1) if mask == "causal" else np.full(n, m)
+            if (used > visible).any():
+                raise CheckFailed(f"{where}: counts more keys than a query sees")
+
+
 def check_single_key(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
     """A normalized estimator given one key returns that key's value for every query, exactly."""
     import torch
@@ -549,6 +585,7 @@ CHECKS: dict[str, Callable[[EstimatorSpec, Mapping[str, Any]], None]] = {
     "key norms 150-200": check_finite_at_large_norms,
     "declared convergence": check_convergence,
     "exact limits": check_exact_limits,
+    "keys used": check_keys_used,
     "one key": check_single_key,
     "causal prefix invariance": check_causal_prefix_invariance,
     "no N x M memory": check_no_quadratic_memory,

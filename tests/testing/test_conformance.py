@@ -277,3 +277,30 @@ def test_assert_close_names_the_worst_element_in_plain_numbers():
     nan[0, 1] = np.nan
     with pytest.raises(AssertionError, match=r"NaN in one array only at \(0, 1\): actual nan, expected 0.0"):
         assert_close(nan, expected, atol=1.0)
+
+
+# ------------------------------------------------------------------------------------------------------ keys used
+def _visible_counts(off_by: int):
+    """keys_used of exact softmax: every visible key (M, or n + 1 + M - N under the causal mask), plus ``off_by``."""
+
+    def keys_used(q, k, draws, *, scale=None, mask=None):
+        n, m = q.shape[-2], k.shape[-2]
+        counts = torch.arange(1, n + 1, dtype=torch.float64) + (m - n) if mask == "causal" else torch.full((n,), m)
+        counts = counts.to(torch.float64) + off_by
+        return counts.expand(draws.replicates, *q.shape[:-2], n).clone()
+
+    return keys_used
+
+
+def test_a_true_keys_used_passes_and_an_off_by_one_count_fails():
+    right = dataclasses.replace(_causal_softmax_spec("counted-softmax", 0), keys_used=_visible_counts(0))
+    assert check_estimator(right).passed
+    wrong = dataclasses.replace(_causal_softmax_spec("miscounted-softmax", 0), keys_used=_visible_counts(1))
+    with pytest.raises(EstimatorCheckError, match=r"keys used.*says 10 keys .* but the estimate gives 9 keys"):
+        check_estimator(wrong)
+
+
+def test_a_promise_outside_the_unit_interval_is_an_invalid_spec():
+    spec = dataclasses.replace(_causal_softmax_spec("promising-softmax", 0), promise=lambda p: (0.1, 1.5))
+    with pytest.raises(SpecError, match=r"promise must give \(epsilon, delta\) in \(0, 1\) or None, got \(0.1, 1.5\)"):
+        randattn.estimators.base.validate_spec(spec)
