@@ -7,7 +7,7 @@ import click
 from randattn.cli._common import abort, err_console
 from randattn.cli._outputs import MAX_DPI, MIN_DPI
 
-_KINDS = ("mse-vs-samples", "bias-variance", "heatmap", "features", "all")
+_KINDS = ("mse-vs-samples", "error-vs-budget", "bias-variance", "heatmap", "features", "all")
 #: figures that draw the per-position table beside the results (written by masked runs)
 _POSITION_KINDS = ("position",)
 _FORMATS = ("png", "svg", "pdf")
@@ -24,7 +24,8 @@ def _parse_formats(text: str) -> tuple[str, ...]:
 @click.command("plot")
 @click.argument("results", type=click.Path(dir_okay=False))
 @click.option("--kind", "kinds", multiple=True, default=("mse-vs-samples",), show_default=True,
-              help="Figure to draw (repeatable): mse-vs-samples (LARA Fig. 1), bias-variance, heatmap "
+              help="Figure to draw (repeatable): mse-vs-samples (LARA Fig. 1), error-vs-budget (MSE against the keys "
+                   "each query reads: the sparse and sampling estimators' quality-efficiency curve), bias-variance, heatmap "
                    "(layer x head MSE), features (rfa couplings and feature maps, Performer Fig. 4), position (MSE by "
                    "query position, from the per-position table a masked run writes beside RESULTS), or all.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Folder for the figures.")
@@ -95,7 +96,7 @@ def _draw(results, kinds, chosen, out_dir, fmt, label, num_samples, dpi) -> None
         try:
             figure = make_figure(kind, source, **options)
         except ResultsError as exc:
-            if "all" in kinds and kind in ("features", *_POSITION_KINDS):
+            if "all" in kinds and kind in ("features", "error-vs-budget", *_POSITION_KINDS):
                 err_console.print(f"[yellow]skipped[/] {kind}: {exc}")
                 continue
             abort(str(exc))  # the library's message names the figure

@@ -57,6 +57,8 @@ __all__ = [
     "heatmap_figure",
     "features_figure",
     "position_figure",
+    "error_vs_budget_figure",
+    "has_budget",
     "feature_estimators",
     "label_styles",
 ]
@@ -366,6 +368,90 @@ def mse_vs_samples_figure(
         f"{'MSE' if value == 'mse' else value} of randomized attention vs exact softmax, by number of samples",
         f"{describe_data(table, metadata)}\nmean over layers and heads per {noun}, then over {noun}s; {band}"
         f"{_exact_note(exact)}",
+    )
+    ordered = [handles[label] for label in label_order(handles)]
+    _legend(fig, ordered, len(ordered))
+    return fig
+
+
+def has_budget(table: pd.DataFrame) -> bool:
+    """Whether some estimator of ``table`` reports the keys its queries read (a ``keys_used`` value)."""
+    return "keys_used" in table.columns and bool(np.isfinite(table["keys_used"].to_numpy(dtype=float)).any())
+
+
+def _budget_of(panel: pd.DataFrame) -> pd.DataFrame:
+    """Per ``(label, num_samples)``: the mean keys used (over images, layers and heads), or S where the
+    estimator reports none (random features: S features per query, each an inner product like one key)."""
+    keys = panel["keys_used"].to_numpy(dtype=float) if "keys_used" in panel else np.full(len(panel), np.nan)
+    frame = panel.assign(_keys=keys)
+    budget = frame.groupby(["label", "num_samples"], sort=False)["_keys"].mean().reset_index()
+    budget["counted"] = np.isfinite(budget["_keys"])
+    budget["budget"] = np.where(budget["counted"], budget["_keys"], budget["num_samples"].astype(float))
+    return budget.drop(columns="_keys")
+
+
+def error_vs_budget_figure(
+    table: pd.DataFrame,
+    *,
+    metadata: dict | None = None,
+    labels: Sequence[str] | None = None,
+    value: str = "mse",
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> Figure:
+    """Error against the keys each query reads, log-log, one panel per token count: the quality-efficiency
+    curve of the decode-time sparse and sampling estimators (Quest Fig. 7, MagicPIG Fig. 1, vAttention Fig. 3).
+
+    The x value of a point is the mean ``keys_used`` of its rows (exact and sampled keys together, averaged over
+    queries, replicates, heads, layers and items); an estimator that does not report keys used (random
+    features) is placed at S, its features per query, and drawn dashed -- the common budget axis that
+    ``--samples`` sets for every estimator. The y value and its band are those of :func:`mse_vs_samples_figure`.
+    """
+    require_columns(table, [*PLOT_COLUMNS, value], "the error-vs-budget figure")
+    table = _select_labels(table, labels)
+    if not has_budget(table):
+        raise ResultsError("the error-vs-budget figure needs an estimator that reports the keys its queries read "
+                           "(a keys_used value: topk, streaming, quest, magicpig, vattention); this table has none "
+                           "(mse-vs-samples draws its estimators against S)")
+    aggregated = aggregate_over_images(table, [value], confidence=confidence, seed=seed)
+    names = display_names(table)
+    every = aggregated
+    aggregated, exact = _drop_exact(aggregated, value, names, exact_labels(table))
+    if aggregated.empty:
+        raise _nothing_to_draw("the error-vs-budget figure", every, value, exact_labels(table), exact)
+    panels = _token_panels(aggregated)
+    styles = label_styles(aggregated["label"])
+    fig, axes = _new_figure(len(panels), sharey=True)
+    handles: dict[str, Line2D] = {}
+    for ax, (n, _, panel, title) in zip(axes, panels):
+        budget = _budget_of(table[table["tokens"] == n])
+        panel = panel.merge(budget, on=["label", "num_samples"], how="left")
+        for label in label_order(panel["label"]):
+            rows = panel[panel["label"] == label].sort_values("budget")
+            style = styles[label]
+            x = rows["budget"].to_numpy(dtype=float)
+            y = rows[value].to_numpy(dtype=float)
+            counted = bool(rows["counted"].all())
+            (line,) = ax.plot(x, y, color=style["color"], marker=style["marker"], markersize=4, linewidth=1.6,
+                              linestyle="-" if counted else "--",
+                              label=names[label] if counted else f"{names[label]} (at S features)")
+            low = np.maximum(rows[f"{value}_ci_low"].to_numpy(dtype=float), y / 1e3)
+            high = rows[f"{value}_ci_high"].to_numpy(dtype=float)
+            if len(rows) > 1 and np.isfinite(low).all() and np.isfinite(high).all():
+                ax.fill_between(x, low, high, color=style["color"], alpha=0.15, linewidth=0)
+            handles.setdefault(label, line)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("keys used per query (log scale)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel(f"MSE ({MSE_UNITS})" if value == "mse" else value.replace("_", " "))
+    noun = item_noun(metadata)
+    _titles(
+        fig,
+        f"{'MSE' if value == 'mse' else value} vs keys used per query: quality against budget",
+        f"{describe_data(table, metadata)}\nmean over layers and heads per {noun}, then over {noun}s; "
+        f"{_band_text(aggregated, confidence, noun)}; dashed: no keys_used reported, placed at S{_exact_note(exact)}",
     )
     ordered = [handles[label] for label in label_order(handles)]
     _legend(fig, ordered, len(ordered))
@@ -894,12 +980,14 @@ def position_figure(
 #: ``--kind`` name -> figure function of a results table
 FIGURE_KINDS: dict[str, Callable[..., Figure]] = {
     "mse-vs-samples": mse_vs_samples_figure,
+    "error-vs-budget": error_vs_budget_figure,
     "bias-variance": bias_variance_figure,
     "heatmap": heatmap_figure,
     "features": features_figure,
 }
 #: ``--kind`` name -> figure function of a per-position table (:attr:`~randattn.reports.tables.Results.positions`)
 POSITION_FIGURE_KINDS: dict[str, Callable[..., Figure]] = {
+    "error-vs-budget": error_vs_budget_figure,
     "position": position_figure,
 }
 

@@ -26,8 +26,10 @@ from randattn.analysis.diagnostics import KHAT_MIN_WEIGHTS, KHAT_THRESHOLD
 from randattn.reports.figures import (
     MSE_UNITS,
     bias_variance_figure,
+    error_vs_budget_figure,
     feature_estimators,
     features_figure,
+    has_budget,
     heatmap_figure,
     mse_vs_samples_figure,
     position_figure,
@@ -491,6 +493,78 @@ def sink_by_layer(table: pd.DataFrame) -> pd.DataFrame | None:
                          "min": grouped.min().to_numpy(), "max": grouped.max().to_numpy()})
 
 
+#: the relative-error and promise columns :func:`promise_section` reads (``randattn mse`` writes them)
+_RELATIVE_COLUMNS = ("rel_err_mean", "rel_err_median", "rel_err_p95")
+#: heads with a broken promise listed in the report at most (the rest are counted)
+MAX_BROKEN_HEADS_SHOWN = 40
+
+
+def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
+    """Per ``(label, num_samples)``: the relative output error ``||y_hat_n - y_n|| / ||y_n||`` over heads (mean of the
+    heads' means and medians, the largest 95th percentile) and, where measured, the violation rate ``P(error >
+    epsilon)`` (mean over heads) and how many heads break a promise; None when the table has no such columns."""
+    if not set(_RELATIVE_COLUMNS) <= set(table.columns):
+        return None
+    groups = table.groupby(["label", "num_samples"], sort=False)
+    summary = pd.DataFrame({
+        "mean rel. error": groups["rel_err_mean"].mean(),
+        "median rel. error": groups["rel_err_median"].mean(),
+        "largest 95th pct": groups["rel_err_p95"].max(),
+    })
+    if "violation_rate" in table.columns:
+        summary["epsilon"] = groups["epsilon"].first()
+        summary["violation rate"] = groups["violation_rate"].mean()
+    if "promise_broken" in table.columns:
+        summary["delta"] = groups["delta"].first()
+        summary["heads broken"] = groups["promise_broken"].apply(lambda b: f"{int(b.fillna(False).astype(bool).sum())} "
+                                                                 f"of {len(b)}")
+    return summary.reset_index()
+
+
+def promise_section(table: pd.DataFrame) -> list[str]:
+    """HTML of the relative-error section: the summary of :func:`promise_summary` and, first, every head where an
+    estimator's promise ``P(error > epsilon) <= delta`` is broken (the Clopper-Pearson interval of its violation
+    rate lies wholly above delta); empty when the table has no relative-error columns."""
+    summary = promise_summary(table)
+    if summary is None:
+        return []
+    esc = html.escape
+    names = display_names(table)
+    out = ['<h2 id="promise">Relative error and promises</h2>',
+           "<p>Per query and replicate, the relative output error ||y&#770;<sub>n</sub> &minus; y<sub>n</sub>|| / "
+           "||y<sub>n</sub>||; per head its mean, median and 95th percentile over the measured queries and "
+           "replicates. With an error bound epsilon (<code>--epsilon</code>, or an estimator's own promise, as "
+           "vAttention's (epsilon, delta)) the violation rate is the fraction of (query, replicate) pairs above it, "
+           "with a 95% Clopper-Pearson interval.</p>"]
+    if "promise_broken" in table.columns:
+        broken = table[table["promise_broken"].fillna(False).astype(bool)]
+        if not broken.empty:
+            shown = broken.sort_values("violation_lo", ascending=False).head(MAX_BROKEN_HEADS_SHOWN)
+            rows = pd.DataFrame({
+                "estimator": [names.get(label, label) for label in shown["label"]],
+                "S": shown["num_samples"].astype(int), "layer": shown["layer"].astype(int),
+                "head": shown["head"].astype(int), "item": shown["image"],
+                "epsilon": shown["epsilon"].map(_format_number), "delta": shown["delta"].map(_format_number),
+                "violation rate": shown["violation_rate"].map(_format_number),
+                "95% interval": [f"[{_format_number(lo)}, {_format_number(hi)}]"
+                                 for lo, hi in zip(shown["violation_lo"], shown["violation_hi"])],
+            })
+            more = len(broken) - len(shown)
+            out += [f'<p class="warning"><strong>Broken promise</strong> in {len(broken)} head(s): the violation '
+                    "rate's whole interval lies above the promised delta"
+                    + (f" ({more} more not listed)" if more else "") + ".</p>", _table_html(rows)]
+        else:
+            out.append("<p>No head breaks a promise: every promised estimator's violation interval reaches down to "
+                       "its delta or below.</p>")
+    shown = summary.assign(label=[names.get(label, label) for label in summary["label"]])
+    shown = shown.rename(columns={"label": "estimator", "num_samples": "S"})
+    for column in shown.columns:
+        if column not in ("estimator", "S", "heads broken"):
+            shown[column] = shown[column].map(_format_number)
+    out.append(_table_html(shown))
+    return out
+
+
 def lm_section(table: pd.DataFrame, metadata: Mapping[str, Any] | None = None) -> list[str]:
     """HTML of the report's language-model section (empty unless :func:`is_lm_metadata`).
 
@@ -560,6 +634,14 @@ def default_figures(table: pd.DataFrame, metadata: Mapping[str, Any] | None = No
             "estimators falls too but more slowly, and an unbiased estimator's debiased bias² scatters around 0 "
             "(gaps on the log axis).",
             bias_variance_figure(table, metadata=metadata),
+        ))
+    if has_budget(table):
+        figures.append(ReportFigure(
+            "error-vs-budget", "MSE vs keys used per query (quality against budget)",
+            "The same MSE against the keys each query reads, exact and sampled together (the sparse and sampling "
+            "estimators' budget); estimators that report no keys used (random features) are placed at S, their "
+            "features per query, and drawn dashed.",
+            error_vs_budget_figure(table, metadata=metadata),
         ))
     compared = feature_estimators(table) if "params" in table else []
     if compared:
@@ -660,6 +742,7 @@ def build_report(
         '<nav><a href="#summary">summary</a> · <a href="#figures">figures</a> · '
         + ('<a href="#language-model">language model</a> · ' if is_lm_metadata(metadata) else "")
         + ('<a href="#positions">error by position</a> · ' if has_positions else "")
+        + ('<a href="#promise">relative error</a> · ' if set(_RELATIVE_COLUMNS) <= set(table.columns) else "")
         + '<a href="#warnings">warnings</a> · <a href="#diagnostics">diagnostics</a> · '
         '<a href="#provenance">provenance</a></nav>',
         '<h2 id="summary">Summary</h2>',
@@ -680,6 +763,7 @@ def build_report(
     lm = lm_section(table, metadata)
     if lm:
         parts += lm
+    parts += promise_section(table)
     if has_positions:
         parts += positions_section(positions, metadata, dpi=dpi)
     note = mask_note(table, has_positions)

@@ -136,7 +136,8 @@ def test_unknown_kind_lists_the_known_ones(table):
 
 @pytest.mark.parametrize("kind", list(FIGURE_KINDS))
 def test_save_figure_writes_decodable_png_and_svg(kind, table, tmp_path):
-    paths = save_figure(make_figure(kind, table), tmp_path / "sub" / kind, dpi=80)
+    source = _with_keys_used(table) if kind == "error-vs-budget" else table
+    paths = save_figure(make_figure(kind, source), tmp_path / "sub" / kind, dpi=80)
     assert [p.name for p in paths] == [f"{kind}.png", f"{kind}.svg"]
     png, svg = paths
     assert png.stat().st_size > 20_000 and svg.stat().st_size > 20_000
@@ -223,8 +224,40 @@ def _outside_canvas(fig) -> list[str]:
 @pytest.mark.parametrize("kind", sorted(FIGURE_KINDS))
 def test_no_text_is_clipped(kind, shape):
     table = make_results_table(**shape)
+    table = _with_keys_used(table) if kind == "error-vs-budget" else table
     try:
         fig = make_figure(kind, table)
     except ResultsError:
         pytest.skip(f"{kind} has nothing to draw for this table")
     assert _outside_canvas(fig) == []
+
+
+# ------------------------------------------------------------------------------------------ error vs budget
+def _with_keys_used(table, label="ra"):
+    """``table`` with keys used reported for ``label`` only: 3 S + head, so that the mean over heads is 3 S + 1."""
+    budget = table.copy()
+    budget["keys_used"] = np.where(budget["label"] == label, 3 * budget["num_samples"] + budget["head"], np.nan)
+    return budget
+
+
+def test_error_vs_budget_places_counted_estimators_at_their_mean_keys_used_and_the_rest_at_s(table):
+    from randattn.reports.figures import error_vs_budget_figure
+
+    fig = error_vs_budget_figure(_with_keys_used(table))
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "keys used per query (log scale)" and ax.get_xscale() == "log"
+    lines = {line.get_label(): line for line in _data_lines(ax)}
+    counted = [line for line in lines.values() if line.get_linestyle() == "-"]
+    assert len(counted) == 1 and len(lines) == RANDOM_LABELS
+    np.testing.assert_allclose(counted[0].get_xdata(), [3 * s + 1 for s in (16, 32, 64)])  # heads 0, 1, 2
+    dashed = [line for line in lines.values() if line.get_linestyle() == "--"]
+    assert all(list(line.get_xdata()) == [16, 32, 64] for line in dashed)
+    assert all(name.endswith("(at S features)") for name, line in lines.items() if line.get_linestyle() == "--")
+
+
+def test_error_vs_budget_without_keys_used_says_which_estimators_have_it(table):
+    from randattn.reports.figures import error_vs_budget_figure
+
+    with pytest.raises(ResultsError, match="needs an estimator that reports the keys its queries read"):
+        error_vs_budget_figure(table)
+    assert "error-vs-budget" in FIGURE_KINDS

@@ -199,3 +199,24 @@ def test_diagnostics_say_why_they_were_not_computed(nan_table):
     # a NaN k-hat is never reported as a clean count
     khat_cells = re.findall(r"<td[^>]*>(\d+) of (\d+) cells &gt; 0.7", section)
     assert len(khat_cells) == 1  # rfa at S = 64 only
+
+
+def test_the_report_lists_a_broken_promise_and_summarises_the_relative_error():
+    """A head whose violation interval lies wholly above delta is listed as broken; the others are counted."""
+    from randattn.reports.html import build_report, promise_summary
+    from randattn.reports.testing import make_results_table
+
+    table = make_results_table(tokens=(64,), samples=(8, 16), heads=2, layers=(0,))
+    table["rel_err_mean"], table["rel_err_median"], table["rel_err_p95"] = 0.1, 0.08, 0.3 + table["head"]
+    table["epsilon"], table["delta"] = 0.05, 0.1
+    table["violation_rate"] = 0.02 + 0.5 * table["head"]
+    table["violation_lo"], table["violation_hi"] = table["violation_rate"] - 0.01, table["violation_rate"] + 0.01
+    table["promise_broken"] = table["violation_lo"] > table["delta"]
+    summary = promise_summary(table)
+    assert set(summary["largest 95th pct"]) == {1.3}
+    items = table["image"].nunique()
+    assert set(summary["heads broken"]) == {f"{items} of {2 * items}"}  # head 1 of each item
+    page = build_report(table, environment={})
+    assert '<h2 id="promise">Relative error and promises</h2>' in page and 'href="#promise"' in page
+    assert f"Broken promise</strong> in {int(table['promise_broken'].sum())} head(s)" in page
+    assert "[0.51, 0.53]" in page
