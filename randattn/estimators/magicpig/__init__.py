@@ -14,7 +14,8 @@ Conventions (paper first; where the official code or sparse-attention-hub differ
 
 - **Budget: S = num_samples = L, the number of hash tables**; K (``hash_bits``) is fixed. App. E.5: "K=8-10 is
   manually determined ... then we adjust L to obtain the wanted computation cost/budget"; app. E.3: the budget
-  grows with L. The keys a query reads are random: ``sinks`` + ``local`` + the distinct sampled keys
+  grows with L. S must be at least ``min_collisions`` (else no key could be sampled). The keys a query reads are
+  random: ``sinks`` + ``local`` + the distinct sampled keys
   (``keys_used``; app. E.3 eq. 21 estimates the sampled fraction as :math:`u` at :math:`p^K = 0.5^K`).
 - **Collision rule** ``min_collisions`` (c): 2 (default) is the paper's (sec. 4.3 "at least two hash tables",
   eq. 10, app. E.1) and the official code's (``library/lsh/lsh.cc``, ``retrieve``: a key is emitted on its
