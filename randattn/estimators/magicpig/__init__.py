@@ -1,0 +1,153 @@
+r"""MagicPIG: SimHash (K bits x L tables) as a sampler, self-normalized importance weights, sinks and local exact.
+
+Chen et al., "MagicPIG: LSH Sampling for Efficient LLM Generation", arXiv 2410.16179 (v4; ICLR 2025), sec. 4.1-4.4,
+eqs. 9-11, Algorithm 1, app. E; official code Infini-AI-Lab/MagicPIG (v0.2). For query n:
+
+.. math::
+    \hat o_n = \mathrm{softmax}_{m \in E_n \cup S_n}\bigl(x_n^\top y_m - \log u_{nm}\bigr)\, v,
+    \qquad u_{nm} = P\bigl[\mathrm{Bin}(L, p_{nm}^K) \ge c\bigr], \qquad p_{nm} = 1 - \theta(x_n, y_m - \mu_n)/\pi,
+
+with :math:`\log u = 0` on the exact keys :math:`E_n` and :math:`S_n` the candidates whose K-bit SimHash code
+equals the query's in at least c of the L tables (:mod:`.reference` has every step).
+
+Conventions (paper first; where the official code or sparse-attention-hub differs, it is an option):
+
+- **Budget: S = num_samples = L, the number of hash tables**; K (``hash_bits``) is fixed. App. E.5: "K=8-10 is
+  manually determined ... then we adjust L to obtain the wanted computation cost/budget"; app. E.3: the budget
+  grows with L. S must be at least ``min_collisions`` (else no key could be sampled). The keys a query reads are
+  random: ``sinks`` + ``local`` + the distinct sampled keys
+  (``keys_used``; app. E.3 eq. 21 estimates the sampled fraction as :math:`u` at :math:`p^K = 0.5^K`).
+- **Collision rule** ``min_collisions`` (c): 2 (default) is the paper's (sec. 4.3 "at least two hash tables",
+  eq. 10, app. E.1) and the official code's (``library/lsh/lsh.cc``, ``retrieve``: a key is emitted on its
+  second hit; ``sparse_attention.cc``, ``transform_kernel``: :math:`w = 1 - q^{L-1}(Lp + q)`). 1 is
+  sparse-attention-hub's masker (``MagicPig``: any table; :math:`u = 1 - (1 - p^K)^L`). Any c <= L is allowed:
+  :math:`u` is the binomial tail in log space.
+- **Sinks and local window**: ``sinks=4`` first keys and ``local=64`` most recent keys are exact (weight 1) and
+  never sampled (paper sec. 5.1 "the initial 4 tokens and local 64 (for LongBench and RULER) or 24 (for
+  lm-eval-harness) tokens"; sec. 4.4 "on-device cache"; official code ``num_sink_tokens=4``,
+  ``num_local_tokens=64``). "Most recent" = the ``local`` keys ending at the last key the query sees,
+  :math:`t_n = n + M - N` under the causal mask and :math:`M - 1` without one. Under the causal mask every
+  selection is among the visible keys; when sinks + local cover the keys a query sees, it is exact softmax.
+- **Centring** (``center``): the keys are centred before hashing, :math:`\bar k = k - \mu` (sec. 4.3 "data
+  pre-processing"; sec. 5.3: without it accuracy collapses). ``"all-keys"`` (default): :math:`\mu_n` = the mean
+  of every key query n sees (the paper's :math:`\frac1n\sum_i k_i` over the context; per query under the
+  causal mask, so no hidden key moves it). ``"hashed-keys"``: the mean of the hashed keys only, those between
+  the sinks and the local window (official code, ``attnserver.py`` ``fill``: ``offload_key.mean``).
+  ``"none"``: no centring. The angle in :math:`p` is the one between the query and the *centred* key (the
+  vectors hashed), as in Algorithm 1 and the official code. Queries are not centred (paper; official code
+  normalises the query, which does not change its code); sparse-attention-hub also subtracts the key mean from
+  the queries and appends the MIPS coordinate of eq. 8, which the paper says it does not use (sec. 5.1 "We do
+  not use the theoretical transformations in Equation (8)"): neither is reproduced here. Softmax is invariant
+  to translating the keys, so the logits use the keys as given.
+- **No epsilon**: the official code adds 1e-4 to :math:`u` (``logf(w + 1e-4)``); here :math:`-\log u` is exact
+  (log-space tail), so the weights are the inverse inclusion probabilities of eq. 9.
+- **Hyperplanes**: :math:`K \times L` independent N(0, I_D) directions per replicate and batch element (the
+  official code shares one set across heads and layers); a bit is :math:`[w^\top v > 0]`.
+- **Angle**: :math:`\theta = 2\,\mathrm{atan2}(|\hat a - \hat b|, |\hat a + \hat b|)`, equal to eq. 10's
+  arccos but accurate near 0 and pi.
+
+Presets: ``"official-code"`` centres on the hashed keys; ``"sparse-attention-hub"`` samples on one collision.
+
+Cost: the sampler is evaluated densely here, O(N M L K) code comparisons plus O(N M (D + Dv)) attention
+(``cost="quadratic"``); the paper's hash tables reach the same sample without touching every key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from randattn._validation import check_positive_int
+from randattn.estimators.base import Draws, EstimatorSpec, ExactLimit, Param
+from randattn.estimators.magicpig import batched, reference
+from randattn.estimators.magicpig.reference import CENTERINGS, check_params
+from randattn.estimators.masks import check_causal_shapes
+
+__all__ = ["PARAMS", "SPEC", "draw"]
+
+PARAMS = {
+    "hash_bits": Param(10, "K, SimHash bits (hyperplanes) per table (paper: K = 8-10; headline (K, L) = (10, 150))",
+                       kind=int),
+    "min_collisions": Param(2, "tables in which a key must share the query's code to be sampled (2: paper eq. 10 "
+                               "and official code; 1: sparse-attention-hub)", kind=int),
+    "sinks": Param(4, "first keys computed exactly, never sampled (paper sec. 5.1: 4)", kind=int),
+    "local": Param(64, "most recent keys computed exactly, never sampled (paper sec. 5.1: 64; 24 for lm-eval)",
+                   kind=int),
+    "center": Param("all-keys", "what the keys are centred on before hashing: the mean of the keys the query sees "
+                                "(paper sec. 4.3), of the hashed keys only (official code), or nothing",
+                    choices=CENTERINGS),
+}
+
+
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
+         rng: np.random.Generator, hash_bits: int = 10, min_collisions: int = 2, sinks: int = 4, local: int = 64,
+         center: str = "all-keys", mask: str | None = None) -> Draws:
+    """``hyperplanes : (R, ..., L, K, D)`` float64, iid N(0, 1): the K SimHash directions of each of the
+    L = ``num_samples`` tables, independent across replicates and batch elements.
+
+    Every parameter is checked here, before any work (ValueError naming it and its range); ``mask`` does not
+    change the draws.
+    """
+    check_params(hash_bits=hash_bits, min_collisions=min_collisions, sinks=sinks, local=local, center=center,
+                 tables=num_samples)
+    replicates = check_positive_int("replicates", replicates)
+    if mask is not None:
+        check_causal_shapes(q_shape[-2], k_shape[-2])
+    hyperplanes = rng.standard_normal((replicates, *q_shape[:-2], num_samples, hash_bits, q_shape[-1]))
+    return Draws({"hyperplanes": hyperplanes}, replicates)
+
+
+def _describe(params: Mapping[str, Any], defaults: Mapping[str, Any]) -> tuple[str, list[str], set[str]]:
+    """``"MagicPIG (K=10, >= 2 tables, 4 sinks + 64 local)"`` plus the centring when not the paper's."""
+    head = f"K={params['hash_bits']}, >= {params['min_collisions']} tables"
+    parts = [f"{params['sinks']} sinks + {params['local']} local"]
+    if params["center"] != defaults["center"]:
+        parts.append({"hashed-keys": "centred on hashed keys", "none": "uncentred"}.get(params["center"],
+                                                                                    f"center={params['center']}"))
+    return head, parts, {"hash_bits", "min_collisions", "sinks", "local", "center"}
+
+
+SPEC = EstimatorSpec(
+    name="magicpig",
+    summary="MagicPIG: SimHash (K bits x L tables) samples keys, weighted by 1/P[collide in >= 2 tables], "
+            "sinks + local window exact",
+    source="Chen et al. 2024 (MagicPIG), arXiv 2410.16179 sec. 4.1-4.4, eqs. 9-11, Algorithm 1, app. E; "
+           "code Infini-AI-Lab/MagicPIG",
+    complexity="O((N + M) L K D + N M L K + N M (D + Dv)); S = L tables",
+    params=PARAMS,
+    draw=draw,
+    reference=reference.estimate,
+    batched=batched.estimate,
+    batched_probabilities=batched.probabilities,
+    batched_with_probabilities=batched.estimate_with_probabilities,
+    variants={
+        # the defaults keep 68 exact keys, i.e. every key of the kit's small inputs: these variants sample
+        "sampling": {"hash_bits": 2, "sinks": 1, "local": 2},
+        "one-collision-uncentred": {"hash_bits": 3, "min_collisions": 1, "sinks": 0, "local": 1, "center": "none"},
+        "official-code": {"hash_bits": 2, "sinks": 2, "local": 3, "center": "hashed-keys"},
+    },
+    presets={
+        "official-code": {"center": "hashed-keys"},
+        "sparse-attention-hub": {"min_collisions": 1},
+    },
+    display_name="MagicPIG",
+    describe=_describe,
+    # SNIS over a growing sample is consistent as L -> infinity (u -> 1 for every key with theta < pi), but not at
+    # the kit's 1/S rate in S = L: while L p^K << 1 almost no candidate is sampled (u ~ C(L, c) p^(K c)), so at the
+    # paper's K = 10 the error barely moves from L = 4 to 64, and afterwards it falls geometrically. No claim.
+    convergence="none",
+    cost="quadratic",
+    selection="discrete",
+    normalized=True,
+    masks=(None, "causal"),
+    exact_limits=(
+        ExactLimit("the local window holds every key: every key exact, softmax attention (paper sec. 4.4)",
+                   params=lambda n, m: {"sinks": 0, "local": m}),
+        ExactLimit("the sinks hold every key: every key exact, softmax attention",
+                   params=lambda n, m: {"sinks": m, "local": 0}),
+    ),
+    keys_used=batched.keys_used,
+    memory_hint="R x M x L x K key projections and, per chunk of queries, C x M x L x K hash bits "
+                "(C M L K R ~ 4M); the N x M weights per batch element",
+)

@@ -1,0 +1,164 @@
+"""MagicPIG in torch (the batched form of :mod:`.reference`, same draws, same layout).
+
+The key projections :math:`y_m^\\top w_{lk}` are formed once per replicate; each query's centred codes compare them
+with :math:`\\mu_n^\\top w_{lk}` (:math:`(y_m - \\mu_n)^\\top w > 0 \\iff y_m^\\top w > \\mu_n^\\top w`). Queries go in
+chunks so that the ``(R, ..., C, M, L, K)`` bits of one chunk stay near :data:`CHUNK_ELEMENTS` elements: the
+sampler is dense over (query, key) pairs, O(N M L K) comparisons (the paper's hash tables avoid that work, not
+its result).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from randattn._validation import check_choice
+from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
+from randattn.estimators.base import Draws
+from randattn.estimators.magicpig.reference import check_params, exact_and_candidate_keys, tail_terms
+from randattn.estimators.masks import check_causal_shapes
+from randattn.estimators.sparse.batched import keys_used as count_keys_used
+from randattn.estimators.sparse.batched import masked_logits, weighted_attention
+
+__all__ = ["CHUNK_ELEMENTS", "estimate", "estimate_with_probabilities", "keys_used", "log_weights", "probabilities"]
+
+#: about how many hash bits one chunk of queries compares at once
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Kahan's ``2 atan2(|a^ - b^|, |a^ + b^|)`` along the last axis; a zero vector's unit vector is 0 (reference
+    :func:`~randattn.estimators.magicpig.reference.angle`)."""
+    def unit(w: torch.Tensor) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(w, dim=-1, keepdim=True)
+        return w / torch.where(norm > 0, norm, torch.ones_like(norm))
+
+    ua, ub = unit(a), unit(b)
+    return 2.0 * torch.atan2(torch.linalg.vector_norm(ua - ub, dim=-1), torch.linalg.vector_norm(ua + ub, dim=-1))
+
+
+def _log_inclusion(log_table_probability: torch.Tensor, tables: int, min_collisions: int) -> torch.Tensor:
+    """``log u``, the binomial tail in log space: the upper sum where u < 1/2, ``log1p`` of minus the lower sum
+    where u >= 1/2 (reference :func:`~randattn.estimators.magicpig.reference.log_inclusion_probability`)."""
+    like = log_table_probability
+    j, log_binomial = (torch.as_tensor(a, dtype=like.dtype, device=like.device)
+                       for a in tail_terms(tables, min_collisions))
+    log_p = log_table_probability.unsqueeze(-1)
+    j_log_p = torch.where(j > 0, j * log_p, torch.zeros_like(log_p))
+    terms = log_binomial + j_log_p + torch.special.xlog1py(tables - j, -torch.exp(log_p))
+    upper = torch.logsumexp(terms[..., min_collisions:], dim=-1)
+    lower = torch.logsumexp(terms[..., :min_collisions], dim=-1)
+    return torch.where(lower <= -math.log(2.0), torch.log1p(-torch.exp(lower)), upper)
+
+
+def _centering_means(y: torch.Tensor, visible: torch.Tensor, candidates: torch.Tensor, center: str) -> torch.Tensor:
+    """``(..., N, D)``: the mean of each query's visible keys / candidates (0 for none, or for ``center="none"``)."""
+    if center == "none":
+        return y.new_zeros((*y.shape[:-2], visible.shape[0], y.shape[-1]))
+    rows = (visible if center == "all-keys" else candidates).to(y.dtype)
+    counts = rows.sum(-1, keepdim=True)
+    return (rows @ y) / torch.where(counts > 0, counts, torch.ones_like(counts))
+
+
+def log_weights(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor, *, min_collisions: int, sinks: int,
+                local: int, center: str, mask: str | None = None) -> torch.Tensor:
+    """``(R, ..., N, M)``: 0 for exact keys, ``-log u`` for sampled keys, ``-inf`` for the rest (and hidden keys).
+
+    ``x (..., N, D)``, ``y (..., M, D)`` scaled; ``hyperplanes (R, ..., L, K, D)`` in their dtype and device.
+    """
+    num_queries, num_keys = x.shape[-2], y.shape[-2]
+    replicates, tables, hash_bits = hyperplanes.shape[0], hyperplanes.shape[-3], hyperplanes.shape[-2]
+    exact_np, candidates_np = exact_and_candidate_keys(num_queries, num_keys, sinks, local, mask)
+    exact = torch.as_tensor(exact_np, device=x.device)
+    candidates = torch.as_tensor(candidates_np, device=x.device)
+    out = x.new_full((replicates, *x.shape[:-2], num_queries, num_keys), float("-inf"))
+    if not candidates_np.any():  # sinks and local window hold every visible key: nothing to hash
+        return out.masked_fill(exact, 0.0)
+    means = _centering_means(y, exact | candidates, candidates, center)  # (..., N, D)
+    # projections on every hyperplane: (R, ..., M, L, K) for the keys, (R, ..., N, L, K) for queries and means
+    directions = hyperplanes.reshape(*hyperplanes.shape[:-3], tables * hash_bits, -1).transpose(-1, -2)
+
+    def project(vectors: torch.Tensor) -> torch.Tensor:
+        return (vectors @ directions).unflatten(-1, (tables, hash_bits))
+
+    key_proj, mean_proj, query_code = project(y), project(means), project(x) > 0
+    batch_size = math.prod(x.shape[:-2])
+    chunk = max(1, CHUNK_ELEMENTS // max(1, replicates * batch_size * num_keys * tables * max(hash_bits, 1)))
+    for start in range(0, num_queries, chunk):
+        rows = slice(start, min(start + chunk, num_queries))
+        # the centred key codes of these queries, and the tables in which they equal the query's code
+        key_code = key_proj.unsqueeze(-4) > mean_proj[..., rows, :, :].unsqueeze(-3)  # (R, ..., C, M, L, K)
+        agree = (key_code == query_code[..., rows, :, :].unsqueeze(-3)).all(dim=-1)  # (R, ..., C, M, L)
+        sampled = candidates[rows] & (agree.sum(dim=-1) >= min_collisions)  # (R, ..., C, M)
+        centered = y.unsqueeze(-3) - means[..., rows, :].unsqueeze(-2)  # (..., C, M, D)
+        theta = _angle(x[..., rows, :].unsqueeze(-2), centered)  # (..., C, M)
+        log_table_p = hash_bits * torch.log1p(-theta / math.pi)
+        log_u = _log_inclusion(log_table_p, tables, min_collisions)
+        weights = torch.where(sampled, -log_u, torch.full_like(log_u, float("-inf")))
+        out[..., rows, :] = torch.where(exact[rows], torch.zeros_like(weights), weights)
+    return out
+
+
+def _no_values(k: Any) -> Any:
+    """``(..., M, 1)`` zeros of ``k``'s kind and dtype: the values the input checks ask for where none are used."""
+    if isinstance(k, torch.Tensor):
+        return k.new_zeros((*k.shape[:-1], 1))
+    k = np.asarray(k)
+    return np.zeros((*k.shape[:-1], 1), dtype=k.dtype)
+
+
+def _prepared(q: Any, k: Any, v: Any, draws: Draws, scale: float | None, params: dict[str, Any],
+              mask: str | None):
+    """``(x, y, v, hyperplanes, checked params)`` after every check (the reference's checks, same messages)."""
+    x, y, v, _, batch = prepare_batched(q, k, v, scale)
+    if mask is not None:
+        check_choice("mask", mask, ("causal",))
+        check_causal_shapes(x.shape[-2], y.shape[-2])
+    hyperplanes = check_draw_array(to_torch_draws(draws, x), "hyperplanes", batch, (None, None, x.shape[-1]))
+    hash_bits, min_collisions, sinks, local, _ = check_params(tables=hyperplanes.shape[-3], **params)
+    if hyperplanes.shape[-2] != hash_bits:
+        raise ValueError(f"the draws hold {hyperplanes.shape[-2]} hyperplanes per table but hash_bits={hash_bits}: "
+                         "were they drawn with another hash_bits?")
+    return x, y, v, hyperplanes, dict(min_collisions=min_collisions, sinks=sinks, local=local,
+                                      center=params["center"])
+
+
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
+                                hash_bits: int = 10, min_collisions: int = 2, sinks: int = 4, local: int = 64,
+                                center: str = "all-keys",
+                                mask: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))`` from one selection; see :func:`estimate`."""
+    params = dict(hash_bits=hash_bits, min_collisions=min_collisions, sinks=sinks, local=local, center=center)
+    x, y, v, hyperplanes, checked = _prepared(q, k, v, draws, scale, params, mask)
+    weights = log_weights(x, y, hyperplanes, mask=mask, **checked)
+    return weighted_attention(masked_logits(x, y, mask), weights, v)
+
+
+def estimate(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None, hash_bits: int = 10,
+             min_collisions: int = 2, sinks: int = 4, local: int = 64, center: str = "all-keys",
+             mask: str | None = None) -> torch.Tensor:
+    """MagicPIG over ``(R, ..., N, Dv)``; same signature and layout as ``magicpig.reference.estimate``."""
+    return estimate_with_probabilities(q, k, v, draws, scale=scale, hash_bits=hash_bits,
+                                       min_collisions=min_collisions, sinks=sinks, local=local, center=center,
+                                       mask=mask)[0]
+
+
+def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, hash_bits: int = 10,
+                  min_collisions: int = 2, sinks: int = 4, local: int = 64, center: str = "all-keys",
+                  mask: str | None = None) -> torch.Tensor:
+    """``(R, ..., N, M)``: the attention probabilities MagicPIG implies (its weighted softmax over the keys)."""
+    params = dict(hash_bits=hash_bits, min_collisions=min_collisions, sinks=sinks, local=local, center=center)
+    x, y, _, hyperplanes, checked = _prepared(q, k, _no_values(k), draws, scale, params, mask)
+    return torch.softmax(masked_logits(x, y, mask) + log_weights(x, y, hyperplanes, mask=mask, **checked), dim=-1)
+
+
+def keys_used(q: Any, k: Any, draws: Draws, *, scale: float | None = None, hash_bits: int = 10,
+              min_collisions: int = 2, sinks: int = 4, local: int = 64, center: str = "all-keys",
+              mask: str | None = None) -> torch.Tensor:
+    """``(R, ..., N)`` float64: the distinct keys each query reads, exact plus sampled (reference ``keys_used``)."""
+    params = dict(hash_bits=hash_bits, min_collisions=min_collisions, sinks=sinks, local=local, center=center)
+    x, y, _, hyperplanes, checked = _prepared(q, k, _no_values(k), draws, scale, params, mask)
+    return count_keys_used(log_weights(x, y, hyperplanes, mask=mask, **checked), masked_logits(x, y, mask))

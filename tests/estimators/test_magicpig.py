@@ -1,0 +1,363 @@
+"""MagicPIG (Chen et al. 2024, arXiv 2410.16179): the kit, a literal per-query loop, batched == reference, the
+hash's collision law by Monte Carlo, keys_used by hand, limits, large norms and bad input.
+
+Expected values come from independent computations: the paper's steps written out with Python loops and ``math``
+(no package helper), the closed forms of eq. 10, Monte Carlo fractions of the hash itself, or hand counts.
+Monte Carlo tolerances are 4 standard errors of the fraction (binomial), with fixed seeds; each such test has a
+negative control showing that a wrong law (exponent K + 1) is rejected by the same test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from randattn.estimators.base import Draws
+from randattn.estimators.magicpig import SPEC, batched, draw, reference
+from randattn.testing import assert_close, parametrize_with_checks
+
+CENTERS = ("all-keys", "hashed-keys", "none")
+
+
+@parametrize_with_checks([SPEC, (SPEC, SPEC.variants["sampling"])])
+def test_conformance(estimator, check):
+    """The kit on the defaults (at the kit's sizes sinks + local hold every key) and on a variant that samples."""
+    check(estimator)
+
+
+@pytest.mark.slow
+@parametrize_with_checks([(SPEC, SPEC.variants["one-collision-uncentred"]), (SPEC, SPEC.variants["official-code"])])
+def test_conformance_of_the_other_variants(estimator, check):
+    check(estimator)
+
+
+def _draw(q, k, samples, params, *, replicates=1, seed=0, mask=None):
+    kwargs = {"mask": mask} if mask else {}
+    return draw(q.shape, k.shape, num_samples=samples, replicates=replicates, rng=np.random.default_rng(seed),
+                **params, **kwargs)
+
+
+def _params(**overrides):
+    return {**{name: p.default for name, p in SPEC.params.items()}, **overrides}
+
+
+def _mask_kw(mask):
+    return {"mask": mask} if mask else {}
+
+
+# ------------------------------------------------------------------------------------------ the paper, by loops
+def _tail(table_p: float, tables: int, at_least: int) -> float:
+    """P[Bin(L, P) >= c]: eq. 10 written out for c = 2, 1 - (1 - P)^L for c = 1, the binomial sum otherwise."""
+    if at_least == 2:
+        return 1 - (1 - table_p) ** tables - tables * table_p * (1 - table_p) ** (tables - 1)
+    if at_least == 1:
+        return 1 - (1 - table_p) ** tables
+    return sum(math.comb(tables, j) * table_p**j * (1 - table_p) ** (tables - j) for j in range(at_least, tables + 1))
+
+
+def _literal_magicpig(q, k, v, planes, *, scale, at_least, sinks, local, center, mask):
+    """One replicate, no batch dims: Algorithm 1 for each query with Python loops, plus the sampled (n, m) pairs."""
+    num_queries, dim = len(q), len(q[0])
+    num_keys, tables, bits = len(k), len(planes), len(planes[0])
+    out, sampled_pairs, skipped_pairs = [], [], []
+
+    def code(vector, table):  # SimHash: the sign pattern of K projections
+        return tuple(sum(planes[table][b][d] * vector[d] for d in range(dim)) > 0 for b in range(bits))
+
+    for n in range(num_queries):
+        last = n + num_keys - num_queries if mask == "causal" else num_keys - 1
+        visible = [m for m in range(num_keys) if m <= last]
+        exact = [m for m in visible if m < sinks or m > last - local]
+        candidates = [m for m in visible if m not in exact]
+        pool = {"all-keys": visible, "hashed-keys": candidates, "none": []}[center]
+        mean = [sum(k[m][d] for m in pool) / len(pool) if pool else 0.0 for d in range(dim)]
+        weighted = [(scale * sum(q[n][d] * k[m][d] for d in range(dim)), m) for m in exact]  # log weight 0
+        for m in candidates:
+            centred = [k[m][d] - mean[d] for d in range(dim)]
+            hits = sum(code(q[n], table) == code(centred, table) for table in range(tables))
+            if hits < at_least:
+                skipped_pairs.append((n, m))
+                continue
+            sampled_pairs.append((n, m))
+            cosine = (sum(q[n][d] * centred[d] for d in range(dim))
+                      / math.sqrt(sum(a * a for a in q[n]) * sum(a * a for a in centred)))
+            p = 1 - math.acos(max(-1.0, min(1.0, cosine))) / math.pi
+            u = _tail(p**bits, tables, at_least)
+            weighted.append((scale * sum(q[n][d] * k[m][d] for d in range(dim)) - math.log(u), m))
+        top = max(w for w, _ in weighted)
+        total = sum(math.exp(w - top) for w, _ in weighted)
+        out.append([sum(math.exp(w - top) * v[m][j] for w, m in weighted) / total for j in range(len(v[0]))])
+    return np.array(out), sampled_pairs, skipped_pairs
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("at_least", [2, 1])
+def test_reference_follows_the_paper_query_by_query(mask, at_least):
+    rng = np.random.default_rng(3)
+    q, k, v = rng.normal(size=(4, 3)), rng.normal(size=(9, 3)), rng.normal(size=(9, 2))
+    sampled = skipped = 0
+    for center in CENTERS:
+        params = _params(hash_bits=2, min_collisions=at_least, sinks=1, local=2, center=center)
+        draws = _draw(q, k, 5, params, seed=4, mask=mask)
+        expected, hits, misses = _literal_magicpig(q.tolist(), k.tolist(), v.tolist(),
+                                                   draws["hyperplanes"][0].tolist(), scale=3**-0.5,
+                                                   at_least=at_least, sinks=1, local=2, center=center, mask=mask)
+        sampled, skipped = sampled + len(hits), skipped + len(misses)
+        actual = reference.estimate(q, k, v, draws, **params, **_mask_kw(mask))
+        assert_close(actual[0], expected, atol=1e-12, rtol=1e-10, what=f"reference vs the literal loop, {center}:")
+    assert sampled > 0 and skipped > 0, "the inputs must exercise both sampled and rejected candidates"
+
+
+# ----------------------------------------------------------------------------------------- batched == reference
+@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize(("label", "q_shape", "k_shape"), [
+    ("decode N=3 over M=40", (3, 6), (40, 6)),
+    ("batch 2, N=M=11", (2, 11, 5), (2, 11, 5)),
+])
+def test_batched_equals_reference(mask, label, q_shape, k_shape):
+    rng = np.random.default_rng(5)
+    q, k = rng.normal(size=q_shape), rng.normal(size=k_shape)
+    v = rng.normal(size=(*k_shape[:-1], 3))
+    t = torch.as_tensor
+    for center, at_least in zip(CENTERS, (2, 1, 2)):
+        params = _params(hash_bits=3, min_collisions=at_least, sinks=2, local=4, center=center)
+        draws = _draw(q, k, 8, params, replicates=2, seed=6, mask=mask)
+        ref_out, ref_probs = reference.estimate_with_probabilities(q, k, v, draws, **params, **_mask_kw(mask))
+        out, probs = batched.estimate_with_probabilities(t(q), t(k), t(v), draws.to_torch(), **params,
+                                                         **_mask_kw(mask))
+        what = f"{label}, {center}, >= {at_least}, mask={mask}:"
+        assert_close(out, ref_out, atol=1e-10, rtol=1e-10, what=f"batched output, {what}")
+        assert_close(probs, ref_probs, atol=1e-10, rtol=1e-10, what=f"batched probabilities, {what}")
+        assert_close(batched.probabilities(t(q), t(k), draws.to_torch(), **params, **_mask_kw(mask)), ref_probs,
+                     atol=1e-10, rtol=1e-10, what=f"batched.probabilities, {what}")
+        assert_close(ref_probs @ v, ref_out, atol=1e-12, rtol=1e-12, what=f"probabilities @ v, {what}")
+        used = reference.keys_used(q, k, draws, **params, **_mask_kw(mask))
+        assert np.array_equal(batched.keys_used(t(q), t(k), draws.to_torch(), **params, **_mask_kw(mask)).numpy(),
+                              used), f"keys_used differs, {what}"
+        # the sampler is exercised: some candidates sampled, some not
+        exact, candidates = reference.exact_and_candidate_keys(q.shape[-2], k.shape[-2], 2, 4, mask)
+        sampled = used - exact.sum(-1)
+        assert sampled.min() >= 0 and sampled.max() > 0 and (sampled < candidates.sum(-1)).any(), what
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_batched_in_chunks_of_one_query(mask, monkeypatch):
+    """Chunking the queries (here one at a time) changes nothing."""
+    rng = np.random.default_rng(9)
+    q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 9, 4)), rng.normal(size=(2, 9, 2))
+    params = _params(hash_bits=2, sinks=1, local=2)
+    draws = _draw(q, k, 6, params, replicates=2, seed=10, mask=mask)
+    monkeypatch.setattr(batched, "CHUNK_ELEMENTS", 1)
+    t = torch.as_tensor
+    assert_close(batched.estimate(t(q), t(k), t(v), draws.to_torch(), **params, **_mask_kw(mask)),
+                 reference.estimate(q, k, v, draws, **params, **_mask_kw(mask)), atol=1e-10, rtol=1e-10,
+                 what="one query per chunk:")
+
+
+# ------------------------------------------------------------------------------------- the hash, by Monte Carlo
+def _z(fraction, probability, draws):
+    return (fraction - probability) / np.sqrt(probability * (1 - probability) / draws)
+
+
+@pytest.mark.parametrize("theta", [math.pi / 3, 2 * math.pi / 3])
+def test_collision_probability_matches_monte_carlo_of_the_hash(theta):
+    """The fraction of tables whose K-bit codes agree is (1 - theta/pi)^K within 4 standard errors; the same test
+    rejects the exponent K + 1."""
+    bits, tables = 3, 20000
+    q = np.array([1.0, 0.0, 0.0, 0.0, 0.0])
+    k = np.array([math.cos(theta), math.sin(theta), 0.0, 0.0, 0.0]) * 2.5
+    planes = _draw(q[None], k[None], tables, _params(hash_bits=bits), seed=11)["hyperplanes"][0]  # (L, K, D)
+    agree = (reference.hash_codes(q, planes) == reference.hash_codes(k, planes)).all(-1)  # (L,)
+    p = 1 - math.acos(float(q @ k) / float(np.linalg.norm(q) * np.linalg.norm(k))) / math.pi
+    assert abs(_z(agree.mean(), p**bits, tables)) < 4
+    assert abs(_z(agree.mean(), p ** (bits + 1), tables)) > 4, "negative control: exponent K+1 must be rejected"
+    log_p = reference.log_table_collision_probability(q, k[None], bits)
+    assert_close(np.exp(log_p), [p**bits], atol=0, rtol=1e-12, what="(1 - theta/pi)^K:")
+
+
+@pytest.mark.parametrize("at_least", [2, 1])
+def test_inclusion_probability_matches_monte_carlo_of_the_sampler(at_least):
+    """The fraction of independent hash draws that sample each candidate is u (eq. 10 for two tables) within 4
+    standard errors; u computed with the exponent K + 1 is rejected by the same test."""
+    bits, tables, replicates = 2, 6, 4000
+    angles = [0.0, math.pi / 6, math.pi / 4, math.pi / 3, math.pi / 2, 2 * math.pi / 3]  # key 0 is a sink
+    q = np.array([[1.0, 0.0, 0.0]])
+    k = np.array([[math.cos(a), math.sin(a), 0.0] for a in angles]) * 1.5
+    params = _params(hash_bits=bits, min_collisions=at_least, sinks=1, local=0, center="none")
+    draws = _draw(q, k, tables, params, replicates=replicates, seed=12)
+    chosen = reference.select(q, k, draws["hyperplanes"], min_collisions=at_least, sinks=1, local=0, center="none")
+    fraction = chosen.sampled[:, 0, 1:].mean(0)
+    p = np.array([1 - a / math.pi for a in angles[1:]])
+    u = np.array([_tail(pk**bits, tables, at_least) for pk in p])
+    u_wrong = np.array([_tail(pk ** (bits + 1), tables, at_least) for pk in p])
+    assert_close(np.exp(chosen.log_inclusion[0, 1:]), u, atol=0, rtol=1e-12, what="u against eq. 10:")
+    assert np.abs(_z(fraction, u, replicates)).max() < 4
+    assert np.abs(_z(fraction, u_wrong, replicates)).max() > 4, "negative control: exponent K+1 must be rejected"
+
+
+def test_log_inclusion_probability_in_log_space():
+    """log u stays exact where the closed form cancels or underflows: P = 1e-200 gives log C(L,2) + 2 log P;
+    u = 1 - 1e-21 gives log u = -1e-21; P = 1 gives 0; P = 0 gives -inf; moderate P agrees with eq. 10 and
+    1 - (1 - P)^L."""
+    log_p = np.log(np.array([1e-200, 1.0, 0.3, 0.02]))
+    with np.errstate(divide="ignore"):
+        log_p = np.append(log_p, -np.inf)
+    two = reference.log_inclusion_probability(log_p, 150, 2)
+    one = reference.log_inclusion_probability(log_p, 150, 1)
+    assert_close(two[0], math.log(math.comb(150, 2)) + 2 * math.log(1e-200), atol=0, rtol=1e-14, what="tiny P, c=2:")
+    assert_close(one[0], math.log(150) + math.log(1e-200), atol=0, rtol=1e-14, what="tiny P, c=1:")
+    assert two[1] == 0.0 and one[1] == 0.0
+    assert_close(np.exp(two[2:4]), [_tail(0.3, 150, 2), _tail(0.02, 150, 2)], atol=0, rtol=1e-12, what="eq. 10:")
+    assert_close(np.exp(one[2:4]), [_tail(0.3, 150, 1), _tail(0.02, 150, 1)], atol=0, rtol=1e-12, what="c=1:")
+    assert two[4] == -np.inf and one[4] == -np.inf
+    # u -> 1: log u = log1p(-lower tail), exact where 1 - u is far below the float64 spacing at 1
+    assert_close(two[2], -(0.7**150 + 150 * 0.3 * 0.7**149), atol=0, rtol=1e-12, what="u near 1, c=2:")
+    assert_close(one[2], -(0.7**150), atol=0, rtol=1e-12, what="u near 1, c=1:")
+    as_torch = batched._log_inclusion(torch.as_tensor(log_p), 150, 2).numpy()
+    assert as_torch[4] == -np.inf
+    assert_close(as_torch[:4], two[:4], atol=1e-15, rtol=1e-13, what="torch log u:")
+
+
+# --------------------------------------------------------------------------------------------- keys_used, limits
+@pytest.mark.parametrize(("mask", "expected"), [(None, [8, 8, 8]), ("causal", [7, 7, 8])])
+def test_keys_used_by_hand(mask, expected):
+    """Keys parallel to the query always collide (p = 1, u = 1), antiparallel ones never (p = 0): with sinks=2,
+    local=3 over M=10 the count is 5 exact + the parallel candidates (even m). No mask: candidates 2..6 -> 2, 4, 6.
+    Causal (t_n = 7, 8, 9): candidates 2..4, 2..5, 2..6 -> 2 + 2 + 3."""
+    q = np.tile([[1.0, 0.0, 0.0, 0.0]], (3, 1))
+    k = np.array([[(1 + m / 10) * (1 if m % 2 == 0 else -1), 0.0, 0.0, 0.0] for m in range(10)])
+    v = np.random.default_rng(13).normal(size=(10, 2))
+    params = _params(hash_bits=4, min_collisions=2, sinks=2, local=3, center="none")
+    draws = _draw(q, k, 6, params, replicates=3, seed=14, mask=mask)
+    used = reference.keys_used(q, k, draws, **params, **_mask_kw(mask))
+    assert used.tolist() == [expected] * 3
+    t = torch.as_tensor
+    assert batched.keys_used(t(q), t(k), draws.to_torch(), **params, **_mask_kw(mask)).tolist() == [expected] * 3
+    # and the weights are 1 (u = 1): softmax over exactly those keys
+    out = reference.estimate(q, k, v, draws, **params, **_mask_kw(mask))
+    for n in range(3):
+        last = n + 7 if mask == "causal" else 9
+        keys = [m for m in range(last + 1) if m < 2 or m > last - 3 or m % 2 == 0]
+        logits = np.array([0.5 * k[m, 0] for m in keys])  # scale = 4 ** -0.5, q = e1
+        weights = np.exp(logits - logits.max())
+        assert_close(out[:, n], np.broadcast_to(weights @ v[keys] / weights.sum(), (3, 2)), atol=1e-14, rtol=1e-12,
+                     what=f"query {n}:")
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_exact_when_sinks_and_local_cover_every_key(mask):
+    rng = np.random.default_rng(15)
+    q, k, v = rng.normal(size=(5, 4)), rng.normal(size=(12, 4)), rng.normal(size=(12, 3))
+    logits = q @ k.T / 2
+    if mask == "causal":
+        logits = np.where(np.arange(12)[None] <= np.arange(5)[:, None] + 7, logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    exact = weights @ v / weights.sum(-1, keepdims=True)
+    for sinks, local in ((0, 12), (12, 0), (5, 7)):
+        params = _params(hash_bits=2, sinks=sinks, local=local)
+        draws = _draw(q, k, 4, params, replicates=2, seed=16, mask=mask)
+        assert_close(reference.estimate(q, k, v, draws, **params, **_mask_kw(mask)), np.broadcast_to(exact, (2, 5, 3)),
+                     atol=1e-12, rtol=1e-10, what=f"sinks={sinks}, local={local}:")
+
+
+def test_many_tables_sample_every_key_with_weight_one():
+    """With K = 1 and L = 3000 every candidate collides in >= 2 tables and u = 1 to rounding (checked: the largest
+    (1 - p)^(L-1) L is far below 1e-16), so MagicPIG is softmax attention."""
+    rng = np.random.default_rng(17)
+    q, k, v = rng.uniform(0.1, 1, size=(5, 4)), rng.uniform(0.1, 1, size=(12, 4)), rng.normal(size=(12, 3))
+    cosine = (q @ k.T) / np.outer(np.linalg.norm(q, axis=1), np.linalg.norm(k, axis=1))
+    p_min = 1 - np.arccos(cosine.min()) / np.pi
+    assert 3000 * (1 - p_min) ** 2999 < 1e-30
+    params = _params(hash_bits=1, sinks=1, local=0, center="none")
+    draws = _draw(q, k, 3000, params, seed=18)
+    weights = np.exp(q @ k.T / 2)
+    exact = weights @ v / weights.sum(-1, keepdims=True)
+    assert_close(reference.estimate(q, k, v, draws, **params)[0], exact, atol=1e-12, rtol=1e-10, what="L = 3000:")
+    t = torch.as_tensor
+    assert_close(batched.estimate(t(q), t(k), t(v), draws.to_torch(), **params)[0], exact, atol=1e-12, rtol=1e-10,
+                 what="L = 3000, batched:")
+
+
+# ------------------------------------------------------------------------------------------------- large norms
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_large_norms_finite_and_hashing_scale_invariant(mask):
+    rng = np.random.default_rng(19)
+    q, k = rng.normal(size=(2, 6, 8)), rng.normal(size=(2, 20, 8))
+    q *= rng.uniform(100, 300, size=(2, 6, 1)) / np.linalg.norm(q, axis=-1, keepdims=True)
+    k *= rng.uniform(100, 300, size=(2, 20, 1)) / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.normal(size=(2, 20, 3))
+    params = _params(hash_bits=2, sinks=1, local=2)
+    draws = _draw(q, k, 8, params, replicates=2, seed=20, mask=mask)
+    ref = reference.estimate(q, k, v, draws, **params, **_mask_kw(mask))
+    assert np.isfinite(ref).all()
+    t = torch.as_tensor
+    assert_close(batched.estimate(t(q), t(k), t(v), draws.to_torch(), **params, **_mask_kw(mask)), ref, atol=1e-10,
+                 rtol=1e-10, what="batched at norms 100-300:")
+    out32 = batched.estimate(t(q).float(), t(k).float(), t(v).float(), draws.to_torch(dtype=torch.float32), **params,
+                             **_mask_kw(mask))
+    assert torch.isfinite(out32).all()
+    # the codes and u see directions only: scaling by 128 (exact in binary) changes no bit of the selection
+    select = {key: params[key] for key in ("min_collisions", "sinks", "local", "center")}
+    small = reference.select(q / 128, k / 128, draws["hyperplanes"], mask=mask, **select)
+    large = reference.select(q, k, draws["hyperplanes"], mask=mask, **select)
+    assert np.array_equal(small.log_weights, large.log_weights)
+    assert large.sampled.any()
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+BAD = [
+    ({"hash_bits": 0}, 4, ValueError, "hash_bits"),
+    ({"hash_bits": 2.5}, 4, TypeError, "hash_bits"),
+    ({"min_collisions": 0}, 4, ValueError, "min_collisions"),
+    ({"min_collisions": 5}, 4, ValueError, "min_collisions=5 exceeds"),
+    ({}, 0, ValueError, "num_samples"),
+    ({"sinks": -1}, 4, ValueError, "sinks"),
+    ({"sinks": 0, "local": 0}, 4, ValueError, "sinks + local"),
+    ({"center": "mean"}, 4, ValueError, "center"),
+]
+
+
+@pytest.mark.parametrize(("bad", "samples", "error", "words"), BAD, ids=[b[3] for b in BAD])
+def test_bad_input_named_in_draw_and_estimate(bad, samples, error, words):
+    rng = np.random.default_rng(21)
+    q, k, v = rng.normal(size=(3, 4)), rng.normal(size=(5, 4)), rng.normal(size=(5, 2))
+    with pytest.raises(error, match=words.replace("+", r"\+")):
+        _draw(q, k, samples, _params(**bad))
+    if samples == 0:
+        return  # L = 0 tables cannot be drawn; estimate reads L from the draws' shape
+    good = _draw(q, k, samples, _params(hash_bits=2))
+    t = torch.as_tensor
+    for form, args in ((reference.estimate, (q, k, v)), (batched.estimate, (t(q), t(k), t(v)))):
+        with pytest.raises(error, match=words.replace("+", r"\+")):
+            form(*args, good, **_params(**{"hash_bits": 2, **bad}))
+
+
+def test_bad_draws_and_masks():
+    rng = np.random.default_rng(22)
+    q, k, v = rng.normal(size=(3, 4)), rng.normal(size=(5, 4)), rng.normal(size=(5, 2))
+    draws = _draw(q, k, 4, _params(hash_bits=3))
+    with pytest.raises(ValueError, match="hash_bits=10"):
+        reference.estimate(q, k, v, draws, **_params())
+    with pytest.raises(ValueError, match="hash_bits=10"):
+        batched.estimate(torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v), draws, **_params())
+    with pytest.raises(KeyError, match="hyperplanes"):
+        reference.estimate(q, k, v, Draws({"omega": np.zeros((1, 4, 4))}, 1), **_params())
+    with pytest.raises(ValueError, match="were the draws made for inputs of another shape"):
+        reference.estimate(q[:, :3], k[:, :3], v, draws, **_params(hash_bits=3))
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
+        draw((6, 4), (5, 4), num_samples=4, rng=np.random.default_rng(0), mask="causal")
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
+        reference.estimate(rng.normal(size=(6, 4)), k, v, _draw(rng.normal(size=(6, 4)), k, 4, _params()),
+                           **_params(), mask="causal")
+
+
+def test_presets_and_description_name_the_conventions():
+    assert SPEC.describe(_params(), _params()) == ("K=10, >= 2 tables", ["4 sinks + 64 local"],
+                                                   {"hash_bits", "min_collisions", "sinks", "local", "center"})
+    assert SPEC.describe(_params(center="hashed-keys"), _params())[1][-1] == "centred on hashed keys"
+    assert SPEC.resolve_params({"preset": "official-code"})["center"] == "hashed-keys"
+    assert SPEC.resolve_params({"preset": "sparse-attention-hub"})["min_collisions"] == 1
+    assert SPEC.resolve_params({})["min_collisions"] == 2 and SPEC.resolve_params({})["center"] == "all-keys"
