@@ -1,0 +1,173 @@
+r"""vAttention in torch (the batched form of :mod:`.reference`): every query and replicate at once.
+
+The same steps as the reference (see its module docstring): the heavy set by a stable descending sort of the
+candidates' logits (ties: the lower key index first, as ``numpy.argsort(-logits, kind="stable")``), the keys to
+sample from put first in ascending order by a stable sort, draws :math:`\lfloor u\, n_s \rfloor` gathered from
+them, counts by ``scatter_add``. The adaptive budget's statistics (:math:`\hat\sigma`, :math:`\hat D`) are formed
+in float64 whatever the input dtype, so that float32 inputs round only the logits and the sample size rarely
+differs from the reference's; draw indices are computed in float64 too (a float32 uniform may round up to 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
+from randattn.estimators.base import Draws
+from randattn.estimators.sparse.batched import keys_used as sparse_keys_used
+from randattn.estimators.sparse.batched import masked_logits, weighted_attention
+from randattn.estimators.vattention.rules import check_params, normal_quantile, query_sets, uniform_counts
+
+__all__ = ["Selection", "estimate", "estimate_with_probabilities", "keys_used", "probabilities", "select"]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """:class:`randattn.estimators.vattention.reference.Selection` as tensors (``sample_sizes`` and ``bounds``
+    float64)."""
+
+    logits: torch.Tensor
+    heavy: torch.Tensor
+    log_weights: torch.Tensor
+    sample_sizes: torch.Tensor
+    bounds: torch.Tensor
+
+
+def _prepare_qk(q: Any, k: Any, scale: float | None) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """``(x, y, batch)`` from q and k alone (a one-column zero v stands in for the shape checks)."""
+    k_tensor = k if isinstance(k, torch.Tensor) else torch.as_tensor(np.asarray(k))
+    dummy = torch.zeros((*k_tensor.shape[:-1], 1), dtype=k_tensor.dtype, device=k_tensor.device)
+    x, y, _, _, batch = prepare_batched(q, k_tensor, dummy, scale)
+    return x, y, batch
+
+
+def _pick(pool_order: torch.Tensor, sizes: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Keys ``pool[floor(u * n)]`` for uniforms ``(R, ..., N, U)``; ``pool_order (..., N, M)`` lists each query's
+    pool first, ascending; ``sizes (N,)`` the pool sizes."""
+    slots = torch.floor(uniforms.to(torch.float64) * sizes.to(torch.float64)[:, None]).to(torch.long)
+    slots = torch.minimum(slots, (sizes - 1)[:, None]).clamp(min=0)
+    expanded = pool_order.expand(*uniforms.shape[:-1], pool_order.shape[-1])
+    return torch.gather(expanded, -1, slots)
+
+
+def _top_k(logits: torch.Tensor, candidates: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``(..., N, M)`` bool: each query's ``counts[n]`` candidates of largest logit (ties: lower index first)."""
+    score = logits.masked_fill(~candidates, float("-inf"))
+    order = torch.argsort(score, dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                           .expand_as(order))
+    return candidates & (rank < counts[:, None])
+
+
+def _sample_sizes(e: torch.Tensor, heavy: torch.Tensor, pool_order: torch.Tensor, pool_sizes: torch.Tensor,
+                  base_draws: torch.Tensor, base: torch.Tensor, params: dict[str, Any]) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+    """``(b, bound)`` of the adaptive budget, ``(R, ..., N)`` float64 (reference ``sample_size``, vectorized)."""
+    in_base = torch.arange(base.shape[-1], device=base.device) < base_draws[:, None]  # (N, B)
+    keys = _pick(pool_order, pool_sizes, base)
+    values = torch.gather(e.expand(*keys.shape[:-1], e.shape[-1]), -1, keys) * in_base
+    b0 = base_draws.to(torch.float64)
+    mean = values.sum(-1) / b0
+    sigma = torch.sqrt(((values - mean[..., None]) ** 2 * in_base).sum(-1) / (b0 - 1))
+    if params["duplicates"] == "count":
+        base_sum = values.sum(-1)
+    else:
+        hits = torch.zeros(*keys.shape[:-1], e.shape[-1], dtype=torch.float64, device=e.device)
+        hits.scatter_add_(-1, keys, in_base.to(torch.float64).expand_as(keys))
+        base_sum = (e * (hits > 0)).sum(-1)
+    n = pool_sizes.to(torch.float64)
+    denominator = (e * heavy).sum(-1) + n / b0 * base_sum
+    z = normal_quantile(params["delta"], params["quantile"])
+    positive = denominator > 0
+    ratio = sigma / torch.where(positive, denominator, torch.ones_like(denominator))
+    bound = torch.where(positive, (z * n * ratio / params["epsilon"]) ** 2,
+                        torch.full_like(denominator, float("inf")))
+    rounded = torch.ceil(bound) if params["rounding"] == "ceil" else torch.floor(bound)
+    return torch.minimum(torch.maximum(rounded, b0), n), bound
+
+
+def select(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
+           **params: Any) -> Selection:
+    """The heavy set, the sample and the weights of every query (reference ``select``, vectorized)."""
+    params = check_params(params)
+    x, y, batch = _prepare_qk(q, k, scale)
+    draws = to_torch_draws(draws, x)
+    num_queries, num_keys = x.shape[-2], y.shape[-2]
+    replicates, device = draws.replicates, x.device
+    sets = query_sets(num_queries, num_keys, mask, params)
+    main = check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (None,))
+    base = None
+    if params["budget"] == "adaptive":
+        if "base_uniforms" not in draws:
+            raise ValueError("budget='adaptive' needs the draws' 'base_uniforms'; these draws were made for "
+                             "budget='fixed' (pass the same parameters to draw() and estimate())")
+        want_main, want_base = uniform_counts(num_keys, 1, params)
+        check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (want_main,))
+        base = check_draw_array(draws, "base_uniforms", (*batch, num_queries), (want_base,))
+    as_tensor = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+    visible, candidates = as_tensor(sets.visible), as_tensor(sets.candidates)
+    pool_sizes = as_tensor(sets.sampled_size)
+
+    logits = masked_logits(x, y, mask)
+    heavy = (as_tensor(sets.sinks | sets.local) | _top_k(logits, candidates, as_tensor(sets.top_k)))
+    pool = candidates.expand_as(heavy) if params["sample_from"] == "window" else visible & ~heavy
+    pool_order = torch.argsort((~pool).to(torch.uint8), dim=-1, stable=True)  # the pool first, ascending
+    # the official code's full mask when its window holds fewer than two keys
+    full = as_tensor(sets.sampled_size < 2) if params["sample_from"] == "window" else torch.zeros_like(pool_sizes,
+                                                                                                     dtype=torch.bool)
+    sampling = (pool_sizes > 0) & ~full  # (N,)
+    shape = (replicates, *logits.shape[:-1])
+    if base is None:
+        sizes = torch.full(shape, float(main.shape[-1]), dtype=torch.float64, device=device)
+        bounds = torch.full(shape, float("nan"), dtype=torch.float64, device=device)
+    else:
+        shifted = torch.exp((logits - logits.amax(-1, keepdim=True)).to(torch.float64))  # e^{s - c}, hidden 0
+        sizes, bounds = _sample_sizes(shifted, heavy, pool_order, pool_sizes, as_tensor(sets.base_draws), base,
+                                      params)
+    sizes = torch.where(sampling, sizes, torch.zeros_like(sizes))
+    bounds = torch.where(sampling, bounds, torch.full_like(bounds, float("nan")))
+
+    in_sample = torch.arange(main.shape[-1], device=device) < sizes[..., None]
+    counts = torch.zeros((*shape, num_keys), dtype=logits.dtype, device=device)
+    counts.scatter_add_(-1, _pick(pool_order, pool_sizes, main), in_sample.to(logits.dtype))
+    sampled = (counts > 0) & ~heavy  # a draw on a heavy key (window) adds nothing: its weight stays 1
+    multiplicity = counts if params["duplicates"] == "count" else torch.ones_like(counts)
+    scale_up = (pool_sizes.to(torch.float64) / torch.where(sizes > 0, sizes, torch.ones_like(sizes)))
+    weights = scale_up[..., None].to(logits.dtype) * multiplicity
+    log_weights = torch.where(sampled, torch.log(torch.where(sampled, weights, torch.ones_like(weights))),
+                              torch.full_like(weights, float("-inf")))
+    exact = heavy | (full[:, None] & visible)
+    log_weights = log_weights.masked_fill(exact, 0.0)
+    return Selection(logits, heavy, log_weights, sizes, bounds)
+
+
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
+                                mask: str | None = None, **params: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))``, the same bits as ``estimate`` and ``probabilities``."""
+    _, _, v, _, _ = prepare_batched(q, k, v, scale)
+    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    return weighted_attention(chosen.logits, chosen.log_weights, v)
+
+
+def estimate(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
+             **params: Any) -> torch.Tensor:
+    """vAttention, ``(R, ..., N, Dv)`` in the inputs' dtype; see :func:`.reference.estimate`."""
+    return estimate_with_probabilities(q, k, v, draws, scale=scale, mask=mask, **params)[0]
+
+
+def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
+                  **params: Any) -> torch.Tensor:
+    """``(R, ..., N, M)``: the implied attention probabilities (the weighted softmax, no value product)."""
+    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    return torch.softmax(chosen.logits + chosen.log_weights, dim=-1)
+
+
+def keys_used(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
+              **params: Any) -> torch.Tensor:
+    """``(R, ..., N)`` float64: heavy set plus distinct sampled keys (the base sample's keys not counted)."""
+    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    return sparse_keys_used(chosen.log_weights, chosen.logits)

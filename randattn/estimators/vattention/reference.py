@@ -1,0 +1,296 @@
+r"""vAttention in numpy float64 (the reference form): one query at a time, literally.
+
+For query :math:`n` (logits :math:`s_m = x_n^\top y_m`, visible keys :math:`V_n`):
+
+1. **Heavy set** :math:`I_f = I_s \cup I_l \cup I_t`, computed exactly: the first ``sinks`` visible keys
+   :math:`I_s`, the ``local`` keys ending at the query's own position :math:`I_l`, and the ``top_k`` keys of
+   largest logit among the other visible keys :math:`I_t` (ties: the lower key index first).
+2. **Residual** :math:`I_r = V_n \setminus I_f`, of size :math:`n_s` (``sample_from="window"``: the keys between
+   the sinks and the local window instead, top-k keys included, as the official code).
+3. **Sample size** :math:`b`: ``S`` (``budget="fixed"``), or the CLT budget (``budget="adaptive"``,
+   :func:`sample_size`).
+4. **Sample** :math:`j_1, \dots, j_b` uniformly from :math:`I_r`, with replacement:
+   :math:`j_i = I_r[\lfloor u_i n_s \rfloor]` for the draws' uniforms :math:`u_i` (:math:`I_r` in ascending key
+   order).
+5. **Estimate**
+
+   .. math::
+       \hat N = \sum_{m \in I_f} e^{s_m} v_m + \frac{n_s}{b} \sum_{i=1}^{b} e^{s_{j_i}} v_{j_i}, \qquad
+       \hat D = \sum_{m \in I_f} e^{s_m} + \frac{n_s}{b} \sum_{i=1}^{b} e^{s_{j_i}}, \qquad
+       \hat y_n = \hat N / \hat D,
+
+   i.e. weights :math:`w_m = 1` on :math:`I_f` and :math:`w_m = c_m n_s / b` on a key drawn :math:`c_m` times
+   (``duplicates="merge"``: :math:`n_s / b` whatever :math:`c_m \ge 1`, the official code), formed in log space
+   by :func:`randattn.estimators.sparse.reference.weighted_attention`. Since :math:`E[c_m] = b / n_s`, both
+   residual sums are unbiased; :math:`\hat y_n` is their ratio (consistent, bias :math:`O(1/b)`).
+
+Sources: Desai et al., "vAttention: Verified Sparse Attention" (ICLR 2026, arXiv 2510.05688): the estimator of
+:math:`N` and :math:`D` and the budget theorem as the authors state them in their post "vAttention: Verified Sparse
+Attention" (sky-light.eecs.berkeley.edu; skylight-org/website, ``VAttentionEntry.tsx``); the official code,
+xAlg-ai/sparse-attention-hub, ``AdaptiveSamplingMasker`` (``maskers/sampling/implementations/adaptive_sampling.py``)
+with ``SinkMasker``, ``LocalMasker`` and ``OracleTopK``. The paper's own section and equation numbers could not
+be read here, so formulas are cited by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from randattn.estimators._prepare import check_draw_array, prepare_reference
+from randattn.estimators.base import Draws
+from randattn.estimators.sparse.reference import keys_used as sparse_keys_used
+from randattn.estimators.sparse.reference import masked_logits, weighted_attention
+from randattn.estimators.vattention.rules import (
+    QuerySets, check_params, ceil_or_floor, normal_quantile, query_sets, uniform_counts,
+)
+
+__all__ = ["Selection", "estimate", "estimate_with_probabilities", "keys_used", "probabilities", "sample_size",
+           "select"]
+
+
+@dataclass(frozen=True)
+class Selection:
+    r"""What vAttention chose for every query of every replicate.
+
+    Attributes
+    ----------
+    logits : (..., N, M)
+        :math:`x_n^\top y_m`, ``-inf`` for hidden keys.
+    heavy : (..., N, M) bool
+        The heavy set :math:`I_f` (deterministic).
+    log_weights : (R, ..., N, M)
+        :math:`\log w_{nm}`: 0 on the heavy set, :math:`\log(c_m n_s / b)` on sampled keys, ``-inf`` elsewhere.
+    sample_sizes : (R, ..., N) float64
+        :math:`b`, the draws each query took (0 where nothing was sampled).
+    bounds : (R, ..., N) float64
+        The adaptive budget formula before rounding and clipping (:func:`sample_size`); NaN for a fixed budget
+        or where nothing is sampled.
+    """
+
+    logits: np.ndarray
+    heavy: np.ndarray
+    log_weights: np.ndarray
+    sample_sizes: np.ndarray
+    bounds: np.ndarray
+
+
+def sample_size(base_values: np.ndarray, base_keys: np.ndarray, exact_denominator: float, sampled_size: int, *,
+                epsilon: float, delta: float, quantile: str, duplicates: str, rounding: str) -> tuple[int, float]:
+    r"""The adaptive sample size of one query and one replicate: ``(b, bound)``.
+
+    The paper's budget theorem (as stated by the authors): for a sum :math:`s = \sum_{m \in I_r} x_m` estimated by
+    :math:`\hat s = \frac{n_s}{b} \sum_{i=1}^b x_{j_i}` from :math:`b` uniform draws,
+
+    .. math::
+        b \ge \left( \Phi^{-1}(1 - \delta/2) \, \frac{n_s \sqrt{\operatorname{Tr} \Sigma}}{\tau} \right)^2
+        \;\Longrightarrow\; P(\lVert \hat s - s \rVert > \tau) \le \delta
+
+    by the central limit theorem (:math:`\Sigma`: the population covariance of the :math:`x_m`). vAttention's
+    practical rule (the paper's denominator-only relaxation; the official code) applies it to the denominator,
+    :math:`x_m = e^{s_m}`, with :math:`\tau = \epsilon D`, both unknowns replaced by base-sample estimates:
+
+    1. a base sample of :math:`b_0` uniform draws from :math:`I_r` (``base_values`` :math:`= e^{s_{j}}`, made
+       by the caller from the ``base_uniforms``);
+    2. :math:`\hat\sigma`: their sample standard deviation (``ddof=1``, as the code's ``torch.std``);
+    3. :math:`\hat D = \sum_{m \in I_f} e^{s_m} + \frac{n_s}{b_0} \sum_{i=1}^{b_0} e^{s_{j_i}}` (``duplicates=
+       "merge"``: each distinct base key once, as the code's mask);
+    4. the bound :math:`b^* = (z \, n_s \hat\sigma / (\epsilon \hat D))^2` with :math:`z = \Phi^{-1}(1-\delta/2)`
+       (``quantile="one-sided"``: :math:`\Phi^{-1}(1 - \delta)`, the code); :math:`b^* = \infty` where
+       :math:`\hat D = 0` (every term underflowed: nothing is known, take the cap);
+    5. :math:`b = \min(\max(b_0, \lceil b^* \rceil), n_s)` (``rounding="floor"``: :math:`\lfloor b^* \rfloor`,
+       the code). The floor :math:`b_0` and the cap :math:`n_s` are the official code's clamps; the paper's bound
+       has neither, and where the cap binds the (epsilon, delta) promise does not hold for that query.
+
+    The ratio :math:`\hat\sigma / \hat D` does not change when every :math:`e^{s_m}` is multiplied by one
+    constant, so the caller passes them shifted by the query's largest visible logit.
+
+    Parameters
+    ----------
+    base_values : (b0,)
+        :math:`e^{s_j - c}` of the base draws, duplicates included.
+    base_keys : (b0,)
+        Their key indices (for ``duplicates="merge"``).
+    exact_denominator : float
+        :math:`\sum_{m \in I_f} e^{s_m - c}`.
+    sampled_size : int
+        :math:`n_s`.
+    """
+    b0 = base_values.shape[-1]
+    sigma = float(np.std(base_values, ddof=1))
+    if duplicates == "count":
+        base_sum = float(base_values.sum())
+    else:
+        _, first = np.unique(base_keys, return_index=True)
+        base_sum = float(base_values[first].sum())
+    denominator = exact_denominator + sampled_size / b0 * base_sum
+    z = normal_quantile(delta, quantile)
+    bound = (z * sampled_size * sigma / (epsilon * denominator)) ** 2 if denominator > 0 else np.inf
+    size = min(max(b0, ceil_or_floor(bound, rounding)), sampled_size)
+    return int(size), float(bound)
+
+
+def _pick(pool: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    """``pool[floor(u * len(pool))]``: uniform draws from ``pool`` (a float32 u rounded up to 1 takes the last)."""
+    slots = np.minimum(np.floor(uniforms * len(pool)).astype(np.int64), len(pool) - 1)
+    return pool[slots]
+
+
+def _checked_draws(draws: Draws, batch: tuple[int, ...], num_queries: int, num_keys: int,
+                   params: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None]:
+    """The draws' uniforms as float64 numpy after checking their layout against the inputs and the budget."""
+    main = check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (None,))
+    main = np.asarray(main.detach().cpu() if hasattr(main, "detach") else main, dtype=np.float64)
+    if params["budget"] == "fixed":
+        return main, None
+    if "base_uniforms" not in draws:
+        raise ValueError("budget='adaptive' needs the draws' 'base_uniforms'; these draws were made for "
+                         "budget='fixed' (pass the same parameters to draw() and estimate())")
+    want_main, want_base = uniform_counts(num_keys, 1, params)
+    check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (want_main,))
+    base = check_draw_array(draws, "base_uniforms", (*batch, num_queries), (want_base,))
+    return main, np.asarray(base.detach().cpu() if hasattr(base, "detach") else base, dtype=np.float64)
+
+
+def _select_query(row: np.ndarray, sets: QuerySets, n: int, main: np.ndarray, base: np.ndarray | None,
+                  params: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Steps 1-4 for one query: ``(heavy (M,), log_weights (R, M), sample_sizes (R,), bounds (R,))``."""
+    num_keys, replicates = row.shape[0], main.shape[0]
+    visible = np.flatnonzero(sets.visible[n])
+    fixed_keys = np.flatnonzero(sets.sinks[n] | sets.local[n])
+    candidates = np.flatnonzero(sets.candidates[n])
+    by_logit = candidates[np.argsort(-row[candidates], kind="stable")]  # ties: lower index first
+    heavy_keys = np.union1d(fixed_keys, by_logit[: sets.top_k[n]])
+    heavy = np.zeros(num_keys, dtype=bool)
+    heavy[heavy_keys] = True
+    pool = candidates if params["sample_from"] == "window" else np.setdiff1d(visible, heavy_keys)
+    log_weights = np.full((replicates, num_keys), -np.inf)
+    log_weights[:, heavy_keys] = 0.0
+    sizes, bounds = np.zeros(replicates), np.full(replicates, np.nan)
+    if len(pool) == 0:
+        return heavy, log_weights, sizes, bounds
+    if params["sample_from"] == "window" and len(pool) < 2:
+        # the official code returns a full mask when its window holds fewer than two keys
+        log_weights[:, visible] = 0.0
+        return heavy, log_weights, sizes, bounds
+    sampled_size = len(pool)
+    shifted = np.exp(row - row[visible].max())  # e^{s_m - c}; hidden keys give 0
+    for r in range(replicates):
+        if base is None:
+            size = main.shape[-1]
+        else:
+            base_keys = _pick(pool, base[r, : sets.base_draws[n]])
+            size, bounds[r] = sample_size(
+                shifted[base_keys], base_keys, float(shifted[heavy_keys].sum()), sampled_size,
+                epsilon=params["epsilon"], delta=params["delta"], quantile=params["quantile"],
+                duplicates=params["duplicates"], rounding=params["rounding"])
+        sizes[r] = size
+        counts = np.bincount(_pick(pool, main[r, :size]), minlength=num_keys).astype(np.float64)
+        sampled = (counts > 0) & ~heavy  # a draw on a heavy key (window) adds nothing: its weight stays 1
+        multiplicity = counts[sampled] if params["duplicates"] == "count" else 1.0
+        log_weights[r, sampled] = np.log(sampled_size / size * multiplicity)
+    return heavy, log_weights, sizes, bounds
+
+
+def select(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
+           **params: Any) -> Selection:
+    """Steps 1-4 of the module docstring for every query: the heavy set, the sample and the weights.
+
+    Parameters
+    ----------
+    q : (..., N, D)
+    k : (..., M, D)
+    draws : Draws
+        From :func:`randattn.estimators.vattention.draw` with the same parameters: ``residual_uniforms``
+        ``(R, ..., N, S)`` (fixed) or ``(R, ..., N, M)`` and ``base_uniforms`` ``(R, ..., N, B)`` (adaptive).
+    scale : float, optional
+    mask : {None, "causal"}
+    **params
+        ``budget``, ``sinks``, ``local``, ``top_k``, ``epsilon``, ``delta``, ``base_rate``, ``quantile``,
+        ``duplicates``, ``sample_from``, ``rounding`` (:data:`randattn.estimators.vattention.PARAMS`).
+    """
+    params = check_params(params)
+    x, y, _, _, batch = prepare_reference(q, k, np.zeros((*np.shape(k)[:-1], 1)), scale)
+    num_queries, num_keys = x.shape[-2], y.shape[-2]
+    sets = query_sets(num_queries, num_keys, mask, params)
+    main, base = _checked_draws(draws, batch, num_queries, num_keys, params)
+    logits = masked_logits(x, y, mask)
+    replicates = draws.replicates
+    heavy = np.zeros(logits.shape, dtype=bool)
+    log_weights = np.full((replicates, *logits.shape), -np.inf)
+    sizes = np.zeros((replicates, *logits.shape[:-1]))
+    bounds = np.full((replicates, *logits.shape[:-1]), np.nan)
+    every = slice(None)
+    for element in np.ndindex(*batch):
+        for n in range(num_queries):
+            at = (*element, n)
+            heavy[at], log_weights[(every, *at)], sizes[(every, *at)], bounds[(every, *at)] = _select_query(
+                logits[at], sets, n, main[(every, *at)], None if base is None else base[(every, *at)], params)
+    return Selection(logits, heavy, log_weights, sizes, bounds)
+
+
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
+                                mask: str | None = None, **params: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))``: step 5, the weighted softmax over the selection."""
+    _, _, v, _, _ = prepare_reference(q, k, v, scale)
+    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    return weighted_attention(chosen.logits, chosen.log_weights, v)
+
+
+def estimate(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
+             **params: Any) -> np.ndarray:
+    r"""vAttention: heavy set exact, a uniform sample of the residual reweighted (module docstring, steps 1-5).
+
+    Parameters
+    ----------
+    q : (..., N, D)
+    k : (..., M, D)
+    v : (..., M, Dv)
+    draws : Draws
+        See :func:`select`.
+    scale : float, optional
+        Temperature; default ``D ** -0.5``.
+    mask : {None, "causal"}
+        ``"causal"``: every set is among the visible keys ``m <= n + M - N``.
+    **params
+        See :func:`select`.
+
+    Returns
+    -------
+    (R, ..., N, Dv) float64
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from randattn.estimators.vattention import draw
+    >>> from randattn.estimators.vattention.reference import estimate
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(3, 40, 8))
+    >>> params = dict(budget="fixed", sinks=2, local=4, top_k=4, epsilon=0.05, delta=0.05, base_rate=0.05,
+    ...               quantile="two-sided", duplicates="count", sample_from="residual", rounding="ceil")
+    >>> draws = draw(q.shape, k.shape, num_samples=8, replicates=2, rng=rng, **params)
+    >>> estimate(q, k, v, draws, **params).shape
+    (2, 40, 8)
+    """
+    return estimate_with_probabilities(q, k, v, draws, scale=scale, mask=mask, **params)[0]
+
+
+def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
+                  **params: Any) -> np.ndarray:
+    r"""``(R, ..., N, M)``: the implied attention probabilities :math:`w_{nm} e^{s_{nm}} / \hat D_n`."""
+    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    v = np.zeros((chosen.logits.shape[-1], 1))
+    return weighted_attention(chosen.logits, chosen.log_weights, v)[1]
+
+
+def keys_used(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
+              **params: Any) -> np.ndarray:
+    """``(R, ..., N)`` float64: the distinct keys each query's estimate reads, heavy set plus distinct sampled keys.
+
+    The base sample's keys (adaptive budget) are not counted: their logits size the sample but their values
+    never enter the estimate (like the top-k scoring, which reads every key's logit).
+    """
+    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    return sparse_keys_used(chosen.log_weights, chosen.logits)
