@@ -57,6 +57,8 @@ BUILTIN_ENTRY_POINTS: tuple[tuple[str, str], ...] = (
     ("eva", "randattn.estimators.eva:SPEC"),
     ("scatterbrain", "randattn.estimators.scatterbrain:SPEC"),
     ("local", "randattn.estimators.local:SPEC"),
+    ("magicpig", "randattn.estimators.magicpig:SPEC"),
+    ("vattention", "randattn.estimators.vattention:SPEC"),
 )
 _BUILTIN_DIST = "randattn"
 

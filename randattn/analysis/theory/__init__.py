@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from randattn.analysis.theory import _causal, _eva, _lara, _performer, _sderf, _stability
+from randattn.analysis.theory import _causal, _decode, _eva, _lara, _performer, _sderf, _stability
 from randattn.analysis.theory._base import (
     EXACT_RTOL,
     MC_K_SE,
@@ -187,6 +187,29 @@ def registry() -> tuple[Check, ...]:
               "docs: Causal masks", _EXACT, _causal.last_query_is_bidirectional),
         Check("causal.eva-full-window", "causal EVA whose local window covers the whole past = causal softmax",
               "EVA app. D, Alg. 2; app. G.1", _EXACT, _causal.eva_full_window_is_causal_softmax),
+        # ---------------- decode-time sparse and sampling estimators
+        Check("decode.budget-covers-every-key",
+              "every estimator reporting keys_used equals causal softmax (an explicit loop) at a budget covering "
+              "every visible key, decode (3 of 24 tokens) and self-attention, reference and batched, to 1e-12",
+              "Quest sec. 3, StreamingLLM sec. 3, MagicPIG sec. 4, vAttention sec. 3; docs: Decode-time estimators",
+              _EXACT, _decode.budget_covers_every_key),
+        Check("decode.magicpig-collision-probability",
+              "P(SimHash codes of query and key agree in a table) = (1 - theta/pi)^K (Monte Carlo of the hash)",
+              "MagicPIG sec. 4.3 eq. 10; Charikar 2002", _MC, _decode.magicpig_collision_probability,
+              max_tested=len(_decode.SIMHASH_ANGLES), synthetic_note="synthetic (chosen angles)"),
+        Check("decode.magicpig-wrong-exponent-detected",
+              "(1 - theta/pi)^(K+1) is rejected by the same Monte Carlo (passes when detected)",
+              "MagicPIG sec. 4.3 eq. 10", _MC, _decode.magicpig_wrong_exponent_detected,
+              max_tested=len(_decode.SIMHASH_ANGLES),
+              synthetic_note="synthetic (chosen angles)"),
+        Check("decode.vattention-residual-unbiased",
+              "E[n_s/b sum of b uniform residual draws] = the residual's numerator and denominator sums",
+              "vAttention sec. 3 (sampled residual)", _MC, _decode.vattention_residual_unbiased, max_tested=8,
+              synthetic_note="synthetic (decode, 2 queries over 12 keys)"),
+        Check("decode.vattention-off-by-one-detected",
+              "weights (n_s - 1)/b are rejected by the same z-test (passes when detected)",
+              "vAttention sec. 3", _MC, _decode.vattention_off_by_one_detected, max_tested=8,
+              synthetic_note="synthetic (decode, 2 queries over 12 keys)"),
         # ---------------- numerics
         Check("numerics.large-norm-stability",
               "every registered estimator is finite at key norms >= 150, float32 and float64; batched = reference "

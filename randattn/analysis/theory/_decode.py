@@ -1,0 +1,179 @@
+r"""The decode-time sparse and sampling estimators (ARCHITECTURE sec. 14): their exact limits and their sampling laws.
+
+- :func:`budget_covers_every_key`: every registered estimator that reports the keys it reads (``keys_used``)
+  equals causal softmax attention, written out as a loop here, when its budget covers every visible key (its
+  declared exact limits), in the decode regime (the last N of M tokens) and in self-attention.
+
+Expected values come from formulas written here, never from the code under test. Every function has the signature
+``(rng, quick, data, *, <thing under test>=default)`` so that the tests can inject a broken one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+
+from randattn.analysis.theory._base import CheckResult, exact_result
+from randattn.analysis.theory._causal import loop_causal_softmax
+
+#: (N queries, M keys): the decode regime (a few last queries of a longer cache) and self-attention
+DECODE_SHAPES = ((3, 24), (10, 10))
+#: the exact limits hold to a few roundings: the kept keys' softmax is the full softmax
+LIMIT_RTOL = 1e-12
+D, DV = 6, 3
+
+
+def budget_estimators(names: Sequence[str] | None = None) -> list[tuple[str, Any]]:
+    """(name, spec) of the registered estimators that declare ``keys_used`` and exact limits, in catalogue order."""
+    from randattn.estimators.registry import get_spec, list_estimators
+
+    chosen = list_estimators() if names is None else list(names)
+    return [(name, get_spec(name)) for name in chosen
+            if get_spec(name).keys_used is not None and get_spec(name).exact_limits]
+
+
+def _limit_outputs(spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: str | None,
+                   rng: np.random.Generator):
+    """Yield ``(description, reference, batched)`` outputs ``(N, Dv)`` of replicate 0 at each declared exact limit."""
+    import torch
+
+    kwargs = {"mask": mask} if mask is not None else {}
+    for limit in spec.exact_limits:
+        limit_params, samples = limit.resolve(len(q), len(k))
+        params = spec.resolve_params(limit_params)
+        draws = spec.draw(q.shape, k.shape, num_samples=(samples or len(k)) if spec.needs_samples else None,
+                          replicates=2, rng=rng, **params, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = spec.reference(q, k, v, draws, scale=scale, **params, **kwargs)[0]
+            bat = spec.batched(*(torch.as_tensor(a) for a in (q, k, v)), draws.to_torch(), scale=scale, **params,
+                               **kwargs)[0].numpy()
+        yield limit.description, ref, bat
+
+
+def budget_covers_every_key(rng: np.random.Generator, quick: bool, data: Any = None, *,
+                            estimators: Sequence[tuple[str, Any]] | None = None) -> CheckResult:
+    """At a budget covering every visible key, each budgeted estimator is causal softmax (the loop), to 1e-12."""
+    name = "decode.budget-covers-every-key"
+    chosen = budget_estimators() if estimators is None else list(estimators)
+    if not chosen:
+        return CheckResult(name, float("nan"), LIMIT_RTOL, True, "no registered estimator reports keys_used",
+                           skipped=True)
+    actual, expected, covered = [], [], []
+    for n, m in DECODE_SHAPES:
+        q, k, v = 0.8 * rng.standard_normal((n, D)), 0.8 * rng.standard_normal((m, D)), rng.standard_normal((m, DV))
+        truth = loop_causal_softmax(q, k, v, D**-0.5)
+        for est, spec in chosen:
+            if not spec.supports_mask("causal"):
+                continue
+            for description, ref, bat in _limit_outputs(spec, q, k, v, D**-0.5, "causal", rng):
+                actual += [ref, bat]
+                expected += [truth, truth]
+                covered.append(f"{est} ({description})")
+    result = exact_result(name, np.concatenate([a.ravel() for a in actual]),
+                          np.concatenate([e.ravel() for e in expected]),
+                          f"{len(set(covered))} limits of {len(chosen)} estimators, reference and batched, causal "
+                          f"N x M = {', '.join(f'{n} x {m}' for n, m in DECODE_SHAPES)}", rtol=LIMIT_RTOL)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- MagicPIG
+#: MagicPIG's hash: K bits per table, tables in the Monte Carlo, angles between query and key
+SIMHASH_BITS, SIMHASH_TABLES = 3, 20_000
+SIMHASH_ANGLES = (0.2, 0.6, 1.0, 1.5, 2.2, 2.8)
+
+
+def _simhash_agreement(rng: np.random.Generator, quick: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(agree (T, A), x (D,), keys (A, D))``: whether the K-bit sign codes of the query and of each key agree in
+    each of T independent tables of Gaussian hyperplanes -- SimHash written out here (Charikar 2002)."""
+    tables = SIMHASH_TABLES // (4 if quick else 1)
+    x = np.zeros(D)
+    x[0] = 1.0
+    keys = np.zeros((len(SIMHASH_ANGLES), D))
+    keys[:, 0], keys[:, 1] = np.cos(SIMHASH_ANGLES), np.sin(SIMHASH_ANGLES)
+    keys *= 1.0 + np.arange(len(SIMHASH_ANGLES))[:, None]  # norms differ: the codes depend on the angle alone
+    planes = rng.standard_normal((tables, SIMHASH_BITS, D))
+    query_code = planes @ x > 0  # (T, K)
+    key_codes = np.einsum("tkd,ad->tak", planes, keys) > 0  # (T, A, K)
+    return (key_codes == query_code[:, None, :]).all(-1).astype(np.float64), x, keys
+
+
+def magicpig_collision_probability(rng: np.random.Generator, quick: bool, data: Any = None, *,
+                                   exponent_offset: int = 0) -> CheckResult:
+    """The fraction of tables where a query's and a key's SimHash codes agree is the package's closed form
+    ``(1 - theta/pi)^K`` (MagicPIG sec. 4.3, eq. 10), within the Monte Carlo tolerance.
+
+    ``exponent_offset`` raises the exponent of the closed form under test (the negative control uses 1)."""
+    from randattn.analysis.theory._base import mc_unbiased_result
+    from randattn.estimators.magicpig.reference import log_table_collision_probability
+
+    agree, x, keys = _simhash_agreement(rng, quick)
+    closed = np.exp(log_table_collision_probability(x, keys, SIMHASH_BITS + exponent_offset))
+    return mc_unbiased_result("decode.magicpig-collision-probability", agree, closed,
+                              f"K = {SIMHASH_BITS} bits, angles {', '.join(map(str, SIMHASH_ANGLES))} rad")
+
+
+def magicpig_wrong_exponent_detected(rng: np.random.Generator, quick: bool, data: Any = None) -> CheckResult:
+    """Negative control: the same Monte Carlo rejects ``(1 - theta/pi)^(K+1)`` (passes when detected)."""
+    from randattn.analysis.theory._base import MC_K_SE
+
+    result = magicpig_collision_probability(rng, quick, exponent_offset=1)
+    return CheckResult("decode.magicpig-wrong-exponent-detected", result.measured, MC_K_SE,
+                       result.measured >= MC_K_SE, f"exponent K + 1 against the hash; {result.details}",
+                       comparison=">=", tested=result.tested)
+
+
+# ---------------------------------------------------------------------------------------------- vAttention
+#: a decode case: N queries over M keys, one sink, two local keys, two top-k keys, three residual draws
+VATTENTION_SHAPE = (2, 12)
+VATTENTION_PARAMS = {"budget": "fixed", "sinks": 1, "local": 2, "top_k": 2}
+VATTENTION_DRAWS, VATTENTION_REPLICATES = 3, 4000
+
+
+def _vattention_residual_sums(rng: np.random.Generator, quick: bool, reweight: float | np.ndarray = 1.0):
+    """``(estimated (R, J), exact (J,))``: each query's residual denominator and numerators, formed here from the
+    package's sampling weights (shifted by the query's largest visible logit, a constant factor)."""
+    import torch
+
+    from randattn.estimators.registry import get_spec
+    from randattn.estimators.vattention import batched
+
+    n, m = VATTENTION_SHAPE
+    q, k, v = 0.7 * rng.standard_normal((n, D)), 0.7 * rng.standard_normal((m, D)), rng.standard_normal((m, DV))
+    params = get_spec("vattention").resolve_params(VATTENTION_PARAMS)
+    replicates = VATTENTION_REPLICATES // (4 if quick else 1)
+    draws = get_spec("vattention").draw(q.shape, k.shape, num_samples=VATTENTION_DRAWS, replicates=replicates,
+                                        rng=rng, mask="causal", **params)
+    chosen = batched.select(torch.as_tensor(q), torch.as_tensor(k), draws.to_torch(), mask="causal", **params)
+    logits, heavy = chosen.logits.numpy(), chosen.heavy.numpy()
+    residual = np.isfinite(logits) & ~heavy
+    shifted = np.exp(logits - logits.max(-1, keepdims=True))
+    weights = np.where(residual, np.exp(chosen.log_weights.numpy()) * reweight, 0.0) * shifted
+    exact = np.where(residual, shifted, 0.0)
+    stacked = lambda w: np.concatenate([w.sum(-1), (w @ v).reshape(*w.shape[:-2], -1)], axis=-1)  # noqa: E731
+    return stacked(weights), stacked(exact), residual.sum(-1).astype(float)
+
+
+def vattention_residual_unbiased(rng: np.random.Generator, quick: bool, data: Any = None) -> CheckResult:
+    """vAttention's sampled residual sums (denominator and numerator) are unbiased: each of b uniform draws with
+    replacement weighted n_s / b (the paper's estimator; the official code's merged duplicates are not)."""
+    from randattn.analysis.theory._base import mc_unbiased_result
+
+    estimated, exact, _ = _vattention_residual_sums(rng, quick)
+    return mc_unbiased_result("decode.vattention-residual-unbiased", estimated, exact,
+                              f"causal N x M = {VATTENTION_SHAPE[0]} x {VATTENTION_SHAPE[1]}, {VATTENTION_PARAMS}, "
+                              f"b = {VATTENTION_DRAWS} draws")
+
+
+def vattention_off_by_one_detected(rng: np.random.Generator, quick: bool, data: Any = None) -> CheckResult:
+    """Negative control: weights (n_s - 1) / b, a reweighting off by one, are rejected (passes when detected)."""
+    from randattn.analysis.theory._base import MC_K_SE, mc_unbiased_result
+
+    _, _, sizes = _vattention_residual_sums(np.random.default_rng(0), quick)  # the residual sizes n_s per query
+    factor = ((sizes - 1) / sizes)[:, None]
+    estimated, exact, _ = _vattention_residual_sums(rng, quick, reweight=factor)
+    result = mc_unbiased_result("decode.vattention-off-by-one-detected", estimated, exact, "weights (n_s - 1) / b")
+    return CheckResult(result.name, result.measured, MC_K_SE, result.measured >= MC_K_SE, result.details,
+                       comparison=">=", tested=result.tested)

@@ -1,0 +1,45 @@
+"""The decode-time propositions of ``randattn verify``, each shown able to fail.
+
+Every check of :mod:`randattn.analysis.theory._decode` passes with the package's estimators and fails with a broken
+one injected through its keyword parameter: an exact limit that leaves a key out, the collision probability with
+the exponent K + 1. The two negative controls of the registry (wrong exponent, reweighting off by one) must detect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from randattn.analysis import theory
+from randattn.analysis.theory import _decode
+from randattn.estimators.base import ExactLimit
+from randattn.estimators.registry import get_spec
+
+DECODE = [c for c in theory.registry() if c.name.startswith("decode.")]
+
+
+@pytest.mark.parametrize("check", DECODE, ids=lambda c: c.name)
+def test_the_decode_checks_pass(check):
+    result = check.run(theory.check_rng(0, check.name), True)
+    assert result.passed and not result.skipped, (check.name, result.details)
+    assert check.func.__doc__
+
+
+def test_every_budgeted_estimator_is_covered_by_the_exact_limit_check():
+    names = {name for name, _ in _decode.budget_estimators()}
+    assert {"magicpig", "vattention"} <= names
+
+
+def test_an_exact_limit_that_leaves_a_key_out_fails():
+    """MagicPIG with a local window one key short of the 24-key cache and no sampling is not softmax."""
+    spec = get_spec("magicpig")
+    short = ExactLimit("one key short", params=lambda n, m: {"sinks": 0, "local": m - 1, "hash_bits": 30})
+    broken = dataclasses.replace(spec, exact_limits=(short,))
+    result = _decode.budget_covers_every_key(theory.check_rng(0, "x"), True, estimators=[("magicpig", broken)])
+    assert not result.passed and result.measured > 1e-3
+
+
+def test_the_collision_check_rejects_a_wrong_exponent():
+    result = _decode.magicpig_collision_probability(theory.check_rng(0, "x"), True, exponent_offset=1)
+    assert not result.passed and result.measured > theory.MC_K_SE
