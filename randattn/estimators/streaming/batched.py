@@ -1,0 +1,27 @@
+"""StreamingLLM's sinks + recent window in torch (batched form of :mod:`randattn.estimators.streaming.reference`)."""
+
+from __future__ import annotations
+
+import torch
+
+from randattn.estimators.sparse.batched_selection import KeptKeysBatched
+from randattn.estimators.streaming.reference import check_params
+
+__all__ = ["estimate", "estimate_with_probabilities", "keys_used", "kept_keys", "probabilities"]
+
+
+def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: int, mask: str | None = None, *,
+              sinks: int = 4) -> torch.Tensor:
+    """``(N, M)`` boolean: key m is a sink (``m < sinks``) or in the window ``e_n - window < m <= e_n``."""
+    num_queries, num_keys = x.shape[-2], y.shape[-2]
+    keys = torch.arange(num_keys, device=x.device)
+    end = (torch.arange(num_queries, device=x.device) + (num_keys - num_queries)).clamp(min=min(budget, num_keys) - 1)
+    in_window = (keys[None, :] > end[:, None] - (budget - sinks)) & (keys[None, :] <= end[:, None])
+    return in_window | (keys < sinks)[None, :]
+
+
+_FORMS = KeptKeysBatched(check_params, kept_keys)
+estimate = _FORMS.estimate
+estimate_with_probabilities = _FORMS.estimate_with_probabilities
+probabilities = _FORMS.probabilities
+keys_used = _FORMS.keys_used
