@@ -74,11 +74,30 @@ def test_large_norms_stay_finite(config, mask):
     assert_close(out, expected, atol=1e-10 * np.abs(v).max(), rtol=1e-10, what="large norms, batched vs reference:")
 
 
-def test_draws_carry_the_budget_only(config):
+def test_draws_carry_the_budget_only_with_the_batch_dims(config):
+    """``budget : (R, ...)``: a replicate dim and the batch dims, like every draw (a sweep slices draws by cell)."""
     _, spec, _, params, budget = config
-    draws = spec.draw((3, 4), (9, 4), num_samples=budget, replicates=3, rng=np.random.default_rng(0), **params)
+    draws = spec.draw((2, 5, 3, 4), (2, 5, 9, 4), num_samples=budget, replicates=3, rng=np.random.default_rng(0),
+                      **params)
     assert set(draws.arrays) == {"budget"} and draws.replicates == 3
-    assert draws["budget"].dtype == np.float64 and draws["budget"].tolist() == [float(budget)] * 3
+    assert draws["budget"].dtype == np.float64 and draws["budget"].shape == (3, 2, 5)
+    assert (draws["budget"] == budget).all()
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_batched_forms_read_nothing_back_from_an_accelerator(config, mask):
+    """Under FakeTensorMode on the ``meta`` device (as tests/gpu/test_fake_device.py) every batched form runs: no
+    ``.item()``, no host copy of the budget, no operand left on the CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec, _, params, (q, k, v, draws), _ = _case(config, SHAPES[1], mask)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = [torch.empty(a.shape, dtype=torch.float32, device="meta") for a in (q, k, v)]
+        fake_draws = Draws({"budget": torch.empty(draws["budget"].shape, device="meta")}, draws.replicates)
+        out, probabilities = spec.batched_with_probabilities(*fake, fake_draws, **params)
+        used = spec.keys_used(fake[0], fake[1], fake_draws, **params)
+    assert out.device.type == probabilities.device.type == used.device.type == "meta"
+    assert tuple(used.shape) == (2, *q.shape[:-1])
 
 
 def test_draws_without_one_budget_are_refused(config):

@@ -33,9 +33,9 @@ PARAMS = {
 
 def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1, rng: Any = None,
          mask: str | None = None, page_size: int = 16, current_page: str = "compete") -> Draws:
-    """``budget : (R,)`` holding S after checking that it is a multiple of ``page_size``; no random variables."""
+    """``budget : (R, ...)`` holding S after checking that it is a multiple of ``page_size``; no random variables."""
     reference.check_params(num_samples, page_size, current_page)
-    return budget_draws(num_samples, replicates)
+    return budget_draws(q_shape, num_samples, replicates)
 
 
 def _page_limit(num_queries: int, num_keys: int) -> int:

@@ -52,16 +52,16 @@ def page_upper_bounds(x: torch.Tensor, y: torch.Tensor, page_size: int, mask: st
     return bounds.masked_fill(pages > own_page, float("-inf"))
 
 
-def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: int, mask: str | None = None, *,
-              page_size: int = 16, current_page: str = "compete") -> torch.Tensor:
-    """``(..., N, M)`` boolean: the keys of the ``budget // page_size`` pages of largest bound."""
+def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: torch.Tensor,
+              mask: str | None = None, *, page_size: int = 16, current_page: str = "compete") -> torch.Tensor:
+    """``(..., N, M)`` boolean: the keys of the ``S / page_size`` pages of largest bound (S a 0-d tensor)."""
     num_queries, num_keys = x.shape[-2], y.shape[-2]
     bounds = page_upper_bounds(x, y, page_size, mask)
     if current_page == "keep":  # the query's own page ranks first whatever its bound
         token = (torch.arange(num_queries, device=x.device) + (num_keys - num_queries)).clamp(0, num_keys - 1)
         own_page = torch.arange(bounds.shape[-1], device=x.device)[None, :] == (token // page_size)[:, None]
         bounds = bounds.masked_fill(own_page, float("inf"))
-    kept_pages = top_ranked(bounds, budget // page_size)
+    kept_pages = top_ranked(bounds, torch.div(budget, page_size, rounding_mode="floor"))
     return kept_pages[..., torch.arange(num_keys, device=x.device) // page_size]
 
 

@@ -41,11 +41,14 @@ __all__ = ["CURRENT_PAGE", "check_params", "estimate", "keys_used", "kept_keys",
 CURRENT_PAGE = ("compete", "keep")
 
 
-def check_params(budget: int, page_size: int = 16, current_page: str = "compete") -> None:
-    """``page_size >= 1``, S a multiple of it (S = pages kept x page_size), ``current_page`` in :data:`CURRENT_PAGE`."""
-    check_positive_int("num_samples", budget)
+def check_params(budget: int | None, page_size: int = 16, current_page: str = "compete") -> None:
+    """``page_size >= 1``, S a multiple of it (S = pages kept x page_size), ``current_page`` in :data:`CURRENT_PAGE`.
+    ``budget=None``: S is not known here (batched draws on an accelerator), the other two are checked."""
     check_positive_int("page_size", page_size)
     check_choice("current_page", current_page, CURRENT_PAGE)
+    if budget is None:
+        return
+    check_positive_int("num_samples", budget)
     if budget % page_size:
         raise ValueError(f"num_samples S={budget} must be a multiple of page_size={page_size}: Quest keeps whole "
                          f"pages, S = pages kept x page_size (e.g. S={max(page_size, budget - budget % page_size)})")

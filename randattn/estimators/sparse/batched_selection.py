@@ -1,4 +1,10 @@
-"""Deterministic key selection in torch: the batched forms of :mod:`randattn.estimators.sparse.selection`."""
+"""Deterministic key selection in torch: the batched forms of :mod:`randattn.estimators.sparse.selection`.
+
+Nothing here reads a value back to the host from an accelerator: the selection takes S as a 0-d tensor
+(``select(x, y, logits, budget, mask, **params)`` with ``budget`` a tensor), the kept keys are the rows' ranks
+below it. S is read and checked against the parameters only where the draws are on the CPU; on an accelerator the
+parameters are checked without it (``check(None, **params)``) and S was checked when ``draw`` made the draws.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from randattn._validation import check_choice
-from randattn.estimators._prepare import prepare_batched
+from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import MASKS, Draws
 from randattn.estimators.sparse.batched import keys_used as count_keys_used
 from randattn.estimators.sparse.batched import masked_logits, weighted_attention
@@ -23,11 +29,14 @@ def log_weights_of(keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, zero, float("-inf"))
 
 
-def top_ranked(scores: torch.Tensor, count: int) -> torch.Tensor:
+def top_ranked(scores: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
     """``(..., L)`` boolean: the ``count`` largest ``scores`` per row; ties to the lower index (a stable sort), as in
-    :func:`randattn.estimators.sparse.selection.top_ranked`."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, order, True)
+    :func:`randattn.estimators.sparse.selection.top_ranked`. ``count`` may be a tensor (no host read): an entry is
+    kept when its rank in the row is below it."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, positions)
+    return rank < count
 
 
 def _replicated(tensor: torch.Tensor, replicates: int) -> torch.Tensor:
@@ -44,12 +53,14 @@ class KeptKeysBatched:
 
     def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, scale: float | None, mask: str | None,
                      params: dict[str, Any]):
-        budget = budget_of(draws)
-        self.check(budget, **params)
         check_choice("mask", mask, MASKS)
-        x, y, v, _, _ = prepare_batched(q, k, v, scale)
+        x, y, v, _, batch = prepare_batched(q, k, v, scale)
+        draws = to_torch_draws(draws, like=x)
+        budget = check_draw_array(draws, "budget", batch, ())
+        self.check(budget_of(draws, batch) if budget.device.type == "cpu" else None, **params)
         logits = masked_logits(x, y, mask)
-        return logits, log_weights_of(self.select(x, y, logits, budget, mask, **params), logits), v
+        keep = self.select(x, y, logits, budget.reshape(-1)[0], mask, **params)
+        return logits, log_weights_of(keep, logits), v
 
     def estimate_with_probabilities(self, q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
                                     mask: str | None = None, **params: Any) -> tuple[torch.Tensor, torch.Tensor]:

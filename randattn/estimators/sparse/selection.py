@@ -8,7 +8,8 @@ Each of these estimators decides, from the inputs, the mask and the budget :math
 
 the weighted attention of :mod:`randattn.estimators.sparse` with :math:`\log w_{nm} = 0` for :math:`m \in K_n` and
 :math:`-\infty` otherwise. They have no random variables: their draws carry :math:`S` only, as
-``budget : (R,)`` (the same value in every replicate), and every replicate returns the same output.
+``budget : (R, ...)`` (the same value for every replicate and batch element), and every replicate returns the
+same output.
 
 :class:`KeptKeysReference` turns an estimator's ``check`` (its parameters against S) and ``select`` (its rule
 for ``keep``) into the numpy float64 ``estimate``, ``probabilities`` and ``keys_used``;
@@ -18,7 +19,7 @@ for ``keep``) into the numpy float64 ``estimate``, ``probabilities`` and ``keys_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -31,19 +32,23 @@ from randattn.estimators.sparse.reference import masked_logits, weighted_attenti
 __all__ = ["KeptKeysReference", "budget_draws", "budget_of", "log_weights_of", "top_ranked"]
 
 
-def budget_draws(num_samples: Any, replicates: int) -> Draws:
-    """``Draws({"budget": (R,)})`` holding S = ``num_samples`` (a positive integer) in every replicate."""
+def budget_draws(q_shape: Sequence[int], num_samples: Any, replicates: int) -> Draws:
+    """``Draws({"budget": (R, ...)})`` holding S = ``num_samples`` (a positive integer) for every replicate and batch
+    element: a replicate dim followed by the batch dims, as every draw, so that a sweep may slice them by cell."""
     budget = check_positive_int("num_samples", num_samples)
-    return Draws({"budget": np.full((replicates,), float(budget))}, replicates)
+    return Draws({"budget": np.full((replicates, *q_shape[:-2]), float(budget))}, replicates)
 
 
-def budget_of(draws: Draws) -> int:
-    """S from draws made by :func:`budget_draws` (numpy or torch); ValueError when they hold no valid budget."""
-    values = check_draw_array(draws, "budget", (), ())
-    values = np.asarray(values.detach().cpu() if hasattr(values, "detach") else values, dtype=np.float64)
+def budget_of(draws: Draws, batch_shape: Sequence[int]) -> int:
+    """S from draws made by :func:`budget_draws` for inputs with these batch dims (numpy, or torch on the CPU).
+
+    Raises ValueError when the draws have another shape or do not hold one positive integer.
+    """
+    values = check_draw_array(draws, "budget", batch_shape, ())
+    values = np.asarray(values.detach().cpu() if hasattr(values, "detach") else values, dtype=np.float64).ravel()
     budget = values[0]
     if not (np.all(values == budget) and budget >= 1 and budget == np.floor(budget)):
-        raise ValueError(f"draws['budget'] must hold one positive integer S in every replicate, got {values.tolist()}: "
+        raise ValueError(f"draws['budget'] must hold one positive integer S throughout, got {np.unique(values)}: "
                          "were the draws made by this estimator's draw()?")
     return int(budget)
 
@@ -88,10 +93,10 @@ class KeptKeysReference:
 
     def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, scale: float | None, mask: str | None,
                      params: dict[str, Any]):
-        budget = budget_of(draws)
-        self.check(budget, **params)
         check_choice("mask", mask, MASKS)
-        x, y, v, _, _ = prepare_reference(q, k, v, scale)
+        x, y, v, _, batch = prepare_reference(q, k, v, scale)
+        budget = budget_of(draws, batch)
+        self.check(budget, **params)
         logits = masked_logits(x, y, mask)
         return logits, log_weights_of(self.select(x, y, logits, budget, mask, **params)), v
 

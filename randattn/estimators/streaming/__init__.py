@@ -32,9 +32,9 @@ PARAMS = {
 
 def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1, rng: Any = None,
          mask: str | None = None, sinks: int = 4) -> Draws:
-    """``budget : (R,)`` holding S after checking ``S >= sinks``; no random variables."""
+    """``budget : (R, ...)`` holding S after checking ``S >= sinks``; no random variables."""
     reference.check_params(num_samples, sinks)
-    return budget_draws(num_samples, replicates)
+    return budget_draws(q_shape, num_samples, replicates)
 
 
 SPEC = EstimatorSpec(

@@ -24,10 +24,13 @@ from randattn.estimators.sparse.selection import KeptKeysReference
 __all__ = ["check_params", "estimate", "keys_used", "kept_keys", "probabilities"]
 
 
-def check_params(budget: int, sinks: int = 4) -> None:
-    """``sinks >= 0`` and ``S >= sinks`` (S = sinks + window, window >= 0); ValueError/TypeError otherwise."""
-    check_positive_int("num_samples", budget)
+def check_params(budget: int | None, sinks: int = 4) -> None:
+    """``sinks >= 0`` and ``S >= sinks`` (S = sinks + window, window >= 0); ValueError/TypeError otherwise.
+    ``budget=None``: S is not known here (batched draws on an accelerator), only ``sinks`` is checked."""
     check_positive_int("sinks", sinks, minimum=0)
+    if budget is None:
+        return
+    check_positive_int("num_samples", budget)
     if budget < sinks:
         raise ValueError(f"num_samples S={budget} must be >= sinks={sinks}: S = sinks + window counts the sink "
                          f"keys and the recent window (window >= 0); use S >= {sinks} or fewer sinks")

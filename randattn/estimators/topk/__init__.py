@@ -20,9 +20,9 @@ from randattn.estimators.topk import batched, reference
 
 def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1, rng: Any = None,
          mask: str | None = None) -> Draws:
-    """``budget : (R,)`` holding S; no random variables (``rng`` and ``mask`` do not change the draws)."""
+    """``budget : (R, ...)`` holding S; no random variables (``rng`` and ``mask`` do not change the draws)."""
     reference.check_params(num_samples)
-    return budget_draws(num_samples, replicates)
+    return budget_draws(q_shape, num_samples, replicates)
 
 
 SPEC = EstimatorSpec(

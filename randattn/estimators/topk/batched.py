@@ -10,9 +10,9 @@ from randattn.estimators.topk.reference import check_params
 __all__ = ["estimate", "estimate_with_probabilities", "keys_used", "kept_keys", "probabilities"]
 
 
-def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: int,
+def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: torch.Tensor,
               mask: str | None = None) -> torch.Tensor:
-    """``(..., N, M)`` boolean: the ``budget`` largest logits per query, ties to the lower index (stable sort)."""
+    """``(..., N, M)`` boolean: the ``budget`` (0-d tensor) largest logits per query, ties to the lower index."""
     return top_ranked(logits, budget)
 
 

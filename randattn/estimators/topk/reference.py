@@ -19,9 +19,11 @@ from randattn.estimators.sparse.selection import KeptKeysReference, top_ranked
 __all__ = ["check_params", "estimate", "keys_used", "kept_keys", "probabilities"]
 
 
-def check_params(budget: int) -> None:
-    """S (``num_samples``, the keys each query keeps) must be a positive integer; any S >= 1 is allowed."""
-    check_positive_int("num_samples", budget)
+def check_params(budget: int | None) -> None:
+    """S (``num_samples``, the keys each query keeps) must be a positive integer; any S >= 1 is allowed.
+    ``budget=None``: S is not known here (batched draws on an accelerator), nothing to check."""
+    if budget is not None:
+        check_positive_int("num_samples", budget)
 
 
 def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, mask: str | None = None) -> np.ndarray:
