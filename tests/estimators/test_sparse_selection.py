@@ -1,5 +1,6 @@
 """What the deterministic selection estimators (top-k, StreamingLLM, Quest) share, checked on each: batched == reference
-in float64 in the decode regime, the implied probabilities, keys_used in both forms, large norms, the budget draws."""
+in float64 in the decode regime, the implied probabilities, keys_used in both forms and by hand, the exact limit in
+decode, large norms, no host reads on an accelerator, the budget draws and the parameters refused in estimate."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import randattn
 from randattn.estimators import quest, streaming, topk
 from randattn.estimators.base import Draws
 from randattn.testing import TOLERANCES, assert_close
@@ -109,3 +111,67 @@ def test_draws_without_one_budget_are_refused(config):
             ref.estimate(q, k, v, Draws({"budget": np.array(values)}, 2), **params)
     with pytest.raises(KeyError, match="budget"):
         ref.estimate(q, k, v, Draws({"omega": np.zeros((1, 2, 4))}, 1), **params)
+
+
+
+#: (id, spec, reference, params, S, keys_used of N = M = 10 under the causal mask, counted by hand)
+KEYS_USED_BY_HAND = [
+    ("topk", topk.SPEC, topk.reference, {}, 4, [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]),  # min(S, n + 1)
+    ("streaming", streaming.SPEC, streaming.reference, {"sinks": 2}, 6, [1, 2, 3, 4, 5, 6, 6, 6, 6, 6]),
+    # pages {0..3}, {4..7}, {8, 9}, two kept: queries 0-7 see at most two pages and keep them (n + 1 keys); with the
+    # own page kept, query 8 keeps its 1 visible key there and one whole page (5), query 9 2 + 4 = 6
+    ("quest-keep", quest.SPEC, quest.reference, {"page_size": 4, "current_page": "keep"}, 8,
+     [1, 2, 3, 4, 5, 6, 7, 8, 5, 6]),
+]
+
+
+@pytest.mark.parametrize(("spec", "ref", "params", "budget", "expected"), [c[1:] for c in KEYS_USED_BY_HAND],
+                         ids=[c[0] for c in KEYS_USED_BY_HAND])
+def test_keys_used_by_hand_under_the_causal_mask(spec, ref, params, budget, expected):
+    rng = np.random.default_rng(4)
+    q, k = rng.standard_normal((2, 10, 4))
+    draws = spec.draw(q.shape, k.shape, num_samples=budget, replicates=2, mask="causal", **params)
+    assert ref.keys_used(q, k, draws, mask="causal", **params).tolist() == [expected] * 2
+    used = spec.keys_used(torch.as_tensor(q), torch.as_tensor(k), draws.to_torch(), mask="causal", **params)
+    assert used.tolist() == [expected] * 2
+
+
+@pytest.mark.parametrize(("spec", "params", "budget"), [
+    (topk.SPEC, {}, 40), (streaming.SPEC, {}, 40), (quest.SPEC, {}, 48), (quest.SPEC, {"current_page": "keep"}, 48),
+], ids=["topk", "streaming", "quest", "quest-keep"])
+def test_budget_covering_the_cache_is_causal_softmax_in_decode(spec, params, budget):
+    """S >= M (Quest: 3 pages of 16 over M = 40) for N = 3 queries of M = 40 keys under the causal mask: exact causal
+    softmax attention, both forms."""
+    rng = np.random.default_rng(13)
+    q, k, v = rng.standard_normal((3, 6)), rng.standard_normal((40, 6)), rng.standard_normal((40, 2))
+    exact = randattn.estimate("softmax", q, k, v, mask="causal")
+    for backend in ("reference", "torch"):
+        out = randattn.estimate(spec, q, k, v, num_samples=budget, mask="causal", backend=backend,
+                                dtype=torch.float64 if backend == "torch" else None, **params)
+        assert_close(out, exact, atol=1e-12, rtol=1e-10, what=f"{spec.name} covering every key, {backend}:")
+
+
+#: (id, spec, reference, batched, S of valid draws, parameters that do not fit them, the error's words)
+REFUSED_IN_ESTIMATE = [
+    ("streaming-sinks-above-S", streaming.SPEC, streaming.reference, streaming.batched, 8, {"sinks": 9},
+     r"num_samples S=8 must be >= sinks=9"),
+    ("streaming-negative-sinks", streaming.SPEC, streaming.reference, streaming.batched, 8, {"sinks": -1},
+     "sinks must be >= 0"),
+    ("quest-page-not-dividing-S", quest.SPEC, quest.reference, quest.batched, 32, {"page_size": 5},
+     "num_samples S=32 must be a multiple of page_size=5"),
+    ("quest-page-0", quest.SPEC, quest.reference, quest.batched, 32, {"page_size": 0}, "page_size must be >= 1"),
+    ("quest-unknown-current-page", quest.SPEC, quest.reference, quest.batched, 32, {"current_page": "first"},
+     "current_page='first' is not allowed"),
+]
+
+
+@pytest.mark.parametrize(("spec", "ref", "bat", "budget", "params", "words"), [c[1:] for c in REFUSED_IN_ESTIMATE],
+                         ids=[c[0] for c in REFUSED_IN_ESTIMATE])
+def test_parameters_that_do_not_fit_the_draws_are_refused_in_estimate(spec, ref, bat, budget, params, words):
+    """Valid draws used with parameters that do not fit them: both forms raise before any work."""
+    draws = spec.draw((4, 3), (5, 3), num_samples=budget)
+    q, k, v = np.ones((4, 3)), np.ones((5, 3)), np.ones((5, 2))
+    with pytest.raises(ValueError, match=words):
+        ref.estimate(q, k, v, draws, **params)
+    with pytest.raises(ValueError, match=words):
+        bat.estimate(torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v), draws.to_torch(), **params)

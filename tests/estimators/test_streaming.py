@@ -76,28 +76,6 @@ def test_more_queries_than_keys_without_a_mask():
     assert np.array_equal(_kept(q, k, draws, {"sinks": 0}, None), _sets([[0, 1], [0, 1], [0, 1], [0, 1], [1, 2]]))
 
 
-@pytest.mark.parametrize(("mask", "expected"), [
-    ("causal", [1, 2, 3, 4, 5, 6, 6, 6, 6, 6]),  # min(S, n + 1)
-    (None, [6] * 10),
-])
-def test_keys_used_is_min_of_budget_and_visible_keys(mask, expected):
-    rng = np.random.default_rng(4)
-    q, k = rng.standard_normal((2, 10, 4))
-    kw = {"mask": mask} if mask else {}
-    draws = SPEC.draw(q.shape, k.shape, num_samples=6, replicates=2, sinks=2, **kw)
-    assert reference.keys_used(q, k, draws, sinks=2, **kw).tolist() == [expected] * 2
-    used = SPEC.keys_used(torch.as_tensor(q), torch.as_tensor(k), draws.to_torch(), sinks=2, **kw)
-    assert used.tolist() == [expected] * 2
-
-
-def test_budget_covering_the_cache_is_causal_softmax():
-    rng = np.random.default_rng(5)
-    q, k, v = rng.standard_normal((3, 6)), rng.standard_normal((40, 6)), rng.standard_normal((40, 2))
-    out = randattn.estimate(SPEC, q, k, v, num_samples=40, mask="causal", backend="torch", dtype=torch.float64)
-    exact = randattn.estimate("softmax", q, k, v, mask="causal")
-    assert_close(out, exact, atol=1e-12, rtol=1e-10, what="StreamingLLM with S = M, causal:")
-
-
 @pytest.mark.parametrize(("num_samples", "sinks", "words"), [
     (3, 4, r"num_samples S=3 must be >= sinks=4"),
     (4, -1, "sinks must be >= 0"),
@@ -106,17 +84,6 @@ def test_budget_covering_the_cache_is_causal_softmax():
 def test_bad_parameters_are_refused_in_draw(num_samples, sinks, words):
     with pytest.raises(ValueError, match=words):
         SPEC.draw((4, 3), (5, 3), num_samples=num_samples, sinks=sinks)
-
-
-@pytest.mark.parametrize(("sinks", "words"), [(9, r"num_samples S=8 must be >= sinks=9"), (-1, "sinks must be >= 0")])
-def test_bad_parameters_are_refused_in_estimate(sinks, words):
-    """Draws of S = 8 used with sinks that do not fit them: both forms refuse before any work."""
-    draws = SPEC.draw((4, 3), (5, 3), num_samples=8)
-    q, k, v = np.ones((4, 3)), np.ones((5, 3)), np.ones((5, 2))
-    with pytest.raises(ValueError, match=words):
-        reference.estimate(q, k, v, draws, sinks=sinks)
-    with pytest.raises(ValueError, match=words):
-        batched.estimate(torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v), draws.to_torch(), sinks=sinks)
 
 
 def test_sinks_must_be_an_integer():

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-import randattn
 from randattn.estimators.topk import SPEC, batched, reference
 from randattn.testing import assert_close, parametrize_with_checks
 
@@ -64,29 +63,6 @@ def test_ties_go_to_the_lower_key_index_in_both_forms():
         probs = batched.probabilities(torch.as_tensor(q, dtype=dtype), torch.as_tensor(k, dtype=dtype),
                                       draws.to_torch(dtype=dtype))
         assert np.array_equal(probs.numpy() > 0, expected), dtype
-
-
-@pytest.mark.parametrize(("mask", "expected"), [
-    ("causal", [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]),  # query n sees n + 1 keys: min(4, n + 1)
-    (None, [4] * 10),
-])
-def test_keys_used_is_min_of_budget_and_visible_keys(mask, expected):
-    rng = np.random.default_rng(5)
-    q, k = rng.standard_normal((2, 10, 4))
-    kw = {"mask": mask} if mask else {}
-    draws = SPEC.draw(q.shape, k.shape, num_samples=4, replicates=3, **kw)
-    assert reference.keys_used(q, k, draws, **kw).tolist() == [expected] * 3
-    used = SPEC.keys_used(torch.as_tensor(q), torch.as_tensor(k), draws.to_torch(), **kw)
-    assert used.dtype == torch.float64 and used.tolist() == [expected] * 3
-
-
-def test_budget_beyond_the_visible_keys_is_causal_softmax():
-    """S >= M in the decode regime (N = 3 of M = 40) under the causal mask: exact causal softmax attention."""
-    rng = np.random.default_rng(7)
-    q, k, v = rng.standard_normal((3, 6)), rng.standard_normal((40, 6)), rng.standard_normal((40, 2))
-    out = randattn.estimate(SPEC, q, k, v, num_samples=40, mask="causal")
-    exact = randattn.estimate("softmax", q, k, v, mask="causal")
-    assert_close(out, exact, atol=1e-12, rtol=1e-10, what="topk with S = M, causal:")
 
 
 @pytest.mark.parametrize(("num_samples", "error", "words"), [

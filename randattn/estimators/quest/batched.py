@@ -65,8 +65,4 @@ def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: to
     return kept_pages[..., torch.arange(num_keys, device=x.device) // page_size]
 
 
-_FORMS = KeptKeysBatched(check_params, kept_keys)
-estimate = _FORMS.estimate
-estimate_with_probabilities = _FORMS.estimate_with_probabilities
-probabilities = _FORMS.probabilities
-keys_used = _FORMS.keys_used
+estimate, estimate_with_probabilities, probabilities, keys_used = KeptKeysBatched(check_params, kept_keys).forms()

@@ -123,7 +123,4 @@ def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, mas
     return kept_pages[..., np.arange(num_keys) // page_size]
 
 
-_FORMS = KeptKeysReference(check_params, kept_keys)
-estimate = _FORMS.estimate
-probabilities = _FORMS.probabilities
-keys_used = _FORMS.keys_used
+estimate, probabilities, keys_used = KeptKeysReference(check_params, kept_keys).forms()

@@ -51,6 +51,10 @@ class KeptKeysBatched:
     check: Callable[..., None]
     select: Callable[..., torch.Tensor]
 
+    def forms(self) -> tuple[Callable[..., Any], ...]:
+        """``(estimate, estimate_with_probabilities, probabilities, keys_used)``, an estimator's batched functions."""
+        return self.estimate, self.estimate_with_probabilities, self.probabilities, self.keys_used
+
     def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, scale: float | None, mask: str | None,
                      params: dict[str, Any]):
         check_choice("mask", mask, MASKS)

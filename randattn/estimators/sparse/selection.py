@@ -91,6 +91,10 @@ class KeptKeysReference:
     check: Callable[..., None]
     select: Callable[..., np.ndarray]
 
+    def forms(self) -> tuple[Callable[..., np.ndarray], ...]:
+        """``(estimate, probabilities, keys_used)``, the module-level functions of an estimator's reference."""
+        return self.estimate, self.probabilities, self.keys_used
+
     def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, scale: float | None, mask: str | None,
                      params: dict[str, Any]):
         check_choice("mask", mask, MASKS)

@@ -22,8 +22,4 @@ def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: to
     return in_window | (keys < sinks)[None, :]
 
 
-_FORMS = KeptKeysBatched(check_params, kept_keys)
-estimate = _FORMS.estimate
-estimate_with_probabilities = _FORMS.estimate_with_probabilities
-probabilities = _FORMS.probabilities
-keys_used = _FORMS.keys_used
+estimate, estimate_with_probabilities, probabilities, keys_used = KeptKeysBatched(check_params, kept_keys).forms()

@@ -44,7 +44,4 @@ def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, mas
     return top_ranked(logits, budget)
 
 
-_FORMS = KeptKeysReference(check_params, kept_keys)
-estimate = _FORMS.estimate
-probabilities = _FORMS.probabilities
-keys_used = _FORMS.keys_used
+estimate, probabilities, keys_used = KeptKeysReference(check_params, kept_keys).forms()
