@@ -1,0 +1,126 @@
+r"""Quest's query-aware page selection (Tang et al. 2024, sec. 3.4, Alg. 1), numpy float64 (the reference form).
+
+The keys are split into pages of ``page_size`` consecutive keys starting at key 0 (the last page holds the
+remainder). For query :math:`n` and page :math:`p`, with :math:`m_{p}` and :math:`M_{p}` the per-channel minimum and
+maximum of the page's keys that the query sees, the page's criticality is the upper bound of Alg. 1
+
+.. math::
+    U_{np} = \sum_{i=1}^{D} \max\left(x_{ni}\, m_{pi},\ x_{ni}\, M_{pi}\right) \;\ge\; x_n^\top y_m
+    \quad \text{for every key } m \text{ of page } p \text{ the query sees}
+
+(the bound holds channel by channel, :math:`m_{pi} \le y_{mi} \le M_{pi}`). The query keeps the top
+``S / page_size`` pages by :math:`U_{np}` (ties to the lower page index) and attends exactly to their keys.
+
+Conventions:
+
+- **Current page.** Query :math:`n` is token :math:`t_n = n + M - N`; its page holds the keys up to
+  :math:`t_n`. Under ``mask="causal"`` the bound of that partially visible page is over its keys
+  :math:`\le t_n` only: at decode time Quest's last page holds just the tokens so far (its metadata is updated as
+  they arrive), and the output must not depend on keys the query may not see. Pages after it have no visible key
+  and do not compete. Without a mask every page is whole.
+- ``current_page="compete"`` (default, the paper: "we choose the top K pages"; also the code's accuracy
+  evaluation, ``evaluation/quest_attention.py``): the current page competes like any other.
+  ``current_page="keep"`` (the code's kernels, ``quest/utils/controller.py``): the current page is always kept and
+  the other pages compete for the remaining ``S / page_size - 1`` slots. Without a mask and with N > M, a query
+  before the first key (:math:`t_n < 0`) has page 0 as its current page.
+- A query that sees at most ``S / page_size`` pages keeps all of them (all its visible keys).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from randattn._validation import check_choice, check_positive_int
+from randattn.estimators.masks import last_visible_key
+from randattn.estimators.sparse.selection import KeptKeysReference, top_ranked
+
+__all__ = ["CURRENT_PAGE", "check_params", "estimate", "keys_used", "kept_keys", "page_upper_bounds", "probabilities",
+           "query_tokens"]
+
+#: how the page holding the query's own token is treated (module docstring)
+CURRENT_PAGE = ("compete", "keep")
+
+
+def check_params(budget: int | None, page_size: int = 16, current_page: str = "compete") -> None:
+    """``page_size >= 1``, S a multiple of it (S = pages kept x page_size), ``current_page`` in :data:`CURRENT_PAGE`.
+    ``budget=None``: S is not known here (batched draws on an accelerator), the other two are checked."""
+    check_positive_int("page_size", page_size)
+    check_choice("current_page", current_page, CURRENT_PAGE)
+    if budget is None:
+        return
+    check_positive_int("num_samples", budget)
+    if budget % page_size:
+        raise ValueError(f"num_samples S={budget} must be a multiple of page_size={page_size}: Quest keeps whole "
+                         f"pages, S = pages kept x page_size (e.g. S={max(page_size, budget - budget % page_size)})")
+
+
+def query_tokens(num_queries: int, num_keys: int) -> np.ndarray:
+    """``(N,)`` the token of each query, :math:`t_n = n + M - N`, clipped to ``[0, M - 1]`` (N > M, no mask)."""
+    return np.clip(np.arange(num_queries) + (num_keys - num_queries), 0, num_keys - 1)
+
+
+def _running_page_extremes(y: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(..., M, D)`` twice: per channel, the min and the max of the keys from the start of key m's page to m."""
+    num_keys, dim = y.shape[-2:]
+    num_pages = -(-num_keys // page_size)
+    extremes = []
+    for accumulate, fill in ((np.minimum.accumulate, np.inf), (np.maximum.accumulate, -np.inf)):
+        padding = np.full((*y.shape[:-2], num_pages * page_size - num_keys, dim), fill)
+        paged = np.concatenate([y, padding], axis=-2).reshape(*y.shape[:-2], num_pages, page_size, dim)
+        running = accumulate(paged, axis=-2).reshape(*y.shape[:-2], num_pages * page_size, dim)
+        extremes.append(running[..., :num_keys, :])
+    return extremes[0], extremes[1]
+
+
+def page_upper_bounds(x: np.ndarray, y: np.ndarray, page_size: int, mask: str | None = None) -> np.ndarray:
+    r"""``(..., N, P)``: Quest's bound :math:`U_{np}` (Alg. 1) over the keys of page p that query n sees.
+
+    ``-inf`` for a page with no visible key (under ``mask="causal"``, the pages after the query's own).
+
+    Parameters
+    ----------
+    x : (..., N, D)
+    y : (..., M, D)
+    page_size : int
+    mask : {None, "causal"}
+    """
+    num_queries, num_keys = x.shape[-2], y.shape[-2]
+    num_pages = -(-num_keys // page_size)
+    running_min, running_max = _running_page_extremes(y, page_size)
+    last_seen = last_visible_key(num_queries, num_keys) if mask == "causal" else np.full(num_queries, num_keys - 1)
+    bounds = np.empty((*np.broadcast_shapes(x.shape[:-2], y.shape[:-2]), num_queries, num_pages))
+    for page in range(num_pages):
+        first, last = page * page_size, min((page + 1) * page_size, num_keys) - 1
+        seen = np.minimum(last, last_seen)  # (N,) the page's last key each query sees
+        lower, upper = running_min[..., seen, :], running_max[..., seen, :]  # (..., N, D): m_p, M_p per query
+        bound = np.maximum(x * lower, x * upper).sum(axis=-1)
+        bounds[..., page] = np.where(last_seen >= first, bound, -np.inf)
+    return bounds
+
+
+def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, mask: str | None = None, *,
+              page_size: int = 16, current_page: str = "compete") -> np.ndarray:
+    """``(..., N, M)`` boolean: the keys of the ``budget // page_size`` pages of largest bound (module docstring).
+
+    Parameters
+    ----------
+    x : (..., N, D)
+    y : (..., M, D)
+    logits : (..., N, M)
+        Unused: pages are ranked by their bound; the mask's hidden keys drop out afterwards.
+    budget : int
+        S = pages kept x ``page_size``.
+    mask : {None, "causal"}
+    page_size : int
+    current_page : {"compete", "keep"}
+    """
+    num_queries, num_keys = x.shape[-2], y.shape[-2]
+    bounds = page_upper_bounds(x, y, page_size, mask)
+    if current_page == "keep":  # ranked first whatever its bound
+        own_page = query_tokens(num_queries, num_keys) // page_size
+        bounds[..., np.arange(num_queries), own_page] = np.inf
+    kept_pages = top_ranked(bounds, budget // page_size)
+    return kept_pages[..., np.arange(num_keys) // page_size]
+
+
+estimate, probabilities, keys_used = KeptKeysReference(check_params, kept_keys).forms()

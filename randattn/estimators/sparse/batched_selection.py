@@ -1,0 +1,93 @@
+"""Deterministic key selection in torch: the batched forms of :mod:`randattn.estimators.sparse.selection`.
+
+Nothing here reads a value back to the host from an accelerator: the selection takes S as a 0-d tensor
+(``select(x, y, logits, budget, mask, **params)`` with ``budget`` a tensor), the kept keys are the rows' ranks
+below it. S is read and checked against the parameters only where the draws are on the CPU; on an accelerator the
+parameters are checked without it (``check(None, **params)``) and S was checked when ``draw`` made the draws.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from randattn._validation import check_choice
+from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
+from randattn.estimators.base import MASKS, Draws
+from randattn.estimators.sparse.batched import keys_used as count_keys_used
+from randattn.estimators.sparse.batched import masked_logits, weighted_attention
+from randattn.estimators.sparse.selection import budget_of
+
+__all__ = ["KeptKeysBatched", "log_weights_of", "top_ranked"]
+
+
+def log_weights_of(keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    r""":math:`\log w` in the dtype and device of ``like``: 0 where ``keep``, ``-inf`` where the key is left out."""
+    zero = torch.zeros((), dtype=like.dtype, device=like.device)
+    return torch.where(keep, zero, float("-inf"))
+
+
+def top_ranked(scores: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """``(..., L)`` boolean: the ``count`` largest ``scores`` per row; ties to the lower index (a stable sort), as in
+    :func:`randattn.estimators.sparse.selection.top_ranked`. ``count`` may be a tensor (no host read): an entry is
+    kept when its rank in the row is below it."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, positions)
+    return rank < count
+
+
+def _replicated(tensor: torch.Tensor, replicates: int) -> torch.Tensor:
+    return tensor.unsqueeze(0).expand(replicates, *tensor.shape).clone()
+
+
+@dataclass(frozen=True)
+class KeptKeysBatched:
+    """The torch forms of a deterministic selection estimator (``check`` and ``select`` as in
+    :class:`~randattn.estimators.sparse.selection.KeptKeysReference`, ``select`` on tensors)."""
+
+    check: Callable[..., None]
+    select: Callable[..., torch.Tensor]
+
+    def forms(self) -> tuple[Callable[..., Any], ...]:
+        """``(estimate, estimate_with_probabilities, probabilities, keys_used)``, an estimator's batched functions."""
+        return self.estimate, self.estimate_with_probabilities, self.probabilities, self.keys_used
+
+    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, scale: float | None, mask: str | None,
+                     params: dict[str, Any]):
+        check_choice("mask", mask, MASKS)
+        x, y, v, _, batch = prepare_batched(q, k, v, scale)
+        draws = to_torch_draws(draws, like=x)
+        budget = check_draw_array(draws, "budget", batch, ())
+        self.check(budget_of(draws, batch) if budget.device.type == "cpu" else None, **params)
+        logits = masked_logits(x, y, mask)
+        keep = self.select(x, y, logits, budget.reshape(-1)[0], mask, **params)
+        return logits, log_weights_of(keep, logits), v
+
+    def estimate_with_probabilities(self, q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
+                                    mask: str | None = None, **params: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))`` from one selection."""
+        logits, log_weights, v = self._log_weights(q, k, v, draws, scale, mask, params)
+        out, probabilities = weighted_attention(logits, log_weights, v)
+        return _replicated(out, draws.replicates), _replicated(probabilities, draws.replicates)
+
+    def estimate(self, q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
+                 **params: Any) -> torch.Tensor:
+        """``(R, ..., N, Dv)``: softmax attention over each query's kept visible keys (same in every replicate)."""
+        logits, log_weights, v = self._log_weights(q, k, v, draws, scale, mask, params)
+        out, _ = weighted_attention(logits, log_weights, v)
+        return _replicated(out, draws.replicates)
+
+    def probabilities(self, q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
+                      **params: Any) -> torch.Tensor:
+        """``(R, ..., N, M)``: the implied attention probabilities (zero off the kept visible keys)."""
+        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, scale, mask, params)
+        return _replicated(torch.softmax(logits + log_weights, dim=-1), draws.replicates)
+
+    def keys_used(self, q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
+                  **params: Any) -> torch.Tensor:
+        """``(R, ..., N)`` float64: the kept keys each query may see, i.e. the keys its estimate reads."""
+        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, scale, mask, params)
+        return _replicated(count_keys_used(log_weights, logits), draws.replicates)

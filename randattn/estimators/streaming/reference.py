@@ -1,0 +1,66 @@
+r"""StreamingLLM's sinks + recent window (Xiao et al. 2023, sec. 3.2, fig. 4), numpy float64 (the reference form).
+
+Query :math:`n` is token :math:`t_n = n + M - N` (the last N of M tokens). It keeps the first ``sinks`` keys (the
+attention sinks) and the ``window = S - sinks`` keys ending at key :math:`e_n`, and attends to them exactly:
+
+.. math::
+    K_n = \{0, \dots, \text{sinks} - 1\} \cup \{e_n - \text{window} + 1, \dots, e_n\},
+    \qquad e_n = \max(t_n,\ \min(S, M) - 1),
+
+intersected with the keys the query may see. :math:`e_n = t_n` once S keys precede the query (the rolling cache
+is full: sinks and window are disjoint, S keys). Before that (:math:`t_n < S - 1`) the cache still holds every
+token, :math:`K_n = \{0, \dots, \min(S, M) - 1\}`: under the causal mask those are all the keys the query sees;
+without a mask it also sees those first S keys after it (and a query before the first key, :math:`t_n < 0` when
+N > M, sees them too). So ``keys_used = min(S, visible keys)`` under both masks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from randattn._validation import check_positive_int
+from randattn.estimators.sparse.selection import KeptKeysReference
+
+__all__ = ["check_params", "estimate", "keys_used", "kept_keys", "probabilities"]
+
+
+def check_params(budget: int | None, sinks: int = 4) -> None:
+    """``sinks >= 0`` and ``S >= sinks`` (S = sinks + window, window >= 0); ValueError/TypeError otherwise.
+    ``budget=None``: S is not known here (batched draws on an accelerator), only ``sinks`` is checked."""
+    check_positive_int("sinks", sinks, minimum=0)
+    if budget is None:
+        return
+    check_positive_int("num_samples", budget)
+    if budget < sinks:
+        raise ValueError(f"num_samples S={budget} must be >= sinks={sinks}: S = sinks + window counts the sink "
+                         f"keys and the recent window (window >= 0); use S >= {sinks} or fewer sinks")
+
+
+def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, mask: str | None = None, *,
+              sinks: int = 4) -> np.ndarray:
+    """``(N, M)`` boolean: the sinks and the recent window of each query (module docstring), one query at a time.
+
+    Parameters
+    ----------
+    x : (..., N, D)
+    y : (..., M, D)
+    logits : (..., N, M)
+        Unused: the keys are chosen by position alone (the mask's hidden keys drop out afterwards).
+    budget : int
+        S = sinks + window.
+    mask : {None, "causal"}
+    sinks : int
+        The initial keys every query keeps.
+    """
+    num_queries, num_keys = x.shape[-2], y.shape[-2]
+    window = budget - sinks
+    keep = np.zeros((num_queries, num_keys), dtype=bool)
+    for n in range(num_queries):
+        token = n + num_keys - num_queries
+        end = max(token, min(budget, num_keys) - 1)  # the rolling cache starts evicting once it holds S tokens
+        keep[n, :sinks] = True
+        keep[n, max(end - window + 1, 0): end + 1] = True
+    return keep
+
+
+estimate, probabilities, keys_used = KeptKeysReference(check_params, kept_keys).forms()
