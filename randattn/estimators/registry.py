@@ -57,6 +57,9 @@ BUILTIN_ENTRY_POINTS: tuple[tuple[str, str], ...] = (
     ("eva", "randattn.estimators.eva:SPEC"),
     ("scatterbrain", "randattn.estimators.scatterbrain:SPEC"),
     ("local", "randattn.estimators.local:SPEC"),
+    ("topk", "randattn.estimators.topk:SPEC"),
+    ("streaming", "randattn.estimators.streaming:SPEC"),
+    ("quest", "randattn.estimators.quest:SPEC"),
     ("magicpig", "randattn.estimators.magicpig:SPEC"),
     ("vattention", "randattn.estimators.vattention:SPEC"),
 )

@@ -113,7 +113,7 @@ def test_block_draws_are_the_per_cell_per_replicate_draws_stacked(name, params):
     config = estimator_config(name, params)
     q_shape, k_shape = (13, 6), (13, 6)
     seeds, reps = [11, 12, 13], range(2, 5)
-    samples = 70 if spec.needs_samples else None  # > D = 6: several orthogonal blocks, the last truncated
+    samples = 80 if spec.needs_samples else None  # > D = 6: several orthogonal blocks, the last truncated; whole Quest pages of 16
     block = cell_draws(spec, config, q_shape, k_shape, seeds, reps, samples)
     assert block.replicates == len(reps)
     for c, seed in enumerate(seeds):

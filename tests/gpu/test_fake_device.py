@@ -54,7 +54,7 @@ def run_on_fake_device(spec, params, shapes=SHAPES, dtype=torch.float32, mask=No
     q_shape, k_shape, v_shape = _fit(params, shapes)
     resolved = spec.resolve_params(params)
     kwargs = {"mask": mask} if mask is not None else {}
-    draws = spec.draw(q_shape, k_shape, num_samples=6 if spec.needs_samples else None, replicates=2,
+    draws = spec.draw(q_shape, k_shape, num_samples=16 if spec.needs_samples else None, replicates=2,
                       rng=np.random.default_rng(0), **resolved, **kwargs)
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = (torch.empty(s, dtype=dtype, device=DEVICE) for s in (q_shape, k_shape, v_shape))
@@ -86,7 +86,7 @@ def test_probability_forms_run_on_an_accelerator_without_host_syncs(name, mask):
         pytest.skip(f"{name} does not support mask={mask}")
     kwargs = {"mask": mask} if mask is not None else {}
     q_shape, k_shape, _ = SHAPES
-    draws = spec.draw(q_shape, k_shape, num_samples=6 if spec.needs_samples else None, replicates=2,
+    draws = spec.draw(q_shape, k_shape, num_samples=16 if spec.needs_samples else None, replicates=2,
                       rng=np.random.default_rng(0), **spec.resolve_params({}), **kwargs)
     forms = [f for f in (spec.batched_with_probabilities, spec.batched_probabilities) if f is not None]
     if not forms:

@@ -74,7 +74,7 @@ def _run_all(name: str, params: dict, q, k, v, scale: float, rng: np.random.Gene
 
     spec = get_spec(name)
     resolved = spec.resolve_params(params)
-    draws = spec.draw(q.shape, k.shape, num_samples=8, replicates=2, rng=rng, **resolved)
+    draws = spec.draw(q.shape, k.shape, num_samples=16, replicates=2, rng=rng, **resolved)  # whole Quest pages of 16
     with warnings.catch_warnings():
         # signed estimators may warn about non-positive normalizers; finiteness is checked below
         warnings.simplefilter("ignore")
