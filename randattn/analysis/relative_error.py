@@ -36,12 +36,20 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RELATIVE_ERROR_COLUMNS", "check_epsilon", "clopper_pearson", "query_relative_errors",
-           "relative_error_columns"]
+__all__ = ["BUDGET_SUMMARY_COLUMNS", "RELATIVE_ERROR_COLUMNS", "broken_promises", "budget_summary", "check_epsilon",
+           "clopper_pearson", "query_relative_errors", "relative_error_columns"]
 
 #: the columns :func:`relative_error_columns` gives, in the sweep table's order
 RELATIVE_ERROR_COLUMNS = ("rel_err_mean", "rel_err_median", "rel_err_p95", "epsilon", "violation_rate",
                           "violation_lo", "violation_hi", "delta", "promise_broken")
+
+
+#: what :func:`budget_summary` gives beside its keys
+BUDGET_SUMMARY_COLUMNS = ("keys_used", "keys_fraction", "rel_err_median", "rel_err_p95", "epsilon", "delta",
+                          "violation_rate", "heads", "promises_broken")
+#: a broken promise's record (:func:`broken_promises`)
+_BROKEN_FIELDS = ("label", "num_samples", "tokens", "mask", "queries", "image", "layer", "head", "epsilon", "delta",
+                  "violation_rate", "violation_lo", "violation_hi")
 
 
 def check_epsilon(value: Any) -> float:
@@ -162,3 +170,56 @@ def relative_error_columns(errors: np.ndarray, epsilon: float | None,
         broken = np.asarray(columns["violation_lo"] > delta) & np.isfinite(columns["violation_lo"])
         columns.update(delta=np.full(cells, delta), promise_broken=broken)
     return columns
+
+
+def _summary_keys(table) -> list[str]:
+    """The keys :func:`randattn.analysis.sweep.aggregate` groups a table by (``mask`` where the table has it)."""
+    return ["estimator", "label", "num_samples", "tokens", *(["mask"] if "mask" in table.columns else [])]
+
+
+def budget_summary(table):
+    """Per (estimator, label, S, tokens[, mask]) -- the groups of :func:`~randattn.analysis.sweep.aggregate` -- the
+    keys read, the relative error and the promise checks of a sweep table, for its summary.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        A sweep table; columns it lacks (a table written before them) give NaN.
+
+    Returns
+    -------
+    pandas.DataFrame
+        The keys and :data:`BUDGET_SUMMARY_COLUMNS`: the mean over the group's rows (every (image, layer) holds
+        the same heads, so the mean over heads, then layers, then images) of ``keys_used``, ``keys_fraction``,
+        ``rel_err_median``, ``rel_err_p95`` and ``violation_rate``; ``epsilon`` and ``delta`` (the group's, NaN
+        where it has none); ``heads``: the group's rows; ``promises_broken``: its rows whose ``promise_broken`` is
+        true (each a head of an image and layer whose promise demonstrably fails, :func:`broken_promises`).
+    """
+    import pandas as pd
+
+    keys = _summary_keys(table)
+    means = ["keys_used", "keys_fraction", "rel_err_median", "rel_err_p95", "violation_rate", "epsilon", "delta"]
+    frame = table.reindex(columns=list(dict.fromkeys([*keys, *means, "promise_broken"]))).copy()
+    frame["promise_broken"] = frame["promise_broken"].eq(True)  # absent (NaN): no promise checked
+    records = []
+    for key, group in frame.groupby(keys, sort=False):
+        record = dict(zip(keys, key))
+        for column in means:
+            values = group[column].to_numpy(dtype=np.float64)
+            record[column] = float(values.mean()) if np.isfinite(values).any() else np.nan
+        record["heads"] = int(len(group))
+        record["promises_broken"] = int(group["promise_broken"].sum())
+        records.append(record)
+    return pd.DataFrame.from_records(records, columns=[*keys, *BUDGET_SUMMARY_COLUMNS])
+
+
+def broken_promises(table) -> list[dict[str, Any]]:
+    """One record per row of a sweep table whose configuration's promise demonstrably fails (``promise_broken``):
+    its label, S, tokens, mask, query selection, image, layer and head, and epsilon, delta, the violation rate and
+    its Clopper-Pearson interval (plain Python values), in the table's order."""
+    if "promise_broken" not in table.columns:
+        return []
+    broken = table[table["promise_broken"].eq(True)]
+    fields = [f for f in _BROKEN_FIELDS if f in broken.columns]
+    return [{f: (v.item() if isinstance(v, np.generic) else v) for f, v in zip(fields, row)}
+            for row in broken[fields].itertuples(index=False, name=None)]
