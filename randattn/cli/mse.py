@@ -80,7 +80,7 @@ import click
                    "only under --mask causal with last:K.")
 @click.option("--epsilon", "epsilon", default=None, type=float, metavar="E",
               help="Also report the violation rate P(||y_hat_n - y_n|| / ||y_n|| > E), E in (0, 1), over the "
-                   "queries and replicates of each head, with its Clopper-Pearson 95%% interval (columns epsilon, "
+                   "queries and replicates of each head, with its Clopper-Pearson 95% interval (columns epsilon, "
                    "violation_rate, violation_lo, violation_hi). An estimator that promises (epsilon, delta) is "
                    "checked against its own epsilon, with or without this option.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
