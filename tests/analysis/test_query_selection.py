@@ -216,3 +216,41 @@ def test_a_table_from_before_the_new_columns_reads_as_all_queries_no_promise():
     assert set(table["queries"]) == {"all"} and not table["promise_broken"].any()
     assert table["keys_used"].isna().all() and table["violation_rate"].isna().all()
     pd.testing.assert_frame_equal(table[list(old.columns)], old, check_exact=True, check_dtype=False)
+
+
+def test_the_forecast_counts_the_measured_rows(spec, acts, monkeypatch):
+    """With the calibration fixed, a plan's peak at many replicates is STORE_FACTOR x the store of the K measured
+    rows, 8 bytes x R x C x K x Dv (written out), not of the N rows."""
+    from dataclasses import replace
+
+    from randattn.analysis.cell_memory import STORE_FACTOR
+    from randattn.analysis.execute import UnitRunner
+    from randattn.analysis.sweep import plan_sweep
+
+    monkeypatch.setattr(UnitRunner, "_calibration", lambda self, unit: (1_000, 10))
+    reps = 10**6
+    for queries, k in (("last:2", 2), ("all", N)):
+        config = replace(_config(queries, "causal"), replicates=reps)
+        assert plan_sweep(acts, config).peak_bytes == STORE_FACTOR * 8 * reps * HEADS * k * D
+
+
+@pytest.mark.slow  # a Dask cluster of one worker process, ~20 s on 2 cores
+def test_dask_workers_give_the_same_new_columns(spec, acts, tmp_path):
+    """The rows a worker computes and writes as parts carry the new columns as the local run's, bit for bit."""
+    distributed = pytest.importorskip("distributed")
+    import cloudpickle
+
+    import _sampled_keys
+    from randattn.activations import save_activations
+
+    path = save_activations(acts, tmp_path / "acts.safetensors")
+    config = _config("last:4", "causal", label=f"softmax;{NAME}:eps=0.05,delta=0.01", epsilon=0.2)
+    local = run_sweep_tables(path, config).table
+    cloudpickle.register_pickle_by_value(_sampled_keys)  # the workers cannot import the tests' helper module
+    try:
+        with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+                                      silence_logs=40) as cluster, distributed.Client(cluster) as client:
+            remote = run_sweep_tables(path, config, scheduler=client, parts_dir=tmp_path / "parts").table
+    finally:
+        cloudpickle.unregister_pickle_by_value(_sampled_keys)
+    pd.testing.assert_frame_equal(remote.drop(columns="seconds"), local.drop(columns="seconds"), check_exact=True)
