@@ -85,11 +85,13 @@ def _check_against_loop(acts, table, rows, causal, eps):
             assert row[column] == pytest.approx(value, rel=1e-10, abs=1e-300), (head, column)
 
 
-@pytest.mark.parametrize(("queries", "mask"), [("last:4", "causal"), ("sample:4", None), ("all", "causal")])
-def test_selected_queries_measured_against_a_loop_over_their_positions(spec, acts, queries, mask):
+@pytest.mark.parametrize(("queries", "mask", "backend"), [("last:4", "causal", "torch"), ("sample:4", None, "torch"),
+                                                          ("all", "causal", "torch"), ("last:4", "causal", "reference")])
+def test_selected_queries_measured_against_a_loop_over_their_positions(spec, acts, queries, mask, backend):
     """last:4 under the causal mask is the estimator called with q[..., -4:, :] and every key; a sample of 4
-    bidirectional rows; every row. The rows are the true ones: the per-query loop places query n at its token."""
-    tables = run_sweep_tables(acts, _config(queries, mask, epsilon=0.3))
+    bidirectional rows; every row; on both backends. The rows are the true ones: the per-query loop places query n
+    at its token."""
+    tables = run_sweep_tables(acts, _config(queries, mask, epsilon=0.3, backend=backend))
     table = tables.table
     rows = np.arange(N) if queries == "all" else query_rows(queries, N, 4)
     assert set(table["queries"]) == {queries} and set(table["tokens"]) == {N}
@@ -161,6 +163,21 @@ def test_estimators_without_keys_used_or_epsilon_get_nan(acts):
     assert table[["keys_used", "keys_used_se", "keys_used_max", "keys_fraction", "epsilon", "violation_rate",
                   "violation_lo", "violation_hi", "delta"]].isna().all().all()
     assert not table["promise_broken"].any() and (table["rel_err_p95"] < 1e-12).all()
+
+
+def test_keys_used_columns_by_hand():
+    """Two replicates x two cells of per-query means and maxima: the mean, its SE over the replicates, the max and
+    the fraction, written out; a deterministic estimator's SE is 0, a random one's with one replicate NaN."""
+    from randattn.analysis.unit_rows import keys_used_columns
+
+    means, largest = np.array([[2.0, 5.0], [4.0, 5.0]]), np.array([[3.0, 6.0], [7.0, 5.0]])
+    got = keys_used_columns(means, largest, random=True, replicates=2, visible=8.0)
+    assert np.allclose(got["keys_used"], [3.0, 5.0]) and np.allclose(got["keys_used_se"], [1.0, 0.0])
+    assert np.array_equal(got["keys_used_max"], [7.0, 6.0]) and np.allclose(got["keys_fraction"], [3 / 8, 5 / 8])
+    assert np.array_equal(keys_used_columns(means, largest, random=False, replicates=1, visible=8.0)["keys_used_se"],
+                          [0.0, 0.0])
+    assert np.isnan(keys_used_columns(means, largest, random=True, replicates=1, visible=8.0)["keys_used_se"]).all()
+    assert all(np.isnan(v) for v in keys_used_columns(None, None, random=True, replicates=2, visible=8.0).values())
 
 
 def test_clopper_pearson_against_scipy_binomtest():
