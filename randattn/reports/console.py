@@ -55,7 +55,8 @@ def plan_lines(plan, timing: bool, dask: bool = False, noun: str = "image") -> l
     n_layers, n_heads, n_images = len(plan.layers), len(plan.heads), len(plan.images)
     first = (f"[bold]plan[/]: {count(plan.cells, 'cell')} in {count(len(plan.units), 'unit')} = {count(n_layers, 'layer')} x "
              f"{count(n_heads, 'head')} x {count(n_images, noun)} x {pairs} (estimator, S) "
-             f"{'pair' if pairs == 1 else 'pairs'}, R = {config.replicates}")
+             f"{'pair' if pairs == 1 else 'pairs'}, R = {config.replicates}"
+             + ("" if config.queries == "all" else f"; measuring {_queries_noun(config.queries)} of each head"))
     if len(plan.todo) < len(plan.units):
         first += f"; resuming: {count(plan.todo_cells, 'cell')} left to compute"
     if plan.unreadable:
@@ -158,12 +159,15 @@ def interrupted_text(parts, stored: set[str], plan, resume_command: str) -> str:
             f"{escape(resume_command)}")
 
 
+def _queries_noun(queries: str) -> str:
+    """``"the last 64 queries"``, ``"64 sampled queries"`` of a selection other than ``all``."""
+    kind, count = str(queries).split(":")
+    return f"the last {count} queries" if kind == "last" else f"{count} sampled queries"
+
+
 def _queries_text(queries: str | None) -> str:
     """``" on the last 64 queries"``, ``" on 64 sampled queries"``; ``""`` for every query."""
-    if queries in (None, "all"):
-        return ""
-    kind, count = str(queries).split(":")
-    return f" on the last {count} queries" if kind == "last" else f" on {count} sampled queries"
+    return "" if queries in (None, "all") else f" on {_queries_noun(queries)}"
 
 
 def summary_table(summary, noun: str = "image", queries: str | None = None):
