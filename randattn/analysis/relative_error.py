@@ -1,4 +1,4 @@
-r"""The relative output error per query, its distribution, and a checked (epsilon, delta) promise (ARCHITECTURE sec. 14).
+r"""The relative output error per query, its distribution, a checked (epsilon, delta) promise (ARCHITECTURE sec. 14).
 
 For replicate r and query n of a cell (one image, layer and head) the relative output error is
 

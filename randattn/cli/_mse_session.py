@@ -391,9 +391,9 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
     broken = broken_promises(table)
     keys = [c for c in ("estimator", "label", "num_samples", "tokens", "mask") if c in summary.columns]
     records = table_records(summary.merge(budget, on=keys, how="left"))
+    group = ("label", "num_samples", "tokens", "mask")
     for record in records:
-        record["broken_promises"] = [b for b in broken
-                                     if all(b.get(c) == record.get(c) for c in ("label", "num_samples", "tokens", "mask"))]
+        record["broken_promises"] = [b for b in broken if all(b.get(c) == record.get(c) for c in group)]
     queries = str(config.queries)
     if show == "json":
         click.echo(json.dumps(records, indent=2))

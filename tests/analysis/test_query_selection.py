@@ -85,8 +85,10 @@ def _check_against_loop(acts, table, rows, causal, eps):
             assert row[column] == pytest.approx(value, rel=1e-10, abs=1e-300), (head, column)
 
 
-@pytest.mark.parametrize(("queries", "mask", "backend"), [("last:4", "causal", "torch"), ("sample:4", None, "torch"),
-                                                          ("all", "causal", "torch"), ("last:4", "causal", "reference")])
+@pytest.mark.parametrize(("queries", "mask", "backend"), [
+    ("last:4", "causal", "torch"), ("sample:4", None, "torch"), ("all", "causal", "torch"),
+    ("last:4", "causal", "reference"),
+])
 def test_selected_queries_measured_against_a_loop_over_their_positions(spec, acts, queries, mask, backend):
     """last:4 under the causal mask is the estimator called with q[..., -4:, :] and every key; a sample of 4
     bidirectional rows; every row; on both backends. The rows are the true ones: the per-query loop places query n
@@ -107,7 +109,8 @@ def test_selected_queries_measured_against_a_loop_over_their_positions(spec, act
 
 def test_the_sample_is_seeded_sorted_and_distinct():
     rows = query_rows("sample:5", 40, 7)
-    assert np.array_equal(rows, query_rows("sample:5", 40, 7)) and not np.array_equal(rows, query_rows("sample:5", 40, 8))
+    assert np.array_equal(rows, query_rows("sample:5", 40, 7))
+    assert not np.array_equal(rows, query_rows("sample:5", 40, 8))
     assert np.all(np.diff(rows) > 0) and rows.min() >= 0 and rows.max() < 40
     assert np.array_equal(query_rows("last:3", 10), [7, 8, 9]) and query_rows("all", 10) is None
     assert np.array_equal(query_rows("sample:10", 10, 3), np.arange(10))

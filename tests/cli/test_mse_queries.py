@@ -74,6 +74,7 @@ def test_last_k_under_the_causal_mask_with_a_promise(acts_file, tmp_path):
     assert meta["epsilon"] == 0.2 and meta["config_identity"]["queries"] == "last:3"
     text = _words(result)
     assert "on the last 3 queries" in text and "keys read and relative error" in text
+    assert "measuring the last 3 queries of each head" in text
     assert text.count("promise broken:") == 2  # one line per head
     assert f"promise broken: {PROMISING} S=3 layer 0 head 1 sequence" in text
 
