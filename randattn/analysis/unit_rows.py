@@ -52,13 +52,13 @@ def keys_used_columns(per_query_mean: np.ndarray | None, per_query_max: np.ndarr
     Returns
     -------
     dict
-        ``keys_used``: :math:`ar u = rac1{R'} \sum_r ar u_r`, with :math:`ar u_r` the mean over the
+        ``keys_used``: :math:`\bar u = \frac1{R'} \sum_r \bar u_r`, with :math:`\bar u_r` the mean over the
         measured queries of replicate r (all replicates hold the same queries, so this is the mean over queries
-        and replicates); ``keys_used_se``: the standard error of :math:`ar u` over the replicates,
-        :math:`\mathrm{std}_r(ar u_r, 	ext{ddof}=1) / \sqrt{R'}` (the replicates are independent, the queries
+        and replicates); ``keys_used_se``: the standard error of :math:`\bar u` over the replicates,
+        :math:`\mathrm{std}_r(\bar u_r, \text{ddof}=1) / \sqrt{R'}` (the replicates are independent, the queries
         of one replicate share its draws), 0 for a deterministic estimator and NaN for a random one with R' = 1;
         ``keys_used_max``: the largest count of any query and replicate; ``keys_fraction``:
-        :math:`ar u / 	ext{visible}`.
+        :math:`\bar u / \text{visible}`.
     """
     if per_query_mean is None:
         return dict.fromkeys(KEYS_USED_COLUMNS, np.nan)
