@@ -93,18 +93,18 @@ def test_selected_queries_measured_against_a_loop_over_their_positions(spec, act
     """last:4 under the causal mask is the estimator called with q[..., -4:, :] and every key; a sample of 4
     bidirectional rows; every row; on both backends. The rows are the true ones: the per-query loop places query n
     at its token."""
-    tables = run_sweep_tables(acts, _config(queries, mask, epsilon=0.3, backend=backend))
+    tables = run_sweep_tables(acts, _config(queries, mask, epsilon=0.3, backend=backend, position_buckets="log2"))
     table = tables.table
     rows = np.arange(N) if queries == "all" else query_rows(queries, N, 4)
     assert set(table["queries"]) == {queries} and set(table["tokens"]) == {N}
     _check_against_loop(acts, table, rows, mask == "causal", 0.3)
     assert (table["epsilon"] == 0.3).all() and table["delta"].isna().all() and not table["promise_broken"].any()
-    if mask == "causal":  # per-position buckets of the measured rows, at their true positions p = n + M - N + 1
-        positions = tables.positions[tables.positions["head"] == 0]
-        true = rows + 1
-        buckets = [(lo, hi, int(((true >= lo) & (true <= hi)).sum())) for lo, hi in ((1, 1), (2, 3), (4, 7), (8, 9))]
-        assert list(zip(positions.position_lo, positions.position_hi, positions.queries)) == \
-            [b for b in buckets if b[2] > 0]
+    # per-position buckets of the measured rows, at their true positions p = n + M - N + 1 (a sample's too)
+    positions = tables.positions[tables.positions["head"] == 0]
+    true = rows + 1
+    buckets = [(lo, hi, int(((true >= lo) & (true <= hi)).sum())) for lo, hi in ((1, 1), (2, 3), (4, 7), (8, 9))]
+    assert list(zip(positions.position_lo, positions.position_hi, positions.queries)) == \
+        [b for b in buckets if b[2] > 0]
 
 
 def test_the_sample_is_seeded_sorted_and_distinct():
