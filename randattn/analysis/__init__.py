@@ -1,6 +1,7 @@
 """Measurement: replicates, bias/variance/MSE, sweeps over activation sets, importance-sampling diagnostics.
 
 Submodules are imported on use (``randattn.analysis.metrics``, ``.diagnostics``, ``.sweep``;
-``.masking`` and ``.positions`` for runs under an attention mask); ``theory`` holds the propositions
+``.masking`` and ``.positions`` for runs under an attention mask; ``.queries`` for measuring some query rows,
+``.relative_error`` for the per-query relative error and promise checks); ``theory`` holds the propositions
 checked by ``randattn verify``.
 """

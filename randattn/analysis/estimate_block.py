@@ -135,6 +135,31 @@ class BlockEstimator:
             return self._reference(spec, est, q, k, v, draws, exact_probs, mask=mask)
         return self._dense(spec, est, q, k, v, draws, exact_probs, mask=mask)
 
+    def keys_used(self, spec, est: EstimatorConfig, q, k, draws: Draws, *, mask: str | None = None) -> np.ndarray:
+        """float64 ``(R_b, C_b, N)``: the keys each query's estimate reads (:attr:`~randattn.estimators.base.
+        EstimatorSpec.keys_used`), from the block's own draws, in the dtype its estimate ran in (a selection by
+        scores may differ between float32 and float64 where candidates nearly tie); on the torch CPU for the
+        reference backend (the fact is declared in torch only).
+
+        Raises
+        ------
+        ValueError
+            The counts do not have the layout ``(R_b, C_b, N)``, naming the estimator.
+        """
+        import torch
+
+        device = self.device if self.torch is not None else None
+        dt = getattr(torch, self.dtype_name(est))
+        tq, tk = (torch.as_tensor(a, device=device, dtype=dt) for a in (q, k))
+        with torch.no_grad():
+            counts = spec.keys_used(tq, tk, draws.to_torch(device=device, dtype=dt), scale=self.scale, **est.params,
+                                    **estimator_mask_kwargs(mask))
+        expected = (draws.replicates, *q.shape[:-1])
+        if tuple(counts.shape) != expected:
+            raise ValueError(f"keys_used of estimator {est.label!r} returned shape {tuple(counts.shape)}; expected "
+                             f"(R, ..., N) = {expected}")
+        return counts.to(device="cpu", dtype=torch.float64).numpy()
+
     def _reference(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: str | None = None):
         """:meth:`estimate` by the float64 numpy reference; the probabilities as its estimate of the identity."""
         masked = estimator_mask_kwargs(mask)

@@ -106,11 +106,16 @@ class ExactCache:
         The torch module on the torch backend; None: the reference backend (numpy).
     device : torch.device, optional
         Where the torch backend computes.
+    rows : (K,) int array, optional
+        The measured query rows (:mod:`randattn.analysis.queries`), increasing; None: every row. The inputs hold
+        those K queries and every key, so the exact attention and everything derived from it are K rows: O(K M)
+        per head, never N x M.
     """
 
     def __init__(self, acts, mask_of: Callable[[int], str | None], scale: float, probabilities: bool, *,
-                 torch: Any = None, device: Any = None) -> None:
+                 torch: Any = None, device: Any = None, rows: Any = None) -> None:
         self.acts = acts
+        self.rows = None if rows is None else np.asarray(rows, dtype=np.intp)
         self.mask_of = mask_of
         self.scale = scale
         self.probabilities = probabilities
@@ -120,12 +125,14 @@ class ExactCache:
         self._last: tuple[tuple, tuple, dict] | None = None
 
     def inputs(self, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """float64 ``q, k, v : (C, N, D)`` of the unit's heads.
+        """float64 ``q : (C, K, D)`` (the measured query rows), ``k, v : (C, M, D)`` of the unit's heads.
 
         Taken through :meth:`~randattn.activations.io.Activations.layer_qkv` so that a grouped-query file's shared
         keys and values are gathered for the unit's heads of one image only, never expanded to the whole layer.
         """
         q, k, v = self.acts.layer_qkv(unit.layer, heads=list(unit.heads), image=unit.image)
+        if self.rows is not None:
+            q = np.take(q, self.rows, axis=-2)
         return q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
 
     def exact(self, unit: Unit, q, k, v) -> tuple[np.ndarray, np.ndarray]:

@@ -67,7 +67,9 @@ from randattn.analysis.unit_diagnostics import (
     UnitDiagnostics,
     diagnostics_block,
 )
-from randattn.analysis.unit_rows import COLUMNS, output_metrics, position_rows, table_rows
+from randattn.analysis.masking import visible_key_counts
+from randattn.analysis.relative_error import relative_error_columns
+from randattn.analysis.unit_rows import COLUMNS, keys_used_columns, output_metrics, position_rows, table_rows
 from randattn.estimators.base import Draws
 
 __all__ = ["COLUMNS", "PHASES", "DiagnosticsSkippedWarning", "MemoryBudgetError", "UnitResult", "UnitRunner",
@@ -158,14 +160,23 @@ class UnitRunner:
 
             self.torch = torch
             self.device = torch.device(config.device) if config.device is not None else torch.device("cpu")
+        #: N, the query rows of the activations, and the rows measured (None: all; :mod:`randattn.analysis.queries`)
+        self.num_queries = int(acts.shape[2])
+        self.query_rows = config.query_rows(self.num_queries)
         self.exact_cache = ExactCache(acts, config.mask_of, self.scale, config.probabilities, torch=self.torch,
-                                      device=self.device)
+                                      device=self.device, rows=self.query_rows)
         self.estimator = BlockEstimator(self.scale, config.probabilities, config.dtype, torch=self.torch,
                                         device=self.device)
 
     # ------------------------------------------------------------------------------------------------ inputs
+    @property
+    def measured_queries(self) -> int:
+        """K, the query rows each cell measures (N unless the run selects fewer)."""
+        return self.num_queries if self.query_rows is None else len(self.query_rows)
+
     def inputs(self, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """float64 ``q, k, v : (C, N, D)`` of the unit's heads (:meth:`~randattn.analysis.exact_cache.ExactCache.inputs`)."""
+        """float64 ``q : (C, K, D)`` (the measured rows), ``k, v : (C, M, D)`` of the unit's heads
+        (:meth:`~randattn.analysis.exact_cache.ExactCache.inputs`)."""
         return self.exact_cache.inputs(unit)
 
     def mask(self, unit: Unit) -> str | None:
@@ -198,9 +209,10 @@ class UnitRunner:
         return unit_peak_bytes(block_bytes(*self._calibration(unit), cells, reps), self.stored_bytes(unit))
 
     def stored_bytes(self, unit: Unit) -> int:
-        """Bytes of ``unit``'s float64 estimates ``(R, C, N, Dv)``, kept from its first block to its metrics."""
+        """Bytes of ``unit``'s float64 estimates ``(R, C, K, Dv)`` (K measured queries), kept from its first block to
+        its metrics."""
         est = self.config.estimators[unit.est_index]
-        return stored_bytes(len(unit.heads), self.replicates(est), self.acts.shape[2], self.value_dim)
+        return stored_bytes(len(unit.heads), self.replicates(est), self.measured_queries, self.value_dim)
 
     @property
     def value_dim(self) -> int:
@@ -224,13 +236,15 @@ class UnitRunner:
                     # the code path that runs: estimates, the probability pass (dense: the larger working set),
                     # diagnostics
                     self.estimator.estimate(spec, est, q, k, v, draws, exact_probs, full_precision=True, mask=kind)
+                    if spec.keys_used is not None:
+                        self.estimator.keys_used(spec, est, q, k, draws, mask=kind)
                     if self.config.diagnostics and est.random:
                         self._diagnostics_block(est, q, k, v, draws, first_block=False, mask=kind)
 
                 return measure_block_peak(one, draws, torch_tensors=self.torch is not None)
 
             a, b = fit_cell_model(peak_at, unit.num_samples, est.random)
-            self._cell_bytes[key] = with_margin(a, b, queries=self.acts.shape[2], value_dim=v.shape[-1],
+            self._cell_bytes[key] = with_margin(a, b, queries=self.measured_queries, value_dim=v.shape[-1],
                                                 key_dim=self.acts.shape[3], num_samples=unit.num_samples)
         return self._cell_bytes[key]
 
@@ -331,6 +345,10 @@ class UnitRunner:
             exact_out = cache.output(unit)
             out = self.torch.empty((reps, cells, n, dv), dtype=self.torch.float64, device=self.device)
         prob_sq = np.full((reps, cells), np.nan)
+        # per (replicate, cell): the mean and the largest over the queries of the keys each reads (spec.keys_used)
+        counts_declared = spec.keys_used is not None
+        keys_mean = np.full((reps, cells), np.nan) if counts_declared else None
+        keys_max = np.full((reps, cells), np.nan) if counts_declared else None
         diagnostics = UnitDiagnostics(reps, cells)
         diagnose = config.diagnostics and est.random
         skipped = diagnostics_skip_reason(spec, est.params, kind, config.backend) if diagnose else None
@@ -355,6 +373,9 @@ class UnitRunner:
                 self.torch.sub(block_out, exact_out[cs], out=out[rs, cs])
             if block_prob is not None:
                 prob_sq[rs, cs] = block_prob
+            if counts_declared:
+                counts = estimator.keys_used(spec, est, q[cs], k[cs], draws, mask=kind)
+                keys_mean[rs, cs], keys_max[rs, cs] = counts.mean(-1), counts.max(-1)
             mark = _lap(seconds, "estimate", mark, clock)
             used = diagnostics.wanted(rs) if diagnose else None
             if used is not None:
@@ -366,21 +387,28 @@ class UnitRunner:
                 ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out[0, 0], mask=kind)
             _lap(seconds, "reference_check", mark, clock)
         mark = clock()
-        metrics, rel, per_bucket = output_metrics(
+        metrics, rel, per_bucket, errors = output_metrics(
             out, exact if self.torch is None else exact_out, differences=self.torch is not None, random=est.random,
-            scheme=config.positions_of(unit.layer), keys=m)
+            scheme=config.positions_of(unit.layer), keys=m, queries=self.num_queries, rows=self.query_rows,
+            relative_errors=True)
         prob_mse = prob_sq[: metrics.replicates].mean(0) / (n * m)
+        visible = visible_key_counts(kind, self.num_queries, m)
+        keys_used = keys_used_columns(keys_mean, keys_max, random=est.random, replicates=metrics.replicates,
+                                      visible=float((visible if self.query_rows is None else
+                                                     visible[self.query_rows]).mean()))
+        relative = relative_error_columns(errors, config.epsilon, spec.promise_of(est.params))
         ess_mean, delta_ratio, khat = diagnostics.columns(metrics.variance)
         _lap(seconds, "metrics", mark, clock)
         per_cell = (clock() - start) / cells
         model = str(self.acts.metadata.get("model", "unknown"))
         label = mask_label(kind)
         samples = unit.row_samples(config)
-        rows = table_rows(unit, est, samples, model=model, tokens=n, mask=label, dtype=dtype, metrics=metrics,
+        tokens = self.num_queries  # the sequence's, whichever of its queries are measured (the queries column says)
+        rows = table_rows(unit, est, samples, model=model, tokens=tokens, mask=label, dtype=dtype, metrics=metrics,
                           rel=rel, prob_mse=prob_mse if config.probabilities else None, ess_mean=ess_mean,
                           delta_ratio=delta_ratio, khat=khat, ref_dev=ref_dev, seconds=per_cell,
-                          sink=cache.sink_mass(unit))
-        positions = None if per_bucket is None else position_rows(unit, est, samples, model=model, tokens=n,
+                          sink=cache.sink_mass(unit), queries=config.queries, keys_used=keys_used, relative=relative)
+        positions = None if per_bucket is None else position_rows(unit, est, samples, model=model, tokens=tokens,
                                                                   mask=label, per_bucket=per_bucket)
         return UnitResult(rows, seconds, positions)
 

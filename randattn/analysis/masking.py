@@ -32,6 +32,7 @@ __all__ = [
     "sliding_window",
     "visible_keys",
     "query_positions",
+    "visible_key_counts",
     "masks_of_activations",
     "normalize_layer_masks",
     "estimator_mask_kwargs",
@@ -91,6 +92,20 @@ def query_positions(num_queries: int, num_keys: int) -> np.ndarray:
     """
     check_causal_shapes(num_queries, num_keys)
     return last_visible_key(num_queries, num_keys) + 1
+
+
+def visible_key_counts(kind: str | None, num_queries: int, num_keys: int) -> np.ndarray:
+    r"""``(N,)`` int64: how many keys each query sees under ``kind``, without forming the ``(N, M)`` mask.
+
+    M for no mask; :math:`p_n = n + (M - N) + 1` under ``"causal"``; :math:`\min(W, p_n)` under ``"sliding:W"``
+    (the row sums of :func:`visible_keys`).
+    """
+    kind = parse_mask_kind(kind)
+    if kind is None:
+        return np.full(num_queries, num_keys, dtype=np.int64)
+    counts = query_positions(num_queries, num_keys).astype(np.int64)
+    window = sliding_window(kind)
+    return counts if window is None else np.minimum(counts, window)
 
 
 def normalize_layer_masks(masks: Any) -> str | None | tuple[tuple[int, str | None], ...]:

@@ -254,6 +254,17 @@ class SweepConfig:
         Per-position metrics (:mod:`randattn.analysis.positions`): ``"auto"`` (``log2`` buckets on
         masked layers, none on bidirectional ones), ``"none"``, ``"log2"`` (every layer), or lower
         bucket edges such as ``(1, 2, 4, 8, 64)`` (every layer).
+    queries : str
+        Which query rows are measured (:mod:`randattn.analysis.queries`): ``"all"`` (the default), ``"last:K"``
+        (the decode regime under the causal mask) or ``"sample:K"`` (K rows drawn without replacement from a seed
+        derived from ``seed``). The estimate, the exact truth and every metric hold the K rows only. Recorded in
+        :meth:`identity` only when not ``"all"``, so that earlier runs stay resumable.
+    epsilon : float in (0, 1) or None
+        The relative output error whose violation rate the table reports
+        (:mod:`randattn.analysis.relative_error`): ``violation_rate`` = P(||y_hat_n - y_n|| / ||y_n|| > epsilon)
+        over the queries and replicates of a cell, with its Clopper-Pearson interval. An estimator configuration
+        that promises (epsilon, delta) (:meth:`~randattn.estimators.base.EstimatorSpec.promise_of`) is measured
+        against its own epsilon instead. None: only promising configurations get the columns.
     """
 
     estimators: tuple[EstimatorConfig, ...]
@@ -274,14 +285,21 @@ class SweepConfig:
     threads: int | None = None
     mask: Any = None
     position_buckets: Any = "auto"
+    queries: str = "all"
+    epsilon: float | None = None
 
     def __post_init__(self) -> None:
         from randattn.analysis.masking import normalize_layer_masks
         from randattn.analysis.positions import parse_position_buckets
+        from randattn.analysis.queries import parse_query_selection
+        from randattn.analysis.relative_error import check_epsilon
 
         # canonical and hashable (a Dask worker caches its runner by the configuration)
         object.__setattr__(self, "mask", normalize_layer_masks(self.mask))
         object.__setattr__(self, "position_buckets", parse_position_buckets(self.position_buckets))
+        object.__setattr__(self, "queries", parse_query_selection(self.queries))
+        if self.epsilon is not None:
+            object.__setattr__(self, "epsilon", check_epsilon(self.epsilon))
         if not self.estimators or not all(isinstance(e, EstimatorConfig) for e in self.estimators):
             raise TypeError("estimators must be a non-empty tuple of EstimatorConfig (see estimator_config)")
         if not self.num_samples:
@@ -324,6 +342,8 @@ class SweepConfig:
             # before masks existed: its finished tables and parts stay resumable
             **({"mask": self.mask_json()} if self.mask is not None else {}),
             **({"position_buckets": self.position_buckets_json()} if self.position_buckets != "auto" else {}),
+            **({"queries": self.queries} if self.queries != "all" else {}),
+            **({"epsilon": self.epsilon} if self.epsilon is not None else {}),
         }
 
     def mask_of(self, layer: int) -> str | None:
@@ -357,11 +377,18 @@ class SweepConfig:
             return None
         return "log2" if scheme == "auto" else scheme
 
+    def query_rows(self, num_queries: int) -> np.ndarray | None:
+        """The measured query rows of N = ``num_queries`` (:func:`~randattn.analysis.queries.query_rows`), None
+        for all; ValueError when K > N."""
+        from randattn.analysis.queries import query_rows
+
+        return query_rows(self.queries, num_queries, self.seed)
+
     def to_json(self) -> dict[str, Any]:
         """Everything, JSON-serialisable (stored in the output metadata)."""
         data = self.identity()
         data.update(device=self.device, max_memory=self.max_memory, mask=self.mask_json(),
-                    position_buckets=self.position_buckets_json())
+                    position_buckets=self.position_buckets_json(), queries=self.queries, epsilon=self.epsilon)
         return data
 
 

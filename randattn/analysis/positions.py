@@ -114,17 +114,25 @@ def position_buckets(scheme: str | Sequence[int], max_position: int) -> tuple[tu
     return tuple(buckets)
 
 
-def bucket_query_slices(scheme: str | Sequence[int], num_queries: int,
-                        num_keys: int) -> list[tuple[int, int, slice]]:
-    """``(lo, hi, queries)`` of every bucket holding a query: the queries as a slice of the N query indices.
+def bucket_query_slices(scheme: str | Sequence[int], num_queries: int, num_keys: int,
+                        rows: Sequence[int] | None = None) -> list[tuple[int, int, slice]]:
+    """``(lo, hi, queries)`` of every bucket holding a measured query: the queries as a slice of the measured rows.
 
-    Positions are consecutive (:math:`p_n = n + (M - N) + 1`), so each bucket's queries are a slice.
+    Parameters
+    ----------
+    scheme : ``"log2"`` or sequence of int
+    num_queries, num_keys : int
+        N and M of the activations: the positions are :math:`p_n = n + (M - N) + 1` and the buckets end at M.
+    rows : sequence of int, optional
+        The measured query rows, increasing (:mod:`randattn.analysis.queries`); default every row. A bucket's
+        measured queries are a slice of them, because positions increase with the row.
     """
     positions = query_positions(num_queries, num_keys)
-    first = int(positions[0])
+    measured = positions if rows is None else positions[np.asarray(rows, dtype=np.intp)]
     out = []
     for lo, hi in position_buckets(scheme, int(positions[-1])):
-        start, stop = max(lo, first) - first, hi - first + 1
+        start = int(np.searchsorted(measured, lo, side="left"))
+        stop = int(np.searchsorted(measured, hi, side="right"))
         if stop > start:
             out.append((lo, hi, slice(start, stop)))
     return out

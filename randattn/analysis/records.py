@@ -17,6 +17,7 @@ __all__ = [
     "REFERENCE_TOLERANCE",
     "command_line",
     "reference_check_summary",
+    "query_record",
     "resume_command",
     "table_metadata",
 ]
@@ -150,6 +151,8 @@ def table_metadata(config, activations, out: str | Path, table, argv: Sequence[s
         "config_identity": config.identity(),
         # the mask every layer was measured under (None: bidirectional; {"<layer>": kind} when they differ)
         "mask": config.mask_json(),
+        "queries": query_record(config, activations),
+        "epsilon": config.epsilon,
         "columns_doc": "see randattn.analysis.sweep.COLUMNS",
         "output": str(out),
         "warnings": table.attrs.get("warnings", []),
@@ -157,6 +160,17 @@ def table_metadata(config, activations, out: str | Path, table, argv: Sequence[s
         "timing": table.attrs.get("timing"),
         "compute": compute_record(config, table),
     }
+
+
+def query_record(config, activations) -> dict[str, Any]:
+    """Which query rows the sweep measured (:mod:`randattn.analysis.queries`): the selection as written, the rows
+    (None for every row) and, for a sample, the master seed its generator is derived from
+    (:func:`~randattn.analysis.queries.query_sample_seed`)."""
+    rows = config.query_rows(int(activations.shape[2]))
+    kind = config.queries.split(":")[0]
+    return {"selection": config.queries, "of": int(activations.shape[2]),
+            "rows": None if rows is None else [int(r) for r in rows],
+            "sample_seed": config.seed if kind == "sample" else None}
 
 
 def compute_record(config, table) -> dict[str, Any]:

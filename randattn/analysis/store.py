@@ -87,7 +87,12 @@ _PART_PREFIX, _PART_SUFFIX = "part-", ".parquet"
 _POSITIONS_PREFIX = "positions-"
 _STR_COLUMNS = ("model", "image", "mask", "estimator", "params", "label", "dtype")
 _INT_COLUMNS = ("layer", "head", "tokens", "num_samples", "replicates", "seed", "position_lo", "position_hi", "queries")
-_BOOL_COLUMNS = ("random",)
+_BOOL_COLUMNS = ("random", "promise_broken")
+#: the sweep table's columns whose dtype differs from the per-position table's column of the same name: the table's
+#: ``queries`` is the query selection (``"all"``, ``"last:64"``), the per-position table's the count in a bucket
+_TABLE_STR_COLUMNS = ("queries",)
+#: what a table written before a column existed holds in it: every query was measured, and no promise was checked
+_ABSENT = {"queries": "all", "promise_broken": False}
 #: the key of a part's Parquet schema metadata under which the warnings its unit raised are stored (JSON: a list of
 #: ``[category, message]``, one per time raised)
 PART_WARNINGS_KEY = b"randattn_warnings"
@@ -401,7 +406,7 @@ def _write_rows(path: Path, rows: Sequence[Mapping[str, Any]], columns: Sequence
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({c: _column(c, [row[c] for row in rows]) for c in columns}, metadata=metadata)
+    table = pa.table({c: _column(c, [row[c] for row in rows], columns) for c in columns}, metadata=metadata)
     with named_write_errors(path), atomic_path(path) as tmp:
         pq.write_table(table, tmp)
     return path
@@ -471,13 +476,21 @@ def set_aside_unreadable(parts_dir: str | os.PathLike, *, full: bool = False) ->
     return moved
 
 
-def _column(name: str, values: list):
+def _kind(name: str, columns: Sequence[str]) -> str:
+    """``"str"``, ``"int64"``, ``"bool"`` or ``"float64"``: the dtype of column ``name`` of a table of ``columns``."""
+    if name in _STR_COLUMNS or (name in _TABLE_STR_COLUMNS and tuple(columns) == tuple(COLUMNS)):
+        return "str"
+    return "int64" if name in _INT_COLUMNS else "bool" if name in _BOOL_COLUMNS else "float64"
+
+
+def _column(name: str, values: list, columns: Sequence[str] = COLUMNS):
     """One column with the dtype :func:`coerce` gives it, built directly (coerce costs 6 ms a part)."""
     import numpy as np
 
-    if name in _STR_COLUMNS:
+    kind = _kind(name, columns)
+    if kind == "str":
         return np.array([str(x) for x in values], dtype=object)
-    return np.array(values, dtype="int64" if name in _INT_COLUMNS else bool if name in _BOOL_COLUMNS else "float64")
+    return np.array(values, dtype=bool if kind == "bool" else kind)
 
 
 def empty_table():
@@ -535,15 +548,12 @@ def coerce_positions(frame):
 def _coerce(frame, columns: Sequence[str]):
     frame = frame.reindex(columns=list(columns)).copy()
     frame["mask"] = frame["mask"].fillna("none")  # rows written before masks existed were bidirectional
+    for c, value in _ABSENT.items():  # rows written before the column existed
+        if tuple(columns) == tuple(COLUMNS):
+            frame[c] = frame[c].astype(object).where(frame[c].notna(), value)
     for c in columns:
-        if c in _STR_COLUMNS:
-            frame[c] = frame[c].astype(str)
-        elif c in _INT_COLUMNS:
-            frame[c] = frame[c].astype("int64")
-        elif c in _BOOL_COLUMNS:
-            frame[c] = frame[c].astype(bool)
-        else:
-            frame[c] = frame[c].astype("float64")
+        kind = _kind(c, columns)
+        frame[c] = frame[c].astype(kind if kind != "str" else str)
     return frame
 
 

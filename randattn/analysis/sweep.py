@@ -155,12 +155,18 @@ def plan(activations: Any, config: SweepConfig) -> list[Unit]:
     ValueError
         A selected layer, head or image the activations do not hold; a layer without a mask in a
         per-layer mask; an estimator that does not support a selected layer's mask (named, with
-        its spec's reason: :func:`~randattn.analysis.masking.check_estimator_masks`).
+        its spec's reason: :func:`~randattn.analysis.masking.check_estimator_masks`); a query selection
+        the run cannot measure (:func:`~randattn.analysis.queries.check_query_selection`: K > N, a
+        sample under a mask, a token layout on a subset without a mask).
     """
+    from randattn.analysis.queries import check_query_selection
+
     acts = as_activations(activations)
     if not isinstance(config, SweepConfig):
         raise TypeError(f"config must be a SweepConfig, got {type(config).__name__}")
     units = plan_units(acts.layers, acts.shape[1], acts.images, config)
+    kinds = {layer: config.mask_of(layer) for layer in select("layers", config.layers, list(acts.layers))}
+    check_query_selection(config.queries, int(acts.shape[2]), kinds, config.estimators, config.seed)
     _check_masks(acts, bind_layout(config, acts))  # with the patch grid the run will use (windows under a mask)
     return units
 
@@ -179,12 +185,14 @@ def _check_masks(acts, config: SweepConfig) -> None:
     if all(kind is None for kind in kinds.values()):
         return
     _, _, n, d = acts.shape
+    rows = config.query_rows(n)
+    queries = n if rows is None else len(rows)  # the estimators see the measured queries and every key
     for est in config.estimators:
         spec = get_spec(est.name)
         samples = min(config.num_samples) if est.needs_samples else None  # the smallest draw says as much
 
         def probe(kind: str, spec=spec, est=est, samples=samples) -> None:
-            spec.draw((1, n, d), (1, n, d), num_samples=samples, replicates=1, rng=np.random.default_rng(0),
+            spec.draw((1, queries, d), (1, n, d), num_samples=samples, replicates=1, rng=np.random.default_rng(0),
                       **est.params, **estimator_mask_kwargs(kind))
 
         check_estimator_masks(spec, est.label, kinds, isinstance(config.mask, tuple), probe)

@@ -14,19 +14,68 @@ import numpy as np
 
 from randattn.analysis.plan import EstimatorConfig, Unit
 from randattn.analysis.positions import bucket_metrics, bucket_query_slices
+from randattn.analysis.relative_error import RELATIVE_ERROR_COLUMNS
 
-__all__ = ["COLUMNS", "output_metrics", "position_rows", "table_rows"]
+__all__ = ["COLUMNS", "KEYS_USED_COLUMNS", "keys_used_columns", "output_metrics", "position_rows", "table_rows"]
 
-#: the sweep table's columns, in order (plotting code relies on these names)
+#: what the keys-used columns hold: the mean over the measured queries and the replicates of the distinct keys each
+#: query's estimate reads (:attr:`~randattn.estimators.base.EstimatorSpec.keys_used`), its standard error over the
+#: replicates, its largest value, and the mean divided by the mean number of keys the measured queries see
+KEYS_USED_COLUMNS: tuple[str, ...] = ("keys_used", "keys_used_se", "keys_used_max", "keys_fraction")
+
+#: the sweep table's columns, in order (plotting code relies on these names); the columns after ``sink_mass`` were
+#: appended later, so that a table's earlier columns keep their places
 COLUMNS: tuple[str, ...] = (
     "model", "image", "layer", "head", "tokens", "mask", "estimator", "params", "label", "num_samples", "replicates",
     "random", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
     "ess_mean", "delta_var_ratio", "pareto_khat", "dtype", "ref_max_abs_dev", "seconds", "seed", "sink_mass",
+    "queries", *KEYS_USED_COLUMNS, *RELATIVE_ERROR_COLUMNS,
 )
 
 
-def output_metrics(out, truth, *, differences: bool, random: bool, scheme: Any = None, keys: int = 0):
-    """The unit's output metrics: ``(metrics, rel_error, per_bucket)``, per_bucket None without a ``scheme``.
+def keys_used_columns(per_query_mean: np.ndarray | None, per_query_max: np.ndarray | None, *, random: bool,
+                      replicates: int, visible: float) -> dict[str, np.ndarray | float]:
+    r"""The keys-used columns (:data:`KEYS_USED_COLUMNS`) of each cell, NaN where the spec declares no ``keys_used``.
+
+    Parameters
+    ----------
+    per_query_mean, per_query_max : (R, C) ndarray or None
+        Per replicate and cell, the mean and the largest over the measured queries of the keys each reads; None
+        when the spec declares no ``keys_used``.
+    random : bool
+        Whether the estimator is random.
+    replicates : int
+        R' the metrics use (1 for a deterministic estimator): the first R' rows of the arrays.
+    visible : float
+        The mean number of keys the measured queries see (M without a mask).
+
+    Returns
+    -------
+    dict
+        ``keys_used``: :math:`\bar u = \frac1{R'} \sum_r \bar u_r`, with :math:`\bar u_r` the mean over the
+        measured queries of replicate r (all replicates hold the same queries, so this is the mean over queries
+        and replicates); ``keys_used_se``: the standard error of :math:`\bar u` over the replicates,
+        :math:`\mathrm{std}_r(\bar u_r, \text{ddof}=1) / \sqrt{R'}` (the replicates are independent, the queries
+        of one replicate share its draws), 0 for a deterministic estimator and NaN for a random one with R' = 1;
+        ``keys_used_max``: the largest count of any query and replicate; ``keys_fraction``:
+        :math:`\bar u / \text{visible}`.
+    """
+    if per_query_mean is None:
+        return dict.fromkeys(KEYS_USED_COLUMNS, np.nan)
+    means, largest = per_query_mean[:replicates], per_query_max[:replicates]
+    mean = means.mean(0)
+    if replicates >= 2:
+        se = means.std(0, ddof=1) / np.sqrt(replicates)
+    else:
+        se = np.full(mean.shape, 0.0 if not random else np.nan)
+    return {"keys_used": mean, "keys_used_se": se, "keys_used_max": largest.max(0), "keys_fraction": mean / visible}
+
+
+def output_metrics(out, truth, *, differences: bool, random: bool, scheme: Any = None, keys: int = 0,
+                   queries: int | None = None, rows: Any = None, relative_errors: bool = False):
+    """The unit's output metrics: ``(metrics, rel_error, per_bucket)``, per_bucket None without a ``scheme``; with
+    ``relative_errors``, a fourth item: the per-query relative errors ``(R', C, K)``
+    (:func:`~randattn.analysis.relative_error.query_relative_errors`).
 
     Parameters
     ----------
@@ -43,18 +92,27 @@ def output_metrics(out, truth, *, differences: bool, random: bool, scheme: Any =
         The layer's position buckets (:meth:`~randattn.analysis.plan.SweepConfig.positions_of`), or None.
     keys : int
         M, the number of keys (for the buckets).
+    queries : int, optional
+        N, the query rows of the activations (for the buckets' positions); default the rows of ``out``.
+    rows : (K,) int array, optional
+        The measured query rows among the N (:mod:`randattn.analysis.queries`); default every row.
+    relative_errors : bool
+        Also return the per-query relative errors.
     """
     from randattn.analysis.metrics import metrics_of_differences, metrics_with_relative_error
+    from randattn.analysis.relative_error import query_relative_errors
 
-    per_bucket = None
+    per_bucket = errors = None
     if scheme is not None:  # before the cell's metrics, which overwrite the differences on the torch backend
-        buckets = bucket_query_slices(scheme, out.shape[-2], keys)
+        buckets = bucket_query_slices(scheme, out.shape[-2] if queries is None else queries, keys, rows)
         per_bucket = bucket_metrics(out, truth, buckets, random=random, differences=differences)
+    if relative_errors:  # likewise before the metrics
+        errors = query_relative_errors(out, truth, differences=differences, random=random)
     if differences:
         metrics, rel = metrics_of_differences(out, truth, random=random)
     else:
         metrics, rel = metrics_with_relative_error(out, truth, random=random)
-    return metrics, rel, per_bucket
+    return (metrics, rel, per_bucket, errors) if relative_errors else (metrics, rel, per_bucket)
 
 
 def _identity(model: str, unit: Unit, est: EstimatorConfig, head, tokens: int, mask: str, samples) -> dict[str, Any]:
@@ -66,7 +124,8 @@ def _identity(model: str, unit: Unit, est: EstimatorConfig, head, tokens: int, m
 
 def table_rows(unit: Unit, est: EstimatorConfig, row_samples: Sequence[int], *, model: str, tokens: int, mask: str,
                dtype: str, metrics, rel, prob_mse, ess_mean, delta_ratio, khat, ref_dev: float, seconds: float,
-               sink) -> list[dict[str, Any]]:
+               sink, queries: str = "all", keys_used: dict | None = None,
+               relative: dict | None = None) -> list[dict[str, Any]]:
     """The unit's rows (:data:`COLUMNS`), one per head and reported S, in head order.
 
     Parameters
@@ -91,7 +150,20 @@ def table_rows(unit: Unit, est: EstimatorConfig, row_samples: Sequence[int], *, 
         The unit's wall time per cell.
     sink : (C,) ndarray
         The attention sink's mass per cell.
+    queries : str
+        The query selection (:mod:`randattn.analysis.queries`).
+    keys_used : dict, optional
+        :func:`keys_used_columns` (scalars or (C,) arrays); None: NaN.
+    relative : dict, optional
+        :func:`~randattn.analysis.relative_error.relative_error_columns`; None: NaN (``promise_broken`` False).
     """
+    keys_used = dict.fromkeys(KEYS_USED_COLUMNS, np.nan) if keys_used is None else keys_used
+    if relative is None:
+        relative = {**dict.fromkeys(RELATIVE_ERROR_COLUMNS, np.nan), "promise_broken": False}
+
+    def cell(values: dict, j: int) -> dict[str, Any]:
+        return {name: (value[j].item() if isinstance(value, np.ndarray) else value) for name, value in values.items()}
+
     return [
         {**_identity(model, unit, est, h, tokens, mask, s), "replicates": int(metrics.replicates),
          "random": bool(est.random),
@@ -101,7 +173,8 @@ def table_rows(unit: Unit, est: EstimatorConfig, row_samples: Sequence[int], *, 
          "prob_mse": prob_mse[j] if prob_mse is not None else np.nan,
          "ess_mean": ess_mean[j], "delta_var_ratio": delta_ratio[j], "pareto_khat": khat[j],
          "dtype": dtype, "ref_max_abs_dev": ref_dev if j == 0 else np.nan,
-         "seconds": seconds, "seed": int(unit.seeds[j]), "sink_mass": float(sink[j])}
+         "seconds": seconds, "seed": int(unit.seeds[j]), "sink_mass": float(sink[j]), "queries": queries,
+         **cell(keys_used, j), **cell(relative, j)}
         for j, h in enumerate(unit.heads) for s in row_samples
     ]
 

@@ -356,11 +356,23 @@ def _finish_stored(job: Job, show: str) -> list[dict[str, Any]]:
 def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any]]:
     """Write the table (with ``out``), then show the reference check and the summary on stdout (``show``: "table",
     "json", or "none" where the caller prints the records of several files as one JSON object); the summary's
-    records."""
+    records.
+
+    Each record also carries the keys read, the relative error and the promise checks of its group
+    (:func:`~randattn.analysis.relative_error.budget_summary`) and ``broken_promises``: a record per head whose
+    promise demonstrably fails (:func:`~randattn.analysis.relative_error.broken_promises`), shown on the
+    terminal as a red line each."""
     from randattn.analysis.records import reference_check_summary, table_metadata
+    from randattn.analysis.relative_error import broken_promises, budget_summary
     from randattn.analysis.sweep import aggregate, positions_path, table_records, write_tables
     from randattn.cli._common import err_console, out_console
-    from randattn.reports.console import positions_table, reference_check_line, summary_table
+    from randattn.reports.console import (
+        broken_promise_lines,
+        budget_table,
+        positions_table,
+        reference_check_line,
+        summary_table,
+    )
     from randattn.reports.tables import item_noun
 
     config, activations = job.config, job.activations
@@ -375,12 +387,24 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
     check = reference_check_summary(table)
     if check is not None:
         err_console.print(reference_check_line(check), highlight=False)
-    records = table_records(summary)
+    budget = budget_summary(table)
+    broken = broken_promises(table)
+    keys = [c for c in ("estimator", "label", "num_samples", "tokens", "mask") if c in summary.columns]
+    records = table_records(summary.merge(budget, on=keys, how="left"))
+    group = ("label", "num_samples", "tokens", "mask")
+    for record in records:
+        record["broken_promises"] = [b for b in broken if all(b.get(c) == record.get(c) for c in group)]
+    queries = str(config.queries)
     if show == "json":
         click.echo(json.dumps(records, indent=2))
     elif show == "table":
         noun = item_noun(activations.metadata)
-        out_console.print(summary_table(summary, noun))
+        out_console.print(summary_table(summary, noun, queries))
+        budget_view = budget_table(budget, noun, queries)
+        if budget_view is not None:
+            out_console.print(budget_view)
+        for line in broken_promise_lines(broken, noun):
+            out_console.print(line, highlight=False, soft_wrap=True)
         if tables.positions is not None and len(tables.positions):
             out_console.print(positions_table(tables.positions, config.seed, noun))
     return records

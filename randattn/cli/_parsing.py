@@ -71,6 +71,32 @@ def parse_position_buckets(text: str | None):
                          "such as 1,2,4,8,64") from None
 
 
+def parse_queries(text: str | None) -> str:
+    """``--queries``: ``"all"`` for None, else what :func:`randattn.analysis.queries.parse_query_selection` accepts."""
+    from randattn.analysis.queries import parse_query_selection
+
+    if text is None:
+        return "all"
+    try:
+        return parse_query_selection(text)
+    except ValueError:
+        raise ValueError(f"--queries {text!r}: use all, last:K or sample:K with K a positive integer (e.g. "
+                         "last:64)") from None
+
+
+def parse_epsilon(value: float | None) -> float | None:
+    """``--epsilon``: None, or a relative output error in (0, 1)."""
+    from randattn.analysis.relative_error import check_epsilon
+
+    if value is None:
+        return None
+    try:
+        return check_epsilon(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--epsilon {value:g}: must be in (0, 1), a relative output error "
+                         "||y_hat_n - y_n|| / ||y_n|| (e.g. 0.05)") from None
+
+
 def resolve_mask(choice: str, activations: Any):
     """``--mask``: None, ``"causal"``, or (``file``) the activation file's recorded masks (canonical form)."""
     from randattn.analysis.masking import masks_of_activations
@@ -88,7 +114,7 @@ def resolve_mask(choice: str, activations: Any):
 
 def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, layers, heads, images, seed, backend,
             device, dtype, check_reference, max_memory, probabilities, diagnostics, threads=None, mask_choice="file",
-            position_buckets=None):
+            position_buckets=None, queries=None, epsilon=None):
     """Parse and validate every option of ``randattn mse``; user errors exit 2 with a message.
 
     Returns
@@ -102,8 +128,10 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
     from randattn.cli._common import abort
     from randattn.estimators.registry import list_estimators
 
-    try:  # before the file is loaded: a budget nothing fits is refused at once
+    try:  # before the file is loaded: a budget nothing fits, a malformed selection or tolerance are refused at once
         memory = None if max_memory is None else parse_bytes(max_memory)
+        selection = parse_queries(queries)
+        tolerance = parse_epsilon(epsilon)
     except ValueError as exc:
         abort(str(exc))
     try:
@@ -111,6 +139,10 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
     except (OSError, ValueError, TypeError) as exc:
         abort(f"cannot read activations: {exc}")
     mask = resolve_mask(mask_choice, activations)
+    count = None if selection == "all" else int(selection.split(":")[1])
+    if count is not None and count > activations.shape[2]:
+        abort(f"--queries {selection}: K = {count} is more than the {activations.shape[2]} queries per head of "
+              f"{acts}; use K <= {activations.shape[2]}")
     texts = [t for t in ([estimator_list] if estimator_list else []) + list(estimator_items)]
     if not texts:
         available = list_estimators()
@@ -136,7 +168,7 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
             device=device, dtype=dtype, max_memory=memory, layers=parse_int_list("--layers", layers),
             heads=parse_int_list("--heads", heads), images=parse_int_list("--images", images),
             probabilities=probabilities, diagnostics=diagnostics, check_reference=check_reference,
-            threads=threads, mask=mask, position_buckets=buckets,
+            threads=threads, mask=mask, position_buckets=buckets, queries=selection, epsilon=tolerance,
         )
         config = with_threads(config)
     except (ValueError, TypeError) as exc:

@@ -71,6 +71,18 @@ import click
               help="Per-position metrics, by the query's position p = n + M - N + 1 (under the causal mask, the "
                    "number of keys it sees): log2 (1, 2-3, 4-7, ...), none, or lower edges such as 1,2,4,8,64. "
                    "Default: log2 on masked layers, none otherwise. Written to <out stem>.positions<suffix>.")
+@click.option("--queries", "queries", default="all", show_default=True, metavar="all|last:K|sample:K",
+              help="Which query rows to measure, against every key they see: all; last:K, the last K rows (under "
+                   "the causal mask the decode regime: the estimator gets q[..., -K:, :] and the full k, v, and the "
+                   "truth and metrics hold K rows, memory O(K M)); sample:K, K rows drawn without replacement from a "
+                   "seed derived from --seed (bidirectional layers only). Recorded in the table's 'queries' "
+                   "column. Estimators with windows or segments (lara, eva, scatterbrain, local) measure a subset "
+                   "only under --mask causal with last:K.")
+@click.option("--epsilon", "epsilon", default=None, type=float, metavar="E",
+              help="Also report the violation rate P(||y_hat_n - y_n|| / ||y_n|| > E), E in (0, 1), over the "
+                   "queries and replicates of each head, with its Clopper-Pearson 95% interval (columns epsilon, "
+                   "violation_rate, violation_lo, violation_hi). An estimator that promises (epsilon, delta) is "
+                   "checked against its own epsilon, with or without this option.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def command(acts, out, resume, force, dry_run, scheduler, as_json, **options) -> None:
     """Measure bias, variance and MSE of estimators on the activations in ACTS.
@@ -89,6 +101,7 @@ def command(acts, out, resume, force, dry_run, scheduler, as_json, **options) ->
       randattn mse acts.safetensors --device cuda --out mse.csv --resume
       randattn mse lm.safetensors --mask causal -e rfa -e ra --out causal.parquet
       randattn mse acts.safetensors --samples 16,64,256 --dry-run
+      randattn mse lm.safetensors --mask causal --queries last:64 -e ra --epsilon 0.1
       randattn mse acts196.safetensors acts336.safetensors --out 'w1-{stem}.parquet'
     \b
     Exit codes: 0 ok; 1 an unexpected error; 2 bad usage or input (refused before

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 __all__ = [
+    "broken_promise_lines",
+    "budget_table",
     "count",
     "duration",
     "interrupted_text",
@@ -53,7 +55,8 @@ def plan_lines(plan, timing: bool, dask: bool = False, noun: str = "image") -> l
     n_layers, n_heads, n_images = len(plan.layers), len(plan.heads), len(plan.images)
     first = (f"[bold]plan[/]: {count(plan.cells, 'cell')} in {count(len(plan.units), 'unit')} = {count(n_layers, 'layer')} x "
              f"{count(n_heads, 'head')} x {count(n_images, noun)} x {pairs} (estimator, S) "
-             f"{'pair' if pairs == 1 else 'pairs'}, R = {config.replicates}")
+             f"{'pair' if pairs == 1 else 'pairs'}, R = {config.replicates}"
+             + ("" if config.queries == "all" else f"; measuring {_queries_noun(config.queries)} of each head"))
     if len(plan.todo) < len(plan.units):
         first += f"; resuming: {count(plan.todo_cells, 'cell')} left to compute"
     if plan.unreadable:
@@ -156,16 +159,29 @@ def interrupted_text(parts, stored: set[str], plan, resume_command: str) -> str:
             f"{escape(resume_command)}")
 
 
-def summary_table(summary, noun: str = "image"):
+def _queries_noun(queries: str) -> str:
+    """``"the last 64 queries"``, ``"64 sampled queries"`` of a selection other than ``all``."""
+    kind, count = str(queries).split(":")
+    return f"the last {count} queries" if kind == "last" else f"{count} sampled queries"
+
+
+def _queries_text(queries: str | None) -> str:
+    """``" on the last 64 queries"``, ``" on 64 sampled queries"``; ``""`` for every query."""
+    return "" if queries in (None, "all") else f" on {_queries_noun(queries)}"
+
+
+def summary_table(summary, noun: str = "image", queries: str | None = None):
     """The aggregated MSE (:func:`randattn.analysis.sweep.aggregate`) as a rich table, a row per mask when the
-    layers were measured under different ones; ``noun`` (image or sequence) names what the activations hold."""
+    layers were measured under different ones; ``noun`` (image or sequence) names what the activations hold,
+    ``queries`` the run's query selection (:mod:`randattn.analysis.queries`), said in the title."""
     from rich.table import Table
 
     kinds = sorted(set(summary["mask"].astype(str))) if "mask" in summary else []
     masks = [kind for kind in kinds if kind != "none"]
     several = len(kinds) > 1  # layers under different masks: a row per mask, named
     under = (f" under the {' and '.join(masks)} mask{'s' if len(masks) > 1 else ''}" if masks else "")
-    table = Table(title=f"attention MSE{under} (mean over heads, layers, {noun}s; 95% bootstrap CI)")
+    table = Table(title=f"attention MSE{under}{_queries_text(queries)} (mean over heads, layers, {noun}s; 95% "
+                        "bootstrap CI)")
     for name in ("estimator", "S", "tokens", *(["mask"] if several else []), "MSE [CI]", "bias^2", "variance",
                  "CI over"):
         table.add_column(name, justify="left" if name in ("estimator", "mask", "CI over") else "right",
@@ -204,3 +220,53 @@ def positions_table(positions, seed: int, noun: str = "image"):
         values = {(lo, hi): mse for lo, hi, mse in zip(group["position_lo"], group["position_hi"], group["mse"])}
         table.add_row(str(label), str(s), *(f"{values[b]:.3g}" if b in values else "" for b in buckets))
     return table
+
+
+def budget_table(budget, noun: str = "image", queries: str | None = None):
+    """The keys each query reads and the relative output error (:func:`~randattn.analysis.relative_error.
+    budget_summary`) as a rich table, or None when no estimator declares its keys and no epsilon was checked.
+
+    Columns: the keys read (mean, and as a fraction of the keys the queries see), the median and 95th percentile
+    of the relative error, the epsilon checked with the mean violation rate, and the promise (delta) with how
+    many heads demonstrably break it (red).
+    """
+    import math
+
+    from rich.table import Table
+
+    def finite(column: str) -> bool:
+        return column in budget and any(math.isfinite(float(x)) for x in budget[column])
+
+    if not len(budget) or not (finite("keys_used") or finite("epsilon")):
+        return None
+    table = Table(title=f"keys read and relative error ||y_hat_n - y_n|| / ||y_n||{_queries_text(queries)} "
+                        f"(mean over heads, layers, {noun}s)")
+    for name in ("estimator", "S", "keys used (fraction)", "rel. err. median", "p95", "P(err > eps)", "promise"):
+        table.add_column(name, justify="left" if name in ("estimator", "promise") else "right",
+                         no_wrap=name == "estimator")
+
+    def number(value: float, spec: str) -> str:
+        return "" if not math.isfinite(float(value)) else format(float(value), spec)
+
+    for row in budget.itertuples(index=False):
+        keys = "" if not math.isfinite(row.keys_used) else f"{row.keys_used:.4g} ({row.keys_fraction:.2%})"
+        violation = "" if not math.isfinite(row.epsilon) else f"{row.violation_rate:.3g} at eps = {row.epsilon:g}"
+        promise = ""
+        if math.isfinite(row.delta):
+            promise = f"delta = {row.delta:g}: " + (f"[bold red]broken on {row.promises_broken} of {row.heads} heads[/]"
+                                                   if row.promises_broken else f"kept on all {row.heads} heads")
+        table.add_row(str(row.label), str(row.num_samples), keys, number(row.rel_err_median, ".3g"),
+                      number(row.rel_err_p95, ".3g"), violation, promise)
+    return table
+
+
+def broken_promise_lines(broken: Sequence[Mapping[str, Any]], noun: str = "image") -> list[str]:
+    """A red line (rich markup) per head whose configuration's (epsilon, delta) promise demonstrably fails
+    (:func:`~randattn.analysis.relative_error.broken_promises`): the whole 95% interval of its violation rate is
+    above delta."""
+    from rich.markup import escape
+
+    return [f"[bold red]promise broken[/]: {escape(str(b['label']))} S={b['num_samples']} layer {b['layer']} head "
+            f"{b['head']} {noun} {escape(str(b['image']))}: P(err > {b['epsilon']:g}) = {b['violation_rate']:.3g} "
+            f"[{b['violation_lo']:.3g}, {b['violation_hi']:.3g}] > delta = {b['delta']:g}"
+            for b in broken]

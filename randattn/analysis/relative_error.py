@@ -1,0 +1,225 @@
+r"""The relative output error per query, its distribution, a checked (epsilon, delta) promise (ARCHITECTURE sec. 14).
+
+For replicate r and query n of a cell (one image, layer and head) the relative output error is
+
+.. math:: e_{rn} = \frac{\lVert \hat y_{rn} - y_n \rVert_2}{\lVert y_n \rVert_2},
+
+the norm over the value dims. The sweep reports its mean, median and 95th percentile over the queries x
+replicates of the cell, and -- given a tolerance :math:`\epsilon` -- the violation rate
+
+.. math:: \hat p = \frac{\#\{(r, n) : e_{rn} > \epsilon\}}{\#\{(r, n)\}}
+
+with its exact (Clopper-Pearson) 95% interval. An estimator that promises
+:math:`P(e_n > \epsilon) \le \delta` for each query (vAttention's verified attention,
+:attr:`~randattn.estimators.base.EstimatorSpec.promise`) is checked, not trusted: the pooled rate estimates the
+mean over the measured queries of their violation probabilities, so a lower confidence bound above
+:math:`\delta` shows that some query's probability exceeds :math:`\delta` -- the promise demonstrably fails for
+that head (``promise_broken``). Replicates are independent; the queries of one replicate share its draws, so the
+interval, which treats the :math:`R K` indicators as independent trials, is exact for R independent draws of one
+query and approximate across queries (the rate itself is unbiased either way).
+
+A query whose exact output is 0 has no relative error: :math:`e_{rn}` is inf where the estimate is not 0 too
+(counted as a violation) and NaN where it is (left out of the trials, and the mean and quantiles are NaN, as
+``rel_error`` is).
+
+References
+----------
+Clopper, C. J. & Pearson, E. S. (1934), The use of confidence or fiducial limits illustrated in the case of the
+binomial, Biometrika 26(4): the interval :math:`[B(\alpha/2; x, n - x + 1),\ B(1 - \alpha/2; x + 1, n - x)]`
+of beta quantiles.
+Desai et al. (2025), vAttention: verified sparse attention, arXiv 2510.05688 (the (epsilon, delta) guarantee).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BUDGET_SUMMARY_COLUMNS", "RELATIVE_ERROR_COLUMNS", "broken_promises", "budget_summary", "check_epsilon",
+           "clopper_pearson", "query_relative_errors", "relative_error_columns"]
+
+#: the columns :func:`relative_error_columns` gives, in the sweep table's order
+RELATIVE_ERROR_COLUMNS = ("rel_err_mean", "rel_err_median", "rel_err_p95", "epsilon", "violation_rate",
+                          "violation_lo", "violation_hi", "delta", "promise_broken")
+
+
+#: what :func:`budget_summary` gives beside its keys
+BUDGET_SUMMARY_COLUMNS = ("keys_used", "keys_fraction", "rel_err_median", "rel_err_p95", "epsilon", "delta",
+                          "violation_rate", "heads", "promises_broken")
+#: a broken promise's record (:func:`broken_promises`)
+_BROKEN_FIELDS = ("label", "num_samples", "tokens", "mask", "queries", "image", "layer", "head", "epsilon", "delta",
+                  "violation_rate", "violation_lo", "violation_hi")
+
+
+def check_epsilon(value: Any) -> float:
+    """``value`` as a float if it is a real number in (0, 1); ValueError/TypeError naming it otherwise."""
+    if isinstance(value, bool):
+        raise TypeError(f"epsilon must be a real number in (0, 1), got {value!r}")
+    try:
+        epsilon = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"epsilon must be a real number in (0, 1), got {value!r}") from None
+    if not 0.0 < epsilon < 1.0:
+        raise ValueError(f"epsilon must be in (0, 1) (a relative output error), got {value!r}")
+    return epsilon
+
+
+def query_relative_errors(out: Any, truth: Any, *, differences: bool, random: bool) -> np.ndarray:
+    r""":math:`e_{rn} = \lVert \hat y_{rn} - y_n \rVert / \lVert y_n \rVert`, float64 ``(R, C, N)`` on the host.
+
+    Parameters
+    ----------
+    out : (R, C, N, Dv)
+        The estimates (float64 ndarray), or with ``differences`` their differences from the exact output (a
+        float64 torch tensor, as the sweep holds them on the device; not modified).
+    truth : (C, N, Dv)
+        The exact output (a tensor with ``differences``).
+    differences : bool
+    random : bool
+        False: the first replicate only (a deterministic estimator's replicates are one).
+    """
+    if differences:
+        import torch
+
+        used = out if random else out[:1]
+        with torch.no_grad():
+            ratio = torch.linalg.vector_norm(used, dim=-1) / torch.linalg.vector_norm(truth, dim=-1)
+        return ratio.cpu().numpy()
+    est = np.asarray(out, dtype=np.float64)
+    est = est if random else est[:1]
+    exact = np.asarray(truth, dtype=np.float64)
+    diff = est - exact
+    with np.errstate(divide="ignore", invalid="ignore"):  # a zero exact row: inf or NaN (module docstring)
+        return np.sqrt(np.einsum("...d,...d->...", diff, diff)) / np.sqrt(np.einsum("...d,...d->...", exact, exact))
+
+
+def clopper_pearson(successes: Any, trials: Any, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    r"""The exact (Clopper-Pearson) interval of a binomial proportion, elementwise.
+
+    .. math:: \mathrm{lo} = B^{-1}(\alpha/2;\ x,\ n - x + 1), \qquad
+              \mathrm{hi} = B^{-1}(1 - \alpha/2;\ x + 1,\ n - x),
+
+    with :math:`\alpha = 1 - \text{level}`, lo = 0 at x = 0 and hi = 1 at x = n (scipy's beta quantiles; the same
+    interval as ``scipy.stats.binomtest(x, n).proportion_ci(level, method="exact")``). NaN where n = 0.
+
+    Parameters
+    ----------
+    successes, trials : array_like of int, same shape
+    level : float in (0, 1)
+    """
+    from scipy.stats import beta
+
+    if not 0.0 < float(level) < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    x = np.asarray(successes, dtype=np.float64)
+    n = np.asarray(trials, dtype=np.float64)
+    alpha = 1.0 - float(level)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lo = np.where(x > 0, beta.ppf(alpha / 2, np.maximum(x, 1), n - x + 1), 0.0)
+        hi = np.where(x < n, beta.ppf(1 - alpha / 2, x + 1, np.maximum(n - x, 1)), 1.0)
+    empty = n <= 0
+    return np.where(empty, np.nan, lo), np.where(empty, np.nan, hi)
+
+
+def relative_error_columns(errors: np.ndarray, epsilon: float | None,
+                           promise: tuple[float, float] | None) -> dict[str, np.ndarray]:
+    r"""The table's relative-error columns of each cell, from :func:`query_relative_errors`.
+
+    Parameters
+    ----------
+    errors : (R, C, N) float64 ndarray
+        :math:`e_{rn}` per replicate, cell and measured query.
+    epsilon : float or None
+        The run's tolerance (``--epsilon``); None for none.
+    promise : (epsilon, delta) or None
+        The configuration's promise (:meth:`~randattn.estimators.base.EstimatorSpec.promise_of`): its epsilon
+        replaces the run's.
+
+    Returns
+    -------
+    dict of str to (C,) ndarray
+        :data:`RELATIVE_ERROR_COLUMNS`: the mean, median and 95th percentile (numpy's linear interpolation) of
+        :math:`e_{rn}` over the R x N values of each cell; ``epsilon`` used (NaN without one), the violation rate
+        and its Clopper-Pearson 95% interval (NaN without an epsilon); ``delta`` (NaN without a promise) and
+        ``promise_broken`` (bool: ``violation_lo > delta``; False without a promise).
+    """
+    errors = np.asarray(errors, dtype=np.float64)
+    cells = errors.shape[1]
+    per_cell = np.moveaxis(errors, 1, 0).reshape(cells, -1)  # (C, R N)
+    nan = np.full(cells, np.nan)
+    columns = {"rel_err_mean": per_cell.mean(axis=1),
+               "rel_err_median": np.quantile(per_cell, 0.5, axis=1),
+               "rel_err_p95": np.quantile(per_cell, 0.95, axis=1)}
+    tolerance = promise[0] if promise is not None else epsilon
+    if tolerance is None:
+        columns.update(epsilon=nan, violation_rate=nan.copy(), violation_lo=nan.copy(), violation_hi=nan.copy())
+    else:
+        defined = ~np.isnan(per_cell)  # 0 / 0 has no relative error: not a trial
+        trials = defined.sum(axis=1)
+        violations = (per_cell > tolerance).sum(axis=1)  # inf > epsilon: a zero exact row estimated as non-zero
+        lo, hi = clopper_pearson(violations, trials)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rate = np.where(trials > 0, violations / np.maximum(trials, 1), np.nan)
+        columns.update(epsilon=np.full(cells, float(tolerance)), violation_rate=rate, violation_lo=lo,
+                       violation_hi=hi)
+    if promise is None:
+        columns.update(delta=nan.copy(), promise_broken=np.zeros(cells, dtype=bool))
+    else:
+        delta = float(promise[1])
+        broken = np.asarray(columns["violation_lo"] > delta) & np.isfinite(columns["violation_lo"])
+        columns.update(delta=np.full(cells, delta), promise_broken=broken)
+    return columns
+
+
+def _summary_keys(table) -> list[str]:
+    """The keys :func:`randattn.analysis.sweep.aggregate` groups a table by (``mask`` where the table has it)."""
+    return ["estimator", "label", "num_samples", "tokens", *(["mask"] if "mask" in table.columns else [])]
+
+
+def budget_summary(table):
+    """Per (estimator, label, S, tokens[, mask]) -- the groups of :func:`~randattn.analysis.sweep.aggregate` -- the
+    keys read, the relative error and the promise checks of a sweep table, for its summary.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        A sweep table; columns it lacks (a table written before them) give NaN.
+
+    Returns
+    -------
+    pandas.DataFrame
+        The keys and :data:`BUDGET_SUMMARY_COLUMNS`: the mean over the group's rows (every (image, layer) holds
+        the same heads, so the mean over heads, then layers, then images) of ``keys_used``, ``keys_fraction``,
+        ``rel_err_median``, ``rel_err_p95`` and ``violation_rate``; ``epsilon`` and ``delta`` (the group's, NaN
+        where it has none); ``heads``: the group's rows; ``promises_broken``: its rows whose ``promise_broken`` is
+        true (each a head of an image and layer whose promise demonstrably fails, :func:`broken_promises`).
+    """
+    import pandas as pd
+
+    keys = _summary_keys(table)
+    means = ["keys_used", "keys_fraction", "rel_err_median", "rel_err_p95", "violation_rate", "epsilon", "delta"]
+    frame = table.reindex(columns=list(dict.fromkeys([*keys, *means, "promise_broken"]))).copy()
+    frame["promise_broken"] = frame["promise_broken"].eq(True)  # absent (NaN): no promise checked
+    records = []
+    for key, group in frame.groupby(keys, sort=False):
+        record = dict(zip(keys, key))
+        for column in means:
+            values = group[column].to_numpy(dtype=np.float64)
+            record[column] = float(values.mean()) if np.isfinite(values).any() else np.nan
+        record["heads"] = int(len(group))
+        record["promises_broken"] = int(group["promise_broken"].sum())
+        records.append(record)
+    return pd.DataFrame.from_records(records, columns=[*keys, *BUDGET_SUMMARY_COLUMNS])
+
+
+def broken_promises(table) -> list[dict[str, Any]]:
+    """One record per row of a sweep table whose configuration's promise demonstrably fails (``promise_broken``):
+    its label, S, tokens, mask, query selection, image, layer and head, and epsilon, delta, the violation rate and
+    its Clopper-Pearson interval (plain Python values), in the table's order."""
+    if "promise_broken" not in table.columns:
+        return []
+    broken = table[table["promise_broken"].eq(True)]
+    fields = [f for f in _BROKEN_FIELDS if f in broken.columns]
+    return [{f: (v.item() if isinstance(v, np.generic) else v) for f, v in zip(fields, row)}
+            for row in broken[fields].itertuples(index=False, name=None)]

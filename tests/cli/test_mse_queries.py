@@ -1,0 +1,127 @@
+"""``randattn mse --queries`` and ``--epsilon`` end to end: the selection recorded in the table and its metadata, the
+keys-read and promise columns, a broken promise said per head (terminal and --json), and every refusal (exit 2)
+before any work."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from randattn.activations import make_activations, save_activations
+from randattn.analysis.queries import query_rows
+from randattn.cli import main
+from randattn.estimators.registry import register_estimator, unregister_estimator
+
+
+def _helper():
+    """The sweep tests' test estimator (tests/analysis/_sampled_keys.py), loaded from its file: no sys.path change."""
+    location = importlib.util.spec_from_file_location(
+        "_sampled_keys", Path(__file__).resolve().parents[1] / "analysis" / "_sampled_keys.py")
+    module = importlib.util.module_from_spec(location)
+    location.loader.exec_module(module)
+    return module
+
+
+_SAMPLED_KEYS = _helper()
+NAME, SPEC = _SAMPLED_KEYS.NAME, _SAMPLED_KEYS.SPEC
+
+TOKENS = 8
+PROMISING = f"{NAME}:eps=0.01,delta=0.001"  # sampled keys miss the truth by more than 1% nearly always: broken
+
+
+@pytest.fixture(scope="module")
+def acts_file(tmp_path_factory):
+    rng = np.random.default_rng(5)
+    arrays = {0: tuple(1.5 * rng.normal(size=(1, 2, TOKENS, 4)) for _ in range(3))}
+    meta = {"scale": 0.5, "model": "synthetic", "layout": "sequence"}
+    return save_activations(make_activations(arrays, meta), tmp_path_factory.mktemp("q") / "acts.safetensors")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sampled_keys():
+    register_estimator(SPEC)
+    yield
+    unregister_estimator(NAME)
+
+
+def _invoke(*args):
+    return CliRunner().invoke(main, ["mse", *map(str, args)], catch_exceptions=False)
+
+
+def _words(result) -> str:
+    return " ".join(result.output.split())
+
+
+def test_last_k_under_the_causal_mask_with_a_promise(acts_file, tmp_path):
+    out = tmp_path / "decode.parquet"
+    result = _invoke(acts_file, "--mask", "causal", "--queries", "last:3", "-e", PROMISING, "-e", "softmax",
+                     "--samples", "3", "--replicates", "4", "--epsilon", "0.2", "--out", out, "--threads", "1")
+    assert result.exit_code == 0, result.output
+    table = pd.read_parquet(out)
+    assert set(table["queries"]) == {"last:3"} and set(table["tokens"]) == {TOKENS}
+    promising, exact = table[table.estimator == NAME], table[table.estimator == "softmax"]
+    assert (promising["epsilon"] == 0.01).all() and (promising["delta"] == 0.001).all()
+    assert promising["promise_broken"].all() and (promising["keys_used"] > 0).all()
+    assert (exact["epsilon"] == 0.2).all() and (exact["violation_rate"] == 0).all() and exact["keys_used"].isna().all()
+    meta = json.loads(out.with_name("decode.parquet.meta.json").read_text())
+    assert meta["queries"] == {"selection": "last:3", "of": TOKENS, "rows": [5, 6, 7], "sample_seed": None}
+    assert meta["epsilon"] == 0.2 and meta["config_identity"]["queries"] == "last:3"
+    text = _words(result)
+    assert "on the last 3 queries" in text and "keys read and relative error" in text
+    assert "measuring the last 3 queries of each head" in text
+    assert text.count("promise broken:") == 2  # one line per head
+    assert f"promise broken: {PROMISING} S=3 layer 0 head 1 sequence" in text
+
+
+def test_json_names_the_heads_whose_promise_breaks(acts_file):
+    result = _invoke(acts_file, "--mask", "causal", "--queries", "last:3", "-e", PROMISING, "-e", "softmax",
+                     "--samples", "3", "--replicates", "4", "--json", "--threads", "1")
+    assert result.exit_code == 0, result.output
+    records = {r["label"]: r for r in json.loads(result.stdout)}
+    broken = records[PROMISING]["broken_promises"]
+    assert [(b["layer"], b["head"]) for b in broken] == [(0, 0), (0, 1)]
+    assert all(b["violation_lo"] > b["delta"] == 0.001 and b["queries"] == "last:3" for b in broken)
+    assert records[PROMISING]["promises_broken"] == 2 and records[PROMISING]["heads"] == 2
+    assert records["softmax"]["broken_promises"] == [] and records["softmax"]["keys_used"] is None
+
+
+def test_a_sample_is_reproducible_from_the_seed(acts_file, tmp_path):
+    out = tmp_path / "sample.csv"
+    result = _invoke(acts_file, "--queries", "sample:3", "-e", "softmax", "--samples", "2", "--seed", "5",
+                     "--out", out)
+    assert result.exit_code == 0, result.output
+    meta = json.loads(out.with_name("sample.csv.meta.json").read_text())
+    assert meta["queries"]["rows"] == list(query_rows("sample:3", TOKENS, 5)) and meta["queries"]["sample_seed"] == 5
+    assert set(pd.read_csv(out)["queries"]) == {"sample:3"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--queries", "last:0"], "--queries 'last:0': use all, last:K or sample:K with K a positive integer"),
+        (["--queries", "last:x"], "--queries 'last:x': use all, last:K or sample:K"),
+        (["--queries", "foo"], "--queries 'foo': use all, last:K or sample:K"),
+        (["--queries", "last:9"], "--queries last:9: K = 9 is more than the 8 queries per head of"),
+        (["--queries", "sample:3", "--mask", "causal"],
+         "queries='sample:3' cannot be measured on layer 0 under mask 'causal'"),
+        (["--queries", "last:3", "-e", "local"],
+         "estimator 'local' cannot be measured on 3 of 8 queries without a mask (layer 0)"),
+        (["--epsilon", "0"], "--epsilon 0: must be in (0, 1)"),
+        (["--epsilon", "1"], "--epsilon 1: must be in (0, 1)"),
+        (["--epsilon", "1.5"], "--epsilon 1.5: must be in (0, 1)"),
+    ],
+    ids=["zero", "not-a-number", "unknown", "more-than-N", "sample-causal", "layout-subset", "eps-0", "eps-1",
+         "eps-1.5"],
+)
+def test_refused_before_any_work(acts_file, tmp_path, args, message):
+    out = tmp_path / "r.parquet"
+    result = _invoke(acts_file, "--samples", "2", "--out", out, *args)
+    assert result.exit_code == 2, result.output
+    assert message in _words(result)
+    assert not out.exists() and not out.with_name("r.parquet.parts").exists()
