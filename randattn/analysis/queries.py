@@ -26,7 +26,9 @@ measure another estimator than the one asked for:
 - **A sample under a mask.** The causal convention places N queries at the last N of M tokens; a
   non-contiguous set of rows has no such placement (a sampled query at token 3 would be measured as if it were
   token M - K + 1). ``last:K`` is the masked form.
-- **A token layout without a mask** (a configuration with a ``layout`` parameter: LARA's segments, EVA's and
+- **A sample for an estimator whose windows end at the query's own token** (``query_placement="last-n-of-m"``:
+  StreamingLLM's and vAttention's recent windows): a sampled row would be measured at another token.
+- **A token layout without a mask** (``query_placement="proportional"``: LARA's segments, EVA's and
   Scatterbrain's blocks and chunks, local attention's windows). Without a mask, N != M queries map to key
   positions proportionally (:mod:`randattn.estimators.eva.partition`), so K < N rows would be placed at other
   blocks than their own, and LARA's and EVA's landmarks pool the queries present. Under the causal mask
@@ -50,6 +52,7 @@ __all__ = [
     "query_rows",
     "query_sample_seed",
     "maps_query_positions",
+    "places_queries_by_position",
     "check_query_selection",
 ]
 
@@ -124,11 +127,18 @@ def query_rows(selection: str, num_queries: int, master_seed: int = 0) -> np.nda
     return np.sort(generator.choice(num_queries, size=count, replace=False)).astype(np.int64)
 
 
-def maps_query_positions(spec: Any) -> bool:
-    """Whether the estimator places queries among the keys by position: it declares a ``layout`` parameter (the
-    windows, blocks and segments of :mod:`randattn.estimators.eva.partition`, also read by
-    :func:`~randattn.analysis.plan.bind_token_layout`)."""
-    return "layout" in spec.params
+def maps_query_positions(spec: Any, params: Mapping[str, Any] | None = None) -> bool:
+    """Whether the estimator spreads N != M queries over the keys in proportion without a mask (its spec's
+    ``query_placement`` is ``proportional``: the windows, blocks and segments of
+    :mod:`randattn.estimators.eva.partition`)."""
+    return spec.query_placement_of(spec.resolve_params(params or {})) == "proportional"
+
+
+def places_queries_by_position(spec: Any, params: Mapping[str, Any] | None = None) -> bool:
+    """Whether the estimate of a query depends on its position beyond the mask (``query_placement`` other than
+    ``independent``: StreamingLLM's and vAttention's recent windows end at token n + M - N), so that a sample of
+    rows would be measured at other positions than its own."""
+    return spec.query_placement_of(spec.resolve_params(params or {})) != "independent"
 
 
 def check_query_selection(selection: str, num_queries: int, layer_kinds: Mapping[int, str | None],
@@ -170,7 +180,13 @@ def check_query_selection(selection: str, num_queries: int, layer_kinds: Mapping
     from randattn.estimators.registry import get_spec
 
     for est in estimators:
-        if maps_query_positions(get_spec(est.name)):
+        if kind == "sample" and places_queries_by_position(get_spec(est.name), est.params):
+            raise ValueError(
+                f"estimator {est.label!r} cannot be measured on a sample of {len(rows)} of {num_queries} queries: "
+                "its windows end at each query's own token (query n is token n + M - N), and sampled rows would be "
+                "measured at other tokens than their own; use last:K, or --queries all"
+            )
+        if maps_query_positions(get_spec(est.name), est.params):
             raise ValueError(
                 f"estimator {est.label!r} cannot be measured on {len(rows)} of {num_queries} queries without a mask "
                 f"(layer {bidirectional[0]}): its windows, blocks or segments place each query among the keys by its "

@@ -21,6 +21,7 @@ __all__ = [
     "MASKS",
     "RESERVED_PARAMETER_NAMES",
     "SELECTIONS",
+    "QUERY_PLACEMENTS",
     "Draws",
     "ExactLimit",
     "ImportanceWeights",
@@ -46,6 +47,11 @@ MASKS = (None, "causal")
 #: ``discrete``: keys are chosen by comparing values computed from the inputs (top-k scores, hash buckets), so
 #: where two candidates nearly tie, float32 rounding may choose other keys than the float64 reference.
 SELECTIONS = ("continuous", "discrete")
+#: where an estimator places each query among the keys (:attr:`EstimatorSpec.query_placement`): ``independent``: the
+#: estimate of query n depends on q_n, the keys, the values and the draws only (its position enters through the
+#: mask alone); ``last-n-of-m``: query n is token n + M - N even without a mask (windows of recent keys); and
+#: ``proportional``: without a mask N != M queries are spread over the keys in proportion (EVA's blocks and chunks).
+QUERY_PLACEMENTS = ("independent", "last-n-of-m", "proportional")
 #: names an estimator parameter may not take: the arguments of ``randattn.estimate`` and ``randattn.draw`` and
 #: the names the protocol passes to ``draw``, ``reference`` and ``batched`` beside the parameters (a parameter
 #: ``k`` would collide with the keys of ``estimate(name, q, k, v, ...)``).
@@ -275,6 +281,11 @@ class EstimatorSpec:
         returns that key's value exactly (checked).
     exact_limits : tuple of ExactLimit
         Configurations in which it equals softmax attention (checked).
+    query_placement : str or callable
+        One of :data:`QUERY_PLACEMENTS`, or ``query_placement(params) -> str``: whether the estimate of a query
+        depends on where it sits among the keys beyond what the mask says; ``mse --queries`` refuses a subset of
+        query rows that would move them (a sample for ``last-n-of-m``; any subset without a mask for
+        ``proportional``).
     keys_used : callable or None
         torch ``keys_used(q, k, draws, *, scale, **params) -> (R, ..., N)``: how many distinct keys each query's
         estimate reads, exact and sampled together (the budget axis of the decode-time sparse and sampling
@@ -316,6 +327,7 @@ class EstimatorSpec:
     selection: str | Callable[[Mapping[str, Any]], str] = "continuous"
     normalized: bool = False
     exact_limits: tuple[ExactLimit, ...] = ()
+    query_placement: str | Callable[[Mapping[str, Any]], str] = "independent"
     keys_used: Callable[..., Any] | None = None
     promise: Callable[[Mapping[str, Any]], tuple[float, float] | None] | None = None
     memory_hint: str = ""
@@ -333,6 +345,10 @@ class EstimatorSpec:
     def cost_of(self, params: Mapping[str, Any]) -> str:
         """One of :data:`COSTS` for this configuration."""
         return _fact(self.cost, params)
+
+    def query_placement_of(self, params: Mapping[str, Any]) -> str:
+        """One of :data:`QUERY_PLACEMENTS` for this configuration."""
+        return _fact(self.query_placement, params)
 
     def selection_of(self, params: Mapping[str, Any]) -> str:
         """One of :data:`SELECTIONS` for this configuration."""
@@ -471,7 +487,8 @@ def validate_spec(spec: Any) -> EstimatorSpec:
         problems.append(f"the defaults do not resolve: {exc}")
         return _raise_if(spec, problems)
     facts = (("convergence", spec.convergence_of, CONVERGENCE), ("cost", spec.cost_of, COSTS),
-             ("selection", spec.selection_of, SELECTIONS))
+             ("selection", spec.selection_of, SELECTIONS),
+             ("query_placement", spec.query_placement_of, QUERY_PLACEMENTS))
     for label, params in [("defaults", defaults), *((f"variant {v!r}", p) for v, p in spec.variants.items())]:
         try:
             resolved = spec.resolve_params(params)

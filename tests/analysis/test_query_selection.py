@@ -274,3 +274,23 @@ def test_dask_workers_give_the_same_new_columns(spec, acts, tmp_path):
     finally:
         cloudpickle.unregister_pickle_by_value(_sampled_keys)
     pd.testing.assert_frame_equal(remote.drop(columns="seconds"), local.drop(columns="seconds"), check_exact=True)
+
+
+def test_a_window_at_the_query_token_is_measured_on_its_last_rows_and_never_on_a_sample(acts):
+    """StreamingLLM's window ends at query n's token n + M - N even without a mask: last:K gives exactly the last
+    K rows of the full run (same deterministic selection), while a sample, which would move rows, is refused."""
+    table = run_sweep_tables(acts, _config("all", None, label="streaming:sinks=1")).table
+    last = run_sweep_tables(acts, _config("last:3", None, label="streaming:sinks=1")).table
+    assert (table["mse"] > 0).all() and (last["mse"] > 0).all()
+    q, k, v = acts.layer_qkv(0, image=0)
+    for head in range(HEADS):  # the loop: keys 0 (sink) and the S - 1 keys ending at token n, for n = 6, 7, 8
+        errors = []
+        for n in range(N - 3, N):
+            read = [0, *range(max(1, n - (S - 2)), n + 1)]
+            logits = SCALE * k[head] @ q[head, n]
+            estimate = softmax(logits[read]) @ v[head, read]
+            errors.append(((estimate - softmax(logits) @ v[head]) ** 2).mean())
+        row = last[last["head"] == head].iloc[0]
+        np.testing.assert_allclose(row["mse"], np.mean(errors), rtol=1e-10)
+    with pytest.raises(ValueError, match="its windows end at each query's own token"):
+        plan(acts, _config("sample:3", None, label="streaming"))

@@ -164,4 +164,5 @@ SPEC = EstimatorSpec(
                                         "prefix_tokens": 0}),
     ),
     memory_hint="N W local scores, C chunk summaries and S_c samples per chunk, per batch element",
+    query_placement="proportional",
 )

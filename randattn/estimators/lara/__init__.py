@@ -183,4 +183,5 @@ SPEC = EstimatorSpec(
         "earlier outputs (the LARA blog's limitations; the official code has no causal form either)")},
     normalized=True,
     memory_hint="(N + M) C features, C proposals' densities at C samples (C^2), per batch element",
+    query_placement="proportional",
 )

@@ -65,4 +65,5 @@ SPEC = EstimatorSpec(
                    params=lambda n, m: {"window": max(n, m), "layout": "sequence", "prefix_tokens": 0}),
     ),
     memory_hint="N W local scores per batch element",
+    query_placement="proportional",
 )

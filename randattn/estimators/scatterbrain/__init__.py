@@ -74,4 +74,5 @@ SPEC = EstimatorSpec(
                    params=lambda n, m: {"window": max(n, m), "layout": "sequence", "prefix_tokens": 0}),
     ),
     memory_hint="N W local scores and (N + M) S features per batch element; every block re-chunks the keys",
+    query_placement="proportional",
 )

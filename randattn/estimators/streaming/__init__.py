@@ -62,4 +62,5 @@ SPEC = EstimatorSpec(
                              num_samples=lambda n, m: m),),
     keys_used=batched.keys_used,
     memory_hint="the N x M logits per batch element (dense, masked to the sinks and window)",
+    query_placement="last-n-of-m",
 )

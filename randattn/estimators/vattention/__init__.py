@@ -174,4 +174,5 @@ SPEC = EstimatorSpec(
     promise=_promise,
     memory_hint="N x M logits and R x N x M weights and counts per batch element; adaptive draws hold M + B "
                 "uniforms per query and replicate",
+    query_placement="last-n-of-m",
 )
