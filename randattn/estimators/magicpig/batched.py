@@ -54,6 +54,24 @@ def _log_inclusion(log_table_probability: torch.Tensor, tables: int, min_collisi
     return torch.where(lower <= -math.log(2.0), torch.log1p(-torch.exp(lower)), upper)
 
 
+def _sampled_log_inclusion(x: torch.Tensor, y: torch.Tensor, means: torch.Tensor, where: torch.Tensor, hash_bits: int,
+                           tables: int, min_collisions: int) -> torch.Tensor:
+    """``(..., C, M)``: ``log u`` of each (query, key) pair some replicate samples (``where``), 0 elsewhere.
+
+    The angle and the binomial tail are computed only at those pairs (a few per cent of the keys), gathered from
+    ``x (..., C, D)``, ``y (..., M, D)`` and the queries' centring means ``(..., C, D)``.
+    """
+    log_u = x.new_zeros(where.shape)
+    index = where.nonzero(as_tuple=True)  # (batch..., query, key) of the sampled pairs
+    if index[0].numel() == 0:
+        return log_u
+    queries, keys = index[:-1], (*index[:-2], index[-1])
+    centered = y[keys] - means[queries]  # (P, D)
+    theta = _angle(x[queries], centered)
+    log_u[index] = _log_inclusion(hash_bits * torch.log1p(-theta / math.pi), tables, min_collisions)
+    return log_u
+
+
 def _centering_means(y: torch.Tensor, visible: torch.Tensor, candidates: torch.Tensor, center: str) -> torch.Tensor:
     """``(..., N, D)``: the mean of each query's visible keys / candidates (0 for none, or for ``center="none"``)."""
     if center == "none":
@@ -84,20 +102,28 @@ def log_weights(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor, *, 
     def project(vectors: torch.Tensor) -> torch.Tensor:
         return (vectors @ directions).unflatten(-1, (tables, hash_bits))
 
-    key_proj, mean_proj, query_code = project(y), project(means), project(x) > 0
+    # bit-major layouts (K, R, ..., rows, L): one contiguous (R, ..., C, M, L) comparison per bit, ANDed in place,
+    # instead of a (R, ..., C, M, L, K) tensor reduced over its short last axis
+    key_proj = project(y).movedim(-1, 0).contiguous()  # (K, R, ..., M, L)
+    mean_proj = project(means).movedim(-1, 0).contiguous()  # (K, R, ..., N, L)
+    query_code = (project(x) > 0).movedim(-1, 0).contiguous()  # (K, R, ..., N, L)
     batch_size = math.prod(x.shape[:-2])
-    chunk = max(1, CHUNK_ELEMENTS // max(1, replicates * batch_size * num_keys * tables * max(hash_bits, 1)))
+    chunk = max(1, CHUNK_ELEMENTS // max(1, replicates * batch_size * num_keys * tables))
     for start in range(0, num_queries, chunk):
         rows = slice(start, min(start + chunk, num_queries))
-        # the centred key codes of these queries, and the tables in which they equal the query's code
-        key_code = key_proj.unsqueeze(-4) > mean_proj[..., rows, :, :].unsqueeze(-3)  # (R, ..., C, M, L, K)
-        agree = (key_code == query_code[..., rows, :, :].unsqueeze(-3)).all(dim=-1)  # (R, ..., C, M, L)
+        # the tables in which the centred key's code equals the query's code, bit by bit
+        shape = (*key_proj.shape[1:-2], rows.stop - rows.start, num_keys, tables)  # (R, ..., C, M, L)
+        agree, key_bit = (torch.empty(shape, dtype=torch.bool, device=x.device) for _ in range(2))
+        for bit in range(hash_bits):  # in preallocated buffers: no (R, ..., C, M, L) allocation per bit
+            torch.gt(key_proj[bit].unsqueeze(-3), mean_proj[bit][..., rows, :].unsqueeze(-2), out=key_bit)
+            if bit == 0:
+                torch.eq(key_bit, query_code[bit][..., rows, :].unsqueeze(-2), out=agree)
+            else:
+                agree.logical_and_(key_bit.eq_(query_code[bit][..., rows, :].unsqueeze(-2)))
         sampled = candidates[rows] & (agree.sum(dim=-1) >= min_collisions)  # (R, ..., C, M)
-        centered = y.unsqueeze(-3) - means[..., rows, :].unsqueeze(-2)  # (..., C, M, D)
-        theta = _angle(x[..., rows, :].unsqueeze(-2), centered)  # (..., C, M)
-        log_table_p = hash_bits * torch.log1p(-theta / math.pi)
-        log_u = _log_inclusion(log_table_p, tables, min_collisions)
-        weights = torch.where(sampled, -log_u, torch.full_like(log_u, float("-inf")))
+        log_u = _sampled_log_inclusion(x[..., rows, :], y, means[..., rows, :], sampled.any(dim=0), hash_bits,
+                                       tables, min_collisions)  # (..., C, M), 0 where no replicate samples
+        weights = torch.where(sampled, -log_u, torch.full_like(sampled, float("-inf"), dtype=x.dtype))
         out[..., rows, :] = torch.where(exact[rows], torch.zeros_like(weights), weights)
     return out
 
