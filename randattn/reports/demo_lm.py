@@ -10,6 +10,7 @@ fakes; by default they are the real functions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import time
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ import pandas as pd
 
 from randattn.reports.demo import DemoResult, DemoStep, demo_metadata, demo_outputs, run_sweeps
 
-__all__ = ["LMDemoConfig", "LM_QUICK", "check_bundled_layers", "demo_lm_outputs", "run_demo_lm"]
+__all__ = ["LMDemoConfig", "LM_DECODE", "LM_DECODE_QUICK", "LM_QUICK", "check_bundled_layers", "demo_lm_outputs",
+           "run_demo_lm"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,12 @@ class LMDemoConfig:
         Specs run at the S in ``single_sample``.
     seed : int
     backend : {"torch", "reference"}
+    pack : bool
+        Join the texts into one sequence (:func:`randattn.activations.lm.pack_texts`): a long context.
+    queries : str
+        The query rows measured (``mse --queries``): ``"all"``, or ``"last:K"``, the decode regime.
+    epsilon : float or None
+        The relative-error bound of the violation columns (``mse --epsilon``); None: only promised ones.
     """
 
     model: str = "smollm2-135m"
@@ -63,6 +71,14 @@ class LMDemoConfig:
     ra: tuple[str, ...] = ("ra",)
     seed: int = 0
     backend: str = "torch"
+    pack: bool = False
+    queries: str = "all"
+    epsilon: float | None = None
+
+    @property
+    def decode(self) -> bool:
+        """Whether this is the decode view: the last queries of a long cache."""
+        return self.queries != "all"
 
     def __post_init__(self) -> None:
         if self.max_tokens < 2:
@@ -77,6 +93,20 @@ class LMDemoConfig:
 
 #: a seconds-long smoke test: 64 tokens, the first layer only, S = 4, 8, R = 3
 LM_QUICK = LMDemoConfig(max_tokens=64, layers=(0,), samples=(4, 8), single_sample=(1,), replicates=3)
+
+#: the decode view: the last 64 queries of a 4,096-token cache (the bundled documentation packed into one
+#: sequence) in layers 0 and 15; top-k, StreamingLLM, Quest, vAttention with a fixed sample and Performer at budgets
+#: of 1/64, 1/16 and 1/4 of the keys (64, 256, 1,024); MagicPIG at the paper's (K, L) = (10, 150) and vAttention at
+#: its own (epsilon, delta) (``single_sample``: MagicPIG's S is L, vAttention's adaptive size ignores S): their budgets
+#: are random, measured as keys used. The violation rate at epsilon = 0.1 for the estimators without a promise.
+LM_DECODE = LMDemoConfig(
+    text="pydoc:all", pack=True, max_tokens=4096, layers=(0, 15), samples=(64, 256, 1024),
+    estimators=("topk", "streaming", "quest", "vattention:budget=fixed", "rfa:coupling=orthogonal"),
+    single_sample=(150,), ra=("magicpig", "vattention"), replicates=4, queries="last:64", epsilon=0.1,
+)
+#: the decode view in seconds: 1,024 tokens, layer 0, budgets 16 and 64, R = 3
+LM_DECODE_QUICK = dataclasses.replace(LM_DECODE, max_tokens=1024, layers=(0,), samples=(16, 64), single_sample=(16,),
+                                      replicates=3)
 
 
 def check_bundled_layers(config: LMDemoConfig) -> None:
@@ -95,10 +125,11 @@ def check_bundled_layers(config: LMDemoConfig) -> None:
 
 
 def _default_capture(config: LMDemoConfig):
-    from randattn.activations.lm import capture_lm, load_bundled_lm, read_texts, tokenize_texts
+    from randattn.activations.lm import capture_lm, load_bundled_lm, pack_texts, read_texts, tokenize_texts
 
     check_bundled_layers(config)
     texts = read_texts(config.text)
+    texts = pack_texts(texts) if config.pack else texts
     # the GGUF loader draws its own tqdm bars on stderr, which would tear the caller's progress display
     with contextlib.redirect_stderr(io.StringIO()):
         lm = load_bundled_lm(config.model)
@@ -106,14 +137,16 @@ def _default_capture(config: LMDemoConfig):
     return capture_lm(lm, ids, list(config.layers), names=[name for name, _ in texts], text=config.text)
 
 
-def demo_lm_outputs(table_name: str = "results.csv", formats: Sequence[str] = ("png", "svg")) -> tuple[str, ...]:
+def demo_lm_outputs(table_name: str = "results.csv", formats: Sequence[str] = ("png", "svg"),
+                    decode: bool = False) -> tuple[str, ...]:
     """The names of the files :func:`run_demo_lm` writes into its folder (with the same ``table_name`` and
-    ``formats``)."""
+    ``formats``; ``decode``: the decode view, which adds the error-vs-budget figure)."""
     from randattn.analysis.sweep import positions_path
 
     positions = positions_path(table_name).name
+    budget = tuple(f"error-vs-budget.{fmt}" for fmt in formats) if decode else ()
     return (*demo_outputs(table_name, formats), positions, f"{positions}.meta.json",
-            *(f"position.{fmt}" for fmt in formats))
+            *(f"position.{fmt}" for fmt in formats), *budget)
 
 
 def run_demo_lm(
@@ -156,7 +189,7 @@ def run_demo_lm(
     from randattn.analysis.sweep import (SweepConfig, SweepTables, aggregate, parse_estimator_list,
                                          positions_path, run_sweep_tables, write_tables)
     from randattn.reports._writing import named_write_errors
-    from randattn.reports.figures import mse_vs_samples_figure, position_figure, save_figure
+    from randattn.reports.figures import error_vs_budget_figure, mse_vs_samples_figure, position_figure, save_figure
     from randattn.reports.html import write_report
 
     if not isinstance(config, LMDemoConfig):
@@ -175,7 +208,8 @@ def run_demo_lm(
 
     # the mask the model ran with (causal in SmolLM2), as `randattn mse` applies it by default (--mask file)
     mask = masks_of_activations(acts)
-    common = dict(replicates=config.replicates, seed=config.seed, backend=config.backend, mask=mask)
+    common = dict(replicates=config.replicates, seed=config.seed, backend=config.backend, mask=mask,
+                  queries=config.queries, epsilon=config.epsilon)
     sweep_configs = []
     if config.samples and config.estimators:
         sweep_configs.append(SweepConfig(estimators=parse_estimator_list(list(config.estimators)),
@@ -203,6 +237,9 @@ def run_demo_lm(
         files["positions"] = positions_path(out / table_name)
     for path in save_figure(mse_vs_samples_figure(table, metadata=metadata), out / "mse-vs-samples", formats):
         files[f"figure.{path.suffix[1:]}"] = path
+    if config.decode:
+        for path in save_figure(error_vs_budget_figure(table, metadata=metadata), out / "error-vs-budget", formats):
+            files[f"error-vs-budget.{path.suffix[1:]}"] = path
     if positions is not None:
         figure = position_figure(positions, metadata=metadata, num_samples=int(positions["num_samples"].max()))
         for path in save_figure(figure, out / "position", formats):
