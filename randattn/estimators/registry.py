@@ -327,12 +327,16 @@ def parse_estimator(text: str) -> tuple[str, dict[str, Any]]:
             raise ValueError(
                 f"unknown parameter {key!r} for estimator {name!r}; allowed: {', '.join([*sorted(spec.params), 'preset'])}"
             )
-        params[key] = _convert(raw.strip(), spec.params[key].default)
+        params[key] = _convert(raw.strip(), spec.params[key].default, spec.params[key].kind)
     spec.resolve_params(params)
     return name, params
 
 
-def _convert(raw: str, default: Any) -> Any:
+def _convert(raw: str, default: Any, kind: Any = None) -> Any:
+    """``raw`` as the parameter's type: its default's, or, where the parameter takes int and float alike (a count
+    or a fraction, as vAttention's ``top_k``), as the literal is written (``1`` a count, ``1.0`` a fraction)."""
+    if isinstance(kind, tuple) and int in kind and float in kind:
+        default = None
     if isinstance(default, bool):
         if raw.lower() in ("true", "1", "yes"):
             return True

@@ -187,3 +187,26 @@ def test_demo_lm_runs_on_a_tiny_capture(lm_file, tmp_path):
     check = json.loads(result.files["metadata"].read_text())["reference_check"]
     checked = result.table[np.isfinite(result.table["ref_max_abs_dev"])]
     assert check["units_checked"] == len(checked) >= 1 and check["max_abs_dev"] == checked["ref_max_abs_dev"].max()
+
+
+@pytest.mark.slow  # 17 s on the 2-core machine: in the slow target
+def test_demo_lm_decode_view_on_a_tiny_capture(lm_file, tmp_path):
+    """The decode view measures the last queries only, draws the error against the keys read and reports the
+    promise section, with vAttention's own (epsilon, delta) and epsilon = 0.1 for the others."""
+    import dataclasses
+
+    from randattn.reports.demo_lm import LM_DECODE_QUICK, demo_lm_outputs, run_demo_lm
+
+    config = dataclasses.replace(LM_DECODE_QUICK, samples=(4, 8), single_sample=(4,), replicates=3,
+                                 queries="last:4", estimators=("topk", "quest:page_size=2"),
+                                 ra=("vattention:sinks=1,local=1,top_k=1",))
+    result = run_demo_lm(config, tmp_path / "demo", capture=lambda c: load_activations(lm_file), formats=("png",))
+    assert {"error-vs-budget.png", "report"} <= set(result.files)
+    assert {p.name for p in result.files.values()} <= set(demo_lm_outputs(formats=("png",), decode=True))
+    table = result.table
+    assert set(table["queries"]) == {"last:4"} and (table["epsilon"].dropna() > 0).all()
+    promised = table[table["estimator"] == "vattention"]
+    assert set(promised["epsilon"]) == {0.05} and set(promised["delta"]) == {0.05}
+    assert set(table.loc[table["estimator"] == "topk", "keys_used"]) == {4.0, 8.0}  # 13..16 keys seen, S kept
+    page = result.files["report"].read_text()
+    assert 'id="promise"' in page and 'id="fig-error-vs-budget"' in page

@@ -194,3 +194,12 @@ def test_a_plugin_estimator_gives_the_same_table_on_dask_workers_as_locally(tmp_
         tables[where] = pd.read_parquet(out).drop(columns="seconds")
     assert set(tables["local"].label) == {"goodrfa:coupling=orthogonal", "rfa"}
     pd.testing.assert_frame_equal(tables["local"], tables["processes:2"], check_exact=True)
+
+
+def test_a_count_or_fraction_parameter_keeps_the_type_written():
+    """vAttention's top_k is a count when an int and a fraction of the visible keys when a float: '1' is one key,
+    '1.0' every key (the default 0.1 is a float, so converting by the default's type would read '1' as 100 %)."""
+    parse = randattn.estimators.registry.parse_estimator
+    assert parse("vattention:top_k=1")[1]["top_k"] == 1 and isinstance(parse("vattention:top_k=1")[1]["top_k"], int)
+    assert isinstance(parse("vattention:top_k=1.0")[1]["top_k"], float)
+    assert parse("vattention:top_k=0.25")[1]["top_k"] == 0.25
