@@ -31,8 +31,8 @@ from typing import Any, Callable
 from randattn.analysis.memory import measure_peak
 from randattn.estimators.base import Draws
 
-__all__ = ["MIN_MAX_MEMORY", "MemoryBudgetError", "SPLIT_ROUNDING", "STORE_FACTOR", "block_bytes", "check_fits",
-           "fit_cell_model", "format_bytes", "measure_block_peak", "split_blocks", "stored_bytes", "unit_peak_bytes",
+__all__ = ["CALIBRATION_KEYS", "MIN_MAX_MEMORY", "MemoryBudgetError", "REFERENCE_CHECK_TOKENS", "SPLIT_ROUNDING",
+           "STORE_FACTOR", "block_bytes", "calibration_sizes", "check_fits", "extrapolate_peak", "fit_cell_model", "format_bytes", "measure_block_peak", "split_blocks", "stored_bytes", "unit_peak_bytes",
            "with_margin"]
 
 #: what a split below the canonical block does to a row, said alike by ``randattn mse``'s plan and the sweeps guide
@@ -51,6 +51,54 @@ STORE_FACTOR = 3
 #: (torch backend, CPU); 16 KiB, below all of them, so a budget under it can never run anything and is refused as
 #: soon as it is read, before a file is loaded
 MIN_MAX_MEMORY = 16 * 2**10
+
+#: the keys of the larger slice a tiled unit's memory is measured on (:func:`calibration_sizes`): a run of 32k tokens
+#: is forecast from slices of 512 and 1024, never by running it
+CALIBRATION_KEYS = 1024
+
+#: keys of the slice on which a tiled unit's batched form is checked against the reference (its reference is a
+#: per-query loop at full length)
+REFERENCE_CHECK_TOKENS = 256
+
+
+def calibration_sizes(keys: int) -> tuple[int, ...]:
+    """The key counts of the slices a tiled unit of ``keys`` keys is calibrated on: ``t / 2`` and ``t``,
+    ``t = CALIBRATION_KEYS``; the unit's own size alone where it is no larger."""
+    if keys <= CALIBRATION_KEYS:
+        return (int(keys),)
+    return (CALIBRATION_KEYS // 2, CALIBRATION_KEYS)
+
+
+def extrapolate_peak(points, queries: int, keys: int) -> int:
+    r"""Bytes at ``queries`` x ``keys`` from peaks measured on smaller slices, by the model
+    :math:`\alpha (K + M) + \beta K M`.
+
+    The two coefficients solve the model at the two points ``(K_i, M_i, bytes_i)``; a negative one is set to 0 and
+    the other taken as the largest that any point needs (so the forecast never falls below a measured peak scaled
+    by its own term). Two slices that do not differ (a unit no larger than the calibration) give their peak.
+
+    Parameters
+    ----------
+    points : sequence of (K_i, M_i, bytes_i)
+        Measured at K_i queries and M_i keys: two, the second the larger, or one at the unit's own size.
+    queries, keys : int
+        The unit's K and M.
+    """
+    if len(points) == 1:  # measured at the unit's own size
+        return int(points[0][2])
+    (k1, m1, p1), (k2, m2, p2) = points
+    s1, s2, x1, x2 = k1 + m1, k2 + m2, k1 * m1, k2 * m2
+    det = s1 * x2 - s2 * x1
+    if det == 0:
+        return int(max(p1, p2) * max(1.0, (queries * keys) / max(x2, 1)))
+    alpha = (p1 * x2 - p2 * x1) / det
+    beta = (s1 * p2 - s2 * p1) / det
+    if beta < 0:
+        alpha, beta = max(p1 / s1, p2 / s2), 0.0
+    elif alpha < 0:
+        alpha, beta = 0.0, max(p1 / x1, p2 / x2)
+    return int(alpha * (queries + keys) + beta * queries * keys)
+
 
 #: S at which the working set is measured (then extrapolated linearly in S)
 _CALIBRATION_SAMPLES = (16, 64)

@@ -12,6 +12,14 @@ squared error of its implied probabilities the cheapest way whose rounding is pr
 
 Every way gives the same estimates; the probabilities' error differs between them by at most
 :data:`PROBABILITY_ROUNDING_RTOL` of itself.
+
+Where the unit's truth is tiled (:mod:`~randattn.analysis.exact_cache`: no K x M array is held), the error is
+taken by key tiles instead (:meth:`BlockEstimator.estimate` with ``log_normaliser``): for each tile of
+:data:`key tile <probability_key_tile>` keys the exact probabilities are formed again from the log-normaliser and
+the estimator's from its factors (:math:`L R_{:,tile}`, in float64) where it has them, else by the estimator
+itself with ``v`` the tile's one-hot columns (every estimator is linear in ``v`` given its draws, so this is
+column ``m`` of :math:`\hat P`); the squared differences are summed in float64. Memory: the block's
+``(R_b, C_b, K, T)`` per tile, never ``K x M``.
 """
 
 from __future__ import annotations
@@ -31,7 +39,37 @@ from randattn.analysis.probability_error import (
 )
 from randattn.estimators.base import Draws
 
-__all__ = ["PROBABILITY_ROUNDING_RTOL", "BlockEstimator"]
+__all__ = ["PROBABILITY_KEY_TILE", "PROBABILITY_ROUNDING_RTOL", "BlockEstimator", "ProbabilitiesSkippedWarning",
+           "columns_skip_reason"]
+
+#: keys per tile of the tiled probability error. Fixed, so that the sum's order (and so its bits) does not depend on
+#: the memory budget. 256: causal RFA (S = 64, 4096 tokens, 2 cores) takes 0.80 s for a call with 64 value columns,
+#: 0.88 s with 256 and 5.9 s with 1024, so 256 columns per call is the cheapest per column measured
+PROBABILITY_KEY_TILE = 256
+
+
+class ProbabilitiesSkippedWarning(UserWarning):
+    """A unit's probability error was not computed (prob_mse is NaN); the message says why."""
+
+
+def columns_skip_reason(label: str, mask: str | None, queries: int, keys: int, itemsize: int,
+                        budget: int) -> str | None:
+    """Why a tiled unit leaves prob_mse NaN, or None where its probabilities may be formed by key tiles.
+
+    An estimator without probability factors forms its probabilities column by column, as much work as forming
+    them densely (a K x M product per replicate): that is done where today's dense pass could have run, one head's
+    and replicate's K x M probabilities (``itemsize`` bytes each) within ``budget``; beyond, the time would be
+    that of a pass the budget forbids, and the column is left NaN with this reason.
+    """
+    dense = queries * keys * itemsize
+    if dense <= budget:
+        return None
+    from randattn.analysis.cell_memory import format_bytes
+
+    where = "" if mask is None else f" under mask={mask!r}"
+    return (f"prob_mse not computed: {label} has no probability factors{where}, and one head's "
+            f"{queries} x {keys} probabilities ({format_bytes(dense)} per replicate) exceed the memory budget of "
+            f"{format_bytes(budget)}; raise --max-memory, measure fewer --queries, or use --no-probabilities")
 
 #: a float64 run takes an estimator's float32 probability product (``batched_with_float32_probabilities``), and any
 #: run the factored probability error (:mod:`~randattn.analysis.probability_error`), only where its rounding bound
@@ -134,6 +172,71 @@ class BlockEstimator:
         if self.torch is None:
             return self._reference(spec, est, q, k, v, draws, exact_probs, mask=mask)
         return self._dense(spec, est, q, k, v, draws, exact_probs, mask=mask)
+
+    def tiled_estimate(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, log_normaliser, *,
+                       mask: str | None = None, key_tile: int = PROBABILITY_KEY_TILE, columns: bool = True):
+        """:meth:`estimate` where the truth is tiled: the estimates, and the probabilities' squared error
+        ``(R_b, C_b)`` summed over key tiles (module docstring); None without probabilities.
+
+        Parameters
+        ----------
+        log_normaliser : (C_b, K) float64 tensor
+            The exact log-normaliser of the block's cells (:meth:`~randattn.analysis.exact_cache.ExactCache.
+            log_normaliser`).
+        key_tile : int
+            Keys per tile (:data:`PROBABILITY_KEY_TILE`).
+        columns : bool
+            Whether an estimator without factors may form its probabilities by key tiles
+            (:func:`columns_skip_reason`); if not, its probability error is None.
+        """
+        from randattn.analysis.probability_error import tiled_sq_errors
+
+        torch_mod = self.torch
+        masked = estimator_mask_kwargs(mask)
+        tile = int(key_tile)
+        if torch_mod is None:  # the reference: numpy in, numpy out
+            out = np.asarray(spec.reference(q, k, v, draws, scale=self.scale, **est.params, **masked), dtype=np.float64)
+            if not self.probabilities or not columns:
+                return out, None
+
+            def columns_of(k0: int, k1: int):
+                onehot = np.zeros((*k.shape[:-1], k1 - k0))
+                onehot[..., np.arange(k0, k1), np.arange(k1 - k0)] = 1.0
+                return np.asarray(spec.reference(q, k, onehot, draws, scale=self.scale, **est.params, **masked),
+                                  dtype=np.float64)
+
+            return out, tiled_sq_errors(columns_of, q, k, log_normaliser, scale=self.scale, mask=mask, key_tile=tile)
+        import torch
+
+        dt = getattr(torch, self.dtype_name(est))
+        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
+        tdraws = draws.to_torch(device=self.device, dtype=dt)
+        with torch.no_grad():
+            if not self.probabilities:
+                return spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked), None
+            factors = None
+            if spec.batched_with_probability_factors is not None:
+                factors = spec.batched_with_probability_factors(tq, tk, tv, tdraws, scale=self.scale, **est.params,
+                                                                **masked)
+            if factors is not None:
+                out, left, right = factors
+                left64 = left.to(torch.float64)
+
+                def columns_of(k0: int, k1: int):
+                    return left64 @ right[..., k0:k1].to(torch.float64)
+            else:
+                out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
+                if not columns:
+                    return out, None
+
+                def columns_of(k0: int, k1: int):
+                    onehot = torch.zeros((*k.shape[:-1], k1 - k0), device=self.device, dtype=dt)
+                    onehot[..., torch.arange(k0, k1), torch.arange(k1 - k0)] = 1.0
+                    return spec.batched(tq, tk, onehot, tdraws, scale=self.scale, **est.params, **masked)
+
+            tq64, tk64 = (torch.as_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k))
+            sq = tiled_sq_errors(columns_of, tq64, tk64, log_normaliser, scale=self.scale, mask=mask, key_tile=tile)
+        return out, sq
 
     def keys_used(self, spec, est: EstimatorConfig, q, k, draws: Draws, *, mask: str | None = None) -> np.ndarray:
         """float64 ``(R_b, C_b, N)``: the keys each query's estimate reads (:attr:`~randattn.estimators.base.

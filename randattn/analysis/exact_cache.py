@@ -6,6 +6,17 @@ heads (under the layer's mask, if any); :class:`ExactCache` keeps them for the l
 on its device, their squared row norms, the output on the device, the attention sink's mass).
 The plan runs the units of one (layer, image) consecutively (17 units per image-layer in W1),
 so one entry is enough and at most one image-layer's arrays are held.
+
+Long contexts: the truth by tiles
+---------------------------------
+Where a head's K x M probabilities exceed :data:`TILED_ABOVE` entries (K measured queries, M keys) and the mask
+is none or causal, the cache holds no probabilities at all: the output and each query's log-normaliser
+:math:`\log Z_n` come from :func:`~randattn.estimators.softmax.tiled.tiled_attention` (the float64 flash
+recurrence, memory O(K Dv) per head), and whatever needs a probability forms it again from
+:math:`p_{nm} = e^{s_{nm} - \log Z_n}` one block at a time (the sink mass from key 0's column, the probability
+error by key tiles: :mod:`~randattn.analysis.estimate_block`). The choice depends on the unit's size only, never
+on the memory budget, so a run's rows do not depend on its budget. The recurrence sums in another order than the
+dense softmax: the two agree to about 1e-15 relative per entry (tested at 1e-10 relative on every column).
 """
 
 from __future__ import annotations
@@ -17,7 +28,34 @@ import numpy as np
 from randattn.analysis.masking import visible_keys
 from randattn.analysis.plan import Unit
 
-__all__ = ["ExactCache", "exact_attention", "exact_under_mask"]
+__all__ = ["TILED_ABOVE", "ExactCache", "exact_attention", "exact_under_mask", "sink_mass_from_log_normaliser",
+           "tiles_exact"]
+
+#: a head's truth is taken by tiles where its K x M probabilities have more entries than this (1024 x 1024, 8 MiB of
+#: float64 per head): the dense softmax, the float32 copy and the probability pass each hold that much per head and
+#: replicate, which stops a run near a few thousand tokens; below it the dense path is as fast and keeps the bits of
+#: every earlier table (the golden tables, the DINOv2 sweeps at 197 to 785 tokens)
+TILED_ABOVE = 2**20
+
+#: the masks the tiled recurrence supports (a sliding window stays dense)
+_TILED_MASKS = (None, "causal")
+
+
+def tiles_exact(kind: str | None, queries: int, keys: int) -> bool:
+    """Whether a unit with ``queries`` measured rows and ``keys`` keys under mask ``kind`` takes its truth by tiles
+    (:data:`TILED_ABOVE`; the budget plays no part, so the rows do not depend on it)."""
+    return kind in _TILED_MASKS and queries * keys > TILED_ABOVE
+
+
+def sink_mass_from_log_normaliser(q, k, log_normaliser, scale: float, *, torch: Any) -> np.ndarray:
+    r"""float64 ``(C,)``: :math:`\frac1K \sum_n p_{n0}`, :math:`p_{n0} = e^{s\, q_n \cdot k_0 - \log Z_n}`.
+
+    Key 0 is visible to every query under every supported mask, so its probability is the same expression for all.
+    """
+    tq = torch.as_tensor(np.ascontiguousarray(q, dtype=np.float64), device=log_normaliser.device)
+    tk0 = torch.as_tensor(np.ascontiguousarray(k[..., :1, :], dtype=np.float64), device=log_normaliser.device)
+    logits = (scale * tq @ tk0.transpose(-1, -2))[..., 0]
+    return (logits - log_normaliser).exp().mean(-1).cpu().numpy()
 
 
 def exact_under_mask(kind: str, q, k, v, scale: float, *, torch: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -121,8 +159,30 @@ class ExactCache:
         self.probabilities = probabilities
         self.torch = torch
         self.device = device
-        # (key, (q, k, v, exact_probs, exact), conversions): one image-layer's arrays at most
+        # (key, (q, k, v, exact_probs, exact), conversions): one image-layer's arrays at most (exact_probs None where
+        # the truth is tiled; its log-normaliser is then conversions["log_normaliser"])
         self._last: tuple[tuple, tuple, dict] | None = None
+
+    def tiled(self, unit: Unit, queries: int | None = None, keys: int | None = None) -> bool:
+        """Whether ``unit``'s truth is taken by tiles (:func:`tiles_exact`); ``queries, keys`` default to the
+        activations' measured rows and tokens."""
+        if queries is None:
+            queries = self.acts.shape[2] if self.rows is None else len(self.rows)
+        if keys is None:
+            keys = self.acts.shape[2]
+        return tiles_exact(self.mask_of(unit.layer), queries, keys)
+
+    def tiled_exact(self, unit: Unit, q, k, v) -> tuple[np.ndarray, Any]:
+        """The exact float64 output ``(C, K, Dv)`` (numpy) and log-normaliser ``(C, K)`` (a float64 tensor on the
+        device) of ``q, k, v`` by :func:`~randattn.estimators.softmax.tiled.tiled_attention`."""
+        import torch
+
+        from randattn.estimators.softmax.tiled import tiled_attention
+
+        device = self.device if self.torch is not None else None
+        tq, tk, tv = (torch.as_tensor(np.ascontiguousarray(a, dtype=np.float64), device=device) for a in (q, k, v))
+        out, log_normaliser = tiled_attention(tq, tk, tv, scale=self.scale, mask=self.mask_of(unit.layer))
+        return out.cpu().numpy(), log_normaliser
 
     def inputs(self, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """float64 ``q : (C, K, D)`` (the measured query rows), ``k, v : (C, M, D)`` of the unit's heads.
@@ -144,7 +204,12 @@ class ExactCache:
         key = (unit.layer, unit.image, tuple(unit.heads))
         if self._last is None or self._last[0] != key:
             q, k, v = self.inputs(unit)
-            self._last = (key, (q, k, v, *self.exact(unit, q, k, v)), {})
+            self._last = None  # the previous image-layer's arrays go before the next are made
+            if self.tiled(unit):
+                out, log_normaliser = self.tiled_exact(unit, q, k, v)
+                self._last = (key, (q, k, v, None, out), {"log_normaliser": log_normaliser})
+            else:
+                self._last = (key, (q, k, v, *self.exact(unit, q, k, v)), {})
         return self._last[1], self._last[2]
 
     def _derived(self, unit: Unit) -> tuple[tuple, dict]:
@@ -163,7 +228,7 @@ class ExactCache:
             ``"float32"`` or ``"float64"``: the dtype of the probabilities on the torch backend.
         """
         (q, k, v, exact_probs, exact), converted = self._entry(unit)
-        if self.torch is not None and self.probabilities:
+        if self.torch is not None and self.probabilities and exact_probs is not None:
             if dtype_name not in converted:
                 converted[dtype_name] = self.torch.as_tensor(exact_probs, device=self.device,
                                                              dtype=getattr(self.torch, dtype_name))
@@ -186,8 +251,19 @@ class ExactCache:
         """
         arrays, converted = self._derived(unit)
         if "sink" not in converted:
-            converted["sink"] = np.asarray(arrays[3][..., 0], dtype=np.float64).mean(-1)
+            if arrays[3] is None:  # tiled: key 0's column from the log-normaliser
+                import torch
+
+                converted["sink"] = sink_mass_from_log_normaliser(arrays[0], arrays[1], converted["log_normaliser"],
+                                                                  self.scale, torch=torch)
+            else:
+                converted["sink"] = np.asarray(arrays[3][..., 0], dtype=np.float64).mean(-1)
         return converted["sink"]
+
+    def log_normaliser(self, unit: Unit):
+        """The log-normaliser ``(C, K)`` of a tiled unit's heads, a float64 tensor on the device; None where the
+        unit's truth is dense."""
+        return self._entry(unit)[1].get("log_normaliser")
 
     def output(self, unit: Unit):
         """The exact output ``(C, N, Dv)`` as a float64 tensor on the device (cached)."""

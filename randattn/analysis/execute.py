@@ -45,8 +45,11 @@ import numpy as np
 # MemoryBudgetError, format_bytes, exact_under_mask, COLUMNS and DiagnosticsSkippedWarning are imported from here by
 # the sweep, the CLI and tests: they stay importable from this module, where the unit runner used to define them
 from randattn.analysis.cell_memory import (
+    REFERENCE_CHECK_TOKENS,
     MemoryBudgetError,
     block_bytes,
+    calibration_sizes,
+    extrapolate_peak,
     check_fits,
     fit_cell_model,
     format_bytes,
@@ -56,7 +59,12 @@ from randattn.analysis.cell_memory import (
     unit_peak_bytes,
     with_margin,
 )
-from randattn.analysis.estimate_block import PROBABILITY_ROUNDING_RTOL, BlockEstimator
+from randattn.analysis.estimate_block import (
+    PROBABILITY_ROUNDING_RTOL,
+    BlockEstimator,
+    ProbabilitiesSkippedWarning,
+    columns_skip_reason,
+)
 from randattn.analysis.exact_cache import ExactCache, exact_under_mask
 from randattn.analysis.masking import diagnostics_skip_reason, estimator_mask_kwargs, mask_label
 from randattn.analysis.plan import EstimatorConfig, StackedGenerators, SweepConfig, Unit, replicate_rng
@@ -72,8 +80,8 @@ from randattn.analysis.relative_error import relative_error_columns
 from randattn.analysis.unit_rows import COLUMNS, keys_used_columns, output_metrics, position_rows, table_rows
 from randattn.estimators.base import Draws
 
-__all__ = ["COLUMNS", "PHASES", "DiagnosticsSkippedWarning", "MemoryBudgetError", "UnitResult", "UnitRunner",
-           "exact_under_mask", "format_bytes", "run_recording"]
+__all__ = ["COLUMNS", "PHASES", "DiagnosticsSkippedWarning", "MemoryBudgetError", "ProbabilitiesSkippedWarning",
+           "UnitResult", "UnitRunner", "exact_under_mask", "format_bytes", "run_recording"]
 
 #: the parts of a unit's wall time that :meth:`UnitRunner.run_timed` reports: the exact attention (the first unit of
 #: an image-layer computes it), the draws, the estimates with their probability error, the importance-sampling
@@ -224,6 +232,8 @@ class UnitRunner:
         est = self.config.estimators[unit.est_index]
         kind = self.mask(unit)
         key = (est.label, unit.num_samples, self.acts.shape[2:], kind)  # a masked estimator may take another path
+        if key not in self._cell_bytes and self.exact_cache.tiled(unit):
+            self._cell_bytes[key] = self._sliced_calibration(unit)
         if key not in self._cell_bytes:
             spec = self.specs[est.name]
             q, k, v = (a[:1] for a in self.inputs(unit))
@@ -247,6 +257,63 @@ class UnitRunner:
             self._cell_bytes[key] = with_margin(a, b, queries=self.measured_queries, value_dim=v.shape[-1],
                                                 key_dim=self.acts.shape[3], num_samples=unit.num_samples)
         return self._cell_bytes[key]
+
+    def columns_reason(self, unit: Unit) -> str | None:
+        """Why a tiled unit without probability factors leaves prob_mse NaN
+        (:func:`~randattn.analysis.estimate_block.columns_skip_reason`), or None."""
+        est = self.config.estimators[unit.est_index]
+        itemsize = 8 if self._dtype_name(est) == "float64" else 4
+        return columns_skip_reason(est.label, self.mask(unit), self.measured_queries, self.num_keys, itemsize,
+                                   self.config.max_memory)
+
+    @property
+    def num_keys(self) -> int:
+        """M, the keys of every query row (the activations' tokens)."""
+        return int(self.acts.shape[2])
+
+    def _sliced_calibration(self, unit: Unit) -> tuple[int, int]:
+        """``(a, b)`` of a tiled unit (:meth:`~randattn.analysis.exact_cache.ExactCache.tiled`), forecast from two
+        small slices of its first head, never by running it at full size.
+
+        The tiled code path (the estimates, the probability error by key tiles, the keys-used counts, the
+        diagnostics) is measured on slices of ``t / 2`` and ``t`` keys (:data:`~randattn.analysis.cell_memory.
+        CALIBRATION_KEYS`; at most as many queries), and each of ``a`` and ``b`` extrapolated to the unit's K
+        queries and M keys by :func:`~randattn.analysis.cell_memory.extrapolate_peak`: a part that grows with
+        K + M and one with K M (an estimator that forms a K x M array keeps its quadratic term, so it is refused, not
+        OOM-killed). With the margin of :func:`~randattn.analysis.cell_memory.with_margin` at the full size.
+        """
+        est = self.config.estimators[unit.est_index]
+        spec = self.specs[est.name]
+        kind = self.mask(unit)
+        columns = self.columns_reason(unit) is None  # the path the unit takes at its full size
+        q, k, v = (a[:1] for a in self.inputs(unit))
+        n, m = q.shape[-2], k.shape[-2]
+        points = []
+        for keys in calibration_sizes(m):
+            queries = min(n, keys)
+            # every query (n == m): the first tokens, a shorter sequence; the last K of M: the last rows over the
+            # first keys (the causal shapes hold: keys >= queries)
+            qs = q[..., :queries, :] if n == m else q[..., n - queries:, :]
+            ks, vs = k[..., :keys, :], v[..., :keys, :]
+            _, log_normaliser = self.exact_cache.tiled_exact(unit, qs, ks, vs)
+
+            def peak_at(samples: int | None, reps: int, qs=qs, ks=ks, vs=vs, lz=log_normaliser) -> int:
+                draws = cell_draws(spec, est, qs.shape[1:], ks.shape[1:], [0], range(reps), samples, kind)
+
+                def one() -> None:
+                    self.estimator.tiled_estimate(spec, est, qs, ks, vs, draws, lz, mask=kind, columns=columns)
+                    if spec.keys_used is not None:
+                        self.estimator.keys_used(spec, est, qs, ks, draws, mask=kind)
+                    if self.config.diagnostics and est.random:
+                        self._diagnostics_block(est, qs, ks, vs, draws, first_block=False, mask=kind)
+
+                return measure_block_peak(one, draws, torch_tensors=self.torch is not None)
+
+            points.append((queries, keys, fit_cell_model(peak_at, unit.num_samples, est.random)))
+        a = extrapolate_peak([(kq, km, ab[0]) for kq, km, ab in points], n, m)
+        b = extrapolate_peak([(kq, km, ab[1]) for kq, km, ab in points], n, m)
+        return with_margin(a, b, queries=self.measured_queries, value_dim=v.shape[-1], key_dim=self.acts.shape[3],
+                           num_samples=unit.num_samples)
 
     def blocks(self, unit: Unit) -> list[tuple[slice, slice]]:
         """(cells, replicates) blocks of ``unit`` under ``max_memory``
@@ -292,6 +359,26 @@ class UnitRunner:
         batched = batched_first.to("cpu", self.torch.float64).numpy()
         return float(np.max(np.abs(np.asarray(ref, dtype=np.float64)[0, 0] - batched)))
 
+    def _sliced_reference_deviation(self, spec, est: EstimatorConfig, unit: Unit, q, k, v,
+                                    mask: str | None = None) -> float:
+        """:meth:`_reference_deviation` of a tiled unit, on its first cell's first
+        :data:`~randattn.analysis.cell_memory.REFERENCE_CHECK_TOKENS` keys (and as many of its queries, the first
+        or the last as in :meth:`_sliced_calibration`), with replicate 0's draws for that shape: the batched form
+        against the reference where both are affordable."""
+        n, m = q.shape[-2], k.shape[-2]
+        keys = min(m, REFERENCE_CHECK_TOKENS)
+        queries = min(n, keys)
+        qs = q[:1, :queries] if n == m else q[:1, n - queries:]
+        ks, vs = k[:1, :keys], v[:1, :keys]
+        draws = cell_draws(spec, est, qs.shape[1:], ks.shape[1:], unit.seeds[:1], range(1), unit.num_samples, mask)
+        torch = self.torch
+        dt = getattr(torch, self._dtype_name(est))
+        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (qs, ks, vs))
+        with torch.no_grad():
+            batched = spec.batched(tq, tk, tv, draws.to_torch(device=self.device, dtype=dt), scale=self.scale,
+                                   **est.params, **estimator_mask_kwargs(mask))
+        return self._reference_deviation(spec, est, qs, ks, vs, draws, batched[0, 0], mask=mask)
+
     # ------------------------------------------------------------------------------------------------ a unit
     def run(self, unit: Unit) -> list[dict[str, Any]]:
         """The rows of ``unit`` (one per head and reported S), in head order.
@@ -332,8 +419,13 @@ class UnitRunner:
         dtype = self._dtype_name(est)
         blocks = self.blocks(unit)
         q, k, v, exact_probs, exact = cache.get(unit, dtype)
-        factored = estimator.factors_pay(spec, est, unit.num_samples, q.shape[-2])
-        exact32 = cache.get(unit, "float32")[3] if factored or estimator.rounds_probabilities(spec, est) else None
+        log_normaliser = cache.log_normaliser(unit)  # None: the truth is dense; else tiled, no K x M array anywhere
+        tiled = log_normaliser is not None
+        columns_reason = self.columns_reason(unit) if tiled else None
+        probabilities_skipped = False
+        factored = not tiled and estimator.factors_pay(spec, est, unit.num_samples, q.shape[-2])
+        exact32 = (cache.get(unit, "float32")[3] if not tiled and (factored or estimator.rounds_probabilities(spec, est))
+                   else None)
         sq_norms = cache.sq_norms(unit) if factored else None
         seconds["exact"] = clock() - start  # the exact attention, computed by the first unit of an image-layer
         cells, reps = len(unit.heads), self.replicates(est)
@@ -361,11 +453,20 @@ class UnitRunner:
             draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], unit.seeds[cs], range(rs.start, rs.stop),
                                unit.num_samples, kind)
             mark = _lap(seconds, "draws", mark, clock)
-            block_out, block_prob = estimator.estimate(
-                spec, est, q[cs], k[cs], v[cs], draws, exact_probs[cs] if config.probabilities else None,
-                None if exact32 is None else exact32[cs], rank=unit.num_samples,
-                exact_sq_norms=None if sq_norms is None else sq_norms[cs],
-                exact64=lambda cs=cs: cache.get(unit, "float64")[3][cs], mask=kind)
+            if tiled:
+                block_out, block_prob = estimator.tiled_estimate(spec, est, q[cs], k[cs], v[cs], draws,
+                                                                 log_normaliser[cs], mask=kind,
+                                                                 columns=columns_reason is None)
+                if block_prob is None and config.probabilities and not probabilities_skipped:
+                    # NaN with its reason, once per unit (the run's warning records count it)
+                    warnings.warn(columns_reason, ProbabilitiesSkippedWarning, stacklevel=2)
+                    probabilities_skipped = True
+            else:
+                block_out, block_prob = estimator.estimate(
+                    spec, est, q[cs], k[cs], v[cs], draws, exact_probs[cs] if config.probabilities else None,
+                    None if exact32 is None else exact32[cs], rank=unit.num_samples,
+                    exact_sq_norms=None if sq_norms is None else sq_norms[cs],
+                    exact64=lambda cs=cs: cache.get(unit, "float64")[3][cs], mask=kind)
             if self.torch is None:
                 out[rs, cs] = block_out
             else:
@@ -384,7 +485,11 @@ class UnitRunner:
                     rs.start == 0, mask=kind))
             mark = _lap(seconds, "diagnostics", mark, clock)
             if unit.check_reference and rs.start == 0 and cs.start == 0 and self.torch is not None:
-                ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out[0, 0], mask=kind)
+                if tiled:  # the reference at full length is a per-query loop (hours at 32k tokens): a slice of it
+                    ref_dev = self._sliced_reference_deviation(spec, est, unit, q[cs], k[cs], v[cs], mask=kind)
+                else:
+                    ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out[0, 0],
+                                                        mask=kind)
             _lap(seconds, "reference_check", mark, clock)
         mark = clock()
         metrics, rel, per_bucket, errors = output_metrics(

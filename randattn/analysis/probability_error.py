@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported by the functions that need it: plotting and reporting never load it
     import torch
 
-__all__ = ["factored_sq_errors", "factored_rounding_negligible", "factored_pays", "probability_rounding_negligible",
+__all__ = ["tiled_sq_errors", "factored_sq_errors", "factored_rounding_negligible", "factored_pays", "probability_rounding_negligible",
            "row_errors"]
 
 #: unit roundoff and a bound on the absolute error of a product or conversion that underflows (half the smallest
@@ -51,6 +51,48 @@ RANK_FRACTION = 16
 
 #: the bound's factor 1.01 for rounding the bound's own terms holds while K u <= 1e-3 (K = M + 2J + 6, below)
 _MAX_KU = 1e-3
+
+
+def tiled_sq_errors(columns, q, k, log_normaliser, *, scale: float, mask: str | None, key_tile: int):
+    r"""float64 ``(R, C)``: :math:`\sum_n \sum_m (\hat P_{nm} - P_{nm})^2`, one tile of keys at a time.
+
+    .. math:: \sum_{t} \sum_n \sum_{m \in T_t} (\hat P_{nm} - e^{s_{nm} - \log Z_n} [m \in V_n])^2
+
+    over key tiles :math:`T_t` of ``key_tile`` keys: the exact block from the log-normaliser
+    (:func:`~randattn.estimators.softmax.tiled.tiled_probabilities`), the estimator's from ``columns``. The terms
+    are those of the dense sum, summed in another order (float64: the two agree to about 1e-13 relative).
+
+    Parameters
+    ----------
+    columns : callable
+        ``(k0, k1) -> (R, C, K, k1 - k0)``: the estimator's probabilities of keys ``k0..k1`` (a tensor in any
+        float dtype, or a numpy array on the reference backend).
+    q : (C, K, D), k : (C, M, D)
+        float64 (tensors on the log-normaliser's device, or numpy arrays).
+    log_normaliser : (C, K) float64 tensor
+    scale : float
+    mask : None or "causal"
+    key_tile : int
+    """
+    import numpy as np
+    import torch
+
+    from randattn.estimators.softmax.tiled import tiled_probabilities
+
+    m = k.shape[-2]
+    total = None
+    for k0 in range(0, m, key_tile):
+        k1 = min(k0 + key_tile, m)
+        exact = tiled_probabilities(q, k, log_normaliser, query_slice=slice(None), key_slice=slice(k0, k1),
+                                    scale=scale, mask=mask)
+        est = columns(k0, k1)
+        if isinstance(est, np.ndarray):
+            est = torch.from_numpy(est)
+        diff = est.to(device=exact.device, dtype=torch.float64).sub_(exact)
+        part = torch.linalg.vecdot(diff.flatten(-2), diff.flatten(-2))  # (R, C), one pass
+        total = part if total is None else total.add_(part)
+        del exact, est, diff
+    return total.cpu().numpy()
 
 
 def factored_pays(rank: int | None, queries: int) -> bool:

@@ -1,0 +1,137 @@
+"""Long contexts: the engine's truth by tiles agrees with the dense truth, and no unit allocates a K x M array.
+
+Where a head's K x M probabilities exceed ``TILED_ABOVE`` entries the engine holds the exact output and
+log-normaliser only (the flash recurrence) and forms probabilities one key tile at a time. The tiles sum in another
+order than the dense softmax, so the rows agree to rounding, not bit for bit: the tolerance here is 1e-10 relative
+(float64; the measured differences are about 1e-15). Rows of estimators that are exact at these sizes (their error
+is rounding noise of ~1e-34) are not compared relatively. The dense side is the engine's unchanged dense path.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import randattn.analysis.exact_cache as exact_cache
+from randattn.activations import make_activations
+from randattn.analysis.cell_memory import extrapolate_peak
+from randattn.analysis.execute import UnitRunner, run_recording
+from randattn.analysis.memory import measure_peak
+from randattn.analysis.plan import SweepConfig, parse_estimator_list
+from randattn.analysis.sweep import plan, plan_sweep, run_sweep
+
+RTOL = 1e-10
+#: the columns compared (every float column of the table that is a measurement, not a time or the spot check,
+#: whose slice differs by design)
+MEASURED = ("mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
+            "sink_mass", "mean_abs")
+
+
+def _acts(n: int, heads: int = 2, d: int = 8, seed: int = 0, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return make_activations({0: tuple((0.5 * rng.normal(size=(1, heads, n, d))).astype(dtype) for _ in range(3))},
+                            {"scale": d ** -0.5, "layout": "sequence"})
+
+
+def _both(monkeypatch, acts, config):
+    dense = run_sweep(acts, config)
+    with monkeypatch.context() as patch:
+        patch.setattr(exact_cache, "TILED_ABOVE", 0)  # every unit tiled
+        tiled = run_sweep(acts, config)
+    return dense, tiled
+
+
+def _assert_close(dense, tiled, random_labels):
+    assert list(dense.label) == list(tiled.label)
+    rows = dense.label.isin(random_labels).to_numpy()
+    for column in MEASURED:
+        if column not in dense:
+            continue
+        a, b = dense[column].to_numpy()[rows], tiled[column].to_numpy()[rows]
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=column)
+        finite = ~np.isnan(a)
+        np.testing.assert_allclose(b[finite], a[finite], rtol=RTOL, atol=0, err_msg=column)
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_tiled_rows_equal_dense_rows(monkeypatch, mask):
+    """RFA (factors bidirectionally, one-hot key columns under the causal mask) and RA (columns): every measured
+    column within 1e-10 relative, prob_mse and the sink mass included; the per-position rows too."""
+    acts = _acts(16)
+    config = SweepConfig(estimators=parse_estimator_list("rfa;ra"), num_samples=(4,), replicates=3, seed=3,
+                         threads=1, dtype="float64", mask=mask, diagnostics=False, check_reference=0.0)
+    dense, tiled = _both(monkeypatch, acts, config)
+    _assert_close(dense, tiled, {"rfa", "ra"})
+    assert np.isfinite(tiled.prob_mse).all()
+
+
+@pytest.mark.slow
+def test_tiled_rows_equal_dense_rows_for_lara_and_the_last_queries(monkeypatch):
+    """LARA's factors, and a decode-regime run (--queries last:5, causal): the truth of 5 rows over 24 keys."""
+    acts = _acts(24)
+    config = SweepConfig(estimators=parse_estimator_list("lara;rfa"), num_samples=(4,), replicates=3, threads=1,
+                         dtype="float64", diagnostics=False, check_reference=0.0)
+    _assert_close(*_both(monkeypatch, acts, config), {"lara", "rfa"})
+    decode = SweepConfig(estimators=parse_estimator_list("rfa"), num_samples=(4,), replicates=3, threads=1,
+                         dtype="float64", mask="causal", queries="last:5", diagnostics=False, check_reference=0.0)
+    _assert_close(*_both(monkeypatch, acts, decode), {"rfa"})
+
+
+def test_extrapolate_peak_fits_both_terms():
+    """Peaks made from alpha (K + M) + beta K M at two slices give the model back at 32k tokens (written out)."""
+    alpha, beta = 1000.0, 8.0
+
+    def peak(k, m):
+        return alpha * (k + m) + beta * k * m
+
+    points = [(512, 512, peak(512, 512)), (1024, 1024, peak(1024, 1024))]
+    assert extrapolate_peak(points, 32768, 32768) == pytest.approx(peak(32768, 32768), rel=1e-9)
+    linear = [(512, 512, 1000.0 * 1024), (1024, 1024, 1000.0 * 2048)]
+    assert extrapolate_peak(linear, 32768, 32768) == pytest.approx(1000.0 * 65536, rel=1e-9)
+    # a constant part (measured 10^6 bytes at both sizes) is never extrapolated below what was measured
+    assert extrapolate_peak([(512, 512, 1e6), (1024, 1024, 1e6)], 32768, 32768) >= 1e6
+
+
+N_LONG = 4096
+DENSE_BYTES = 8 * N_LONG * N_LONG  # one N x M float64 matrix: 128 MiB
+
+
+@pytest.fixture(scope="module")
+def long_acts():
+    return _acts(N_LONG, heads=1, d=16, dtype=np.float32)
+
+
+def test_a_long_causal_unit_never_allocates_an_n_by_m_array(long_acts):
+    """N = M = 4096, causal, a budget of 16 MiB (an eighth of one N x M float64 matrix): the plan forecasts from
+    slices and the unit runs in the budget; the peak of planning and running it (numpy and torch, measured) stays
+    below one N x M float64 matrix, and prob_mse is NaN with its reason in the warnings, since RFA under the
+    causal mask has no factors and its N x M probabilities do not fit."""
+    config = SweepConfig(estimators=parse_estimator_list("rfa"), num_samples=(4,), replicates=2, threads=2,
+                         mask="causal", max_memory=16 * 2**20, diagnostics=False, check_reference=1.0)
+    runner = UnitRunner(long_acts, config)
+    unit = plan(long_acts, config)[0]
+    result = {}
+
+    def work():
+        runner.blocks(unit)  # the forecast (calibration on slices) and the budget check
+        result["out"] = run_recording(runner, unit)
+
+    peak = measure_peak(work, torch_tensors=True)
+    assert peak < DENSE_BYTES / 2
+    rows, caught, _, _ = result["out"]
+    assert np.isnan(rows[0]["prob_mse"]) and np.isfinite(rows[0]["mse"]) and 0 < rows[0]["sink_mass"] < 1
+    assert any(cat == "ProbabilitiesSkippedWarning" and "4096 x 4096" in msg for cat, msg in caught)
+
+
+@pytest.mark.slow
+def test_a_long_unit_over_its_budget_is_refused_from_slices(long_acts):
+    """A budget below the unit's store is refused by the plan without the full-size work: the planning peak stays
+    far below one N x M matrix."""
+    config = SweepConfig(estimators=parse_estimator_list("rfa"), num_samples=(4,), replicates=2, threads=2,
+                         mask="causal", max_memory=2**20, diagnostics=False)
+    result = {}
+    peak = measure_peak(lambda: result.setdefault("plan", plan_sweep(long_acts, config)), torch_tensors=True)
+    assert result["plan"].refused is not None
+    assert peak < DENSE_BYTES / 8
