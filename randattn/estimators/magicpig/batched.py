@@ -56,7 +56,7 @@ def _log_inclusion(log_table_probability: torch.Tensor, tables: int, min_collisi
 
 def _sampled_log_inclusion(x: torch.Tensor, y: torch.Tensor, means: torch.Tensor, where: torch.Tensor, hash_bits: int,
                            tables: int, min_collisions: int) -> torch.Tensor:
-    """``(..., C, M)``: ``log u`` of each (query, key) pair some replicate samples (``where``), 0 elsewhere.
+    """``(..., C, M)``: ``log u`` of each (query, key) pair that is sampled (``where``), 0 elsewhere.
 
     The angle and the binomial tail are computed only at those pairs (a few per cent of the keys), gathered from
     ``x (..., C, D)``, ``y (..., M, D)`` and the queries' centring means ``(..., C, D)``.
@@ -96,35 +96,39 @@ def log_weights(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor, *, 
     if not candidates_np.any():  # sinks and local window hold every visible key: nothing to hash
         return out.masked_fill(exact, 0.0)
     means = _centering_means(y, exact | candidates, candidates, center)  # (..., N, D)
-    # projections on every hyperplane: (R, ..., M, L, K) for the keys, (R, ..., N, L, K) for queries and means
-    directions = hyperplanes.reshape(*hyperplanes.shape[:-3], tables * hash_bits, -1).transpose(-1, -2)
+    # one (replicate, batch element) at a time: its key projections (K, M, L) and one (C, M, L) agreement buffer
+    # per chunk of queries, never an (R, ..., M, L, K) tensor (9 heads x 4 replicates x 4,096 keys x 150 tables
+    # would be 0.9 GB in float32)
+    batch = x.shape[:-2]
+    planes = hyperplanes.expand(replicates, *batch, *hyperplanes.shape[-3:]).reshape(
+        replicates, -1, tables * hash_bits, hyperplanes.shape[-1])
+    xs, ys, ms = x.reshape(-1, num_queries, x.shape[-1]), y.reshape(-1, num_keys, y.shape[-1]), \
+        means.reshape(-1, num_queries, means.shape[-1])
+    flat_out = out.view(replicates, -1, num_queries, num_keys)
+    chunk = max(1, CHUNK_ELEMENTS // max(1, num_keys * tables))
+    for r in range(replicates):
+        for b in range(xs.shape[0]):
+            directions = planes[r, b].transpose(0, 1)  # (D, L K)
 
-    def project(vectors: torch.Tensor) -> torch.Tensor:
-        return (vectors @ directions).unflatten(-1, (tables, hash_bits))
+            def bit_major(vectors: torch.Tensor) -> torch.Tensor:  # (P, D) -> (K, P, L), contiguous per bit
+                return (vectors @ directions).unflatten(-1, (tables, hash_bits)).permute(2, 0, 1).contiguous()
 
-    # bit-major layouts (K, R, ..., rows, L): one contiguous (R, ..., C, M, L) comparison per bit, ANDed in place,
-    # instead of a (R, ..., C, M, L, K) tensor reduced over its short last axis
-    key_proj = project(y).movedim(-1, 0).contiguous()  # (K, R, ..., M, L)
-    mean_proj = project(means).movedim(-1, 0).contiguous()  # (K, R, ..., N, L)
-    query_code = (project(x) > 0).movedim(-1, 0).contiguous()  # (K, R, ..., N, L)
-    batch_size = math.prod(x.shape[:-2])
-    chunk = max(1, CHUNK_ELEMENTS // max(1, replicates * batch_size * num_keys * tables))
-    for start in range(0, num_queries, chunk):
-        rows = slice(start, min(start + chunk, num_queries))
-        # the tables in which the centred key's code equals the query's code, bit by bit
-        shape = (*key_proj.shape[1:-2], rows.stop - rows.start, num_keys, tables)  # (R, ..., C, M, L)
-        agree, key_bit = (torch.empty(shape, dtype=torch.bool, device=x.device) for _ in range(2))
-        for bit in range(hash_bits):  # in preallocated buffers: no (R, ..., C, M, L) allocation per bit
-            torch.gt(key_proj[bit].unsqueeze(-3), mean_proj[bit][..., rows, :].unsqueeze(-2), out=key_bit)
-            if bit == 0:
-                torch.eq(key_bit, query_code[bit][..., rows, :].unsqueeze(-2), out=agree)
-            else:
-                agree.logical_and_(key_bit.eq_(query_code[bit][..., rows, :].unsqueeze(-2)))
-        sampled = candidates[rows] & (agree.sum(dim=-1) >= min_collisions)  # (R, ..., C, M)
-        log_u = _sampled_log_inclusion(x[..., rows, :], y, means[..., rows, :], sampled.any(dim=0), hash_bits,
-                                       tables, min_collisions)  # (..., C, M), 0 where no replicate samples
-        weights = torch.where(sampled, -log_u, torch.full_like(sampled, float("-inf"), dtype=x.dtype))
-        out[..., rows, :] = torch.where(exact[rows], torch.zeros_like(weights), weights)
+            key_proj, mean_proj, query_code = bit_major(ys[b]), bit_major(ms[b]), bit_major(xs[b]) > 0
+            for start in range(0, num_queries, chunk):
+                rows = slice(start, min(start + chunk, num_queries))
+                shape = (rows.stop - rows.start, num_keys, tables)
+                agree, key_bit = (torch.empty(shape, dtype=torch.bool, device=x.device) for _ in range(2))
+                for bit in range(hash_bits):  # the tables where the centred key's code equals the query's
+                    torch.gt(key_proj[bit].unsqueeze(0), mean_proj[bit][rows].unsqueeze(1), out=key_bit)
+                    if bit == 0:
+                        torch.eq(key_bit, query_code[bit][rows].unsqueeze(1), out=agree)
+                    else:
+                        agree.logical_and_(key_bit.eq_(query_code[bit][rows].unsqueeze(1)))
+                sampled = candidates[rows] & (agree.sum(dim=-1) >= min_collisions)  # (C, M)
+                log_u = _sampled_log_inclusion(xs[b, rows], ys[b], ms[b, rows], sampled, hash_bits, tables,
+                                               min_collisions)
+                weights = torch.where(sampled, -log_u, torch.full_like(log_u, float("-inf")))
+                flat_out[r, b, rows] = torch.where(exact[rows], torch.zeros_like(weights), weights)
     return out
 
 

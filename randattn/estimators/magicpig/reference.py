@@ -123,7 +123,19 @@ def hash_codes(vectors: np.ndarray, hyperplanes: np.ndarray) -> np.ndarray:
     ``vectors (..., D)`` broadcast against ``hyperplanes (..., L, K, D)``. A zero vector gets the all-zero code
     (the official code's ``> 0``).
     """
-    return (vectors[..., None, None, :] * hyperplanes).sum(axis=-1) > 0
+    tables, bits, dim = hyperplanes.shape[-3:]
+    flat = np.swapaxes(hyperplanes.reshape(*hyperplanes.shape[:-3], tables * bits, dim), -1, -2)  # (..., D, L K)
+    projections = np.matmul(vectors[..., None, :], flat)[..., 0, :]  # w_lk . v, one product per vector
+    return projections.reshape(*projections.shape[:-1], tables, bits) > 0
+
+
+def _key_codes(keys: np.ndarray, hyperplanes: np.ndarray) -> np.ndarray:
+    """:func:`hash_codes` of ``keys (..., M, D)`` in every table of ``hyperplanes (R, ..., L, K, D)``:
+    ``(R, ..., M, L, K)``, by one matrix product per replicate and batch element."""
+    tables, bits, dim = hyperplanes.shape[-3:]
+    flat = np.swapaxes(hyperplanes.reshape(*hyperplanes.shape[:-3], tables * bits, dim), -1, -2)  # (R, ..., D, LK)
+    projections = np.matmul(keys, flat)  # (R, ..., M, L K)
+    return projections.reshape(*projections.shape[:-1], tables, bits) > 0
 
 
 def angle(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -232,7 +244,7 @@ def select(x: np.ndarray, y: np.ndarray, hyperplanes: np.ndarray, *, min_collisi
             continue
         centered = y - means[..., n, None, :]  # (..., M, D): the keys as this query's hash tables hold them
         query_code = hash_codes(x[..., n, :], hyperplanes)  # (R, ..., L, K)
-        key_codes = hash_codes(centered, hyperplanes[..., None, :, :, :])  # (R, ..., M, L, K)
+        key_codes = _key_codes(centered, hyperplanes)  # (R, ..., M, L, K)
         agree = (key_codes == query_code[..., None, :, :]).all(axis=-1)  # (R, ..., M, L): same bucket in table l
         collisions[..., n, :] = agree.sum(axis=-1)
         log_table_p[..., n, :] = log_table_collision_probability(x[..., n, :], centered, hash_bits)
