@@ -35,6 +35,31 @@ Tolerances, and why:
   read key's weight underflows), under every declared mask, with N = M and N < M (the decode regime).
 - **one key**: a normalized estimator returns that key's value to ``1e-12`` relative (a weight
   divided by itself: one rounding).
+- **seeds and replicates** (through ``randattn.estimate``, N = M = 64 so that no default local window covers every
+  key): the same seed gives the same bits on both backends, which agree to ``1e-10``; another seed gives other bits
+  exactly when the estimate is random *here* -- declared random and not exact softmax to ``1e-12`` on these inputs
+  (a deterministic part, e.g. sink and local keys, may cover every key of a short input), else the same bits;
+  ``replicates=None`` drops the replicate dim, and random replicates differ.
+- **ViT-like norms** (queries up to 30, keys up to 40 with a CLS-like key at 150, D = 64, scale 1/8): every form
+  finite and float64 batched == reference to ``1e-10 max|v|``; with a shared direction (inputs and draws rounded to
+  float32 first, so both forms see the same numbers), float32 within :math:`8 L \epsilon_{32} \max|v|`, :math:`L =`
+  scale max|q| max|k|: each weight is exp of a logit of size at most :math:`L` that float32 rounds by a few
+  :math:`\epsilon_{32} L` (product, shift, exp and sums: a relative error of at most :math:`4 \epsilon_{32} L`), and a
+  normalized positive combination moves by at most twice that times max|v|. This holds for signed weights computed
+  in float64 too (LARA's), so signed configurations are not exempt here.
+- **the optional probability forms** (each skipped where the spec does not declare it), over the odd shapes and
+  every declared mask (N < M where causal): ``batched_probabilities`` equals the reference and ``batched`` with
+  ``v = I_M`` to ``1e-10`` (float64; the same computation up to summation order);
+  ``batched_with_probabilities`` gives ``batched``'s output and ``batched_probabilities``' probabilities **bit for
+  bit**, with the same warnings, in float64 and float32 (the sweep takes either path, and a table must not depend on
+  which); ``batched_with_float32_probabilities`` gives ``batched``'s output bit for bit and float32 probabilities
+  within the returned bound of the float64 ones in each row's 2-norm, plus ``1e-12`` of the row's norm (the float64
+  probabilities' own rounding against the exact quotient the bound is stated for, 1e-16 per entry, is far below
+  float32's 1e-7); ``batched_with_probability_factors`` gives ``batched``'s output bit for bit and ``left @ right``
+  equal to the probabilities to the dtype's tolerance, with ``right`` in [0, 1] (the sweep's rounding bound for the
+  factored error needs it; ``left`` takes any sign, e.g. signed weights), or None where a configuration has no
+  factors (skipped when every call gives None).
+- **bad inputs** (through ``randattn.estimate``): the error class that fits and the words of the API's message.
 
 Every random input comes from a fixed seed, so a check's outcome is reproducible bit for bit.
 """
@@ -274,53 +299,51 @@ def _estimate(spec: EstimatorSpec, params: Mapping[str, Any], q, k, v, **kwargs)
 
 
 def _seed_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Batch 2, N = M = 64, D = 4, Dv = 3: longer than the default local windows of the built-ins (EVA's 49), which
-    would otherwise make them exact."""
-    return _inputs(((2, 64, 4), (2, 64, 4), (2, 64, 3)), seed=55)
+    """N = M = 64, D = 4, Dv = 3, no batch dims (the odd shapes cover those): longer than the default local windows
+    of the built-ins (EVA's 49), which would otherwise make them exact."""
+    return _inputs(((64, 4), (64, 4), (64, 3)), seed=55)
 
 
-def _random_here(spec: EstimatorSpec, params: Mapping[str, Any], q, k, v) -> bool:
-    """Whether the configuration is random *and* its estimate on these inputs is not exact softmax attention (to
-    1e-12): a deterministic part may cover every key of a short input (a sparse estimator's sink and local keys),
-    leaving no random variable that reaches the output, so that another seed rightly gives the same bits."""
+def _random_here(spec: EstimatorSpec, params: Mapping[str, Any], q, k, v, once: np.ndarray) -> bool:
+    """Whether the configuration is random *and* its estimate ``once`` (one replicate on these inputs) is not exact
+    softmax attention (to 1e-12): a deterministic part may cover every key of a short input (a sparse estimator's sink
+    and local keys), leaving no random variable that reaches the output, so that another seed rightly gives the same
+    bits."""
     if not spec.is_random(params):
         return False
-    once = _estimate(spec, params, q, k, v, seed=0, backend="reference")
     return not np.allclose(once, _softmax_attention(q, k, v), rtol=1e-12, atol=1e-12)
 
 
 def _check_seeds_through_estimate(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
-    """Through ``randattn.estimate``, on the reference and the torch backend: seed 7 twice gives the same bits;
-    seed 8 other bits exactly when the estimate is random here (:func:`_random_here`), else the same bits; and the
-    two backends agree to 1e-10 for the same seed (the same draws)."""
+    """Through ``randattn.estimate``: on the reference backend seed 7 twice gives the same bits; on both backends
+    seed 8 gives other bits exactly when the estimate is random here (:func:`_random_here`), else the same bits; and
+    the torch backend (float64) agrees with the reference to 1e-10 for the same seed (the same draws)."""
     import torch
 
     q, k, v = _seed_inputs()
-    random_here = _random_here(spec, params, q, k, v)
-    outputs = {}
-    for backend, extra in (("reference", {}), ("torch", {"dtype": torch.float64})):
-        first, again, other = (_estimate(spec, params, q, k, v, seed=seed, replicates=3, backend=backend, **extra)
-                               for seed in (7, 7, 8))
-        if not np.array_equal(first, again, equal_nan=True):
-            raise CheckFailed(f"randattn.estimate (backend={backend!r}) with seed 7 twice gave different outputs")
-        if random_here and np.array_equal(first, other, equal_nan=True):
+    first, again = (_estimate(spec, params, q, k, v, seed=7, replicates=3) for _ in range(2))
+    if not np.array_equal(first, again, equal_nan=True):
+        raise CheckFailed("randattn.estimate (backend='reference') with seed 7 twice gave different outputs")
+    random_here = _random_here(spec, params, q, k, v, first[0])
+    torch_first = _estimate(spec, params, q, k, v, seed=7, replicates=3, backend="torch", dtype=torch.float64)
+    atol, rtol = TOLERANCES["float64"]
+    _close(torch_first, first, atol=atol, rtol=rtol,
+           what="randattn.estimate, seed 7: backend='torch' (float64) against backend='reference':")
+    for backend, seven, extra in (("reference", first, {}), ("torch", torch_first, {"dtype": torch.float64})):
+        other = _estimate(spec, params, q, k, v, seed=8, replicates=3, backend=backend, **extra)
+        if random_here and np.array_equal(seven, other, equal_nan=True):
             raise CheckFailed(f"randattn.estimate (backend={backend!r}) gave identical outputs for seeds 7 and 8, but "
                               "the configuration declares itself random and is not exact on these inputs")
-        if not random_here and not np.array_equal(first, other, equal_nan=True):
+        if not random_here and not np.array_equal(seven, other, equal_nan=True):
             why = "is deterministic" if not spec.is_random(params) else "is exact softmax on these inputs"
             raise CheckFailed(f"randattn.estimate (backend={backend!r}) depends on the seed, but the configuration "
                               f"{why}: no random variable should reach its output")
-        outputs[backend] = first
-    atol, rtol = TOLERANCES["float64"]
-    _close(outputs["torch"], outputs["reference"], atol=atol, rtol=rtol,
-           what="randattn.estimate, seed 7: backend='torch' (float64) against backend='reference':")
 
 
 def check_replicates(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
     """Through ``randattn.estimate``: ``replicates=None`` gives ``(..., N, Dv)`` (no replicate dim), ``replicates=4``
     gives ``(4, ..., N, Dv)``, and where the estimate is random (:func:`_random_here`) replicates 0 and 1 differ."""
-    q, k, v = _seed_inputs()
-    q, k, v = q[0], k[0], v[0]  # no batch dims: the squeezed output is (N, Dv)
+    q, k, v = _seed_inputs()  # no batch dims: the squeezed output is (N, Dv)
     single = _estimate(spec, params, q, k, v, seed=0, replicates=None)
     if single.shape != (q.shape[0], v.shape[-1]):
         raise CheckFailed(f"randattn.estimate with replicates=None returned shape {single.shape}; expected (N, Dv) = "
@@ -329,7 +352,7 @@ def check_replicates(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
     if many.shape != (4, q.shape[0], v.shape[-1]):
         raise CheckFailed(f"randattn.estimate with replicates=4 returned shape {many.shape}; expected (R, N, Dv) = "
                           f"{(4, q.shape[0], v.shape[-1])}")
-    if _random_here(spec, params, q, k, v) and np.allclose(many[0], many[1]):
+    if _random_here(spec, params, q, k, v, single) and np.allclose(many[0], many[1]):
         raise CheckFailed("replicates 0 and 1 are equal although the estimate is random here: replicates share "
                           "their draws")
 
@@ -804,7 +827,8 @@ def check_float32_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) 
                               f"is {distance[at]:.3e} from the float64 ones in the 2-norm, beyond its bound "
                               f"{bound[at]:.3e}: the bound does not bound the rounding")
     if not products:
-        raise CheckSkipped("batched_with_float32_probabilities returns None for this configuration (no float32 product)")
+        raise CheckSkipped("batched_with_float32_probabilities returns None for this configuration (no float32 "
+                           "product)")
 
 
 def check_probability_factors(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
@@ -834,8 +858,9 @@ def check_probability_factors(spec: EstimatorSpec, params: Mapping[str, Any]) ->
             if not (isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor) and left.dim() == right.dim()
                     and tuple(left.shape[:-1]) == rows and tuple(right.shape[:-2]) == rows[:-1]
                     and right.shape[-1] == k.shape[-2] and left.shape[-1] == right.shape[-2]):
-                raise CheckFailed(f"batched_with_probability_factors on {where}: left {tuple(getattr(left, 'shape', ()))}"
-                                  f" and right {tuple(getattr(right, 'shape', ()))}; expected (R, ..., N, J) = "
+                left_shape, right_shape = tuple(getattr(left, "shape", ())), tuple(getattr(right, "shape", ()))
+                raise CheckFailed(f"batched_with_probability_factors on {where}: left {left_shape}"
+                                  f" and right {right_shape}; expected (R, ..., N, J) = "
                                   f"{(*rows, 'J')} and (R, ..., J, M) = {(*rows[:-1], 'J', k.shape[-2])}")
             # the sweep's rounding bound needs right in [0, 1] (a key softmax, or exponentials shifted to at most
             # 1); left may take any sign (signed weights)

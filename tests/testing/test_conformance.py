@@ -28,7 +28,13 @@ VARIANTS = [("rfa", {"coupling": "orthogonal"}), ("lara", {"weighting": "balance
             ("eva", {"partition": "reference-code", "chunk_weight": "mean-key"}), ("ra", {"variant": "biased"})]
 
 
-@parametrize_with_checks(VARIANTS)
+#: RFA's causal one-pass form is equal to rounding, not bit for bit (see tests/estimators/test_common.py)
+RFA_CAUSAL_ONE_PASS = {"with probabilities": "RFA's causal batched_with_probabilities computes probabilities @ v, not "
+                                             "batched's prefix sums"}
+
+
+@parametrize_with_checks(VARIANTS,
+                         expected_failures=lambda spec, params: RFA_CAUSAL_ONE_PASS if spec.name == "rfa" else {})
 def test_builtin_variants_conform(estimator, check):
     check(estimator)
 
@@ -469,7 +475,10 @@ def test_a_deterministic_estimator_that_depends_on_the_seed_fails():
     def reference(q, k, v, draws, **params):
         return softmax.reference(q, k, v, draws, **params) + 1e-3 * draws["noise"][(...,) + (None,) * (q.ndim - 1)]
 
-    spec = dataclasses.replace(softmax, draw=draw, reference=reference, convergence="none")
+    def batched(q, k, v, draws, **params):
+        return softmax.batched(q, k, v, draws, **params) + 1e-3 * draws["noise"][(...,) + (None,) * (q.dim() - 1)]
+
+    spec = dataclasses.replace(softmax, draw=draw, reference=reference, batched=batched, convergence="none")
     result = _only(spec, "seeded reproducibility")
     assert result.status == "failed" and "depends on the seed" in result.message, result
 
