@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from randattn.estimators.base import EstimatorSpec, SpecError, validate_spec
 from randattn.testing._assert import (
@@ -296,6 +296,7 @@ def parametrize_with_checks(
     estimators: Iterable[str | EstimatorSpec | tuple[str | EstimatorSpec, Mapping[str, Any]]],
     *,
     checks: Sequence[str] | None = None,
+    expected_failures: Callable[[EstimatorSpec, Mapping[str, Any]], Mapping[str, str]] | None = None,
 ) -> Any:
     """A ``pytest.mark.parametrize`` over (estimator, check): one test per estimator configuration and check.
 
@@ -308,16 +309,24 @@ def parametrize_with_checks(
         Names, specs, or ``(name or spec, params)`` pairs for configurations other than the defaults.
     checks : sequence of str, optional
         Names from :data:`CHECKS`; default all.
+    expected_failures : callable, optional
+        ``expected_failures(spec, params) -> {check: reason}``: checks a configuration is known to fail (as
+        scikit-learn's ``expected_failed_checks``); each is marked ``xfail(strict=True)`` with the reason, so that
+        the suite stays green while the defect is open and fails once it is fixed (then drop the entry).
     """
     import pytest
 
     names = list(CHECKS) if checks is None else list(checks)
-    cases, ids = [], []
+    cases = []
     for item in estimators:
         target, params = item if isinstance(item, tuple) else (item, {})
         spec = load_spec(target)
+        known = dict(expected_failures(spec, params)) if expected_failures is not None else {}
+        unknown = sorted(set(known) - set(CHECKS))
+        if unknown:
+            raise ValueError(f"expected_failures names unknown check(s) {unknown}; the checks are: {', '.join(CHECKS)}")
         suffix = "" if not params else "[" + ",".join(f"{k}={v}" for k, v in params.items()) + "]"
         for name in names:
-            cases.append((spec, _Check(name, params)))
-            ids.append(f"{spec.name}{suffix}-{name}")
-    return pytest.mark.parametrize(("estimator", "check"), cases, ids=ids)
+            marks = [pytest.mark.xfail(strict=True, reason=known[name])] if name in known else []
+            cases.append(pytest.param(spec, _Check(name, params), id=f"{spec.name}{suffix}-{name}", marks=marks))
+    return pytest.mark.parametrize(("estimator", "check"), cases)

@@ -35,6 +35,31 @@ Tolerances, and why:
   read key's weight underflows), under every declared mask, with N = M and N < M (the decode regime).
 - **one key**: a normalized estimator returns that key's value to ``1e-12`` relative (a weight
   divided by itself: one rounding).
+- **seeds and replicates** (through ``randattn.estimate``, N = M = 64 so that no default local window covers every
+  key): the same seed gives the same bits on both backends, which agree to ``1e-10``; another seed gives other bits
+  exactly when the estimate is random *here* -- declared random and not exact softmax to ``1e-12`` on these inputs
+  (a deterministic part, e.g. sink and local keys, may cover every key of a short input), else the same bits;
+  ``replicates=None`` drops the replicate dim, and random replicates differ.
+- **ViT-like norms** (queries up to 30, keys up to 40 with a CLS-like key at 150, D = 64, scale 1/8): every form
+  finite and float64 batched == reference to ``1e-10 max|v|``; with a shared direction (inputs and draws rounded to
+  float32 first, so both forms see the same numbers), float32 within :math:`8 L \epsilon_{32} \max|v|`, :math:`L =`
+  scale max|q| max|k|: each weight is exp of a logit of size at most :math:`L` that float32 rounds by a few
+  :math:`\epsilon_{32} L` (product, shift, exp and sums: a relative error of at most :math:`4 \epsilon_{32} L`), and a
+  normalized positive combination moves by at most twice that times max|v|. This holds for signed weights computed
+  in float64 too (LARA's), so signed configurations are not exempt here.
+- **the optional probability forms** (each skipped where the spec does not declare it), over the odd shapes and
+  every declared mask (N < M where causal): ``batched_probabilities`` equals the reference and ``batched`` with
+  ``v = I_M`` to ``1e-10`` (float64; the same computation up to summation order);
+  ``batched_with_probabilities`` gives ``batched``'s output and ``batched_probabilities``' probabilities **bit for
+  bit**, with the same warnings, in float64 and float32 (the sweep takes either path, and a table must not depend on
+  which); ``batched_with_float32_probabilities`` gives ``batched``'s output bit for bit and float32 probabilities
+  within the returned bound of the float64 ones in each row's 2-norm, plus ``1e-12`` of the row's norm (the float64
+  probabilities' own rounding against the exact quotient the bound is stated for, 1e-16 per entry, is far below
+  float32's 1e-7); ``batched_with_probability_factors`` gives ``batched``'s output bit for bit and ``left @ right``
+  equal to the probabilities to the dtype's tolerance, with ``right`` in [0, 1] (the sweep's rounding bound for the
+  factored error needs it; ``left`` takes any sign, e.g. signed weights), or None where a configuration has no
+  factors (skipped when every call gives None).
+- **bad inputs** (through ``randattn.estimate``): the error class that fits and the words of the API's message.
 
 Every random input comes from a fixed seed, so a check's outcome is reproducible bit for bit.
 """
@@ -74,7 +99,9 @@ CAUSAL_ODD_SHAPES: tuple[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int,
     ("batch 2x3, N=11, M=13, D=8, Dv=5", (2, 3, 11, 8), (2, 3, 13, 8), (2, 3, 13, 5)),
     *ODD_SHAPES[1:],
 )
-_SAMPLES = 8
+#: S of every check but the convergence test: a multiple of the page sizes of page-based selections (a page of 16
+#: keys kept whole), and enough samples that a signed normalizer is rarely near zero on the odd shapes
+_SAMPLES = 16
 _REPLICATES = 3
 #: float32-sized perturbations of q and k that decide whether a discrete selection nearly ties (module docstring)
 _TIE_PERTURBATIONS = 16
@@ -260,6 +287,74 @@ def check_seeded_reproducibility(spec: EstimatorSpec, params: Mapping[str, Any])
     bat1, bat2 = (_quiet(lambda: _batched(spec, q, k, v, first, params, dtype=torch.float32)) for _ in range(2))
     if not torch.equal(torch.nan_to_num(bat1), torch.nan_to_num(bat2)):
         raise CheckFailed("batched (float32) is not a pure function of its draws: two calls differ")
+    _check_seeds_through_estimate(spec, params)
+
+
+def _estimate(spec: EstimatorSpec, params: Mapping[str, Any], q, k, v, **kwargs) -> np.ndarray:
+    """``randattn.estimate`` of the spec (the user's one call: seed -> draws -> estimate), as float64 numpy."""
+    from randattn.api import estimate
+
+    samples = _SAMPLES if spec.needs_samples else None
+    return to_numpy(_quiet(lambda: estimate(spec, q, k, v, num_samples=samples, **kwargs, **params)))
+
+
+def _seed_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """N = M = 64, D = 4, Dv = 3, no batch dims (the odd shapes cover those): longer than the default local windows
+    of the built-ins (EVA's 49), which would otherwise make them exact."""
+    return _inputs(((64, 4), (64, 4), (64, 3)), seed=55)
+
+
+def _random_here(spec: EstimatorSpec, params: Mapping[str, Any], q, k, v, once: np.ndarray) -> bool:
+    """Whether the configuration is random *and* its estimate ``once`` (one replicate on these inputs) is not exact
+    softmax attention (to 1e-12): a deterministic part may cover every key of a short input (a sparse estimator's sink
+    and local keys), leaving no random variable that reaches the output, so that another seed rightly gives the same
+    bits."""
+    if not spec.is_random(params):
+        return False
+    return not np.allclose(once, _softmax_attention(q, k, v), rtol=1e-12, atol=1e-12)
+
+
+def _check_seeds_through_estimate(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """Through ``randattn.estimate``: on the reference backend seed 7 twice gives the same bits; on both backends
+    seed 8 gives other bits exactly when the estimate is random here (:func:`_random_here`), else the same bits; and
+    the torch backend (float64) agrees with the reference to 1e-10 for the same seed (the same draws)."""
+    import torch
+
+    q, k, v = _seed_inputs()
+    first, again = (_estimate(spec, params, q, k, v, seed=7, replicates=3) for _ in range(2))
+    if not np.array_equal(first, again, equal_nan=True):
+        raise CheckFailed("randattn.estimate (backend='reference') with seed 7 twice gave different outputs")
+    random_here = _random_here(spec, params, q, k, v, first[0])
+    torch_first = _estimate(spec, params, q, k, v, seed=7, replicates=3, backend="torch", dtype=torch.float64)
+    atol, rtol = TOLERANCES["float64"]
+    _close(torch_first, first, atol=atol, rtol=rtol,
+           what="randattn.estimate, seed 7: backend='torch' (float64) against backend='reference':")
+    for backend, seven, extra in (("reference", first, {}), ("torch", torch_first, {"dtype": torch.float64})):
+        other = _estimate(spec, params, q, k, v, seed=8, replicates=3, backend=backend, **extra)
+        if random_here and np.array_equal(seven, other, equal_nan=True):
+            raise CheckFailed(f"randattn.estimate (backend={backend!r}) gave identical outputs for seeds 7 and 8, but "
+                              "the configuration declares itself random and is not exact on these inputs")
+        if not random_here and not np.array_equal(seven, other, equal_nan=True):
+            why = "is deterministic" if not spec.is_random(params) else "is exact softmax on these inputs"
+            raise CheckFailed(f"randattn.estimate (backend={backend!r}) depends on the seed, but the configuration "
+                              f"{why}: no random variable should reach its output")
+
+
+def check_replicates(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """Through ``randattn.estimate``: ``replicates=None`` gives ``(..., N, Dv)`` (no replicate dim), ``replicates=4``
+    gives ``(4, ..., N, Dv)``, and where the estimate is random (:func:`_random_here`) replicates 0 and 1 differ."""
+    q, k, v = _seed_inputs()  # no batch dims: the squeezed output is (N, Dv)
+    single = _estimate(spec, params, q, k, v, seed=0, replicates=None)
+    if single.shape != (q.shape[0], v.shape[-1]):
+        raise CheckFailed(f"randattn.estimate with replicates=None returned shape {single.shape}; expected (N, Dv) = "
+                          f"{(q.shape[0], v.shape[-1])} (no replicate dim)")
+    many = _estimate(spec, params, q, k, v, seed=0, replicates=4)
+    if many.shape != (4, q.shape[0], v.shape[-1]):
+        raise CheckFailed(f"randattn.estimate with replicates=4 returned shape {many.shape}; expected (R, N, Dv) = "
+                          f"{(4, q.shape[0], v.shape[-1])}")
+    if _random_here(spec, params, q, k, v, single) and np.allclose(many[0], many[1]):
+        raise CheckFailed("replicates 0 and 1 are equal although the estimate is random here: replicates share "
+                          "their draws")
 
 
 def check_float32_matches_reference(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
@@ -322,6 +417,70 @@ def check_finite_at_large_norms(spec: EstimatorSpec, params: Mapping[str, Any]) 
     if skipped:
         masks = ", ".join("none" if m is None else repr(m) for m in skipped)
         raise CheckSkipped(f"a signed denominator is not positive at these norms (reported by a warning; mask {masks})")
+
+
+
+def _vit_like(seed: int, *, n: int = 50, d: int = 64, q_max: float = 30.0, k_max: float = 150.0,
+              shared: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Queries with norms in [1, 30] and keys in [1, 40] with one CLS-like key at 150, D = 64, N = M = 50: the norms
+    of a ViT's attention inputs. ``shared`` > 0 adds a common direction (one for the queries, one for the keys) of
+    that weight to every unit vector before rescaling, as real queries and keys share large mean components (then
+    landmarks and proposals overlap, and signed weights nearly cancel)."""
+    rng = np.random.default_rng(seed)
+    directions = rng.standard_normal((2, d))
+    directions /= np.linalg.norm(directions, axis=-1, keepdims=True)
+
+    def with_norms(norms, common):
+        x = rng.standard_normal((len(norms), d))
+        x = x / np.linalg.norm(x, axis=-1, keepdims=True) + shared * common
+        return x / np.linalg.norm(x, axis=-1, keepdims=True) * norms[:, None]
+
+    q = with_norms(rng.uniform(1.0, q_max, n), directions[0])
+    k_norms = rng.uniform(1.0, 40.0, n)
+    k_norms[0] = k_max
+    return q, with_norms(k_norms, directions[1]), rng.standard_normal((n, d))
+
+
+def check_vit_like_norms(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """At a ViT's norms (:func:`_vit_like`, scale 1/8), under every declared mask: every form finite, float64
+    batched == reference (1e-10, scaled by max|v|); and on inputs with a shared direction, rounded to float32 with the
+    draws, float32 batched within ``8 eps32 L max|v|`` of the reference, ``L = scale max|q| max|k|``."""
+    import torch
+
+    q, k, v = _vit_like(82)
+    atol, rtol = TOLERANCES["float64"]
+    for mask in _masks(spec, params):
+        words = _mask_words(mask)
+        draws = _draw(spec, q.shape, k.shape, params, replicates=2, seed=83, mask=mask)
+        ref = _quiet(lambda: _reference(spec, q, k, v, draws, params, mask=mask))
+        if not np.isfinite(ref).all():
+            raise CheckFailed(f"reference is not finite at ViT-like norms{words}")
+        bat = {dtype: _quiet(lambda: _batched(spec, q, k, v, draws, params, dtype=dtype, mask=mask))
+               for dtype in (torch.float64, torch.float32)}
+        for dtype, out in bat.items():
+            if not torch.isfinite(out).all():
+                raise CheckFailed(f"batched ({dtype}) is not finite at ViT-like norms{words}")
+        _close(bat[torch.float64], ref, atol=atol * np.abs(v).max(), rtol=rtol,
+               what=f"batched (float64) at ViT-like norms{words}:")
+    # float32 rounding of the logits: every weight is exp of a sum of D products x_n . y_m with |x_n . y_m| <= L, and
+    # float32 evaluates it with an absolute error of a few eps32 L, so each positive weight has a relative error
+    # <= 4 eps32 L (the product, the shift, the exp and the sums each round); a normalized positive combination
+    # then moves by at most 2 * 4 eps32 L max|v|
+    as32 = lambda a: np.asarray(a, dtype=np.float32).astype(np.float64)  # noqa: E731
+    q, k, v = (as32(a) for a in _vit_like(84, shared=3.0))
+    replicates = 8 if spec.has_signed_weights(params) else 2  # 8: enough draws to meet a near-cancelling normalizer
+    for mask in _masks(spec, params):
+        words = _mask_words(mask)
+        draws = _draw(spec, q.shape, k.shape, params, samples=16, replicates=replicates, seed=85, mask=mask)
+        draws = Draws({key: as32(a) for key, a in draws.arrays.items()}, draws.replicates)
+        ref = _quiet(lambda: _reference(spec, q, k, v, draws, params, mask=mask))
+        bat32 = _quiet(lambda: _batched(spec, q, k, v, draws, params, dtype=torch.float32, mask=mask))
+        scale = q.shape[-1] ** -0.5
+        bound_l = scale * np.linalg.norm(q, axis=-1).max() * np.linalg.norm(k, axis=-1).max()
+        tol = 8 * EPS32 * bound_l * np.abs(v).max()
+        _close32(spec, params, q, k, v, draws, bat32, ref, atol=tol, rtol=0.0, mask=mask,
+                 what=f"batched (float32) at ViT-like norms with a shared direction{words} (tolerance 8 L eps32 "
+                      f"max|v|, L = {bound_l:.0f}):")
 
 
 def _replicate_outputs(spec, params, q, k, v, *, samples, replicates, seed) -> np.ndarray:
@@ -510,6 +669,219 @@ def check_causal_prefix_invariance(spec: EstimatorSpec, params: Mapping[str, Any
                    what=f"causal (N=M={n}): the last query sees every key, so it must equal the bidirectional output:")
 
 
+# ---------------------------------------------------------------------------------------------------- optional forms
+def _to_torch(arrays, draws, dtype):
+    import torch
+
+    return (*(torch.as_tensor(np.asarray(a), dtype=dtype) for a in arrays), draws.to_torch(dtype=dtype))
+
+
+def _identity_values(k: np.ndarray) -> np.ndarray:
+    """``v = I_M`` with the keys' batch dims: the values whose estimate is the implied probability matrix."""
+    m = k.shape[-2]
+    return np.broadcast_to(np.eye(m), (*k.shape[:-1], m)).copy()
+
+
+def _optional_cases(spec: EstimatorSpec, params: Mapping[str, Any], *, seed: int):
+    """For every declared mask and odd shape: ``(mask, where, (q, k, v), draws)``, float64 numpy inputs seeded
+    ``seed + i`` and draws ``seed + 10 + i`` (as :func:`_reference_and_batched`)."""
+    for mask in _masks(spec, params):
+        for i, (label, *shapes) in enumerate(_odd_shapes(mask)):
+            q, k, v = _inputs(shapes, seed=seed + i)
+            draws = _draw(spec, q.shape, k.shape, params, seed=seed + 10 + i, mask=mask)
+            yield mask, f"{label}{_mask_words(mask)}", (q, k, v), draws
+
+
+def _recorded(func: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """``func()`` and the messages of the warnings it raised, each as often as raised, sorted."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = func()
+    return result, sorted(str(w.message) for w in caught)
+
+
+def _dense_probabilities(spec, tq, tk, tdraws, params, mask):
+    """The implied probabilities by the spec's own dense route: ``batched_probabilities`` where declared, else
+    ``batched`` with ``v = I_M`` (what the sweep falls back to)."""
+    import torch
+
+    kwargs = {"mask": mask} if mask is not None else {}
+    if spec.batched_probabilities is not None:
+        return spec.batched_probabilities(tq, tk, tdraws, scale=None, **params, **kwargs)
+    m = tk.shape[-2]
+    eye = torch.eye(m, dtype=tk.dtype).expand(*tk.shape[:-1], m)
+    return spec.batched(tq, tk, eye, tdraws, scale=None, **params, **kwargs)
+
+
+def _check_tensor(what: str, value: Any, shape: tuple[int, ...], dtype: Any = None) -> None:
+    import torch
+
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape) or (
+            dtype is not None and value.dtype != dtype):
+        wanted = f"a {dtype} tensor" if dtype is not None else "a tensor"
+        raise CheckFailed(f"{what} is {type(value).__name__} {getattr(value, 'dtype', '')} "
+                          f"{tuple(getattr(value, 'shape', ()))}; expected {wanted} of shape {tuple(shape)}")
+
+
+def _bits_equal(what: str, actual: Any, expected: Any) -> None:
+    """The same bits (NaN where NaN), or CheckFailed saying how far apart they are."""
+    import torch
+
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        raise CheckFailed(f"{what}: {actual.dtype} {tuple(actual.shape)}, but the separate call gives "
+                          f"{expected.dtype} {tuple(expected.shape)}")
+    if not torch.equal(torch.nan_to_num(actual, nan=0.5), torch.nan_to_num(expected, nan=0.5)) or not torch.equal(
+            torch.isnan(actual), torch.isnan(expected)):
+        diff = np.nanmax(np.abs(to_numpy(actual) - to_numpy(expected)), initial=0.0)
+        raise CheckFailed(f"{what}: not the same bits as the separate call (max |diff| {diff:.3e}); the one-pass form "
+                          "must compute the same terms in the same order, or the sweep's tables change with the path")
+
+
+def check_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """``batched_probabilities(q, k, draws)`` is the implied attention matrix ``(R, ..., N, M)``: the reference and
+    ``batched`` with ``v = I_M`` (float64, 1e-10), over odd shapes, under every declared mask."""
+    import torch
+
+    if spec.batched_probabilities is None:
+        raise CheckSkipped("the spec declares no batched_probabilities")
+    atol, rtol = TOLERANCES["float64"]
+    for mask, where, (q, k, _), draws in _optional_cases(spec, params, seed=160):
+        eye = _identity_values(k)
+        tq, tk, tdraws = _to_torch((q, k), draws, torch.float64)
+        kwargs = {"mask": mask} if mask is not None else {}
+        probs = _quiet(lambda: spec.batched_probabilities(tq, tk, tdraws, scale=None, **params, **kwargs))
+        _check_tensor(f"batched_probabilities on {where}", probs, (_REPLICATES, *q.shape[:-1], k.shape[-2]),
+                      torch.float64)
+        ref = _quiet(lambda: _reference(spec, q, k, eye, draws, params, mask=mask))
+        _close(probs, ref, atol=atol, rtol=rtol,
+               what=f"batched_probabilities against the reference with v = I_M, same draws, {where}:")
+        bat = _quiet(lambda: _batched(spec, q, k, eye, draws, params, dtype=torch.float64, mask=mask))
+        _close(probs, bat, atol=atol, rtol=rtol,
+               what=f"batched_probabilities against batched with v = I_M, same draws, {where}:")
+
+
+def check_with_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """``batched_with_probabilities`` returns ``batched``'s output and ``batched_probabilities``'s probabilities bit
+    for bit, with the same warnings, in float64 and float32, over odd shapes, under every declared mask."""
+    import torch
+
+    if spec.batched_with_probabilities is None:
+        raise CheckSkipped("the spec declares no batched_with_probabilities")
+    for dtype in (torch.float64, torch.float32):
+        for mask, where, (q, k, v), draws in _optional_cases(spec, params, seed=170):
+            where = f"{where}, {dtype}"
+            tq, tk, tv, tdraws = _to_torch((q, k, v), draws, dtype)
+            kwargs = {"mask": mask} if mask is not None else {}
+            (out, probs), joint = _recorded(
+                lambda: spec.batched_with_probabilities(tq, tk, tv, tdraws, scale=None, **params, **kwargs))
+            alone_out, out_warnings = _recorded(lambda: spec.batched(tq, tk, tv, tdraws, scale=None, **params,
+                                                                     **kwargs))
+            _bits_equal(f"batched_with_probabilities' output on {where}", out, alone_out)
+            if spec.batched_probabilities is None:
+                # no separate probability form: the probabilities are batched with v = I_M, to rounding
+                atol, rtol = TOLERANCES["float64" if dtype == torch.float64 else "float32"]
+                dense = _quiet(lambda: _dense_probabilities(spec, tq, tk, tdraws, params, mask))
+                _close(probs, dense, atol=atol, rtol=rtol,
+                       what=f"batched_with_probabilities' probabilities against batched with v = I_M, {where}:")
+                continue
+            alone_probs, probs_warnings = _recorded(
+                lambda: spec.batched_probabilities(tq, tk, tdraws, scale=None, **params, **kwargs))
+            _bits_equal(f"batched_with_probabilities' probabilities on {where}", probs, alone_probs)
+            if joint != sorted(out_warnings + probs_warnings):
+                raise CheckFailed(f"batched_with_probabilities on {where} warned {joint}, but batched and "
+                                  f"batched_probabilities warn {sorted(out_warnings + probs_warnings)}")
+
+
+def check_float32_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """``batched_with_float32_probabilities`` on float64 inputs: ``out`` is ``batched``'s bits, and each row of
+    the float32 probabilities lies within the returned ``bound`` of the float64 ones in the 2-norm (plus 1e-12 of
+    the row's norm for float64's own rounding), over odd shapes, under every declared mask."""
+    import torch
+
+    if spec.batched_with_float32_probabilities is None:
+        raise CheckSkipped("the spec declares no batched_with_float32_probabilities")
+    products = 0
+    for mask, where, (q, k, v), draws in _optional_cases(spec, params, seed=180):
+        tq, tk, tv, tdraws = _to_torch((q, k, v), draws, torch.float64)
+        kwargs = {"mask": mask} if mask is not None else {}
+        result = _quiet(lambda: spec.batched_with_float32_probabilities(tq, tk, tv, tdraws, scale=None, **params,
+                                                                        **kwargs))
+        if result is None:  # no float32 product for this configuration and mask: the sweep uses the float64 one
+            continue
+        products += 1
+        out, probs, bound = result
+        rows = (_REPLICATES, *q.shape[:-1])
+        _bits_equal(f"batched_with_float32_probabilities' output on {where}", out,
+                    _quiet(lambda: spec.batched(tq, tk, tv, tdraws, scale=None, **params, **kwargs)))
+        _check_tensor(f"batched_with_float32_probabilities' probabilities on {where}", probs, (*rows, k.shape[-2]))
+        _check_tensor(f"batched_with_float32_probabilities' bound on {where}", bound, rows)
+        bound = to_numpy(bound)
+        if np.isnan(bound).any() or (bound < 0).any():
+            raise CheckFailed(f"batched_with_float32_probabilities' bound on {where} has negative or NaN entries")
+        exact = to_numpy(_quiet(lambda: _dense_probabilities(spec, tq, tk, tdraws, params, mask)))
+        distance = np.linalg.norm(to_numpy(probs) - exact, axis=-1)
+        allowed = bound + 1e-12 * np.linalg.norm(exact, axis=-1)
+        if not (distance <= allowed).all():  # NaN distances fail too
+            at = plain_index(np.argwhere(~(distance <= allowed))[0])
+            raise CheckFailed(f"batched_with_float32_probabilities on {where}: row {at} of the float32 probabilities "
+                              f"is {distance[at]:.3e} from the float64 ones in the 2-norm, beyond its bound "
+                              f"{bound[at]:.3e}: the bound does not bound the rounding")
+    if not products:
+        raise CheckSkipped("batched_with_float32_probabilities returns None for this configuration (no float32 "
+                           "product)")
+
+
+def check_probability_factors(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """``batched_with_probability_factors``: ``out`` is ``batched``'s bits and ``left @ right`` is the implied
+    probability matrix (float64 1e-10, float32 the float32 tolerance) with ``right`` in [0, 1], or None
+    for a configuration without factors; over odd shapes, under every declared mask, in float64 and float32."""
+    import torch
+
+    if spec.batched_with_probability_factors is None:
+        raise CheckSkipped("the spec declares no batched_with_probability_factors")
+    factored = 0
+    for dtype in (torch.float64, torch.float32):
+        atol, rtol = TOLERANCES["float64" if dtype == torch.float64 else "float32"]
+        for mask, where, (q, k, v), draws in _optional_cases(spec, params, seed=190):
+            where = f"{where}, {dtype}"
+            tq, tk, tv, tdraws = _to_torch((q, k, v), draws, dtype)
+            kwargs = {"mask": mask} if mask is not None else {}
+            result, factor_warnings = _recorded(
+                lambda: spec.batched_with_probability_factors(tq, tk, tv, tdraws, scale=None, **params, **kwargs))
+            if result is None:  # no factors for this configuration and mask: the sweep takes the dense route
+                continue
+            factored += 1
+            out, left, right = result
+            _bits_equal(f"batched_with_probability_factors' output on {where}", out,
+                        _quiet(lambda: spec.batched(tq, tk, tv, tdraws, scale=None, **params, **kwargs)))
+            rows = (_REPLICATES, *q.shape[:-1])
+            if not (isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor) and left.dim() == right.dim()
+                    and tuple(left.shape[:-1]) == rows and tuple(right.shape[:-2]) == rows[:-1]
+                    and right.shape[-1] == k.shape[-2] and left.shape[-1] == right.shape[-2]):
+                left_shape, right_shape = tuple(getattr(left, "shape", ())), tuple(getattr(right, "shape", ()))
+                raise CheckFailed(f"batched_with_probability_factors on {where}: left {left_shape}"
+                                  f" and right {right_shape}; expected (R, ..., N, J) = "
+                                  f"{(*rows, 'J')} and (R, ..., J, M) = {(*rows[:-1], 'J', k.shape[-2])}")
+            # the sweep's rounding bound needs right in [0, 1] (a key softmax, or exponentials shifted to at most
+            # 1); left may take any sign (signed weights)
+            outside = ~((right >= 0) & (right <= 1))
+            if outside.any():
+                at = plain_index(torch.nonzero(outside)[0].tolist())
+                raise CheckFailed(f"batched_with_probability_factors on {where}: right factor entry {at} is "
+                                  f"{float(right[at])!r}, outside [0, 1]")
+            dense = _quiet(lambda: _dense_probabilities(spec, tq, tk, tdraws, params, mask))
+            _close(left.double() @ right.double(), dense, atol=atol, rtol=rtol,
+                   what=f"batched_with_probability_factors: left @ right against the probabilities, {where}:")
+            if spec.batched_with_probabilities is not None:
+                _, joint_warnings = _recorded(
+                    lambda: spec.batched_with_probabilities(tq, tk, tv, tdraws, scale=None, **params, **kwargs))
+                if factor_warnings != joint_warnings:
+                    raise CheckFailed(f"batched_with_probability_factors on {where} warned {factor_warnings}, but "
+                                      f"batched_with_probabilities warns {joint_warnings}")
+    if not factored:
+        raise CheckSkipped("batched_with_probability_factors returns None for this configuration (no factors)")
+
+
 def _batched_peak(spec: EstimatorSpec, params: Mapping[str, Any], n: int) -> int:
     """Peak working bytes of batched (float32, R = 1, S = 16, D = Dv = 16) at N = M = ``n``."""
     import torch
@@ -541,33 +913,60 @@ def check_no_quadratic_memory(spec: EstimatorSpec, params: Mapping[str, Any]) ->
             f"{matrix / 2**20:.0f} MiB): it allocates an N x M array")
 
 
-def check_bad_inputs(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
-    """Through ``randattn.estimate``, bad input raises an error that names it (shapes, NaN, empty, parameters)."""
-    from randattn.api import estimate
-
-    rng = np.random.default_rng(140)
-    q, k, v = rng.standard_normal((5, 4)), rng.standard_normal((6, 4)), rng.standard_normal((6, 3))
-    nan_q = q.copy()
-    nan_q[0, 0] = np.nan
+def _bad_input_cases(spec: EstimatorSpec) -> list[tuple[str, Callable[[Any, Any, Any], tuple], dict, type, str]]:
+    """(what, inputs from (q, k, v), extra keywords, error class, words the message must hold)."""
+    nan_at_max = lambda a: np.where(a == a.max(), np.nan, a)  # noqa: E731
+    inf_at_max = lambda a: np.where(a == a.max(), np.inf, a)  # noqa: E731
     cases = [
-        ("k with another head dim", (q, rng.standard_normal((6, 5)), v), {}, ("D", "feature dim")),
-        ("v with another token count", (q, k, rng.standard_normal((4, 3))), {}, ("M", "tokens")),
-        ("NaN in q", (nan_q, k, v), {}, ("NaN",)),
-        ("an empty sequence", (q[:0], k, v), {}, ("empty", "0 tokens")),
-        ("an unknown parameter", (q, k, v), {"no_such_parameter": 1}, ("no_such_parameter",)),
-        ("an unknown mask", (q, k, v), {"mask": "sideways"}, ("mask",)),
+        ("q with another head dim", lambda q, k, v: (q[..., :3], k, v), {}, ValueError, "same feature dim"),
+        ("v with another token count", lambda q, k, v: (q, k, v[:-1]), {}, ValueError, "same number of tokens"),
+        ("NaN in q", lambda q, k, v: (nan_at_max(q), k, v), {}, ValueError, "NaN or infinite"),
+        ("inf in v", lambda q, k, v: (q, k, inf_at_max(v)), {}, ValueError, "NaN or infinite"),
+        ("no queries", lambda q, k, v: (q[:0], k, v), {}, ValueError, "empty sequence"),
+        ("no keys", lambda q, k, v: (q, k[:0], v[:0]), {}, ValueError, "empty sequence"),
+        ("integer q", lambda q, k, v: (q.astype(np.int64), k, v), {}, TypeError, "floating dtype"),
+        ("q with an extra batch dim", lambda q, k, v: (q[None], k, v), {}, ValueError, "same batch dims"),
+        ("a 1-D q", lambda q, k, v: (q[0], k, v), {}, ValueError, "shape (..., tokens, features)"),
+        ("a list for q", lambda q, k, v: (q.tolist(), k, v), {}, TypeError, "numpy array or torch tensor"),
+        ("an unknown parameter", lambda q, k, v: (q, k, v), {"no_such_parameter": 1}, ValueError,
+         f"unknown parameter(s) 'no_such_parameter' for estimator '{spec.name}'"),
+        ("an unknown mask", lambda q, k, v: (q, k, v), {"mask": "sideways"}, ValueError, "mask"),
+        ("scale 0", lambda q, k, v: (q, k, v), {"scale": 0.0}, ValueError, "positive"),
+        ("a negative scale", lambda q, k, v: (q, k, v), {"scale": -1.0}, ValueError, "positive"),
+        ("a NaN scale", lambda q, k, v: (q, k, v), {"scale": float("nan")}, ValueError, "positive"),
+        ("a text scale", lambda q, k, v: (q, k, v), {"scale": "x"}, TypeError, "positive real"),
     ]
     for pname, param in spec.params.items():
         if param.choices:
-            cases.append((f"a value of {pname!r} outside its choices", (q, k, v), {pname: "__not_a_choice__"}, (pname,)))
+            cases.append((f"a value of {pname!r} outside its choices", lambda q, k, v: (q, k, v),
+                          {pname: "__not_a_choice__"}, ValueError,
+                          f"{pname}='__not_a_choice__' is not allowed; choose one of {param.choices[0]!r}"))
             break
-    samples = {"num_samples": 4} if spec.needs_samples else {}
-    for what, (qq, kk, vv), extra, words in cases:
+    if spec.needs_samples:
+        cases += [("no num_samples", lambda q, k, v: (q, k, v), {"num_samples": None}, ValueError, "needs num_samples"),
+                  ("num_samples 0", lambda q, k, v: (q, k, v), {"num_samples": 0}, ValueError, ">= 1"),
+                  ("a fractional num_samples", lambda q, k, v: (q, k, v), {"num_samples": 2.5}, TypeError, "integer")]
+    return cases
+
+
+def check_bad_inputs(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """Through ``randattn.estimate``, bad input raises the error class that fits (ValueError, or TypeError for a
+    wrong type) with a message that names it: shapes, NaN and inf, empty inputs, dtypes, unknown parameters and
+    masks, a value outside a parameter's choices (listing them), a bad scale, a bad ``num_samples``."""
+    from randattn.api import estimate
+
+    rng = np.random.default_rng(140)
+    q, k, v = rng.standard_normal((3, 6, 4))
+    for what, mutate, extra, error, words in _bad_input_cases(spec):
+        qq, kk, vv = mutate(q, k, v)
+        keywords = {"num_samples": _SAMPLES if spec.needs_samples else None, "seed": 0, **params, **extra}
         try:
-            _quiet(lambda: estimate(spec, qq, kk, vv, seed=0, **samples, **{**params, **extra}))
+            _quiet(lambda: estimate(spec, qq, kk, vv, **keywords))
         except (ValueError, TypeError) as exc:
-            if not any(word in str(exc) for word in words):
-                raise CheckFailed(f"{what}: the error does not name the problem ({', '.join(words)}): "
+            if not isinstance(exc, error):
+                raise CheckFailed(f"{what}: raised {type(exc).__name__}, expected {error.__name__}: {exc}") from None
+            if words not in str(exc):
+                raise CheckFailed(f"{what}: the error does not name the problem (expected {words!r} in it): "
                                   f"{type(exc).__name__}: {exc}") from None
             continue
         except Exception as exc:
@@ -581,8 +980,14 @@ CHECKS: dict[str, Callable[[EstimatorSpec, Mapping[str, Any]], None]] = {
     "reference == batched (float64)": check_reference_matches_batched,
     "shapes and dtypes": check_shapes_and_dtypes,
     "seeded reproducibility": check_seeded_reproducibility,
+    "replicates": check_replicates,
     "float32 batched": check_float32_matches_reference,
+    "probabilities": check_probabilities,
+    "with probabilities": check_with_probabilities,
+    "float32 probabilities": check_float32_probabilities,
+    "probability factors": check_probability_factors,
     "key norms 150-200": check_finite_at_large_norms,
+    "ViT-like norms": check_vit_like_norms,
     "declared convergence": check_convergence,
     "exact limits": check_exact_limits,
     "keys used": check_keys_used,
