@@ -26,7 +26,7 @@ def command(as_json: bool) -> None:
         click.echo(json.dumps(records, indent=2, default=str))
         return
     table = Table(title="randattn estimators", show_lines=True)
-    table.add_column("name", style="bold")
+    table.add_column("name", style="bold", max_width=16)  # long display names wrap; the parameters get the room
     table.add_column("what it is", max_width=44)
     table.add_column("parameters: what each means (default; choices)")
     table.add_column("complexity", max_width=22)
