@@ -987,7 +987,6 @@ FIGURE_KINDS: dict[str, Callable[..., Figure]] = {
 }
 #: ``--kind`` name -> figure function of a per-position table (:attr:`~randattn.reports.tables.Results.positions`)
 POSITION_FIGURE_KINDS: dict[str, Callable[..., Figure]] = {
-    "error-vs-budget": error_vs_budget_figure,
     "position": position_figure,
 }
 

@@ -503,7 +503,7 @@ def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
     """Per ``(label, num_samples)``: the relative output error ``||y_hat_n - y_n|| / ||y_n||`` over heads (mean of the
     heads' means and medians, the largest 95th percentile) and, where measured, the violation rate ``P(error >
     epsilon)`` (mean over heads) and how many heads break a promise; None when the table has no such columns."""
-    if not set(_RELATIVE_COLUMNS) <= set(table.columns):
+    if not set(_RELATIVE_COLUMNS) <= set(table.columns) or table["rel_err_mean"].isna().all():
         return None
     groups = table.groupby(["label", "num_samples"], sort=False)
     summary = pd.DataFrame({
@@ -742,7 +742,7 @@ def build_report(
         '<nav><a href="#summary">summary</a> · <a href="#figures">figures</a> · '
         + ('<a href="#language-model">language model</a> · ' if is_lm_metadata(metadata) else "")
         + ('<a href="#positions">error by position</a> · ' if has_positions else "")
-        + ('<a href="#promise">relative error</a> · ' if set(_RELATIVE_COLUMNS) <= set(table.columns) else "")
+        + ('<a href="#promise">relative error</a> · ' if promise_summary(table) is not None else "")
         + '<a href="#warnings">warnings</a> · <a href="#diagnostics">diagnostics</a> · '
         '<a href="#provenance">provenance</a></nav>',
         '<h2 id="summary">Summary</h2>',

@@ -61,7 +61,7 @@ def test_plot_heatmap_label_and_samples(results, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--kind", "pie"], "error: unknown --kind 'pie'; choose from mse-vs-samples, bias-variance, heatmap, "
+        (["--kind", "pie"], "error: unknown --kind 'pie'; choose from mse-vs-samples, error-vs-budget, bias-variance, heatmap, "
                             "features, all"),
         (["--format", "gif"], "error: --format must be a comma-separated subset of png, svg, pdf, got 'gif'"),
         (["--kind", "heatmap", "--samples", "7"], "error: the heatmap's estimator 'rfa' was not measured "

@@ -388,9 +388,8 @@ def test_causal_probabilities_are_masked_and_reproduce_the_estimate(feature_map)
         assert_close(probs.sum(-1), np.ones(probs.shape[:-1]), atol=1e-12, rtol=0)
     assert_close(probs @ v, out, atol=1e-12, rtol=1e-12, what="probabilities @ v vs estimate:")
     pair = _quiet(lambda: SPEC.batched_with_probabilities(tq, tk, tv, draws, **params))
-    # one dense pass: the pair's estimate is its probabilities times v, the prefix sums' estimate to rounding
-    assert torch.equal(pair[1], torch.as_tensor(probs)) and torch.equal(pair[0], pair[1] @ tv)
-    assert_close(pair[0], out, atol=1e-12, rtol=1e-12, what="one-pass estimate vs prefix sums:")
+    # the pair's estimate is the prefix sums' (the same bits, whether or not probabilities are asked for)
+    assert torch.equal(pair[1], torch.as_tensor(probs)) and torch.equal(pair[0], torch.as_tensor(out))
     assert SPEC.batched_with_probability_factors(tq, tk, tv, draws, **params) is None
 
 

@@ -130,7 +130,7 @@ def test_missing_columns_are_named(table):
 
 
 def test_unknown_kind_lists_the_known_ones(table):
-    with pytest.raises(ValueError, match="unknown figure kind 'pie'; choose one of mse-vs-samples, bias-variance"):
+    with pytest.raises(ValueError, match="unknown figure kind 'pie'; choose one of mse-vs-samples, error-vs-budget, bias-variance"):
         make_figure("pie", table)
 
 

@@ -191,7 +191,7 @@ def registry() -> tuple[Check, ...]:
         Check("decode.budget-covers-every-key",
               "every estimator reporting keys_used equals causal softmax (an explicit loop) at a budget covering "
               "every visible key, decode (3 of 24 tokens) and self-attention, reference and batched, to 1e-12",
-              "Quest sec. 3, StreamingLLM sec. 3, MagicPIG sec. 4, vAttention sec. 3; docs: Decode-time estimators",
+              "StreamingLLM sec. 3.2; Quest sec. 3.4, Alg. 1; MagicPIG sec. 4; vAttention (its residual estimator)",
               _EXACT, _decode.budget_covers_every_key),
         Check("decode.magicpig-collision-probability",
               "P(SimHash codes of query and key agree in a table) = (1 - theta/pi)^K (Monte Carlo of the hash)",
@@ -204,11 +204,12 @@ def registry() -> tuple[Check, ...]:
               synthetic_note="synthetic (chosen angles)"),
         Check("decode.vattention-residual-unbiased",
               "E[n_s/b sum of b uniform residual draws] = the residual's numerator and denominator sums",
-              "vAttention sec. 3 (sampled residual)", _MC, _decode.vattention_residual_unbiased, max_tested=8,
+              "vAttention (the sampled residual; arXiv 2510.05688)", _MC, _decode.vattention_residual_unbiased,
+              max_tested=8,
               synthetic_note="synthetic (decode, 2 queries over 12 keys)"),
         Check("decode.vattention-off-by-one-detected",
               "weights (n_s - 1)/b are rejected by the same z-test (passes when detected)",
-              "vAttention sec. 3", _MC, _decode.vattention_off_by_one_detected, max_tested=8,
+              "vAttention (arXiv 2510.05688)", _MC, _decode.vattention_off_by_one_detected, max_tested=8,
               synthetic_note="synthetic (decode, 2 queries over 12 keys)"),
         # ---------------- numerics
         Check("numerics.large-norm-stability",

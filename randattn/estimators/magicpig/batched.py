@@ -54,22 +54,14 @@ def _log_inclusion(log_table_probability: torch.Tensor, tables: int, min_collisi
     return torch.where(lower <= -math.log(2.0), torch.log1p(-torch.exp(lower)), upper)
 
 
-def _sampled_log_inclusion(x: torch.Tensor, y: torch.Tensor, means: torch.Tensor, where: torch.Tensor, hash_bits: int,
-                           tables: int, min_collisions: int) -> torch.Tensor:
-    """``(..., C, M)``: ``log u`` of each (query, key) pair that is sampled (``where``), 0 elsewhere.
-
-    The angle and the binomial tail are computed only at those pairs (a few per cent of the keys), gathered from
-    ``x (..., C, D)``, ``y (..., M, D)`` and the queries' centring means ``(..., C, D)``.
-    """
-    log_u = x.new_zeros(where.shape)
-    index = where.nonzero(as_tuple=True)  # (batch..., query, key) of the sampled pairs
-    if index[0].numel() == 0:
-        return log_u
-    queries, keys = index[:-1], (*index[:-2], index[-1])
-    centered = y[keys] - means[queries]  # (P, D)
-    theta = _angle(x[queries], centered)
-    log_u[index] = _log_inclusion(hash_bits * torch.log1p(-theta / math.pi), tables, min_collisions)
-    return log_u
+def _pair_log_inclusion(x: torch.Tensor, y: torch.Tensor, means: torch.Tensor, candidates: torch.Tensor,
+                        hash_bits: int, tables: int, min_collisions: int) -> torch.Tensor:
+    """``(C, M)``: ``log u`` of each candidate (query, key) pair, 0 elsewhere, from ``x (C, D)``, ``y (M, D)`` and the
+    queries' centring means ``(C, D)``: the same for every replicate (it depends on the angle alone), so computed
+    once per batch element; dense over the pairs, so that no value is read back from an accelerator."""
+    theta = _angle(x.unsqueeze(-2), y.unsqueeze(-3) - means.unsqueeze(-2))  # (C, M)
+    log_u = _log_inclusion(hash_bits * torch.log1p(-theta / math.pi), tables, min_collisions)
+    return torch.where(candidates, log_u, torch.zeros_like(log_u))
 
 
 def _centering_means(y: torch.Tensor, visible: torch.Tensor, candidates: torch.Tensor, center: str) -> torch.Tensor:
@@ -106,16 +98,19 @@ def log_weights(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor, *, 
         means.reshape(-1, num_queries, means.shape[-1])
     flat_out = out.view(replicates, -1, num_queries, num_keys)
     chunk = max(1, CHUNK_ELEMENTS // max(1, num_keys * tables))
-    for r in range(replicates):
-        for b in range(xs.shape[0]):
+    chunks = [slice(start, min(start + chunk, num_queries)) for start in range(0, num_queries, chunk)]
+    for b in range(xs.shape[0]):
+        # log u of every candidate pair: the same in every replicate (it depends on the angle alone)
+        log_u = torch.cat([_pair_log_inclusion(xs[b, rows], ys[b], ms[b, rows], candidates[rows], hash_bits, tables,
+                                               min_collisions) for rows in chunks], dim=0)  # (N, M)
+        for r in range(replicates):
             directions = planes[r, b].transpose(0, 1)  # (D, L K)
 
             def bit_major(vectors: torch.Tensor) -> torch.Tensor:  # (P, D) -> (K, P, L), contiguous per bit
                 return (vectors @ directions).unflatten(-1, (tables, hash_bits)).permute(2, 0, 1).contiguous()
 
             key_proj, mean_proj, query_code = bit_major(ys[b]), bit_major(ms[b]), bit_major(xs[b]) > 0
-            for start in range(0, num_queries, chunk):
-                rows = slice(start, min(start + chunk, num_queries))
+            for rows in chunks:
                 shape = (rows.stop - rows.start, num_keys, tables)
                 agree, key_bit = (torch.empty(shape, dtype=torch.bool, device=x.device) for _ in range(2))
                 for bit in range(hash_bits):  # the tables where the centred key's code equals the query's
@@ -125,9 +120,7 @@ def log_weights(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor, *, 
                     else:
                         agree.logical_and_(key_bit.eq_(query_code[bit][rows].unsqueeze(1)))
                 sampled = candidates[rows] & (agree.sum(dim=-1) >= min_collisions)  # (C, M)
-                log_u = _sampled_log_inclusion(xs[b, rows], ys[b], ms[b, rows], sampled, hash_bits, tables,
-                                               min_collisions)
-                weights = torch.where(sampled, -log_u, torch.full_like(log_u, float("-inf")))
+                weights = torch.where(sampled, -log_u[rows], torch.full_like(log_u[rows], float("-inf")))
                 flat_out[r, b, rows] = torch.where(exact[rows], torch.zeros_like(weights), weights)
     return out
 

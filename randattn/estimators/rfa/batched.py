@@ -105,17 +105,19 @@ def estimate_with_probabilities(
     coupling: str = "iid",
     mask: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(estimate(q, k, v, ...), probabilities(q, k, ...))`` from one pass (bidirectional: the same bits).
+    """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits as the two calls.
 
     For the positive maps the features, both softmaxes and the logits are computed once (see
     :func:`affine_feature_attention`); the other maps make the two calls. Under ``mask="causal"``
-    the estimate is ``probabilities @ v`` from one dense pass
-    (:func:`~randattn.estimators.rfa.causal.causal_estimate_with_probabilities`): equal to
-    :func:`estimate`'s prefix sums to rounding, not bit for bit.
+    the probabilities come from one dense pass
+    (:func:`~randattn.estimators.rfa.causal.causal_estimate_with_probabilities`) and the estimate from
+    :func:`estimate`'s prefix sums (linear in N), so that the output does not depend on whether the
+    probabilities were asked for.
     """
     check_rfa_mask(mask, feature_map)
     if mask == "causal":
-        return causal_estimate_with_probabilities(q, k, v, draws, scale=scale, feature_map=feature_map)
+        _, probs = causal_estimate_with_probabilities(q, k, v[..., :1], draws, scale=scale, feature_map=feature_map)
+        return estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling, mask=mask), probs
     if feature_map not in POSITIVE_MAPS:
         return (estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling),
                 probabilities(q, k, draws, scale=scale, feature_map=feature_map, coupling=coupling))
