@@ -168,6 +168,8 @@ ALLOWED_OUT = {
     # ESS and delta-method spread per (replicate, cell, query); the k-hat's log weights of Q queries (arviz, host)
     "analysis.diagnostics.replicate_snis_diagnostics": max(R * HEADS * N, HEADS * Q * max(S, N)),
     "analysis.execute._reference_deviation": N * DV,  # once per unit: the spot check's one (N, Dv) estimate
+    # the relative error of every (replicate, cell, query), for its median, 95th percentile and violation count
+    "analysis.relative_error.query_relative_errors": R * HEADS * N,
 }
 #: where values go to the device: the unit's inputs and exact attention (uploaded once per unit), the draws, the
 #: diagnostics' inputs and k-hat query indices; None: any size (inputs), a number: the most values per upload
