@@ -149,6 +149,7 @@ def _restore(dask_worker=None):
     importlib.reload(execute)
 
 
+@pytest.mark.slow  # 10 s on the 2-core machine (a Dask cluster and a failing worker): in the slow target
 def test_a_failing_unit_fails_the_run_with_its_message_and_keeps_finished_parts(acts_path, client, tmp_path):
     from randattn.cli import main
 

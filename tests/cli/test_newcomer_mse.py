@@ -217,6 +217,7 @@ def test_any_command_reports_a_full_disk_as_exit_2_naming_the_file(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------------ 2. SIGTERM
+@pytest.mark.slow  # 15-19 s on the 2-core machine (a real process under SIGTERM, then --resume): in the slow target
 def test_sigterm_keeps_finished_units_says_how_to_resume_and_exits_143(children, acts, reference):
     started, outs, root = children
     out, child = outs["term"], started["term"]
@@ -265,6 +266,8 @@ def test_sigterm_in_process_is_an_interrupt_that_exits_143(acts, tmp_path, monke
 
 
 # ------------------------------------------------------------------------------------------------------ 4. "kept"
+@pytest.mark.slow  # 18 s on the 2-core machine (a real process interrupted twice): in the slow target; SIGINT to
+# every command is tested by tests/cli/test_faults.py in the default run
 def test_an_interrupt_before_the_first_unit_says_nothing_was_kept(children):
     started, outs, root = children
     out, child = outs["early"], started["early"]

@@ -65,7 +65,19 @@ def run_on_fake_device(spec, params, shapes=SHAPES, dtype=torch.float32, mask=No
         return out
 
 
-@pytest.mark.parametrize("case", all_variants(), ids=variant_id)
+def _first_variant_by_default() -> list:
+    """Every registered variant; beyond each estimator's first one only with -m slow (18 s in all on the 2-core
+    machine, where the others share the first one's code paths but for a parameter)."""
+    seen: set[str] = set()
+    cases = []
+    for case in all_variants():
+        marks = () if case[0] not in seen else (pytest.mark.slow,)
+        seen.add(case[0])
+        cases.append(pytest.param(case, marks=marks, id=variant_id(case)))
+    return cases
+
+
+@pytest.mark.parametrize("case", _first_variant_by_default())
 def test_batched_runs_on_an_accelerator_without_host_syncs(case):
     name, _, params = case
     run_on_fake_device(randattn.get_spec(name), params)
