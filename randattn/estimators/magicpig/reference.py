@@ -238,7 +238,7 @@ def select(x: np.ndarray, y: np.ndarray, hyperplanes: np.ndarray, *, min_collisi
     means = centering_means(y, visible, candidates, center)
     replicates = hyperplanes.shape[0]
     collisions = np.zeros((replicates, *x.shape[:-2], num_queries, num_keys), dtype=np.int64)
-    log_table_p = np.full((*x.shape[:-2], num_queries, num_keys), -np.inf)
+    log_inclusion = np.full((*x.shape[:-2], num_queries, num_keys), -np.inf)
     for n in range(num_queries):
         if not candidates[n].any():  # sinks and local window hold every key this query sees: nothing to hash
             continue
@@ -247,8 +247,10 @@ def select(x: np.ndarray, y: np.ndarray, hyperplanes: np.ndarray, *, min_collisi
         key_codes = _key_codes(centered, hyperplanes)  # (R, ..., M, L, K)
         agree = (key_codes == query_code[..., None, :, :]).all(axis=-1)  # (R, ..., M, L): same bucket in table l
         collisions[..., n, :] = agree.sum(axis=-1)
-        log_table_p[..., n, :] = log_table_collision_probability(x[..., n, :], centered, hash_bits)
-    log_inclusion = np.where(candidates, log_inclusion_probability(log_table_p, tables, min_collisions), -np.inf)
+        # one query's binomial tails at a time: (..., M, L + 1) terms, not (..., N, M, L + 1)
+        log_table_p = log_table_collision_probability(x[..., n, :], centered, hash_bits)
+        log_inclusion[..., n, :] = np.where(candidates[n], log_inclusion_probability(log_table_p, tables,
+                                                                                     min_collisions), -np.inf)
     sampled = candidates & (collisions >= min_collisions)
     with np.errstate(invalid="ignore"):
         log_weights = np.where(exact, 0.0, np.where(sampled, -log_inclusion, -np.inf))
