@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from randattn._validation import check_choice, check_device, check_finite_on_device, check_positive_int, check_qkv_shapes
+from randattn._validation import (check_choice, check_device, check_finite_on_device, check_positive_int,
+                                  check_qkv_shapes, check_scale)
 from randattn.estimators.base import Draws, EstimatorSpec, validate_spec
 from randattn.estimators.registry import get_spec
 
@@ -166,6 +167,7 @@ def estimate(
     resolved = spec.resolve_params(params)
     check_qkv_shapes(q, k, v)
     check_finite_on_device(q=q, k=k, v=v)
+    check_scale(scale, q.shape[-1])  # one statement of the rule for every estimator, plugins included
     masked = _mask_kwargs(spec, mask, q.shape[-2], k.shape[-2], resolved)
     draws = _draw(spec, tuple(q.shape), tuple(k.shape), num_samples=num_samples, seed=seed,
                  replicates=1 if replicates is None else replicates, mask=mask, **resolved)
