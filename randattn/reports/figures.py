@@ -282,6 +282,19 @@ def _exact_note(exact: list[str]) -> str:
     return f" · exact, not drawn: {', '.join(exact)}"
 
 
+def _drawable(table: pd.DataFrame, value: str, confidence: float, seed: int, what: str):
+    """``(aggregated, exact, names, panels, styles)`` of a per-label line figure: the mean over images with its
+    bootstrap band, the exact labels left out (ResultsError naming ``what`` when nothing is left), one panel per
+    token count and one style per label."""
+    aggregated = aggregate_over_images(table, [value], confidence=confidence, seed=seed)
+    names = display_names(table)
+    every = aggregated
+    aggregated, exact = _drop_exact(aggregated, value, names, exact_labels(table))
+    if aggregated.empty:
+        raise _nothing_to_draw(what, every, value, exact_labels(table), exact)
+    return aggregated, exact, names, _token_panels(aggregated), label_styles(aggregated["label"])
+
+
 def mse_vs_samples_figure(
     table: pd.DataFrame,
     *,
@@ -319,14 +332,7 @@ def mse_vs_samples_figure(
     """
     require_columns(table, [*PLOT_COLUMNS, value], "the MSE-vs-samples figure")
     table = _select_labels(table, labels)
-    aggregated = aggregate_over_images(table, [value], confidence=confidence, seed=seed)
-    names = display_names(table)
-    every = aggregated
-    aggregated, exact = _drop_exact(aggregated, value, names, exact_labels(table))
-    if aggregated.empty:
-        raise _nothing_to_draw("the MSE-vs-samples figure", every, value, exact_labels(table), exact)
-    panels = _token_panels(aggregated)
-    styles = label_styles(aggregated["label"])
+    aggregated, exact, names, panels, styles = _drawable(table, value, confidence, seed, "the MSE-vs-samples figure")
     fig, axes = _new_figure(len(panels), sharey=True)
     handles: dict[str, Line2D] = {}
     for ax, (n, _, panel, title) in zip(axes, panels):
@@ -413,14 +419,7 @@ def error_vs_budget_figure(
         raise ResultsError("the error-vs-budget figure needs an estimator that reports the keys its queries read "
                            "(a keys_used value: topk, streaming, quest, magicpig, vattention); this table has none "
                            "(mse-vs-samples draws its estimators against S)")
-    aggregated = aggregate_over_images(table, [value], confidence=confidence, seed=seed)
-    names = display_names(table)
-    every = aggregated
-    aggregated, exact = _drop_exact(aggregated, value, names, exact_labels(table))
-    if aggregated.empty:
-        raise _nothing_to_draw("the error-vs-budget figure", every, value, exact_labels(table), exact)
-    panels = _token_panels(aggregated)
-    styles = label_styles(aggregated["label"])
+    aggregated, exact, names, panels, styles = _drawable(table, value, confidence, seed, "the error-vs-budget figure")
     fig, axes = _new_figure(len(panels), sharey=True)
     handles: dict[str, Line2D] = {}
     for ax, (n, _, panel, title) in zip(axes, panels):
