@@ -18,7 +18,7 @@ import torch
 from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws
-from randattn.estimators.magicpig.reference import check_params, exact_and_candidate_keys, tail_terms
+from randattn.estimators.magicpig.reference import checked_selection_params, exact_and_candidate_keys, tail_terms
 from randattn.estimators.masks import check_causal_shapes
 from randattn.estimators.sparse.batched import keys_used as count_keys_used
 from randattn.estimators.sparse.batched import masked_logits, weighted_attention
@@ -141,12 +141,7 @@ def _prepared(q: Any, k: Any, v: Any, draws: Draws, scale: float | None, params:
         check_choice("mask", mask, ("causal",))
         check_causal_shapes(x.shape[-2], y.shape[-2])
     hyperplanes = check_draw_array(to_torch_draws(draws, x), "hyperplanes", batch, (None, None, x.shape[-1]))
-    hash_bits, min_collisions, sinks, local, _ = check_params(tables=hyperplanes.shape[-3], **params)
-    if hyperplanes.shape[-2] != hash_bits:
-        raise ValueError(f"the draws hold {hyperplanes.shape[-2]} hyperplanes per table but hash_bits={hash_bits}: "
-                         "were they drawn with another hash_bits?")
-    return x, y, v, hyperplanes, dict(min_collisions=min_collisions, sinks=sinks, local=local,
-                                      center=params["center"])
+    return x, y, v, hyperplanes, checked_selection_params(tuple(hyperplanes.shape), params)
 
 
 def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,

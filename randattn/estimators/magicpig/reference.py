@@ -46,6 +46,7 @@ __all__ = [
     "angle",
     "centering_means",
     "check_params",
+    "checked_selection_params",
     "estimate",
     "exact_and_candidate_keys",
     "hash_codes",
@@ -266,12 +267,17 @@ def _prepared(q: Any, k: Any, v: Any, draws: Draws, scale: float | None, params:
         check_causal_shapes(x.shape[-2], y.shape[-2])
     hyperplanes = np.asarray(check_draw_array(draws, "hyperplanes", batch, (None, None, x.shape[-1])),
                              dtype=np.float64)
-    hash_bits, min_collisions, sinks, local, _ = check_params(tables=hyperplanes.shape[-3], **params)
-    if hyperplanes.shape[-2] != hash_bits:
-        raise ValueError(f"the draws hold {hyperplanes.shape[-2]} hyperplanes per table but hash_bits={hash_bits}: "
+    return x, y, v, hyperplanes, checked_selection_params(hyperplanes.shape, params)
+
+
+def checked_selection_params(hyperplane_shape: tuple[int, ...], params: dict[str, Any]) -> dict[str, Any]:
+    """The parameters :func:`select` takes, checked against each other and against the draws' hyperplanes
+    ``(R, ..., L, K, D)`` (their K must be ``hash_bits``); shared by the reference and batched forms."""
+    hash_bits, min_collisions, sinks, local, _ = check_params(tables=hyperplane_shape[-3], **params)
+    if hyperplane_shape[-2] != hash_bits:
+        raise ValueError(f"the draws hold {hyperplane_shape[-2]} hyperplanes per table but hash_bits={hash_bits}: "
                          "were they drawn with another hash_bits?")
-    return x, y, v, hyperplanes, dict(min_collisions=min_collisions, sinks=sinks, local=local,
-                                      center=params["center"])
+    return dict(min_collisions=min_collisions, sinks=sinks, local=local, center=params["center"])
 
 
 def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
