@@ -207,7 +207,7 @@ class Activations:
         tuple of ndarray
             ``(q, k, v)``, each ``(len(heads), N, D)`` for one ``image`` or ``(B, len(heads), N, D)``; row ``j``
             of k and v is the stored key/value head ``head_map[heads[j]]`` (gathered by indexing: new arrays,
-            nothing is repeated in storage).
+            nothing is repeated in storage; heads that are consecutive stored heads are read-only views, no copy).
 
         Raises
         ------
@@ -224,11 +224,19 @@ class Activations:
         if image is not None:
             b = _index(image, total, what="image")
             q, k, v = q[b], k[b], v[b]
-        return np.take(q, qi, axis=-3), np.take(k, kv, axis=-3), np.take(v, kv, axis=-3)
+        return _take_heads(q, qi), _take_heads(k, kv), _take_heads(v, kv)
 
     def nbytes(self) -> int:
         """Bytes held by the stored arrays."""
         return sum(a.nbytes for trio in self.arrays.values() for a in trio)
+
+
+def _take_heads(a: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """``np.take(a, heads, axis=-3)``, as a view where ``heads`` are consecutive (a long context's k and v are
+    hundreds of MiB per layer: a copy would double what a unit holds)."""
+    if len(heads) and np.array_equal(heads, np.arange(heads[0], heads[0] + len(heads))):
+        return _read_only(a[..., heads[0]:heads[0] + len(heads), :, :])
+    return np.take(a, heads, axis=-3)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

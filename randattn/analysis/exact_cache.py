@@ -106,9 +106,10 @@ def exact_attention(q, k, v, scale: float, kind: str | None, *, torch: Any = Non
 
     Parameters
     ----------
-    q : (C, N, D) float64 ndarray
-    k : (C, M, D) float64 ndarray
-    v : (C, M, Dv) float64 ndarray
+    q : (C, N, D) ndarray
+    k : (C, M, D) ndarray
+    v : (C, M, Dv) ndarray
+        float64 on the reference backend; any floating dtype on the torch backend (computed in float64).
     scale : float
         The logit temperature s.
     kind : str or None
@@ -123,7 +124,7 @@ def exact_attention(q, k, v, scale: float, kind: str | None, *, torch: Any = Non
 
         probs = attention_probabilities(q, k, scale=scale)
         return probs, probs @ v
-    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v))
+    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64)) for a in (q, k, v))
     probs = torch.softmax(scale * (tq @ tk.transpose(-1, -2)), dim=-1)
     return probs.numpy(), (probs @ tv).numpy()
 
@@ -180,20 +181,27 @@ class ExactCache:
         from randattn.estimators.softmax.tiled import tiled_attention
 
         device = self.device if self.torch is not None else None
-        tq, tk, tv = (torch.as_tensor(np.ascontiguousarray(a, dtype=np.float64), device=device) for a in (q, k, v))
+        # in the inputs' dtype: the recurrence converts each tile to float64 as it reads it
+        tq, tk, tv = (torch.as_tensor(np.ascontiguousarray(a), device=device) for a in (q, k, v))
         out, log_normaliser = tiled_attention(tq, tk, tv, scale=self.scale, mask=self.mask_of(unit.layer))
         return out.cpu().numpy(), log_normaliser
 
     def inputs(self, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """float64 ``q : (C, K, D)`` (the measured query rows), ``k, v : (C, M, D)`` of the unit's heads.
+        """``q : (C, K, D)`` (the measured query rows), ``k, v : (C, M, D)`` of the unit's heads: float64 on the
+        reference backend, in the file's dtype on the torch backend.
 
         Taken through :meth:`~randattn.activations.io.Activations.layer_qkv` so that a grouped-query file's shared
         keys and values are gathered for the unit's heads of one image only, never expanded to the whole layer.
+        The torch backend converts each block to the dtype it computes in (a float32 value converts to float64
+        exactly, so the bits are those of a float64 copy), and the tiled truth converts one tile at a time: a
+        float64 copy of a long context's keys and values would be twice the file's memory again.
         """
         q, k, v = self.acts.layer_qkv(unit.layer, heads=list(unit.heads), image=unit.image)
         if self.rows is not None:
             q = np.take(q, self.rows, axis=-2)
-        return q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
+        if self.torch is None:
+            return q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)
+        return q, k, v
 
     def exact(self, unit: Unit, q, k, v) -> tuple[np.ndarray, np.ndarray]:
         """:func:`exact_attention` of ``q, k, v`` under ``unit``'s mask, as this backend computes it."""

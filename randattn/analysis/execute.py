@@ -183,8 +183,8 @@ class UnitRunner:
         return self.num_queries if self.query_rows is None else len(self.query_rows)
 
     def inputs(self, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """float64 ``q : (C, K, D)`` (the measured rows), ``k, v : (C, M, D)`` of the unit's heads
-        (:meth:`~randattn.analysis.exact_cache.ExactCache.inputs`)."""
+        """``q : (C, K, D)`` (the measured rows), ``k, v : (C, M, D)`` of the unit's heads (float64 on the reference
+        backend, the file's dtype on torch: :meth:`~randattn.analysis.exact_cache.ExactCache.inputs`)."""
         return self.exact_cache.inputs(unit)
 
     def mask(self, unit: Unit) -> str | None:
@@ -354,7 +354,9 @@ class UnitRunner:
 
         ``batched_first (N, Dv)``: the batched estimate of that cell and replicate, a tensor in the run's dtype.
         """
-        ref = spec.reference(q[:1], k[:1], v[:1], _slice_draws(draws, slice(0, 1), slice(0, 1)), scale=self.scale,
+        # the reference is float64 numpy: the torch backend's inputs are in the file's dtype
+        q1, k1, v1 = (np.asarray(a[:1], dtype=np.float64) for a in (q, k, v))
+        ref = spec.reference(q1, k1, v1, _slice_draws(draws, slice(0, 1), slice(0, 1)), scale=self.scale,
                              **est.params, **estimator_mask_kwargs(mask))
         batched = batched_first.to("cpu", self.torch.float64).numpy()
         return float(np.max(np.abs(np.asarray(ref, dtype=np.float64)[0, 0] - batched)))

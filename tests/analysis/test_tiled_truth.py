@@ -135,3 +135,24 @@ def test_a_long_unit_over_its_budget_is_refused_from_slices(long_acts):
     peak = measure_peak(lambda: result.setdefault("plan", plan_sweep(long_acts, config)), torch_tensors=True)
     assert result["plan"].refused is not None
     assert peak < DENSE_BYTES / 8
+
+
+def test_the_torch_backend_holds_a_long_unit_in_the_files_dtype():
+    """The keys and values of a unit are the file's own arrays on the torch backend (consecutive heads: a read-only
+    view, no copy), float64 copies on the reference backend; a float64 copy of a 131,072-token unit's k and v is
+    400 MiB, which put the last:64 run over its 1 GiB goal. The rows are the same bits either way: the golden tables
+    and the tiled/dense comparisons above hold them."""
+    acts = _acts(64, heads=3, dtype=np.float32)
+    stored_k = acts.stored_qkv(0)[1]
+
+    def config(backend):
+        return SweepConfig(estimators=parse_estimator_list("rfa"), num_samples=(4,), replicates=2, mask="causal",
+                           diagnostics=False, backend=backend)
+
+    unit = plan(acts, config("torch"))[0]
+    q, k, v = UnitRunner(acts, config("torch")).inputs(unit)
+    assert q.dtype == k.dtype == v.dtype == np.float32
+    assert np.shares_memory(k, stored_k) and not k.flags.writeable
+    q64, k64, v64 = UnitRunner(acts, config("reference")).inputs(unit)
+    assert q64.dtype == k64.dtype == v64.dtype == np.float64
+    np.testing.assert_array_equal(k64, k)
