@@ -8,6 +8,12 @@ A sweep measures each layer under one mask kind (ARCHITECTURE sec. 12):
 - ``"sliding:W"``: the causal rule cut to the last W keys, :math:`n + (M - N) - W < m \le n + (M - N)`
   (each query sees itself and the W - 1 keys before it, as transformers' sliding-window layers do).
 
+A layer's mask is one :class:`~randattn.estimators.masks.Mask` (its kind, table label, estimator
+keywords and visible keys); the sweep passes that value around
+(:meth:`~randattn.analysis.plan.SweepConfig.layer_mask`). The kind strings above are how run
+metadata and activation files store it; the functions here that take a kind are thin forms of the
+Mask's own methods.
+
 The exact float64 softmax (the ground truth of every error the sweep reports) is taken over the
 visible keys only, with the others exactly 0, in the probabilities too. An estimator runs under a
 mask only when its spec declares it (:attr:`~randattn.estimators.base.EstimatorSpec.masks`); no
@@ -18,12 +24,11 @@ computed (:func:`check_estimator_masks`).
 from __future__ import annotations
 
 import inspect
-import re
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from randattn.estimators.masks import causal_visible, check_causal_shapes, last_visible_key
+from randattn.estimators.masks import MASKS, Mask, check_causal_shapes, last_visible_key
 
 __all__ = [
     "MASK_CHOICES",
@@ -41,47 +46,38 @@ __all__ = [
     "diagnostics_skip_reason",
 ]
 
-#: how a run's mask is chosen on the command line: ``file`` reads the activation file's own metadata
-MASK_CHOICES = ("none", "causal", "file")
-_SLIDING = re.compile(r"^sliding:([1-9]\d*)$")
+#: how a run's mask is chosen on the command line (``randattn mse --mask``): one of the masks an estimator can
+#: declare (:data:`~randattn.estimators.masks.MASKS`, by label) for every layer, or ``file``: the activation
+#: file's own metadata
+MASK_CHOICES = (*(Mask.parse(mask).label for mask in MASKS), "file")
 
 
 def parse_mask_kind(kind: Any, where: str = "mask") -> str | None:
-    """``None`` / ``"none"`` -> None, ``"causal"``, ``"sliding:W"`` (W a positive integer); ValueError otherwise."""
-    if kind is None or kind == "none":
-        return None
-    if isinstance(kind, str) and (kind == "causal" or _SLIDING.match(kind)):
-        return kind
-    raise ValueError(f"{where} {kind!r} is not a mask kind; use none (bidirectional), 'causal' or 'sliding:W' "
-                     "(W a positive integer)")
+    """``None`` / ``"none"`` -> None, ``"causal"``, ``"sliding:W"`` (W a positive integer); ValueError otherwise.
+
+    The kind of :meth:`Mask.parse(kind, where) <randattn.estimators.masks.Mask.parse>`.
+    """
+    return Mask.parse(kind, where).kind
 
 
 def mask_label(kind: str | None) -> str:
-    """The table's ``mask`` value of a kind: ``"none"``, ``"causal"`` or ``"sliding:W"``."""
-    return "none" if kind is None else str(kind)
+    """The table's ``mask`` value of a kind: ``"none"``, ``"causal"`` or ``"sliding:W"``
+    (:attr:`~randattn.estimators.masks.Mask.label`)."""
+    return Mask.parse(kind).label
 
 
 def sliding_window(kind: str | None) -> int | None:
-    """W of a ``"sliding:W"`` kind; None for other kinds."""
-    match = _SLIDING.match(kind) if isinstance(kind, str) else None
-    return None if match is None else int(match.group(1))
+    """W of a ``"sliding:W"`` kind; None for other kinds (:attr:`~randattn.estimators.masks.Mask.window`)."""
+    return Mask.parse(kind).window
 
 
 def visible_keys(kind: str | None, num_queries: int, num_keys: int) -> np.ndarray | None:
     r"""``(N, M)`` boolean, True where key m is visible to query n under ``kind``; None for no mask.
 
     ``"causal"`` is :func:`~randattn.estimators.masks.causal_visible`; ``"sliding:W"`` adds the lower edge
-    :math:`m > n + (M - N) - W` to it.
+    :math:`m > n + (M - N) - W` to it (:meth:`~randattn.estimators.masks.Mask.visible`).
     """
-    kind = parse_mask_kind(kind)
-    if kind is None:
-        return None
-    visible = causal_visible(num_queries, num_keys)
-    window = sliding_window(kind)
-    if window is not None:
-        last = last_visible_key(num_queries, num_keys)
-        visible &= np.arange(num_keys)[None, :] > (last - window)[:, None]
-    return visible
+    return Mask.parse(kind).visible(num_queries, num_keys)
 
 
 def query_positions(num_queries: int, num_keys: int) -> np.ndarray:
@@ -98,14 +94,9 @@ def visible_key_counts(kind: str | None, num_queries: int, num_keys: int) -> np.
     r"""``(N,)`` int64: how many keys each query sees under ``kind``, without forming the ``(N, M)`` mask.
 
     M for no mask; :math:`p_n = n + (M - N) + 1` under ``"causal"``; :math:`\min(W, p_n)` under ``"sliding:W"``
-    (the row sums of :func:`visible_keys`).
+    (the row sums of :func:`visible_keys`; :meth:`~randattn.estimators.masks.Mask.visible_counts`).
     """
-    kind = parse_mask_kind(kind)
-    if kind is None:
-        return np.full(num_queries, num_keys, dtype=np.int64)
-    counts = query_positions(num_queries, num_keys).astype(np.int64)
-    window = sliding_window(kind)
-    return counts if window is None else np.minimum(counts, window)
+    return Mask.parse(kind).visible_counts(num_queries, num_keys)
 
 
 def normalize_layer_masks(masks: Any) -> str | None | tuple[tuple[int, str | None], ...]:
@@ -156,8 +147,9 @@ def masks_of_activations(acts: Any) -> str | None | tuple[tuple[int, str | None]
 
 
 def estimator_mask_kwargs(kind: str | None) -> dict[str, Any]:
-    """``{"mask": kind}`` for a masked layer, ``{}`` otherwise: a spec's callables get ``mask=`` only when set."""
-    return {} if kind is None else {"mask": kind}
+    """``{"mask": kind}`` for a masked layer, ``{}`` otherwise: a spec's callables get ``mask=`` only when set
+    (:attr:`~randattn.estimators.masks.Mask.estimator_kwargs`)."""
+    return Mask.parse(kind).estimator_kwargs
 
 
 def check_estimator_masks(spec: Any, label: str, layer_kinds: Mapping[int, str | None], per_layer: bool,
