@@ -81,18 +81,33 @@ def test_visibility_and_counts_match_a_loop(text, n, m):
 
 
 @pytest.mark.parametrize("text", [None, "causal", "sliding:3"], ids=str)
-def test_the_analysis_helpers_delegate_to_the_mask(text):
+def test_the_deprecated_analysis_helpers_warn_and_give_the_masks_answers(text):
     from randattn.analysis import masking
 
     mask = Mask.parse(text)
-    assert masking.parse_mask_kind(text) == mask.kind
-    assert masking.mask_label(mask.kind) == mask.label
-    assert masking.estimator_mask_kwargs(mask.kind) == mask.estimator_kwargs
-    assert masking.sliding_window(mask.kind) == mask.window
-    for n, m in ((3, 7), (5, 5)):
-        assert np.array_equal(masking.visible_key_counts(mask.kind, n, m), mask.visible_counts(n, m))
-        visible = masking.visible_keys(mask.kind, n, m)
-        assert (visible is None) if not mask.masked else np.array_equal(visible, mask.visible(n, m))
+    assert masking.parse_mask_kind(text) == mask.kind  # the stored form, not deprecated
+
+    def deprecated(name, replacement, *args):
+        with pytest.warns(DeprecationWarning) as caught:
+            value = getattr(masking, name)(*args)
+        assert len(caught) == 1 and caught[0].filename == __file__  # points at the caller
+        assert str(caught[0].message) == (f"randattn.analysis.masking.{name} is deprecated; use {replacement} "
+                                          "(randattn.estimators.masks.Mask)")
+        return value
+
+    assert deprecated("mask_label", "Mask.parse(kind).label", mask.kind) == mask.label
+    assert deprecated("estimator_mask_kwargs", "Mask.parse(kind).estimator_kwargs", mask.kind) == mask.estimator_kwargs
+    assert deprecated("sliding_window", "Mask.parse(kind).window", mask.kind) == mask.window
+    counts = deprecated("visible_key_counts", "Mask.parse(kind).visible_counts(num_queries, num_keys)", mask.kind, 3, 7)
+    assert np.array_equal(counts, mask.visible_counts(3, 7))
+    visible = deprecated("visible_keys", "Mask.parse(kind).visible(num_queries, num_keys)", mask.kind, 3, 7)
+    assert (visible is None) if not mask.masked else np.array_equal(visible, mask.visible(3, 7))
+
+
+def test_the_cli_offers_the_estimator_masks_and_the_file():
+    from randattn.analysis.masking import MASK_CHOICES
+
+    assert MASK_CHOICES == ("none", "causal", "file")
 
 
 @pytest.mark.parametrize("bad", ["diagonal", "causal ", "sliding", "sliding:0", "sliding:-2", "sliding:2.5",
