@@ -37,7 +37,7 @@ from randattn.analysis.probability_error import (
     row_errors,
 )
 from randattn.estimators.base import Draws
-from randattn.estimators.masks import Mask
+from randattn.estimators.masks import NO_MASK, Mask
 
 __all__ = ["PROBABILITY_KEY_TILE", "PROBABILITY_ROUNDING_RTOL", "BlockEstimator", "ProbabilitiesSkippedWarning",
            "columns_skip_reason"]
@@ -125,7 +125,7 @@ class BlockEstimator:
 
     def estimate(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, exact_probs32=None, *,
                  full_precision: bool = False, rank: int | None = None, exact_sq_norms=None,
-                 exact64: Callable[[], Any] | None = None, mask: Mask = Mask()):
+                 exact64: Callable[[], Any] | None = None, mask: Mask = NO_MASK):
         """Estimates ``(R_b, C_b, N, Dv)`` and the probabilities' squared error ``(R_b, C_b)`` (or None).
 
         Parameters
@@ -174,7 +174,7 @@ class BlockEstimator:
         return self._dense(spec, est, q, k, v, draws, exact_probs, mask=mask)
 
     def tiled_estimate(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, log_normaliser, *,
-                       mask: Mask = Mask(), key_tile: int = PROBABILITY_KEY_TILE, columns: bool = True):
+                       mask: Mask = NO_MASK, key_tile: int = PROBABILITY_KEY_TILE, columns: bool = True):
         """:meth:`estimate` where the truth is tiled: the estimates, and the probabilities' squared error
         ``(R_b, C_b)`` summed over key tiles (module docstring); None without probabilities.
 
@@ -240,7 +240,7 @@ class BlockEstimator:
                                  key_tile=tile)
         return out, sq
 
-    def keys_used(self, spec, est: EstimatorConfig, q, k, draws: Draws, *, mask: Mask = Mask()) -> np.ndarray:
+    def keys_used(self, spec, est: EstimatorConfig, q, k, draws: Draws, *, mask: Mask = NO_MASK) -> np.ndarray:
         """float64 ``(R_b, C_b, N)``: the keys each query's estimate reads (:attr:`~randattn.estimators.base.
         EstimatorSpec.keys_used`), from the block's own draws, in the dtype its estimate ran in (a selection by
         scores may differ between float32 and float64 where candidates nearly tie); on the torch CPU for the
@@ -265,7 +265,7 @@ class BlockEstimator:
                              f"(R, ..., N) = {expected}")
         return counts.to(device="cpu", dtype=torch.float64).numpy()
 
-    def _reference(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: Mask = Mask()):
+    def _reference(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: Mask = NO_MASK):
         """:meth:`estimate` by the float64 numpy reference; the probabilities as its estimate of the identity."""
         masked = mask.estimator_kwargs
         m = k.shape[-2]
@@ -278,7 +278,7 @@ class BlockEstimator:
             prob_sq = ((probs - exact_probs) ** 2).sum(axis=(-2, -1))
         return out, prob_sq
 
-    def _dense(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: Mask = Mask()):
+    def _dense(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: Mask = NO_MASK):
         """:meth:`estimate` by the batched torch form, the probabilities formed densely in the run's dtype."""
         torch = self.torch
         masked = mask.estimator_kwargs
@@ -309,7 +309,7 @@ class BlockEstimator:
         return out, prob_sq
 
     def _factored(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact32, sq_norms,
-                  exact64: Callable[[], Any], mask: Mask = Mask()):
+                  exact64: Callable[[], Any], mask: Mask = NO_MASK):
         """:meth:`estimate` through the probabilities' factors, or None where they have none or the bound is loose.
 
         The error is taken in float32 where its bound allows, else from the same factors in float64
@@ -335,7 +335,7 @@ class BlockEstimator:
         return out, sq.cpu().numpy()
 
     def _float32_product(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs,
-                         mask: Mask = Mask()):
+                         mask: Mask = NO_MASK):
         """:meth:`estimate` through the float32 probability product, or None where its bound is too loose."""
         torch = self.torch
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k, v))

@@ -78,7 +78,7 @@ from randattn.analysis.unit_diagnostics import (
 from randattn.analysis.relative_error import relative_error_columns
 from randattn.analysis.unit_rows import COLUMNS, keys_used_columns, output_metrics, position_rows, table_rows
 from randattn.estimators.base import Draws
-from randattn.estimators.masks import Mask
+from randattn.estimators.masks import NO_MASK, Mask
 
 __all__ = ["COLUMNS", "PHASES", "DiagnosticsSkippedWarning", "MemoryBudgetError", "ProbabilitiesSkippedWarning",
            "UnitResult", "UnitRunner", "exact_under_mask", "format_bytes", "run_recording"]
@@ -111,7 +111,7 @@ class UnitResult(NamedTuple):
 
 
 def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[int], reps: range, num_samples,
-               mask: Mask = Mask()) -> Draws:
+               mask: Mask = NO_MASK) -> Draws:
     """Draws ``(len(reps), C, ...)`` for the cells with these seeds; replicate r of a cell from ``replicate_rng(seed, r)``.
 
     One ``draw`` call for the whole block, on a (replicates, cells) grid of generators
@@ -341,7 +341,7 @@ class UnitRunner:
 
     # ------------------------------------------------------------------------------------------------ checks
     def _diagnostics_block(self, est: EstimatorConfig, q, k, v, draws: Draws, first_block: bool,
-                           mask: Mask = Mask()):
+                           mask: Mask = NO_MASK):
         """:func:`~randattn.analysis.unit_diagnostics.diagnostics_block` with this run's settings (and ``mask``'s
         kind)."""
         return diagnostics_block(self.specs[est.name], est, q, k, v, draws, first_block, scale=self.scale,
@@ -350,7 +350,7 @@ class UnitRunner:
                                  mask=mask.kind)
 
     def _reference_deviation(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, batched_first,
-                             mask: Mask = Mask()) -> float:
+                             mask: Mask = NO_MASK) -> float:
         """max |batched - reference| on the unit's first cell and replicate (same draws, same mask).
 
         ``batched_first (N, Dv)``: the batched estimate of that cell and replicate, a tensor in the run's dtype.
@@ -361,7 +361,7 @@ class UnitRunner:
         return float(np.max(np.abs(np.asarray(ref, dtype=np.float64)[0, 0] - batched)))
 
     def _sliced_reference_deviation(self, spec, est: EstimatorConfig, unit: Unit, q, k, v,
-                                    mask: Mask = Mask()) -> float:
+                                    mask: Mask = NO_MASK) -> float:
         """:meth:`_reference_deviation` of a tiled unit, on its first cell's first
         :data:`~randattn.analysis.cell_memory.REFERENCE_CHECK_TOKENS` keys (and as many of its queries, the first
         or the last as in :meth:`_sliced_calibration`), with replicate 0's draws for that shape: the batched form

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MASKS", "MASK_KINDS", "Mask", "causal_visible", "check_causal_shapes", "last_visible_key"]
+__all__ = ["MASKS", "MASK_KINDS", "NO_MASK", "Mask", "causal_visible", "check_causal_shapes", "last_visible_key"]
 
 #: the masks an estimator can support (its spec's ``masks``) and receive as ``mask=``: None (bidirectional) and
 #: ``"causal"``; no estimator computes a sliding window
@@ -186,3 +186,7 @@ class Mask:
             return np.full(num_queries, num_keys, dtype=np.int64)
         counts = (last_visible_key(num_queries, num_keys) + 1).astype(np.int64)
         return counts if self.window is None else np.minimum(counts, self.window)
+
+
+#: the mask of a bidirectional layer (every key visible to every query); the default where a mask is optional
+NO_MASK = Mask()

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
-from randattn.estimators.masks import MASK_KINDS, MASKS, Mask
+from randattn.estimators.masks import MASK_KINDS, MASKS, NO_MASK, Mask
 
 SHAPES = [(1, 1), (1, 6), (4, 4), (5, 5), (3, 7), (7, 7), (2, 9)]
 STRINGS = [None, "none", "causal", "sliding:1", "sliding:3", "sliding:12"]
@@ -46,7 +46,7 @@ def test_parse_gives_the_kind_label_and_estimator_keywords(text):
 
 
 def test_constructors_and_equality():
-    assert Mask() == Mask.parse(None) == Mask("none")
+    assert Mask() == Mask.parse(None) == Mask("none") == NO_MASK and not NO_MASK.masked
     assert Mask("causal") == Mask.parse("causal") != Mask()
     assert Mask("sliding", 4) == Mask.parse("sliding:4") != Mask("sliding", 5)
     assert Mask("sliding", np.int64(4)).window == 4 and type(Mask("sliding", np.int64(4)).window) is int
