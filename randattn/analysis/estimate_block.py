@@ -28,7 +28,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from randattn.analysis.masking import estimator_mask_kwargs
 from randattn.analysis.plan import EstimatorConfig
 from randattn.analysis.probability_error import (
     factored_pays,
@@ -38,6 +37,7 @@ from randattn.analysis.probability_error import (
     row_errors,
 )
 from randattn.estimators.base import Draws
+from randattn.estimators.masks import NO_MASK, Mask
 
 __all__ = ["PROBABILITY_KEY_TILE", "PROBABILITY_ROUNDING_RTOL", "BlockEstimator", "ProbabilitiesSkippedWarning",
            "columns_skip_reason"]
@@ -52,7 +52,7 @@ class ProbabilitiesSkippedWarning(UserWarning):
     """A unit's probability error was not computed (prob_mse is NaN); the message says why."""
 
 
-def columns_skip_reason(label: str, mask: str | None, queries: int, keys: int, itemsize: int,
+def columns_skip_reason(label: str, mask: Mask, queries: int, keys: int, itemsize: int,
                         budget: int) -> str | None:
     """Why a tiled unit leaves prob_mse NaN, or None where its probabilities may be formed by key tiles.
 
@@ -66,7 +66,7 @@ def columns_skip_reason(label: str, mask: str | None, queries: int, keys: int, i
         return None
     from randattn.analysis.cell_memory import format_bytes
 
-    where = "" if mask is None else f" under mask={mask!r}"
+    where = f" under mask={mask.kind!r}" if mask.masked else ""
     return (f"prob_mse not computed: {label} has no probability factors{where}, and one head's "
             f"{queries} x {keys} probabilities ({format_bytes(dense)} per replicate) exceed the memory budget of "
             f"{format_bytes(budget)}; raise --max-memory, measure fewer --queries, or use --no-probabilities")
@@ -125,7 +125,7 @@ class BlockEstimator:
 
     def estimate(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, exact_probs32=None, *,
                  full_precision: bool = False, rank: int | None = None, exact_sq_norms=None,
-                 exact64: Callable[[], Any] | None = None, mask: str | None = None):
+                 exact64: Callable[[], Any] | None = None, mask: Mask = NO_MASK):
         """Estimates ``(R_b, C_b, N, Dv)`` and the probabilities' squared error ``(R_b, C_b)`` (or None).
 
         Parameters
@@ -148,8 +148,8 @@ class BlockEstimator:
             The exact probabilities' squared row norms.
         exact64 : callable, optional
             Gives the exact probabilities as a float64 tensor (for the factored float64 retry).
-        mask : str, optional
-            The layer's mask kind, passed to every estimator call when set (a form that returns
+        mask : Mask, optional
+            The layer's mask; its keywords go to every estimator call (a form that returns
             None for it, as the probability factors of a causal estimator may, is taken as absent).
 
         Returns
@@ -174,7 +174,7 @@ class BlockEstimator:
         return self._dense(spec, est, q, k, v, draws, exact_probs, mask=mask)
 
     def tiled_estimate(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, log_normaliser, *,
-                       mask: str | None = None, key_tile: int = PROBABILITY_KEY_TILE, columns: bool = True):
+                       mask: Mask = NO_MASK, key_tile: int = PROBABILITY_KEY_TILE, columns: bool = True):
         """:meth:`estimate` where the truth is tiled: the estimates, and the probabilities' squared error
         ``(R_b, C_b)`` summed over key tiles (module docstring); None without probabilities.
 
@@ -192,7 +192,7 @@ class BlockEstimator:
         from randattn.analysis.probability_error import tiled_sq_errors
 
         torch_mod = self.torch
-        masked = estimator_mask_kwargs(mask)
+        masked = mask.estimator_kwargs
         tile = int(key_tile)
         if torch_mod is None:  # the reference: numpy in, numpy out
             out = np.asarray(spec.reference(q, k, v, draws, scale=self.scale, **est.params, **masked), dtype=np.float64)
@@ -205,7 +205,8 @@ class BlockEstimator:
                 return np.asarray(spec.reference(q, k, onehot, draws, scale=self.scale, **est.params, **masked),
                                   dtype=np.float64)
 
-            return out, tiled_sq_errors(columns_of, q, k, log_normaliser, scale=self.scale, mask=mask, key_tile=tile)
+            return out, tiled_sq_errors(columns_of, q, k, log_normaliser, scale=self.scale, mask=mask.kind,
+                                        key_tile=tile)
         import torch
 
         dt = getattr(torch, self.dtype_name(est))
@@ -235,10 +236,11 @@ class BlockEstimator:
                     return spec.batched(tq, tk, onehot, tdraws, scale=self.scale, **est.params, **masked)
 
             tq64, tk64 = (torch.as_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k))
-            sq = tiled_sq_errors(columns_of, tq64, tk64, log_normaliser, scale=self.scale, mask=mask, key_tile=tile)
+            sq = tiled_sq_errors(columns_of, tq64, tk64, log_normaliser, scale=self.scale, mask=mask.kind,
+                                 key_tile=tile)
         return out, sq
 
-    def keys_used(self, spec, est: EstimatorConfig, q, k, draws: Draws, *, mask: str | None = None) -> np.ndarray:
+    def keys_used(self, spec, est: EstimatorConfig, q, k, draws: Draws, *, mask: Mask = NO_MASK) -> np.ndarray:
         """float64 ``(R_b, C_b, N)``: the keys each query's estimate reads (:attr:`~randattn.estimators.base.
         EstimatorSpec.keys_used`), from the block's own draws, in the dtype its estimate ran in (a selection by
         scores may differ between float32 and float64 where candidates nearly tie); on the torch CPU for the
@@ -256,16 +258,16 @@ class BlockEstimator:
         tq, tk = (torch.as_tensor(a, device=device, dtype=dt) for a in (q, k))
         with torch.no_grad():
             counts = spec.keys_used(tq, tk, draws.to_torch(device=device, dtype=dt), scale=self.scale, **est.params,
-                                    **estimator_mask_kwargs(mask))
+                                    **mask.estimator_kwargs)
         expected = (draws.replicates, *q.shape[:-1])
         if tuple(counts.shape) != expected:
             raise ValueError(f"keys_used of estimator {est.label!r} returned shape {tuple(counts.shape)}; expected "
                              f"(R, ..., N) = {expected}")
         return counts.to(device="cpu", dtype=torch.float64).numpy()
 
-    def _reference(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: str | None = None):
+    def _reference(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: Mask = NO_MASK):
         """:meth:`estimate` by the float64 numpy reference; the probabilities as its estimate of the identity."""
-        masked = estimator_mask_kwargs(mask)
+        masked = mask.estimator_kwargs
         m = k.shape[-2]
         out = np.asarray(spec.reference(q, k, v, draws, scale=self.scale, **est.params, **masked), dtype=np.float64)
         prob_sq = None
@@ -276,10 +278,10 @@ class BlockEstimator:
             prob_sq = ((probs - exact_probs) ** 2).sum(axis=(-2, -1))
         return out, prob_sq
 
-    def _dense(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: str | None = None):
+    def _dense(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: Mask = NO_MASK):
         """:meth:`estimate` by the batched torch form, the probabilities formed densely in the run's dtype."""
         torch = self.torch
-        masked = estimator_mask_kwargs(mask)
+        masked = mask.estimator_kwargs
         m = k.shape[-2]
         dt = getattr(torch, self.dtype_name(est))
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
@@ -307,7 +309,7 @@ class BlockEstimator:
         return out, prob_sq
 
     def _factored(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact32, sq_norms,
-                  exact64: Callable[[], Any], mask: str | None = None):
+                  exact64: Callable[[], Any], mask: Mask = NO_MASK):
         """:meth:`estimate` through the probabilities' factors, or None where they have none or the bound is loose.
 
         The error is taken in float32 where its bound allows, else from the same factors in float64
@@ -319,7 +321,7 @@ class BlockEstimator:
         with torch.no_grad():
             result = spec.batched_with_probability_factors(tq, tk, tv, draws.to_torch(device=self.device, dtype=dt),
                                                            scale=self.scale, **est.params,
-                                                           **estimator_mask_kwargs(mask))
+                                                           **mask.estimator_kwargs)
             if result is None:  # no factors for this variant (e.g. under a causal mask)
                 return None
             out, left, right = result
@@ -333,14 +335,14 @@ class BlockEstimator:
         return out, sq.cpu().numpy()
 
     def _float32_product(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs,
-                         mask: str | None = None):
+                         mask: Mask = NO_MASK):
         """:meth:`estimate` through the float32 probability product, or None where its bound is too loose."""
         torch = self.torch
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k, v))
         with torch.no_grad():
             result = spec.batched_with_float32_probabilities(
                 tq, tk, tv, draws.to_torch(device=self.device, dtype=torch.float64), scale=self.scale, **est.params,
-                **estimator_mask_kwargs(mask))
+                **mask.estimator_kwargs)
             if result is None:  # no float32 product for this variant
                 return None
             out, probs, bound = result

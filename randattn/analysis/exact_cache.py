@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from randattn.analysis.masking import visible_keys
 from randattn.analysis.plan import Unit
+from randattn.estimators.masks import MASKS, Mask
 
 __all__ = ["TILED_ABOVE", "ExactCache", "exact_attention", "exact_under_mask", "sink_mass_from_log_normaliser",
            "tiles_exact"]
@@ -37,14 +37,11 @@ __all__ = ["TILED_ABOVE", "ExactCache", "exact_attention", "exact_under_mask", "
 #: every earlier table (the golden tables, the DINOv2 sweeps at 197 to 785 tokens)
 TILED_ABOVE = 2**20
 
-#: the masks the tiled recurrence supports (a sliding window stays dense)
-_TILED_MASKS = (None, "causal")
-
-
-def tiles_exact(kind: str | None, queries: int, keys: int) -> bool:
+def tiles_exact(kind: Mask | str | None, queries: int, keys: int) -> bool:
     """Whether a unit with ``queries`` measured rows and ``keys`` keys under mask ``kind`` takes its truth by tiles
-    (:data:`TILED_ABOVE`; the budget plays no part, so the rows do not depend on it)."""
-    return kind in _TILED_MASKS and queries * keys > TILED_ABOVE
+    (:data:`TILED_ABOVE`; the budget plays no part, so the rows do not depend on it). The tiled recurrence computes
+    the estimators' masks (:data:`~randattn.estimators.masks.MASKS`); a sliding window stays dense."""
+    return Mask.parse(kind).kind in MASKS and queries * keys > TILED_ABOVE
 
 
 def sink_mass_from_log_normaliser(q, k, log_normaliser, scale: float, *, torch: Any) -> np.ndarray:
@@ -58,22 +55,22 @@ def sink_mass_from_log_normaliser(q, k, log_normaliser, scale: float, *, torch: 
     return (logits - log_normaliser).exp().mean(-1).cpu().numpy()
 
 
-def exact_under_mask(kind: str, q, k, v, scale: float, *, torch: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def exact_under_mask(kind: Mask | str, q, k, v, scale: float, *, torch: Any = None) -> tuple[np.ndarray, np.ndarray]:
     r"""The sweep's ground truth under a mask: exact float64 softmax probabilities ``(C, N, M)``, output ``(C, N, Dv)``.
 
     .. math:: P_{nm} = \frac{\exp(s\, q_n \cdot k_m - c_n)}{\sum_{m' \in V_n} \exp(s\, q_n \cdot k_{m'} - c_n)}
         \ (m \in V_n), \qquad P_{nm} = 0 \ (m \notin V_n), \qquad y_n = \sum_m P_{nm} v_m,
 
     with :math:`V_n` the keys visible to query n under ``kind``
-    (:func:`~randattn.analysis.masking.visible_keys`) and :math:`c_n` its largest visible logit (every row
+    (:meth:`~randattn.estimators.masks.Mask.visible`) and :math:`c_n` its largest visible logit (every row
     keeps its own key, so it is finite): the hidden logits are set to :math:`-\infty`, so the hidden
     probabilities are exactly 0. ``torch``: the torch module, to compute as the torch backend does
     (float64, the process's thread count); None: numpy.
 
     Parameters
     ----------
-    kind : str
-        ``"causal"`` or ``"sliding:W"``.
+    kind : Mask or str
+        A mask that hides some keys: ``"causal"`` or ``"sliding:W"``.
     q : (C, N, D) ndarray
     k : (C, M, D) ndarray
     v : (C, M, Dv) ndarray
@@ -81,7 +78,7 @@ def exact_under_mask(kind: str, q, k, v, scale: float, *, torch: Any = None) -> 
         The logit temperature s.
     torch : module, optional
     """
-    visible = visible_keys(kind, q.shape[-2], k.shape[-2])
+    visible = Mask.parse(kind).visible(q.shape[-2], k.shape[-2])
     if torch is None:
         logits = np.where(visible, scale * (q @ np.swapaxes(k, -1, -2)), -np.inf)
         weights = np.exp(logits - logits.max(-1, keepdims=True))
@@ -93,7 +90,8 @@ def exact_under_mask(kind: str, q, k, v, scale: float, *, torch: Any = None) -> 
     return probs.numpy(), (probs @ tv).numpy()
 
 
-def exact_attention(q, k, v, scale: float, kind: str | None, *, torch: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def exact_attention(q, k, v, scale: float, kind: Mask | str | None, *,
+                    torch: Any = None) -> tuple[np.ndarray, np.ndarray]:
     r"""Exact float64 softmax probabilities ``(C, N, M)`` and output ``(C, N, Dv)``.
 
     On the torch backend (``torch``: the torch module) they are computed by torch in float64 with
@@ -112,13 +110,14 @@ def exact_attention(q, k, v, scale: float, kind: str | None, *, torch: Any = Non
         float64 on the reference backend; any floating dtype on the torch backend (computed in float64).
     scale : float
         The logit temperature s.
-    kind : str or None
-        The layer's mask kind (:meth:`~randattn.analysis.plan.SweepConfig.mask_of`).
+    kind : Mask, str or None
+        The layer's mask (:meth:`~randattn.analysis.plan.SweepConfig.layer_mask`) or its kind.
     torch : module, optional
         The torch module on the torch backend; None: numpy (the reference backend).
     """
-    if kind is not None:
-        return exact_under_mask(kind, q, k, v, scale, torch=torch)
+    mask = Mask.parse(kind)
+    if mask.masked:
+        return exact_under_mask(mask, q, k, v, scale, torch=torch)
     if torch is None:
         from randattn.estimators.softmax.reference import attention_probabilities
 
@@ -135,8 +134,8 @@ class ExactCache:
     Parameters
     ----------
     acts : Activations
-    mask_of : callable
-        ``layer -> mask kind or None`` (:meth:`~randattn.analysis.plan.SweepConfig.mask_of`).
+    layer_mask : callable
+        ``layer -> Mask`` (:meth:`~randattn.analysis.plan.SweepConfig.layer_mask`).
     scale : float
         The logit temperature.
     probabilities : bool
@@ -151,11 +150,11 @@ class ExactCache:
         per head, never N x M.
     """
 
-    def __init__(self, acts, mask_of: Callable[[int], str | None], scale: float, probabilities: bool, *,
+    def __init__(self, acts, layer_mask: Callable[[int], Mask], scale: float, probabilities: bool, *,
                  torch: Any = None, device: Any = None, rows: Any = None) -> None:
         self.acts = acts
         self.rows = None if rows is None else np.asarray(rows, dtype=np.intp)
-        self.mask_of = mask_of
+        self.layer_mask = layer_mask
         self.scale = scale
         self.probabilities = probabilities
         self.torch = torch
@@ -171,7 +170,7 @@ class ExactCache:
             queries = self.acts.shape[2] if self.rows is None else len(self.rows)
         if keys is None:
             keys = self.acts.shape[2]
-        return tiles_exact(self.mask_of(unit.layer), queries, keys)
+        return tiles_exact(self.layer_mask(unit.layer), queries, keys)
 
     def tiled_exact(self, unit: Unit, q, k, v) -> tuple[np.ndarray, Any]:
         """The exact float64 output ``(C, K, Dv)`` (numpy) and log-normaliser ``(C, K)`` (a float64 tensor on the
@@ -183,7 +182,7 @@ class ExactCache:
         device = self.device if self.torch is not None else None
         # in the inputs' dtype: the recurrence converts each tile to float64 as it reads it
         tq, tk, tv = (torch.as_tensor(np.ascontiguousarray(a), device=device) for a in (q, k, v))
-        out, log_normaliser = tiled_attention(tq, tk, tv, scale=self.scale, mask=self.mask_of(unit.layer))
+        out, log_normaliser = tiled_attention(tq, tk, tv, scale=self.scale, mask=self.layer_mask(unit.layer).kind)
         return out.cpu().numpy(), log_normaliser
 
     def inputs(self, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -205,7 +204,7 @@ class ExactCache:
 
     def exact(self, unit: Unit, q, k, v) -> tuple[np.ndarray, np.ndarray]:
         """:func:`exact_attention` of ``q, k, v`` under ``unit``'s mask, as this backend computes it."""
-        return exact_attention(q, k, v, self.scale, self.mask_of(unit.layer), torch=self.torch)
+        return exact_attention(q, k, v, self.scale, self.layer_mask(unit.layer), torch=self.torch)
 
     def _entry(self, unit: Unit) -> tuple[tuple, dict]:
         """``((q, k, v, exact_probs, exact), conversions)`` of ``unit``'s heads, computed on a new image-layer."""

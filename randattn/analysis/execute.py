@@ -66,7 +66,7 @@ from randattn.analysis.estimate_block import (
     columns_skip_reason,
 )
 from randattn.analysis.exact_cache import ExactCache, exact_under_mask
-from randattn.analysis.masking import diagnostics_skip_reason, estimator_mask_kwargs, mask_label
+from randattn.analysis.masking import diagnostics_skip_reason
 from randattn.analysis.plan import EstimatorConfig, StackedGenerators, SweepConfig, Unit, replicate_rng
 from randattn.analysis.probability_error import probability_rounding_negligible
 from randattn.analysis.unit_diagnostics import (
@@ -75,10 +75,10 @@ from randattn.analysis.unit_diagnostics import (
     UnitDiagnostics,
     diagnostics_block,
 )
-from randattn.analysis.masking import visible_key_counts
 from randattn.analysis.relative_error import relative_error_columns
 from randattn.analysis.unit_rows import COLUMNS, keys_used_columns, output_metrics, position_rows, table_rows
 from randattn.estimators.base import Draws
+from randattn.estimators.masks import NO_MASK, Mask
 
 __all__ = ["COLUMNS", "PHASES", "DiagnosticsSkippedWarning", "MemoryBudgetError", "ProbabilitiesSkippedWarning",
            "UnitResult", "UnitRunner", "exact_under_mask", "format_bytes", "run_recording"]
@@ -111,18 +111,18 @@ class UnitResult(NamedTuple):
 
 
 def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[int], reps: range, num_samples,
-               mask: str | None = None) -> Draws:
+               mask: Mask = NO_MASK) -> Draws:
     """Draws ``(len(reps), C, ...)`` for the cells with these seeds; replicate r of a cell from ``replicate_rng(seed, r)``.
 
     One ``draw`` call for the whole block, on a (replicates, cells) grid of generators
     (:class:`~randattn.analysis.plan.StackedGenerators`): the same bits as one call per
     (cell, replicate), at a fraction of the per-call cost (orthogonal features take one
-    stacked QR instead of one per call). ``mask`` reaches ``draw`` only when it is set.
+    stacked QR instead of one per call). ``mask``'s keywords reach ``draw`` (none for no mask).
     """
     generators = StackedGenerators([[replicate_rng(seed, r) for seed in seeds] for r in reps])
     cells = len(seeds)
     return spec.draw((cells, *q_shape), (cells, *k_shape), num_samples=num_samples, replicates=len(reps),
-                     rng=generators, **config.params, **estimator_mask_kwargs(mask))
+                     rng=generators, **config.params, **mask.estimator_kwargs)
 
 
 def _lap(seconds: dict[str, float], phase: str, mark: float, clock: Callable[[], float]) -> float:
@@ -171,7 +171,7 @@ class UnitRunner:
         #: N, the query rows of the activations, and the rows measured (None: all; :mod:`randattn.analysis.queries`)
         self.num_queries = int(acts.shape[2])
         self.query_rows = config.query_rows(self.num_queries)
-        self.exact_cache = ExactCache(acts, config.mask_of, self.scale, config.probabilities, torch=self.torch,
+        self.exact_cache = ExactCache(acts, config.layer_mask, self.scale, config.probabilities, torch=self.torch,
                                       device=self.device, rows=self.query_rows)
         self.estimator = BlockEstimator(self.scale, config.probabilities, config.dtype, torch=self.torch,
                                         device=self.device)
@@ -187,9 +187,9 @@ class UnitRunner:
         backend, the file's dtype on torch: :meth:`~randattn.analysis.exact_cache.ExactCache.inputs`)."""
         return self.exact_cache.inputs(unit)
 
-    def mask(self, unit: Unit) -> str | None:
-        """The mask kind of ``unit``'s layer (:meth:`~randattn.analysis.plan.SweepConfig.mask_of`)."""
-        return self.config.mask_of(unit.layer)
+    def mask(self, unit: Unit) -> Mask:
+        """The mask of ``unit``'s layer (:meth:`~randattn.analysis.plan.SweepConfig.layer_mask`)."""
+        return self.config.layer_mask(unit.layer)
 
     def exact(self, unit: Unit, q, k, v) -> tuple[np.ndarray, np.ndarray]:
         """Exact float64 softmax probabilities ``(C, N, M)`` and output ``(C, N, Dv)`` under ``unit``'s mask
@@ -230,8 +230,8 @@ class UnitRunner:
     def _calibration(self, unit: Unit) -> tuple[int, int]:
         """``(a, b)`` of :meth:`block_bytes` for ``unit``'s configuration, S and shape (measured once)."""
         est = self.config.estimators[unit.est_index]
-        kind = self.mask(unit)
-        key = (est.label, unit.num_samples, self.acts.shape[2:], kind)  # a masked estimator may take another path
+        mask = self.mask(unit)
+        key = (est.label, unit.num_samples, self.acts.shape[2:], mask)  # a masked estimator may take another path
         if key not in self._cell_bytes and self.exact_cache.tiled(unit):
             self._cell_bytes[key] = self._sliced_calibration(unit)
         if key not in self._cell_bytes:
@@ -240,16 +240,16 @@ class UnitRunner:
             exact_probs = self.exact(unit, q, k, v)[0] if self.config.probabilities else None
 
             def peak_at(samples: int | None, reps: int) -> int:
-                draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(reps), samples, kind)
+                draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(reps), samples, mask)
 
                 def one() -> None:
                     # the code path that runs: estimates, the probability pass (dense: the larger working set),
                     # diagnostics
-                    self.estimator.estimate(spec, est, q, k, v, draws, exact_probs, full_precision=True, mask=kind)
+                    self.estimator.estimate(spec, est, q, k, v, draws, exact_probs, full_precision=True, mask=mask)
                     if spec.keys_used is not None:
-                        self.estimator.keys_used(spec, est, q, k, draws, mask=kind)
+                        self.estimator.keys_used(spec, est, q, k, draws, mask=mask)
                     if self.config.diagnostics and est.random:
-                        self._diagnostics_block(est, q, k, v, draws, first_block=False, mask=kind)
+                        self._diagnostics_block(est, q, k, v, draws, first_block=False, mask=mask)
 
                 return measure_block_peak(one, draws, torch_tensors=self.torch is not None)
 
@@ -284,7 +284,7 @@ class UnitRunner:
         """
         est = self.config.estimators[unit.est_index]
         spec = self.specs[est.name]
-        kind = self.mask(unit)
+        mask = self.mask(unit)
         columns = self.columns_reason(unit) is None  # the path the unit takes at its full size
         q, k, v = (a[:1] for a in self.inputs(unit))
         n, m = q.shape[-2], k.shape[-2]
@@ -298,14 +298,14 @@ class UnitRunner:
             _, log_normaliser = self.exact_cache.tiled_exact(unit, qs, ks, vs)
 
             def peak_at(samples: int | None, reps: int, qs=qs, ks=ks, vs=vs, lz=log_normaliser) -> int:
-                draws = cell_draws(spec, est, qs.shape[1:], ks.shape[1:], [0], range(reps), samples, kind)
+                draws = cell_draws(spec, est, qs.shape[1:], ks.shape[1:], [0], range(reps), samples, mask)
 
                 def one() -> None:
-                    self.estimator.tiled_estimate(spec, est, qs, ks, vs, draws, lz, mask=kind, columns=columns)
+                    self.estimator.tiled_estimate(spec, est, qs, ks, vs, draws, lz, mask=mask, columns=columns)
                     if spec.keys_used is not None:
-                        self.estimator.keys_used(spec, est, qs, ks, draws, mask=kind)
+                        self.estimator.keys_used(spec, est, qs, ks, draws, mask=mask)
                     if self.config.diagnostics and est.random:
-                        self._diagnostics_block(est, qs, ks, vs, draws, first_block=False, mask=kind)
+                        self._diagnostics_block(est, qs, ks, vs, draws, first_block=False, mask=mask)
 
                 return measure_block_peak(one, draws, torch_tensors=self.torch is not None)
 
@@ -341,15 +341,16 @@ class UnitRunner:
 
     # ------------------------------------------------------------------------------------------------ checks
     def _diagnostics_block(self, est: EstimatorConfig, q, k, v, draws: Draws, first_block: bool,
-                           mask: str | None = None):
-        """:func:`~randattn.analysis.unit_diagnostics.diagnostics_block` with this run's settings."""
+                           mask: Mask = NO_MASK):
+        """:func:`~randattn.analysis.unit_diagnostics.diagnostics_block` with this run's settings (and ``mask``'s
+        kind)."""
         return diagnostics_block(self.specs[est.name], est, q, k, v, draws, first_block, scale=self.scale,
                                  khat_queries=self.config.khat_queries, backend=self.config.backend,
                                  device=None if self.torch is None else self.device, dtype=self._dtype_name(est),
-                                 mask=mask)
+                                 mask=mask.kind)
 
     def _reference_deviation(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, batched_first,
-                             mask: str | None = None) -> float:
+                             mask: Mask = NO_MASK) -> float:
         """max |batched - reference| on the unit's first cell and replicate (same draws, same mask).
 
         ``batched_first (N, Dv)``: the batched estimate of that cell and replicate, a tensor in the run's dtype.
@@ -357,12 +358,12 @@ class UnitRunner:
         # the reference is float64 numpy: the torch backend's inputs are in the file's dtype
         q1, k1, v1 = (np.asarray(a[:1], dtype=np.float64) for a in (q, k, v))
         ref = spec.reference(q1, k1, v1, _slice_draws(draws, slice(0, 1), slice(0, 1)), scale=self.scale,
-                             **est.params, **estimator_mask_kwargs(mask))
+                             **est.params, **mask.estimator_kwargs)
         batched = batched_first.to("cpu", self.torch.float64).numpy()
         return float(np.max(np.abs(np.asarray(ref, dtype=np.float64)[0, 0] - batched)))
 
     def _sliced_reference_deviation(self, spec, est: EstimatorConfig, unit: Unit, q, k, v,
-                                    mask: str | None = None) -> float:
+                                    mask: Mask = NO_MASK) -> float:
         """:meth:`_reference_deviation` of a tiled unit, on its first cell's first
         :data:`~randattn.analysis.cell_memory.REFERENCE_CHECK_TOKENS` keys (and as many of its queries, the first
         or the last as in :meth:`_sliced_calibration`), with replicate 0's draws for that shape: the batched form
@@ -378,7 +379,7 @@ class UnitRunner:
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (qs, ks, vs))
         with torch.no_grad():
             batched = spec.batched(tq, tk, tv, draws.to_torch(device=self.device, dtype=dt), scale=self.scale,
-                                   **est.params, **estimator_mask_kwargs(mask))
+                                   **est.params, **mask.estimator_kwargs)
         return self._reference_deviation(spec, est, qs, ks, vs, draws, batched[0, 0], mask=mask)
 
     # ------------------------------------------------------------------------------------------------ a unit
@@ -417,7 +418,7 @@ class UnitRunner:
         config, cache, estimator = self.config, self.exact_cache, self.estimator
         est = config.estimators[unit.est_index]
         spec = self.specs[est.name]
-        kind = self.mask(unit)
+        mask = self.mask(unit)
         dtype = self._dtype_name(est)
         blocks = self.blocks(unit)
         q, k, v, exact_probs, exact = cache.get(unit, dtype)
@@ -445,7 +446,7 @@ class UnitRunner:
         keys_max = np.full((reps, cells), np.nan) if counts_declared else None
         diagnostics = UnitDiagnostics(reps, cells)
         diagnose = config.diagnostics and est.random
-        skipped = diagnostics_skip_reason(spec, est.params, kind, config.backend) if diagnose else None
+        skipped = diagnostics_skip_reason(spec, est.params, mask.kind, config.backend) if diagnose else None
         if skipped is not None:
             warnings.warn(skipped, DiagnosticsSkippedWarning, stacklevel=2)  # NaN with its reason, once per unit
             diagnose = False
@@ -453,11 +454,11 @@ class UnitRunner:
         for cs, rs in blocks:
             mark = clock()
             draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], unit.seeds[cs], range(rs.start, rs.stop),
-                               unit.num_samples, kind)
+                               unit.num_samples, mask)
             mark = _lap(seconds, "draws", mark, clock)
             if tiled:
                 block_out, block_prob = estimator.tiled_estimate(spec, est, q[cs], k[cs], v[cs], draws,
-                                                                 log_normaliser[cs], mask=kind,
+                                                                 log_normaliser[cs], mask=mask,
                                                                  columns=columns_reason is None)
                 if block_prob is None and config.probabilities and not probabilities_skipped:
                     # NaN with its reason, once per unit (the run's warning records count it)
@@ -468,7 +469,7 @@ class UnitRunner:
                     spec, est, q[cs], k[cs], v[cs], draws, exact_probs[cs] if config.probabilities else None,
                     None if exact32 is None else exact32[cs], rank=unit.num_samples,
                     exact_sq_norms=None if sq_norms is None else sq_norms[cs],
-                    exact64=lambda cs=cs: cache.get(unit, "float64")[3][cs], mask=kind)
+                    exact64=lambda cs=cs: cache.get(unit, "float64")[3][cs], mask=mask)
             if self.torch is None:
                 out[rs, cs] = block_out
             else:
@@ -477,21 +478,21 @@ class UnitRunner:
             if block_prob is not None:
                 prob_sq[rs, cs] = block_prob
             if counts_declared:
-                counts = estimator.keys_used(spec, est, q[cs], k[cs], draws, mask=kind)
+                counts = estimator.keys_used(spec, est, q[cs], k[cs], draws, mask=mask)
                 keys_mean[rs, cs], keys_max[rs, cs] = counts.mean(-1), counts.max(-1)
             mark = _lap(seconds, "estimate", mark, clock)
             used = diagnostics.wanted(rs) if diagnose else None
             if used is not None:
                 diagnostics.add(used, cs, self._diagnostics_block(
                     est, q[cs], k[cs], v[cs], _slice_draws(draws, slice(0, used.stop - used.start), slice(None)),
-                    rs.start == 0, mask=kind))
+                    rs.start == 0, mask=mask))
             mark = _lap(seconds, "diagnostics", mark, clock)
             if unit.check_reference and rs.start == 0 and cs.start == 0 and self.torch is not None:
                 if tiled:  # the reference at full length is a per-query loop (hours at 32k tokens): a slice of it
-                    ref_dev = self._sliced_reference_deviation(spec, est, unit, q[cs], k[cs], v[cs], mask=kind)
+                    ref_dev = self._sliced_reference_deviation(spec, est, unit, q[cs], k[cs], v[cs], mask=mask)
                 else:
                     ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out[0, 0],
-                                                        mask=kind)
+                                                        mask=mask)
             _lap(seconds, "reference_check", mark, clock)
         mark = clock()
         metrics, rel, per_bucket, errors = output_metrics(
@@ -499,7 +500,7 @@ class UnitRunner:
             scheme=config.positions_of(unit.layer), keys=m, queries=self.num_queries, rows=self.query_rows,
             relative_errors=True)
         prob_mse = prob_sq[: metrics.replicates].mean(0) / (n * m)
-        visible = visible_key_counts(kind, self.num_queries, m)
+        visible = mask.visible_counts(self.num_queries, m)
         keys_used = keys_used_columns(keys_mean, keys_max, random=est.random, replicates=metrics.replicates,
                                       visible=float((visible if self.query_rows is None else
                                                      visible[self.query_rows]).mean()))
@@ -508,7 +509,7 @@ class UnitRunner:
         _lap(seconds, "metrics", mark, clock)
         per_cell = (clock() - start) / cells
         model = str(self.acts.metadata.get("model", "unknown"))
-        label = mask_label(kind)
+        label = mask.label
         samples = unit.row_samples(config)
         tokens = self.num_queries  # the sequence's, whichever of its queries are measured (the queries column says)
         rows = table_rows(unit, est, samples, model=model, tokens=tokens, mask=label, dtype=dtype, metrics=metrics,

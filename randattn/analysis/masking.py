@@ -8,6 +8,12 @@ A sweep measures each layer under one mask kind (ARCHITECTURE sec. 12):
 - ``"sliding:W"``: the causal rule cut to the last W keys, :math:`n + (M - N) - W < m \le n + (M - N)`
   (each query sees itself and the W - 1 keys before it, as transformers' sliding-window layers do).
 
+A layer's mask is one :class:`~randattn.estimators.masks.Mask` (its kind, table label, estimator
+keywords and visible keys); the sweep passes that value around
+(:meth:`~randattn.analysis.plan.SweepConfig.layer_mask`). The kind strings above are how run
+metadata and activation files store it (:func:`parse_mask_kind`, :func:`normalize_layer_masks`);
+the older helpers that re-derived a label, keywords or visibility from a kind are deprecated.
+
 The exact float64 softmax (the ground truth of every error the sweep reports) is taken over the
 visible keys only, with the others exactly 0, in the probabilities too. An estimator runs under a
 mask only when its spec declares it (:attr:`~randattn.estimators.base.EstimatorSpec.masks`); no
@@ -18,70 +24,42 @@ computed (:func:`check_estimator_masks`).
 from __future__ import annotations
 
 import inspect
-import re
+import warnings
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from randattn.estimators.masks import causal_visible, check_causal_shapes, last_visible_key
+from randattn.estimators.masks import MASKS, Mask, check_causal_shapes, last_visible_key
 
 __all__ = [
     "MASK_CHOICES",
     "parse_mask_kind",
-    "mask_label",
-    "sliding_window",
-    "visible_keys",
     "query_positions",
-    "visible_key_counts",
     "masks_of_activations",
     "normalize_layer_masks",
-    "estimator_mask_kwargs",
     "check_estimator_masks",
     "takes_mask",
     "diagnostics_skip_reason",
+    # deprecated: the Mask's own attributes and methods say these
+    "mask_label",
+    "sliding_window",
+    "visible_keys",
+    "visible_key_counts",
+    "estimator_mask_kwargs",
 ]
 
-#: how a run's mask is chosen on the command line: ``file`` reads the activation file's own metadata
-MASK_CHOICES = ("none", "causal", "file")
-_SLIDING = re.compile(r"^sliding:([1-9]\d*)$")
+#: how a run's mask is chosen on the command line (``randattn mse --mask``): one of the masks an estimator can
+#: declare (:data:`~randattn.estimators.masks.MASKS`, by label) for every layer, or ``file``: the activation
+#: file's own metadata
+MASK_CHOICES = (*(Mask.parse(mask).label for mask in MASKS), "file")
 
 
 def parse_mask_kind(kind: Any, where: str = "mask") -> str | None:
-    """``None`` / ``"none"`` -> None, ``"causal"``, ``"sliding:W"`` (W a positive integer); ValueError otherwise."""
-    if kind is None or kind == "none":
-        return None
-    if isinstance(kind, str) and (kind == "causal" or _SLIDING.match(kind)):
-        return kind
-    raise ValueError(f"{where} {kind!r} is not a mask kind; use none (bidirectional), 'causal' or 'sliding:W' "
-                     "(W a positive integer)")
+    """``None`` / ``"none"`` -> None, ``"causal"``, ``"sliding:W"`` (W a positive integer); ValueError otherwise.
 
-
-def mask_label(kind: str | None) -> str:
-    """The table's ``mask`` value of a kind: ``"none"``, ``"causal"`` or ``"sliding:W"``."""
-    return "none" if kind is None else str(kind)
-
-
-def sliding_window(kind: str | None) -> int | None:
-    """W of a ``"sliding:W"`` kind; None for other kinds."""
-    match = _SLIDING.match(kind) if isinstance(kind, str) else None
-    return None if match is None else int(match.group(1))
-
-
-def visible_keys(kind: str | None, num_queries: int, num_keys: int) -> np.ndarray | None:
-    r"""``(N, M)`` boolean, True where key m is visible to query n under ``kind``; None for no mask.
-
-    ``"causal"`` is :func:`~randattn.estimators.masks.causal_visible`; ``"sliding:W"`` adds the lower edge
-    :math:`m > n + (M - N) - W` to it.
+    The kind of :meth:`Mask.parse(kind, where) <randattn.estimators.masks.Mask.parse>`.
     """
-    kind = parse_mask_kind(kind)
-    if kind is None:
-        return None
-    visible = causal_visible(num_queries, num_keys)
-    window = sliding_window(kind)
-    if window is not None:
-        last = last_visible_key(num_queries, num_keys)
-        visible &= np.arange(num_keys)[None, :] > (last - window)[:, None]
-    return visible
+    return Mask.parse(kind, where).kind
 
 
 def query_positions(num_queries: int, num_keys: int) -> np.ndarray:
@@ -92,20 +70,6 @@ def query_positions(num_queries: int, num_keys: int) -> np.ndarray:
     """
     check_causal_shapes(num_queries, num_keys)
     return last_visible_key(num_queries, num_keys) + 1
-
-
-def visible_key_counts(kind: str | None, num_queries: int, num_keys: int) -> np.ndarray:
-    r"""``(N,)`` int64: how many keys each query sees under ``kind``, without forming the ``(N, M)`` mask.
-
-    M for no mask; :math:`p_n = n + (M - N) + 1` under ``"causal"``; :math:`\min(W, p_n)` under ``"sliding:W"``
-    (the row sums of :func:`visible_keys`).
-    """
-    kind = parse_mask_kind(kind)
-    if kind is None:
-        return np.full(num_queries, num_keys, dtype=np.int64)
-    counts = query_positions(num_queries, num_keys).astype(np.int64)
-    window = sliding_window(kind)
-    return counts if window is None else np.minimum(counts, window)
 
 
 def normalize_layer_masks(masks: Any) -> str | None | tuple[tuple[int, str | None], ...]:
@@ -155,11 +119,6 @@ def masks_of_activations(acts: Any) -> str | None | tuple[tuple[int, str | None]
         raise ValueError(f"the activation file's metadata 'mask': {exc}") from None
 
 
-def estimator_mask_kwargs(kind: str | None) -> dict[str, Any]:
-    """``{"mask": kind}`` for a masked layer, ``{}`` otherwise: a spec's callables get ``mask=`` only when set."""
-    return {} if kind is None else {"mask": kind}
-
-
 def check_estimator_masks(spec: Any, label: str, layer_kinds: Mapping[int, str | None], per_layer: bool,
                           probe: Callable[[str], None] | None = None) -> None:
     """Refuse, before anything is computed, an estimator configuration that cannot run under a layer's mask.
@@ -190,7 +149,7 @@ def check_estimator_masks(spec: Any, label: str, layer_kinds: Mapping[int, str |
             continue
         checked.add(kind)
         where = f"layer {layer} has mask {kind!r}: " if per_layer else ""
-        window = sliding_window(kind)
+        window = Mask.parse(kind).window
         if window is not None:
             if "sliding" in getattr(spec, "masks", ()):
                 continue
@@ -255,3 +214,41 @@ def diagnostics_skip_reason(spec: Any, params: Mapping[str, Any], kind: str | No
     return (f"IS diagnostics (ESS, delta-method variance, k-hat) not computed under mask={kind!r}: the importance-"
             f"weight provider of {spec.name!r} takes no mask, and bidirectional weights would describe another "
             "estimator")
+
+
+# ------------------------------------------------------------------------------------------------ deprecated
+def _warn_deprecated(name: str, replacement: str) -> None:
+    warnings.warn(f"randattn.analysis.masking.{name} is deprecated; use {replacement} "
+                  "(randattn.estimators.masks.Mask)", DeprecationWarning, stacklevel=3)
+
+
+def mask_label(kind: str | None) -> str:
+    """Deprecated: ``Mask.parse(kind).label`` (:attr:`~randattn.estimators.masks.Mask.label`)."""
+    _warn_deprecated("mask_label", "Mask.parse(kind).label")
+    return Mask.parse(kind).label
+
+
+def sliding_window(kind: str | None) -> int | None:
+    """Deprecated: ``Mask.parse(kind).window`` (:attr:`~randattn.estimators.masks.Mask.window`)."""
+    _warn_deprecated("sliding_window", "Mask.parse(kind).window")
+    return Mask.parse(kind).window
+
+
+def visible_keys(kind: str | None, num_queries: int, num_keys: int) -> np.ndarray | None:
+    """Deprecated: ``Mask.parse(kind).visible(num_queries, num_keys)``
+    (:meth:`~randattn.estimators.masks.Mask.visible`)."""
+    _warn_deprecated("visible_keys", "Mask.parse(kind).visible(num_queries, num_keys)")
+    return Mask.parse(kind).visible(num_queries, num_keys)
+
+
+def visible_key_counts(kind: str | None, num_queries: int, num_keys: int) -> np.ndarray:
+    """Deprecated: ``Mask.parse(kind).visible_counts(num_queries, num_keys)``
+    (:meth:`~randattn.estimators.masks.Mask.visible_counts`)."""
+    _warn_deprecated("visible_key_counts", "Mask.parse(kind).visible_counts(num_queries, num_keys)")
+    return Mask.parse(kind).visible_counts(num_queries, num_keys)
+
+
+def estimator_mask_kwargs(kind: str | None) -> dict[str, Any]:
+    """Deprecated: ``Mask.parse(kind).estimator_kwargs`` (:attr:`~randattn.estimators.masks.Mask.estimator_kwargs`)."""
+    _warn_deprecated("estimator_mask_kwargs", "Mask.parse(kind).estimator_kwargs")
+    return Mask.parse(kind).estimator_kwargs

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from randattn._validation import check_choice, check_positive_int
+from randattn.estimators.masks import Mask
 
 __all__ = [
     "BACKENDS",
@@ -361,6 +362,17 @@ class SweepConfig:
             raise ValueError(f"the run's mask names layers {sorted(kinds)} but not layer {layer}; give every "
                              "selected layer a mask")
         return kinds[int(layer)]
+
+    def layer_mask(self, layer: int) -> Mask:
+        """The :class:`~randattn.estimators.masks.Mask` of ``layer``, the one value the sweep passes around (its
+        label, estimator keywords and visible keys); its kind is :meth:`mask_of`.
+
+        Raises
+        ------
+        ValueError
+            The run gives masks per layer and none for ``layer``.
+        """
+        return Mask.parse(self.mask_of(layer))
 
     def mask_json(self) -> Any:
         """The mask as JSON: one kind (str or None) or ``{"<layer>": kind}``."""

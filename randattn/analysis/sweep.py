@@ -178,7 +178,8 @@ def _check_masks(acts, config: SweepConfig) -> None:
     (a few arrays, no estimate): a parameter with no masked form (e.g. a feature map fitted from
     every key) is refused there, by the estimator's own message.
     """
-    from randattn.analysis.masking import check_estimator_masks, estimator_mask_kwargs
+    from randattn.analysis.masking import check_estimator_masks
+    from randattn.estimators.masks import Mask
     from randattn.estimators.registry import get_spec
 
     kinds = {layer: config.mask_of(layer) for layer in select("layers", config.layers, list(acts.layers))}
@@ -193,7 +194,7 @@ def _check_masks(acts, config: SweepConfig) -> None:
 
         def probe(kind: str, spec=spec, est=est, samples=samples) -> None:
             spec.draw((1, queries, d), (1, n, d), num_samples=samples, replicates=1, rng=np.random.default_rng(0),
-                      **est.params, **estimator_mask_kwargs(kind))
+                      **est.params, **Mask.parse(kind).estimator_kwargs)
 
         check_estimator_masks(spec, est.label, kinds, isinstance(config.mask, tuple), probe)
 

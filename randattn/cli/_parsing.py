@@ -98,14 +98,14 @@ def parse_epsilon(value: float | None) -> float | None:
 
 
 def resolve_mask(choice: str, activations: Any):
-    """``--mask``: None, ``"causal"``, or (``file``) the activation file's recorded masks (canonical form)."""
+    """``--mask`` (one of :data:`~randattn.analysis.masking.MASK_CHOICES`): the kind of the mask it names for every
+    layer (None, ``"causal"``), or (``file``) the activation file's recorded masks (canonical form)."""
     from randattn.analysis.masking import masks_of_activations
     from randattn.cli._common import abort
+    from randattn.estimators.masks import Mask
 
-    if choice == "none":
-        return None
-    if choice == "causal":
-        return "causal"
+    if choice != "file":
+        return Mask.parse(choice, "--mask").kind
     try:
         return masks_of_activations(activations)
     except ValueError as exc:

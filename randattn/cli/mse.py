@@ -11,6 +11,8 @@ from pathlib import Path
 
 import click
 
+from randattn.analysis.masking import MASK_CHOICES
+
 
 @click.command("mse")
 @click.argument("acts", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
@@ -62,7 +64,7 @@ import click
               help="Where units run: local (this process), processes:N (a local Dask cluster of N worker "
                    "processes) or tcp://HOST:PORT (a running Dask scheduler; ACTS must be readable by every worker). "
                    "The table is the same whatever the scheduler.")
-@click.option("--mask", "mask_choice", type=click.Choice(["none", "causal", "file"]), default="file", show_default=True,
+@click.option("--mask", "mask_choice", type=click.Choice(MASK_CHOICES), default="file", show_default=True,
               help="Attention mask of every layer: none (bidirectional), causal (key m visible to query n iff "
                    "m <= n + M - N), or file: the activation file's own per-layer 'mask' metadata (a language-model "
                    "capture records it; a file without it is bidirectional). Estimators, the exact softmax and the "

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from randattn._validation import check_choice
+from randattn.estimators.masks import MASKS
 
 __all__ = [
     "CONVERGENCE",
@@ -39,9 +40,8 @@ CONVERGENCE = ("exact", "unbiased", "consistent", "none")
 #: how time and memory grow with the number of tokens (:attr:`EstimatorSpec.cost`): ``linear``
 #: promises never to hold an N x M array; ``quadratic`` makes no such promise.
 COSTS = ("linear", "quadratic")
-#: attention masks an estimator may support (:attr:`EstimatorSpec.masks`): None (bidirectional)
-#: and ``"causal"`` (key m visible to query n iff m <= n + M - N; ARCHITECTURE sec. 12).
-MASKS = (None, "causal")
+# MASKS, the attention masks an estimator may support (:attr:`EstimatorSpec.masks`), is defined once in
+# randattn.estimators.masks and re-exported here: None (bidirectional) and "causal" (ARCHITECTURE sec. 12).
 #: how an estimator picks the keys it weighs (:attr:`EstimatorSpec.selection`): ``continuous``: every key's weight
 #: is a continuous function of the inputs (or the keys are chosen by position or by the draws alone);
 #: ``discrete``: keys are chosen by comparing values computed from the inputs (top-k scores, hash buckets), so

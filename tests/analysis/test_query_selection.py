@@ -18,12 +18,12 @@ from scipy.stats import binomtest
 
 from _sampled_keys import NAME, SPEC
 from randattn.activations import make_activations
-from randattn.analysis.masking import visible_key_counts, visible_keys
 from randattn.analysis.plan import SweepConfig, parse_estimator_list, replicate_rng
 from randattn.analysis.positions import bucket_query_slices, query_positions
 from randattn.analysis.queries import parse_query_selection, query_rows
 from randattn.analysis.relative_error import clopper_pearson
 from randattn.analysis.sweep import plan, run_sweep_tables
+from randattn.estimators.masks import Mask
 from randattn.estimators.registry import register_estimator, unregister_estimator
 
 N, D, HEADS, SCALE, S, R = 9, 4, 2, 0.5, 3, 5
@@ -194,9 +194,10 @@ def test_clopper_pearson_against_scipy_binomtest():
 
 @pytest.mark.parametrize("kind", [None, "causal", "sliding:3"])
 def test_visible_key_counts_are_the_mask_row_sums(kind):
+    mask = Mask.parse(kind)
     for n, m in ((5, 5), (3, 7), (1, 4)):
-        expected = np.full(n, m) if kind is None else visible_keys(kind, n, m).sum(-1)
-        assert np.array_equal(visible_key_counts(kind, n, m), expected)
+        expected = np.full(n, m) if kind is None else mask.visible(n, m).sum(-1)
+        assert np.array_equal(mask.visible_counts(n, m), expected)
 
 
 def test_buckets_of_selected_rows_are_their_true_positions():

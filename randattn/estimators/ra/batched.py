@@ -9,6 +9,7 @@ import torch
 from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws
+from randattn.estimators.masks import MASKS
 from randattn.estimators.ra.reference import check_ra_params, noise_std
 
 __all__ = ["estimate", "probabilities", "estimate_with_probabilities"]
@@ -137,7 +138,7 @@ def estimate_with_probabilities(
 
 def _hidden(mask: str | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
     """``(N, M)`` boolean on ``x``'s device, True where ``mask`` hides key m from query n; None for no mask."""
-    check_choice("mask", mask, (None, "causal"))  # the masks the reference accepts (visible_keys)
+    check_choice("mask", mask, MASKS)  # the masks the reference accepts (visible_keys)
     if mask is None:
         return None
     from randattn.estimators.masks import check_causal_shapes

@@ -10,7 +10,7 @@ from scipy.special import log_softmax, softmax
 from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws
-from randattn.estimators.masks import causal_visible, last_visible_key
+from randattn.estimators.masks import MASKS, causal_visible, last_visible_key
 
 __all__ = ["estimate", "noise_std", "check_ra_params", "visible_keys"]
 
@@ -40,7 +40,7 @@ def visible_keys(mask: str | None, num_queries: int, num_keys: int) -> np.ndarra
 
     Raises ValueError for a mask other than None and ``"causal"``, and for causal with M < N.
     """
-    check_choice("mask", mask, (None, "causal"))
+    check_choice("mask", mask, MASKS)
     return None if mask is None else causal_visible(num_queries, num_keys)
 
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from randattn.estimators.features import DATA_DEPENDENT_MAPS, FEATURE_MAPS
+from randattn.estimators.masks import MASKS  # RFA computes every mask an estimator can declare (ARCHITECTURE sec. 12)
 
 __all__ = ["MASKS", "check_rfa_mask"]
-
-#: the masks RFA computes (ARCHITECTURE sec. 12)
-MASKS = (None, "causal")
 
 
 def check_rfa_mask(mask: Any, feature_map: str) -> None:

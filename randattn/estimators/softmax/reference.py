@@ -10,11 +10,9 @@ from scipy.special import softmax
 from randattn._validation import check_choice
 from randattn.estimators._prepare import prepare_reference
 from randattn.estimators.base import Draws
+from randattn.estimators.masks import MASKS  # exact softmax computes every mask an estimator can declare
 
 __all__ = ["attention_probabilities", "estimate"]
-
-#: the masks exact softmax computes (ARCHITECTURE sec. 12)
-MASKS = (None, "causal")
 
 
 def _masked_logits(x: np.ndarray, y: np.ndarray, mask: str | None) -> np.ndarray:

@@ -77,7 +77,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators.base import Draws, EstimatorSpec, ExactLimit
-from randattn.estimators.masks import check_causal_shapes
+from randattn.estimators.masks import MASKS, check_causal_shapes
 from randattn.estimators.vattention import batched, reference
 from randattn.estimators.vattention.rules import PARAMS, check_params, uniform_counts
 
@@ -101,7 +101,7 @@ def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, re
     is a pure function of them. ``num_samples`` must be a positive integer in both modes (adaptive ignores it).
     """
     params = check_params(params)
-    if mask not in (None, "causal"):
+    if mask not in MASKS:
         raise ValueError(f"unknown mask {mask!r}; allowed: None (bidirectional) or 'causal'")
     if mask == "causal":
         check_causal_shapes(q_shape[-2], k_shape[-2])
