@@ -310,6 +310,65 @@ class BatchedForms:
         return dataclasses.replace(self, **changes)
 
 
+#: the keywords of earlier versions that gave the torch forms one by one, and the form each is now in BatchedForms
+_LEGACY_FORM_KEYWORDS = {
+    "batched": "estimate",
+    "batched_probabilities": "probabilities",
+    "batched_with_probabilities": "estimate_with_probabilities",
+    "batched_with_float32_probabilities": "estimate_with_float32_probabilities",
+    "batched_with_probability_factors": "estimate_with_probability_factors",
+}
+
+
+def _forms_with_legacy(forms: Any, legacy: Mapping[str, Any], stacklevel: int) -> BatchedForms:
+    """``forms`` (or new forms, where None) with the forms given by the keywords of earlier versions, warning."""
+    renamed = {_LEGACY_FORM_KEYWORDS[old]: value for old, value in legacy.items()}
+    given = ", ".join(f"{old}=" for old in legacy)
+    wanted = ", ".join(f"{new}=..." for new in renamed)
+    warnings.warn(f"EstimatorSpec({given}) is deprecated; declare the batched forms in one object, "
+                  f"EstimatorSpec(..., forms=BatchedForms({wanted}))", DeprecationWarning, stacklevel=stacklevel)
+    if callable(forms) and not isinstance(forms, BatchedForms):  # ``batched`` by position, the rest by keyword
+        renamed = {"estimate": forms, **renamed}
+        forms = None
+    return BatchedForms(**renamed) if forms is None else forms.replace(**renamed)
+
+
+def _deprecated_form_property(old: str, form: str) -> property:
+    def read(self: Any) -> Callable[..., Any] | None:
+        warnings.warn(f"EstimatorSpec.{old} is deprecated; ask spec.forms.has({form!r}) and "
+                      f"spec.forms.get({form!r})", DeprecationWarning, stacklevel=2)
+        return getattr(self.forms, form)
+
+    read.__name__ = old
+    return property(read, doc=f"Deprecated: ``forms.{form}`` (None where not declared); ask ``forms.has({form!r})``.")
+
+
+def _accepting_legacy_form_keywords(cls: type) -> type:
+    """The spec class, taking the keywords of :data:`_LEGACY_FORM_KEYWORDS` too (deprecated), and reading the old
+    optional fields as deprecated properties: specs written to the earlier protocol, and
+    ``dataclasses.replace(spec, batched_probabilities=...)``, still work."""
+    init = cls.__init__
+    forms_position = [f.name for f in dataclasses.fields(cls)].index("forms")
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        legacy = {old: kwargs.pop(old) for old in _LEGACY_FORM_KEYWORDS if old in kwargs}
+        if legacy:
+            if len(args) > forms_position:
+                args = (*args[:forms_position], _forms_with_legacy(args[forms_position], legacy, stacklevel=3),
+                        *args[forms_position + 1:])
+            else:
+                kwargs["forms"] = _forms_with_legacy(kwargs.get("forms"), legacy, stacklevel=3)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    for old, form in _LEGACY_FORM_KEYWORDS.items():
+        if old != "batched":  # the batched estimate stays a plain property, EstimatorSpec.batched
+            setattr(cls, old, _deprecated_form_property(old, form))
+    return cls
+
+
+@_accepting_legacy_form_keywords
 @dataclass(frozen=True)
 class EstimatorSpec:
     """What the registry knows of an estimator.
@@ -544,65 +603,6 @@ class EstimatorSpec:
             value = params.get(name, param.default)
             resolved[name] = param.check(name, value)
         return resolved
-
-
-#: the keywords of earlier versions that gave the torch forms one by one, and the form each is now in BatchedForms
-_LEGACY_FORM_KEYWORDS = {
-    "batched": "estimate",
-    "batched_probabilities": "probabilities",
-    "batched_with_probabilities": "estimate_with_probabilities",
-    "batched_with_float32_probabilities": "estimate_with_float32_probabilities",
-    "batched_with_probability_factors": "estimate_with_probability_factors",
-}
-
-
-def _forms_with_legacy(forms: Any, legacy: Mapping[str, Any], stacklevel: int) -> BatchedForms:
-    """``forms`` (or new forms, where None) with the forms given by the keywords of earlier versions, warning."""
-    renamed = {_LEGACY_FORM_KEYWORDS[old]: value for old, value in legacy.items()}
-    given = ", ".join(f"{old}=" for old in legacy)
-    wanted = ", ".join(f"{new}=..." for new in renamed)
-    warnings.warn(f"EstimatorSpec({given}) is deprecated; declare the batched forms in one object, "
-                  f"EstimatorSpec(..., forms=BatchedForms({wanted}))", DeprecationWarning, stacklevel=stacklevel)
-    if callable(forms) and not isinstance(forms, BatchedForms):  # ``batched`` by position, the rest by keyword
-        renamed = {"estimate": forms, **renamed}
-        forms = None
-    return BatchedForms(**renamed) if forms is None else forms.replace(**renamed)
-
-
-def _accepting_legacy_form_keywords(init: Callable[..., None]) -> Callable[..., None]:
-    """``EstimatorSpec.__init__`` that also takes the keywords of :data:`_LEGACY_FORM_KEYWORDS` (deprecated):
-    specs written to the earlier protocol, and ``dataclasses.replace(spec, batched_probabilities=...)``, still work."""
-    forms_position = [f.name for f in dataclasses.fields(EstimatorSpec)].index("forms")
-
-    @functools.wraps(init)
-    def __init__(self: EstimatorSpec, *args: Any, **kwargs: Any) -> None:
-        legacy = {old: kwargs.pop(old) for old in _LEGACY_FORM_KEYWORDS if old in kwargs}
-        if legacy:
-            if len(args) > forms_position:
-                args = (*args[:forms_position], _forms_with_legacy(args[forms_position], legacy, stacklevel=3),
-                        *args[forms_position + 1:])
-            else:
-                kwargs["forms"] = _forms_with_legacy(kwargs.get("forms"), legacy, stacklevel=3)
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
-def _deprecated_form_property(old: str, form: str) -> property:
-    def read(self: EstimatorSpec) -> Callable[..., Any] | None:
-        warnings.warn(f"EstimatorSpec.{old} is deprecated; ask spec.forms.has({form!r}) and "
-                      f"spec.forms.get({form!r})", DeprecationWarning, stacklevel=2)
-        return getattr(self.forms, form)
-
-    read.__name__ = old
-    return property(read, doc=f"Deprecated: ``forms.{form}`` (None where not declared); ask ``forms.has({form!r})``.")
-
-
-EstimatorSpec.__init__ = _accepting_legacy_form_keywords(EstimatorSpec.__init__)  # type: ignore[method-assign]
-for _old, _form in _LEGACY_FORM_KEYWORDS.items():
-    if _old != "batched":  # the batched estimate stays a plain property: EstimatorSpec.batched
-        setattr(EstimatorSpec, _old, _deprecated_form_property(_old, _form))
-del _old, _form
 
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
