@@ -4,7 +4,7 @@ batched torch), and measured against exact softmax."""
 from importlib.metadata import PackageNotFoundError, version
 
 from randattn.api import draw, estimate
-from randattn.estimators.base import EstimatorSpec, ExactLimit, ImportanceWeights, Param
+from randattn.estimators.base import BatchedForms, EstimatorSpec, ExactLimit, ImportanceWeights, Param
 from randattn.estimators.registry import (
     catalogue,
     get_spec,
@@ -26,6 +26,7 @@ __all__ = [
     "list_estimators",
     "register_estimator",
     "unregister_estimator",
+    "BatchedForms",
     "EstimatorSpec",
     "ExactLimit",
     "ImportanceWeights",

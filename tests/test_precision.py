@@ -19,6 +19,7 @@ from randattn._precision import compute_environment, full_precision_matmul
 from randattn.activations import make_activations
 from randattn.analysis.plan import SweepConfig, parse_estimator_list
 from randattn.analysis.sweep import run_sweep
+from randattn.estimators.base import BatchedForms
 from randattn.estimators.registry import register_estimator, unregister_estimator
 
 SETTINGS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
@@ -34,8 +35,7 @@ def _spy(seen: list):
         seen.append(tuple(s.fp32_precision for s in SETTINGS))
         return softmax.batched(q, k, v, draws, **kwargs)
 
-    return dataclasses.replace(softmax, name="precision-spy", batched=batched, batched_with_probabilities=None,
-                               batched_probabilities=None)
+    return dataclasses.replace(softmax, name="precision-spy", forms=BatchedForms(estimate=batched))
 
 
 @pytest.fixture

@@ -71,7 +71,7 @@ def columns_skip_reason(label: str, mask: Mask, queries: int, keys: int, itemsiz
             f"{queries} x {keys} probabilities ({format_bytes(dense)} per replicate) exceed the memory budget of "
             f"{format_bytes(budget)}; raise --max-memory, measure fewer --queries, or use --no-probabilities")
 
-#: a float64 run takes an estimator's float32 probability product (``batched_with_float32_probabilities``), and any
+#: a float64 run takes an estimator's float32 probability product (``estimate_with_float32_probabilities``), and any
 #: run the factored probability error (:mod:`~randattn.analysis.probability_error`), only where its rounding bound
 #: changes every (replicate, cell)'s probability squared error by at most this fraction; a block where it may change
 #: more is recomputed the dense way. Two orders below the ~10% standard error of a prob_mse over R = 32 replicates
@@ -109,7 +109,7 @@ class BlockEstimator:
     def rounds_probabilities(self, spec, est: EstimatorConfig) -> bool:
         """Whether this run may take ``spec``'s float32 probability product (a float64 run under ``dtype="auto"``)."""
         return (self.torch is not None and self.probabilities and self.dtype == "auto"
-                and self.dtype_name(est) == "float64" and spec.batched_with_float32_probabilities is not None)
+                and self.dtype_name(est) == "float64" and spec.forms.has("estimate_with_float32_probabilities"))
 
     def factors_pay(self, spec, est: EstimatorConfig, rank: int | None, queries: int) -> bool:
         """Whether this block measures the probability error from the estimator's factors.
@@ -118,7 +118,7 @@ class BlockEstimator:
         the faster way (:func:`~randattn.analysis.probability_error.factored_pays`), in float32
         runs and in float64 runs under ``dtype="auto"`` (an explicit float64 run stays float64).
         """
-        if (self.torch is None or not self.probabilities or spec.batched_with_probability_factors is None
+        if (self.torch is None or not self.probabilities or not spec.forms.has("estimate_with_probability_factors")
                 or not factored_pays(rank, queries)):
             return False
         return self.dtype_name(est) == "float32" or self.dtype == "auto"
@@ -216,9 +216,9 @@ class BlockEstimator:
             if not self.probabilities:
                 return spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked), None
             factors = None
-            if spec.batched_with_probability_factors is not None:
-                factors = spec.batched_with_probability_factors(tq, tk, tv, tdraws, scale=self.scale, **est.params,
-                                                                **masked)
+            if spec.forms.has("estimate_with_probability_factors"):
+                factors = spec.forms.get("estimate_with_probability_factors")(tq, tk, tv, tdraws, scale=self.scale,
+                                                                              **est.params, **masked)
             if factors is not None:
                 out, left, right = factors
                 left64 = left.to(torch.float64)
@@ -290,14 +290,14 @@ class BlockEstimator:
             prob_sq = None
             if not self.probabilities:
                 out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
-            elif spec.batched_with_probabilities is not None:
+            elif spec.forms.has("estimate_with_probabilities"):
                 # one pass: the features and weights the two results share are computed once (same bits as two calls)
-                out, probs = spec.batched_with_probabilities(tq, tk, tv, tdraws, scale=self.scale, **est.params,
-                                                             **masked)
+                out, probs = spec.forms.get("estimate_with_probabilities")(tq, tk, tv, tdraws, scale=self.scale,
+                                                                           **est.params, **masked)
             else:
                 out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
-                if spec.batched_probabilities is not None:
-                    probs = spec.batched_probabilities(tq, tk, tdraws, scale=self.scale, **est.params, **masked)
+                if spec.forms.has("probabilities"):
+                    probs = spec.forms.get("probabilities")(tq, tk, tdraws, scale=self.scale, **est.params, **masked)
                 else:
                     eye = torch.eye(m, device=self.device, dtype=dt).expand(*k.shape[:-1], m)
                     probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params, **masked)
@@ -319,9 +319,15 @@ class BlockEstimator:
         dt = getattr(torch, self.dtype_name(est))
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
         with torch.no_grad():
+<<<<<<< HEAD
             result = spec.batched_with_probability_factors(tq, tk, tv, draws.to_torch(device=self.device, dtype=dt),
                                                            scale=self.scale, **est.params,
                                                            **mask.estimator_kwargs)
+=======
+            result = spec.forms.get("estimate_with_probability_factors")(
+                tq, tk, tv, draws.to_torch(device=self.device, dtype=dt), scale=self.scale, **est.params,
+                **estimator_mask_kwargs(mask))
+>>>>>>> h3
             if result is None:  # no factors for this variant (e.g. under a causal mask)
                 return None
             out, left, right = result
@@ -340,7 +346,7 @@ class BlockEstimator:
         torch = self.torch
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k, v))
         with torch.no_grad():
-            result = spec.batched_with_float32_probabilities(
+            result = spec.forms.get("estimate_with_float32_probabilities")(
                 tq, tk, tv, draws.to_torch(device=self.device, dtype=torch.float64), scale=self.scale, **est.params,
                 **mask.estimator_kwargs)
             if result is None:  # no float32 product for this variant

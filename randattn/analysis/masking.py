@@ -170,7 +170,18 @@ def check_estimator_masks(spec: Any, label: str, layer_kinds: Mapping[int, str |
 
 
 def takes_mask(function: Callable[..., Any] | None) -> bool:
-    """Whether ``function`` accepts a ``mask`` keyword (a named parameter or ``**kwargs``)."""
+    """Whether ``function`` accepts a ``mask`` keyword (a named parameter or ``**kwargs``).
+
+    .. deprecated::
+        Whether a provider computes under a mask is declared, not read from its signature:
+        :attr:`ImportanceWeights.masks <randattn.estimators.base.ImportanceWeights>` (see
+        :func:`diagnostics_skip_reason`).
+    """
+    import warnings
+
+    warnings.warn("randattn.analysis.masking.takes_mask is deprecated: a provider declares the masks it computes "
+                  "under (ImportanceWeights(masks=...)); ask spec.importance_weights.masks_of(params)",
+                  DeprecationWarning, stacklevel=2)
     if function is None:
         return False
     try:
@@ -185,9 +196,9 @@ def diagnostics_skip_reason(spec: Any, params: Mapping[str, Any], kind: str | No
     """Why the IS diagnostics are not computed for this configuration under ``kind``; None when they are.
 
     The providers of :attr:`~randattn.estimators.base.EstimatorSpec.importance_weights` describe the
-    bidirectional estimator unless they take a ``mask``: weights that pool later keys would describe
-    another estimator than the one measured, so under a mask they are skipped (NaN), never computed
-    bidirectionally.
+    bidirectional estimator unless they declare the mask (``ImportanceWeights.masks``): weights that
+    pool later keys would describe another estimator than the one measured, so under a mask they do
+    not declare they are skipped (NaN), never computed bidirectionally.
 
     Parameters
     ----------
@@ -197,7 +208,7 @@ def diagnostics_skip_reason(spec: Any, params: Mapping[str, Any], kind: str | No
     kind : str or None
         The layer's mask kind.
     backend : {"torch", "reference"}
-        The sweep's backend: which provider it would call (``batched``, or the numpy one).
+        The sweep's backend; the declared masks hold for the torch and the numpy providers alike.
 
     Returns
     -------
@@ -207,9 +218,7 @@ def diagnostics_skip_reason(spec: Any, params: Mapping[str, Any], kind: str | No
     """
     if kind is None or not spec.diagnostics_apply(params):
         return None
-    weights = spec.importance_weights
-    provider = weights.batched if backend == "torch" else weights.reference_per_element or weights.reference
-    if takes_mask(provider):
+    if kind in spec.importance_weights.masks_of(params):
         return None
     return (f"IS diagnostics (ESS, delta-method variance, k-hat) not computed under mask={kind!r}: the importance-"
             f"weight provider of {spec.name!r} takes no mask, and bidirectional weights would describe another "

@@ -1,7 +1,8 @@
 """The mathematics: every estimator of softmax attention, as a spec (the estimator protocol).
 
 An estimator is an :class:`EstimatorSpec`: its name and parameters, ``draw`` (the random
-variables), ``reference`` (numpy float64, the paper's equations) and ``batched`` (torch), and the
+variables), ``reference`` (numpy float64, the paper's equations) and its torch forms
+(:class:`BatchedForms`: the batched estimate and the optional probability forms), and the
 facts the rest of randattn needs, declared once. Built-in estimators and plugins register the same
 way (:mod:`randattn.estimators.registry`) and are held to the same checks
 (:func:`randattn.testing.check_estimator`).
@@ -11,8 +12,11 @@ from randattn.estimators.base import (
     CONVERGENCE,
     COSTS,
     MASKS,
+    OPTIONAL_FORMS,
     RESERVED_PARAMETER_NAMES,
     SELECTIONS,
+    BatchedForm,
+    BatchedForms,
     Draws,
     EstimatorSpec,
     ExactLimit,
@@ -26,8 +30,11 @@ __all__ = [
     "CONVERGENCE",
     "COSTS",
     "MASKS",
+    "OPTIONAL_FORMS",
     "RESERVED_PARAMETER_NAMES",
     "SELECTIONS",
+    "BatchedForm",
+    "BatchedForms",
     "Draws",
     "EstimatorSpec",
     "ExactLimit",

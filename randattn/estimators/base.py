@@ -3,13 +3,17 @@
 Sampling is separate from estimation (ARCHITECTURE sec. 3): ``draw`` makes every random
 variable an estimator uses, as float64 numpy arrays with a leading replicate dim, and
 ``estimate(q, k, v, draws, scale=..., **params)`` is a pure function of them. The
-reference (numpy, float64) and batched (torch) forms consume the same ``Draws``.
+reference (numpy, float64) and batched (torch) forms consume the same ``Draws``; the torch
+forms, the estimate and the optional ones, are declared together in one :class:`BatchedForms`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping, get_args
 
 import numpy as np
 
@@ -23,6 +27,9 @@ __all__ = [
     "RESERVED_PARAMETER_NAMES",
     "SELECTIONS",
     "QUERY_PLACEMENTS",
+    "OPTIONAL_FORMS",
+    "BatchedForm",
+    "BatchedForms",
     "Draws",
     "ExactLimit",
     "ImportanceWeights",
@@ -57,6 +64,13 @@ QUERY_PLACEMENTS = ("independent", "last-n-of-m", "proportional")
 #: ``k`` would collide with the keys of ``estimate(name, q, k, v, ...)``).
 RESERVED_PARAMETER_NAMES = ("name", "q", "k", "v", "q_shape", "k_shape", "draws", "num_samples", "seed",
                             "replicates", "rng", "scale", "mask", "backend", "dtype", "device", "preset")
+
+
+#: the optional torch forms a spec may declare beside its batched estimate (:class:`BatchedForms`), by name
+BatchedForm = Literal["probabilities", "estimate_with_probabilities", "estimate_with_float32_probabilities",
+                      "estimate_with_probability_factors"]
+#: the names of :data:`BatchedForm`, in the order :class:`BatchedForms` declares them
+OPTIONAL_FORMS: tuple[str, ...] = get_args(BatchedForm)
 
 
 class SpecError(ValueError):
@@ -147,6 +161,11 @@ class ImportanceWeights:
     weights_per_sample : callable
         ``weights_per_sample(params) -> int``: importance weights per sample (J = S L; 2 for
         hyperbolic features), which decides whether k-hat's tail of 5 can be fitted.
+    masks : tuple or callable
+        The masks of :data:`MASKS` the providers compute the weights under, or ``masks(params) ->
+        tuple``; they get a ``mask=`` keyword only when it is not None, as the estimator's forms do.
+        Default ``(None,)``: bidirectional weights only, so under a mask the diagnostics are skipped
+        (weights that pool later keys would describe another estimator than the one measured).
     """
 
     reference: Callable[..., Any]
@@ -154,6 +173,11 @@ class ImportanceWeights:
     reference_per_element: Callable[..., Any] | None = None
     applies: Callable[[Mapping[str, Any]], bool] = field(default=lambda params: True)
     weights_per_sample: Callable[[Mapping[str, Any]], int] = field(default=lambda params: 1)
+    masks: tuple[str | None, ...] | Callable[[Mapping[str, Any]], tuple[str | None, ...]] = (None,)
+
+    def masks_of(self, params: Mapping[str, Any]) -> tuple[str | None, ...]:
+        """The masks the providers compute the weights under for the configuration ``params``."""
+        return tuple(_fact(self.masks, params))
 
 
 @dataclass(frozen=True)
@@ -191,6 +215,161 @@ def _fact(value: Any, params: Mapping[str, Any]) -> Any:
 
 
 @dataclass(frozen=True)
+class BatchedForms:
+    """An estimator's torch forms: the batched estimate and the optional forms it declares.
+
+    The analysis and the conformance kit ask for an optional form by name (:meth:`has`,
+    :meth:`get`), never by testing an attribute for None: a form is declared by giving it here,
+    and one given is callable (checked on construction). Every form takes the draws of the
+    spec's ``draw`` and ``mask=`` only when the mask is not None, as ``estimate`` does.
+
+    Attributes
+    ----------
+    estimate : callable
+        torch ``estimate(q, k, v, draws, *, scale, **params) -> (R, ..., N, Dv)``: the form of the
+        spec's ``reference`` with the same signature and layout (:attr:`EstimatorSpec.batched`).
+    probabilities : callable or None
+        ``probabilities(q, k, draws, *, scale, **params) -> (R, ..., N, M)``: the attention
+        probabilities the estimator implies, equal (to rounding) to ``estimate`` with ``v = I_M`` but
+        without the ``(., M) x (M, M)`` products the identity would cost. Undeclared: the sweep calls
+        ``estimate`` with ``v = I_M``.
+    estimate_with_probabilities : callable or None
+        ``(q, k, v, draws, *, scale, **params) -> (out, probs)``: ``estimate(q, k, v, ...)`` and
+        ``probabilities(q, k, ...)``, the same bits, from one pass that computes their common terms
+        (the draws' features, the weights) once. Undeclared: the sweep calls the two separately.
+    estimate_with_float32_probabilities : callable or None
+        ``(q, k, v, draws, *, scale, **params) -> (out, probs, bound) | None`` for float64 runs:
+        ``out`` as ``estimate``, the probabilities from a float32 product, and ``bound (R, ..., N)``
+        on each row's distance from the full-precision probabilities in the 2-norm. The sweep uses
+        it when the bound shows the rounding negligible against the squared error it measures, and
+        ``estimate_with_probabilities`` otherwise; a None result: no float32 product for this
+        configuration. Undeclared: probabilities in the run's dtype.
+    estimate_with_probability_factors : callable or None
+        ``(q, k, v, draws, *, scale, **params) -> (out, left, right) | None``: ``out`` as
+        ``estimate`` (the same bits) and the implied probabilities' factors, ``probabilities = left @
+        right`` with ``left (R, ..., N, J)`` and ``right (R, ..., J, M)`` with entries in [0, 1]; a
+        None result where a configuration has no such factors. The sweep measures the probability
+        error from them without forming the ``(N, M)`` matrix
+        (:mod:`randattn.analysis.probability_error`).
+
+    Examples
+    --------
+    >>> forms = BatchedForms(estimate=batched.estimate, probabilities=batched.probabilities)  # doctest: +SKIP
+    >>> forms.has("probabilities"), forms.has("estimate_with_probability_factors")  # doctest: +SKIP
+    (True, False)
+    >>> probs = forms.get("probabilities")(q, k, draws, scale=None)  # doctest: +SKIP
+    """
+
+    estimate: Callable[..., Any]
+    probabilities: Callable[..., Any] | None = None
+    estimate_with_probabilities: Callable[..., Any] | None = None
+    estimate_with_float32_probabilities: Callable[..., Any] | None = None
+    estimate_with_probability_factors: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.estimate):
+            raise TypeError(f"BatchedForms: estimate must be callable, got {type(self.estimate).__name__}")
+        for form in OPTIONAL_FORMS:
+            value = getattr(self, form)
+            if value is not None and not callable(value):
+                raise TypeError(f"BatchedForms: {form} must be callable (declared) or None (not declared), "
+                                f"got {type(value).__name__}")
+
+    @property
+    def declared(self) -> tuple[str, ...]:
+        """The optional forms declared, in the order of :data:`OPTIONAL_FORMS`."""
+        return tuple(form for form in OPTIONAL_FORMS if getattr(self, form) is not None)
+
+    def has(self, form: BatchedForm) -> bool:
+        """Whether the optional ``form`` (one of :data:`OPTIONAL_FORMS`) is declared.
+
+        Raises
+        ------
+        ValueError
+            ``form`` is not one of :data:`OPTIONAL_FORMS` (it lists them).
+        """
+        return check_choice("form", form, OPTIONAL_FORMS) in self.declared
+
+    def get(self, form: BatchedForm) -> Callable[..., Any]:
+        """The optional ``form`` (one of :data:`OPTIONAL_FORMS`); ask :meth:`has` first.
+
+        Raises
+        ------
+        ValueError
+            ``form`` is not one of :data:`OPTIONAL_FORMS`.
+        LookupError
+            ``form`` is not declared (the message lists the declared ones).
+        """
+        if not self.has(form):
+            declared = ", ".join(self.declared) or "none"
+            raise LookupError(f"the batched form {form!r} is not declared (declared: {declared})")
+        return getattr(self, form)
+
+    def replace(self, **changes: Any) -> "BatchedForms":
+        """These forms with ``changes`` (``estimate=`` or an optional form, None to withdraw it)."""
+        return dataclasses.replace(self, **changes)
+
+
+#: the keywords of earlier versions that gave the torch forms one by one, and the form each is now in BatchedForms
+_LEGACY_FORM_KEYWORDS = {
+    "batched": "estimate",
+    "batched_probabilities": "probabilities",
+    "batched_with_probabilities": "estimate_with_probabilities",
+    "batched_with_float32_probabilities": "estimate_with_float32_probabilities",
+    "batched_with_probability_factors": "estimate_with_probability_factors",
+}
+
+
+def _forms_with_legacy(forms: Any, legacy: Mapping[str, Any], stacklevel: int) -> BatchedForms:
+    """``forms`` (or new forms, where None) with the forms given by the keywords of earlier versions, warning."""
+    renamed = {_LEGACY_FORM_KEYWORDS[old]: value for old, value in legacy.items()}
+    given = ", ".join(f"{old}=" for old in legacy)
+    wanted = ", ".join(f"{new}=..." for new in renamed)
+    warnings.warn(f"EstimatorSpec({given}) is deprecated; declare the batched forms in one object, "
+                  f"EstimatorSpec(..., forms=BatchedForms({wanted}))", DeprecationWarning, stacklevel=stacklevel)
+    if callable(forms) and not isinstance(forms, BatchedForms):  # ``batched`` by position, the rest by keyword
+        renamed = {"estimate": forms, **renamed}
+        forms = None
+    return BatchedForms(**renamed) if forms is None else forms.replace(**renamed)
+
+
+def _deprecated_form_property(old: str, form: str) -> property:
+    def read(self: Any) -> Callable[..., Any] | None:
+        warnings.warn(f"EstimatorSpec.{old} is deprecated; ask spec.forms.has({form!r}) and "
+                      f"spec.forms.get({form!r})", DeprecationWarning, stacklevel=2)
+        return getattr(self.forms, form)
+
+    read.__name__ = old
+    return property(read, doc=f"Deprecated: ``forms.{form}`` (None where not declared); ask ``forms.has({form!r})``.")
+
+
+def _accepting_legacy_form_keywords(cls: type) -> type:
+    """The spec class, taking the keywords of :data:`_LEGACY_FORM_KEYWORDS` too (deprecated), and reading the old
+    optional fields as deprecated properties: specs written to the earlier protocol, and
+    ``dataclasses.replace(spec, batched_probabilities=...)``, still work."""
+    init = cls.__init__
+    forms_position = [f.name for f in dataclasses.fields(cls)].index("forms")
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        legacy = {old: kwargs.pop(old) for old in _LEGACY_FORM_KEYWORDS if old in kwargs}
+        if legacy:
+            if len(args) > forms_position:
+                args = (*args[:forms_position], _forms_with_legacy(args[forms_position], legacy, stacklevel=3),
+                        *args[forms_position + 1:])
+            else:
+                kwargs["forms"] = _forms_with_legacy(kwargs.get("forms"), legacy, stacklevel=3)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    for old, form in _LEGACY_FORM_KEYWORDS.items():
+        if old != "batched":  # the batched estimate stays a plain property, EstimatorSpec.batched
+            setattr(cls, old, _deprecated_form_property(old, form))
+    return cls
+
+
+@_accepting_legacy_form_keywords
+@dataclass(frozen=True)
 class EstimatorSpec:
     """What the registry knows of an estimator.
 
@@ -210,36 +389,19 @@ class EstimatorSpec:
         ``draw(q_shape, k_shape, *, num_samples, replicates, rng, **params) -> Draws``.
     reference : callable
         numpy float64 ``estimate(q, k, v, draws, *, scale, **params) -> (R, ..., N, Dv)``.
-    batched : callable
-        torch form of ``reference`` with the same signature and layout.
+    forms : BatchedForms
+        The torch forms: ``forms.estimate``, the form of ``reference`` with the same signature and
+        layout (also :attr:`batched`), and the optional probability forms it declares, asked for by
+        name (``forms.has("probabilities")``). The keywords ``batched=``, ``batched_probabilities=``,
+        ``batched_with_probabilities=``, ``batched_with_float32_probabilities=`` and
+        ``batched_with_probability_factors=`` of earlier versions still build it, with a
+        DeprecationWarning.
     needs_samples : bool
         Whether ``num_samples`` is required.
     is_random : callable
         ``is_random(params) -> bool``: False for deterministic variants (softmax, ``sample="mean"``).
     variants : mapping of str to params
         Parameter sets the common test suite runs (batched == reference, shapes, seeds).
-    batched_probabilities : callable or None
-        torch ``probabilities(q, k, draws, *, scale, **params) -> (R, ..., N, M)``: the attention
-        probabilities the estimator implies, equal (to rounding) to ``batched`` with
-        ``v = I_M`` but without the ``(., M) x (M, M)`` products the identity would cost.
-        None: the sweep calls ``batched`` with ``v = I_M``.
-    batched_with_probabilities : callable or None
-        torch ``estimate_with_probabilities(q, k, v, draws, *, scale, **params) -> (out, probs)``:
-        ``batched(q, k, v, ...)`` and ``batched_probabilities(q, k, ...)``, the same bits, from one
-        pass that computes their common terms (the draws' features, the weights) once. None: the
-        sweep calls the two separately.
-    batched_with_float32_probabilities : callable or None
-        torch ``(q, k, v, draws, *, scale, **params) -> (out, probs, bound)`` for float64 runs:
-        ``out`` as ``batched``, the probabilities from a float32 product, and ``bound (R, ..., N)``
-        on each row's distance from the full-precision probabilities in the 2-norm. The sweep uses
-        it when the bound shows the rounding negligible against the squared error it measures, and
-        ``batched_with_probabilities`` otherwise. None: probabilities in the run's dtype.
-    batched_with_probability_factors : callable or None
-        torch ``(q, k, v, draws, *, scale, **params) -> (out, left, right)`` or None: ``out`` as
-        ``batched`` (the same bits) and the implied probabilities' factors, ``probabilities = left @
-        right`` with ``left (R, ..., N, J)`` and ``right (R, ..., J, M)`` with entries in [0, 1];
-        None where a variant has no such factors. The sweep measures the probability error from
-        them without forming the ``(N, M)`` matrix (:mod:`randattn.analysis.probability_error`).
     presets : mapping of str to params
         Named parameter sets selected by the ``preset`` parameter (e.g. ``"official-code"``: the
         conventions of the authors' code); ``"paper"`` (the defaults) is always allowed. Explicit
@@ -307,15 +469,11 @@ class EstimatorSpec:
     params: Mapping[str, Param]
     draw: Callable[..., Draws]
     reference: Callable[..., Any]
-    batched: Callable[..., Any]
+    forms: BatchedForms
     needs_samples: bool = True
     is_random: Callable[[Mapping[str, Any]], bool] = field(default=lambda params: True)
     variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    batched_probabilities: Callable[..., Any] | None = None
-    batched_with_probabilities: Callable[..., Any] | None = None
-    batched_with_float32_probabilities: Callable[..., Any] | None = None
-    batched_with_probability_factors: Callable[..., Any] | None = None
     display_name: str = ""
     describe: Callable[..., tuple[str, list[str], set[str]]] | None = None
     convergence: str | Callable[[Mapping[str, Any]], str] = "none"
@@ -331,6 +489,15 @@ class EstimatorSpec:
     keys_used: Callable[..., Any] | None = None
     promise: Callable[[Mapping[str, Any]], tuple[float, float] | None] | None = None
     memory_hint: str = ""
+
+    def __post_init__(self) -> None:
+        if callable(self.forms) and not isinstance(self.forms, BatchedForms):  # ``batched`` given by position
+            object.__setattr__(self, "forms", _forms_with_legacy(None, {"batched": self.forms}, stacklevel=5))
+
+    @property
+    def batched(self) -> Callable[..., Any]:
+        """The batched torch estimate, ``forms.estimate``: the form of ``reference`` with its signature and layout."""
+        return self.forms.estimate
 
     # -- declared facts of one configuration (``params`` resolved) -----------------------------------------------------
     @property
@@ -459,11 +626,12 @@ def validate_spec(spec: Any) -> EstimatorSpec:
     name = spec.name
     if not isinstance(name, str) or not name or not set(name) <= _NAME_CHARS or not name[0].isalpha():
         problems.append(f"name {name!r} must start with a letter and hold only lower-case letters, digits, '-' and '_'")
-    for attr in ("draw", "reference", "batched"):
+    for attr in ("draw", "reference"):
         if not callable(getattr(spec, attr)):
             problems.append(f"{attr} must be callable, got {type(getattr(spec, attr)).__name__}")
-    for attr in ("batched_probabilities", "batched_with_probabilities", "batched_with_float32_probabilities",
-                 "batched_with_probability_factors", "describe", "keys_used", "promise"):
+    if not isinstance(spec.forms, BatchedForms):  # its forms are checked when it is made
+        problems.append(f"forms must be a randattn.estimators.BatchedForms, got {type(spec.forms).__name__}")
+    for attr in ("describe", "keys_used", "promise"):
         value = getattr(spec, attr)
         if value is not None and not callable(value):
             problems.append(f"{attr} must be callable or None, got {type(value).__name__}")
@@ -535,6 +703,17 @@ def validate_spec(spec: Any) -> EstimatorSpec:
                 break
     if spec.importance_weights is not None and not isinstance(spec.importance_weights, ImportanceWeights):
         problems.append("importance_weights must be an ImportanceWeights or None")
+    elif spec.importance_weights is not None:
+        for params in [{}, *spec.variants.values()]:
+            try:
+                weight_masks = spec.importance_weights.masks_of(spec.resolve_params(params))
+            except Exception as exc:
+                problems.append(f"importance_weights.masks could not be evaluated: {type(exc).__name__}: {exc}")
+                break
+            if None not in weight_masks or not set(weight_masks) <= set(MASKS):
+                problems.append(f"importance_weights.masks must be a tuple holding None and optionally 'causal', "
+                                f"got {weight_masks!r}")
+                break
     for limit in spec.exact_limits:
         if not isinstance(limit, ExactLimit):
             problems.append(f"exact_limits must hold ExactLimit objects, got {type(limit).__name__}")

@@ -47,15 +47,16 @@ Tolerances, and why:
   :math:`\epsilon_{32} L` (product, shift, exp and sums: a relative error of at most :math:`4 \epsilon_{32} L`), and a
   normalized positive combination moves by at most twice that times max|v|. This holds for signed weights computed
   in float64 too (LARA's), so signed configurations are not exempt here.
-- **the optional probability forms** (each skipped where the spec does not declare it), over the odd shapes and
-  every declared mask (N < M where causal): ``batched_probabilities`` equals the reference and ``batched`` with
+- **the optional probability forms** of ``spec.forms`` (:class:`~randattn.estimators.base.BatchedForms`; each
+  skipped where the spec does not declare it; the messages name them ``batched_<form>``), over the odd shapes and
+  every declared mask (N < M where causal): ``probabilities`` equals the reference and ``batched`` with
   ``v = I_M`` to ``1e-10`` (float64; the same computation up to summation order);
-  ``batched_with_probabilities`` gives ``batched``'s output and ``batched_probabilities``' probabilities **bit for
+  ``estimate_with_probabilities`` gives ``batched``'s output and ``probabilities``' probabilities **bit for
   bit**, with the same warnings, in float64 and float32 (the sweep takes either path, and a table must not depend on
-  which); ``batched_with_float32_probabilities`` gives ``batched``'s output bit for bit and float32 probabilities
+  which); ``estimate_with_float32_probabilities`` gives ``batched``'s output bit for bit and float32 probabilities
   within the returned bound of the float64 ones in each row's 2-norm, plus ``1e-12`` of the row's norm (the float64
   probabilities' own rounding against the exact quotient the bound is stated for, 1e-16 per entry, is far below
-  float32's 1e-7); ``batched_with_probability_factors`` gives ``batched``'s output bit for bit and ``left @ right``
+  float32's 1e-7); ``estimate_with_probability_factors`` gives ``batched``'s output bit for bit and ``left @ right``
   equal to the probabilities to the dtype's tolerance, with ``right`` in [0, 1] (the sweep's rounding bound for the
   factored error needs it; ``left`` takes any sign, e.g. signed weights), or None where a configuration has no
   factors (skipped when every call gives None).
@@ -701,13 +702,13 @@ def _recorded(func: Callable[[], Any]) -> tuple[Any, list[str]]:
 
 
 def _dense_probabilities(spec, tq, tk, tdraws, params, mask):
-    """The implied probabilities by the spec's own dense route: ``batched_probabilities`` where declared, else
+    """The implied probabilities by the spec's own dense route: ``forms.probabilities`` where declared, else
     ``batched`` with ``v = I_M`` (what the sweep falls back to)."""
     import torch
 
     kwargs = {"mask": mask} if mask is not None else {}
-    if spec.batched_probabilities is not None:
-        return spec.batched_probabilities(tq, tk, tdraws, scale=None, **params, **kwargs)
+    if spec.forms.has("probabilities"):
+        return spec.forms.get("probabilities")(tq, tk, tdraws, scale=None, **params, **kwargs)
     m = tk.shape[-2]
     eye = torch.eye(m, dtype=tk.dtype).expand(*tk.shape[:-1], m)
     return spec.batched(tq, tk, eye, tdraws, scale=None, **params, **kwargs)
@@ -738,18 +739,19 @@ def _bits_equal(what: str, actual: Any, expected: Any) -> None:
 
 
 def check_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
-    """``batched_probabilities(q, k, draws)`` is the implied attention matrix ``(R, ..., N, M)``: the reference and
+    """``forms.probabilities(q, k, draws)`` is the implied attention matrix ``(R, ..., N, M)``: the reference and
     ``batched`` with ``v = I_M`` (float64, 1e-10), over odd shapes, under every declared mask."""
     import torch
 
-    if spec.batched_probabilities is None:
+    if not spec.forms.has("probabilities"):
         raise CheckSkipped("the spec declares no batched_probabilities")
+    probabilities = spec.forms.get("probabilities")
     atol, rtol = TOLERANCES["float64"]
     for mask, where, (q, k, _), draws in _optional_cases(spec, params, seed=160):
         eye = _identity_values(k)
         tq, tk, tdraws = _to_torch((q, k), draws, torch.float64)
         kwargs = {"mask": mask} if mask is not None else {}
-        probs = _quiet(lambda: spec.batched_probabilities(tq, tk, tdraws, scale=None, **params, **kwargs))
+        probs = _quiet(lambda: probabilities(tq, tk, tdraws, scale=None, **params, **kwargs))
         _check_tensor(f"batched_probabilities on {where}", probs, (_REPLICATES, *q.shape[:-1], k.shape[-2]),
                       torch.float64)
         ref = _quiet(lambda: _reference(spec, q, k, eye, draws, params, mask=mask))
@@ -761,23 +763,24 @@ def check_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
 
 
 def check_with_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
-    """``batched_with_probabilities`` returns ``batched``'s output and ``batched_probabilities``'s probabilities bit
-    for bit, with the same warnings, in float64 and float32, over odd shapes, under every declared mask."""
+    """``forms.estimate_with_probabilities`` returns ``batched``'s output and ``forms.probabilities``' probabilities
+    bit for bit, with the same warnings, in float64 and float32, over odd shapes, under every declared mask."""
     import torch
 
-    if spec.batched_with_probabilities is None:
+    if not spec.forms.has("estimate_with_probabilities"):
         raise CheckSkipped("the spec declares no batched_with_probabilities")
+    with_probabilities = spec.forms.get("estimate_with_probabilities")
     for dtype in (torch.float64, torch.float32):
         for mask, where, (q, k, v), draws in _optional_cases(spec, params, seed=170):
             where = f"{where}, {dtype}"
             tq, tk, tv, tdraws = _to_torch((q, k, v), draws, dtype)
             kwargs = {"mask": mask} if mask is not None else {}
             (out, probs), joint = _recorded(
-                lambda: spec.batched_with_probabilities(tq, tk, tv, tdraws, scale=None, **params, **kwargs))
+                lambda: with_probabilities(tq, tk, tv, tdraws, scale=None, **params, **kwargs))
             alone_out, out_warnings = _recorded(lambda: spec.batched(tq, tk, tv, tdraws, scale=None, **params,
                                                                      **kwargs))
             _bits_equal(f"batched_with_probabilities' output on {where}", out, alone_out)
-            if spec.batched_probabilities is None:
+            if not spec.forms.has("probabilities"):
                 # no separate probability form: the probabilities are batched with v = I_M, to rounding
                 atol, rtol = TOLERANCES["float64" if dtype == torch.float64 else "float32"]
                 dense = _quiet(lambda: _dense_probabilities(spec, tq, tk, tdraws, params, mask))
@@ -785,7 +788,7 @@ def check_with_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> 
                        what=f"batched_with_probabilities' probabilities against batched with v = I_M, {where}:")
                 continue
             alone_probs, probs_warnings = _recorded(
-                lambda: spec.batched_probabilities(tq, tk, tdraws, scale=None, **params, **kwargs))
+                lambda: spec.forms.get("probabilities")(tq, tk, tdraws, scale=None, **params, **kwargs))
             _bits_equal(f"batched_with_probabilities' probabilities on {where}", probs, alone_probs)
             if joint != sorted(out_warnings + probs_warnings):
                 raise CheckFailed(f"batched_with_probabilities on {where} warned {joint}, but batched and "
@@ -793,18 +796,19 @@ def check_with_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> 
 
 
 def check_float32_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
-    """``batched_with_float32_probabilities`` on float64 inputs: ``out`` is ``batched``'s bits, and each row of
+    """``forms.estimate_with_float32_probabilities`` on float64 inputs: ``out`` is ``batched``'s bits, and each row of
     the float32 probabilities lies within the returned ``bound`` of the float64 ones in the 2-norm (plus 1e-12 of
     the row's norm for float64's own rounding), over odd shapes, under every declared mask."""
     import torch
 
-    if spec.batched_with_float32_probabilities is None:
+    if not spec.forms.has("estimate_with_float32_probabilities"):
         raise CheckSkipped("the spec declares no batched_with_float32_probabilities")
+    with_float32_probabilities = spec.forms.get("estimate_with_float32_probabilities")
     products = 0
     for mask, where, (q, k, v), draws in _optional_cases(spec, params, seed=180):
         tq, tk, tv, tdraws = _to_torch((q, k, v), draws, torch.float64)
         kwargs = {"mask": mask} if mask is not None else {}
-        result = _quiet(lambda: spec.batched_with_float32_probabilities(tq, tk, tv, tdraws, scale=None, **params,
+        result = _quiet(lambda: with_float32_probabilities(tq, tk, tv, tdraws, scale=None, **params,
                                                                         **kwargs))
         if result is None:  # no float32 product for this configuration and mask: the sweep uses the float64 one
             continue
@@ -832,13 +836,14 @@ def check_float32_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) 
 
 
 def check_probability_factors(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
-    """``batched_with_probability_factors``: ``out`` is ``batched``'s bits and ``left @ right`` is the implied
+    """``forms.estimate_with_probability_factors``: ``out`` is ``batched``'s bits and ``left @ right`` is the implied
     probability matrix (float64 1e-10, float32 the float32 tolerance) with ``right`` in [0, 1], or None
     for a configuration without factors; over odd shapes, under every declared mask, in float64 and float32."""
     import torch
 
-    if spec.batched_with_probability_factors is None:
+    if not spec.forms.has("estimate_with_probability_factors"):
         raise CheckSkipped("the spec declares no batched_with_probability_factors")
+    with_probability_factors = spec.forms.get("estimate_with_probability_factors")
     factored = 0
     for dtype in (torch.float64, torch.float32):
         atol, rtol = TOLERANCES["float64" if dtype == torch.float64 else "float32"]
@@ -847,7 +852,7 @@ def check_probability_factors(spec: EstimatorSpec, params: Mapping[str, Any]) ->
             tq, tk, tv, tdraws = _to_torch((q, k, v), draws, dtype)
             kwargs = {"mask": mask} if mask is not None else {}
             result, factor_warnings = _recorded(
-                lambda: spec.batched_with_probability_factors(tq, tk, tv, tdraws, scale=None, **params, **kwargs))
+                lambda: with_probability_factors(tq, tk, tv, tdraws, scale=None, **params, **kwargs))
             if result is None:  # no factors for this configuration and mask: the sweep takes the dense route
                 continue
             factored += 1
@@ -872,9 +877,10 @@ def check_probability_factors(spec: EstimatorSpec, params: Mapping[str, Any]) ->
             dense = _quiet(lambda: _dense_probabilities(spec, tq, tk, tdraws, params, mask))
             _close(left.double() @ right.double(), dense, atol=atol, rtol=rtol,
                    what=f"batched_with_probability_factors: left @ right against the probabilities, {where}:")
-            if spec.batched_with_probabilities is not None:
+            if spec.forms.has("estimate_with_probabilities"):
                 _, joint_warnings = _recorded(
-                    lambda: spec.batched_with_probabilities(tq, tk, tv, tdraws, scale=None, **params, **kwargs))
+                    lambda: spec.forms.get("estimate_with_probabilities")(tq, tk, tv, tdraws, scale=None, **params,
+                                                                          **kwargs))
                 if factor_warnings != joint_warnings:
                     raise CheckFailed(f"batched_with_probability_factors on {where} warned {factor_warnings}, but "
                                       f"batched_with_probabilities warns {joint_warnings}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from randattn.estimators.base import Draws, EstimatorSpec, Param
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, Param
 from randattn.estimators.masks import causal_visible
 
 NAME = "sampled-keys"
@@ -76,7 +76,7 @@ SPEC = EstimatorSpec(
             "delta": Param(0.1, "promised delta", kind=float)},
     draw=draw,
     reference=reference,
-    batched=batched,
+    forms=BatchedForms(estimate=batched),
     masks=(None, "causal"),
     normalized=True,
     keys_used=keys_used,

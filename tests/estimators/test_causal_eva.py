@@ -483,10 +483,11 @@ def _entry_points(name: str):
         "api": lambda p: randattn.estimate(name, q, k, v, num_samples=None if name == "local" else 2, seed=0,
                                            mask="causal", **p),
     }
-    if spec.batched_probabilities is not None:
-        calls["probabilities"] = lambda p: spec.batched_probabilities(tq, tk, draws.to_torch(), **p, mask="causal")
-        calls["with_probabilities"] = lambda p: spec.batched_with_probabilities(tq, tk, tv, draws.to_torch(), **p,
-                                                                                mask="causal")
+    if spec.forms.has("probabilities"):
+        probabilities = spec.forms.get("probabilities")
+        with_probabilities = spec.forms.get("estimate_with_probabilities")
+        calls["probabilities"] = lambda p: probabilities(tq, tk, draws.to_torch(), **p, mask="causal")
+        calls["with_probabilities"] = lambda p: with_probabilities(tq, tk, tv, draws.to_torch(), **p, mask="causal")
     return calls
 
 

@@ -303,14 +303,14 @@ def test_causal_probabilities_are_masked_and_agree_with_the_estimate(variant, n,
     q, k, v = _inputs(17, (2,), n, m, 4, 3)
     draws = _draws(q, k, params, samples=4, seed=18).to_torch()
     tq, tk, tv = _t(q), _t(k), _t(v)
-    probs = SPEC.batched_probabilities(tq, tk, draws, scale=None, **params, mask="causal")
+    probs = SPEC.forms.get("probabilities")(tq, tk, draws, scale=None, **params, mask="causal")
     out = SPEC.batched(tq, tk, tv, draws, scale=None, **params, mask="causal")
     hidden = torch.as_tensor(np.arange(m)[None, :] > np.arange(n)[:, None] + (m - n))
     assert probs.shape == (2, 2, n, m)
     assert (probs[..., hidden] == 0).all() and (probs[..., ~hidden] > 0).all()
     assert_close(probs.sum(-1), torch.ones(2, 2, n, dtype=torch.float64), atol=1e-12)
     assert_close(probs @ tv, out, atol=1e-12, rtol=1e-12)
-    pair = SPEC.batched_with_probabilities(tq, tk, tv, draws, scale=None, **params, mask="causal")
+    pair = SPEC.forms.get("estimate_with_probabilities")(tq, tk, tv, draws, scale=None, **params, mask="causal")
     assert torch.equal(pair[0], out) and torch.equal(pair[1], probs)
 
 

@@ -372,13 +372,13 @@ def test_estimate_through_the_api_reference_and_torch_agree():
 @pytest.mark.parametrize("feature_map", CAUSAL_MAPS)
 def test_causal_probabilities_are_masked_and_reproduce_the_estimate(feature_map):
     """Under the mask the implied probabilities are 0 at every hidden key, their rows sum to 1 (for positive
-    features), ``probabilities @ v`` is the causal estimate, and the pair of ``batched_with_probabilities``
+    features), ``probabilities @ v`` is the causal estimate, and the pair of ``estimate_with_probabilities``
     holds the same; the rank-J factors do not exist (None)."""
     q, k, v = _inputs(32, 9, 12)
     draws = randattn.draw("rfa", q.shape, k.shape, num_samples=16, seed=33, replicates=2).to_torch()
     tq, tk, tv = _t(q, k, v)
     params = {"feature_map": feature_map, "mask": "causal"}
-    probs = _quiet(lambda: SPEC.batched_probabilities(tq, tk, draws, **params)).numpy()
+    probs = _quiet(lambda: SPEC.forms.get("probabilities")(tq, tk, draws, **params)).numpy()
     out = _quiet(lambda: SPEC.batched(tq, tk, tv, draws, **params)).numpy()
     from randattn.estimators.masks import causal_visible
 
@@ -387,10 +387,10 @@ def test_causal_probabilities_are_masked_and_reproduce_the_estimate(feature_map)
     if feature_map != "trigonometric":
         assert_close(probs.sum(-1), np.ones(probs.shape[:-1]), atol=1e-12, rtol=0)
     assert_close(probs @ v, out, atol=1e-12, rtol=1e-12, what="probabilities @ v vs estimate:")
-    pair = _quiet(lambda: SPEC.batched_with_probabilities(tq, tk, tv, draws, **params))
+    pair = _quiet(lambda: SPEC.forms.get("estimate_with_probabilities")(tq, tk, tv, draws, **params))
     # the pair's estimate is the prefix sums' (the same bits, whether or not probabilities are asked for)
     assert torch.equal(pair[1], torch.as_tensor(probs)) and torch.equal(pair[0], torch.as_tensor(out))
-    assert SPEC.batched_with_probability_factors(tq, tk, tv, draws, **params) is None
+    assert SPEC.forms.get("estimate_with_probability_factors")(tq, tk, tv, draws, **params) is None
 
 
 def _loop_probabilities(q, k, omega, feature_map):
@@ -494,5 +494,5 @@ def test_bidirectional_path_is_untouched_by_the_mask_argument():
     tdraws = draws.to_torch()
     assert np.array_equal(rfa_ref.estimate(q, k, v, draws), rfa_ref.estimate(q, k, v, draws, mask=None))
     assert torch.equal(SPEC.batched(tq, tk, tv, tdraws), SPEC.batched(tq, tk, tv, tdraws, mask=None))
-    assert torch.equal(SPEC.batched_probabilities(tq, tk, tdraws),
-                       SPEC.batched_probabilities(tq, tk, tdraws, mask=None))
+    assert torch.equal(SPEC.forms.get("probabilities")(tq, tk, tdraws),
+                       SPEC.forms.get("probabilities")(tq, tk, tdraws, mask=None))

@@ -70,13 +70,10 @@ def _grid_refitting(spec: EstimatorSpec) -> EstimatorSpec:
 
         return call
 
-    return dataclasses.replace(
-        spec, draw=refit(spec.draw), reference=refit(spec.reference), batched=refit(spec.batched),
-        batched_probabilities=refit(spec.batched_probabilities),
-        batched_with_probabilities=refit(spec.batched_with_probabilities),
-        batched_with_float32_probabilities=refit(spec.batched_with_float32_probabilities),
-        batched_with_probability_factors=refit(spec.batched_with_probability_factors),
-        keys_used=refit(spec.keys_used))
+    forms = spec.forms.replace(estimate=refit(spec.forms.estimate),
+                               **{form: refit(spec.forms.get(form)) for form in spec.forms.declared})
+    return dataclasses.replace(spec, draw=refit(spec.draw), reference=refit(spec.reference), forms=forms,
+                               keys_used=refit(spec.keys_used))
 
 
 # ------------------------------------------------------------------------------------------------ the configurations

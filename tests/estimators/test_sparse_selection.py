@@ -51,13 +51,13 @@ def test_batched_matches_reference_with_probabilities_and_keys_used(config, shap
     out = spec.batched(tq, tk, tv, tdraws, **params)
     assert out.shape == (2, *q.shape[:-1], v.shape[-1])
     assert_close(out, ref.estimate(q, k, v, draws, **params), atol=atol, rtol=rtol, what="batched vs reference:")
-    probabilities = spec.batched_probabilities(tq, tk, tdraws, **params)
+    probabilities = spec.forms.get("probabilities")(tq, tk, tdraws, **params)
     assert_close(probabilities, ref.probabilities(q, k, draws, **params), atol=atol, rtol=rtol,
                  what="batched probabilities vs reference:")
     identity = np.broadcast_to(np.eye(k.shape[-2]), (*k.shape[:-2], k.shape[-2], k.shape[-2]))
     assert_close(ref.estimate(q, k, identity, draws, **params), probabilities, atol=atol, rtol=rtol,
                  what="reference with v = I vs batched probabilities:")
-    both = spec.batched_with_probabilities(tq, tk, tv, tdraws, **params)
+    both = spec.forms.get("estimate_with_probabilities")(tq, tk, tv, tdraws, **params)
     assert torch.equal(both[0], out) and torch.equal(both[1], probabilities)
     used = spec.keys_used(tq, tk, tdraws, **params)
     assert used.dtype == torch.float64 and used.shape == (2, *q.shape[:-1])
@@ -96,7 +96,7 @@ def test_batched_forms_read_nothing_back_from_an_accelerator(config, mask):
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = [torch.empty(a.shape, dtype=torch.float32, device="meta") for a in (q, k, v)]
         fake_draws = Draws({"budget": torch.empty(draws["budget"].shape, device="meta")}, draws.replicates)
-        out, probabilities = spec.batched_with_probabilities(*fake, fake_draws, **params)
+        out, probabilities = spec.forms.get("estimate_with_probabilities")(*fake, fake_draws, **params)
         used = spec.keys_used(fake[0], fake[1], fake_draws, **params)
     assert out.device.type == probabilities.device.type == used.device.type == "meta"
     assert tuple(used.shape) == (2, *q.shape[:-1])

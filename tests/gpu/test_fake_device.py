@@ -91,8 +91,8 @@ def test_causal_batched_runs_on_an_accelerator_without_host_syncs(name):
 @pytest.mark.parametrize("mask", [None, "causal"], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("name", randattn.list_estimators())
 def test_probability_forms_run_on_an_accelerator_without_host_syncs(name, mask):
-    """The forms the engine calls with probabilities on (``batched_with_probabilities``,
-    ``batched_probabilities``) under both masks an estimator supports."""
+    """The forms the engine calls with probabilities on (``forms.estimate_with_probabilities``,
+    ``forms.probabilities``) under both masks an estimator supports."""
     spec = randattn.get_spec(name)
     if mask is not None and not spec.supports_mask(mask):
         pytest.skip(f"{name} does not support mask={mask}")
@@ -100,7 +100,7 @@ def test_probability_forms_run_on_an_accelerator_without_host_syncs(name, mask):
     q_shape, k_shape, _ = SHAPES
     draws = spec.draw(q_shape, k_shape, num_samples=16 if spec.needs_samples else None, replicates=2,
                       rng=np.random.default_rng(0), **spec.resolve_params({}), **kwargs)
-    forms = [f for f in (spec.batched_with_probabilities, spec.batched_probabilities) if f is not None]
+    forms = [form for form in ("estimate_with_probabilities", "probabilities") if spec.forms.has(form)]
     if not forms:
         pytest.skip(f"{name} has no probability form (the engine uses batched with identity values)")
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -108,8 +108,8 @@ def test_probability_forms_run_on_an_accelerator_without_host_syncs(name, mask):
         fake = Draws({key: torch.empty(np.shape(a), dtype=torch.float32, device=DEVICE)
                       for key, a in draws.arrays.items()}, draws.replicates)
         for form in forms:
-            args = (q, k, v, fake) if form is spec.batched_with_probabilities else (q, k, fake)
-            result = form(*args, scale=None, **spec.resolve_params({}), **kwargs)
+            args = (q, k, v, fake) if form == "estimate_with_probabilities" else (q, k, fake)
+            result = spec.forms.get(form)(*args, scale=None, **spec.resolve_params({}), **kwargs)
             for t in result if isinstance(result, tuple) else (result,):
                 assert t.device.type == DEVICE
 
@@ -122,7 +122,7 @@ def test_a_planted_item_call_fails():
         return out / out.abs().max().item()  # reads a value back to the host
 
     with pytest.raises(Exception, match="local_scalar_dense|data-dependent|DataDependent"):
-        run_on_fake_device(dataclasses.replace(rfa, batched=syncs), {})
+        run_on_fake_device(dataclasses.replace(rfa, forms=rfa.forms.replace(estimate=syncs)), {})
 
 
 def test_a_planted_cpu_tensor_fails():
@@ -133,4 +133,4 @@ def test_a_planted_cpu_tensor_fails():
         return out + torch.ones(out.shape[-1])  # created on the CPU
 
     with pytest.raises(Exception, match="found at least two devices, meta and cpu"):
-        run_on_fake_device(dataclasses.replace(rfa, batched=left_on_cpu), {})
+        run_on_fake_device(dataclasses.replace(rfa, forms=rfa.forms.replace(estimate=left_on_cpu)), {})

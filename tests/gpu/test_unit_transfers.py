@@ -270,7 +270,7 @@ def test_a_planted_item_call_fails(monkeypatch):
         out = spec.batched(*args, **params)
         return out / out.abs().max().item()
 
-    planted = dataclasses.replace(spec, batched=syncs, batched_with_probabilities=None)
+    planted = dataclasses.replace(spec, forms=spec.forms.replace(estimate=syncs, estimate_with_probabilities=None))
     real_init = UnitRunner.__init__
 
     def init(self, *args, **kwargs):

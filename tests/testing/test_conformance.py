@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import randattn
-from randattn.estimators.base import Draws, EstimatorSpec, SpecError
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, SpecError
 from randattn.testing import EstimatorCheckError, check_estimator, parametrize_with_checks
 
 #: configurations beyond the defaults whose declared facts differ (orthogonal draws, positive LARA weights,
@@ -73,7 +73,7 @@ def _causal_softmax_spec(name: str, offset: int, *, causal_batched=None) -> Esti
         return out.unsqueeze(0).expand(draws.replicates, *out.shape).clone()
 
     return EstimatorSpec(name=name, summary="causal softmax (test)", source="test", complexity="O(N M D)", params={},
-                         draw=draw, reference=reference, batched=batched, needs_samples=False,
+                         draw=draw, reference=reference, forms=BatchedForms(estimate=batched), needs_samples=False,
                          is_random=lambda p: False, convergence="exact", normalized=True, masks=(None, "causal"))
 
 
@@ -142,7 +142,8 @@ def _hard_attention_spec(selection: str, *, second_best: bool = False) -> Estima
         return out.unsqueeze(0).expand(draws.replicates, *out.shape).clone()
 
     return EstimatorSpec(name="hard-attention", summary="top-1 hard attention (test)", source="test",
-                         complexity="O(N M D)", params={}, draw=draw, reference=reference, batched=batched,
+                         complexity="O(N M D)", params={}, draw=draw, reference=reference,
+                         forms=BatchedForms(estimate=batched),
                          needs_samples=False, is_random=lambda p: False, selection=selection)
 
 
@@ -190,11 +191,8 @@ def test_a_declared_discrete_selection_still_fails_a_wrong_selection(near_tied_k
 def _wrap(spec: EstimatorSpec, name: str, *, reference=None, batched=None, **facts) -> EstimatorSpec:
     """``spec`` renamed, with its forms replaced; a new batched form drops the optional probability forms (they
     would describe the original estimator)."""
-    forms = {} if batched is None else dict(batched_probabilities=None, batched_with_probabilities=None,
-                                            batched_with_float32_probabilities=None,
-                                            batched_with_probability_factors=None)
-    return dataclasses.replace(spec, name=name, reference=reference or spec.reference,
-                               batched=batched or spec.batched, **forms, **facts)
+    forms = {} if batched is None else {"forms": BatchedForms(estimate=batched)}
+    return dataclasses.replace(spec, name=name, reference=reference or spec.reference, **forms, **facts)
 
 
 def _failures(spec, params=None):
@@ -324,9 +322,8 @@ def _only(spec, check, params=None):
 
 
 def test_the_optional_forms_are_skipped_where_not_declared():
-    bare = dataclasses.replace(randattn.get_spec("lara"), name="lara-bare", batched_probabilities=None,
-                               batched_with_probabilities=None, batched_with_float32_probabilities=None,
-                               batched_with_probability_factors=None)
+    lara = randattn.get_spec("lara")
+    bare = dataclasses.replace(lara, name="lara-bare", forms=BatchedForms(estimate=lara.batched))
     for check in ("probabilities", "with probabilities", "float32 probabilities", "probability factors"):
         result = _only(bare, check)
         assert result.status == "skipped" and "declares no batched_" in result.message, (check, result)
@@ -338,18 +335,19 @@ def test_probabilities_transposed_where_square_fail():
     lara = randattn.get_spec("lara")
 
     def transposed(q, k, draws, **params):
-        probs = lara.batched_probabilities(q, k, draws, **params)
+        probs = lara.forms.get("probabilities")(q, k, draws, **params)
         return probs.transpose(-1, -2) if probs.shape[-1] == probs.shape[-2] else probs
 
-    result = _only(dataclasses.replace(lara, name="lara-transposed", batched_probabilities=transposed),
-                   "probabilities")
+    spec = dataclasses.replace(lara, name="lara-transposed", forms=lara.forms.replace(probabilities=transposed))
+    result = _only(spec, "probabilities")
     assert result.status == "failed" and "N=M=29" in result.message and "not close" in result.message, result
 
 
 def test_probabilities_of_the_wrong_shape_fail():
     lara = randattn.get_spec("lara")
-    flat = lambda q, k, draws, **params: lara.batched_probabilities(q, k, draws, **params)[0]  # noqa: E731
-    result = _only(dataclasses.replace(lara, name="lara-one-replicate", batched_probabilities=flat), "probabilities")
+    flat = lambda q, k, draws, **params: lara.forms.get("probabilities")(q, k, draws, **params)[0]  # noqa: E731
+    result = _only(dataclasses.replace(lara, name="lara-one-replicate", forms=lara.forms.replace(probabilities=flat)),
+                   "probabilities")
     assert result.status == "failed" and "expected a torch.float64 tensor of shape (3, 2, 3, 13, 11)" in result.message
 
 
@@ -358,10 +356,11 @@ def test_a_one_pass_form_that_reorders_a_sum_fails():
     lara = randattn.get_spec("lara")
 
     def reordered(q, k, v, draws, **params):
-        probs = lara.batched_probabilities(q, k, draws, **params)
+        probs = lara.forms.get("probabilities")(q, k, draws, **params)
         return probs @ v, probs
 
-    result = _only(dataclasses.replace(lara, name="lara-reordered", batched_with_probabilities=reordered),
+    result = _only(dataclasses.replace(lara, name="lara-reordered",
+                                       forms=lara.forms.replace(estimate_with_probabilities=reordered)),
                    "with probabilities")
     assert result.status == "failed" and "not the same bits as the separate call" in result.message, result
     assert "output" in result.message
@@ -389,8 +388,8 @@ def test_a_one_pass_form_that_drops_a_warning_fails():
         return batched(q, k, v, draws, **params), probabilities(q, k, draws, **params)
 
     for one_pass, status in ((loud, "passed"), (silent, "failed")):
-        spec = dataclasses.replace(softmax, batched=batched, batched_probabilities=probabilities,
-                                   batched_with_probabilities=one_pass)
+        spec = dataclasses.replace(softmax, forms=BatchedForms(estimate=batched, probabilities=probabilities,
+                                                               estimate_with_probabilities=one_pass))
         result = _only(spec, "with probabilities")
         assert result.status == status, result
     assert "warned [], but batched and batched_probabilities warn ['a normalizer is not positive']" in result.message
@@ -403,10 +402,11 @@ def test_a_float32_bound_that_is_too_small_fails(shrink):
     assert _only(lara, "float32 probabilities").status == "passed"
 
     def small(*args, **params):
-        out, probs, bound = lara.batched_with_float32_probabilities(*args, **params)
+        out, probs, bound = lara.forms.get("estimate_with_float32_probabilities")(*args, **params)
         return out, probs, bound * shrink
 
-    result = _only(dataclasses.replace(lara, name="lara-small-bound", batched_with_float32_probabilities=small),
+    result = _only(dataclasses.replace(lara, name="lara-small-bound",
+                                       forms=lara.forms.replace(estimate_with_float32_probabilities=small)),
                    "float32 probabilities")
     assert result.status == "failed" and "the bound does not bound the rounding" in result.message, result
 
@@ -415,10 +415,11 @@ def test_a_float32_form_whose_output_is_not_batched_fails():
     lara = randattn.get_spec("lara")
 
     def rounded(*args, **params):
-        out, probs, bound = lara.batched_with_float32_probabilities(*args, **params)
+        out, probs, bound = lara.forms.get("estimate_with_float32_probabilities")(*args, **params)
         return out.float().double(), probs, bound
 
-    result = _only(dataclasses.replace(lara, name="lara-rounded-out", batched_with_float32_probabilities=rounded),
+    result = _only(dataclasses.replace(lara, name="lara-rounded-out",
+                                       forms=lara.forms.replace(estimate_with_float32_probabilities=rounded)),
                    "float32 probabilities")
     assert result.status == "failed" and "output" in result.message and "same bits" in result.message, result
 
@@ -427,7 +428,7 @@ def test_factors_whose_product_misses_a_row_fail():
     rfa = randattn.get_spec("rfa")
 
     def missing_row(*args, **params):
-        result = rfa.batched_with_probability_factors(*args, **params)
+        result = rfa.forms.get("estimate_with_probability_factors")(*args, **params)
         if result is None:
             return None
         out, left, right = result
@@ -435,7 +436,8 @@ def test_factors_whose_product_misses_a_row_fail():
         left[..., -1, :] = 0  # the last query's row of left @ right is zero, not its probabilities
         return out, left, right
 
-    spec = dataclasses.replace(rfa, name="rfa-missing-row", batched_with_probability_factors=missing_row)
+    spec = dataclasses.replace(rfa, name="rfa-missing-row",
+                               forms=rfa.forms.replace(estimate_with_probability_factors=missing_row))
     result = _only(spec, "probability factors")
     assert result.status == "failed" and "left @ right against the probabilities" in result.message, result
 
@@ -444,10 +446,11 @@ def test_factors_outside_the_unit_interval_fail():
     rfa = randattn.get_spec("rfa")
 
     def scaled(*args, **params):
-        out, left, right = rfa.batched_with_probability_factors(*args, **params)
+        out, left, right = rfa.forms.get("estimate_with_probability_factors")(*args, **params)
         return out, left / 2, right * 2  # the same product; right's key softmax no longer in [0, 1]
 
-    result = _only(dataclasses.replace(rfa, name="rfa-scaled-factors", batched_with_probability_factors=scaled),
+    result = _only(dataclasses.replace(rfa, name="rfa-scaled-factors",
+                                       forms=rfa.forms.replace(estimate_with_probability_factors=scaled)),
                    "probability factors", {"feature_map": "positive"})
     assert result.status == "failed" and "right factor entry" in result.message and "outside [0, 1]" in result.message
 
@@ -482,7 +485,8 @@ def test_a_deterministic_estimator_that_depends_on_the_seed_fails():
     def batched(q, k, v, draws, **params):
         return softmax.batched(q, k, v, draws, **params) + 1e-3 * draws["noise"][(...,) + (None,) * (q.dim() - 1)]
 
-    spec = dataclasses.replace(softmax, draw=draw, reference=reference, batched=batched, convergence="none")
+    spec = dataclasses.replace(softmax, draw=draw, reference=reference, forms=BatchedForms(estimate=batched),
+                               convergence="none")
     result = _only(spec, "seeded reproducibility")
     assert result.status == "failed" and "depends on the seed" in result.message, result
 

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from randattn.estimators import Draws, EstimatorSpec, ExactLimit, Param
+from randattn.estimators import BatchedForms, Draws, EstimatorSpec, ExactLimit, Param
 from randattn_nystrom import batched, reference
 
 __all__ = ["SPEC", "draw"]
@@ -47,7 +47,7 @@ SPEC = EstimatorSpec(
     },
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
+    forms=BatchedForms(estimate=batched.estimate),
     needs_samples=True,
     is_random=lambda params: False,
     variants={

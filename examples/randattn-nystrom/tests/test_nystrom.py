@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import math
 
@@ -10,10 +11,13 @@ import pytest
 import torch
 
 import randattn
+from randattn.activations import make_activations
 from randattn.analysis.memory import measure_peak
-from randattn.estimators import validate_spec
-from randattn.testing import parametrize_with_checks
-from randattn_nystrom import SPEC, reference
+from randattn.analysis.plan import SweepConfig, parse_estimator_list
+from randattn.analysis.sweep import run_sweep
+from randattn.estimators import EstimatorSpec, validate_spec
+from randattn.testing import check_estimator, parametrize_with_checks
+from randattn_nystrom import SPEC, batched, reference
 
 VARIANTS = [pytest.param(params, id=name) for name, params in SPEC.variants.items()]
 
@@ -51,6 +55,27 @@ def test_conformance(estimator, check):
 def test_spec_is_valid():
     assert validate_spec(SPEC) is SPEC
     assert not SPEC.is_random(SPEC.resolve_params({})) and SPEC.cost_of({}) == "linear"
+
+
+def test_the_earlier_protocol_still_declares_this_plugin():
+    """``batched=batched.estimate``, as this plugin was written before ``forms=BatchedForms(...)``: the same spec,
+    with a DeprecationWarning naming the new way; it passes the kit's checks of its forms and runs in a sweep."""
+    facts = {f.name: getattr(SPEC, f.name) for f in dataclasses.fields(SPEC) if f.name not in ("name", "forms")}
+    with pytest.warns(DeprecationWarning, match=r"forms=BatchedForms\(estimate=\.\.\.\)"):
+        old = EstimatorSpec(name="nystrom-old-protocol", **facts, batched=batched.estimate)
+    assert old.forms == SPEC.forms and old.batched is batched.estimate
+    checks = ["spec is valid", "reference == batched (float64)"]
+    assert {r.check: r.status for r in check_estimator(old, checks=checks).results} == dict.fromkeys(checks, "passed")
+    randattn.register_estimator(old)
+    try:
+        rng = np.random.default_rng(9)
+        acts = make_activations({0: tuple(rng.normal(size=(1, 2, 12, 4)) for _ in range(3))}, {"scale": 0.5})
+        config = SweepConfig(estimators=parse_estimator_list(old.name), num_samples=(3,), replicates=1, seed=0,
+                             diagnostics=False)
+        table = run_sweep(acts, config)
+    finally:
+        randattn.unregister_estimator(old.name)
+    assert len(table) == 2 and table["mse"].notna().all() and table["prob_mse"].notna().all()  # one row per head
 
 
 @pytest.mark.parametrize("params", VARIANTS)

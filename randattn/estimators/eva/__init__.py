@@ -24,7 +24,7 @@ import numpy as np
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import layout_mask_note, layout_masks
-from randattn.estimators.base import ExactLimit,  Draws, EstimatorSpec, Param
+from randattn.estimators.base import BatchedForms, ExactLimit,  Draws, EstimatorSpec, Param
 from randattn.estimators.eva import batched, reference
 from randattn.estimators.presets import EVA_PRESETS
 from randattn.estimators.eva.partition import PARTITIONS, check_mask_layout
@@ -143,9 +143,11 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
-    batched_probabilities=batched.probabilities,
-    batched_with_probabilities=batched.estimate_with_probabilities,
+    forms=BatchedForms(
+        estimate=batched.estimate,
+        probabilities=batched.probabilities,
+        estimate_with_probabilities=batched.estimate_with_probabilities,
+    ),
     is_random=_is_random,
     variants=_variants(),
     presets=EVA_PRESETS,

@@ -40,7 +40,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import Draws, EstimatorSpec, ImportanceWeights, Param
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights, Param
 from randattn.estimators.lara import batched, reference, weights
 from randattn.estimators.presets import LARA_PRESETS
 from randattn.estimators.lara.reference import PROPOSALS, SAMPLES, WEIGHTINGS
@@ -161,11 +161,13 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
-    batched_probabilities=batched.probabilities,
-    batched_with_probabilities=batched.estimate_with_probabilities,
-    batched_with_float32_probabilities=batched.estimate_with_float32_probabilities,
-    batched_with_probability_factors=batched.estimate_with_probability_factors,
+    forms=BatchedForms(
+        estimate=batched.estimate,
+        probabilities=batched.probabilities,
+        estimate_with_probabilities=batched.estimate_with_probabilities,
+        estimate_with_float32_probabilities=batched.estimate_with_float32_probabilities,
+        estimate_with_probability_factors=batched.estimate_with_probability_factors,
+    ),
     is_random=_is_random,
     variants=_variants(),
     presets=LARA_PRESETS,

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import layout_mask_note, layout_masks
-from randattn.estimators.base import ExactLimit,  Draws, EstimatorSpec
+from randattn.estimators.base import BatchedForms, ExactLimit,  Draws, EstimatorSpec
 from randattn.estimators.eva import LAYOUT_PARAMS
 from randattn.estimators.eva.partition import check_mask_layout
 from randattn.estimators.grid import resolve_grid
@@ -40,7 +40,7 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
+    forms=BatchedForms(estimate=batched.estimate),
     needs_samples=False,
     is_random=lambda params: False,
     variants={

@@ -59,7 +59,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from randattn._validation import check_positive_int
-from randattn.estimators.base import Draws, EstimatorSpec, ExactLimit, Param
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, Param
 from randattn.estimators.magicpig import batched, reference
 from randattn.estimators.magicpig.reference import CENTERINGS, check_params
 from randattn.estimators.masks import check_causal_shapes
@@ -118,9 +118,11 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
-    batched_probabilities=batched.probabilities,
-    batched_with_probabilities=batched.estimate_with_probabilities,
+    forms=BatchedForms(
+        estimate=batched.estimate,
+        probabilities=batched.probabilities,
+        estimate_with_probabilities=batched.estimate_with_probabilities,
+    ),
     variants={
         # the defaults keep 68 exact keys, i.e. every key of the kit's small inputs: these variants sample
         "sampling": {"hash_bits": 2, "sinks": 1, "local": 2},

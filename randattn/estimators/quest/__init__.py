@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from randattn.estimators.base import Draws, EstimatorSpec, ExactLimit, Param
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, Param
 from randattn.estimators.quest import batched, reference
 from randattn.estimators.sparse.selection import budget_draws
 
@@ -53,9 +53,11 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
-    batched_probabilities=batched.probabilities,
-    batched_with_probabilities=batched.estimate_with_probabilities,
+    forms=BatchedForms(
+        estimate=batched.estimate,
+        probabilities=batched.probabilities,
+        estimate_with_probabilities=batched.estimate_with_probabilities,
+    ),
     needs_samples=True,
     is_random=lambda params: False,
     # page sizes dividing the test suites' S (6, 8, 16); page_size=1 with "compete" is top-k attention

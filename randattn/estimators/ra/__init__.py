@@ -17,7 +17,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import Draws, EstimatorSpec, Param
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, Param
 from randattn.estimators.ra import batched, reference
 from randattn.estimators.presets import RA_PRESETS
 
@@ -78,9 +78,11 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
-    batched_probabilities=batched.probabilities,
-    batched_with_probabilities=batched.estimate_with_probabilities,
+    forms=BatchedForms(
+        estimate=batched.estimate,
+        probabilities=batched.probabilities,
+        estimate_with_probabilities=batched.estimate_with_probabilities,
+    ),
     is_random=_is_random,
     variants={
         "unbiased": {"variant": "unbiased"},

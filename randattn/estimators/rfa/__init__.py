@@ -13,7 +13,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import Draws, EstimatorSpec, ImportanceWeights, Param
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights, Param
 from randattn.estimators.features import DATA_DEPENDENT_MAPS, FEATURE_MAPS
 from randattn.estimators.rfa import batched, reference, weights
 from randattn.estimators.rfa.masking import check_rfa_mask
@@ -79,10 +79,12 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
-    batched_probabilities=batched.probabilities,
-    batched_with_probabilities=batched.estimate_with_probabilities,
-    batched_with_probability_factors=batched.estimate_with_probability_factors,
+    forms=BatchedForms(
+        estimate=batched.estimate,
+        probabilities=batched.probabilities,
+        estimate_with_probabilities=batched.estimate_with_probabilities,
+        estimate_with_probability_factors=batched.estimate_with_probability_factors,
+    ),
     variants={
         f"{fm}-{coupling}": {"feature_map": fm, "coupling": coupling}
         for fm in FEATURE_MAPS

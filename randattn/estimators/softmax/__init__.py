@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from randattn.estimators import describe
-from randattn.estimators.base import Draws, EstimatorSpec
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec
 from randattn.estimators.softmax import batched, reference
 
 
@@ -23,7 +23,7 @@ SPEC = EstimatorSpec(
     params={},
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
+    forms=BatchedForms(estimate=batched.estimate),
     needs_samples=False,
     is_random=lambda params: False,
     variants={"exact": {}},

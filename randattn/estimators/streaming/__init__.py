@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from randattn.estimators.base import Draws, EstimatorSpec, ExactLimit, Param
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, Param
 from randattn.estimators.sparse.selection import budget_draws
 from randattn.estimators.streaming import batched, reference
 
@@ -46,9 +46,11 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
-    batched_probabilities=batched.probabilities,
-    batched_with_probabilities=batched.estimate_with_probabilities,
+    forms=BatchedForms(
+        estimate=batched.estimate,
+        probabilities=batched.probabilities,
+        estimate_with_probabilities=batched.estimate_with_probabilities,
+    ),
     needs_samples=True,
     is_random=lambda params: False,
     variants={"default": {}, "one-sink": {"sinks": 1}, "window-only": {"sinks": 0}},

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from randattn.estimators.base import Draws, EstimatorSpec, ExactLimit
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit
 from randattn.estimators.sparse.selection import budget_draws
 from randattn.estimators.topk import batched, reference
 
@@ -34,9 +34,11 @@ SPEC = EstimatorSpec(
     params={},
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
-    batched_probabilities=batched.probabilities,
-    batched_with_probabilities=batched.estimate_with_probabilities,
+    forms=BatchedForms(
+        estimate=batched.estimate,
+        probabilities=batched.probabilities,
+        estimate_with_probabilities=batched.estimate_with_probabilities,
+    ),
     needs_samples=True,
     is_random=lambda params: False,
     display_name="Top-k attention (oracle)",

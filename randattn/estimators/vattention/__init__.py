@@ -76,7 +76,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from randattn._validation import check_positive_int
-from randattn.estimators.base import Draws, EstimatorSpec, ExactLimit
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit
 from randattn.estimators.masks import MASKS, check_causal_shapes
 from randattn.estimators.vattention import batched, reference
 from randattn.estimators.vattention.rules import PARAMS, check_params, uniform_counts
@@ -146,9 +146,11 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    batched=batched.estimate,
-    batched_probabilities=batched.probabilities,
-    batched_with_probabilities=batched.estimate_with_probabilities,
+    forms=BatchedForms(
+        estimate=batched.estimate,
+        probabilities=batched.probabilities,
+        estimate_with_probabilities=batched.estimate_with_probabilities,
+    ),
     needs_samples=True,
     is_random=lambda params: True,
     variants={
