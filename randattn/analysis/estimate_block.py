@@ -319,15 +319,9 @@ class BlockEstimator:
         dt = getattr(torch, self.dtype_name(est))
         tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
         with torch.no_grad():
-<<<<<<< HEAD
-            result = spec.batched_with_probability_factors(tq, tk, tv, draws.to_torch(device=self.device, dtype=dt),
-                                                           scale=self.scale, **est.params,
-                                                           **mask.estimator_kwargs)
-=======
             result = spec.forms.get("estimate_with_probability_factors")(
                 tq, tk, tv, draws.to_torch(device=self.device, dtype=dt), scale=self.scale, **est.params,
-                **estimator_mask_kwargs(mask))
->>>>>>> h3
+                **mask.estimator_kwargs)
             if result is None:  # no factors for this variant (e.g. under a causal mask)
                 return None
             out, left, right = result
