@@ -341,9 +341,9 @@ class SweepPlan:
         Units of ``todo`` that the budget splits below the canonical block of every head x every
         replicate (their rows may then differ by rounding from a larger budget's:
         :data:`~randattn.analysis.cell_memory.SPLIT_ROUNDING`).
-    refused : str or None
-        Why the sweep will be refused before computing (one replicate of one head exceeds
-        ``max_memory``: :class:`MemoryBudgetError`'s message), else None.
+    refused : MemoryBudgetError or None
+        Why the sweep will be refused before computing (a unit cannot fit ``max_memory``): the error that
+        :func:`run_sweep` raises with this plan, else None.
     seconds : float or None
         Estimated wall seconds of computing ``todo`` in this process (``timing=True``), else None.
     timed_heads : tuple of int
@@ -359,7 +359,7 @@ class SweepPlan:
     images: tuple
     peak_bytes: int
     split_units: int
-    refused: str | None
+    refused: MemoryBudgetError | None
     seconds: float | None = None
     timed_heads: tuple = ()
     runner: Any = field(default=None, repr=False, compare=False)  # calibrated; run_sweep reuses it
@@ -443,7 +443,7 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
             try:
                 blocks = runner.blocks(unit)
             except MemoryBudgetError as exc:
-                refused = refused or str(exc)
+                refused = refused or exc
                 peak = max(peak, runner.cell_bytes(unit))
                 continue
             cells, reps = blocks[0]
@@ -637,7 +637,7 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
     if calibrated is not None and calibrated.config != config:
         raise ValueError("calibrated: that plan is of another configuration; plan_sweep this one")
     if calibrated is not None and calibrated.refused is not None:
-        raise MemoryBudgetError(calibrated.refused)  # before anything is written
+        raise calibrated.refused  # before anything is written
     units = plan(acts, config)
     parts = Path(parts_dir) if parts_dir is not None else None
     context = sweep_lock(parts) if parts is not None and lock else nullcontext()

@@ -104,9 +104,10 @@ def test_a_unit_that_cannot_fit_is_refused_before_computing(acts):
     from randattn.analysis.sweep import MemoryBudgetError
 
     calls = []
-    with pytest.raises(MemoryBudgetError, match="more than the memory budget of 1 B.*--max-memory"):
+    with pytest.raises(MemoryBudgetError, match="more than the memory budget of 1 B.*raise max_memory") as raised:
         run_sweep(acts, _config(max_memory=1), progress=calls.append)
     assert calls == []
+    assert raised.value.budget == 1 and raised.value.needed > 1 and not raised.value.store
 
 
 def test_auto_dtype_is_float64_for_signed_weights_only(acts):
