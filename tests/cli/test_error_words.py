@@ -58,7 +58,8 @@ def test_an_existing_output_is_worded_with_force_and_resume(tmp_path):
     parts = _with_a_finished_unit(store.parts_path(out))
     exc = _raised(lambda: store.check_output(out, {}, resume=False, force=False))
     assert (exc.path, exc.unfinished) == (parts, True) and "resume=True" in str(exc)
-    assert said(exc) == f"{str(parts)!r} holds an unfinished run; add --resume to continue it, or --force to start afresh"
+    assert said(exc) == (f"{str(parts)!r} holds an unfinished run; add --resume to continue it, or --force to start "
+                         "afresh")
 
 
 def test_a_finished_run_of_other_settings_is_worded_with_force_and_out(tmp_path):
@@ -128,7 +129,8 @@ def test_a_unit_over_the_budget_is_worded_with_max_memory(stored, cli):
     (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes.\nError code 12"), 2),
     (RuntimeError("some other failure"), 1),
 ], ids=["torch-cpu-allocator", "not-memory"])
-def test_a_failed_torch_allocation_is_said_as_out_of_memory_and_nothing_else_is(tmp_path, monkeypatch, raised, code):
+def test_a_failed_torch_allocation_is_said_as_out_of_memory_and_nothing_else_is(tmp_path, monkeypatch, raised,
+                                                                                code):
     """torch's CPU allocator has no error type of its own: the library knows its words
     (:func:`~randattn.analysis.memory.allocation_failure`), the command line words the advice; any other
     RuntimeError stays unexpected (exit 1)."""
@@ -143,13 +145,31 @@ def test_a_failed_torch_allocation_is_said_as_out_of_memory_and_nothing_else_is(
 
     acts = tmp_path / "a.safetensors"
     rng = np.random.default_rng(0)
-    save_activations(make_activations({0: tuple(rng.normal(size=(1, 1, 8, 4)) for _ in range(3))}, {"scale": 0.5, "layout": "sequence"}),
-                     acts)
+    arrays = {0: tuple(rng.normal(size=(1, 1, 8, 4)) for _ in range(3))}
+    save_activations(make_activations(arrays, {"scale": 0.5, "layout": "sequence"}), acts)
     monkeypatch.setattr(randattn.analysis.sweep, "run_sweep", fails)
     result = CliRunner().invoke(main, ["mse", str(acts), "-e", "ra", "--samples", "2", "--max-memory", "1GiB"])
     said_ = " ".join(result.stderr.split())
     assert result.exit_code == code, result.output
     if code == 2:
-        assert said_.endswith("error: out of memory (DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 "
-                         "bytes.); lower --max-memory (now 1 GiB) so that work is split into smaller blocks, or use "
-                         "fewer --samples / --replicates; nothing was kept (no --out)"), said_
+        assert said_.endswith("error: out of memory (DefaultCPUAllocator: can't allocate memory: you tried to "
+                              "allocate 8 bytes.); lower --max-memory (now 1 GiB) so that work is split into smaller "
+                              "blocks, or use fewer --samples / --replicates; nothing was kept (no --out)"), said_
+
+
+def test_the_library_wordings_of_a_stopped_run_are_deprecated_for_the_command_lines(tmp_path):
+    """``store.kept_message`` and ``records.resume_command`` spoke in the command line's options: they warn, name
+    the CLI's own, and still say what it says."""
+    from randattn.analysis.records import resume_command as old_resume
+    from randattn.cli._errors import kept_message, resume_command
+
+    argv = ["mse", "a.safetensors", "--force", "--out", "r.csv"]
+    with pytest.warns(DeprecationWarning, match="randattn.cli._errors.resume_command") as caught:
+        assert old_resume(argv) == resume_command(argv) == "randattn mse a.safetensors --out r.csv --resume"
+    assert caught[0].filename == __file__
+    parts = _with_a_finished_unit(tmp_path / "r.csv.parts")
+    with pytest.warns(DeprecationWarning, match="randattn.cli._errors.kept_message") as caught:
+        assert store.kept_message(parts, "again") == kept_message(parts, "again")
+    assert caught[0].filename == __file__
+    assert kept_message(parts, "again", then="later") == (f"; finished units are kept in {parts} for --resume; later, "
+                                                          "continue with: again")
