@@ -1,4 +1,4 @@
-r"""The memory model of a unit: bytes per (cell, replicate), calibrated, and the blocks a budget allows (issue #26).
+r"""The memory model of a unit: bytes per (cell, replicate), calibrated, and the blocks a budget allows.
 
 A block of c cells x r replicates is modelled to need ``c (a + b r)`` bytes: ``a`` per cell
 whatever R, ``b`` per replicate. Both are calibrated once per (configuration, S, shape) by

@@ -308,7 +308,7 @@ def _metrics_from_sums(mean_abs: np.ndarray, per_rep_err: np.ndarray, naive: np.
 def metrics_of_differences(diff: Any, exact: Any, *, random: bool = True) -> tuple[ReplicateMetrics, np.ndarray]:
     r""":func:`metrics_with_relative_error` from the differences, as torch float64 tensors on any device.
 
-    The sweep's form (issue 9, GPU-ready): the estimates never leave their device; the
+    The sweep's form, ready for a GPU: the estimates never leave their device; the
     reductions over (n, d) run there, and only the per-(replicate, batch element) averages cross
     to the host, where :func:`replicate_metrics`'s formulas finish them. The same quantities as
     :func:`metrics_with_relative_error`, with torch's float64 reductions (their rounding, about
