@@ -219,7 +219,7 @@ class SweepConfig:
         always float64. Under ``auto`` a float64 run forms the implied probabilities by a
         float32 product where the estimator offers one and its rounding bound moves each
         (replicate, cell)'s probability squared error by at most
-        :data:`~randattn.analysis.execute.PROBABILITY_ROUNDING_RTOL` (1e-3) of itself.
+        :data:`~randattn.analysis.estimate_block.PROBABILITY_ROUNDING_RTOL` (1e-3) of itself.
     max_memory : int
         Approximate peak bytes of the estimator work of one unit (see
         :mod:`randattn.analysis.execute`).

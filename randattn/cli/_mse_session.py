@@ -224,7 +224,7 @@ def _resume() -> str:
 def _plan(job: Job, resume: bool, where: Any, *, timing: bool = False):
     """Plan the sweep (:func:`~randattn.analysis.sweep.plan_sweep`), print it, and refuse (exit 2) one that cannot
     fit the memory budget. Writes nothing."""
-    from randattn.analysis import store, sweep  # looked up at call time: tests replace its functions
+    from randattn.analysis import store, sweep
     from randattn.cli._common import abort, err_console
     from randattn.cli._errors import said
     from randattn.reports.console import plan_lines
@@ -249,7 +249,7 @@ def _run(job: Job, parts: Path | None, resume: bool, where: Any, client: Any, se
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from randattn.analysis import sweep  # looked up at call time: tests replace sweep.run_sweep
+    from randattn.analysis import sweep
     from randattn.analysis.cell_memory import MemoryBudgetError, format_bytes
     from randattn.analysis.memory import allocation_failure
     from randattn.analysis.store import CorruptPartWarning, ResumeMismatchError

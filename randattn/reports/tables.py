@@ -92,14 +92,6 @@ def estimator_order() -> tuple[str, ...]:
     return tuple(list_estimators())
 
 
-def __getattr__(name: str) -> Any:
-    # ``ESTIMATOR_ORDER`` was a tuple of names; it is now the registry's order, read when asked for, so that
-    # a plugin registered after this module was imported takes its place too
-    if name == "ESTIMATOR_ORDER":
-        return estimator_order()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def estimator_spec(name: Any) -> Any:
     """The registered spec of estimator ``name``, or None.
 
