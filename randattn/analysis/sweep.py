@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from randattn._callers import outside_stacklevel
 from randattn._files import atomic_path
 from randattn._validation import check_positive_int
 from randattn.analysis.execute import (
@@ -607,7 +608,7 @@ def run_sweep(
     those of the table's row restricted to a bucket's queries (:mod:`randattn.analysis.positions`).
     """
     tables = _run_sweep(activations, config, parts_dir=parts_dir, resume=resume, progress=progress, lock=lock,
-                        resume_hint=resume_hint, scheduler=scheduler, calibrated=calibrated, stacklevel=3)
+                        resume_hint=resume_hint, scheduler=scheduler, calibrated=calibrated)
     return tables if with_positions else tables.table
 
 
@@ -622,14 +623,14 @@ def run_sweep_tables(activations: Any, config: SweepConfig, **options: Any) -> S
         ``parts_dir``, ``resume``, ``progress``, ``lock``, ``resume_hint``, ``scheduler``, ``calibrated``: as
         :func:`run_sweep`.
     """
-    return _run_sweep(activations, config, **options, stacklevel=3)
+    return _run_sweep(activations, config, **options)
 
 
 def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.PathLike | None = None,
                resume: bool = False, progress: Callable[[SweepProgress], None] | None = None, lock: bool = True,
-               resume_hint: str = "resume=True", scheduler: Any = None, calibrated: SweepPlan | None = None,
-               stacklevel: int = 2) -> SweepTables:
-    """:func:`run_sweep`'s work; the warnings it re-issues point ``stacklevel`` frames up (the public call's caller)."""
+               resume_hint: str = "resume=True", scheduler: Any = None,
+               calibrated: SweepPlan | None = None) -> SweepTables:
+    """:func:`run_sweep`'s work; the warnings it re-issues point at the first caller outside randattn."""
     import pandas as pd
 
     acts = as_activations(activations)
@@ -703,7 +704,7 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
     for record in table.attrs["warnings"]:
         reissued = _warning_category(record["category"])(warning_text(record))
         reissued.record = record  # a caller that catches it (the demo) can merge the counts of several sweeps
-        warnings.warn(reissued, stacklevel=stacklevel)
+        warnings.warn(reissued, stacklevel=outside_stacklevel())
     return SweepTables(table, positions)
 
 

@@ -24,6 +24,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from randattn._callers import outside_stacklevel
 from randattn.analysis.positions import POSITION_COLUMNS
 from randattn.analysis.sweep import COLUMNS, positions_path
 
@@ -270,7 +271,7 @@ def _read_one(path: str | os.PathLike) -> tuple[pd.DataFrame, dict[str, Any], Pa
         shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
         warnings.warn(f"{path}: {sidecar_path.name} differs from the metadata stored in the file ({shown}); the "
                       "file's own is used (edit the metadata inside the file, or remove it to use the sidecar)",
-                      MetadataConflictWarning, stacklevel=3)
+                      MetadataConflictWarning, stacklevel=outside_stacklevel())
     metadata = {**sidecar, **metadata}
     return _checked_values(_normalise_types(table), path), metadata, path
 
