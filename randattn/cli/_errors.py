@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from randattn.analysis.cell_memory import MemoryBudgetError
+from randattn.analysis.executors import SchedulerError
 from randattn.analysis.store import (
     FinishedRunMismatchError,
     ManifestError,
@@ -62,6 +63,11 @@ def _(exc: PartsExistError) -> str:
 @said.register
 def _(exc: SweepLockedError) -> str:
     return exc.what if exc.holder is None else f"{exc.what}; wait for it to finish, or write to another --out"
+
+
+@said.register
+def _(exc: SchedulerError) -> str:
+    return exc.naming("--scheduler")
 
 
 @said.register

@@ -304,12 +304,13 @@ def _client(where: Any, threads: int | None = None) -> Iterator[Any]:
         return
     from randattn.analysis.executors import dask_client
     from randattn.cli._common import abort, err_console
+    from randattn.cli._errors import said
 
     try:
         manager = dask_client(where, threads=threads)
         client = manager.__enter__()
     except ValueError as exc:
-        abort(str(exc))
+        abort(said(exc))
     try:
         workers = len(client.scheduler_info().get("workers", {}))
         link = getattr(client, "dashboard_link", None)

@@ -110,6 +110,19 @@ def test_a_locked_output_is_worded_with_out(tmp_path):
     assert said(exc) == f"{exc.what}; wait for it to finish, or write to another --out"
 
 
+@pytest.mark.parametrize(("text", "rest"), [
+    ("processes:0", " 'processes:0': needs at least 1 worker process"),
+    ("threads:2", " 'threads:2' is not understood; use local, processes:N or tcp://HOST:PORT"),
+], ids=["no-worker", "not-understood"])
+def test_a_scheduler_error_is_worded_with_scheduler(text, rest):
+    from randattn.analysis.executors import SchedulerError, parse_scheduler
+
+    exc = _raised(lambda: parse_scheduler(text))
+    assert isinstance(exc, SchedulerError) and isinstance(exc, ValueError) and exc.scheduler == text
+    assert str(exc) == "scheduler" + rest
+    assert said(exc) == "--scheduler" + rest
+
+
 @pytest.mark.parametrize(("stored", "cli"), [
     (0, "raise --max-memory or use fewer --samples"),
     (10**9, "use fewer --replicates, select fewer --heads, or raise --max-memory"),
