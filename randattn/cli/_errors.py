@@ -12,6 +12,9 @@ import functools
 from pathlib import Path
 from typing import Sequence
 
+import click
+
+from randattn._validation import ParameterError
 from randattn.analysis.cell_memory import MemoryBudgetError
 from randattn.analysis.executors import SchedulerError
 from randattn.analysis.store import (
@@ -24,13 +27,29 @@ from randattn.analysis.store import (
     stored_unit_ids,
 )
 
-__all__ = ["kept_message", "out_of_memory", "resume_command", "said"]
+__all__ = ["kept_message", "option_of", "out_of_memory", "resume_command", "said"]
 
 
 @functools.singledispatch
 def said(exc: BaseException) -> str:
     """``exc`` as ``randattn`` says it: its message, in the options' words where its type has facts to word."""
     return str(exc)
+
+
+@said.register
+def _(exc: ParameterError) -> str:
+    option = option_of(exc.parameter)
+    return str(exc) if option is None else exc.naming(option, " ")
+
+
+def option_of(parameter: str) -> str | None:
+    """The running command's option for the library's ``parameter`` (``check_reference`` -> ``--check-reference``),
+    read from its click definition; None where it has none."""
+    context = click.get_current_context(silent=True)
+    for option in context.command.params if context is not None else ():
+        if option.name == parameter and isinstance(option, click.Option):
+            return option.opts[0]
+    return None
 
 
 @said.register

@@ -123,6 +123,27 @@ def test_a_scheduler_error_is_worded_with_scheduler(text, rest):
     assert said(exc) == "--scheduler" + rest
 
 
+def test_a_parameter_error_is_worded_with_the_running_commands_option():
+    """The option comes from the command's click definition: ``check_reference`` is ``--check-reference`` in
+    ``randattn mse``; outside a command the library's words stay."""
+    import click
+
+    from randattn._validation import ParameterError, check_device
+    from randattn.analysis.plan import SweepConfig, parse_estimator_list
+    from randattn.cli.mse import command
+
+    device = _raised(lambda: check_device("tpu"))
+    fraction = _raised(lambda: SweepConfig(estimators=parse_estimator_list(["ra"]), num_samples=(2,),
+                                           check_reference=2.0))
+    assert isinstance(device, ParameterError) and (device.parameter, device.shown) == ("device", "'tpu'")
+    assert str(device).startswith("device='tpu' is not a torch device; available here: cpu")
+    assert isinstance(fraction, ParameterError) and fraction.parameter == "check_reference"
+    assert said(fraction) == str(fraction) == "check_reference must be a fraction in [0, 1], got 2.0"
+    with click.Context(command):
+        assert said(device) == "--device " + str(device)[len("device="):]
+        assert said(fraction) == "--check-reference must be a fraction in [0, 1], got 2.0"
+
+
 @pytest.mark.parametrize(("stored", "cli"), [
     (0, "raise --max-memory or use fewer --samples"),
     (10**9, "use fewer --replicates, select fewer --heads, or raise --max-memory"),
