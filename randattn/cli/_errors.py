@@ -17,6 +17,7 @@ import click
 from randattn._validation import ParameterError
 from randattn.analysis.cell_memory import MemoryBudgetError
 from randattn.analysis.executors import SchedulerError
+from randattn.analysis.queries import QueryPlacementError
 from randattn.analysis.store import (
     FinishedRunMismatchError,
     ManifestError,
@@ -82,6 +83,13 @@ def _(exc: PartsExistError) -> str:
 @said.register
 def _(exc: SweepLockedError) -> str:
     return exc.what if exc.holder is None else f"{exc.what}; wait for it to finish, or write to another --out"
+
+
+@said.register
+def _(exc: QueryPlacementError) -> str:
+    if exc.sampled:
+        return f"{exc.what}; use last:K, or --queries all"
+    return f"{exc.what}; measure it with --queries all, or under --mask causal with last:K"
 
 
 @said.register

@@ -177,7 +177,7 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
     try:
         count_cells(activations, config)  # validates the selection and refuses estimators the masks exclude
     except (ValueError, TypeError) as exc:
-        message = str(exc)
+        message = said(exc)
         if mask_choice == "file" and mask is not None and "mask" in message:
             message += (" (the mask is the activation file's own metadata 'mask'; --mask none or --mask causal "
                         "overrides it)")

@@ -144,6 +144,21 @@ def test_a_parameter_error_is_worded_with_the_running_commands_option():
         assert said(fraction) == "--check-reference must be a fraction in [0, 1], got 2.0"
 
 
+@pytest.mark.parametrize(("selection", "estimator", "cli"), [
+    ("sample:3", "streaming", "use last:K, or --queries all"),
+    ("last:3", "local", "measure it with --queries all, or under --mask causal with last:K"),
+], ids=["sampled", "positioned"])
+def test_a_query_placement_error_is_worded_with_queries_and_mask(selection, estimator, cli):
+    from randattn.analysis.plan import parse_estimator_list
+    from randattn.analysis.queries import QueryPlacementError, check_query_selection
+
+    exc = _raised(lambda: check_query_selection(selection, 8, {0: None}, parse_estimator_list([estimator])))
+    assert isinstance(exc, QueryPlacementError) and isinstance(exc, ValueError)
+    assert (exc.label, exc.rows, exc.num_queries, exc.sampled) == (estimator, 3, 8, selection.startswith("sample"))
+    assert exc.layer == (None if exc.sampled else 0)
+    assert said(exc) == f"{exc.what}; {cli}"
+
+
 @pytest.mark.parametrize(("stored", "cli"), [
     (0, "raise --max-memory or use fewer --samples"),
     (10**9, "use fewer --replicates, select fewer --heads, or raise --max-memory"),
