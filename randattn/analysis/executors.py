@@ -63,7 +63,8 @@ class SchedulerError(ValueError):
 
 @dataclass(frozen=True)
 class Scheduler:
-    """A parsed scheduler (``run_sweep(scheduler=...)``, ``randattn mse --scheduler``): ``kind`` is ``"local"``, ``"processes"`` (with ``workers``) or ``"address"``."""
+    """A parsed scheduler (``run_sweep(scheduler=...)``, ``randattn mse --scheduler``): ``kind`` is ``"local"``,
+    ``"processes"`` (with ``workers``) or ``"address"``."""
 
     kind: str
     workers: int = 0
