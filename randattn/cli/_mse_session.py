@@ -285,7 +285,7 @@ def _run(job: Job, parts: Path | None, resume: bool, where: Any, client: Any, se
         except (FileExistsError, ResumeMismatchError) as exc:  # the stored run refuses this one: nothing to add
             abort(said(exc))
         except ValueError as exc:  # bad input found while running (also raised by a Dask unit)
-            abort(str(exc) + kept_message(parts, _resume()))
+            abort(said(exc) + kept_message(parts, _resume()))
         except (MemoryError, RuntimeError) as exc:
             what = allocation_failure(exc)  # numpy's "Unable to allocate 66.4 GiB for an array with shape ..."
             if what is None:
