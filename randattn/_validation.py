@@ -12,6 +12,7 @@ from typing import Any, Iterable
 import numpy as np
 
 __all__ = [
+    "ParameterError",
     "check_choice",
     "check_positive_int",
     "check_qkv_shapes",
@@ -21,6 +22,34 @@ __all__ = [
     "available_devices",
     "check_device",
 ]
+
+
+class ParameterError(ValueError):
+    """A parameter's value is refused: which parameter, its value as the message shows it, and what is wrong.
+
+    The message names the parameter as a Python caller passes it (``device='cuda:3': ...``); a command line
+    names its own option for it (:meth:`naming`).
+
+    Attributes
+    ----------
+    parameter : str
+        The parameter's name (``"device"``).
+    shown : str or None
+        Its value as the message shows it (``"'cuda:3'"``), or None where the message names the parameter only.
+    problem : str
+        The rest of the sentence: ``": only 1 CUDA device(s) are visible; ..."``, ``" must be a fraction ..."``.
+    """
+
+    def __init__(self, parameter: str, shown: str | None, problem: str) -> None:
+        super().__init__(parameter, shown, problem)
+        self.parameter, self.shown, self.problem = parameter, shown, problem
+
+    def naming(self, subject: str, joiner: str = "=") -> str:
+        """The message with the parameter called ``subject``, joined to its value by ``joiner``."""
+        return f"{subject}{self.problem}" if self.shown is None else f"{subject}{joiner}{self.shown}{self.problem}"
+
+    def __str__(self) -> str:
+        return self.naming(self.parameter)
 
 
 def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> Any:
@@ -168,7 +197,7 @@ def available_devices() -> list[str]:
 
 
 def check_device(device: Any) -> Any:
-    """Return ``torch.device(device)`` if it names a device usable here, else raise ``ValueError``.
+    """Return ``torch.device(device)`` if it names a device usable here, else raise :class:`ParameterError`.
 
     The message names the device and lists those available (``torch.device("tpu")`` raises a
     RuntimeError, and a CUDA device on a CPU-only torch fails later with an AssertionError:
@@ -181,19 +210,21 @@ def check_device(device: Any) -> Any:
     try:
         dev = device if isinstance(device, torch.device) else torch.device(str(device))
     except (RuntimeError, TypeError):
-        raise ValueError(f"device={device!r} is not a torch device; available here: "
-                         f"{', '.join(available_devices())}") from None
+        raise ParameterError("device", repr(device), f" is not a torch device; available here: "
+                             f"{', '.join(available_devices())}") from None
     if dev.type == "cpu":
         return dev
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise ValueError(f"device={str(device)!r}: {why} (torch {torch.__version__}); available here: "
-                             f"{', '.join(available_devices())}")
+            raise ParameterError("device", repr(str(device)), f": {why} (torch {torch.__version__}); available here: "
+                                 f"{', '.join(available_devices())}")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device={str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible; "
-                             f"available here: {', '.join(available_devices())}")
+            raise ParameterError("device", repr(str(device)),
+                                 f": only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                                 f"available here: {', '.join(available_devices())}")
         return dev
     if dev.type == "mps" and "mps" in available_devices():
         return dev
-    raise ValueError(f"device={str(device)!r} is not available here; available: {', '.join(available_devices())}")
+    raise ParameterError("device", repr(str(device)),
+                         f" is not available here; available: {', '.join(available_devices())}")

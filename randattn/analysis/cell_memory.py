@@ -1,4 +1,4 @@
-r"""The memory model of a unit: bytes per (cell, replicate), calibrated, and the blocks a budget allows (issue #26).
+r"""The memory model of a unit: bytes per (cell, replicate), calibrated, and the blocks a budget allows.
 
 A block of c cells x r replicates is modelled to need ``c (a + b r)`` bytes: ``a`` per cell
 whatever R, ``b`` per replicate. Both are calibrated once per (configuration, S, shape) by
@@ -46,7 +46,7 @@ SPLIT_ROUNDING = ("the torch kernels' rounding depends on a block's shape, so ea
 #: temporaries, measured at up to 1.67 x the store (module docstring), rounded up to 2 x
 STORE_FACTOR = 3
 
-#: the smallest ``--max-memory`` that any unit could use: one replicate of one head at the smallest shape
+#: the smallest memory budget (``max_memory``) that any unit could use: one replicate of one head at the smallest shape
 #: (N = M = D = S = 1) measured 23 KiB (RA) to 70 KiB (Scatterbrain) with the margin of :func:`with_margin`
 #: (torch backend, CPU); 16 KiB, below all of them, so a budget under it can never run anything and is refused as
 #: soon as it is read, before a file is loaded
@@ -105,7 +105,49 @@ _CALIBRATION_SAMPLES = (16, 64)
 
 
 class MemoryBudgetError(ValueError):
-    """One (cell, replicate) of a unit needs more memory than ``max_memory`` allows."""
+    """A unit cannot fit the memory budget (``max_memory``): one (cell, replicate) of it, or the estimates it keeps
+    of every replicate, needs more (:func:`check_fits`).
+
+    Attributes
+    ----------
+    needed : int
+        Bytes the memory model says it needs.
+    budget : int
+        The budget, bytes.
+    label : str
+        The estimator configuration.
+    num_samples : int or None
+        Its S (None: the estimator takes none).
+    tokens : int
+        Tokens of the unit's layer.
+    replicates, heads : int
+        The unit's replicates and heads (their store is what did not fit when ``store`` is True).
+    store : bool
+        False: one replicate of one head alone exceeds the budget (fewer samples or a larger budget help);
+        True: the estimates of all replicates and heads, kept until their metrics, exceed it.
+    """
+
+    def __init__(self, needed: int, budget: int, label: str, num_samples: int | None, tokens: int,
+                 replicates: int = 1, heads: int = 1, store: bool = False) -> None:
+        super().__init__(needed, budget, label, num_samples, tokens, replicates, heads, store)
+        self.needed, self.budget, self.label, self.num_samples = needed, budget, label, num_samples
+        self.tokens, self.replicates, self.heads, self.store = tokens, replicates, heads, store
+
+    @property
+    def what(self) -> str:
+        """The fact, without what to do about it."""
+        s = "" if self.num_samples is None else f" at S = {self.num_samples}"
+        if not self.store:
+            return (f"one replicate of one head of {self.label}{s} with {self.tokens} tokens needs about "
+                    f"{format_bytes(self.needed)}, more than the memory budget of {format_bytes(self.budget)}")
+        return (f"{self.label}{s} keeps the estimates of all {self.replicates:,} replicates of {self.heads} head(s) "
+                f"with {self.tokens} tokens until their metrics, about {format_bytes(self.needed)} with the metrics' "
+                f"working memory, more than the memory budget of {format_bytes(self.budget)}")
+
+    def __str__(self) -> str:
+        if not self.store:
+            return f"{self.what}; raise max_memory or use fewer samples"
+        return f"{self.what}; use fewer replicates, select fewer heads, or raise max_memory"
 
 
 def format_bytes(n: float) -> str:
@@ -205,21 +247,11 @@ def check_fits(per_cell: int, per_rep: int, budget: int, *, label: str, num_samp
     """Raises :class:`MemoryBudgetError` if one (cell, replicate) with the unit's ``stored`` estimates (``replicates``
     of ``heads`` heads, :func:`stored_bytes`) exceeds ``budget``, naming the configuration."""
     per = block_bytes(per_cell, per_rep, 1, 1)
-    s = "" if num_samples is None else f" at S = {num_samples}"
     if per > budget:
-        raise MemoryBudgetError(
-            f"one replicate of one head of {label}{s} with {tokens} tokens needs about "
-            f"{format_bytes(per)}, more than the memory budget of {format_bytes(budget)}; "
-            "raise --max-memory or use fewer --samples"
-        )
+        raise MemoryBudgetError(per, budget, label, num_samples, tokens)
     whole = unit_peak_bytes(per, stored)
     if whole > budget:
-        raise MemoryBudgetError(
-            f"{label}{s} keeps the estimates of all {replicates:,} replicates of {heads} head(s) with {tokens} tokens "
-            f"until their metrics, about {format_bytes(whole)} with the metrics' working memory, more than the "
-            f"memory budget of {format_bytes(budget)}; use fewer --replicates, select fewer --heads, or raise "
-            "--max-memory"
-        )
+        raise MemoryBudgetError(whole, budget, label, num_samples, tokens, replicates, heads, store=True)
 
 
 def split_blocks(cells: int, reps: int, budget: int, per_cell: int, per_rep: int) -> list[tuple[slice, slice]]:

@@ -32,20 +32,6 @@ from scipy.special import logsumexp
 
 from randattn.estimators.registry import get_spec
 
-
-def __getattr__(name: str) -> Any:
-    """``rfa_snis_terms`` and ``snis_terms_from_log_features``, at their home before the protocol moved them
-    beside the estimators; imported on use so that importing this module (the report does) loads no torch."""
-    if name == "rfa_snis_terms":
-        from randattn.estimators.rfa.weights import rfa_snis_terms
-
-        return rfa_snis_terms
-    if name == "snis_terms_from_log_features":
-        from randattn.estimators.snis.reference import snis_terms_from_log_features
-
-        return snis_terms_from_log_features
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 __all__ = [
     "KHAT_THRESHOLD",
     "KHAT_MIN_WEIGHTS",

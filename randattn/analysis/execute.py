@@ -41,9 +41,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-# DIAGNOSTIC_REPLICATES, PROBABILITY_ROUNDING_RTOL, probability_rounding_negligible,
-# MemoryBudgetError, format_bytes, exact_under_mask, COLUMNS and DiagnosticsSkippedWarning are imported from here by
-# the sweep, the CLI and tests: they stay importable from this module, where the unit runner used to define them
+# MemoryBudgetError, format_bytes, exact_under_mask, COLUMNS and the two warnings are also this module's public names
+# (__all__): what a caller of the unit runner meets, importable beside it
 from randattn.analysis.cell_memory import (
     REFERENCE_CHECK_TOKENS,
     MemoryBudgetError,
@@ -60,7 +59,6 @@ from randattn.analysis.cell_memory import (
     with_margin,
 )
 from randattn.analysis.estimate_block import (
-    PROBABILITY_ROUNDING_RTOL,
     BlockEstimator,
     ProbabilitiesSkippedWarning,
     columns_skip_reason,
@@ -68,9 +66,7 @@ from randattn.analysis.estimate_block import (
 from randattn.analysis.exact_cache import ExactCache, exact_under_mask
 from randattn.analysis.masking import diagnostics_skip_reason
 from randattn.analysis.plan import EstimatorConfig, StackedGenerators, SweepConfig, Unit, replicate_rng
-from randattn.analysis.probability_error import probability_rounding_negligible
 from randattn.analysis.unit_diagnostics import (
-    DIAGNOSTIC_REPLICATES,
     DiagnosticsSkippedWarning,
     UnitDiagnostics,
     diagnostics_block,

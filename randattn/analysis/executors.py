@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["Scheduler", "parse_scheduler", "dask_client", "run_units_dask", "UNIT_RETRIES"]
+__all__ = ["Scheduler", "SchedulerError", "parse_scheduler", "dask_client", "run_units_dask", "UNIT_RETRIES"]
 
 #: times Dask re-runs a unit that raised an unexpected error (e.g. a flaky shared filesystem); a worker that dies
 #: is handled by the scheduler itself (``distributed.scheduler.allowed-failures``), and an input error
@@ -38,9 +38,33 @@ __all__ = ["Scheduler", "parse_scheduler", "dask_client", "run_units_dask", "UNI
 UNIT_RETRIES = 2
 
 
+class SchedulerError(ValueError):
+    """A scheduler that cannot be used: not understood, without workers, unreachable, or Dask is not installed.
+
+    Attributes
+    ----------
+    scheduler : str or None
+        The scheduler as given (``"processes:0"``, an address), or None where Dask itself is missing.
+    rest : str
+        The sentence after the scheduler's name (:meth:`naming`): ``" 'threads:2' is not understood; use ..."``.
+    """
+
+    def __init__(self, scheduler: str | None, rest: str) -> None:
+        super().__init__(scheduler, rest)
+        self.scheduler, self.rest = scheduler, rest
+
+    def naming(self, subject: str) -> str:
+        """The message with the scheduler option called ``subject`` (``"scheduler"``; a command line its flag)."""
+        return subject + self.rest
+
+    def __str__(self) -> str:
+        return self.naming("scheduler")
+
+
 @dataclass(frozen=True)
 class Scheduler:
-    """A parsed ``--scheduler``: ``kind`` is ``"local"``, ``"processes"`` (with ``workers``) or ``"address"``."""
+    """A parsed scheduler (``run_sweep(scheduler=...)``, ``randattn mse --scheduler``): ``kind`` is ``"local"``,
+    ``"processes"`` (with ``workers``) or ``"address"``."""
 
     kind: str
     workers: int = 0
@@ -52,8 +76,8 @@ def parse_scheduler(text: Any) -> Scheduler:
 
     Raises
     ------
-    ValueError
-        Anything else, with the accepted forms.
+    SchedulerError
+        Anything else, with the accepted forms (a ``ValueError``).
     """
     if text is None or text == "local":
         return Scheduler("local")
@@ -62,11 +86,11 @@ def parse_scheduler(text: Any) -> Scheduler:
     if match:
         workers = int(match.group(1))
         if workers < 1:
-            raise ValueError(f"--scheduler {text!r}: needs at least 1 worker process")
+            raise SchedulerError(text, f" {text!r}: needs at least 1 worker process")
         return Scheduler("processes", workers=workers)
     if re.fullmatch(r"(tcp|tls|inproc|ucx|ws|wss)://\S+", text):
         return Scheduler("address", address=text)
-    raise ValueError(f"--scheduler {text!r} is not understood; use local, processes:N or tcp://HOST:PORT")
+    raise SchedulerError(text, f" {text!r} is not understood; use local, processes:N or tcp://HOST:PORT")
 
 
 @contextmanager
@@ -84,7 +108,7 @@ def dask_client(scheduler: Scheduler, *, threads: int | None = None, device: str
     try:
         from distributed import Client, LocalCluster
     except ImportError:  # pragma: no cover - depends on the install
-        raise ValueError("--scheduler needs Dask: pip install 'randattn[distributed]'") from None
+        raise SchedulerError(None, " needs Dask: pip install 'randattn[distributed]'") from None
     if scheduler.kind == "processes":
         n = str(int(threads or 1))
         env = {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
@@ -101,7 +125,8 @@ def dask_client(scheduler: Scheduler, *, threads: int | None = None, device: str
         try:
             client = Client(scheduler.address, timeout="10s")
         except (OSError, TimeoutError) as exc:
-            raise ValueError(f"--scheduler {scheduler.address}: cannot reach a Dask scheduler there ({exc})") from None
+            raise SchedulerError(scheduler.address,
+                                 f" {scheduler.address}: cannot reach a Dask scheduler there ({exc})") from None
         with client:
             yield client
     else:

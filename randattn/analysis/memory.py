@@ -13,11 +13,12 @@ The two peaks are added: an upper bound on the joint peak.
 from __future__ import annotations
 
 import functools
+import sys
 import tracemalloc
 import weakref
 from typing import Any, Callable
 
-__all__ = ["DEFAULT_BUDGET_FRACTION", "available_memory", "default_max_memory", "measure_peak"]
+__all__ = ["DEFAULT_BUDGET_FRACTION", "allocation_failure", "available_memory", "default_max_memory", "measure_peak"]
 
 #: the share of the device's free memory that ``randattn mse`` gives the estimator work unless told otherwise
 #: (``--max-memory``): the rest is left to the activations, the interpreter and the other processes of the machine
@@ -25,6 +26,24 @@ DEFAULT_BUDGET_FRACTION = 0.5
 
 #: what :func:`available_memory` assumes where it cannot ask the system (no ``/proc/meminfo``, no ``sysconf``)
 _FALLBACK_AVAILABLE = 4 * 2**30
+
+
+def allocation_failure(exc: BaseException) -> str | None:
+    """What did not fit, when ``exc`` is a failed allocation (its first line, e.g. numpy's ``"Unable to allocate
+    66.4 GiB for an array with shape ..."``); None for any other error.
+
+    numpy raises :class:`MemoryError` and torch's CUDA allocator ``torch.cuda.OutOfMemoryError``; torch's CPU allocator
+    raises a plain ``RuntimeError`` (``"DefaultCPUAllocator: can't allocate memory: ..."``, c10 gives it no type
+    of its own), which is known by its text: it names memory and allocating, or being out of it.
+    """
+    text = str(exc)
+    torch = sys.modules.get("torch")  # only an error torch raised can be torch's: it is imported then
+    if isinstance(exc, MemoryError) or isinstance(exc, getattr(getattr(torch, "cuda", None), "OutOfMemoryError", ())):
+        return (text.splitlines() or [""])[0] or "an allocation failed"
+    lowered = text.lower()
+    if isinstance(exc, RuntimeError) and "memory" in lowered and ("allocate" in lowered or "out of" in lowered):
+        return text.splitlines()[0]
+    return None
 
 
 def available_memory(device: str | None = None) -> int:

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from randattn._callers import outside_stacklevel
+
 __all__ = [
     "ReplicateMetrics",
     "replicate_metrics",
@@ -248,10 +250,9 @@ def _replicate_metrics(estimates: Any, exact: Any, random: Any, *,
     per_rep_err = _mean_dot(diff, diff)  # (R, ...)
     naive = _mean_dot(bias, bias)
     if diff.shape[0] == 1:
-        return _metrics_from_sums(mean_abs, per_rep_err, naive, None, None, stacklevel=4), rel
+        return _metrics_from_sums(mean_abs, per_rep_err, naive, None, None), rel
     dev = np.subtract(diff, bias, out=diff)  # y_r - mean, in place of diff
-    return _metrics_from_sums(mean_abs, per_rep_err, naive, _mean_dot(dev, dev), _mean_dot(dev, bias),
-                              stacklevel=4), rel
+    return _metrics_from_sums(mean_abs, per_rep_err, naive, _mean_dot(dev, dev), _mean_dot(dev, bias)), rel
 
 
 def _deterministic_metrics(mean_abs: np.ndarray, err: np.ndarray) -> ReplicateMetrics:
@@ -264,12 +265,12 @@ def _deterministic_metrics(mean_abs: np.ndarray, err: np.ndarray) -> ReplicateMe
 
 
 def _metrics_from_sums(mean_abs: np.ndarray, per_rep_err: np.ndarray, naive: np.ndarray, dd: np.ndarray | None,
-                       db: np.ndarray | None, *, stacklevel: int) -> ReplicateMetrics:
+                       db: np.ndarray | None) -> ReplicateMetrics:
     """A random estimator's :class:`ReplicateMetrics` from its averages over (n, d), all float64 numpy.
 
     ``mean_abs (...)``: avg |mean|; ``per_rep_err (R, ...)``: avg (y_r - y)^2; ``naive (...)``: avg (mean - y)^2;
     ``dd (R, ...)``: avg d_r^2 and ``db (R, ...)``: avg d_r (mean - y), with d_r = y_r - mean (None when R = 1).
-    ``stacklevel`` makes the warnings point at the public function's caller.
+    The warnings point at the first caller outside randattn (:func:`randattn._callers.outside_stacklevel`).
     """
     r = per_rep_err.shape[0]
     batch = per_rep_err.shape[1:]
@@ -279,7 +280,7 @@ def _metrics_from_sums(mean_abs: np.ndarray, per_rep_err: np.ndarray, naive: np.
             "replicate_metrics: a random estimator needs R >= 2 replicates for a variance; got R = 1, "
             "so variance, debiased bias^2 and standard errors are NaN",
             RuntimeWarning,
-            stacklevel=stacklevel,
+            stacklevel=outside_stacklevel(),
         )
         nan = np.full(batch, np.nan)
         return ReplicateMetrics(
@@ -296,7 +297,7 @@ def _metrics_from_sums(mean_abs: np.ndarray, per_rep_err: np.ndarray, naive: np.
             "replicate_metrics: the jackknife SE of the debiased bias^2 needs R >= 3 replicates, got R = 2; "
             "bias_sq_se is NaN",
             RuntimeWarning,
-            stacklevel=stacklevel,
+            stacklevel=outside_stacklevel(),
         )
         bias_sq_se = np.full(batch, np.nan)
     return ReplicateMetrics(
@@ -308,7 +309,7 @@ def _metrics_from_sums(mean_abs: np.ndarray, per_rep_err: np.ndarray, naive: np.
 def metrics_of_differences(diff: Any, exact: Any, *, random: bool = True) -> tuple[ReplicateMetrics, np.ndarray]:
     r""":func:`metrics_with_relative_error` from the differences, as torch float64 tensors on any device.
 
-    The sweep's form (issue 9, GPU-ready): the estimates never leave their device; the
+    The sweep's form, ready for a GPU: the estimates never leave their device; the
     reductions over (n, d) run there, and only the per-(replicate, batch element) averages cross
     to the host, where :func:`replicate_metrics`'s formulas finish them. The same quantities as
     :func:`metrics_with_relative_error`, with torch's float64 reductions (their rounding, about
@@ -356,10 +357,10 @@ def metrics_of_differences(diff: Any, exact: Any, *, random: bool = True) -> tup
             return _deterministic_metrics(mean_abs, _to_host(per_rep_err[0])), rel
         naive = mean_dot(bias, bias)
         if diff.shape[0] == 1:
-            return _metrics_from_sums(mean_abs, _to_host(per_rep_err), _to_host(naive), None, None, stacklevel=3), rel
+            return _metrics_from_sums(mean_abs, _to_host(per_rep_err), _to_host(naive), None, None), rel
         dev = diff.sub_(bias)
         return _metrics_from_sums(mean_abs, _to_host(per_rep_err), _to_host(naive), _to_host(mean_dot(dev, dev)),
-                                  _to_host(mean_dot(dev, bias)), stacklevel=3), rel
+                                  _to_host(mean_dot(dev, bias))), rel
 
 
 def _to_host(t: Any) -> np.ndarray:

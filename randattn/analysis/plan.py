@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from randattn._validation import check_choice, check_positive_int
+from randattn._validation import ParameterError, check_choice, check_positive_int
 from randattn.estimators.masks import Mask
 
 __all__ = [
@@ -220,7 +220,7 @@ class SweepConfig:
         always float64. Under ``auto`` a float64 run forms the implied probabilities by a
         float32 product where the estimator offers one and its rounding bound moves each
         (replicate, cell)'s probability squared error by at most
-        :data:`~randattn.analysis.execute.PROBABILITY_ROUNDING_RTOL` (1e-3) of itself.
+        :data:`~randattn.analysis.estimate_block.PROBABILITY_ROUNDING_RTOL` (1e-3) of itself.
     max_memory : int
         Approximate peak bytes of the estimator work of one unit (see
         :mod:`randattn.analysis.execute`).
@@ -313,13 +313,13 @@ class SweepConfig:
         check_choice("backend", self.backend, BACKENDS)
         check_choice("dtype", self.dtype, DTYPES)
         if self.backend == "reference" and self.device not in (None, "cpu"):
-            raise ValueError(f"device={self.device!r} needs backend='torch' (the reference runs on the CPU)")
+            raise ParameterError("device", repr(self.device), " needs backend='torch' (the reference runs on the CPU)")
         check_positive_int("khat_queries", self.khat_queries, minimum=0)
         if self.threads is not None:
             check_positive_int("threads", self.threads)
         fraction = self.check_reference
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= float(fraction) <= 1.0:
-            raise ValueError(f"check_reference must be a fraction in [0, 1], got {fraction!r}")
+            raise ParameterError("check_reference", None, f" must be a fraction in [0, 1], got {fraction!r}")
 
     def identity(self) -> dict[str, Any]:
         """The fields that determine the results (for the manifest; excludes device and memory budget)."""

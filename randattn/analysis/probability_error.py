@@ -1,4 +1,4 @@
-r"""The squared error of low-rank implied probabilities, without forming them (issue 9).
+r"""The squared error of low-rank implied probabilities, without forming them.
 
 RFA with positive features and LARA imply attention probabilities of rank J,
 :math:`\hat P = L R` with ``L (N, J)`` and ``R (J, M)``: for RFA the query softmax over the

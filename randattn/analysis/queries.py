@@ -47,6 +47,7 @@ import numpy as np
 
 __all__ = [
     "QUERY_KINDS",
+    "QueryPlacementError",
     "parse_query_selection",
     "selection_count",
     "query_rows",
@@ -141,6 +142,44 @@ def places_queries_by_position(spec: Any, params: Mapping[str, Any] | None = Non
     return spec.query_placement_of(spec.resolve_params(params or {})) != "independent"
 
 
+class QueryPlacementError(ValueError):
+    """A subset of the queries would place an estimator's queries elsewhere among the keys than a full run does
+    (module docstring): every query, or the causal ``last:K``, measures it faithfully.
+
+    Attributes
+    ----------
+    label : str
+        The estimator configuration.
+    rows, num_queries : int
+        The K rows selected of the N queries.
+    sampled : bool
+        True: a sample of rows for an estimator whose windows end at each query's own token; False: a subset for
+        an estimator that places queries among the keys by position, without a mask (on ``layer``).
+    layer : int or None
+        The bidirectional layer named (``sampled`` False), else None.
+    """
+
+    def __init__(self, label: str, rows: int, num_queries: int, sampled: bool, layer: int | None = None) -> None:
+        super().__init__(label, rows, num_queries, sampled, layer)
+        self.label, self.rows, self.num_queries, self.sampled, self.layer = label, rows, num_queries, sampled, layer
+
+    @property
+    def what(self) -> str:
+        """The fact and why it cannot be measured, without what to do about it."""
+        if self.sampled:
+            return (f"estimator {self.label!r} cannot be measured on a sample of {self.rows} of {self.num_queries} "
+                    "queries: its windows end at each query's own token (query n is token n + M - N), and sampled "
+                    "rows would be measured at other tokens than their own")
+        return (f"estimator {self.label!r} cannot be measured on {self.rows} of {self.num_queries} queries without a "
+                f"mask (layer {self.layer}): its windows, blocks or segments place each query among the keys by its "
+                "position, and a subset of queries would be placed elsewhere (and pool other landmarks)")
+
+    def __str__(self) -> str:
+        if self.sampled:
+            return f"{self.what}; use last:K, or queries='all'"
+        return f"{self.what}; measure it with queries='all', or under mask='causal' with last:K"
+
+
 def check_query_selection(selection: str, num_queries: int, layer_kinds: Mapping[int, str | None],
                           estimators: Sequence[Any], master_seed: int = 0) -> None:
     """Refuse, before anything is computed, a selection the run cannot measure faithfully (module docstring).
@@ -159,8 +198,10 @@ def check_query_selection(selection: str, num_queries: int, layer_kinds: Mapping
     Raises
     ------
     ValueError
-        K > N; a sample of K < N rows on a masked layer (naming it); a configuration with a token layout on a
-        bidirectional layer with K < N (naming it).
+        K > N; a sample of K < N rows on a masked layer (naming it).
+    QueryPlacementError
+        A sample for an estimator whose windows end at each query's token, or a configuration with a token layout
+        on a bidirectional layer with K < N (naming it); a ``ValueError``.
     """
     rows = query_rows(selection, num_queries, master_seed)
     if rows is None or len(rows) == num_queries:
@@ -181,15 +222,6 @@ def check_query_selection(selection: str, num_queries: int, layer_kinds: Mapping
 
     for est in estimators:
         if kind == "sample" and places_queries_by_position(get_spec(est.name), est.params):
-            raise ValueError(
-                f"estimator {est.label!r} cannot be measured on a sample of {len(rows)} of {num_queries} queries: "
-                "its windows end at each query's own token (query n is token n + M - N), and sampled rows would be "
-                "measured at other tokens than their own; use last:K, or --queries all"
-            )
+            raise QueryPlacementError(est.label, len(rows), num_queries, sampled=True)
         if maps_query_positions(get_spec(est.name), est.params):
-            raise ValueError(
-                f"estimator {est.label!r} cannot be measured on {len(rows)} of {num_queries} queries without a mask "
-                f"(layer {bidirectional[0]}): its windows, blocks or segments place each query among the keys by its "
-                "position, and a subset of queries would be placed elsewhere (and pool other landmarks); measure it "
-                "with --queries all, or under --mask causal with last:K"
-            )
+            raise QueryPlacementError(est.label, len(rows), num_queries, sampled=False, layer=bidirectional[0])

@@ -44,13 +44,19 @@ def command_line(argv: Sequence[str]) -> str:
 
 
 def resume_command(argv: Sequence[str]) -> str:
-    """The command that continues the run of ``argv``: without --force/--overwrite/--dry-run, with --resume.
+    """Deprecated: the command line's own (``randattn.cli._errors.resume_command``), which words its options.
+
+    The command that continues the run of ``argv``: without its flags that start afresh, with the one that resumes.
 
     Parameters
     ----------
     argv : sequence of str
         The interrupted run's arguments after the program name (``sys.argv[1:]``).
     """
+    import warnings
+
+    warnings.warn("randattn.analysis.records.resume_command is deprecated: the command that continues a run is the "
+                  "command line's, randattn.cli._errors.resume_command", DeprecationWarning, stacklevel=2)
     kept = [a for a in argv if a not in ("--overwrite", "--force", "--dry-run")]
     if "--resume" not in kept:
         kept.append("--resume")

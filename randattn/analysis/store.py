@@ -22,10 +22,11 @@ that cannot be read back -- cut short by a crash of the machine, or overwritten 
 into ``corrupt/`` when a sweep resumes (:func:`set_aside_unreadable`), and its unit runs again.
 
 An output table's whole life is ruled here too (:func:`check_output`): nothing finished is replaced without
-``force``, ``resume`` continues the parts folder beside it (:func:`parts_path`) or finds the table complete,
-and a failed run says what it kept (:func:`kept_message`). The rules raise typed errors
-(:class:`OutputExistsError`, :class:`ResumeMismatchError`, :class:`OutputPathError`) whose messages are the
-command line's, so ``randattn mse`` and a Python caller refuse alike.
+``force``, ``resume`` continues the parts folder beside it (:func:`parts_path`) or finds the table complete.
+The rules raise typed errors (:class:`OutputExistsError`, :class:`ResumeMismatchError` and its subclasses,
+:class:`OutputPathError`, :class:`PartsExistError`) that carry the facts -- the paths, what differs, what is
+wrong -- as attributes, so ``randattn mse`` and a Python caller refuse alike and each words the remedy with its
+own options (the command line in :mod:`randattn.cli._errors`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ __all__ = [
     "OutputPathError",
     "OutputExistsError",
     "ResumeMismatchError",
+    "FinishedRunMismatchError",
+    "SettingsChangedError",
+    "ManifestError",
+    "PartsExistError",
     "parts_path",
     "check_output_path",
     "check_output",
@@ -103,23 +108,186 @@ OUTPUT_FORMATS = (".parquet", ".csv", ".json")
 
 
 class OutputRuleError(ValueError):
-    """An output rule refuses the run (the message says which and what to do): the base of the three below."""
+    """An output rule refuses the run: the base of the errors below. Each carries the facts as attributes and
+    says them, with what a Python caller can do, in its message; ``randattn mse`` words the same facts with its
+    own options (:mod:`randattn.cli._errors`)."""
 
 
 class OutputPathError(OutputRuleError):
-    """The output path cannot be a table: an unknown suffix, a folder, or a folder that cannot be written."""
+    """The output path cannot be a table: an unknown suffix, a folder, or a folder that cannot be written.
+
+    Attributes
+    ----------
+    out : Path
+        The output path asked for.
+    problem : str
+        What is wrong with it, as it follows the path in a sentence (:meth:`naming`).
+    """
+
+    def __init__(self, out: str | os.PathLike, problem: str) -> None:
+        super().__init__(out, problem)
+        self.out, self.problem = Path(out), problem
+
+    def naming(self, subject: str) -> str:
+        """The message with the output called ``subject`` (``"output 'r.csv'"``; a command line names its option)."""
+        return f"{subject} {self.problem}" if self.problem.startswith("is ") else f"{subject}: {self.problem}"
+
+    def __str__(self) -> str:
+        return self.naming(f"output {str(self.out)!r}")
 
 
 class OutputExistsError(OutputRuleError):
-    """The output, or an unfinished run of it, exists and neither ``force`` nor ``resume`` allows continuing."""
+    """The output, or an unfinished run of it, exists and neither ``force`` nor ``resume`` allows continuing.
+
+    Attributes
+    ----------
+    out : Path
+        The output table.
+    path : Path
+        What exists: ``out`` itself, or its parts folder (:func:`parts_path`) holding an unfinished run.
+    unfinished : bool
+        True when ``path`` is the parts folder of an unfinished run (``resume`` continues it), False when it is the
+        finished table (``force`` replaces it).
+    """
+
+    def __init__(self, out: str | os.PathLike, path: str | os.PathLike, unfinished: bool) -> None:
+        super().__init__(out, path, unfinished)
+        self.out, self.path, self.unfinished = Path(out), Path(path), unfinished
+
+    @property
+    def what(self) -> str:
+        """The fact, without what to do about it."""
+        return f"{str(self.path)!r} holds an unfinished run" if self.unfinished else f"{str(self.path)!r} exists"
+
+    def __str__(self) -> str:
+        if self.unfinished:
+            return f"{self.what}; resume=True continues it, force=True starts afresh"
+        return f"{self.what}; force=True replaces it (resume=True checks it is complete)"
 
 
 class ResumeMismatchError(OutputRuleError):
-    """``resume`` cannot continue: the stored run has other settings, or its manifest is missing or damaged."""
+    """``resume`` cannot continue: the stored run has other settings, or its manifest is missing or damaged (the
+    three subclasses below say which)."""
+
+
+class FinishedRunMismatchError(ResumeMismatchError):
+    """``resume`` on a finished table written with other settings.
+
+    Attributes
+    ----------
+    out : Path
+        The finished table.
+    """
+
+    def __init__(self, out: str | os.PathLike) -> None:
+        super().__init__(out)
+        self.out = Path(out)
+
+    @property
+    def what(self) -> str:
+        """The fact, without what to do about it."""
+        return f"{str(self.out)!r} holds a finished run with different settings"
+
+    def __str__(self) -> str:
+        return f"{self.what}; force=True replaces it, or write another output"
+
+
+class SettingsChangedError(ResumeMismatchError):
+    """``resume`` on a parts folder started with other settings or other activations.
+
+    Attributes
+    ----------
+    parts : Path
+        The parts folder.
+    settings : tuple of str
+        The configuration's keys that differ from the stored ones.
+    activations : tuple of str
+        The activations' fingerprint keys that differ.
+    """
+
+    def __init__(self, parts: str | os.PathLike, settings: Sequence[str], activations: Sequence[str]) -> None:
+        super().__init__(parts, tuple(settings), tuple(activations))
+        self.parts, self.settings, self.activations = Path(parts), tuple(settings), tuple(activations)
+
+    def __str__(self) -> str:
+        what = []
+        if self.settings:
+            what.append(f"different settings ({', '.join(self.settings)})")
+        if self.activations:
+            what.append(f"other activations (their {', '.join(self.activations)})")
+        return (f"cannot resume {str(self.parts)!r}: it was started with {' and '.join(what)}; "
+                "use the same options and activations, or a new output")
+
+
+class ManifestError(ResumeMismatchError):
+    """The manifest of a parts folder holding finished units is missing, unreadable or not of its form, so the
+    units cannot be checked against the run's settings.
+
+    Attributes
+    ----------
+    parts : Path
+        The parts folder.
+    manifest : Path
+        Its manifest file.
+    problem : str
+        What is wrong with it (``"is not valid JSON (...)"``).
+    """
+
+    def __init__(self, parts: str | os.PathLike, problem: str) -> None:
+        super().__init__(parts, problem)
+        self.parts, self.problem = Path(parts), problem
+        self.manifest = self.parts / MANIFEST
+
+    def __str__(self) -> str:
+        return f"cannot resume {str(self.parts)!r}: its manifest {str(self.manifest)!r} {self.problem}"
+
+
+class PartsExistError(FileExistsError):
+    """A parts folder holds a sweep's finished units and the sweep was not asked to resume.
+
+    Attributes
+    ----------
+    parts : Path
+        The parts folder.
+    resume_hint : str
+        How the caller continues a run (``"resume=True"``), named in the message.
+    """
+
+    def __init__(self, parts: str | os.PathLike, resume_hint: str = "resume=True") -> None:
+        super().__init__(parts, resume_hint)
+        self.parts, self.resume_hint = Path(parts), resume_hint
+
+    def __str__(self) -> str:
+        return f"{str(self.parts)!r} already holds a sweep; pass {self.resume_hint} to continue it or remove the folder"
 
 
 class SweepLockedError(RuntimeError):
-    """Another process holds the lock of this sweep output."""
+    """Another process holds the lock of this sweep output.
+
+    Attributes
+    ----------
+    target : Path
+        The output (or parts folder) the lock protects.
+    holder : str or None
+        The process holding it (``"pid 12 on host, started ...: randattn mse ..."``), or None when the lock could
+        not be taken because its file kept being removed (then ``lock`` names it).
+    lock : Path or None
+    """
+
+    def __init__(self, target: str | os.PathLike, holder: str | None, lock: str | os.PathLike | None = None) -> None:
+        super().__init__(target, holder, lock)
+        self.target, self.holder = Path(target), holder
+        self.lock = None if lock is None else Path(lock)
+
+    @property
+    def what(self) -> str:
+        """The fact, without what to do about it."""
+        if self.holder is None:
+            return f"cannot take the lock {str(self.lock)!r}: it keeps being removed"
+        return f"{str(self.target)!r} is being written by another randattn process ({self.holder})"
+
+    def __str__(self) -> str:
+        return self.what if self.holder is None else f"{self.what}; wait for it to finish, or write to another output"
 
 
 class CorruptPartWarning(UserWarning):
@@ -180,10 +348,9 @@ def sweep_lock(target: str | os.PathLike) -> Iterator[None]:
     lock_path, owner_path = _lock_paths(target)
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with named_write_errors(lock_path):
-        release = _hold_file_lock(lock_path)
+        release = _hold_file_lock(lock_path, target)
     if release is None:
-        raise SweepLockedError(f"{str(target)!r} is being written by another randattn process ({_owner(owner_path)}); "
-                               "wait for it to finish, or write to another --out")
+        raise SweepLockedError(target, _owner(owner_path))
     try:
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                  "command": " ".join(sys.argv)}
@@ -198,7 +365,7 @@ def sweep_lock(target: str | os.PathLike) -> Iterator[None]:
         release()
 
 
-def _hold_file_lock(lock_path: Path):
+def _hold_file_lock(lock_path: Path, target: Path):
     """Lock ``lock_path`` (created if missing); a function that removes the file and releases the lock, or None
     when another process holds it. See :func:`sweep_lock` for why removing the file is safe."""
     try:
@@ -223,7 +390,7 @@ def _hold_file_lock(lock_path: Path):
             break
         os.close(fd)  # the file we locked was removed by its holder as it let go (rule 2)
     else:
-        raise SweepLockedError(f"cannot take the lock {str(lock_path)!r}: it keeps being removed")
+        raise SweepLockedError(target, None, lock_path)
 
     def release() -> None:
         try:
@@ -268,34 +435,25 @@ def prepare_parts_dir(parts_dir: str | os.PathLike, manifest: Mapping[str, Any],
 
     Raises
     ------
-    FileExistsError
-        ``parts_dir`` holds parts and ``resume`` is False.
-    ValueError
-        Resuming with settings that differ from the stored ones (the message names them), or
-        parts whose manifest is missing or unreadable (the message names it and what is wrong).
+    PartsExistError
+        ``parts_dir`` holds parts and ``resume`` is False (a ``FileExistsError``).
+    SettingsChangedError
+        Resuming with settings or activations that differ from the stored ones (it names them).
+    ManifestError
+        Resuming parts whose manifest is missing or unreadable (it names the file and what is wrong).
     """
     parts_dir = Path(parts_dir)
     path = parts_dir / MANIFEST
     if stored_unit_ids(parts_dir):
         if not resume:
-            raise FileExistsError(
-                f"{str(parts_dir)!r} already holds a sweep; pass {resume_hint} to continue it or remove the folder"
-            )
+            raise PartsExistError(parts_dir, resume_hint)
         old = read_manifest(parts_dir)
         new = json.loads(json.dumps(manifest, default=str))  # the same JSON normal form as the stored one
         changed = {part: sorted(key for key in set(old[part]) | set(new.get(part, {}))
                                 if old[part].get(key) != new.get(part, {}).get(key))
                    for part in ("config", "activations")}
         if changed["config"] or changed["activations"]:
-            what = []
-            if changed["config"]:
-                what.append(f"different settings ({', '.join(changed['config'])})")
-            if changed["activations"]:
-                what.append(f"other activations (their {', '.join(changed['activations'])})")
-            raise ValueError(
-                f"cannot resume {str(parts_dir)!r}: it was started with {' and '.join(what)}; "
-                "use the same options and activations, or a new output"
-            )
+            raise SettingsChangedError(parts_dir, changed["config"], changed["activations"])
         return
     with named_write_errors(parts_dir):
         parts_dir.mkdir(parents=True, exist_ok=True)
@@ -308,29 +466,27 @@ def read_manifest(parts_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
 
     Raises
     ------
-    ValueError
-        It is missing, not JSON, or not of that form; the message starts with ``cannot resume``
-        and names the file and what is wrong with it.
+    ManifestError
+        It is missing, not JSON, or not of that form (a ``ValueError``); it names the file and what is wrong.
     """
     path = Path(parts_dir) / MANIFEST
-    where = f"cannot resume {str(Path(parts_dir))!r}: its manifest {str(path)!r}"
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        missing = "is missing, so the finished units cannot be checked against these settings"
-        raise ValueError(f"{where} {missing}") from None
+        raise ManifestError(parts_dir, "is missing, so the finished units cannot be checked against these "
+                                       "settings") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{where} cannot be read ({exc})") from None
+        raise ManifestError(parts_dir, f"cannot be read ({exc})") from None
     try:
         manifest = json.loads(text)
     except ValueError as exc:
-        raise ValueError(f"{where} is not valid JSON ({exc})") from None
+        raise ManifestError(parts_dir, f"is not valid JSON ({exc})") from None
     if not isinstance(manifest, dict):
-        raise ValueError(f"{where} holds a JSON {type(manifest).__name__}, not an object with 'config' and "
-                         "'activations'")
+        raise ManifestError(parts_dir, f"holds a JSON {type(manifest).__name__}, not an object with 'config' and "
+                                       "'activations'")
     bad = [key for key in ("config", "activations") if not isinstance(manifest.get(key), dict)]
     if bad:
-        raise ValueError(f"{where} lacks {' and '.join(repr(k) for k in bad)} (expected objects)")
+        raise ManifestError(parts_dir, f"lacks {' and '.join(repr(k) for k in bad)} (expected objects)")
     return manifest
 
 
@@ -594,20 +750,20 @@ def check_output_path(out: str | os.PathLike, *, look_only: bool = False) -> Pat
     Raises
     ------
     OutputPathError
-        The message names ``--out`` and what is wrong.
+        It names the path and what is wrong.
     """
     out = Path(out)
     if out.suffix.lower() not in OUTPUT_FORMATS:
-        raise OutputPathError(f"--out {str(out)!r}: unknown suffix {out.suffix!r}; use one of {', '.join(OUTPUT_FORMATS)}")
+        raise OutputPathError(out, f"unknown suffix {out.suffix!r}; use one of {', '.join(OUTPUT_FORMATS)}")
     if not look_only:
         return out
     if out.is_dir():
-        raise OutputPathError(f"--out {str(out)!r} is a folder; give a file name")
+        raise OutputPathError(out, "is a folder; give a file name")
     folder = next(p for p in [out.parent, *out.parent.parents] if p.exists() or p == Path(p.anchor))
     if not folder.is_dir():
-        raise OutputPathError(f"--out {str(out)!r}: {str(folder)!r} is a file, not a folder")
+        raise OutputPathError(out, f"{str(folder)!r} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise OutputPathError(f"--out {str(out)!r}: cannot write to {str(folder)!r} (Permission denied)")
+        raise OutputPathError(out, f"cannot write to {str(folder)!r} (Permission denied)")
     return out
 
 
@@ -616,14 +772,12 @@ def check_manifest(parts: str | os.PathLike) -> None:
 
     Raises
     ------
-    ResumeMismatchError
-        The manifest is missing or damaged; the message names it and what is wrong.
+    ManifestError
+        The manifest is missing or damaged; it names the file and what is wrong (``force`` starts afresh, and
+        the finished units are lost).
     """
     if stored_unit_ids(parts):
-        try:
-            read_manifest(parts)
-        except ValueError as exc:
-            raise ResumeMismatchError(f"{exc}; --force starts afresh (its finished units are lost)") from None
+        read_manifest(parts)
 
 
 def _stored_identity(out: Path):
@@ -661,8 +815,10 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
     ------
     OutputExistsError
         ``out`` or an unfinished run of it exists, and neither ``resume`` nor ``force`` is set.
-    ResumeMismatchError
-        ``resume`` on a finished table of other settings, or on parts whose manifest is damaged.
+    FinishedRunMismatchError
+        ``resume`` on a finished table of other settings.
+    ManifestError
+        ``resume`` on parts whose manifest is damaged.
     """
     out = Path(out)
     parts = parts_path(out)
@@ -674,18 +830,15 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
         return False
     if stored_unit_ids(parts):
         if not resume:
-            raise OutputExistsError(f"{str(parts)!r} holds an unfinished run; add --resume to continue it, or --force "
-                                    "to start afresh")
+            raise OutputExistsError(out, parts, unfinished=True)
         check_manifest(parts)
     if out.exists():
         if not resume:
-            raise OutputExistsError(f"{str(out)!r} exists; pass --force to replace it (or --resume to check it is "
-                                    "complete)")
+            raise OutputExistsError(out, out, unfinished=False)
         if parts.exists():
             return False  # a finished table beside an unfinished rerun: the parts decide
         if _stored_identity(out) != json.loads(json.dumps(identity)):
-            raise ResumeMismatchError(f"{str(out)!r} holds a finished run with different settings; use --force or "
-                                      "another --out")
+            raise FinishedRunMismatchError(out)
         return True
     return False
 
@@ -697,23 +850,14 @@ def drop_empty_parts(parts: str | os.PathLike) -> None:
 
 
 def kept_message(parts: str | os.PathLike | None, resume_command: str, then: str | None = None) -> str:
-    """What a failed run kept, to end its message; an empty parts folder is removed (:func:`drop_empty_parts`).
+    """Deprecated: the command line's own (``randattn.cli._errors.kept_message``), which words its options; a
+    Python caller asks :func:`stored_unit_ids` what a stopped run kept.
 
-    Parameters
-    ----------
-    parts : path or None
-        The run's parts folder (None: the run had no output).
-    resume_command : str
-        The command that continues the run, named after ``then``.
-    then : str, optional
-        When to continue (``"once there is space"``): adds ``"; <then>, continue with: <resume_command>"``.
-
-    Returns
-    -------
-    str
-        ``"; finished units are kept in <parts> for --resume..."`` when a unit finished, else
-        ``"; nothing was kept (...)"``.
+    What a failed run kept, to end its message; an empty parts folder is removed (:func:`drop_empty_parts`).
     """
+    warnings.warn("randattn.analysis.store.kept_message is deprecated: what a stopped run kept is said by the command "
+                  "line (randattn.cli._errors.kept_message); stored_unit_ids(parts) tells a Python caller",
+                  DeprecationWarning, stacklevel=2)
     if parts is None:
         return "; nothing was kept (no --out)"
     if stored_unit_ids(parts):

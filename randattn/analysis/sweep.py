@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from randattn._callers import outside_stacklevel
 from randattn._files import atomic_path
 from randattn._validation import check_positive_int
 from randattn.analysis.execute import (
@@ -342,9 +343,9 @@ class SweepPlan:
         Units of ``todo`` that the budget splits below the canonical block of every head x every
         replicate (their rows may then differ by rounding from a larger budget's:
         :data:`~randattn.analysis.cell_memory.SPLIT_ROUNDING`).
-    refused : str or None
-        Why the sweep will be refused before computing (one replicate of one head exceeds
-        ``max_memory``: :class:`MemoryBudgetError`'s message), else None.
+    refused : MemoryBudgetError or None
+        Why the sweep will be refused before computing (a unit cannot fit ``max_memory``): the error that
+        :func:`run_sweep` raises with this plan, else None.
     seconds : float or None
         Estimated wall seconds of computing ``todo`` in this process (``timing=True``), else None.
     timed_heads : tuple of int
@@ -360,7 +361,7 @@ class SweepPlan:
     images: tuple
     peak_bytes: int
     split_units: int
-    refused: str | None
+    refused: MemoryBudgetError | None
     seconds: float | None = None
     timed_heads: tuple = ()
     runner: Any = field(default=None, repr=False, compare=False)  # calibrated; run_sweep reuses it
@@ -444,7 +445,7 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
             try:
                 blocks = runner.blocks(unit)
             except MemoryBudgetError as exc:
-                refused = refused or str(exc)
+                refused = refused or exc
                 peak = max(peak, runner.cell_bytes(unit))
                 continue
             cells, reps = blocks[0]
@@ -608,7 +609,7 @@ def run_sweep(
     those of the table's row restricted to a bucket's queries (:mod:`randattn.analysis.positions`).
     """
     tables = _run_sweep(activations, config, parts_dir=parts_dir, resume=resume, progress=progress, lock=lock,
-                        resume_hint=resume_hint, scheduler=scheduler, calibrated=calibrated, stacklevel=3)
+                        resume_hint=resume_hint, scheduler=scheduler, calibrated=calibrated)
     return tables if with_positions else tables.table
 
 
@@ -623,14 +624,14 @@ def run_sweep_tables(activations: Any, config: SweepConfig, **options: Any) -> S
         ``parts_dir``, ``resume``, ``progress``, ``lock``, ``resume_hint``, ``scheduler``, ``calibrated``: as
         :func:`run_sweep`.
     """
-    return _run_sweep(activations, config, **options, stacklevel=3)
+    return _run_sweep(activations, config, **options)
 
 
 def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.PathLike | None = None,
                resume: bool = False, progress: Callable[[SweepProgress], None] | None = None, lock: bool = True,
-               resume_hint: str = "resume=True", scheduler: Any = None, calibrated: SweepPlan | None = None,
-               stacklevel: int = 2) -> SweepTables:
-    """:func:`run_sweep`'s work; the warnings it re-issues point ``stacklevel`` frames up (the public call's caller)."""
+               resume_hint: str = "resume=True", scheduler: Any = None,
+               calibrated: SweepPlan | None = None) -> SweepTables:
+    """:func:`run_sweep`'s work; the warnings it re-issues point at the first caller outside randattn."""
     import pandas as pd
 
     acts = as_activations(activations)
@@ -638,7 +639,7 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
     if calibrated is not None and calibrated.config != config:
         raise ValueError("calibrated: that plan is of another configuration; plan_sweep this one")
     if calibrated is not None and calibrated.refused is not None:
-        raise MemoryBudgetError(calibrated.refused)  # before anything is written
+        raise calibrated.refused  # before anything is written
     units = plan(acts, config)
     parts = Path(parts_dir) if parts_dir is not None else None
     context = sweep_lock(parts) if parts is not None and lock else nullcontext()
@@ -704,7 +705,7 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
     for record in table.attrs["warnings"]:
         reissued = _warning_category(record["category"])(warning_text(record))
         reissued.record = record  # a caller that catches it (the demo) can merge the counts of several sweeps
-        warnings.warn(reissued, stacklevel=stacklevel)
+        warnings.warn(reissued, stacklevel=outside_stacklevel())
     return SweepTables(table, positions)
 
 

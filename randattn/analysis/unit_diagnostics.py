@@ -1,4 +1,4 @@
-r"""The importance-sampling diagnostics of a unit, block by block (issue #26).
+r"""The importance-sampling diagnostics of a unit, block by block.
 
 :class:`UnitDiagnostics` gathers Kish's ESS and the delta-method variance per (replicate, cell)
 and Pareto k-hat per cell over a unit's blocks (by

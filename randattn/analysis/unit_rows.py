@@ -1,4 +1,4 @@
-r"""A unit's metrics and its table rows (issue #26): what :class:`~randattn.analysis.execute.UnitRunner` returns.
+r"""A unit's metrics and its table rows: what :class:`~randattn.analysis.execute.UnitRunner` returns.
 
 :func:`output_metrics` reduces a unit's estimates over the replicates, whole and per query
 position bucket; :func:`table_rows` and :func:`position_rows` lay them out as the sweep table's

@@ -4,7 +4,8 @@ can stop mapped to a message and an exit code (README: 0, 1, 2, 130, 143).
 
 The computation is not here: the plan and the sweep are :mod:`randattn.analysis.sweep`, the output's rules
 :mod:`randattn.analysis.store`, the metadata :mod:`randattn.analysis.records`, and what is shown is built by
-:mod:`randattn.reports.console`. This module calls them, prints, and maps their errors to exit codes.
+:mod:`randattn.reports.console`. This module calls them, prints, and maps their errors to exit codes; the
+errors' words, with the options that act on them, are :mod:`randattn.cli._errors`.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def preflight(outs: Sequence[Path | None], scheduler: str, *, resume: bool, forc
     from randattn.analysis import store
     from randattn.analysis.executors import parse_scheduler
     from randattn.cli._common import abort
+    from randattn.cli._errors import said
 
     if resume and force:
         abort("--resume and --force exclude each other")
@@ -102,7 +104,7 @@ def preflight(outs: Sequence[Path | None], scheduler: str, *, resume: bool, forc
             for out in outs:
                 store.check_manifest(store.parts_path(out))
     except ValueError as exc:
-        abort(str(exc))
+        abort(said(exc))
     return where
 
 
@@ -114,6 +116,7 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
     the memory budget), before the first unit is computed; then the jobs run in order."""
     from randattn.analysis import store
     from randattn.cli._common import UserError, abort, err_console, no_space_message, writable_output
+    from randattn.cli._errors import kept_message, said
 
     several = len(jobs) > 1
     try:
@@ -176,15 +179,15 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                 except OSError as exc:
                     if parts is None or no_space_message(exc) is None:
                         raise
-                    abort(no_space_message(exc) + store.kept_message(parts, _resume(), then="once there is space"))
+                    abort(no_space_message(exc) + kept_message(parts, _resume(), then="once there is space"))
                 if parts is not None:
                     shutil.rmtree(parts, ignore_errors=True)
                     written.append(job.out)
                 job.plan = job.activations = None  # its memory calibration and activations are not needed again
             if as_json and several:
                 click.echo(json.dumps(summaries, indent=2))
-    except (store.OutputRuleError, store.SweepLockedError) as exc:  # the output's rules (store), said as they are
-        abort(str(exc))
+    except (store.OutputRuleError, store.SweepLockedError) as exc:  # the output's rules (store), in the options' words
+        abort(said(exc))
 
 
 #: the placeholder of --out replaced by each activation file's stem
@@ -213,7 +216,7 @@ def _said_complete(out: Path, *, dry_run: bool = False) -> None:
 
 def _resume() -> str:
     """The command that continues this run (said when a run stops with finished units kept)."""
-    from randattn.analysis.records import resume_command
+    from randattn.cli._errors import resume_command
 
     return resume_command(sys.argv[1:])
 
@@ -221,8 +224,9 @@ def _resume() -> str:
 def _plan(job: Job, resume: bool, where: Any, *, timing: bool = False):
     """Plan the sweep (:func:`~randattn.analysis.sweep.plan_sweep`), print it, and refuse (exit 2) one that cannot
     fit the memory budget. Writes nothing."""
-    from randattn.analysis import store, sweep  # looked up at call time: tests replace its functions
+    from randattn.analysis import store, sweep
     from randattn.cli._common import abort, err_console
+    from randattn.cli._errors import said
     from randattn.reports.console import plan_lines
     from randattn.reports.tables import item_noun
 
@@ -230,12 +234,12 @@ def _plan(job: Job, resume: bool, where: Any, *, timing: bool = False):
     try:
         plan = sweep.plan_sweep(job.activations, job.config, parts_dir=parts, resume=resume, timing=timing)
     except ValueError as exc:
-        abort(str(exc))
+        abort(said(exc))
     local = where.kind == "local"
     for line in plan_lines(plan, timing, dask=not local, noun=item_noun(job.activations.metadata)):
         err_console.print(line, highlight=False, soft_wrap=True)
     if plan.refused is not None:
-        abort(plan.refused)
+        abort(said(plan.refused))
     return plan
 
 
@@ -245,10 +249,12 @@ def _run(job: Job, parts: Path | None, resume: bool, where: Any, client: Any, se
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from randattn.analysis import sweep  # looked up at call time: tests replace sweep.run_sweep
-    from randattn.analysis.execute import MemoryBudgetError, format_bytes
-    from randattn.analysis.store import CorruptPartWarning, kept_message
+    from randattn.analysis import sweep
+    from randattn.analysis.cell_memory import MemoryBudgetError, format_bytes
+    from randattn.analysis.memory import allocation_failure
+    from randattn.analysis.store import CorruptPartWarning, ResumeMismatchError
     from randattn.cli._common import abort, err_console
+    from randattn.cli._errors import kept_message, out_of_memory, said
     from randattn.reports.console import warning_lines
 
     config, plan = job.config, job.plan
@@ -272,23 +278,19 @@ def _run(job: Job, parts: Path | None, resume: bool, where: Any, client: Any, se
                 warnings.showwarning = show
                 tables = sweep.run_sweep(job.source if client is not None else job.activations, config,
                                          parts_dir=parts,
-                                         resume=resume, progress=report, lock=False, resume_hint="--resume",
+                                         resume=resume, progress=report, lock=False,
                                          scheduler=client, with_positions=True, calibrated=plan)
         except MemoryBudgetError as exc:
-            abort(str(exc))
-        except MemoryError as exc:
-            # numpy says what did not fit ("Unable to allocate 66.4 GiB for an array with shape ...")
-            what = (str(exc).splitlines() or [""])[0] or "an allocation failed"
-            abort(f"out of memory ({what}); lower --max-memory (now {budget}) so that work is split into smaller "
-                  "blocks, or use fewer --samples / --replicates" + kept_message(parts, _resume()))
-        except RuntimeError as exc:
-            if "memory" in str(exc).lower() and ("allocate" in str(exc).lower() or "out of" in str(exc).lower()):
-                abort(f"out of memory ({str(exc).splitlines()[0]}); lower --max-memory (now {budget}) or use fewer "
-                      "--samples / --replicates" + kept_message(parts, _resume()))
-            raise
-        except (FileExistsError, ValueError) as exc:  # bad input found while running (also raised by a Dask unit)
-            plain = isinstance(exc, FileExistsError) or str(exc).startswith("cannot resume")
-            abort(str(exc) + ("" if plain else kept_message(parts, _resume())))
+            abort(said(exc))
+        except (FileExistsError, ResumeMismatchError) as exc:  # the stored run refuses this one: nothing to add
+            abort(said(exc))
+        except ValueError as exc:  # bad input found while running (also raised by a Dask unit)
+            abort(said(exc) + kept_message(parts, _resume()))
+        except (MemoryError, RuntimeError) as exc:
+            what = allocation_failure(exc)  # numpy's "Unable to allocate 66.4 GiB for an array with shape ..."
+            if what is None:
+                raise
+            abort(out_of_memory(what, budget) + kept_message(parts, _resume()))
     for line in warning_lines(tables.table.attrs.get("warnings", [])):
         err_console.print(line, highlight=False, markup=True)
     return tables
@@ -302,12 +304,13 @@ def _client(where: Any, threads: int | None = None) -> Iterator[Any]:
         return
     from randattn.analysis.executors import dask_client
     from randattn.cli._common import abort, err_console
+    from randattn.cli._errors import said
 
     try:
         manager = dask_client(where, threads=threads)
         client = manager.__enter__()
     except ValueError as exc:
-        abort(str(exc))
+        abort(said(exc))
     try:
         workers = len(client.scheduler_info().get("workers", {}))
         link = getattr(client, "dashboard_link", None)

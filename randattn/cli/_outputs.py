@@ -1,4 +1,4 @@
-"""What the commands that write files share (issue #27): no output is replaced without ``--force``, an output
+"""What the commands that write files share: no output is replaced without ``--force``, an output
 folder the command created is taken back when the command fails, and a full disk is reported as the file that
 could not be written and why, never as a traceback.
 """

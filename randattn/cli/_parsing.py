@@ -126,6 +126,7 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
     from randattn.analysis.plan import with_threads
     from randattn.analysis.sweep import SweepConfig, count_cells, parse_estimator_list
     from randattn.cli._common import abort
+    from randattn.cli._errors import said
     from randattn.estimators.registry import list_estimators
 
     try:  # before the file is loaded: a budget nothing fits, a malformed selection or tolerance are refused at once
@@ -172,11 +173,11 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
         )
         config = with_threads(config)
     except (ValueError, TypeError) as exc:
-        abort(str(exc).replace("device=", "--device ").replace("check_reference", "--check-reference"))
+        abort(said(exc))
     try:
         count_cells(activations, config)  # validates the selection and refuses estimators the masks exclude
     except (ValueError, TypeError) as exc:
-        message = str(exc)
+        message = said(exc)
         if mask_choice == "file" and mask is not None and "mask" in message:
             message += (" (the mask is the activation file's own metadata 'mask'; --mask none or --mask causal "
                         "overrides it)")

@@ -39,7 +39,7 @@ Two layouts (``layout=``):
     *Differences from the official code*, which uses ``int(sqrt(C))**2`` square landmarks
     (C = 32 -> 25) and adaptive pooling windows that **overlap** when ``int(sqrt(C))`` does not
     divide the grid (e.g. 4 windows on 14 rows: rows 0-3, 3-6, 7-10, 10-13): here C is kept and
-    blocks never overlap (the issue's "non-overlapping blocks, edge blocks smaller"). Both
+    blocks never overlap ("non-overlapping blocks, edge blocks smaller"). Both
     agree whenever ``C = a^2`` with ``a`` dividing h and w (C = 49 on 14 x 14, the paper's setting).
 
 Segments are described once, as a segment index per token (:func:`token_segments`, -1 for

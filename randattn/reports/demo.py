@@ -3,8 +3,9 @@
 ``run_demo`` chains the library's pieces: :func:`randattn.activations.dinov2.capture_dinov2` (once per input
 size, i.e. token count), :func:`randattn.analysis.sweep.run_sweep` (estimators x S x replicates on every
 captured (image, layer, head)), :func:`randattn.analysis.sweep.write_table`, the LARA-Fig.-1-style figure
-and the HTML report. Capture and sweep are arguments so that tests can pass fakes; by default they are the
-real functions.
+and the HTML report. The capture, the model and the sweep are parameters whose defaults are those functions: a
+caller can measure activations captured elsewhere, or run the sweep on a Dask client
+(``functools.partial(run_sweep, scheduler=client)``).
 """
 
 from __future__ import annotations

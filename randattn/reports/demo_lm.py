@@ -3,8 +3,8 @@
 ``run_demo_lm`` chains :func:`randattn.activations.lm.capture_lm` (one forward pass per text, stopped after the
 last chosen layer), :func:`randattn.analysis.sweep.run_sweep_tables` under the mask the capture recorded (causal in
 every SmolLM2 layer), :func:`randattn.analysis.sweep.write_tables`, the MSE-vs-samples and error-by-position figures
-and the HTML report (with its language-model section). Capture and sweep are arguments so that tests can pass
-fakes; by default they are the real functions.
+and the HTML report (with its language-model section). The capture is a parameter whose default is the bundled
+model on the bundled text: a caller can measure activations captured before (``lambda config: load_activations(path)``).
 """
 
 from __future__ import annotations

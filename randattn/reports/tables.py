@@ -24,6 +24,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from randattn._callers import outside_stacklevel
 from randattn.analysis.positions import POSITION_COLUMNS
 from randattn.analysis.sweep import COLUMNS, positions_path
 
@@ -90,14 +91,6 @@ def estimator_order() -> tuple[str, ...]:
     from randattn.estimators.registry import list_estimators
 
     return tuple(list_estimators())
-
-
-def __getattr__(name: str) -> Any:
-    # ``ESTIMATOR_ORDER`` was a tuple of names; it is now the registry's order, read when asked for, so that
-    # a plugin registered after this module was imported takes its place too
-    if name == "ESTIMATOR_ORDER":
-        return estimator_order()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def estimator_spec(name: Any) -> Any:
@@ -278,7 +271,7 @@ def _read_one(path: str | os.PathLike) -> tuple[pd.DataFrame, dict[str, Any], Pa
         shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
         warnings.warn(f"{path}: {sidecar_path.name} differs from the metadata stored in the file ({shown}); the "
                       "file's own is used (edit the metadata inside the file, or remove it to use the sidecar)",
-                      MetadataConflictWarning, stacklevel=3)
+                      MetadataConflictWarning, stacklevel=outside_stacklevel())
     metadata = {**sidecar, **metadata}
     return _checked_values(_normalise_types(table), path), metadata, path
 

@@ -9,7 +9,7 @@ import numpy as np
 __all__ = ["ROUNDING_FLOOR", "assert_close", "assert_close_to_rounding", "to_numpy", "TOLERANCES", "all_variants",
            "variant_id"]
 
-#: (atol, rtol) per dtype for batched-vs-reference comparisons. float64: the issue's
+#: (atol, rtol) per dtype for batched-vs-reference comparisons. float64: the project's
 #: 1e-10 (observed differences are ~1e-14, summation order only). float32: a few hundred
 #: ulps of outputs of order 1 (eps32 = 1.2e-7), since logsumexp/softmax chains lose a few bits.
 TOLERANCES: dict[str, tuple[float, float]] = {

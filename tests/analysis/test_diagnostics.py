@@ -9,10 +9,10 @@ import randattn
 from randattn.analysis.diagnostics import (
     estimator_diagnostics,
     pareto_khat,
-    rfa_snis_terms,
     snis_diagnostics,
 )
 from randattn.analysis.theory.montecarlo import kish_ess, snis_delta_method_variance
+from randattn.estimators.rfa.weights import rfa_snis_terms
 
 
 @pytest.fixture

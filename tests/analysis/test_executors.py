@@ -55,8 +55,9 @@ def test_parse_scheduler():
     assert parse_scheduler("processes:3").workers == 3
     assert parse_scheduler("tcp://10.0.0.1:8786").address == "tcp://10.0.0.1:8786"
     for bad in ("processes:0", "processes", "threads:2", "http://x"):
-        with pytest.raises(ValueError, match="--scheduler"):
+        with pytest.raises(ValueError, match=f"^scheduler '{bad}'") as raised:
             parse_scheduler(bad)
+        assert raised.value.scheduler == bad and "--" not in str(raised.value)
 
 
 @pytest.mark.slow  # a Dask cluster, ~9 s on 2 cores; CI runs the plugin example on Dask workers after the suite

@@ -104,9 +104,10 @@ def test_a_unit_that_cannot_fit_is_refused_before_computing(acts):
     from randattn.analysis.sweep import MemoryBudgetError
 
     calls = []
-    with pytest.raises(MemoryBudgetError, match="more than the memory budget of 1 B.*--max-memory"):
+    with pytest.raises(MemoryBudgetError, match="more than the memory budget of 1 B.*raise max_memory") as raised:
         run_sweep(acts, _config(max_memory=1), progress=calls.append)
     assert calls == []
+    assert raised.value.budget == 1 and raised.value.needed > 1 and not raised.value.store
 
 
 def test_auto_dtype_is_float64_for_signed_weights_only(acts):
@@ -448,13 +449,13 @@ def test_signed_lara_probabilities_take_the_float32_product_only_within_its_boun
     """Under dtype=auto, signed LARA's prob_mse comes from the float32 product: within the guaranteed
     1e-3 of the float64 run's (and not its bits), every other column the float64 run's bits. With
     the tolerance at 0 no block qualifies and every block is recomputed in float64: the same bits."""
-    from randattn.analysis import estimate_block, execute
+    from randattn.analysis import estimate_block
 
     config = dict(backend="torch", estimators=parse_estimator_list("lara;lara:proposal=eq32,weighting=coupled"),
                   num_samples=(4, 8), diagnostics=True, khat_queries=2)
     full = _without_time(run_sweep(acts, _config(dtype="float64", **config)))
     auto = _without_time(run_sweep(acts, _config(**config)))
-    assert execute.PROBABILITY_ROUNDING_RTOL == estimate_block.PROBABILITY_ROUNDING_RTOL == 1e-3
+    assert estimate_block.PROBABILITY_ROUNDING_RTOL == 1e-3
     np.testing.assert_allclose(auto.prob_mse, full.prob_mse, rtol=1e-3, atol=0)
     assert not np.array_equal(auto.prob_mse, full.prob_mse)
     pd.testing.assert_frame_equal(auto.drop(columns="prob_mse"), full.drop(columns="prob_mse"), check_exact=True)
@@ -467,7 +468,7 @@ def test_probability_rounding_test_on_hand_computed_rows():
     """delta = b + 1.01 u |P|: change = sum delta (2 e + delta), floor = sum max(e - delta, 0)^2."""
     import torch
 
-    from randattn.analysis.execute import probability_rounding_negligible as ok
+    from randattn.analysis.probability_error import probability_rounding_negligible as ok
 
     e = torch.tensor([[[1.0, 0.5]]], dtype=torch.float64)  # (R, C, N) = (1, 1, 2)
     no_p = torch.zeros((1, 2))

@@ -171,7 +171,7 @@ def prop32_ra_unbiased(rng: np.random.Generator, quick: bool, data: VerifyData |
     its variance is finite at any norm and the check runs on user data as well (4 evenly
     spaced queries and the first 4 value dims of each head: RA is per query and per dim).
 
-    Rare mixture components (issue #11, item 9): on ViT heads one key can hold 99.97% of a
+    Rare mixture components: on ViT heads one key can hold 99.97% of a
     query's mass; the other components are then drawn a handful of times in R S draws, and
     when they are drawn fewer times than expected the sample SE collapses while the mean is
     off by their mass times the value range (max |z| = 39 on a DINOv2 head although RA is

@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from randattn._callers import outside_stacklevel
+
 __all__ = [
     "PARTITION_OF_UNITY_RTOL",
     "importance_sampling",
@@ -152,13 +154,10 @@ def _softmax(x: FloatArray, axis: int) -> tuple[FloatArray, NDArray[np.bool_]]:
         return e / np.where(zero, np.nan, total), np.squeeze(zero, axis=axis)
 
 
-def _warn(message: str, *, helper_depth: int = 0) -> None:
-    """Emit a ``RuntimeWarning`` attributed to the caller of the public function.
-
-    ``stacklevel=2`` as seen from the public function; one more for this helper and one for
-    each private helper in between (``helper_depth``).
-    """
-    warnings.warn(message, RuntimeWarning, stacklevel=3 + helper_depth)
+def _warn(message: str) -> None:
+    """Emit a ``RuntimeWarning`` attributed to the first caller outside randattn
+    (:func:`randattn._callers.outside_stacklevel`), however many helpers lie in between."""
+    warnings.warn(message, RuntimeWarning, stacklevel=outside_stacklevel())
 
 
 # ----------------------------------------------------------------------------------------
@@ -263,7 +262,6 @@ def _warn_zero_weights(function: str, zero: NDArray[np.bool_]) -> None:
         _warn(
             f"{function}: all weights are zero (every log weight is -inf) in "
             f"{np.count_nonzero(zero)} of {zero.size} batch positions; the result is NaN there",
-            helper_depth=1,
         )
 
 

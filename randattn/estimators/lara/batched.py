@@ -492,9 +492,7 @@ def _normalizer(weights_t: torch.Tensor, key_exp: torch.Tensor, signed: bool) ->
     r"""The implied probabilities' normalizer :math:`W^\top E\,1`, ``(R, ..., N, 1)``; warns where it is not positive."""
     den = weights_t.transpose(-1, -2) @ key_exp.sum(-1, keepdim=True)
     if signed:
-        # frames: warn, _warn_non_positive, this, caller, ...: from an _estimate_with_* implementation 6 is the
-        # caller of the public entry point; through _implied_probabilities it is the entry point itself
-        _warn_non_positive(torch.sign(den[..., 0]), stacklevel=6)
+        _warn_non_positive(torch.sign(den[..., 0]))
     return den
 
 

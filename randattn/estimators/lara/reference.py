@@ -539,11 +539,10 @@ def _lara_terms(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> L
     return LaraTerms(x, y, v, omega, log_q, log_abs_alpha, alpha_sign, x_lm)
 
 
-def _warn_non_positive(sign: Any, stacklevel: int = 4) -> None:
+def _warn_non_positive(sign: Any) -> None:
     warn_non_positive(
         sign,
         "negative weighting functions, LARA eq. 37-38; alpha_clamp reproduces the official code's clipping",
-        stacklevel=stacklevel,
     )
 
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from randattn._callers import outside_stacklevel
+
 
 class NonPositiveDenominatorWarning(RuntimeWarning):
     """A signed-feature or signed-weight estimate whose normalizer is zero or negative for some queries.
@@ -34,12 +36,14 @@ def count_non_positive(sign: Any) -> int:
     return int((sign <= 0).sum())
 
 
-def warn_non_positive(sign: Any, why: str, stacklevel: int = 3) -> None:
+def warn_non_positive(sign: Any, why: str, stacklevel: int | None = None) -> None:
     """Warn once per call when any entry of the denominator signs ``sign`` is <= 0.
 
     ``sign`` is a numpy array or torch tensor of any shape (one entry per query). On an accelerator this is the
     one read back to the host that a signed estimator makes per call (:func:`count_non_positive`): the report
-    is worth a synchronisation (precision first), and positive estimators never make it.
+    is worth a synchronisation (precision first), and positive estimators never make it. The warning points at
+    the first caller outside randattn (:func:`randattn._callers.outside_stacklevel`) unless ``stacklevel`` is
+    given.
     """
     bad = count_non_positive(sign)
     if bad:
@@ -48,5 +52,5 @@ def warn_non_positive(sign: Any, why: str, stacklevel: int = 3) -> None:
             f"the estimator's normalizer is zero or negative for {bad} of {total} queries ({why}); "
             "their outputs are not meaningful",
             NonPositiveDenominatorWarning,
-            stacklevel=stacklevel,
+            stacklevel=outside_stacklevel() if stacklevel is None else stacklevel,
         )
