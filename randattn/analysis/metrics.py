@@ -306,6 +306,10 @@ def _metrics_from_sums(mean_abs: np.ndarray, per_rep_err: np.ndarray, naive: np.
     )
 
 
+#: above this many bytes, :func:`metrics_of_differences` forms its products a group of replicates at a time
+PRODUCT_CHUNK_BYTES = 64 * 2**20
+
+
 def metrics_of_differences(diff: Any, exact: Any, *, random: bool = True) -> tuple[ReplicateMetrics, np.ndarray]:
     r""":func:`metrics_with_relative_error` from the differences, as torch float64 tensors on any device.
 
@@ -344,8 +348,19 @@ def metrics_of_differences(diff: Any, exact: Any, *, random: bool = True) -> tup
         diff = diff[:1]
     size = exact.shape[-2] * exact.shape[-1]
 
-    def mean_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # avg over (n, d), one pass, on the device
-        return torch.linalg.vecdot(a.flatten(-2), b.flatten(-2)) / size
+    def mean_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The average over (n, d) of a * b on the device. vecdot forms the product before summing it, and the
+        product of a long unit is as large as its store of estimates (400 MiB at 32k tokens): above
+        :data:`PRODUCT_CHUNK_BYTES` it is taken a group of replicates at a time (a few groups, so a small unit keeps
+        its one call, as the launch count on a GPU wants). A group is reduced as the whole was, row by row, so the
+        bits do not change."""
+        per_replicate = a[0].numel() * a.element_size()
+        if a.ndim < 4 or a.shape[0] * per_replicate <= PRODUCT_CHUNK_BYTES:
+            return torch.linalg.vecdot(a.flatten(-2), b.flatten(-2)) / size
+        step = max(1, PRODUCT_CHUNK_BYTES // per_replicate)
+        b = b.expand_as(a)
+        return torch.cat([torch.linalg.vecdot(a[r:r + step].flatten(-2), b[r:r + step].flatten(-2))
+                          for r in range(0, a.shape[0], step)]) / size
 
     with torch.no_grad():
         rows = torch.linalg.vector_norm(diff, dim=-1) / torch.linalg.vector_norm(exact, dim=-1)

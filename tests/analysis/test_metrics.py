@@ -293,3 +293,50 @@ def test_metrics_of_differences_refuse_bad_input(rng):
         metrics_of_differences(diff[0, 0], exact[0])  # (N, Dv): no replicate dim
     with pytest.raises(TypeError, match="^random must be a bool, got int$"):
         metrics_of_differences(diff, exact, random=1)
+
+
+def test_metrics_of_a_long_unit_form_their_products_a_group_of_replicates_at_a_time(monkeypatch):
+    """Above PRODUCT_CHUNK_BYTES the products of metrics_of_differences are taken a group of replicates at a time:
+    the metrics are the same bits as one call (each group is reduced row by row as the whole was), and no tensor the
+    metrics allocate is larger than a group, where vecdot's product of the whole was as large as the differences
+    (it put a 32,768-token unit over 2 GiB)."""
+    import torch
+
+    import randattn.analysis.metrics as metrics
+
+    gen = torch.Generator().manual_seed(0)
+    diff = torch.randn(8, 2, 2048, 32, generator=gen, dtype=torch.float64)  # 8 MiB
+    exact = torch.randn(2, 2048, 32, generator=gen, dtype=torch.float64)
+    whole, whole_rel = metrics.metrics_of_differences(diff.clone(), exact, random=True)
+    monkeypatch.setattr(metrics, "PRODUCT_CHUNK_BYTES", diff[0].numel() * 8 * 2)  # groups of 2 replicates
+    grouped, grouped_rel = metrics.metrics_of_differences(diff.clone(), exact, random=True)
+    for field in ("mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "mean_abs"):
+        np.testing.assert_array_equal(getattr(grouped, field), getattr(whole, field), err_msg=field)
+    np.testing.assert_array_equal(grouped_rel, whole_rel)
+    work = diff.clone()
+    largest = _largest_new_tensor(lambda: metrics.metrics_of_differences(work, exact, random=True))
+    assert 0 < largest <= diff.numel() // 4  # a group of 2 of the 8 replicates; one call formed all 8
+
+
+def _largest_new_tensor(func) -> int:
+    """The most elements of a tensor that an operator called by ``func()`` allocates (results that share an
+    input's storage -- views, in-place operations -- are not new)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        size = 0
+
+        def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+            result = op(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(result):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    Largest.size = max(Largest.size, t.numel())
+            return result
+
+    with Largest():
+        func()
+    return Largest.size
