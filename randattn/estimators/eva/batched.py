@@ -145,10 +145,11 @@ def _chunk_terms(x, y, v, y_sq, eps, pad: PaddedPartition, groups: torch.Tensor,
     log_alpha = log_proposal_ratio(omega, mu, sigma)  # (R', ..., G, C, S)
     # log xi(y_m, omega_cs) = omega_cs . y_m - |y_m|^2 / 2 (Performer eq. 7): (R', ..., G, C, L, S)
     log_kf = _projections(y_c, omega, grouped=False) - 0.5 * _gather_last(y_sq, ck).unsqueeze(0).unsqueeze(-1)
-    log_kf = log_kf.masked_fill(~ckm.unsqueeze(-1), float("-inf"))
+    # in place: log_kf is a new (R', ..., G, C, L, S) array, the largest of the causal form, used once
+    log_kf = log_kf.masked_fill_(~ckm.unsqueeze(-1), float("-inf"))
     log_mass = torch.logsumexp(log_kf, dim=-2)  # (R', ..., G, C, S)
     log_mass = torch.where(sizes.unsqueeze(-1) > 0, log_mass, torch.zeros_like(log_mass))  # empty chunks: weight -inf later
-    key_probs = torch.exp(log_kf - log_mass.unsqueeze(-2))  # (R', ..., G, C, L, S)
+    key_probs = log_kf.sub_(log_mass.unsqueeze(-2)).exp_()  # (R', ..., G, C, L, S)
     key_probs = key_probs.transpose(-1, -2)  # (R', ..., G, C, S, L)
     if v is None:  # v = I_M: the values' weights themselves, over the chunk's key slots
         return ChunkTerms(k_land, sizes, omega, log_alpha, log_mass, key_probs)
