@@ -3,7 +3,7 @@ table; not a test.
 
 What is measured, float64, one head, D = Dv = 64, bidirectional and causal, at each N = M:
 
-- **tiled**: :func:`randattn.estimators.softmax.tiled.tiled_attention` with its default 1024 x 1024 tiles
+- **tiled**: :func:`randattn.estimators.softmax.tiled.tiled_attention` with its default tiles (256 queries x 1024 keys)
   (output and log-normaliser), best of ``--repeats`` runs (wall clock);
 - **dense**: :func:`randattn.estimators.softmax.batched.estimate` (the N x M scores, ``torch.softmax``, one
   product with V), when its N x M float64 arrays (about 3 N M 8 bytes under the causal mask) fit in
