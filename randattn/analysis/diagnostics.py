@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from scipy.special import logsumexp
 
+from randattn.analysis._tensors import input_tensor
 from randattn.estimators.registry import get_spec
 
 __all__ = [
@@ -447,7 +448,7 @@ def replicate_snis_diagnostics(
     else:
         provider = weights.batched
         dt = getattr(torch, dtype)
-        tq, tk, tv = (torch.as_tensor(np.asarray(a), device=device, dtype=dt) for a in (q, k, v))
+        tq, tk, tv = (input_tensor(np.asarray(a), device=device, dtype=dt) for a in (q, k, v))
         with torch.no_grad():
             terms = provider(tq, tk, tv, draws.to_torch(device=device, dtype=dt), scale=scale, params=params, **masked)
         if terms is None:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from randattn.analysis._tensors import input_tensor
 from randattn.analysis.plan import EstimatorConfig
 from randattn.analysis.probability_error import (
     factored_pays,
@@ -210,7 +211,7 @@ class BlockEstimator:
         import torch
 
         dt = getattr(torch, self.dtype_name(est))
-        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
+        tq, tk, tv = (input_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
         tdraws = draws.to_torch(device=self.device, dtype=dt)
         with torch.no_grad():
             if not self.probabilities:
@@ -235,7 +236,7 @@ class BlockEstimator:
                     onehot[..., torch.arange(k0, k1), torch.arange(k1 - k0)] = 1.0
                     return spec.batched(tq, tk, onehot, tdraws, scale=self.scale, **est.params, **masked)
 
-            tq64, tk64 = (torch.as_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k))
+            tq64, tk64 = (input_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k))
             sq = tiled_sq_errors(columns_of, tq64, tk64, log_normaliser, scale=self.scale, mask=mask.kind,
                                  key_tile=tile)
         return out, sq
@@ -255,7 +256,7 @@ class BlockEstimator:
 
         device = self.device if self.torch is not None else None
         dt = getattr(torch, self.dtype_name(est))
-        tq, tk = (torch.as_tensor(a, device=device, dtype=dt) for a in (q, k))
+        tq, tk = (input_tensor(a, device=device, dtype=dt) for a in (q, k))
         with torch.no_grad():
             counts = spec.keys_used(tq, tk, draws.to_torch(device=device, dtype=dt), scale=self.scale, **est.params,
                                     **mask.estimator_kwargs)
@@ -284,7 +285,7 @@ class BlockEstimator:
         masked = mask.estimator_kwargs
         m = k.shape[-2]
         dt = getattr(torch, self.dtype_name(est))
-        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
+        tq, tk, tv = (input_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
         tdraws = draws.to_torch(device=self.device, dtype=dt)
         with torch.no_grad():
             prob_sq = None
@@ -317,7 +318,7 @@ class BlockEstimator:
         """
         torch = self.torch
         dt = getattr(torch, self.dtype_name(est))
-        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
+        tq, tk, tv = (input_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
         with torch.no_grad():
             result = spec.forms.get("estimate_with_probability_factors")(
                 tq, tk, tv, draws.to_torch(device=self.device, dtype=dt), scale=self.scale, **est.params,
@@ -338,7 +339,7 @@ class BlockEstimator:
                          mask: Mask = NO_MASK):
         """:meth:`estimate` through the float32 probability product, or None where its bound is too loose."""
         torch = self.torch
-        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k, v))
+        tq, tk, tv = (input_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k, v))
         with torch.no_grad():
             result = spec.forms.get("estimate_with_float32_probabilities")(
                 tq, tk, tv, draws.to_torch(device=self.device, dtype=torch.float64), scale=self.scale, **est.params,

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from randattn.analysis._tensors import input_tensor
 from randattn.analysis.plan import Unit
 from randattn.estimators.masks import MASKS, Mask
 
@@ -49,8 +50,8 @@ def sink_mass_from_log_normaliser(q, k, log_normaliser, scale: float, *, torch: 
 
     Key 0 is visible to every query under every supported mask, so its probability is the same expression for all.
     """
-    tq = torch.as_tensor(np.ascontiguousarray(q, dtype=np.float64), device=log_normaliser.device)
-    tk0 = torch.as_tensor(np.ascontiguousarray(k[..., :1, :], dtype=np.float64), device=log_normaliser.device)
+    tq = input_tensor(np.ascontiguousarray(q, dtype=np.float64), device=log_normaliser.device)
+    tk0 = input_tensor(np.ascontiguousarray(k[..., :1, :], dtype=np.float64), device=log_normaliser.device)
     logits = (scale * tq @ tk0.transpose(-1, -2))[..., 0]
     return (logits - log_normaliser).exp().mean(-1).cpu().numpy()
 
@@ -84,7 +85,7 @@ def exact_under_mask(kind: Mask | str, q, k, v, scale: float, *, torch: Any = No
         weights = np.exp(logits - logits.max(-1, keepdims=True))
         probs = weights / weights.sum(-1, keepdims=True)
         return probs, probs @ v
-    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64)) for a in (q, k, v))
+    tq, tk, tv = (input_tensor(np.ascontiguousarray(a, dtype=np.float64)) for a in (q, k, v))
     logits = (scale * (tq @ tk.transpose(-1, -2))).masked_fill_(~torch.from_numpy(visible), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return probs.numpy(), (probs @ tv).numpy()
@@ -123,7 +124,7 @@ def exact_attention(q, k, v, scale: float, kind: Mask | str | None, *,
 
         probs = attention_probabilities(q, k, scale=scale)
         return probs, probs @ v
-    tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64)) for a in (q, k, v))
+    tq, tk, tv = (input_tensor(np.ascontiguousarray(a, dtype=np.float64)) for a in (q, k, v))
     probs = torch.softmax(scale * (tq @ tk.transpose(-1, -2)), dim=-1)
     return probs.numpy(), (probs @ tv).numpy()
 
@@ -181,7 +182,7 @@ class ExactCache:
 
         device = self.device if self.torch is not None else None
         # in the inputs' dtype: the recurrence converts each tile to float64 as it reads it
-        tq, tk, tv = (torch.as_tensor(np.ascontiguousarray(a), device=device) for a in (q, k, v))
+        tq, tk, tv = (input_tensor(np.ascontiguousarray(a), device=device) for a in (q, k, v))
         out, log_normaliser = tiled_attention(tq, tk, tv, scale=self.scale, mask=self.layer_mask(unit.layer).kind)
         return out.cpu().numpy(), log_normaliser
 

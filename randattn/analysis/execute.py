@@ -43,6 +43,7 @@ import numpy as np
 
 # MemoryBudgetError, format_bytes, exact_under_mask, COLUMNS and the two warnings are also this module's public names
 # (__all__): what a caller of the unit runner meets, importable beside it
+from randattn.analysis._tensors import input_tensor
 from randattn.analysis.cell_memory import (
     REFERENCE_CHECK_TOKENS,
     MemoryBudgetError,
@@ -372,7 +373,7 @@ class UnitRunner:
         draws = cell_draws(spec, est, qs.shape[1:], ks.shape[1:], unit.seeds[:1], range(1), unit.num_samples, mask)
         torch = self.torch
         dt = getattr(torch, self._dtype_name(est))
-        tq, tk, tv = (torch.as_tensor(a, device=self.device, dtype=dt) for a in (qs, ks, vs))
+        tq, tk, tv = (input_tensor(a, device=self.device, dtype=dt) for a in (qs, ks, vs))
         with torch.no_grad():
             batched = spec.batched(tq, tk, tv, draws.to_torch(device=self.device, dtype=dt), scale=self.scale,
                                    **est.params, **mask.estimator_kwargs)
