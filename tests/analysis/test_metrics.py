@@ -305,8 +305,8 @@ def test_metrics_of_a_long_unit_form_their_products_a_group_of_replicates_at_a_t
     import randattn.analysis.metrics as metrics
 
     gen = torch.Generator().manual_seed(0)
-    diff = torch.randn(8, 2, 2048, 32, generator=gen, dtype=torch.float64)  # 8 MiB
-    exact = torch.randn(2, 2048, 32, generator=gen, dtype=torch.float64)
+    diff = torch.randn(8, 2, 512, 32, generator=gen, dtype=torch.float64)  # 2 MiB
+    exact = torch.randn(2, 512, 32, generator=gen, dtype=torch.float64)
     whole, whole_rel = metrics.metrics_of_differences(diff.clone(), exact, random=True)
     monkeypatch.setattr(metrics, "PRODUCT_CHUNK_BYTES", diff[0].numel() * 8 * 2)  # groups of 2 replicates
     grouped, grouped_rel = metrics.metrics_of_differences(diff.clone(), exact, random=True)

@@ -160,22 +160,25 @@ def test_the_torch_backend_holds_a_long_unit_in_the_files_dtype():
 
 def test_units_share_the_files_arrays_without_torch_warnings(tmp_path):
     """The torch backend shares the file's read-only arrays with torch (no copy); torch warns once per process when
-    it does, a warning about nothing the user can act on (the engine never writes its inputs). A fresh process per
-    file, since torch warns only once, under -W error::UserWarning: a tiled causal unit of a float32 file (1,100
-    tokens: 1.2M probabilities per head) and a dense unit of a float64 file (shared whole by the exact softmax)."""
-    from randattn.activations import save_activations
-
-    for tokens, dtype in ((1100, np.float32), (64, np.float64)):  # tiled, and a dense unit of a float64 file
-        path = save_activations(_acts(tokens, heads=2, d=8, dtype=dtype), tmp_path / f"{tokens}.safetensors")
-        _run_without_warnings(path, tmp_path / f"{tokens}.csv")
-
-
-def _run_without_warnings(path, out) -> None:
+    it does, a warning about nothing the user can act on (the engine never writes its inputs). A fresh process,
+    since torch warns only once, under -W error::UserWarning, runs `mse` on a tiled causal unit of a float32 file
+    (1,100 tokens: 1.2M probabilities per head), then on a dense unit of a float64 file (shared whole by the exact
+    softmax): the first warning of either would end it."""
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", "from randattn.cli import main; main()",
-                          "mse", str(path), "--mask", "causal", "-e", "rfa", "--samples", "4", "--replicates", "2", "--threads", "1",
-                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    from randattn.activations import save_activations
+
+    runs = []
+    for tokens, dtype in ((1100, np.float32), (64, np.float64)):
+        path = save_activations(_acts(tokens, heads=2, d=8, dtype=dtype), tmp_path / f"{tokens}.safetensors")
+        runs.append(["mse", str(path), "--mask", "causal", "-e", "rfa", "--samples", "4", "--replicates", "2",
+                     "--threads", "1", "--out", str(tmp_path / f"{tokens}.csv")])
+    script = ("import sys; from randattn.cli import main\n"
+              f"for args in {runs!r}:\n"
+              "    main(args, standalone_mode=False)\n")
+    run = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", script], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "not writable" not in run.stderr
+    assert all((tmp_path / f"{tokens}.csv").exists() for tokens in (1100, 64))
