@@ -237,23 +237,31 @@ class UnitRunner:
             exact_probs = self.exact(unit, q, k, v)[0] if self.config.probabilities else None
 
             def peak_at(samples: int | None, reps: int) -> int:
-                draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(reps), samples, mask)
-
-                def one() -> None:
-                    # the code path that runs: estimates, the probability pass (dense: the larger working set),
-                    # diagnostics
-                    self.estimator.estimate(spec, est, q, k, v, draws, exact_probs, full_precision=True, mask=mask)
-                    if spec.keys_used is not None:
-                        self.estimator.keys_used(spec, est, q, k, draws, mask=mask)
-                    if self.config.diagnostics and est.random:
-                        self._diagnostics_block(est, q, k, v, draws, first_block=False, mask=mask)
-
-                return measure_block_peak(one, draws, torch_tensors=self.torch is not None)
+                # the estimates with the probability pass (dense: the larger working set)
+                return self._block_peak(est, q, k, v, samples, reps, mask, lambda draws: self.estimator.estimate(
+                    spec, est, q, k, v, draws, exact_probs, full_precision=True, mask=mask))
 
             a, b = fit_cell_model(peak_at, unit.num_samples, est.random)
             self._cell_bytes[key] = with_margin(a, b, queries=self.measured_queries, value_dim=v.shape[-1],
                                                 key_dim=self.acts.shape[3], num_samples=unit.num_samples)
         return self._cell_bytes[key]
+
+    def _block_peak(self, est: EstimatorConfig, q, k, v, samples: int | None, reps: int, mask: Mask,
+                    estimate: Callable[[Draws], Any]) -> int:
+        """Peak bytes of one calibration block of ``reps`` replicates at ``samples``: the code path a unit runs --
+        ``estimate(draws)``, the keys-used counts, the diagnostics (:func:`~randattn.analysis.cell_memory.
+        measure_block_peak`)."""
+        spec = self.specs[est.name]
+        draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(reps), samples, mask)
+
+        def one() -> None:
+            estimate(draws)
+            if spec.keys_used is not None:
+                self.estimator.keys_used(spec, est, q, k, draws, mask=mask)
+            if self.config.diagnostics and est.random:
+                self._diagnostics_block(est, q, k, v, draws, first_block=False, mask=mask)
+
+        return measure_block_peak(one, draws, torch_tensors=self.torch is not None)
 
     def columns_reason(self, unit: Unit) -> str | None:
         """Why a tiled unit without probability factors leaves prob_mse NaN
@@ -295,16 +303,9 @@ class UnitRunner:
             _, log_normaliser = self.exact_cache.tiled_exact(unit, qs, ks, vs)
 
             def peak_at(samples: int | None, reps: int, qs=qs, ks=ks, vs=vs, lz=log_normaliser) -> int:
-                draws = cell_draws(spec, est, qs.shape[1:], ks.shape[1:], [0], range(reps), samples, mask)
-
-                def one() -> None:
-                    self.estimator.tiled_estimate(spec, est, qs, ks, vs, draws, lz, mask=mask, columns=columns)
-                    if spec.keys_used is not None:
-                        self.estimator.keys_used(spec, est, qs, ks, draws, mask=mask)
-                    if self.config.diagnostics and est.random:
-                        self._diagnostics_block(est, qs, ks, vs, draws, first_block=False, mask=mask)
-
-                return measure_block_peak(one, draws, torch_tensors=self.torch is not None)
+                return self._block_peak(est, qs, ks, vs, samples, reps, mask,
+                                        lambda draws: self.estimator.tiled_estimate(
+                                            spec, est, qs, ks, vs, draws, lz, mask=mask, columns=columns))
 
             points.append((queries, keys, fit_cell_model(peak_at, unit.num_samples, est.random)))
         a = extrapolate_peak([(kq, km, ab[0]) for kq, km, ab in points], n, m)
