@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, get_args
@@ -34,6 +35,9 @@ __all__ = [
     "ExactLimit",
     "ImportanceWeights",
     "Param",
+    "EstimatorOptions",
+    "option",
+    "keyword_entry",
     "EstimatorSpec",
     "SpecError",
     "validate_spec",
@@ -133,6 +137,101 @@ class Param:
             expected = self.kind.__name__ if isinstance(self.kind, type) else "/".join(t.__name__ for t in self.kind)
             raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
         return value
+
+
+def option(default: Any, doc: str, *, choices: tuple[Any, ...] | None = None,
+           kind: type | tuple[type, ...] | None = None) -> Any:
+    """A field of an :class:`EstimatorOptions` class that is an estimator parameter, its :class:`Param` declared once.
+
+    The field's default is the parameter's default; :meth:`EstimatorOptions.params` collects the
+    :class:`Param` of every such field (the spec's ``params``), and construction checks the value
+    against it (:meth:`Param.check`).
+    """
+    return field(default=default, metadata={"param": Param(default, doc, choices=choices, kind=kind)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class EstimatorOptions:
+    """The keyword options of one estimator family, declared once and validated in one place.
+
+    A family subclasses this (a frozen, keyword-only dataclass): each parameter is a field made
+    with :func:`option` (default, meaning, choices or type), protocol keywords that are not
+    parameters (``scale``; ``mask`` where the family supports one) are plain fields, and rules
+    between parameters go in :meth:`check`. :meth:`params` gives the spec's ``params``, and
+    :func:`keyword_entry` builds the public keyword entry points ``f(q, k, v, draws, *, scale,
+    **params)`` from functions of ``(q, k, v, draws, options)``, as ``scipy.stats.qmc.QMCEngine.random``
+    wraps each engine's ``_random``.
+
+    Attributes
+    ----------
+    scale : float or None
+        Temperature; None: ``D ** -0.5``. Checked against the inputs where they are prepared (it
+        needs their dtype and D), not here.
+    """
+
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        # the family's rules first: they are the stricter, and their messages name the paper's terms
+        self.check()
+        for name, param in self.params().items():
+            param.check(name, getattr(self, name))
+
+    def check(self) -> None:
+        """Rules between parameters (a family overrides it); raise ``ValueError``/``TypeError`` naming them."""
+
+    @classmethod
+    def params(cls) -> dict[str, Param]:
+        """The estimator parameters, name -> :class:`Param`, in declaration order (the spec's ``params``)."""
+        return {f.name: f.metadata["param"] for f in dataclasses.fields(cls) if "param" in f.metadata}
+
+    def as_keywords(self, *, scale: bool = True) -> dict[str, Any]:
+        """These options as an entry point's keywords (without ``scale`` when ``scale=False``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if scale or f.name != "scale"}
+
+
+def keyword_entry(options_type: type[EstimatorOptions]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate ``impl(*arrays, options)`` into the public keyword entry point ``f(*arrays, *, scale, **params)``.
+
+    The entry point's signature lists the arrays of ``impl`` (``q, k, v, draws`` or ``q, k, draws``)
+    and, keyword-only, every field of ``options_type`` with its default, so ``inspect.signature``,
+    ``help()`` and a wrong keyword read as for a hand-written function; a call builds one
+    ``options_type`` (which validates) and hands it to ``impl``. ``impl`` itself stays reachable as
+    the entry point's ``on_options``, for callers that hold validated options already.
+
+    Examples
+    --------
+    >>> @keyword_entry(LaraOptions)  # doctest: +SKIP
+    ... def estimate(q, k, v, draws, options: LaraOptions) -> torch.Tensor:
+    ...     "LARA over (R, ..., N, Dv)."
+    >>> estimate(q, k, v, draws, proposal="eq33")  # doctest: +SKIP
+    """
+    keywords = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(options_type)
+    ]
+
+    def decorate(impl: Callable[..., Any]) -> Callable[..., Any]:
+        impl_signature = inspect.signature(impl)
+        arrays = list(impl_signature.parameters.values())[:-1]
+        signature = impl_signature.replace(parameters=[*arrays, *keywords])
+        array_names = [p.name for p in arrays]
+
+        @functools.wraps(impl)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            try:
+                given = signature.bind(*args, **kwargs).arguments
+            except TypeError as exc:
+                raise TypeError(f"{impl.__qualname__}(): {exc}") from None
+            options = options_type(**{name: value for name, value in given.items() if name not in array_names})
+            return impl(*(given[name] for name in array_names), options)
+
+        del entry.__wrapped__  # inspect.signature must give the keyword signature, not impl's
+        entry.__signature__ = signature
+        entry.on_options = impl
+        return entry
+
+    return decorate
 
 
 @dataclass(frozen=True)
@@ -304,6 +403,16 @@ class BatchedForms:
             declared = ", ".join(self.declared) or "none"
             raise LookupError(f"the batched form {form!r} is not declared (declared: {declared})")
         return getattr(self, form)
+
+    @classmethod
+    def of(cls, module: Any) -> "BatchedForms":
+        """The forms a module of torch forms defines under their protocol names.
+
+        ``module.estimate``, and each of :data:`OPTIONAL_FORMS` the module has: a family's
+        ``batched`` module declares a form by defining it under that name.
+        """
+        return cls(estimate=module.estimate,
+                   **{form: getattr(module, form) for form in OPTIONAL_FORMS if hasattr(module, form)})
 
     def replace(self, **changes: Any) -> "BatchedForms":
         """These forms with ``changes`` (``estimate=`` or an optional form, None to withdraw it)."""

@@ -40,52 +40,15 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights, Param
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights
 from randattn.estimators.lara import batched, reference, weights
 from randattn.estimators.presets import LARA_PRESETS
-from randattn.estimators.lara.reference import PROPOSALS, SAMPLES, WEIGHTINGS
+from randattn.estimators.lara.reference import PROPOSALS, SAMPLES, WEIGHTINGS, LaraOptions
 
 __all__ = ["PARAMS", "SPEC", "draw", "PROPOSALS", "WEIGHTINGS", "SAMPLES"]
 
-PARAMS = {
-    "proposal": Param(
-        "eq34",
-        "proposal means: eq34 x~_c + y~_c (default); eq33 x~_c + sum_m softmax(x~_c.y_m) y_m; "
-        "eq35 x~_c + attention over key landmarks; eq32 the RA-like mixture; standard N(0, I)",
-        choices=PROPOSALS,
-    ),
-    "weighting": Param(
-        "decoupled",
-        "weighting functions: decoupled (eq. 38, default), balance heuristic (eq. 36), coupled (eq. 37), constant 1/C",
-        choices=WEIGHTINGS,
-    ),
-    "beta": Param(1.0, "coefficient of the decoupled correction (eq. 38; the paper uses 2 for vision)", kind=(int, float)),
-    "alpha_clamp": Param(
-        None, "None, or clip weights from below at this value as the official code does (1e-8)",
-        kind=(int, float, type(None)),
-    ),
-    "sample": Param("random", "random, or mean: omega_c = E_{q_c}[omega] (LARA G.3.3 eval mode)", choices=SAMPLES),
-    "noise": Param(
-        "paper",
-        "paper: eps ~ N(0, I); reference-code: the official code's N(0, I) in unscaled space = N(0, scale I)",
-        choices=("paper", "reference-code"),
-    ),
-    "layout": Param(
-        "grid",
-        "landmarks from 2-D blocks of the patch grid (grid, LARA app. G.4 '2D average pooling') when the grid "
-        "is known, else from contiguous 1-D segments (sequence, app. G.3.1)",
-        choices=("grid", "sequence"),
-    ),
-    "grid": Param(
-        None,
-        "patch grid (h, w) or 'HxW' (e.g. 14x14) of the tokens after prefix_tokens; None: no grid known (1-D segments)",
-        kind=(tuple, list, str, type(None)),
-    ),
-    "prefix_tokens": Param(
-        0, "leading tokens (CLS, registers) before the h*w patches; with a grid they are in no landmark block",
-        kind=int,
-    ),
-}
+#: LARA's parameters, declared once as the fields of :class:`~randattn.estimators.lara.reference.LaraOptions`
+PARAMS = LaraOptions.params()
 
 
 def draw(
@@ -161,13 +124,7 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    forms=BatchedForms(
-        estimate=batched.estimate,
-        probabilities=batched.probabilities,
-        estimate_with_probabilities=batched.estimate_with_probabilities,
-        estimate_with_float32_probabilities=batched.estimate_with_float32_probabilities,
-        estimate_with_probability_factors=batched.estimate_with_probability_factors,
-    ),
+    forms=BatchedForms.of(batched),
     is_random=_is_random,
     variants=_variants(),
     presets=LARA_PRESETS,

@@ -3,10 +3,9 @@
 Vectorized over replicates, batch dims, queries and proposals; the weighting functions are
 formed only at each proposal's own sample (``(R, ..., N, C)``) instead of at every sample.
 
-Each public entry point keeps the keyword signature the engine and the registry call
-(``f(q, k, v, draws, *, scale=..., **params)``), validates its keywords once into a
-:class:`~randattn.estimators.lara.reference.LaraOptions` and hands that to a private
-implementation of the same name; the helpers below them take the options object, not the ten keywords.
+Each public entry point is written on validated
+:class:`~randattn.estimators.lara.reference.LaraOptions`; :func:`~randattn.estimators.base.keyword_entry`
+gives it the keyword signature the engine and the registry call (``f(q, k, v, draws, *, scale=..., **params)``).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
-from randattn.estimators.base import Draws
+from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.features.batched import positive_log_features
 from randattn.estimators.lara.reference import (
     LaraOptions,
@@ -166,31 +165,9 @@ def _proposals(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> tu
     return x, y, v, x_lm, omega, log_q
 
 
-def lara_terms(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    proposal: str = "eq34",
-    weighting: str = "decoupled",
-    beta: float = 1.0,
-    alpha_clamp: float | None = None,
-    sample: str = "random",
-    noise: str = "paper",
-    layout: str = "grid",
-    grid: Any = None,
-    prefix_tokens: int = 0,
-) -> LaraTerms:
+@keyword_entry(LaraOptions)
+def lara_terms(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> LaraTerms:
     """Torch form of ``reference.lara_terms`` (tensors in a :class:`~randattn.estimators.lara.reference.LaraTerms`)."""
-    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    return _lara_terms(q, k, v, draws, options)
-
-
-def _lara_terms(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> LaraTerms:
-    """:func:`lara_terms` on validated options."""
     x, y, v, x_lm, omega, log_q = _proposals(q, k, v, draws, options)
     scores = torch.softmax(x @ x_lm.transpose(-1, -2), dim=-2)  # r'_nc, softmax over queries n
     log_abs_alpha, alpha_sign = _log_alpha_at_samples(log_q, scores, options.weighting, options.beta,
@@ -224,23 +201,8 @@ def _query_weights_t(
     return alpha
 
 
-def estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    proposal: str = "eq34",
-    weighting: str = "decoupled",
-    beta: float = 1.0,
-    alpha_clamp: float | None = None,
-    sample: str = "random",
-    noise: str = "paper",
-    layout: str = "grid",
-    grid: Any = None,
-    prefix_tokens: int = 0,
-) -> torch.Tensor:
+@keyword_entry(LaraOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> torch.Tensor:
     r"""LARA over (R, ..., N, Dv); same signature, draws and layout as ``lara.reference.estimate``.
 
     The eq. 28 form, fused so that each ``(C, N)`` or ``(C, M)`` array is passed over a few
@@ -262,97 +224,33 @@ def estimate(
     of lower precision are computed in float64 there and the output is returned in their dtype;
     positive weightings stay in the input dtype (their sums do not cancel).
     """
-    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    return _estimate(q, k, v, draws, options)
-
-
-def _estimate(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> torch.Tensor:
-    """:func:`estimate` on validated options."""
     return _output(*_weights_and_keys(q, k, v, draws, options))
 
 
-def probabilities(
-    q: Any,
-    k: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    proposal: str = "eq34",
-    weighting: str = "decoupled",
-    beta: float = 1.0,
-    alpha_clamp: float | None = None,
-    sample: str = "random",
-    noise: str = "paper",
-    layout: str = "grid",
-    grid: Any = None,
-    prefix_tokens: int = 0,
-) -> torch.Tensor:
+@keyword_entry(LaraOptions)
+def probabilities(q: Any, k: Any, draws: Draws, options: LaraOptions) -> torch.Tensor:
     r"""The attention probabilities LARA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
 
     Without forming the identity: :math:`\hat P = W^\top E / (W^\top E\,1)` with the query
     weights :math:`W` and key exponentials :math:`E` of :func:`estimate`, one ``(N, C) x (C, M)``
     product (``v = I_M`` would add a ``(C, M) x (M, M)`` one).
     """
-    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    return _probabilities(q, k, draws, options)
-
-
-def _probabilities(q: Any, k: Any, draws: Draws, options: LaraOptions) -> torch.Tensor:
-    """:func:`probabilities` on validated options."""
     weights_t, key_exp, _, signed, in_dtype = _weights_and_keys(q, k, k, draws, options)
     return _implied_probabilities(weights_t, key_exp, signed, in_dtype)
 
 
-def estimate_with_probabilities(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    proposal: str = "eq34",
-    weighting: str = "decoupled",
-    beta: float = 1.0,
-    alpha_clamp: float | None = None,
-    sample: str = "random",
-    noise: str = "paper",
-    layout: str = "grid",
-    grid: Any = None,
-    prefix_tokens: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@keyword_entry(LaraOptions)
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
+                                options: LaraOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits: the weights and keys computed once."""
-    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    return _estimate_with_probabilities(q, k, v, draws, options)
-
-
-def _estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
-                                 options: LaraOptions) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`estimate_with_probabilities` on validated options."""
     weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, options)
     out = _output(weights_t, key_exp, v, signed, in_dtype)
     return out, _implied_probabilities(weights_t, key_exp, signed, in_dtype)
 
 
-def estimate_with_float32_probabilities(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    proposal: str = "eq34",
-    weighting: str = "decoupled",
-    beta: float = 1.0,
-    alpha_clamp: float | None = None,
-    sample: str = "random",
-    noise: str = "paper",
-    layout: str = "grid",
-    grid: Any = None,
-    prefix_tokens: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@keyword_entry(LaraOptions)
+def estimate_with_float32_probabilities(q: Any, k: Any, v: Any, draws: Draws,
+                                        options: LaraOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""``estimate(q, k, v, ...)``, and the implied probabilities from a float32 product with a bound on its rounding.
 
     The output is the same bits as :func:`estimate`. The probabilities
@@ -372,14 +270,6 @@ def estimate_with_float32_probabilities(
         exact quotient of the computed float64 :math:`W` and :math:`E` (see
         :func:`float32_quotient_bound`); ``inf`` where float32 may overflow.
     """
-    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    return _estimate_with_float32_probabilities(q, k, v, draws, options)
-
-
-def _estimate_with_float32_probabilities(q: Any, k: Any, v: Any, draws: Draws,
-                                         options: LaraOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`estimate_with_float32_probabilities` on validated options."""
     weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, options)
     out = _output(weights_t, key_exp, v, signed, in_dtype)
     den = _normalizer(weights_t, key_exp, signed)
@@ -392,23 +282,9 @@ def _estimate_with_float32_probabilities(q: Any, k: Any, v: Any, draws: Draws,
     return out, probs, bound.masked_fill_(overflow, math.inf)
 
 
-def estimate_with_probability_factors(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    proposal: str = "eq34",
-    weighting: str = "decoupled",
-    beta: float = 1.0,
-    alpha_clamp: float | None = None,
-    sample: str = "random",
-    noise: str = "paper",
-    layout: str = "grid",
-    grid: Any = None,
-    prefix_tokens: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@keyword_entry(LaraOptions)
+def estimate_with_probability_factors(q: Any, k: Any, v: Any, draws: Draws,
+                                      options: LaraOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     r"""``(estimate(q, k, v, ...), L, E)`` with :math:`L = W^\top / d`, so ``probabilities(q, k, ...) = L @ E``.
 
     The implied probabilities :math:`\hat P = W^\top E / (W^\top E\,1)` have rank C (the proposals'
@@ -418,14 +294,6 @@ def estimate_with_probability_factors(
     :func:`estimate_with_probabilities`; the factors are in the working precision (float64 for signed
     weights, see :func:`estimate`).
     """
-    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    return _estimate_with_probability_factors(q, k, v, draws, options)
-
-
-def _estimate_with_probability_factors(q: Any, k: Any, v: Any, draws: Draws,
-                                       options: LaraOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`estimate_with_probability_factors` on validated options."""
     weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, options)
     out = _output(weights_t, key_exp, v, signed, in_dtype)
     den = _normalizer(weights_t, key_exp, signed)

@@ -26,7 +26,7 @@ from scipy.special import log_softmax, logsumexp, softmax
 
 from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import Draws
+from randattn.estimators.base import Draws, EstimatorOptions, keyword_entry, option
 from randattn.estimators.features.reference import positive_log_features
 from randattn.estimators.ra.reference import noise_std
 from randattn.estimators.snis import warn_non_positive
@@ -62,6 +62,8 @@ PROPOSALS = ("eq34", "eq33", "eq35", "eq32", "standard")
 #: weighting functions (LARA app. G.3.2): eq. 36, eq. 37, eq. 38 (default), and 1/C
 WEIGHTINGS = ("decoupled", "balance", "coupled", "constant")
 SAMPLES = ("random", "mean")
+#: sampling noise: the paper's N(0, I), or the official code's N(0, I) in the unscaled space (ARCHITECTURE sec. 10)
+NOISES = ("paper", "reference-code")
 #: proposals whose means use the key landmarks k~_c (so C_eff <= M as well)
 _KEY_LANDMARK_PROPOSALS = ("eq34", "eq35")
 
@@ -84,7 +86,7 @@ def check_lara_params(
     check_layout(None, layout, grid, prefix_tokens)
     check_choice("weighting", weighting, WEIGHTINGS)
     check_choice("sample", sample, SAMPLES)
-    check_choice("noise", noise, ("paper", "reference-code"))
+    check_choice("noise", noise, NOISES)
     if isinstance(beta, (bool, np.bool_)) or not isinstance(beta, (int, float, np.integer, np.floating)):
         raise TypeError(f"beta must be a real number, got {type(beta).__name__} {beta!r}")
     if not np.isfinite(beta):
@@ -102,53 +104,57 @@ def check_lara_params(
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaraOptions:
-    """LARA's keyword options, validated once, for the reference and batched forms.
+class LaraOptions(EstimatorOptions):
+    """LARA's keyword options, declared once: the spec's ``params`` and every entry point's keywords.
 
-    The entry points (``estimate``, ``lara_terms`` here; ``estimate``, ``probabilities`` and
-    the ``estimate_with_*`` forms in :mod:`~randattn.estimators.lara.batched`) keep their
-    keyword signatures, which the engine and the registry call as
-    ``f(q, k, v, draws, *, scale=..., **params)``; each builds one ``LaraOptions`` and hands it
-    to its implementation. Construction runs :func:`check_lara_params`, so a bad option raises
-    the same ``ValueError``/``TypeError``, naming the argument, before any input is touched.
-
-    Attributes
-    ----------
-    scale : float or None
-        Temperature; None: ``D ** -0.5``. Checked against the inputs when they are prepared
-        (it needs their dtype and D), not here.
-    proposal : {"eq34", "eq33", "eq35", "eq32", "standard"}
-        Proposal means (app. G.3.1, :func:`proposal_means`); ``eq32`` is the mixture.
-    weighting : {"decoupled", "balance", "coupled", "constant"}
-        Weighting functions (app. G.3.2, :func:`weighting_functions`).
-    beta : float
-        Coefficient of the decoupled correction (eq. 38); must stay 1.0 for other weightings.
-    alpha_clamp : float or None
-        Clip the weights at this value from below, as the official code does (1e-8).
-    sample : {"random", "mean"}
-        ``mean`` uses the proposal means as samples (G.3.3 evaluation mode).
-    noise : {"paper", "reference-code"}
-        Sampling noise std 1, or ``sqrt(scale)`` as in the official code.
-    layout : {"grid", "sequence"}
-        Landmarks from 2-D blocks of the patch grid when ``grid`` is given, else from 1-D segments.
-    grid : (h, w), "HxW" or None
-        The patch grid of the tokens after ``prefix_tokens``; kept as given (parsed where used).
-    prefix_tokens : int
-        Leading tokens (CLS, registers) that are in no landmark block.
+    The entry points (``estimate``, ``lara_terms`` here; ``estimate``, ``probabilities`` and the
+    ``estimate_with_*`` forms in :mod:`~randattn.estimators.lara.batched`) are written on one
+    ``LaraOptions`` and take its fields as keywords (:func:`~randattn.estimators.base.keyword_entry`);
+    construction runs :func:`check_lara_params`, so a bad option raises a ``ValueError``/``TypeError``
+    naming the argument before any input is touched. ``grid`` is kept as given (parsed where used).
     """
 
-    scale: float | None = None
-    proposal: str = "eq34"
-    weighting: str = "decoupled"
-    beta: float = 1.0
-    alpha_clamp: float | None = None
-    sample: str = "random"
-    noise: str = "paper"
-    layout: str = "grid"
-    grid: Any = None
-    prefix_tokens: int = 0
+    proposal: str = option(
+        "eq34",
+        "proposal means: eq34 x~_c + y~_c (default); eq33 x~_c + sum_m softmax(x~_c.y_m) y_m; "
+        "eq35 x~_c + attention over key landmarks; eq32 the RA-like mixture; standard N(0, I)",
+        choices=PROPOSALS,
+    )
+    weighting: str = option(
+        "decoupled",
+        "weighting functions: decoupled (eq. 38, default), balance heuristic (eq. 36), coupled (eq. 37), constant 1/C",
+        choices=WEIGHTINGS,
+    )
+    beta: float = option(1.0, "coefficient of the decoupled correction (eq. 38; the paper uses 2 for vision)",
+                         kind=(int, float))
+    alpha_clamp: float | None = option(
+        None, "None, or clip weights from below at this value as the official code does (1e-8)",
+        kind=(int, float, type(None)),
+    )
+    sample: str = option("random", "random, or mean: omega_c = E_{q_c}[omega] (LARA G.3.3 eval mode)",
+                         choices=SAMPLES)
+    noise: str = option(
+        "paper",
+        "paper: eps ~ N(0, I); reference-code: the official code's N(0, I) in unscaled space = N(0, scale I)",
+        choices=NOISES,
+    )
+    layout: str = option(
+        "grid",
+        "landmarks from 2-D blocks of the patch grid (grid, LARA app. G.4 '2D average pooling') when the grid "
+        "is known, else from contiguous 1-D segments (sequence, app. G.3.1)",
+        choices=("grid", "sequence"),
+    )
+    grid: Any = option(
+        None,
+        "patch grid (h, w) or 'HxW' (e.g. 14x14) of the tokens after prefix_tokens; None: no grid known (1-D segments)",
+        kind=(tuple, list, str, type(None)),
+    )
+    prefix_tokens: int = option(
+        0, "leading tokens (CLS, registers) before the h*w patches; with a grid they are in no landmark block",
+        kind=int,
+    )
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_lara_params(self.proposal, self.weighting, self.beta, self.alpha_clamp, self.sample, self.noise,
                           self.layout, self.grid, self.prefix_tokens)
 
@@ -472,23 +478,8 @@ def _num_proposals(draws: Draws, batch: tuple[int, ...], dim: int, sample: str) 
     return check_draw_array(draws, "eps", batch, (None, dim)).shape[-2]
 
 
-def lara_terms(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    proposal: str = "eq34",
-    weighting: str = "decoupled",
-    beta: float = 1.0,
-    alpha_clamp: float | None = None,
-    sample: str = "random",
-    noise: str = "paper",
-    layout: str = "grid",
-    grid: Any = None,
-    prefix_tokens: int = 0,
-) -> LaraTerms:
+@keyword_entry(LaraOptions)
+def lara_terms(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> LaraTerms:
     r"""Landmarks, proposals, samples and weighting functions of LARA (app. G.3), as :class:`LaraTerms`.
 
     Steps (Algorithm 3): query landmarks :math:`\tilde x_c` = means of ``C_eff`` contiguous
@@ -505,13 +496,6 @@ def lara_terms(
     code's unit noise in the unscaled space, ARCHITECTURE sec. 10); the densities keep the
     paper's identity covariance either way, as the official code's do.
     """
-    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    return _lara_terms(q, k, v, draws, options)
-
-
-def _lara_terms(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> LaraTerms:
-    """:func:`lara_terms` on validated options."""
     x, y, v, scale, batch = prepare_reference(q, k, v, options.scale)
     sigma = noise_std(options.noise, scale)
     num_q, num_k, dim = x.shape[-2], y.shape[-2], x.shape[-1]
@@ -546,23 +530,8 @@ def _warn_non_positive(sign: Any) -> None:
     )
 
 
-def estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    proposal: str = "eq34",
-    weighting: str = "decoupled",
-    beta: float = 1.0,
-    alpha_clamp: float | None = None,
-    sample: str = "random",
-    noise: str = "paper",
-    layout: str = "grid",
-    grid: Any = None,
-    prefix_tokens: int = 0,
-) -> np.ndarray:
+@keyword_entry(LaraOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> np.ndarray:
     r"""Linear randomized attention (LARA eq. 10 in the form of eq. 28), linear in N and M.
 
     .. math::
@@ -638,9 +607,7 @@ def estimate(
     >>> lara.reference.estimate(q, k, v, draws).shape
     (1, 16, 8)
     """
-    options = LaraOptions(scale=scale, proposal=proposal, weighting=weighting, beta=beta, alpha_clamp=alpha_clamp,
-                          sample=sample, noise=noise, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    terms = _lara_terms(q, k, v, draws, options)
+    terms = lara_terms.on_options(q, k, v, draws, options)
     log_qf, log_kf, q_sign = weighted_log_features(terms)
     out, sign = feature_attention(log_qf, log_kf, terms.v[None], q_sign=q_sign)
     if q_sign is not None:

@@ -1,0 +1,108 @@
+"""The narrow protocol's pieces: a family's options declared once, its keyword entry points built from them.
+
+Expected values are written out by hand (the signature a hand-written entry point would have, the errors Python
+itself gives for a wrong call), never read back from the functions under test.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass
+
+import pytest
+
+from randattn.estimators.base import BatchedForms, EstimatorOptions, Param, keyword_entry, option
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ToyOptions(EstimatorOptions):
+    kind: str = option("a", "which toy", choices=("a", "b"))
+    width: int = option(2, "a width", kind=int)
+    mask: str | None = None
+
+    def check(self) -> None:
+        if self.kind == "b" and self.width != 2:
+            raise ValueError("width goes with kind='a' only")
+
+
+@keyword_entry(_ToyOptions)
+def _toy_estimate(q, k, v, draws, options: _ToyOptions) -> tuple:
+    """A toy entry point: returns what it was given."""
+    return q, k, v, draws, options
+
+
+def _hand_written(q, k, v, draws, *, scale: float | None = None, kind: str = "a", width: int = 2,
+                  mask: str | None = None) -> tuple:
+    """The signature the decorated entry point must show."""
+
+
+def test_entry_point_signature_is_the_hand_written_one():
+    got = inspect.signature(_toy_estimate)
+    want = inspect.signature(_hand_written)
+    assert [(p.name, p.kind, p.default) for p in got.parameters.values()] == [
+        (p.name, p.kind, p.default) for p in want.parameters.values()
+    ]
+    assert _toy_estimate.__doc__ == "A toy entry point: returns what it was given."
+    assert _toy_estimate.__name__ == "_toy_estimate"
+
+
+def test_entry_point_builds_validated_options_from_keywords():
+    q, k, v, draws, options = _toy_estimate(1, 2, 3, "d", width=5, scale=0.5)
+    assert (q, k, v, draws) == (1, 2, 3, "d")
+    assert options == _ToyOptions(scale=0.5, kind="a", width=5, mask=None)
+    # arrays by keyword too, as a caller of a hand-written function may pass them
+    assert _toy_estimate(q=1, k=2, v=3, draws="d")[4] == _ToyOptions()
+
+
+def test_on_options_is_the_implementation():
+    options = _ToyOptions(kind="b")
+    assert _toy_estimate.on_options(1, 2, 3, "d", options)[4] is options
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "words"),
+    [
+        ((1, 2, 3, "d"), {"widht": 3}, "widht"),  # a misspelt keyword is named
+        ((1, 2, 3, "d", 4), {}, "too many positional"),  # an option never goes positionally
+        ((1, 2, 3), {}, "draws"),  # a missing array is named
+    ],
+)
+def test_wrong_call_is_a_type_error_naming_the_entry_point(args, kwargs, words):
+    with pytest.raises(TypeError, match="_toy_estimate") as info:
+        _toy_estimate(*args, **kwargs)
+    assert words in str(info.value)
+
+
+def test_family_rules_run_before_the_parameter_checks():
+    # kind="b" with width="x": the family's rule speaks first (its message names the paper's terms)
+    with pytest.raises(ValueError, match="width goes with kind='a' only"):
+        _ToyOptions(kind="b", width=3)
+    with pytest.raises(ValueError, match="kind"):
+        _toy_estimate(1, 2, 3, "d", kind="c")
+    with pytest.raises(TypeError, match="width must be int"):
+        _toy_estimate(1, 2, 3, "d", width=2.5)
+
+
+def test_params_are_the_option_fields_in_order():
+    assert _ToyOptions.params() == {
+        "kind": Param("a", "which toy", choices=("a", "b")),
+        "width": Param(2, "a width", kind=int),
+    }
+    assert _ToyOptions(width=4).as_keywords(scale=False) == {"kind": "a", "width": 4, "mask": None}
+
+
+def test_forms_of_a_module_are_those_it_defines_under_protocol_names():
+    def estimate():
+        return "e"
+
+    def probabilities():
+        return "p"
+
+    module = types.SimpleNamespace(estimate=estimate, probabilities=probabilities, helper=lambda: None)
+    forms = BatchedForms.of(module)
+    assert forms.estimate is estimate
+    assert forms.declared == ("probabilities",)
+    assert forms.get("probabilities") is probabilities
+    with pytest.raises(AttributeError):
+        BatchedForms.of(types.SimpleNamespace(probabilities=probabilities))
