@@ -7,7 +7,7 @@ Each :class:`Check` has a name, the claim, its source (paper + equation), a meth
 selection with one independent generator per check (derived from the run seed and the
 check's name, so ``--only`` does not change a check's draws).
 
-Monte Carlo policy (see :mod:`randattn.analysis.theory._base`): every comparison is a z-score
+Monte Carlo policy (see :mod:`randattn.theory._base`): every comparison is a z-score
 against the replicate standard error, threshold ``MC_K_SE = 4.5``; the registry's Monte Carlo
 checks test at most ``MC_TEST_BUDGET = 1470`` elements in total, so a correct implementation
 fails some Monte Carlo check with probability <= 1% (Bonferroni); a deviation of 5.8 SE is
@@ -19,7 +19,7 @@ OPRF = Likhosherstov et al., "Chefs' Random Tables", NeurIPS 2022.
 
 Examples
 --------
->>> from randattn.analysis.theory import registry, run_checks, select_checks
+>>> from randattn.theory import registry, run_checks, select_checks
 >>> results = run_checks(select_checks(registry(), "lara.prop3.1*"), seed=0, quick=True)
 >>> results[0].passed
 True
@@ -30,8 +30,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from randattn.analysis.theory import _causal, _decode, _eva, _lara, _performer, _sderf, _stability
-from randattn.analysis.theory._base import (
+from randattn.theory import _causal, _decode, _eva, _lara, _performer, _sderf, _stability
+from randattn.theory._base import (
     EXACT_RTOL,
     MC_K_SE,
     MC_TEST_BUDGET,
