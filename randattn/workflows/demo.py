@@ -309,7 +309,7 @@ def _cells(acts: Any, config: Any) -> int:
 
     try:
         return count_cells(acts, config)
-    except (TypeError, ValueError, AttributeError):  # a fake sweep in tests may pass other objects
+    except (TypeError, ValueError, AttributeError):  # a caller's own ``sweep`` may take activations of its own kind
         return 1
 
 

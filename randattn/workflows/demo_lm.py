@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from randattn.reports.demo import DemoResult, DemoStep, demo_metadata, demo_outputs, run_sweeps
+from randattn.workflows.demo import DemoResult, DemoStep, demo_metadata, demo_outputs, run_sweeps
 
 __all__ = ["LMDemoConfig", "LM_DECODE", "LM_DECODE_QUICK", "LM_QUICK", "check_bundled_layers", "demo_lm_outputs",
            "run_demo_lm"]
