@@ -5,8 +5,8 @@ an estimator's name." Built-ins and plugins are treated alike, so a plugin named
 tables, figures and the HTML report without a line of randattn changed. A test such as ``name == "rfa"`` or
 ``name not in ("rfa", "lara")`` breaks that silently: the plugin gets the fall-through branch.
 
-This walks the AST of every module under ``randattn/analysis``, ``randattn/reports`` and ``randattn/cli`` and
-fails on a comparison (``==``, ``!=``, ``in``, ``not in``) or a ``match`` case one of whose sides is a built-in
+This walks the AST of every module under ``randattn/analysis``, ``randattn/theory``, ``randattn/reports``,
+``randattn/workflows`` and ``randattn/cli`` and fails on a comparison (``==``, ``!=``, ``in``, ``not in``) or a ``match`` case one of whose sides is a built-in
 estimator's name: a string constant, or a tuple, list, set or dict literal holding one (as an element or a
 key). Lists of *which* estimators to run (``DEFAULT_ESTIMATORS``) are configuration, not comparisons, and pass.
 """
@@ -21,7 +21,7 @@ import pytest
 from randattn.estimators.registry import BUILTIN_ENTRY_POINTS
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED = ("randattn/analysis", "randattn/reports", "randattn/cli")
+SCANNED = ("randattn/analysis", "randattn/theory", "randattn/reports", "randattn/workflows", "randattn/cli")
 #: the built-in estimators' registry names: a comparison with one of them is a name test
 BUILTIN_NAMES = frozenset(name for name, _ in BUILTIN_ENTRY_POINTS)
 _OPS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
@@ -73,7 +73,8 @@ def test_the_scan_covers_the_modules_and_knows_the_builtin_names():
     assert {"softmax", "rfa", "ra", "lara", "eva", "scatterbrain", "local"} <= BUILTIN_NAMES
     scanned = {path.relative_to(ROOT).as_posix() for path in _modules()}
     for module in ("randattn/analysis/plan.py", "randattn/reports/html.py", "randattn/reports/figures.py",
-                   "randattn/reports/tables.py", "randattn/cli/demo.py", "randattn/analysis/theory/_stability.py"):
+                   "randattn/reports/tables.py", "randattn/cli/demo.py", "randattn/theory/_stability.py",
+                   "randattn/workflows/demo.py"):
         assert module in scanned
 
 

@@ -203,7 +203,7 @@ def delta_method_spread(weights: Any, f: Any) -> Any:
     (..., N) torch.Tensor
         :math:`\sum_j w_{nj}^2 \|f_j - \mu_n\|^2` with :math:`\mu_n = \sum_j w_{nj} f_j`; summed over Dv
         (divide by Dv for the per-element average of :func:`snis_delta_method_variance
-        <randattn.analysis.theory.montecarlo.snis_delta_method_variance>`). NaN rows stay NaN.
+        <randattn.theory.montecarlo.snis_delta_method_variance>`). NaN rows stay NaN.
 
     Notes
     -----

@@ -58,7 +58,7 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
 
     from randattn._process import retain_freed_memory
     from randattn.cli._outputs import output_folder, refuse_to_replace, space_errors
-    from randattn.reports.demo import QUICK, DemoConfig, demo_outputs
+    from randattn.workflows.demo import QUICK, DemoConfig, demo_outputs
 
     retain_freed_memory()  # see randattn._process: the sweep's blocks reuse pages instead of faulting them in
 
@@ -86,7 +86,7 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
 
 def _run(config, out_dir) -> None:
     from randattn.cli._demo_session import command_line, run_steps
-    from randattn.reports.demo import run_demo
+    from randattn.workflows.demo import run_demo
 
     try:
         import importlib.util

@@ -48,8 +48,8 @@ def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, 
     from pathlib import Path
 
     from randattn.cli._outputs import output_folder, refuse_to_replace, space_errors
-    from randattn.reports.demo_lm import (LM_DECODE, LM_DECODE_QUICK, LM_QUICK, LMDemoConfig, check_bundled_layers,
-                                          demo_lm_outputs)
+    from randattn.workflows.demo_lm import (LM_DECODE, LM_DECODE_QUICK, LM_QUICK, LMDemoConfig,
+                                            check_bundled_layers, demo_lm_outputs)
 
     if decode:
         base = LM_DECODE_QUICK if quick else LM_DECODE
@@ -79,7 +79,7 @@ def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, 
 def _run(config, out_dir) -> None:
     from randattn._process import retain_freed_memory
     from randattn.cli._demo_session import command_line, run_steps
-    from randattn.reports.demo_lm import run_demo_lm
+    from randattn.workflows.demo_lm import run_demo_lm
 
     retain_freed_memory()
     what = "the last " + config.queries.split(":")[1] + " queries" if config.decode else "all queries"

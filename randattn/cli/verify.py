@@ -30,7 +30,7 @@ def command(pattern: str | None, quick: bool, seed: int, activations: str | None
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from randattn.analysis.theory import (
+    from randattn.theory import (
         MC_K_SE,
         data_from_activations,
         family_wise_false_alarm,

@@ -11,7 +11,7 @@ from randattn.analysis.diagnostics import (
     pareto_khat,
     snis_diagnostics,
 )
-from randattn.analysis.theory.montecarlo import kish_ess, snis_delta_method_variance
+from randattn.theory.montecarlo import kish_ess, snis_delta_method_variance
 from randattn.estimators.rfa.weights import rfa_snis_terms
 
 
@@ -140,7 +140,7 @@ def test_lara_diagnostics_use_its_eq28_weights_when_they_are_positive():
     import randattn
     from randattn.analysis.diagnostics import estimator_diagnostics
     from randattn.estimators.lara import reference as lara_ref
-    from randattn.analysis.theory.montecarlo import snis
+    from randattn.theory.montecarlo import snis
 
     rng = np.random.default_rng(3)
     q, k, v = rng.standard_normal((3, 2, 30, 8))

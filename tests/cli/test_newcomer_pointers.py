@@ -37,7 +37,7 @@ def _page_titles() -> dict[str, Path]:
 
 
 def test_verify_cites_documents_a_user_has():
-    from randattn.analysis.theory import registry
+    from randattn.theory import registry
 
     titles = _page_titles()
     cited = 0

@@ -73,7 +73,7 @@ def test_activations_drive_the_data_dependent_checks(tmp_path):
 
 
 def test_a_failing_check_exits_1(monkeypatch):
-    from randattn.analysis import theory
+    from randattn import theory
 
     def failing(rng, quick, data):
         """Always fails."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import randattn
-from randattn.analysis.theory import montecarlo
+from randattn.theory import montecarlo
 from randattn.estimators.base import Draws
 from randattn.estimators.eva import draw as eva_draw
 from randattn.estimators.eva import reference as eva_ref

@@ -256,7 +256,7 @@ def test_weighting_functions_sum_to_one(weighting, proposal, at_samples, rng):
 
 def test_weighting_functions_match_montecarlo_helpers(rng):
     """Balance and decoupled weights agree with the generic MIS helpers (independent code)."""
-    montecarlo = pytest.importorskip("randattn.analysis.theory.montecarlo")
+    montecarlo = pytest.importorskip("randattn.theory.montecarlo")
     log_q, scores = _random_log_proposals(rng, "eq34")
     ours = lara_r.weighting_functions(log_q, scores, "balance")
     theirs = montecarlo.balance_heuristic(log_q)[..., None, :, :]

@@ -37,7 +37,7 @@ def test_every_registered_variant_has_a_distinct_name():
 
 def test_demo_configurations_have_distinct_names():
     from randattn.analysis.sweep import estimator_config
-    from randattn.reports.demo import DEFAULT_ESTIMATORS
+    from randattn.workflows.demo import DEFAULT_ESTIMATORS
 
     configs = [estimator_config(spec) for spec in DEFAULT_ESTIMATORS]
     names = [display_name(c.name, c.params) for c in configs]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from randattn.analysis import theory
-from randattn.analysis.theory import _sderf
-from randattn.analysis.theory._base import HeadData, VerifyData
+from randattn import theory
+from randattn.theory import _sderf
+from randattn.theory._base import HeadData, VerifyData
 from randattn.estimators.features import reference as fr
 
 NAMES = ("sderf.unbiased", "sderf.variance-closed-form", "sderf.scalar-a-reduction", "sderf.optimal-a")

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from scipy.special import softmax
 
-from randattn.analysis import theory
-from randattn.analysis.theory import _base, _eva, _lara, _performer, _stability
+from randattn import theory
+from randattn.theory import _base, _eva, _lara, _performer, _stability
 from randattn.estimators import _prepare
 
 CHECKS = theory.registry()

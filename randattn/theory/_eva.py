@@ -1,7 +1,7 @@
 r"""EVA (Zheng, Yuan, Wang, Kong, ICLR 2023) checks: eq. 6, Prop. 1, app. B.1, B.3, Lemma 3, Prop. 2 / eq. 10, G.1, G.5.
 
 Every function has the signature ``(rng, quick, data, *, <thing under test>=default)`` and
-returns a :class:`~randattn.analysis.theory._base.CheckResult`.
+returns a :class:`~randattn.theory._base.CheckResult`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 from scipy import optimize
 from scipy.special import logsumexp, softmax
 
-from randattn.analysis.theory._base import (
+from randattn.theory._base import (
     MC_K_SE,
     CheckResult,
     HeadData,
@@ -28,7 +28,7 @@ from randattn.estimators import scatterbrain as scatterbrain_pkg
 from randattn.estimators.base import Draws
 from randattn.estimators.eva import reference as eva_ref
 from randattn.estimators.features.reference import positive_log_features
-from randattn.analysis.theory.montecarlo import (
+from randattn.theory.montecarlo import (
     control_variate,
     eva_per_key_terms,
     optimal_cv_coefficient,

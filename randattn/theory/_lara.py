@@ -1,7 +1,7 @@
 r"""LARA (Zheng, Wang, Kong, ICML 2022) checks: Prop. 3.1 / app. A, Cor. C.1, Prop. 3.2, app. F, eq. 27, eq. 10, sec. 4.3.
 
 Every function has the signature ``(rng, quick, data, *, <thing under test>=default)`` and
-returns a :class:`~randattn.analysis.theory._base.CheckResult`; the keyword parameter lets
+returns a :class:`~randattn.theory._base.CheckResult`; the keyword parameter lets
 the tests inject a broken component (negative controls).
 """
 
@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 from scipy.special import log_softmax, logsumexp
 
-from randattn.analysis.theory._base import (
+from randattn.theory._base import (
     MC_K_SE,
     CheckResult,
     HeadData,
@@ -176,7 +176,7 @@ def prop32_ra_unbiased(rng: np.random.Generator, quick: bool, data: VerifyData |
     when they are drawn fewer times than expected the sample SE collapses while the mean is
     off by their mass times the value range (max |z| = 39 on a DINOv2 head although RA is
     unbiased). The SE therefore gets the closed-form floor of
-    :func:`~randattn.analysis.theory._base.rare_component_se_floor` (0 on the synthetic inputs).
+    :func:`~randattn.theory._base.rare_component_se_floor` (0 on the synthetic inputs).
     """
     reps = 1000 if quick else 4000
     num_s = 2

@@ -219,7 +219,7 @@ def importance_sampling(log_target: ArrayLike, log_proposal: ArrayLike, f: Array
 
     >>> import numpy as np
     >>> from scipy.stats import norm
-    >>> from randattn.analysis.theory.montecarlo import importance_sampling
+    >>> from randattn.theory.montecarlo import importance_sampling
     >>> omega = np.random.default_rng(0).normal(0.0, 2.0, size=100_000)
     >>> est = importance_sampling(norm.logpdf(omega, 1.0), norm.logpdf(omega, 0.0, 2.0), omega[:, None])
     >>> bool(abs(est[0] - 1.0) < 0.05)
@@ -294,7 +294,7 @@ def snis_weights(log_weights: ArrayLike) -> FloatArray:
 
     Examples
     --------
-    >>> from randattn.analysis.theory.montecarlo import snis_weights
+    >>> from randattn.theory.montecarlo import snis_weights
     >>> snis_weights([1e4, 1e4 + np.log(3.0)]).round(6).tolist()
     [0.25, 0.75]
     """
@@ -343,7 +343,7 @@ def snis(log_weights: ArrayLike, f: ArrayLike) -> FloatArray:
     from :math:`\mathcal{N}(0, 2^2)` (the normalizing constants are dropped on purpose):
 
     >>> import numpy as np
-    >>> from randattn.analysis.theory.montecarlo import snis
+    >>> from randattn.theory.montecarlo import snis
     >>> omega = np.random.default_rng(0).normal(0.0, 2.0, size=100_000)
     >>> log_w = -0.5 * (omega - 1.0) ** 2 + 0.5 * (omega / 2.0) ** 2
     >>> bool(abs(snis(log_w, omega[:, None])[0] - 1.0) < 0.05)
@@ -383,7 +383,7 @@ def kish_ess(log_weights: ArrayLike) -> FloatArray:
 
     Examples
     --------
-    >>> from randattn.analysis.theory.montecarlo import kish_ess
+    >>> from randattn.theory.montecarlo import kish_ess
     >>> float(kish_ess([0.0, 0.0, 0.0, 0.0]))
     4.0
     >>> float(kish_ess([0.0, -1e4, -1e4]))
@@ -433,7 +433,7 @@ def snis_delta_method_variance(log_weights: ArrayLike, f: ArrayLike) -> FloatArr
     Examples
     --------
     >>> import numpy as np
-    >>> from randattn.analysis.theory.montecarlo import snis_delta_method_variance
+    >>> from randattn.theory.montecarlo import snis_delta_method_variance
     >>> snis_delta_method_variance(np.zeros(4), np.array([[0.0], [1.0], [2.0], [3.0]])).tolist()
     [0.3125]
     """
@@ -511,7 +511,7 @@ def snis_as_control_variate(log_weights: ArrayLike, f: ArrayLike) -> SnisControl
     Examples
     --------
     >>> import numpy as np
-    >>> from randattn.analysis.theory.montecarlo import snis, snis_as_control_variate
+    >>> from randattn.theory.montecarlo import snis, snis_as_control_variate
     >>> rng = np.random.default_rng(0)
     >>> log_w, f = rng.normal(size=8), rng.normal(size=(8, 3))
     >>> cv = snis_as_control_variate(log_w, f)
@@ -589,7 +589,7 @@ def balance_heuristic(log_proposals: ArrayLike) -> FloatArray:
     --------
     >>> import numpy as np
     >>> from scipy.stats import norm
-    >>> from randattn.analysis.theory.montecarlo import balance_heuristic
+    >>> from randattn.theory.montecarlo import balance_heuristic
     >>> means = np.array([-1.0, 0.0, 2.0])
     >>> omega = np.random.default_rng(0).normal(means, 1.0)  # omega_c ~ N(means[c], 1)
     >>> alpha = balance_heuristic(norm.logpdf(omega[None, :], means[:, None]))
@@ -632,7 +632,7 @@ def power_heuristic(log_proposals: ArrayLike, power: float = 2.0) -> FloatArray:
     Examples
     --------
     >>> import numpy as np
-    >>> from randattn.analysis.theory.montecarlo import power_heuristic
+    >>> from randattn.theory.montecarlo import power_heuristic
     >>> power_heuristic(np.log([[1.0, 1.0], [3.0, 1.0]]), power=2.0)[:, 0].round(12).tolist()
     [0.1, 0.9]
     """
@@ -679,7 +679,7 @@ def decoupled_heuristic(log_proposals: ArrayLike, query_scores: ArrayLike, beta:
     Examples
     --------
     >>> import numpy as np
-    >>> from randattn.analysis.theory.montecarlo import decoupled_heuristic
+    >>> from randattn.theory.montecarlo import decoupled_heuristic
     >>> alpha = decoupled_heuristic(np.zeros((2, 2)), [0.9, 0.1], beta=2.0)
     >>> alpha.round(12).tolist()
     [[1.3, 1.3], [-0.3, -0.3]]
@@ -743,7 +743,7 @@ def check_weighting_functions(alpha: ArrayLike) -> FloatArray:
 
     Examples
     --------
-    >>> from randattn.analysis.theory.montecarlo import check_weighting_functions
+    >>> from randattn.theory.montecarlo import check_weighting_functions
     >>> check_weighting_functions([[1.5, 0.25], [-0.5, 0.75]]).tolist()
     [[1.5, 0.25], [-0.5, 0.75]]
     """
@@ -836,7 +836,7 @@ def mis(log_target: ArrayLike, log_proposals: ArrayLike, alpha: ArrayLike, f: Ar
 
     >>> import numpy as np
     >>> from scipy.stats import norm
-    >>> from randattn.analysis.theory.montecarlo import balance_heuristic, mis
+    >>> from randattn.theory.montecarlo import balance_heuristic, mis
     >>> means = np.array([-1.0, 2.0])
     >>> omega = np.random.default_rng(0).normal(means, 1.5, size=(4000, 2))
     >>> log_q = norm.logpdf(omega[:, None, :], means[:, None], 1.5)
@@ -904,7 +904,7 @@ def self_normalized_mis(
     --------
     >>> import numpy as np
     >>> from scipy.stats import norm
-    >>> from randattn.analysis.theory.montecarlo import balance_heuristic, self_normalized_mis
+    >>> from randattn.theory.montecarlo import balance_heuristic, self_normalized_mis
     >>> means = np.array([-1.0, 2.0])
     >>> omega = np.random.default_rng(0).normal(means, 1.5, size=(4000, 2))
     >>> log_q = norm.logpdf(omega[:, None, :], means[:, None], 1.5)
@@ -987,7 +987,7 @@ def control_variate(g: ArrayLike, h: ArrayLike, h_mean: ArrayLike, beta: ArrayLi
 
     Examples
     --------
-    >>> from randattn.analysis.theory.montecarlo import control_variate
+    >>> from randattn.theory.montecarlo import control_variate
     >>> control_variate([3.0, 1.0], 1.5, 1.0, [2.0, -2.0]).tolist()
     [2.0, 2.0]
     """
@@ -1042,7 +1042,7 @@ def optimal_cv_coefficient(g_samples: ArrayLike, h_samples: ArrayLike) -> FloatA
     Examples
     --------
     >>> import numpy as np
-    >>> from randattn.analysis.theory.montecarlo import optimal_cv_coefficient
+    >>> from randattn.theory.montecarlo import optimal_cv_coefficient
     >>> h = np.array([1.0, 2.0, 3.0, 4.0])
     >>> g = np.stack([2 * h, [1.0, 1.0, 0.0, -2.0]], axis=-1)
     >>> optimal_cv_coefficient(g, h).round(12).tolist()
@@ -1147,7 +1147,7 @@ def eva_per_key_terms(
     Examples
     --------
     >>> import numpy as np
-    >>> from randattn.analysis.theory.montecarlo import control_variate, eva_per_key_terms
+    >>> from randattn.theory.montecarlo import control_variate, eva_per_key_terms
     >>> rng = np.random.default_rng(0)
     >>> x, y, v = 0.3 * rng.normal(size=3), 0.3 * rng.normal(size=(4, 3)), rng.normal(size=(4, 2))
     >>> omega = rng.normal(size=(64, 3))  # q = N(0, I)

@@ -13,7 +13,7 @@ norms 100..150 at the ViT temperature ``D^-1/2``:
   magnitude ~3000 carry an absolute float32 rounding of ~2e-4, which moves softmax weights by
   as much relatively; measured worst case 5e-5);
 - an estimator whose spec declares the configuration exact (``softmax``) equals ``verify``'s
-  own ground truth (:func:`~randattn.analysis.theory._base.exact_attention`) to the same
+  own ground truth (:func:`~randattn.theory._base.exact_attention`) to the same
   tolerances.
 
 Every function has the signature ``(rng, quick, data, *, <thing under test>=default)``.
@@ -26,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from randattn.analysis.theory._base import CheckResult, exact_attention, unit_norm_rows
+from randattn.theory._base import CheckResult, exact_attention, unit_norm_rows
 
 #: float64 batched vs float64 reference, relative to max |v|
 FLOAT64_TOL = 1e-9

@@ -1,4 +1,4 @@
-"""randattn.analysis.theory: the registry's bookkeeping, and a negative control for every check family.
+"""randattn.theory: the registry's bookkeeping, and a negative control for every check family.
 
 A negative control injects a broken component (wrong noise scale, plain-QR features, weights
 that do not sum to one, a wrong closed form, ...) through the check's keyword parameter and
@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from randattn.analysis import theory
-from randattn.analysis.theory import _eva, _lara, _performer
-from randattn.analysis.theory._base import MC_K_SE, MC_TEST_BUDGET, z_scores
+from randattn import theory
+from randattn.theory import _eva, _lara, _performer
+from randattn.theory._base import MC_K_SE, MC_TEST_BUDGET, z_scores
 from randattn.estimators import ra as ra_pkg
 from randattn.estimators.base import Draws
 from randattn.estimators.features.reference import positive_log_features

@@ -1,4 +1,4 @@
-"""Tests for randattn.analysis.theory.montecarlo: identities exactly, unbiasedness within standard errors.
+"""Tests for randattn.theory.montecarlo: identities exactly, unbiasedness within standard errors.
 
 Monte Carlo tolerances are ``N_SE`` standard errors of the estimator's own replicates:
 ``SE = std_r(estimate_r) / sqrt(R)`` (sample std, ddof=1). With 4 SE a correct estimator
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from scipy.stats import norm
 
-from randattn.analysis.theory import montecarlo as mc
+from randattn.theory import montecarlo as mc
 
 N_SE = 4.0  # number of standard errors allowed for every unbiasedness check
 EXACT = 1e-12  # identities that hold algebraically, for O(1) inputs in float64

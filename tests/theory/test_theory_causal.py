@@ -1,6 +1,6 @@
 """The causal-mask propositions of ``randattn verify``, each with a negative control that must fail.
 
-A check that cannot fail verifies nothing: every check of :mod:`randattn.analysis.theory._causal` is run
+A check that cannot fail verifies nothing: every check of :mod:`randattn.theory._causal` is run
 with a broken component injected through its keyword parameter (an estimator that reads later keys,
 off-by-one masks, a causal form that drops the query's own key, a window that leaves keys to the
 control variates) and must then fail; with the defaults it must pass.
@@ -13,8 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from randattn.analysis import theory
-from randattn.analysis.theory import _causal
+from randattn import theory
+from randattn.theory import _causal
 from randattn.estimators.registry import get_spec
 
 CAUSAL = [c for c in theory.registry() if c.name.startswith("causal.")]

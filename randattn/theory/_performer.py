@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 from scipy import integrate, optimize, special, stats
 
-from randattn.analysis.theory._base import (
+from randattn.theory._base import (
     MC_K_SE,
     CheckResult,
     VerifyData,
@@ -32,7 +32,7 @@ from randattn.estimators.features.reference import (
     oprf_optimal_a,
     positive_log_features,
 )
-from randattn.analysis.theory.montecarlo import snis, snis_delta_method_variance
+from randattn.theory.montecarlo import snis, snis_delta_method_variance
 from randattn.estimators.sampling import draw_omegas
 
 

@@ -1,6 +1,6 @@
 """The decode-time propositions of ``randattn verify``, each shown able to fail.
 
-Every check of :mod:`randattn.analysis.theory._decode` passes with the package's estimators and fails with a broken
+Every check of :mod:`randattn.theory._decode` passes with the package's estimators and fails with a broken
 one injected through its keyword parameter: an exact limit that leaves a key out, the collision probability with
 the exponent K + 1. The two negative controls of the registry (wrong exponent, reweighting off by one) must detect.
 """
@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from randattn.analysis import theory
-from randattn.analysis.theory import _decode
+from randattn import theory
+from randattn.theory import _decode
 from randattn.estimators.base import ExactLimit
 from randattn.estimators.registry import get_spec
 

@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from randattn.analysis.theory._base import CheckResult, exact_result
-from randattn.analysis.theory._causal import loop_causal_softmax
+from randattn.theory._base import CheckResult, exact_result
+from randattn.theory._causal import loop_causal_softmax
 
 #: (N queries, M keys): the decode regime (a few last queries of a longer cache) and self-attention
 DECODE_SHAPES = ((3, 24), (10, 10))
@@ -106,7 +106,7 @@ def magicpig_collision_probability(rng: np.random.Generator, quick: bool, data: 
     ``(1 - theta/pi)^K`` (MagicPIG sec. 4.3, eq. 10), within the Monte Carlo tolerance.
 
     ``exponent_offset`` raises the exponent of the closed form under test (the negative control uses 1)."""
-    from randattn.analysis.theory._base import mc_unbiased_result
+    from randattn.theory._base import mc_unbiased_result
     from randattn.estimators.magicpig.reference import log_table_collision_probability
 
     agree, x, keys = _simhash_agreement(rng, quick)
@@ -117,7 +117,7 @@ def magicpig_collision_probability(rng: np.random.Generator, quick: bool, data: 
 
 def magicpig_wrong_exponent_detected(rng: np.random.Generator, quick: bool, data: Any = None) -> CheckResult:
     """Negative control: the same Monte Carlo rejects ``(1 - theta/pi)^(K+1)`` (passes when detected)."""
-    from randattn.analysis.theory._base import MC_K_SE
+    from randattn.theory._base import MC_K_SE
 
     result = magicpig_collision_probability(rng, quick, exponent_offset=1)
     return CheckResult("decode.magicpig-wrong-exponent-detected", result.measured, MC_K_SE,
@@ -159,7 +159,7 @@ def _vattention_residual_sums(rng: np.random.Generator, quick: bool, reweight: f
 def vattention_residual_unbiased(rng: np.random.Generator, quick: bool, data: Any = None) -> CheckResult:
     """vAttention's sampled residual sums (denominator and numerator) are unbiased: each of b uniform draws with
     replacement weighted n_s / b (the paper's estimator; the official code's merged duplicates are not)."""
-    from randattn.analysis.theory._base import mc_unbiased_result
+    from randattn.theory._base import mc_unbiased_result
 
     estimated, exact, _ = _vattention_residual_sums(rng, quick)
     return mc_unbiased_result("decode.vattention-residual-unbiased", estimated, exact,
@@ -169,7 +169,7 @@ def vattention_residual_unbiased(rng: np.random.Generator, quick: bool, data: An
 
 def vattention_off_by_one_detected(rng: np.random.Generator, quick: bool, data: Any = None) -> CheckResult:
     """Negative control: weights (n_s - 1) / b, a reweighting off by one, are rejected (passes when detected)."""
-    from randattn.analysis.theory._base import MC_K_SE, mc_unbiased_result
+    from randattn.theory._base import MC_K_SE, mc_unbiased_result
 
     _, _, sizes = _vattention_residual_sums(np.random.default_rng(0), quick)  # the residual sizes n_s per query
     factor = ((sizes - 1) / sizes)[:, None]

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from randattn.analysis.theory._base import EXACT_RTOL, CheckResult, exact_result
+from randattn.theory._base import EXACT_RTOL, CheckResult, exact_result
 
 #: shapes (N queries, M keys) the checks run on: self-attention, and queries that are the last N of M tokens
 SHAPES = ((8, 8), (6, 9))
@@ -180,7 +180,7 @@ def _package_exact(q, k, v, scale) -> dict[str, np.ndarray]:
     """The package's exact causal softmax attention ``(N, Dv)`` by every path that computes it."""
     import torch
 
-    from randattn.analysis.execute import exact_under_mask
+    from randattn.analysis.exact_cache import exact_under_mask
     from randattn.estimators.registry import get_spec
 
     spec = get_spec("softmax")

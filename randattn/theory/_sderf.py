@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 from scipy import optimize
 
-from randattn.analysis.theory._base import (
+from randattn.theory._base import (
     EXACT_RTOL,
     MC_K_SE,
     CheckResult,
