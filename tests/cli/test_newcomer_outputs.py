@@ -480,7 +480,8 @@ def test_demo_prints_warnings_without_placeholders_in_their_references(tmp_path)
     said = _said(result)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LARA eq. 37-38" in said and "eq. #-#" not in said, said
-    assert "lara:beta=8.0: " in said and re.search(r"\(raised by \d+ units?\)", said), said  # the units, as counted
+    # the label as written (beta=8, not 8.0), the units as counted
+    assert "lara:beta=8: " in said and re.search(r"\(raised by \d+ units?\)", said), said
 
 
 def test_features_draws_non_orthogonal_variants_or_says_which_it_left_out_and_why(measured):

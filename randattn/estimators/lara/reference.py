@@ -6,7 +6,7 @@ log space: proposal densities, the target density and the features are log-densi
 (magnitudes of order ``|y|^2`` ~ 10^3..10^4 at ViT key norms would overflow otherwise), and
 the signed weighting functions of eq. 37-38 carry their sign separately.
 
-Layout (shared with ``batched`` and with :mod:`randattn.analysis.theory.montecarlo`):
+Layout (shared with ``batched`` and with :mod:`randattn.theory.montecarlo`):
 
 - ``omega : (R, ..., C, D)``, one sample per proposal, ``omega_c ~ q_c``;
 - ``log_proposals : (R, ..., C, C)`` indexed *(proposal c', sample j)*:
