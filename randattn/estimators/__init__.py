@@ -18,11 +18,14 @@ from randattn.estimators.base import (
     BatchedForm,
     BatchedForms,
     Draws,
+    EstimatorOptions,
     EstimatorSpec,
     ExactLimit,
     ImportanceWeights,
     Param,
     SpecError,
+    keyword_entry,
+    option,
     validate_spec,
 )
 
@@ -36,10 +39,13 @@ __all__ = [
     "BatchedForm",
     "BatchedForms",
     "Draws",
+    "EstimatorOptions",
     "EstimatorSpec",
     "ExactLimit",
     "ImportanceWeights",
     "Param",
     "SpecError",
+    "keyword_entry",
+    "option",
     "validate_spec",
 ]

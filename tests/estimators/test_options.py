@@ -15,21 +15,30 @@ import pytest
 from randattn.estimators.base import BatchedForms, EstimatorOptions, Param, keyword_entry, option
 
 
-@dataclass(frozen=True, kw_only=True)
-class _ToyOptions(EstimatorOptions):
-    kind: str = option("a", "which toy", choices=("a", "b"))
-    width: int = option(2, "a width", kind=int)
-    mask: str | None = None
+def _toy_family():
+    """A toy family, built when a test runs (not at import, so that a mutation tool's switch reaches the builders)."""
 
-    def check(self) -> None:
-        if self.kind == "b" and self.width != 2:
-            raise ValueError("width goes with kind='a' only")
+    @dataclass(frozen=True, kw_only=True)
+    class ToyOptions(EstimatorOptions):
+        kind: str = option("a", "which toy", choices=("a", "b"))
+        width: int = option(2, "a width", kind=int)
+        mask: str | None = None
+
+        def check(self) -> None:
+            if self.kind == "b" and self.width != 2:
+                raise ValueError("width goes with kind='a' only")
+
+    @keyword_entry(ToyOptions)
+    def _toy_estimate(q, k, v, draws, options: ToyOptions) -> tuple:
+        """A toy entry point: returns what it was given."""
+        return q, k, v, draws, options
+
+    return ToyOptions, _toy_estimate
 
 
-@keyword_entry(_ToyOptions)
-def _toy_estimate(q, k, v, draws, options: _ToyOptions) -> tuple:
-    """A toy entry point: returns what it was given."""
-    return q, k, v, draws, options
+@pytest.fixture
+def toy():
+    return _toy_family()
 
 
 def _hand_written(q, k, v, draws, *, scale: float | None = None, kind: str = "a", width: int = 2,
@@ -37,7 +46,8 @@ def _hand_written(q, k, v, draws, *, scale: float | None = None, kind: str = "a"
     """The signature the decorated entry point must show."""
 
 
-def test_entry_point_signature_is_the_hand_written_one():
+def test_entry_point_signature_is_the_hand_written_one(toy):
+    _, _toy_estimate = toy
     got = inspect.signature(_toy_estimate)
     want = inspect.signature(_hand_written)
     assert [(p.name, p.kind, p.default) for p in got.parameters.values()] == [
@@ -47,7 +57,8 @@ def test_entry_point_signature_is_the_hand_written_one():
     assert _toy_estimate.__name__ == "_toy_estimate"
 
 
-def test_entry_point_builds_validated_options_from_keywords():
+def test_entry_point_builds_validated_options_from_keywords(toy):
+    _ToyOptions, _toy_estimate = toy
     q, k, v, draws, options = _toy_estimate(1, 2, 3, "d", width=5, scale=0.5)
     assert (q, k, v, draws) == (1, 2, 3, "d")
     assert options == _ToyOptions(scale=0.5, kind="a", width=5, mask=None)
@@ -55,7 +66,8 @@ def test_entry_point_builds_validated_options_from_keywords():
     assert _toy_estimate(q=1, k=2, v=3, draws="d")[4] == _ToyOptions()
 
 
-def test_on_options_is_the_implementation():
+def test_on_options_is_the_implementation(toy):
+    _ToyOptions, _toy_estimate = toy
     options = _ToyOptions(kind="b")
     assert _toy_estimate.on_options(1, 2, 3, "d", options)[4] is options
 
@@ -68,13 +80,15 @@ def test_on_options_is_the_implementation():
         ((1, 2, 3), {}, "draws"),  # a missing array is named
     ],
 )
-def test_wrong_call_is_a_type_error_naming_the_entry_point(args, kwargs, words):
+def test_wrong_call_is_a_type_error_naming_the_entry_point(toy, args, kwargs, words):
+    _, _toy_estimate = toy
     with pytest.raises(TypeError, match="_toy_estimate") as info:
         _toy_estimate(*args, **kwargs)
     assert words in str(info.value)
 
 
-def test_family_rules_run_before_the_parameter_checks():
+def test_family_rules_run_before_the_parameter_checks(toy):
+    _ToyOptions, _toy_estimate = toy
     # kind="b" with width="x": the family's rule speaks first (its message names the paper's terms)
     with pytest.raises(ValueError, match="width goes with kind='a' only"):
         _ToyOptions(kind="b", width=3)
@@ -84,12 +98,16 @@ def test_family_rules_run_before_the_parameter_checks():
         _toy_estimate(1, 2, 3, "d", width=2.5)
 
 
-def test_params_are_the_option_fields_in_order():
+def test_params_are_the_option_fields_in_order(toy):
+    _ToyOptions, _ = toy
     assert _ToyOptions.params() == {
         "kind": Param("a", "which toy", choices=("a", "b")),
         "width": Param(2, "a width", kind=int),
     }
     assert _ToyOptions(width=4).as_keywords(scale=False) == {"kind": "a", "width": 4, "mask": None}
+    assert _ToyOptions(scale=0.5).as_keywords() == {"scale": 0.5, "kind": "a", "width": 2, "mask": None}
+    # a field made by option() has the Param's default as its own
+    assert _ToyOptions().width == 2 and _ToyOptions().kind == "a"
 
 
 def test_forms_of_a_module_are_those_it_defines_under_protocol_names():
