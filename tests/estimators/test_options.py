@@ -50,8 +50,8 @@ def test_entry_point_signature_is_the_hand_written_one(toy):
     _, _toy_estimate = toy
     got = inspect.signature(_toy_estimate)
     want = inspect.signature(_hand_written)
-    assert [(p.name, p.kind, p.default) for p in got.parameters.values()] == [
-        (p.name, p.kind, p.default) for p in want.parameters.values()
+    assert [(p.name, p.kind, p.default, p.annotation) for p in got.parameters.values()] == [
+        (p.name, p.kind, p.default, p.annotation) for p in want.parameters.values()
     ]
     assert _toy_estimate.__doc__ == "A toy entry point: returns what it was given."
     assert _toy_estimate.__name__ == "_toy_estimate"
