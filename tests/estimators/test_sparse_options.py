@@ -1,0 +1,91 @@
+"""The decode-time sparse families on the options protocol: each declares its parameters once, and its entry points
+and ``draw`` show the keyword signatures written out here by hand (never read back from the functions under test).
+
+Before the options, the selection forms took ``**params``; they now list the family's parameters by name, after
+``scale`` and ``mask`` as before. ``draw`` keeps its signature exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import numpy as np
+import pytest
+
+from randattn.estimators import quest, streaming, topk
+
+
+def _layout(function: Any) -> list[tuple[str, Any, Any]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+# ---- the signatures a hand-written entry point of each family would have ----------------------------------------
+
+def _topk_estimate(q, k, v, draws, *, scale=None, mask=None): ...
+def _topk_probabilities(q, k, draws, *, scale=None, mask=None): ...
+def _topk_draw(q_shape, k_shape, *, num_samples, replicates=1, rng=None, mask=None): ...
+
+
+def _streaming_estimate(q, k, v, draws, *, scale=None, mask=None, sinks=4): ...
+def _streaming_probabilities(q, k, draws, *, scale=None, mask=None, sinks=4): ...
+def _streaming_draw(q_shape, k_shape, *, num_samples, replicates=1, rng=None, mask=None, sinks=4): ...
+
+
+def _quest_estimate(q, k, v, draws, *, scale=None, mask=None, page_size=16, current_page="compete"): ...
+def _quest_probabilities(q, k, draws, *, scale=None, mask=None, page_size=16, current_page="compete"): ...
+def _quest_draw(q_shape, k_shape, *, num_samples, replicates=1, rng=None, mask=None, page_size=16,
+                current_page="compete"): ...
+
+
+SIGNATURES = [
+    ("topk", topk, _topk_estimate, _topk_probabilities, _topk_draw),
+    ("streaming", streaming, _streaming_estimate, _streaming_probabilities, _streaming_draw),
+    ("quest", quest, _quest_estimate, _quest_probabilities, _quest_draw),
+]
+
+
+@pytest.mark.parametrize(("family", "estimate", "probabilities", "draw"), [s[1:] for s in SIGNATURES],
+                         ids=[s[0] for s in SIGNATURES])
+def test_selection_entry_points_have_the_hand_written_signatures(family, estimate, probabilities, draw):
+    for module in (family.reference, family.batched):
+        assert _layout(module.estimate) == _layout(estimate), module.__name__
+        assert _layout(module.probabilities) == _layout(probabilities), module.__name__
+        assert _layout(module.keys_used) == _layout(probabilities), module.__name__
+    assert _layout(family.batched.estimate_with_probabilities) == _layout(estimate)
+    assert _layout(family.draw) == _layout(draw)
+    assert family.SPEC.draw is family.draw
+
+
+def test_params_are_the_option_fields():
+    assert topk.SPEC.params == {}
+    assert list(streaming.SPEC.params) == ["sinks"] and streaming.PARAMS["sinks"].default == 4
+    assert list(quest.SPEC.params) == ["page_size", "current_page"]
+    assert quest.PARAMS["current_page"].choices == ("compete", "keep")
+
+
+def test_a_wrong_keyword_names_the_form_and_the_keyword():
+    q, k, v = np.ones((4, 3)), np.ones((5, 3)), np.ones((5, 2))
+    draws = streaming.draw(q.shape, k.shape, num_samples=6)
+    with pytest.raises(TypeError, match="sinkz"):
+        streaming.reference.estimate(q, k, v, draws, sinkz=2)
+    with pytest.raises(TypeError, match="page_size"):
+        topk.reference.estimate(q, k, v, draws, page_size=2)
+    with pytest.raises(TypeError, match="draw\\(\\).*sinkz"):
+        streaming.draw(q.shape, k.shape, num_samples=6, sinkz=2)
+    with pytest.raises(TypeError, match="draw\\(\\).*scale"):  # draw takes no scale, as before
+        topk.draw(q.shape, k.shape, num_samples=6, scale=1.0)
+    with pytest.raises(ValueError, match="mask='full' is not allowed"):
+        quest.draw(q.shape, k.shape, num_samples=16, mask="full")
+
+
+def test_the_former_check_params_warns_and_still_checks():
+    with pytest.warns(DeprecationWarning, match="StreamingOptions\\(\\*\\*params\\).check_budget\\(budget\\)"):
+        check = streaming.reference.check_params
+        check(8, sinks=2)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="S=24 must be a multiple of page_size=16"):
+        quest.reference.check_params(24)
+    with pytest.warns(DeprecationWarning):
+        topk.reference.check_params(None)
+    with pytest.raises(AttributeError):
+        topk.reference.no_such_name  # noqa: B018
