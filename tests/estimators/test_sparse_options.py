@@ -1,8 +1,8 @@
 """The decode-time sparse families on the options protocol: each declares its parameters once, and its entry points
 and ``draw`` show the keyword signatures written out here by hand (never read back from the functions under test).
 
-Before the options, the selection forms took ``**params``; they now list the family's parameters by name, after
-``scale`` and ``mask`` as before. ``draw`` keeps its signature exactly.
+Before the options, the selection forms (and MagicPIG's reference ``probabilities``) took ``**params``; they now list
+the family's parameters by name, where ``**params`` stood. Every other signature, and every ``draw``'s, is kept exactly.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from randattn.estimators import quest, streaming, topk
+from randattn.estimators import magicpig, quest, streaming, topk
 
 
 def _layout(function: Any) -> list[tuple[str, Any, Any]]:
@@ -38,10 +38,19 @@ def _quest_draw(q_shape, k_shape, *, num_samples, replicates=1, rng=None, mask=N
                 current_page="compete"): ...
 
 
+def _magicpig_estimate(q, k, v, draws, *, scale=None, hash_bits=10, min_collisions=2, sinks=4, local=64,
+                       center="all-keys", mask=None): ...
+def _magicpig_probabilities(q, k, draws, *, scale=None, hash_bits=10, min_collisions=2, sinks=4, local=64,
+                            center="all-keys", mask=None): ...
+def _magicpig_draw(q_shape, k_shape, *, num_samples, replicates=1, rng, hash_bits=10, min_collisions=2, sinks=4,
+                   local=64, center="all-keys", mask=None): ...
+
+
 SIGNATURES = [
     ("topk", topk, _topk_estimate, _topk_probabilities, _topk_draw),
     ("streaming", streaming, _streaming_estimate, _streaming_probabilities, _streaming_draw),
     ("quest", quest, _quest_estimate, _quest_probabilities, _quest_draw),
+    ("magicpig", magicpig, _magicpig_estimate, _magicpig_probabilities, _magicpig_draw),
 ]
 
 
@@ -53,6 +62,8 @@ def test_selection_entry_points_have_the_hand_written_signatures(family, estimat
         assert _layout(module.probabilities) == _layout(probabilities), module.__name__
         assert _layout(module.keys_used) == _layout(probabilities), module.__name__
     assert _layout(family.batched.estimate_with_probabilities) == _layout(estimate)
+    if hasattr(family.reference, "estimate_with_probabilities"):
+        assert _layout(family.reference.estimate_with_probabilities) == _layout(estimate)
     assert _layout(family.draw) == _layout(draw)
     assert family.SPEC.draw is family.draw
 
@@ -62,6 +73,22 @@ def test_params_are_the_option_fields():
     assert list(streaming.SPEC.params) == ["sinks"] and streaming.PARAMS["sinks"].default == 4
     assert list(quest.SPEC.params) == ["page_size", "current_page"]
     assert quest.PARAMS["current_page"].choices == ("compete", "keep")
+    assert list(magicpig.SPEC.params) == ["hash_bits", "min_collisions", "sinks", "local", "center"]
+    assert magicpig.PARAMS["local"].default == 64 and magicpig.PARAMS["center"].default == "all-keys"
+
+
+def test_magicpig_helpers_kept_public_check_through_the_options():
+    """``check_params`` and ``checked_selection_params`` still answer as before (ints, the ``select`` keywords)."""
+    from randattn.estimators.magicpig.reference import check_params, checked_selection_params
+
+    assert check_params(hash_bits=3, min_collisions=2, sinks=1, local=0, center="none", tables=5) == (3, 2, 1, 0, 5)
+    with pytest.raises(ValueError, match="min_collisions=3 exceeds the number of hash tables L = num_samples = 2"):
+        check_params(hash_bits=3, min_collisions=3, sinks=1, local=0, center="none", tables=2)
+    params = dict(hash_bits=3, min_collisions=2, sinks=1, local=0, center="none")
+    assert checked_selection_params((1, 5, 3, 4), params) == {"min_collisions": 2, "sinks": 1, "local": 0,
+                                                              "center": "none"}
+    with pytest.raises(ValueError, match="the draws hold 4 hyperplanes per table but hash_bits=3"):
+        checked_selection_params((1, 5, 4, 4), params)
 
 
 def test_a_wrong_keyword_names_the_form_and_the_keyword():

@@ -22,8 +22,6 @@ and S checked against the parameters by :meth:`~KeptKeysOptions.check_budget`), 
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -33,6 +31,7 @@ import numpy as np
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import MASKS, BatchedForms, Draws, EstimatorOptions, EstimatorSpec, keyword_entry
+from randattn.estimators.sparse.options import draw_entry
 from randattn.estimators.sparse.reference import keys_used as count_keys_used
 from randattn.estimators.sparse.reference import masked_logits, weighted_attention
 
@@ -71,35 +70,15 @@ def budget_draw(options_type: type[KeptKeysOptions]) -> Callable[..., Draws]:
     """The ``draw`` of a deterministic selection estimator with the options ``options_type``.
 
     ``draw(q_shape, k_shape, *, num_samples, replicates=1, rng=None, mask=None, **params)``, its keywords the
-    fields of ``options_type`` with their defaults (as :func:`~randattn.estimators.base.keyword_entry` gives the
-    forms theirs): it checks the parameters and S against them (:meth:`KeptKeysOptions.check_budget`) and returns
-    :func:`budget_draws`. There are no random variables: ``rng`` and ``mask`` do not change the draws.
+    fields of ``options_type`` with their defaults (:func:`~randattn.estimators.sparse.options.draw_entry`): it
+    checks the parameters and S against them (:meth:`KeptKeysOptions.check_budget`) and returns
+    :func:`budget_draws`.
     """
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    parameters = [
-        inspect.Parameter("q_shape", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Sequence[int]),
-        inspect.Parameter("k_shape", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Sequence[int]),
-        inspect.Parameter("num_samples", keyword, annotation=int),
-        inspect.Parameter("replicates", keyword, default=1, annotation=int),
-        inspect.Parameter("rng", keyword, default=None, annotation=Any),
-        *(inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
-          for f in dataclasses.fields(options_type) if f.name != "scale"),
-    ]
-    signature = inspect.Signature(parameters, return_annotation=Draws)
-    protocol = ("q_shape", "k_shape", "num_samples", "replicates", "rng")
+    @draw_entry(options_type)
+    def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
+             rng: Any = None, options: KeptKeysOptions) -> Draws:
+        return budget_draws(q_shape, options.check_budget(num_samples), replicates)
 
-    def draw(*args: Any, **kwargs: Any) -> Draws:
-        try:
-            bound = signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"draw(): {exc}") from None
-        bound.apply_defaults()
-        given = bound.arguments
-        options_type(**{name: value for name, value in given.items() if name not in protocol}).check_budget(
-            given["num_samples"])
-        return budget_draws(given["q_shape"], given["num_samples"], given["replicates"])
-
-    draw.__signature__ = signature
     draw.__doc__ = ("``budget : (R, ...)`` holding S after checking it against the parameters "
                     f"(``{options_type.__name__}.check_budget``); no random variables (``rng`` and ``mask`` do "
                     "not change the draws).")
