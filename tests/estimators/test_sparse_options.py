@@ -1,8 +1,9 @@
 """The decode-time sparse families on the options protocol: each declares its parameters once, and its entry points
 and ``draw`` show the keyword signatures written out here by hand (never read back from the functions under test).
 
-Before the options, the selection forms (and MagicPIG's reference ``probabilities``) took ``**params``; they now list
-the family's parameters by name, where ``**params`` stood. Every other signature, and every ``draw``'s, is kept exactly.
+Before the options, the selection forms, vAttention's forms, ``select`` and ``draw``, and MagicPIG's reference
+``probabilities`` took ``**params``; they now list the family's parameters by name, where ``**params`` stood. Every
+other signature is kept exactly.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from randattn.estimators import magicpig, quest, streaming, topk
+from randattn.estimators import magicpig, quest, streaming, topk, vattention
 
 
 def _layout(function: Any) -> list[tuple[str, Any, Any]]:
@@ -45,12 +46,27 @@ def _magicpig_probabilities(q, k, draws, *, scale=None, hash_bits=10, min_collis
 def _magicpig_draw(q_shape, k_shape, *, num_samples, replicates=1, rng, hash_bits=10, min_collisions=2, sinks=4,
                    local=64, center="all-keys", mask=None): ...
 
+_VATTENTION = dict(budget="adaptive", sinks=128, local=128, top_k=0.1, epsilon=0.05, delta=0.05, base_rate=0.05,
+                   quantile="two-sided", duplicates="count", sample_from="residual", rounding="ceil")
+
+
+def _vattention_estimate(q, k, v, draws, *, scale=None, mask=None, budget="adaptive", sinks=128, local=128,
+                         top_k=0.1, epsilon=0.05, delta=0.05, base_rate=0.05, quantile="two-sided",
+                         duplicates="count", sample_from="residual", rounding="ceil"): ...
+def _vattention_probabilities(q, k, draws, *, scale=None, mask=None, budget="adaptive", sinks=128, local=128,
+                              top_k=0.1, epsilon=0.05, delta=0.05, base_rate=0.05, quantile="two-sided",
+                              duplicates="count", sample_from="residual", rounding="ceil"): ...
+def _vattention_draw(q_shape, k_shape, *, num_samples, replicates=1, rng, mask=None, budget="adaptive", sinks=128,
+                     local=128, top_k=0.1, epsilon=0.05, delta=0.05, base_rate=0.05, quantile="two-sided",
+                     duplicates="count", sample_from="residual", rounding="ceil"): ...
+
 
 SIGNATURES = [
     ("topk", topk, _topk_estimate, _topk_probabilities, _topk_draw),
     ("streaming", streaming, _streaming_estimate, _streaming_probabilities, _streaming_draw),
     ("quest", quest, _quest_estimate, _quest_probabilities, _quest_draw),
     ("magicpig", magicpig, _magicpig_estimate, _magicpig_probabilities, _magicpig_draw),
+    ("vattention", vattention, _vattention_estimate, _vattention_probabilities, _vattention_draw),
 ]
 
 
@@ -66,6 +82,9 @@ def test_selection_entry_points_have_the_hand_written_signatures(family, estimat
         assert _layout(family.reference.estimate_with_probabilities) == _layout(estimate)
     assert _layout(family.draw) == _layout(draw)
     assert family.SPEC.draw is family.draw
+    if family is vattention:  # MagicPIG's select works on prepared arrays and hyperplanes, not on the options
+        assert _layout(family.reference.select) == _layout(probabilities)
+        assert _layout(family.batched.select) == _layout(probabilities)
 
 
 def test_params_are_the_option_fields():
@@ -75,6 +94,22 @@ def test_params_are_the_option_fields():
     assert quest.PARAMS["current_page"].choices == ("compete", "keep")
     assert list(magicpig.SPEC.params) == ["hash_bits", "min_collisions", "sinks", "local", "center"]
     assert magicpig.PARAMS["local"].default == 64 and magicpig.PARAMS["center"].default == "all-keys"
+
+    assert vattention.SPEC.params == vattention.rules.PARAMS
+    assert {name: p.default for name, p in vattention.PARAMS.items()} == _VATTENTION
+
+
+def test_vattention_options_hold_the_checked_values():
+    """A numpy count is an int, a numpy fraction a float, as ``check_params`` returns them; a bad one is named."""
+    from randattn.estimators.vattention.rules import VattentionOptions
+
+    options = VattentionOptions(sinks=np.int64(3), top_k=np.float64(0.25))
+    assert type(options.sinks) is int and type(options.top_k) is float
+    assert options.parameters == {**_VATTENTION, "sinks": 3, "top_k": 0.25}
+    with pytest.raises(ValueError, match="unknown mask 'full'; allowed: None"):
+        VattentionOptions(mask="full")
+    with pytest.raises(ValueError, match="epsilon must be in \\(0, 1\\)"):
+        VattentionOptions(epsilon=1.0)
 
 
 def test_magicpig_helpers_kept_public_check_through_the_options():
