@@ -248,14 +248,11 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, options: VattentionOptions) -
     Examples
     --------
     >>> import numpy as np
-    >>> from randattn.estimators.vattention import draw
-    >>> from randattn.estimators.vattention.reference import estimate
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = rng.normal(size=(3, 40, 8))
-    >>> params = dict(budget="fixed", sinks=2, local=4, top_k=4, epsilon=0.05, delta=0.05, base_rate=0.05,
-    ...               quantile="two-sided", duplicates="count", sample_from="residual", rounding="ceil")
-    >>> draws = draw(q.shape, k.shape, num_samples=8, replicates=2, rng=rng, **params)
-    >>> estimate(q, k, v, draws, **params).shape
+    >>> from randattn.estimators.vattention import draw, reference
+    >>> q, k, v = np.random.default_rng(0).normal(size=(3, 40, 8))
+    >>> fixed = dict(budget="fixed", sinks=2, local=4, top_k=4)  # the other options at their defaults
+    >>> draws = draw(q.shape, k.shape, num_samples=8, replicates=2, rng=np.random.default_rng(1), **fixed)
+    >>> reference.estimate(q, k, v, draws, **fixed).shape
     (2, 40, 8)
     """
     return estimate_with_probabilities.on_options(q, k, v, draws, options)[0]
