@@ -59,42 +59,32 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from randattn._validation import check_positive_int
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, Param
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit
 from randattn.estimators.magicpig import batched, reference
-from randattn.estimators.magicpig.reference import CENTERINGS, check_params
+from randattn.estimators.magicpig.reference import MagicpigOptions
 from randattn.estimators.masks import check_causal_shapes
+from randattn.estimators.sparse.options import draw_entry
 
 __all__ = ["PARAMS", "SPEC", "draw"]
 
-PARAMS = {
-    "hash_bits": Param(10, "K, SimHash bits (hyperplanes) per table (paper: K = 8-10; headline (K, L) = (10, 150))",
-                       kind=int),
-    "min_collisions": Param(2, "tables in which a key must share the query's code to be sampled (2: paper eq. 10 "
-                               "and official code; 1: sparse-attention-hub)", kind=int),
-    "sinks": Param(4, "first keys computed exactly, never sampled (paper sec. 5.1: 4)", kind=int),
-    "local": Param(64, "most recent keys computed exactly, never sampled (paper sec. 5.1: 64; 24 for lm-eval)",
-                   kind=int),
-    "center": Param("all-keys", "what the keys are centred on before hashing: the mean of the keys the query sees "
-                                "(paper sec. 4.3), of the hashed keys only (official code), or nothing",
-                    choices=CENTERINGS),
-}
+#: MagicPIG's parameters, declared once as the fields of :class:`~.reference.MagicpigOptions`
+PARAMS = MagicpigOptions.params()
 
 
+@draw_entry(MagicpigOptions)
 def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
-         rng: np.random.Generator, hash_bits: int = 10, min_collisions: int = 2, sinks: int = 4, local: int = 64,
-         center: str = "all-keys", mask: str | None = None) -> Draws:
+         rng: np.random.Generator, options: MagicpigOptions) -> Draws:
     """``hyperplanes : (R, ..., L, K, D)`` float64, iid N(0, 1): the K SimHash directions of each of the
     L = ``num_samples`` tables, independent across replicates and batch elements.
 
     Every parameter is checked here, before any work (ValueError naming it and its range); ``mask`` does not
     change the draws.
     """
-    check_params(hash_bits=hash_bits, min_collisions=min_collisions, sinks=sinks, local=local, center=center,
-                 tables=num_samples)
+    num_samples = options.check_tables(num_samples)
     replicates = check_positive_int("replicates", replicates)
-    if mask is not None:
+    if options.mask is not None:
         check_causal_shapes(q_shape[-2], k_shape[-2])
-    hyperplanes = rng.standard_normal((replicates, *q_shape[:-2], num_samples, hash_bits, q_shape[-1]))
+    hyperplanes = rng.standard_normal((replicates, *q_shape[:-2], num_samples, options.hash_bits, q_shape[-1]))
     return Draws({"hyperplanes": hyperplanes}, replicates)
 
 
@@ -118,11 +108,7 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    forms=BatchedForms(
-        estimate=batched.estimate,
-        probabilities=batched.probabilities,
-        estimate_with_probabilities=batched.estimate_with_probabilities,
-    ),
+    forms=BatchedForms.of(batched),
     variants={
         # the defaults keep 68 exact keys, i.e. every key of the kit's small inputs: these variants sample
         "sampling": {"hash_bits": 2, "sinks": 1, "local": 2},

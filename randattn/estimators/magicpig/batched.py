@@ -15,10 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
-from randattn.estimators.base import Draws
-from randattn.estimators.magicpig.reference import checked_selection_params, exact_and_candidate_keys, tail_terms
+from randattn.estimators.base import Draws, keyword_entry
+from randattn.estimators.magicpig.reference import MagicpigOptions, exact_and_candidate_keys, tail_terms
 from randattn.estimators.masks import check_causal_shapes
 from randattn.estimators.sparse.batched import keys_used as count_keys_used
 from randattn.estimators.sparse.batched import masked_logits, weighted_attention
@@ -133,50 +132,42 @@ def _no_values(k: Any) -> Any:
     return np.zeros((*k.shape[:-1], 1), dtype=k.dtype)
 
 
-def _prepared(q: Any, k: Any, v: Any, draws: Draws, scale: float | None, params: dict[str, Any],
-              mask: str | None):
-    """``(x, y, v, hyperplanes, checked params)`` after every check (the reference's checks, same messages)."""
-    x, y, v, _, batch = prepare_batched(q, k, v, scale)
-    if mask is not None:
-        check_choice("mask", mask, ("causal",))
+def _prepared(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions):
+    """``(x, y, v, hyperplanes)`` after every check (the reference's checks, same messages)."""
+    x, y, v, _, batch = prepare_batched(q, k, v, options.scale)
+    if options.mask is not None:
         check_causal_shapes(x.shape[-2], y.shape[-2])
     hyperplanes = check_draw_array(to_torch_draws(draws, x), "hyperplanes", batch, (None, None, x.shape[-1]))
-    return x, y, v, hyperplanes, checked_selection_params(tuple(hyperplanes.shape), params)
+    options.check_hyperplanes(tuple(hyperplanes.shape))
+    return x, y, v, hyperplanes
 
 
-def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
-                                hash_bits: int = 10, min_collisions: int = 2, sinks: int = 4, local: int = 64,
-                                center: str = "all-keys",
-                                mask: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+@keyword_entry(MagicpigOptions)
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
+                                options: MagicpigOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))`` from one selection; see :func:`estimate`."""
-    params = dict(hash_bits=hash_bits, min_collisions=min_collisions, sinks=sinks, local=local, center=center)
-    x, y, v, hyperplanes, checked = _prepared(q, k, v, draws, scale, params, mask)
-    weights = log_weights(x, y, hyperplanes, mask=mask, **checked)
-    return weighted_attention(masked_logits(x, y, mask), weights, v)
+    x, y, v, hyperplanes = _prepared(q, k, v, draws, options)
+    weights = log_weights(x, y, hyperplanes, **options.selection_keywords)
+    return weighted_attention(masked_logits(x, y, options.mask), weights, v)
 
 
-def estimate(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None, hash_bits: int = 10,
-             min_collisions: int = 2, sinks: int = 4, local: int = 64, center: str = "all-keys",
-             mask: str | None = None) -> torch.Tensor:
+@keyword_entry(MagicpigOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions) -> torch.Tensor:
     """MagicPIG over ``(R, ..., N, Dv)``; same signature and layout as ``magicpig.reference.estimate``."""
-    return estimate_with_probabilities(q, k, v, draws, scale=scale, hash_bits=hash_bits,
-                                       min_collisions=min_collisions, sinks=sinks, local=local, center=center,
-                                       mask=mask)[0]
+    return estimate_with_probabilities.on_options(q, k, v, draws, options)[0]
 
 
-def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, hash_bits: int = 10,
-                  min_collisions: int = 2, sinks: int = 4, local: int = 64, center: str = "all-keys",
-                  mask: str | None = None) -> torch.Tensor:
+@keyword_entry(MagicpigOptions)
+def probabilities(q: Any, k: Any, draws: Draws, options: MagicpigOptions) -> torch.Tensor:
     """``(R, ..., N, M)``: the attention probabilities MagicPIG implies (its weighted softmax over the keys)."""
-    params = dict(hash_bits=hash_bits, min_collisions=min_collisions, sinks=sinks, local=local, center=center)
-    x, y, _, hyperplanes, checked = _prepared(q, k, _no_values(k), draws, scale, params, mask)
-    return torch.softmax(masked_logits(x, y, mask) + log_weights(x, y, hyperplanes, mask=mask, **checked), dim=-1)
+    x, y, _, hyperplanes = _prepared(q, k, _no_values(k), draws, options)
+    weights = log_weights(x, y, hyperplanes, **options.selection_keywords)
+    return torch.softmax(masked_logits(x, y, options.mask) + weights, dim=-1)
 
 
-def keys_used(q: Any, k: Any, draws: Draws, *, scale: float | None = None, hash_bits: int = 10,
-              min_collisions: int = 2, sinks: int = 4, local: int = 64, center: str = "all-keys",
-              mask: str | None = None) -> torch.Tensor:
+@keyword_entry(MagicpigOptions)
+def keys_used(q: Any, k: Any, draws: Draws, options: MagicpigOptions) -> torch.Tensor:
     """``(R, ..., N)`` float64: the distinct keys each query reads, exact plus sampled (reference ``keys_used``)."""
-    params = dict(hash_bits=hash_bits, min_collisions=min_collisions, sinks=sinks, local=local, center=center)
-    x, y, _, hyperplanes, checked = _prepared(q, k, _no_values(k), draws, scale, params, mask)
-    return count_keys_used(log_weights(x, y, hyperplanes, mask=mask, **checked), masked_logits(x, y, mask))
+    x, y, _, hyperplanes = _prepared(q, k, _no_values(k), draws, options)
+    weights = log_weights(x, y, hyperplanes, **options.selection_keywords)
+    return count_keys_used(weights, masked_logits(x, y, options.mask))

@@ -35,13 +35,14 @@ from scipy.special import gammaln, logsumexp, xlog1py
 
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import Draws
+from randattn.estimators.base import Draws, EstimatorOptions, keyword_entry, option
 from randattn.estimators.masks import check_causal_shapes
 from randattn.estimators.sparse.reference import keys_used as count_keys_used
 from randattn.estimators.sparse.reference import masked_logits, visible_keys, weighted_attention
 
 __all__ = [
     "CENTERINGS",
+    "MagicpigOptions",
     "Selection",
     "angle",
     "centering_means",
@@ -64,24 +65,72 @@ __all__ = [
 CENTERINGS = ("all-keys", "hashed-keys", "none")
 
 
+@dataclass(frozen=True, kw_only=True)
+class MagicpigOptions(EstimatorOptions):
+    """MagicPIG's keyword options, declared once: the spec's ``params``, ``draw``'s and every form's keywords.
+
+    Made (and so checked) before any input is read: ``hash_bits, min_collisions >= 1``, ``sinks, local >= 0`` with
+    ``sinks + local >= 1``, ``center`` in :data:`CENTERINGS`, ``mask`` None or ``"causal"``; L = ``num_samples`` is
+    checked against them where it is known (:meth:`check_tables`, in ``draw``; :meth:`check_hyperplanes`, from the
+    draws, in every form).
+    """
+
+    hash_bits: int = option(10, "K, SimHash bits (hyperplanes) per table (paper: K = 8-10; headline (K, L) = (10, "
+                            "150))", kind=int)
+    min_collisions: int = option(2, "tables in which a key must share the query's code to be sampled (2: paper eq. 10 "
+                                 "and official code; 1: sparse-attention-hub)", kind=int)
+    sinks: int = option(4, "first keys computed exactly, never sampled (paper sec. 5.1: 4)", kind=int)
+    local: int = option(64, "most recent keys computed exactly, never sampled (paper sec. 5.1: 64; 24 for lm-eval)",
+                        kind=int)
+    center: str = option("all-keys", "what the keys are centred on before hashing: the mean of the keys the query "
+                         "sees (paper sec. 4.3), of the hashed keys only (official code), or nothing",
+                         choices=CENTERINGS)
+    mask: str | None = None
+
+    def check(self) -> None:
+        check_positive_int("hash_bits", self.hash_bits)
+        check_positive_int("min_collisions", self.min_collisions)
+        sinks = check_positive_int("sinks", self.sinks, minimum=0)
+        local = check_positive_int("local", self.local, minimum=0)
+        check_choice("center", self.center, CENTERINGS)
+        if sinks + local < 1:
+            raise ValueError(f"sinks + local must be >= 1 so that every query keeps an exact key (a query may sample "
+                             f"no key at all), got sinks={sinks}, local={local}")
+        if self.mask is not None:
+            check_choice("mask", self.mask, ("causal",))
+
+    def check_tables(self, tables: Any) -> int:
+        """L = ``num_samples``, the number of hash tables, as an int: at least ``min_collisions``."""
+        tables = check_positive_int("num_samples (L, the number of hash tables)", tables)
+        if self.min_collisions > tables:
+            raise ValueError(f"min_collisions={self.min_collisions} exceeds the number of hash tables L = "
+                             f"num_samples = {tables}: no key could ever be sampled; use min_collisions <= "
+                             "num_samples")
+        return tables
+
+    def check_hyperplanes(self, hyperplane_shape: tuple[int, ...]) -> None:
+        """The draws' hyperplanes ``(R, ..., L, K, D)`` against the options: L tables (:meth:`check_tables`), K =
+        ``hash_bits``; shared by the reference and batched forms."""
+        self.check_tables(hyperplane_shape[-3])
+        if hyperplane_shape[-2] != self.hash_bits:
+            raise ValueError(f"the draws hold {hyperplane_shape[-2]} hyperplanes per table but "
+                             f"hash_bits={self.hash_bits}: were they drawn with another hash_bits?")
+
+    @property
+    def selection_keywords(self) -> dict[str, Any]:
+        """The keywords of :func:`select` (and of the batched ``log_weights``)."""
+        return dict(min_collisions=self.min_collisions, sinks=self.sinks, local=self.local, center=self.center,
+                    mask=self.mask)
+
+
 def check_params(*, hash_bits: Any, min_collisions: Any, sinks: Any, local: Any, center: Any,
                  tables: Any = None) -> tuple[int, int, int, int, int | None]:
-    """``(hash_bits, min_collisions, sinks, local, tables)`` as ints after checking them; ValueError/TypeError naming
-    the parameter and the allowed range. ``tables`` (L = num_samples) is checked when given."""
-    hash_bits = check_positive_int("hash_bits", hash_bits)
-    min_collisions = check_positive_int("min_collisions", min_collisions)
-    sinks = check_positive_int("sinks", sinks, minimum=0)
-    local = check_positive_int("local", local, minimum=0)
-    check_choice("center", center, CENTERINGS)
-    if sinks + local < 1:
-        raise ValueError(f"sinks + local must be >= 1 so that every query keeps an exact key (a query may sample no "
-                         f"key at all), got sinks={sinks}, local={local}")
-    if tables is not None:
-        tables = check_positive_int("num_samples (L, the number of hash tables)", tables)
-        if min_collisions > tables:
-            raise ValueError(f"min_collisions={min_collisions} exceeds the number of hash tables L = num_samples = "
-                             f"{tables}: no key could ever be sampled; use min_collisions <= num_samples")
-    return hash_bits, min_collisions, sinks, local, tables
+    """``(hash_bits, min_collisions, sinks, local, tables)`` after :class:`MagicpigOptions` checked them;
+    ValueError/TypeError naming the parameter and the allowed range. ``tables`` (L = num_samples) is checked when
+    given (:meth:`MagicpigOptions.check_tables`)."""
+    options = MagicpigOptions(hash_bits=hash_bits, min_collisions=min_collisions, sinks=sinks, local=local,
+                              center=center)
+    return hash_bits, min_collisions, sinks, local, None if tables is None else options.check_tables(tables)
 
 
 def exact_and_candidate_keys(num_queries: int, num_keys: int, sinks: int, local: int,
@@ -258,41 +307,36 @@ def select(x: np.ndarray, y: np.ndarray, hyperplanes: np.ndarray, *, min_collisi
     return Selection(log_weights, sampled, collisions, log_inclusion, exact, candidates)
 
 
-def _prepared(q: Any, k: Any, v: Any, draws: Draws, scale: float | None, params: dict[str, Any],
-              mask: str | None):
-    """``(x, y, v, hyperplanes, checked params)`` after every check of the inputs, draws and parameters."""
-    x, y, v, _, batch = prepare_reference(q, k, v, scale)
-    if mask is not None:
-        check_choice("mask", mask, ("causal",))
+def _prepared(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions):
+    """``(x, y, v, hyperplanes)`` after every check of the inputs and draws against the options."""
+    x, y, v, _, batch = prepare_reference(q, k, v, options.scale)
+    if options.mask is not None:
         check_causal_shapes(x.shape[-2], y.shape[-2])
     hyperplanes = np.asarray(check_draw_array(draws, "hyperplanes", batch, (None, None, x.shape[-1])),
                              dtype=np.float64)
-    return x, y, v, hyperplanes, checked_selection_params(hyperplanes.shape, params)
+    options.check_hyperplanes(hyperplanes.shape)
+    return x, y, v, hyperplanes
 
 
 def checked_selection_params(hyperplane_shape: tuple[int, ...], params: dict[str, Any]) -> dict[str, Any]:
-    """The parameters :func:`select` takes, checked against each other and against the draws' hyperplanes
-    ``(R, ..., L, K, D)`` (their K must be ``hash_bits``); shared by the reference and batched forms."""
-    hash_bits, min_collisions, sinks, local, _ = check_params(tables=hyperplane_shape[-3], **params)
-    if hyperplane_shape[-2] != hash_bits:
-        raise ValueError(f"the draws hold {hyperplane_shape[-2]} hyperplanes per table but hash_bits={hash_bits}: "
-                         "were they drawn with another hash_bits?")
-    return dict(min_collisions=min_collisions, sinks=sinks, local=local, center=params["center"])
+    """The parameters :func:`select` takes but ``mask``, checked against each other and against the draws'
+    hyperplanes ``(R, ..., L, K, D)`` (:meth:`MagicpigOptions.check_hyperplanes`)."""
+    options = MagicpigOptions(**params)
+    options.check_hyperplanes(hyperplane_shape)
+    return {name: value for name, value in options.selection_keywords.items() if name != "mask"}
 
 
-def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
-                                hash_bits: int = 10, min_collisions: int = 2, sinks: int = 4, local: int = 64,
-                                center: str = "all-keys", mask: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+@keyword_entry(MagicpigOptions)
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
+                                options: MagicpigOptions) -> tuple[np.ndarray, np.ndarray]:
     """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))``; see :func:`estimate`."""
-    params = dict(hash_bits=hash_bits, min_collisions=min_collisions, sinks=sinks, local=local, center=center)
-    x, y, v, hyperplanes, checked = _prepared(q, k, v, draws, scale, params, mask)
-    chosen = select(x, y, hyperplanes, mask=mask, **checked)
-    return weighted_attention(masked_logits(x, y, mask), chosen.log_weights, v)
+    x, y, v, hyperplanes = _prepared(q, k, v, draws, options)
+    chosen = select(x, y, hyperplanes, **options.selection_keywords)
+    return weighted_attention(masked_logits(x, y, options.mask), chosen.log_weights, v)
 
 
-def estimate(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None, hash_bits: int = 10,
-             min_collisions: int = 2, sinks: int = 4, local: int = 64, center: str = "all-keys",
-             mask: str | None = None) -> np.ndarray:
+@keyword_entry(MagicpigOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions) -> np.ndarray:
     r"""MagicPIG attention (paper eq. 11, Algorithm 1): exact sinks and local window, SimHash-sampled rest.
 
     .. math::
@@ -301,22 +345,13 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None
 
     Parameters
     ----------
-    q : (..., N, D)
-    k : (..., M, D)
-    v : (..., M, Dv)
+    q, k, v : array_like
+        Queries (..., N, D), keys (..., M, D), values (..., M, Dv).
     draws : Draws
         ``hyperplanes : (R, ..., L, K, D)`` from :func:`randattn.estimators.magicpig.draw`.
-    scale : float, optional
-        Temperature, default ``D ** -0.5``.
-    hash_bits : int
-        K, the bits (hyperplanes) per table; must match the draws.
-    min_collisions : int
-        c: a candidate is sampled when its code equals the query's in at least c of the L tables (2: the paper).
-    sinks, local : int
-        The first ``sinks`` keys and the ``local`` most recent keys a query sees are computed exactly.
-    center : {"all-keys", "hashed-keys", "none"}
-        What is subtracted from the keys before hashing (package docstring).
-    mask : {None, "causal"}
+    scale, hash_bits, min_collisions, sinks, local, center, mask
+        The fields of :class:`MagicpigOptions` (``hash_bits`` must match the draws; the package docstring has the
+        conventions).
 
     Returns
     -------
@@ -333,23 +368,20 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None
     >>> estimate(q, k, v, draws, hash_bits=2, sinks=1, local=2).shape
     (2, 12, 8)
     """
-    return estimate_with_probabilities(q, k, v, draws, scale=scale, hash_bits=hash_bits,
-                                       min_collisions=min_collisions, sinks=sinks, local=local, center=center,
-                                       mask=mask)[0]
+    return estimate_with_probabilities.on_options(q, k, v, draws, options)[0]
 
 
-def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, **params: Any) -> np.ndarray:
+@keyword_entry(MagicpigOptions)
+def probabilities(q: Any, k: Any, draws: Draws, options: MagicpigOptions) -> np.ndarray:
     """``(R, ..., N, M)``: the attention probabilities MagicPIG implies (its weighted softmax over the keys)."""
     v = np.zeros((*np.shape(k)[:-1], 1))
-    return estimate_with_probabilities(q, k, v, draws, scale=scale, **params)[1]
+    return estimate_with_probabilities.on_options(q, k, v, draws, options)[1]
 
 
-def keys_used(q: Any, k: Any, draws: Draws, *, scale: float | None = None, hash_bits: int = 10,
-              min_collisions: int = 2, sinks: int = 4, local: int = 64, center: str = "all-keys",
-              mask: str | None = None) -> np.ndarray:
+@keyword_entry(MagicpigOptions)
+def keys_used(q: Any, k: Any, draws: Draws, options: MagicpigOptions) -> np.ndarray:
     """``(R, ..., N)`` float64: the distinct keys each query reads, exact (sinks, local window) plus sampled."""
-    params = dict(hash_bits=hash_bits, min_collisions=min_collisions, sinks=sinks, local=local, center=center)
     v = np.zeros((*np.shape(k)[:-1], 1))
-    x, y, _, hyperplanes, checked = _prepared(q, k, v, draws, scale, params, mask)
-    chosen = select(x, y, hyperplanes, mask=mask, **checked)
-    return count_keys_used(chosen.log_weights, masked_logits(x, y, mask))
+    x, y, _, hyperplanes = _prepared(q, k, v, draws, options)
+    chosen = select(x, y, hyperplanes, **options.selection_keywords)
+    return count_keys_used(chosen.log_weights, masked_logits(x, y, options.mask))

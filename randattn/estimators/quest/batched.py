@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from randattn.estimators.quest.reference import check_params
+from randattn.estimators.quest.reference import QuestOptions
 from randattn.estimators.sparse.batched_selection import KeptKeysBatched, top_ranked
 
 __all__ = ["estimate", "estimate_with_probabilities", "keys_used", "kept_keys", "page_upper_bounds", "probabilities"]
@@ -53,8 +53,9 @@ def page_upper_bounds(x: torch.Tensor, y: torch.Tensor, page_size: int, mask: st
 
 
 def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: torch.Tensor,
-              mask: str | None = None, *, page_size: int = 16, current_page: str = "compete") -> torch.Tensor:
+              options: QuestOptions) -> torch.Tensor:
     """``(..., N, M)`` boolean: the keys of the ``S / page_size`` pages of largest bound (S a 0-d tensor)."""
+    mask, page_size, current_page = options.mask, options.page_size, options.current_page
     num_queries, num_keys = x.shape[-2], y.shape[-2]
     bounds = page_upper_bounds(x, y, page_size, mask)
     if current_page == "keep":  # the query's own page ranks first whatever its bound
@@ -65,4 +66,4 @@ def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: to
     return kept_pages[..., torch.arange(num_keys, device=x.device) // page_size]
 
 
-estimate, estimate_with_probabilities, probabilities, keys_used = KeptKeysBatched(check_params, kept_keys).forms()
+estimate, estimate_with_probabilities, probabilities, keys_used = KeptKeysBatched(QuestOptions, kept_keys).forms()

@@ -28,30 +28,51 @@ Conventions:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from randattn._validation import check_choice, check_positive_int
+from randattn.estimators.base import option
 from randattn.estimators.masks import last_visible_key
-from randattn.estimators.sparse.selection import KeptKeysReference, top_ranked
+from randattn.estimators.sparse.selection import (
+    KeptKeysOptions, KeptKeysReference, deprecated_check_params, top_ranked,
+)
 
-__all__ = ["CURRENT_PAGE", "check_params", "estimate", "keys_used", "kept_keys", "page_upper_bounds", "probabilities",
-           "query_tokens"]
+__all__ = ["CURRENT_PAGE", "QuestOptions", "estimate", "keys_used", "kept_keys", "page_upper_bounds",
+           "probabilities", "query_tokens"]
 
 #: how the page holding the query's own token is treated (module docstring)
 CURRENT_PAGE = ("compete", "keep")
 
 
-def check_params(budget: int | None, page_size: int = 16, current_page: str = "compete") -> None:
-    """``page_size >= 1``, S a multiple of it (S = pages kept x page_size), ``current_page`` in :data:`CURRENT_PAGE`.
-    ``budget=None``: S is not known here (batched draws on an accelerator), the other two are checked."""
-    check_positive_int("page_size", page_size)
-    check_choice("current_page", current_page, CURRENT_PAGE)
-    if budget is None:
-        return
-    check_positive_int("num_samples", budget)
-    if budget % page_size:
-        raise ValueError(f"num_samples S={budget} must be a multiple of page_size={page_size}: Quest keeps whole "
-                         f"pages, S = pages kept x page_size (e.g. S={max(page_size, budget - budget % page_size)})")
+@dataclass(frozen=True, kw_only=True)
+class QuestOptions(KeptKeysOptions):
+    """Quest's keyword options, declared once: the spec's ``params``, ``draw``'s and every form's keywords.
+
+    ``page_size >= 1``, ``current_page`` in :data:`CURRENT_PAGE`, and S a multiple of ``page_size`` (S = pages kept
+    x page_size; :meth:`check_budget`).
+    """
+
+    page_size: int = option(16, "keys per page (16 in the paper's kernels and evaluation); S must be a multiple",
+                            kind=int)
+    current_page: str = option("compete", "the query's own (last, partial) page: 'compete' like the others (the "
+                               "paper), or 'keep' it always, the others competing for the rest (the code's kernels)",
+                               choices=CURRENT_PAGE)
+
+    def check(self) -> None:
+        super().check()
+        check_positive_int("page_size", self.page_size)
+        check_choice("current_page", self.current_page, CURRENT_PAGE)
+
+    def check_budget(self, budget: Any) -> int:
+        budget = super().check_budget(budget)
+        page_size = self.page_size
+        if budget % page_size:
+            raise ValueError(f"num_samples S={budget} must be a multiple of page_size={page_size}: Quest keeps whole "
+                             f"pages, S = pages kept x page_size (e.g. S={max(page_size, budget - budget % page_size)})")
+        return budget
 
 
 def query_tokens(num_queries: int, num_keys: int) -> np.ndarray:
@@ -98,22 +119,14 @@ def page_upper_bounds(x: np.ndarray, y: np.ndarray, page_size: int, mask: str | 
     return bounds
 
 
-def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, mask: str | None = None, *,
-              page_size: int = 16, current_page: str = "compete") -> np.ndarray:
+def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, options: QuestOptions) -> np.ndarray:
     """``(..., N, M)`` boolean: the keys of the ``budget // page_size`` pages of largest bound (module docstring).
 
-    Parameters
-    ----------
-    x : (..., N, D)
-    y : (..., M, D)
-    logits : (..., N, M)
-        Unused: pages are ranked by their bound; the mask's hidden keys drop out afterwards.
-    budget : int
-        S = pages kept x ``page_size``.
-    mask : {None, "causal"}
-    page_size : int
-    current_page : {"compete", "keep"}
+    The ``select`` of :class:`~randattn.estimators.sparse.selection.KeptKeysReference` (its arguments there), with
+    ``budget`` S = pages kept x ``page_size``; ``logits`` is unused: pages are ranked by their bound (the mask's
+    hidden keys drop out afterwards).
     """
+    mask, page_size, current_page = options.mask, options.page_size, options.current_page
     num_queries, num_keys = x.shape[-2], y.shape[-2]
     bounds = page_upper_bounds(x, y, page_size, mask)
     if current_page == "keep":  # ranked first whatever its bound
@@ -123,4 +136,10 @@ def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, mas
     return kept_pages[..., np.arange(num_keys) // page_size]
 
 
-estimate, probabilities, keys_used = KeptKeysReference(check_params, kept_keys).forms()
+estimate, probabilities, keys_used = KeptKeysReference(QuestOptions, kept_keys).forms()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "check_params":  # deprecated: the options check themselves
+        return deprecated_check_params(QuestOptions, "quest")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

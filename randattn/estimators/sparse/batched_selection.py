@@ -1,9 +1,10 @@
 """Deterministic key selection in torch: the batched forms of :mod:`randattn.estimators.sparse.selection`.
 
 Nothing here reads a value back to the host from an accelerator: the selection takes S as a 0-d tensor
-(``select(x, y, logits, budget, mask, **params)`` with ``budget`` a tensor), the kept keys are the rows' ranks
-below it. S is read and checked against the parameters only where the draws are on the CPU; on an accelerator the
-parameters are checked without it (``check(None, **params)``) and S was checked when ``draw`` made the draws.
+(``select(x, y, logits, budget, options)`` with ``budget`` a tensor), the kept keys are the rows' ranks below it.
+S is read and checked against the parameters (``options.check_budget``) only where the draws are on the CPU; on an
+accelerator the parameters are checked without it (when the options are made) and S was checked when ``draw`` made
+the draws.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from typing import Any, Callable
 
 import torch
 
-from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
-from randattn.estimators.base import MASKS, Draws
+from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.sparse.batched import keys_used as count_keys_used
 from randattn.estimators.sparse.batched import masked_logits, weighted_attention
-from randattn.estimators.sparse.selection import budget_of
+from randattn.estimators.sparse.selection import KeptKeysOptions, budget_of
 
 __all__ = ["KeptKeysBatched", "log_weights_of", "top_ranked"]
 
@@ -45,49 +45,48 @@ def _replicated(tensor: torch.Tensor, replicates: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KeptKeysBatched:
-    """The torch forms of a deterministic selection estimator (``check`` and ``select`` as in
-    :class:`~randattn.estimators.sparse.selection.KeptKeysReference`, ``select`` on tensors)."""
+    """The torch forms of a deterministic selection estimator (``options_type`` and ``select`` as in
+    :class:`~randattn.estimators.sparse.selection.KeptKeysReference`, ``select`` on tensors, S a 0-d tensor)."""
 
-    check: Callable[..., None]
+    options_type: type[KeptKeysOptions]
     select: Callable[..., torch.Tensor]
 
     def forms(self) -> tuple[Callable[..., Any], ...]:
-        """``(estimate, estimate_with_probabilities, probabilities, keys_used)``, an estimator's batched functions."""
-        return self.estimate, self.estimate_with_probabilities, self.probabilities, self.keys_used
+        """``(estimate, estimate_with_probabilities, probabilities, keys_used)``, an estimator's batched functions,
+        each ``f(q, k, [v,] draws, *, scale=None, mask=None, **options)``."""
+        entry = keyword_entry(self.options_type)
+        return (entry(self.estimate), entry(self.estimate_with_probabilities), entry(self.probabilities),
+                entry(self.keys_used))
 
-    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, scale: float | None, mask: str | None,
-                     params: dict[str, Any]):
-        check_choice("mask", mask, MASKS)
-        x, y, v, _, batch = prepare_batched(q, k, v, scale)
+    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions):
+        x, y, v, _, batch = prepare_batched(q, k, v, options.scale)
         draws = to_torch_draws(draws, like=x)
         budget = check_draw_array(draws, "budget", batch, ())
-        self.check(budget_of(draws, batch) if budget.device.type == "cpu" else None, **params)
-        logits = masked_logits(x, y, mask)
-        keep = self.select(x, y, logits, budget.reshape(-1)[0], mask, **params)
+        if budget.device.type == "cpu":
+            options.check_budget(budget_of(draws, batch))
+        logits = masked_logits(x, y, options.mask)
+        keep = self.select(x, y, logits, budget.reshape(-1)[0], options)
         return logits, log_weights_of(keep, logits), v
 
-    def estimate_with_probabilities(self, q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
-                                    mask: str | None = None, **params: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def estimate_with_probabilities(self, q: Any, k: Any, v: Any, draws: Draws,
+                                    options: KeptKeysOptions) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))`` from one selection."""
-        logits, log_weights, v = self._log_weights(q, k, v, draws, scale, mask, params)
+        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
         out, probabilities = weighted_attention(logits, log_weights, v)
         return _replicated(out, draws.replicates), _replicated(probabilities, draws.replicates)
 
-    def estimate(self, q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-                 **params: Any) -> torch.Tensor:
+    def estimate(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions) -> torch.Tensor:
         """``(R, ..., N, Dv)``: softmax attention over each query's kept visible keys (same in every replicate)."""
-        logits, log_weights, v = self._log_weights(q, k, v, draws, scale, mask, params)
+        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
         out, _ = weighted_attention(logits, log_weights, v)
         return _replicated(out, draws.replicates)
 
-    def probabilities(self, q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-                      **params: Any) -> torch.Tensor:
+    def probabilities(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> torch.Tensor:
         """``(R, ..., N, M)``: the implied attention probabilities (zero off the kept visible keys)."""
-        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, scale, mask, params)
+        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, options)
         return _replicated(torch.softmax(logits + log_weights, dim=-1), draws.replicates)
 
-    def keys_used(self, q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-                  **params: Any) -> torch.Tensor:
+    def keys_used(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> torch.Tensor:
         """``(R, ..., N)`` float64: the kept keys each query may see, i.e. the keys its estimate reads."""
-        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, scale, mask, params)
+        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, options)
         return _replicated(count_keys_used(log_weights, logits), draws.replicates)

@@ -11,13 +11,18 @@ the weighted attention of :mod:`randattn.estimators.sparse` with :math:`\log w_{
 ``budget : (R, ...)`` (the same value for every replicate and batch element), and every replicate returns the
 same output.
 
-:class:`KeptKeysReference` turns an estimator's ``check`` (its parameters against S) and ``select`` (its rule
-for ``keep``) into the numpy float64 ``estimate``, ``probabilities`` and ``keys_used``;
+:class:`KeptKeysReference` turns an estimator's options (its parameters, checked alone and against S) and
+``select`` (its rule for ``keep``) into the numpy float64 ``estimate``, ``probabilities`` and ``keys_used``;
 :class:`~randattn.estimators.sparse.batched_selection.KeptKeysBatched` does the same in torch.
+
+What these estimators declare alike is said once here: their options' base :class:`KeptKeysOptions` (the mask,
+and S checked against the parameters by :meth:`~KeptKeysOptions.check_budget`), their ``draw``
+(:func:`budget_draw`) and the facts of their spec (:func:`kept_keys_spec`).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -25,11 +30,33 @@ import numpy as np
 
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import MASKS, Draws
+from randattn.estimators.base import MASKS, BatchedForms, Draws, EstimatorOptions, EstimatorSpec, keyword_entry
+from randattn.estimators.sparse.options import draw_entry
 from randattn.estimators.sparse.reference import keys_used as count_keys_used
 from randattn.estimators.sparse.reference import masked_logits, weighted_attention
 
-__all__ = ["KeptKeysReference", "budget_draws", "budget_of", "log_weights_of", "top_ranked"]
+__all__ = ["KeptKeysOptions", "KeptKeysReference", "budget_draw", "budget_draws", "budget_of", "kept_keys_spec",
+           "log_weights_of", "top_ranked"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeptKeysOptions(EstimatorOptions):
+    """The keyword options of a deterministic selection estimator: ``mask`` here, a family's parameters in its
+    subclass (fields made with :func:`~randattn.estimators.base.option`).
+
+    The rules between the parameters go in :meth:`check` (a family's calls ``super().check()``), the rules tying
+    them to S in :meth:`check_budget`: S is not an option (it comes with the draws), so it is checked where it is
+    known, in ``draw`` and, from the draws, in every form.
+    """
+
+    mask: str | None = None
+
+    def check(self) -> None:
+        check_choice("mask", self.mask, MASKS)
+
+    def check_budget(self, budget: Any) -> int:
+        """S = ``num_samples`` against the parameters (here: a positive integer); ValueError/TypeError naming them."""
+        return check_positive_int("num_samples", budget)
 
 
 def budget_draws(q_shape: Sequence[int], num_samples: Any, replicates: int) -> Draws:
@@ -37,6 +64,25 @@ def budget_draws(q_shape: Sequence[int], num_samples: Any, replicates: int) -> D
     element: a replicate dim followed by the batch dims, as every draw, so that a sweep may slice them by cell."""
     budget = check_positive_int("num_samples", num_samples)
     return Draws({"budget": np.full((replicates, *q_shape[:-2]), float(budget))}, replicates)
+
+
+def budget_draw(options_type: type[KeptKeysOptions]) -> Callable[..., Draws]:
+    """The ``draw`` of a deterministic selection estimator with the options ``options_type``.
+
+    ``draw(q_shape, k_shape, *, num_samples, replicates=1, rng=None, mask=None, **params)``, its keywords the
+    fields of ``options_type`` with their defaults (:func:`~randattn.estimators.sparse.options.draw_entry`): it
+    checks the parameters and S against them (:meth:`KeptKeysOptions.check_budget`) and returns
+    :func:`budget_draws`.
+    """
+    @draw_entry(options_type)
+    def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
+             rng: Any = None, options: KeptKeysOptions) -> Draws:
+        return budget_draws(q_shape, options.check_budget(num_samples), replicates)
+
+    draw.__doc__ = ("``budget : (R, ...)`` holding S after checking it against the parameters "
+                    f"(``{options_type.__name__}.check_budget``); no random variables (``rng`` and ``mask`` do "
+                    "not change the draws).")
+    return draw
 
 
 def budget_of(draws: Draws, batch_shape: Sequence[int]) -> int:
@@ -80,46 +126,87 @@ class KeptKeysReference:
 
     Attributes
     ----------
-    check : callable
-        ``check(budget, **params) -> None``: raises ValueError/TypeError naming a parameter outside its range.
+    options_type : type
+        The family's :class:`KeptKeysOptions`: the forms' keywords, checked when a form is called, and S checked
+        against them (:meth:`KeptKeysOptions.check_budget`) once read from the draws.
     select : callable
-        ``select(x, y, logits, budget, mask, **params) -> keep``: ``x : (..., N, D)``, ``y : (..., M, D)``, the
-        masked logits ``(..., N, M)`` (``-inf`` where hidden); ``keep`` broadcasts against the logits. Kept
-        hidden keys are dropped afterwards (their logit is ``-inf``).
+        ``select(x, y, logits, budget, options) -> keep``: ``x : (..., N, D)``, ``y : (..., M, D)``, the masked
+        logits ``(..., N, M)`` (``-inf`` where hidden); ``keep`` broadcasts against the logits. Kept hidden keys
+        are dropped afterwards (their logit is ``-inf``).
     """
 
-    check: Callable[..., None]
+    options_type: type[KeptKeysOptions]
     select: Callable[..., np.ndarray]
 
     def forms(self) -> tuple[Callable[..., np.ndarray], ...]:
-        """``(estimate, probabilities, keys_used)``, the module-level functions of an estimator's reference."""
-        return self.estimate, self.probabilities, self.keys_used
+        """``(estimate, probabilities, keys_used)``, the module-level functions of an estimator's reference, each
+        ``f(q, k, [v,] draws, *, scale=None, mask=None, **options)``."""
+        entry = keyword_entry(self.options_type)
+        return entry(self.estimate), entry(self.probabilities), entry(self.keys_used)
 
-    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, scale: float | None, mask: str | None,
-                     params: dict[str, Any]):
-        check_choice("mask", mask, MASKS)
-        x, y, v, _, batch = prepare_reference(q, k, v, scale)
-        budget = budget_of(draws, batch)
-        self.check(budget, **params)
-        logits = masked_logits(x, y, mask)
-        return logits, log_weights_of(self.select(x, y, logits, budget, mask, **params)), v
+    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions):
+        x, y, v, _, batch = prepare_reference(q, k, v, options.scale)
+        budget = options.check_budget(budget_of(draws, batch))
+        logits = masked_logits(x, y, options.mask)
+        return logits, log_weights_of(self.select(x, y, logits, budget, options)), v
 
-    def estimate(self, q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-                 **params: Any) -> np.ndarray:
+    def estimate(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions) -> np.ndarray:
         """``(R, ..., N, Dv)``: softmax attention over each query's kept visible keys (same in every replicate)."""
-        logits, log_weights, v = self._log_weights(q, k, v, draws, scale, mask, params)
+        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
         out, _ = weighted_attention(logits, log_weights, v)
         return _replicated(out, draws.replicates)
 
-    def probabilities(self, q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-                      **params: Any) -> np.ndarray:
+    def probabilities(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> np.ndarray:
         """``(R, ..., N, M)``: the implied attention probabilities (zero off the kept visible keys)."""
-        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, scale, mask, params)
+        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, options)
         _, probabilities = weighted_attention(logits, log_weights, np.zeros((logits.shape[-1], 0)))  # no values
         return _replicated(probabilities, draws.replicates)
 
-    def keys_used(self, q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-                  **params: Any) -> np.ndarray:
+    def keys_used(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> np.ndarray:
         """``(R, ..., N)`` float64: the kept keys each query may see, i.e. the keys its estimate reads."""
-        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, scale, mask, params)
+        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, options)
         return _replicated(count_keys_used(log_weights, logits), draws.replicates)
+
+
+def _never_random(params: Any) -> bool:
+    """The selection is a function of the inputs and S: no configuration is random."""
+    return False
+
+
+def kept_keys_spec(*, options_type: type[KeptKeysOptions], reference: Any, batched: Any,
+                   draw: Callable[..., Draws], **declared: Any) -> EstimatorSpec:
+    """The spec of a deterministic selection estimator: what top-k, StreamingLLM and Quest declare alike.
+
+    Its parameters are the fields of ``options_type``; the forms are ``reference.estimate`` and the protocol
+    forms of the ``batched`` module (with its ``keys_used``); no configuration is random; it is normalized
+    attention over the kept keys, under either mask; and it makes no convergence claim: biased for S < M, exact
+    once the kept keys cover every key (each family's ``exact_limits``), nothing in between. Every other fact
+    (name, sources, ``selection``, ``exact_limits``, ...) is the family's, in ``declared``.
+    """
+    return EstimatorSpec(
+        params=options_type.params(),
+        draw=draw,
+        reference=reference.estimate,
+        forms=BatchedForms.of(batched),
+        keys_used=batched.keys_used,
+        needs_samples=True,
+        is_random=_never_random,
+        convergence="none",
+        cost="quadratic",
+        normalized=True,
+        masks=(None, "causal"),
+        **declared,
+    )
+
+
+def deprecated_check_params(options_type: type[KeptKeysOptions], family: str) -> Callable[..., None]:
+    """The former ``<family>.reference.check_params(budget, **params)``, kept with a DeprecationWarning naming its
+    replacement, ``options_type(**params).check_budget(budget)`` (the parameters alone when ``budget`` is None)."""
+    def check_params(budget: int | None, **params: Any) -> None:
+        warnings.warn(f"randattn.estimators.{family}.reference.check_params is deprecated; use "
+                      f"{options_type.__name__}(**params).check_budget(budget)", DeprecationWarning, stacklevel=2)
+        options = options_type(**params)
+        if budget is not None:
+            options.check_budget(budget)
+
+    return check_params

@@ -19,50 +19,32 @@ captured q and k here are post-RoPE at their original positions. The keys are ch
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, Param
-from randattn.estimators.sparse.selection import budget_draws
+from randattn.estimators.base import ExactLimit
+from randattn.estimators.sparse.selection import budget_draw, kept_keys_spec
 from randattn.estimators.streaming import batched, reference
+from randattn.estimators.streaming.reference import StreamingOptions
 
-PARAMS = {
-    "sinks": Param(4, "initial keys every query keeps (the attention sinks; 4 in the paper, sec. 3.2)", kind=int),
-}
+#: StreamingLLM's parameters, declared once as the fields of :class:`~.reference.StreamingOptions`
+PARAMS = StreamingOptions.params()
 
+#: ``budget : (R, ...)`` holding S after checking ``S >= sinks``; no random variables
+draw = budget_draw(StreamingOptions)
 
-def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1, rng: Any = None,
-         mask: str | None = None, sinks: int = 4) -> Draws:
-    """``budget : (R, ...)`` holding S after checking ``S >= sinks``; no random variables."""
-    reference.check_params(num_samples, sinks)
-    return budget_draws(q_shape, num_samples, replicates)
-
-
-SPEC = EstimatorSpec(
+SPEC = kept_keys_spec(
     name="streaming",
     summary="StreamingLLM: exact softmax over the attention-sink keys and a window of recent keys (S = sinks + window)",
     source="Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks, arXiv 2309.17453, sec. 3.2, "
            "fig. 4; mit-han-lab/streaming-llm (StartRecentKVCache)",
     complexity="O(N M D) for the logits here (dense masked product; O(N S (D + Dv)) sparse)",
-    params=PARAMS,
+    options_type=StreamingOptions,
     draw=draw,
-    reference=reference.estimate,
-    forms=BatchedForms(
-        estimate=batched.estimate,
-        probabilities=batched.probabilities,
-        estimate_with_probabilities=batched.estimate_with_probabilities,
-    ),
-    needs_samples=True,
-    is_random=lambda params: False,
+    reference=reference,
+    batched=batched,
     variants={"default": {}, "one-sink": {"sinks": 1}, "window-only": {"sinks": 0}},
     display_name="StreamingLLM",
-    convergence="none",  # biased for S < M, exact at S >= M; no claim as S grows
-    cost="quadratic",
     selection="continuous",  # the keys are chosen by position alone
-    normalized=True,
-    masks=(None, "causal"),
     exact_limits=(ExactLimit("S >= M: the sinks and the window hold every key, StreamingLLM is softmax attention",
                              num_samples=lambda n, m: m),),
-    keys_used=batched.keys_used,
     memory_hint="the N x M logits per batch element (dense, masked to the sinks and window)",
     query_placement="last-n-of-m",
 )

@@ -16,42 +16,47 @@ N > M, sees them too). So ``keys_used = min(S, visible keys)`` under both masks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from randattn._validation import check_positive_int
-from randattn.estimators.sparse.selection import KeptKeysReference
+from randattn.estimators.base import option
+from randattn.estimators.sparse.selection import KeptKeysOptions, KeptKeysReference, deprecated_check_params
 
-__all__ = ["check_params", "estimate", "keys_used", "kept_keys", "probabilities"]
-
-
-def check_params(budget: int | None, sinks: int = 4) -> None:
-    """``sinks >= 0`` and ``S >= sinks`` (S = sinks + window, window >= 0); ValueError/TypeError otherwise.
-    ``budget=None``: S is not known here (batched draws on an accelerator), only ``sinks`` is checked."""
-    check_positive_int("sinks", sinks, minimum=0)
-    if budget is None:
-        return
-    check_positive_int("num_samples", budget)
-    if budget < sinks:
-        raise ValueError(f"num_samples S={budget} must be >= sinks={sinks}: S = sinks + window counts the sink "
-                         f"keys and the recent window (window >= 0); use S >= {sinks} or fewer sinks")
+__all__ = ["StreamingOptions", "estimate", "keys_used", "kept_keys", "probabilities"]
 
 
-def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, mask: str | None = None, *,
-              sinks: int = 4) -> np.ndarray:
-    """``(N, M)`` boolean: the sinks and the recent window of each query (module docstring), one query at a time.
+@dataclass(frozen=True, kw_only=True)
+class StreamingOptions(KeptKeysOptions):
+    """StreamingLLM's keyword options, declared once: the spec's ``params``, ``draw``'s and every form's keywords.
 
-    Parameters
-    ----------
-    x : (..., N, D)
-    y : (..., M, D)
-    logits : (..., N, M)
-        Unused: the keys are chosen by position alone (the mask's hidden keys drop out afterwards).
-    budget : int
-        S = sinks + window.
-    mask : {None, "causal"}
-    sinks : int
-        The initial keys every query keeps.
+    ``sinks >= 0``, and S >= ``sinks`` (S = sinks + window, window >= 0; :meth:`check_budget`).
     """
+
+    sinks: int = option(4, "initial keys every query keeps (the attention sinks; 4 in the paper, sec. 3.2)", kind=int)
+
+    def check(self) -> None:
+        super().check()
+        check_positive_int("sinks", self.sinks, minimum=0)
+
+    def check_budget(self, budget: Any) -> int:
+        budget = super().check_budget(budget)
+        if budget < self.sinks:
+            raise ValueError(f"num_samples S={budget} must be >= sinks={self.sinks}: S = sinks + window counts the "
+                             f"sink keys and the recent window (window >= 0); use S >= {self.sinks} or fewer sinks")
+        return budget
+
+
+def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, options: StreamingOptions) -> np.ndarray:
+    """``(N, M)`` boolean: the ``sinks`` and the recent window of each query (module docstring), one query at a time.
+
+    The ``select`` of :class:`~randattn.estimators.sparse.selection.KeptKeysReference` (its arguments there), with
+    ``budget`` S = sinks + window; ``logits`` is unused: the keys are chosen by position alone (the mask's hidden
+    keys drop out afterwards).
+    """
+    sinks = options.sinks
     num_queries, num_keys = x.shape[-2], y.shape[-2]
     window = budget - sinks
     keep = np.zeros((num_queries, num_keys), dtype=bool)
@@ -63,4 +68,10 @@ def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, mas
     return keep
 
 
-estimate, probabilities, keys_used = KeptKeysReference(check_params, kept_keys).forms()
+estimate, probabilities, keys_used = KeptKeysReference(StreamingOptions, kept_keys).forms()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "check_params":  # deprecated: the options check themselves
+        return deprecated_check_params(StreamingOptions, "streaming")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,44 +11,27 @@ negated logits, in both forms). Under ``mask="causal"`` the S keys are chosen am
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit
-from randattn.estimators.sparse.selection import budget_draws
+from randattn.estimators.base import ExactLimit
+from randattn.estimators.sparse.selection import budget_draw, kept_keys_spec
 from randattn.estimators.topk import batched, reference
+from randattn.estimators.topk.reference import TopkOptions
 
+#: ``budget : (R, ...)`` holding S; no random variables (``rng`` and ``mask`` do not change the draws)
+draw = budget_draw(TopkOptions)
 
-def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1, rng: Any = None,
-         mask: str | None = None) -> Draws:
-    """``budget : (R, ...)`` holding S; no random variables (``rng`` and ``mask`` do not change the draws)."""
-    reference.check_params(num_samples)
-    return budget_draws(q_shape, num_samples, replicates)
-
-
-SPEC = EstimatorSpec(
+SPEC = kept_keys_spec(
     name="topk",
     summary="oracle top-k attention: exact softmax over each query's S largest-logit visible keys",
     source="top-k attention (Gupta et al. 2021, arXiv 2106.06899); the oracle sparsity of Quest (Tang et al. "
            "2024, arXiv 2406.10774, fig. 3)",
     complexity="O(N M D + N M log M) to choose the keys; O(N M Dv) here (dense masked product; O(N S Dv) sparse)",
-    params={},
+    options_type=TopkOptions,
     draw=draw,
-    reference=reference.estimate,
-    forms=BatchedForms(
-        estimate=batched.estimate,
-        probabilities=batched.probabilities,
-        estimate_with_probabilities=batched.estimate_with_probabilities,
-    ),
-    needs_samples=True,
-    is_random=lambda params: False,
+    reference=reference,
+    batched=batched,
     display_name="Top-k attention (oracle)",
-    convergence="none",  # biased for S < M, exact at S >= M; no claim as S grows
-    cost="quadratic",
     selection="discrete",
-    normalized=True,
-    masks=(None, "causal"),
     exact_limits=(ExactLimit("S >= M: every key is kept, top-k attention is softmax attention",
                              num_samples=lambda n, m: m),),
-    keys_used=batched.keys_used,
     memory_hint="the N x M logits and their sort per batch element",
 )

@@ -11,37 +11,38 @@ Ties between equal logits go to the lower key index; a query that sees at most :
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
-from randattn._validation import check_positive_int
-from randattn.estimators.sparse.selection import KeptKeysReference, top_ranked
+from randattn.estimators.sparse.selection import (
+    KeptKeysOptions, KeptKeysReference, deprecated_check_params, top_ranked,
+)
 
-__all__ = ["check_params", "estimate", "keys_used", "kept_keys", "probabilities"]
-
-
-def check_params(budget: int | None) -> None:
-    """S (``num_samples``, the keys each query keeps) must be a positive integer; any S >= 1 is allowed.
-    ``budget=None``: S is not known here (batched draws on an accelerator), nothing to check."""
-    if budget is not None:
-        check_positive_int("num_samples", budget)
+__all__ = ["TopkOptions", "estimate", "keys_used", "kept_keys", "probabilities"]
 
 
-def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, mask: str | None = None) -> np.ndarray:
-    """``(..., N, M)`` boolean: the ``budget`` largest visible logits of each query, ties to the lower index.
+@dataclass(frozen=True, kw_only=True)
+class TopkOptions(KeptKeysOptions):
+    """Top-k's keyword options: ``scale`` and ``mask`` only; S (``num_samples``, the keys each query keeps) comes
+    with the draws and may be any positive integer."""
 
-    Parameters
-    ----------
-    x : (..., N, D)
-    y : (..., M, D)
-    logits : (..., N, M)
-        :math:`x_n^\\top y_m`, ``-inf`` where the mask hides key m (hidden keys rank last, so they are never
-        kept in place of a visible key).
-    budget : int
-        S, the keys kept per query.
-    mask : {None, "causal"}
-        Already applied to ``logits``.
+
+def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, options: TopkOptions) -> np.ndarray:
+    """``(..., N, M)`` boolean: the ``budget`` (S) largest visible logits of each query, ties to the lower index.
+
+    The ``select`` of :class:`~randattn.estimators.sparse.selection.KeptKeysReference` (its arguments there): the
+    mask is already applied to ``logits`` (``-inf`` where hidden), so hidden keys rank last and are never kept in
+    place of a visible key.
     """
     return top_ranked(logits, budget)
 
 
-estimate, probabilities, keys_used = KeptKeysReference(check_params, kept_keys).forms()
+estimate, probabilities, keys_used = KeptKeysReference(TopkOptions, kept_keys).forms()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "check_params":  # deprecated: the options check themselves
+        return deprecated_check_params(TopkOptions, "topk")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -77,9 +77,10 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit
-from randattn.estimators.masks import MASKS, check_causal_shapes
+from randattn.estimators.masks import check_causal_shapes
+from randattn.estimators.sparse.options import draw_entry
 from randattn.estimators.vattention import batched, reference
-from randattn.estimators.vattention.rules import PARAMS, check_params, uniform_counts
+from randattn.estimators.vattention.rules import PARAMS, VattentionOptions, uniform_counts
 
 __all__ = ["OFFICIAL_CODE", "PARAMS", "SPEC", "draw"]
 
@@ -87,8 +88,9 @@ __all__ = ["OFFICIAL_CODE", "PARAMS", "SPEC", "draw"]
 OFFICIAL_CODE = {"quantile": "one-sided", "duplicates": "merge", "sample_from": "window", "rounding": "floor"}
 
 
+@draw_entry(VattentionOptions)
 def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
-         rng: np.random.Generator, mask: str | None = None, **params: Any) -> Draws:
+         rng: np.random.Generator, options: VattentionOptions) -> Draws:
     r"""Uniforms on [0, 1) for every draw a query may take, independent across replicates, batch elements and queries.
 
     - ``residual_uniforms : (R, ..., N, S)`` (``budget="fixed"``) or ``(R, ..., N, M)`` (``"adaptive"``: the
@@ -100,13 +102,10 @@ def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, re
     The draws do not depend on the data or on ``mask`` (which is checked here, before any work), so ``estimate``
     is a pure function of them. ``num_samples`` must be a positive integer in both modes (adaptive ignores it).
     """
-    params = check_params(params)
-    if mask not in MASKS:
-        raise ValueError(f"unknown mask {mask!r}; allowed: None (bidirectional) or 'causal'")
-    if mask == "causal":
+    if options.mask == "causal":
         check_causal_shapes(q_shape[-2], k_shape[-2])
     num_samples = check_positive_int("num_samples", num_samples)
-    main, base = uniform_counts(k_shape[-2], num_samples, params)
+    main, base = uniform_counts(k_shape[-2], num_samples, options.parameters)
     lead = (replicates, *q_shape[:-2], q_shape[-2])
     arrays = {"residual_uniforms": rng.random((*lead, main))}
     if base:
@@ -146,13 +145,7 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    forms=BatchedForms(
-        estimate=batched.estimate,
-        probabilities=batched.probabilities,
-        estimate_with_probabilities=batched.estimate_with_probabilities,
-    ),
-    needs_samples=True,
-    is_random=lambda params: True,
+    forms=BatchedForms.of(batched),
     variants={
         "default": {},
         "fixed-small": {"budget": "fixed", **_SMALL},

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
-from randattn.estimators.base import Draws
+from randattn.estimators._prepare import prepare_batched, to_torch_draws
+from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.sparse.batched import keys_used as sparse_keys_used
 from randattn.estimators.sparse.batched import masked_logits, weighted_attention
-from randattn.estimators.vattention.rules import check_params, normal_quantile, query_sets, uniform_counts
+from randattn.estimators.vattention.rules import VattentionOptions, checked_uniforms, normal_quantile, query_sets
 
 __all__ = ["Selection", "estimate", "estimate_with_probabilities", "keys_used", "probabilities", "select"]
 
@@ -90,24 +90,16 @@ def _sample_sizes(e: torch.Tensor, heavy: torch.Tensor, pool_order: torch.Tensor
     return torch.minimum(torch.maximum(rounded, b0), n), bound
 
 
-def select(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-           **params: Any) -> Selection:
+@keyword_entry(VattentionOptions)
+def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selection:
     """The heavy set, the sample and the weights of every query (reference ``select``, vectorized)."""
-    params = check_params(params)
-    x, y, batch = _prepare_qk(q, k, scale)
+    params, mask = options.parameters, options.mask
+    x, y, batch = _prepare_qk(q, k, options.scale)
     draws = to_torch_draws(draws, x)
     num_queries, num_keys = x.shape[-2], y.shape[-2]
     replicates, device = draws.replicates, x.device
     sets = query_sets(num_queries, num_keys, mask, params)
-    main = check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (None,))
-    base = None
-    if params["budget"] == "adaptive":
-        if "base_uniforms" not in draws:
-            raise ValueError("budget='adaptive' needs the draws' 'base_uniforms'; these draws were made for "
-                             "budget='fixed' (pass the same parameters to draw() and estimate())")
-        want_main, want_base = uniform_counts(num_keys, 1, params)
-        check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (want_main,))
-        base = check_draw_array(draws, "base_uniforms", (*batch, num_queries), (want_base,))
+    main, base = checked_uniforms(draws, batch, num_queries, num_keys, params)
     as_tensor = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
     visible, candidates = as_tensor(sets.visible), as_tensor(sets.candidates)
     pool_sizes = as_tensor(sets.sampled_size)
@@ -145,29 +137,30 @@ def select(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: st
     return Selection(logits, heavy, log_weights, sizes, bounds)
 
 
-def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
-                                mask: str | None = None, **params: Any) -> tuple[torch.Tensor, torch.Tensor]:
+@keyword_entry(VattentionOptions)
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
+                                options: VattentionOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))``, the same bits as ``estimate`` and ``probabilities``."""
-    _, _, v, _, _ = prepare_batched(q, k, v, scale)
-    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    _, _, v, _, _ = prepare_batched(q, k, v, options.scale)
+    chosen = select.on_options(q, k, draws, options)
     return weighted_attention(chosen.logits, chosen.log_weights, v)
 
 
-def estimate(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-             **params: Any) -> torch.Tensor:
+@keyword_entry(VattentionOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: VattentionOptions) -> torch.Tensor:
     """vAttention, ``(R, ..., N, Dv)`` in the inputs' dtype; see :func:`.reference.estimate`."""
-    return estimate_with_probabilities(q, k, v, draws, scale=scale, mask=mask, **params)[0]
+    return estimate_with_probabilities.on_options(q, k, v, draws, options)[0]
 
 
-def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-                  **params: Any) -> torch.Tensor:
+@keyword_entry(VattentionOptions)
+def probabilities(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> torch.Tensor:
     """``(R, ..., N, M)``: the implied attention probabilities (the weighted softmax, no value product)."""
-    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    chosen = select.on_options(q, k, draws, options)
     return torch.softmax(chosen.logits + chosen.log_weights, dim=-1)
 
 
-def keys_used(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-              **params: Any) -> torch.Tensor:
+@keyword_entry(VattentionOptions)
+def keys_used(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> torch.Tensor:
     """``(R, ..., N)`` float64: heavy set plus distinct sampled keys (the base sample's keys not counted)."""
-    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    chosen = select.on_options(q, k, draws, options)
     return sparse_keys_used(chosen.log_weights, chosen.logits)

@@ -39,12 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import Draws
+from randattn.estimators._prepare import prepare_reference
+from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.sparse.reference import keys_used as sparse_keys_used
 from randattn.estimators.sparse.reference import masked_logits, weighted_attention
 from randattn.estimators.vattention.rules import (
-    QuerySets, check_params, ceil_or_floor, normal_quantile, query_sets, uniform_counts,
+    QuerySets, VattentionOptions, ceil_or_floor, checked_uniforms, normal_quantile, query_sets,
 )
 
 __all__ = ["Selection", "estimate", "estimate_with_probabilities", "keys_used", "probabilities", "sample_size",
@@ -138,22 +138,6 @@ def _pick(pool: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     return pool[slots]
 
 
-def _checked_draws(draws: Draws, batch: tuple[int, ...], num_queries: int, num_keys: int,
-                   params: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None]:
-    """The draws' uniforms as float64 numpy after checking their layout against the inputs and the budget."""
-    main = check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (None,))
-    main = np.asarray(main.detach().cpu() if hasattr(main, "detach") else main, dtype=np.float64)
-    if params["budget"] == "fixed":
-        return main, None
-    if "base_uniforms" not in draws:
-        raise ValueError("budget='adaptive' needs the draws' 'base_uniforms'; these draws were made for "
-                         "budget='fixed' (pass the same parameters to draw() and estimate())")
-    want_main, want_base = uniform_counts(num_keys, 1, params)
-    check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (want_main,))
-    base = check_draw_array(draws, "base_uniforms", (*batch, num_queries), (want_base,))
-    return main, np.asarray(base.detach().cpu() if hasattr(base, "detach") else base, dtype=np.float64)
-
-
 def _select_query(row: np.ndarray, sets: QuerySets, n: int, main: np.ndarray, base: np.ndarray | None,
                   params: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Steps 1-4 for one query: ``(heavy (M,), log_weights (R, M), sample_sizes (R,), bounds (R,))``."""
@@ -194,29 +178,32 @@ def _select_query(row: np.ndarray, sets: QuerySets, n: int, main: np.ndarray, ba
     return heavy, log_weights, sizes, bounds
 
 
-def select(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-           **params: Any) -> Selection:
+def _float64(uniforms: Any) -> np.ndarray:
+    """Uniforms of the draws (numpy, or torch on the CPU) as float64 numpy."""
+    return np.asarray(uniforms.detach().cpu() if hasattr(uniforms, "detach") else uniforms, dtype=np.float64)
+
+
+@keyword_entry(VattentionOptions)
+def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selection:
     """Steps 1-4 of the module docstring for every query: the heavy set, the sample and the weights.
 
     Parameters
     ----------
-    q : (..., N, D)
-    k : (..., M, D)
+    q, k : array_like
+        Queries (..., N, D), keys (..., M, D).
     draws : Draws
         From :func:`randattn.estimators.vattention.draw` with the same parameters: ``residual_uniforms``
         ``(R, ..., N, S)`` (fixed) or ``(R, ..., N, M)`` and ``base_uniforms`` ``(R, ..., N, B)`` (adaptive).
-    scale : float, optional
-    mask : {None, "causal"}
-    **params
-        ``budget``, ``sinks``, ``local``, ``top_k``, ``epsilon``, ``delta``, ``base_rate``, ``quantile``,
-        ``duplicates``, ``sample_from``, ``rounding`` (:data:`randattn.estimators.vattention.PARAMS`).
+    scale, mask, budget, sinks, local, top_k, epsilon, delta, base_rate, quantile, duplicates, sample_from, rounding
+        The fields of :class:`~randattn.estimators.vattention.rules.VattentionOptions`.
     """
-    params = check_params(params)
-    x, y, _, _, batch = prepare_reference(q, k, np.zeros((*np.shape(k)[:-1], 1)), scale)
+    params = options.parameters
+    x, y, _, _, batch = prepare_reference(q, k, np.zeros((*np.shape(k)[:-1], 1)), options.scale)
     num_queries, num_keys = x.shape[-2], y.shape[-2]
-    sets = query_sets(num_queries, num_keys, mask, params)
-    main, base = _checked_draws(draws, batch, num_queries, num_keys, params)
-    logits = masked_logits(x, y, mask)
+    sets = query_sets(num_queries, num_keys, options.mask, params)
+    main, base = checked_uniforms(draws, batch, num_queries, num_keys, params)
+    main, base = _float64(main), None if base is None else _float64(base)
+    logits = masked_logits(x, y, options.mask)
     replicates = draws.replicates
     heavy = np.zeros(logits.shape, dtype=bool)
     log_weights = np.full((replicates, *logits.shape), -np.inf)
@@ -231,31 +218,28 @@ def select(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: st
     return Selection(logits, heavy, log_weights, sizes, bounds)
 
 
-def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
-                                mask: str | None = None, **params: Any) -> tuple[np.ndarray, np.ndarray]:
+@keyword_entry(VattentionOptions)
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
+                                options: VattentionOptions) -> tuple[np.ndarray, np.ndarray]:
     """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))``: step 5, the weighted softmax over the selection."""
-    _, _, v, _, _ = prepare_reference(q, k, v, scale)
-    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    _, _, v, _, _ = prepare_reference(q, k, v, options.scale)
+    chosen = select.on_options(q, k, draws, options)
     return weighted_attention(chosen.logits, chosen.log_weights, v)
 
 
-def estimate(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-             **params: Any) -> np.ndarray:
+@keyword_entry(VattentionOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: VattentionOptions) -> np.ndarray:
     r"""vAttention: heavy set exact, a uniform sample of the residual reweighted (module docstring, steps 1-5).
 
     Parameters
     ----------
-    q : (..., N, D)
-    k : (..., M, D)
-    v : (..., M, Dv)
+    q, k, v : array_like
+        Queries (..., N, D), keys (..., M, D), values (..., M, Dv).
     draws : Draws
         See :func:`select`.
-    scale : float, optional
-        Temperature; default ``D ** -0.5``.
-    mask : {None, "causal"}
-        ``"causal"``: every set is among the visible keys ``m <= n + M - N``.
-    **params
-        See :func:`select`.
+    scale, mask, budget, sinks, local, top_k, epsilon, delta, base_rate, quantile, duplicates, sample_from, rounding
+        The fields of :class:`~randattn.estimators.vattention.rules.VattentionOptions` (``scale``: default
+        ``D ** -0.5``; ``mask="causal"``: every set is among the visible keys ``m <= n + M - N``).
 
     Returns
     -------
@@ -264,33 +248,30 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None
     Examples
     --------
     >>> import numpy as np
-    >>> from randattn.estimators.vattention import draw
-    >>> from randattn.estimators.vattention.reference import estimate
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = rng.normal(size=(3, 40, 8))
-    >>> params = dict(budget="fixed", sinks=2, local=4, top_k=4, epsilon=0.05, delta=0.05, base_rate=0.05,
-    ...               quantile="two-sided", duplicates="count", sample_from="residual", rounding="ceil")
-    >>> draws = draw(q.shape, k.shape, num_samples=8, replicates=2, rng=rng, **params)
-    >>> estimate(q, k, v, draws, **params).shape
+    >>> from randattn.estimators.vattention import draw, reference
+    >>> q, k, v = np.random.default_rng(0).normal(size=(3, 40, 8))
+    >>> fixed = dict(budget="fixed", sinks=2, local=4, top_k=4)  # the other options at their defaults
+    >>> draws = draw(q.shape, k.shape, num_samples=8, replicates=2, rng=np.random.default_rng(1), **fixed)
+    >>> reference.estimate(q, k, v, draws, **fixed).shape
     (2, 40, 8)
     """
-    return estimate_with_probabilities(q, k, v, draws, scale=scale, mask=mask, **params)[0]
+    return estimate_with_probabilities.on_options(q, k, v, draws, options)[0]
 
 
-def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-                  **params: Any) -> np.ndarray:
+@keyword_entry(VattentionOptions)
+def probabilities(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> np.ndarray:
     r"""``(R, ..., N, M)``: the implied attention probabilities :math:`w_{nm} e^{s_{nm}} / \hat D_n`."""
-    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    chosen = select.on_options(q, k, draws, options)
     v = np.zeros((chosen.logits.shape[-1], 1))
     return weighted_attention(chosen.logits, chosen.log_weights, v)[1]
 
 
-def keys_used(q: Any, k: Any, draws: Draws, *, scale: float | None = None, mask: str | None = None,
-              **params: Any) -> np.ndarray:
+@keyword_entry(VattentionOptions)
+def keys_used(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> np.ndarray:
     """``(R, ..., N)`` float64: the distinct keys each query's estimate reads, heavy set plus distinct sampled keys.
 
     The base sample's keys (adaptive budget) are not counted: their logits size the sample but their values
     never enter the estimate (like the top-k scoring, which reads every key's logit).
     """
-    chosen = select(q, k, draws, scale=scale, mask=mask, **params)
+    chosen = select.on_options(q, k, draws, options)
     return sparse_keys_used(chosen.log_weights, chosen.logits)

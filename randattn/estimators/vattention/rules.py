@@ -21,12 +21,14 @@ import numpy as np
 from scipy.special import ndtri
 
 from randattn._validation import check_choice
-from randattn.estimators.base import Param
-from randattn.estimators.masks import causal_visible, check_causal_shapes
+from randattn.estimators._prepare import check_draw_array
+from randattn.estimators.base import Draws, EstimatorOptions, option
+from randattn.estimators.masks import MASKS, causal_visible, check_causal_shapes
 
 __all__ = [
-    "BUDGETS", "DUPLICATES", "PARAMS", "QUANTILES", "ROUNDINGS", "SAMPLE_FROM", "QuerySets", "base_uniform_count",
-    "check_params", "normal_quantile", "query_sets", "size_of", "uniform_counts",
+    "BUDGETS", "DUPLICATES", "PARAMS", "QUANTILES", "ROUNDINGS", "SAMPLE_FROM", "QuerySets", "VattentionOptions",
+    "base_uniform_count", "check_params", "checked_uniforms", "normal_quantile", "query_sets", "size_of",
+    "uniform_counts",
 ]
 
 #: ``adaptive``: the sample size from the CLT budget for (epsilon, delta) (the paper); ``fixed``: S draws
@@ -47,34 +49,56 @@ ROUNDINGS = ("ceil", "floor")
 _SIZES = ("sinks", "local", "top_k")
 _SIZE_KINDS = (int, float)
 
-#: the parameters and their defaults: the authors' published configuration (their post's vAttention(PQCache)
-#: config, skylight-org/website ``VAttentionEntry.tsx``: sink_size=128, window_size=128, heavy_size=0.1,
-#: base_rate_sampling=0.05, epsilon=0.05, delta=0.05) with the paper's conventions; ``official-code`` (the
-#: spec's preset) switches the four conventions to the official code's
-PARAMS = {
-    "budget": Param("adaptive", "sample size: 'adaptive' = the CLT budget for (epsilon, delta) (the paper; S is "
-                    "then ignored), 'fixed' = S draws", choices=BUDGETS),
-    "sinks": Param(128, "attention sinks, the first keys (int: a count; float: a fraction of the visible keys)",
-                   kind=_SIZE_KINDS),
-    "local": Param(128, "local window, the keys ending at the query's own position (int: count; float: fraction)",
-                   kind=_SIZE_KINDS),
-    "top_k": Param(0.1, "top-k keys by logit among the rest (int: count; float: fraction of the visible keys)",
-                   kind=_SIZE_KINDS),
-    "epsilon": Param(0.05, "relative error of the denominator the adaptive budget aims at, in (0, 1)",
-                     kind=(int, float)),
-    "delta": Param(0.05, "probability the adaptive budget allows that error to be exceeded, in (0, 1)",
-                   kind=(int, float)),
-    "base_rate": Param(0.05, "base sample of the adaptive budget (int: draws >= 2; float: fraction of the keys "
-                       "sampled from, at least 2 draws)", kind=_SIZE_KINDS),
-    "quantile": Param("two-sided", "normal quantile of the budget: Phi^-1(1 - delta/2) (paper) or "
-                      "Phi^-1(1 - delta) (official code)", choices=QUANTILES),
-    "duplicates": Param("count", "a key drawn c times weighs c n/b (paper, unbiased) or n/b once (official code, "
-                        "biased low)", choices=DUPLICATES),
-    "sample_from": Param("residual", "draw among the visible keys outside the heavy set (paper) or between the "
-                         "sinks and the local window, top-k keys included (official code)", choices=SAMPLE_FROM),
-    "rounding": Param("ceil", "the budget bound rounded up (paper: b >= bound) or down (official code)",
-                      choices=ROUNDINGS),
-}
+@dataclass(frozen=True, kw_only=True)
+class VattentionOptions(EstimatorOptions):
+    """vAttention's keyword options, declared once: the spec's ``params``, ``draw``'s and every form's keywords.
+
+    The defaults are the authors' published configuration (their post's vAttention(PQCache) config,
+    skylight-org/website ``VAttentionEntry.tsx``: sink_size=128, window_size=128, heavy_size=0.1,
+    base_rate_sampling=0.05, epsilon=0.05, delta=0.05) with the paper's conventions; ``official-code`` (the spec's
+    preset) switches the four conventions to the official code's. Made, they hold the values :func:`check_params`
+    returns (a count as ``int``, a fraction as ``float``), which every form reads as :attr:`parameters`.
+    """
+
+    mask: str | None = None
+    budget: str = option("adaptive", "sample size: 'adaptive' = the CLT budget for (epsilon, delta) (the paper; S "
+                         "is then ignored), 'fixed' = S draws", choices=BUDGETS)
+    sinks: int | float = option(128, "attention sinks, the first keys (int: a count; float: a fraction of the "
+                                "visible keys)", kind=_SIZE_KINDS)
+    local: int | float = option(128, "local window, the keys ending at the query's own position (int: count; "
+                                "float: fraction)", kind=_SIZE_KINDS)
+    top_k: int | float = option(0.1, "top-k keys by logit among the rest (int: count; float: fraction of the "
+                                "visible keys)", kind=_SIZE_KINDS)
+    epsilon: float = option(0.05, "relative error of the denominator the adaptive budget aims at, in (0, 1)",
+                            kind=(int, float))
+    delta: float = option(0.05, "probability the adaptive budget allows that error to be exceeded, in (0, 1)",
+                          kind=(int, float))
+    base_rate: int | float = option(0.05, "base sample of the adaptive budget (int: draws >= 2; float: fraction of "
+                                    "the keys sampled from, at least 2 draws)", kind=_SIZE_KINDS)
+    quantile: str = option("two-sided", "normal quantile of the budget: Phi^-1(1 - delta/2) (paper) or "
+                           "Phi^-1(1 - delta) (official code)", choices=QUANTILES)
+    duplicates: str = option("count", "a key drawn c times weighs c n/b (paper, unbiased) or n/b once (official "
+                             "code, biased low)", choices=DUPLICATES)
+    sample_from: str = option("residual", "draw among the visible keys outside the heavy set (paper) or between the "
+                              "sinks and the local window, top-k keys included (official code)", choices=SAMPLE_FROM)
+    rounding: str = option("ceil", "the budget bound rounded up (paper: b >= bound) or down (official code)",
+                           choices=ROUNDINGS)
+
+    def check(self) -> None:
+        if self.mask not in MASKS:
+            raise ValueError(f"unknown mask {self.mask!r}; allowed: None (bidirectional) or 'causal'")
+        # keep the checked values (a count as int, a fraction as float): the forms compute with them, as before
+        for name, value in check_params(self.parameters).items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The estimator parameters (every field but ``scale`` and ``mask``), name -> value."""
+        return {name: getattr(self, name) for name in self.params()}
+
+
+#: the parameters and their defaults, declared once as the fields of :class:`VattentionOptions`
+PARAMS = VattentionOptions.params()
 
 
 def _is_count(value: Any) -> bool:
@@ -241,6 +265,21 @@ def uniform_counts(num_keys: int, num_samples: int, params: Mapping[str, Any]) -
     if params["budget"] == "fixed":
         return num_samples, 0
     return num_keys, base_uniform_count(params["base_rate"], num_keys)
+
+
+def checked_uniforms(draws: Draws, batch: tuple[int, ...], num_queries: int, num_keys: int,
+                     params: Mapping[str, Any]) -> tuple[Any, Any]:
+    """``(residual_uniforms, base_uniforms or None)`` of the draws, as they are (numpy or torch), after checking their
+    layout against the inputs and the budget: the checks of both forms, with the same messages."""
+    main = check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (None,))
+    if params["budget"] == "fixed":
+        return main, None
+    if "base_uniforms" not in draws:
+        raise ValueError("budget='adaptive' needs the draws' 'base_uniforms'; these draws were made for "
+                         "budget='fixed' (pass the same parameters to draw() and estimate())")
+    want_main, want_base = uniform_counts(num_keys, 1, params)
+    check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (want_main,))
+    return main, check_draw_array(draws, "base_uniforms", (*batch, num_queries), (want_base,))
 
 
 def ceil_or_floor(value: float, rounding: str) -> float:
