@@ -190,14 +190,16 @@ class EstimatorOptions:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if scale or f.name != "scale"}
 
 
-def keyword_entry(options_type: type[EstimatorOptions]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate ``impl(*arrays, options)`` into the public keyword entry point ``f(*arrays, *, scale, **params)``.
+def keyword_entry(options_type: type[EstimatorOptions], *,
+                  leave_out: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate ``impl(..., options)`` into the public keyword entry point ``f(..., *, scale, **params)``.
 
-    The entry point's signature lists the arrays of ``impl`` (``q, k, v, draws`` or ``q, k, draws``)
-    and, keyword-only, every field of ``options_type`` with its default, so ``inspect.signature``,
-    ``help()`` and a wrong keyword read as for a hand-written function; a call builds one
-    ``options_type`` (which validates) and hands it to ``impl``. ``impl`` itself stays reachable as
-    the entry point's ``on_options``, for callers that hold validated options already.
+    The entry point's signature lists the arguments of ``impl`` before its last (``q, k, v, draws``, or ``q, k,
+    draws``, or ``draw``'s ``q_shape, k_shape, *, num_samples, replicates, rng``) and, keyword-only, every field of
+    ``options_type`` with its default but those in ``leave_out`` (``draw`` takes no ``scale``), so
+    ``inspect.signature``, ``help()`` and a wrong keyword read as for a hand-written function; a call builds one
+    ``options_type`` (which validates) and hands it to ``impl`` as its last argument. ``impl`` itself stays
+    reachable as the entry point's ``on_options``, for callers that hold validated options already.
 
     Examples
     --------
@@ -208,14 +210,14 @@ def keyword_entry(options_type: type[EstimatorOptions]) -> Callable[[Callable[..
     """
     keywords = [
         inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-        for f in dataclasses.fields(options_type)
+        for f in dataclasses.fields(options_type) if f.name not in leave_out
     ]
 
     def decorate(impl: Callable[..., Any]) -> Callable[..., Any]:
         impl_signature = inspect.signature(impl)
-        arrays = list(impl_signature.parameters.values())[:-1]
-        signature = impl_signature.replace(parameters=[*arrays, *keywords])
-        array_names = [p.name for p in arrays]
+        *protocol, options_parameter = impl_signature.parameters.values()
+        signature = impl_signature.replace(parameters=[*protocol, *keywords])
+        protocol_names = [p.name for p in protocol]
 
         @functools.wraps(impl)
         def entry(*args: Any, **kwargs: Any) -> Any:
@@ -223,8 +225,10 @@ def keyword_entry(options_type: type[EstimatorOptions]) -> Callable[[Callable[..
                 given = signature.bind(*args, **kwargs).arguments
             except TypeError as exc:
                 raise TypeError(f"{impl.__qualname__}(): {exc}") from None
-            options = options_type(**{name: value for name, value in given.items() if name not in array_names})
-            return impl(*(given[name] for name in array_names), options)
+            options = options_type(**{name: value for name, value in given.items() if name not in protocol_names})
+            # by name: draw's protocol arguments are keyword-only; those not given keep impl's defaults
+            arguments = {name: given[name] for name in protocol_names if name in given}
+            return impl(**arguments, **{options_parameter.name: options})
 
         del entry.__wrapped__  # inspect.signature must give the keyword signature, not impl's
         entry.__signature__ = signature

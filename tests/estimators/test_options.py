@@ -124,3 +124,26 @@ def test_forms_of_a_module_are_those_it_defines_under_protocol_names():
     assert forms.get("probabilities") is probabilities
     with pytest.raises(AttributeError):
         BatchedForms.of(types.SimpleNamespace(probabilities=probabilities))
+
+
+def test_a_draw_written_on_options_leaves_out_scale_and_keeps_its_keyword_only_protocol(toy):
+    ToyOptions, _ = toy
+
+    @keyword_entry(ToyOptions, leave_out=("scale",))
+    def draw(q_shape, k_shape, *, num_samples, replicates=1, rng=None, options: ToyOptions):
+        return q_shape, k_shape, num_samples, replicates, rng, options
+
+    def hand_written(q_shape, k_shape, *, num_samples, replicates=1, rng=None, kind: str = "a", width: int = 2,
+                     mask: str | None = None):
+        """The signature the decorated draw must show."""
+
+    got, want = inspect.signature(draw), inspect.signature(hand_written)
+    assert [(p.name, p.kind, p.default, p.annotation) for p in got.parameters.values()] == [
+        (p.name, p.kind, p.default, p.annotation) for p in want.parameters.values()
+    ]
+    # replicates and rng not given: the function's own defaults
+    assert draw((2, 3), (4, 3), num_samples=5, width=7) == ((2, 3), (4, 3), 5, 1, None, ToyOptions(width=7))
+    with pytest.raises(TypeError, match="scale"):
+        draw((2, 3), (4, 3), num_samples=5, scale=0.5)
+    with pytest.raises(TypeError, match="num_samples"):
+        draw((2, 3), (4, 3))

@@ -59,11 +59,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from randattn._validation import check_positive_int
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, keyword_entry
 from randattn.estimators.magicpig import batched, reference
 from randattn.estimators.magicpig.reference import MagicpigOptions
 from randattn.estimators.masks import check_causal_shapes
-from randattn.estimators.sparse.options import draw_entry
 
 __all__ = ["PARAMS", "SPEC", "draw"]
 
@@ -71,7 +70,7 @@ __all__ = ["PARAMS", "SPEC", "draw"]
 PARAMS = MagicpigOptions.params()
 
 
-@draw_entry(MagicpigOptions)
+@keyword_entry(MagicpigOptions, leave_out=("scale",))
 def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
          rng: np.random.Generator, options: MagicpigOptions) -> Draws:
     """``hyperplanes : (R, ..., L, K, D)`` float64, iid N(0, 1): the K SimHash directions of each of the

@@ -31,7 +31,6 @@ import numpy as np
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import MASKS, BatchedForms, Draws, EstimatorOptions, EstimatorSpec, keyword_entry
-from randattn.estimators.sparse.options import draw_entry
 from randattn.estimators.sparse.reference import keys_used as count_keys_used
 from randattn.estimators.sparse.reference import masked_logits, weighted_attention
 
@@ -70,11 +69,11 @@ def budget_draw(options_type: type[KeptKeysOptions]) -> Callable[..., Draws]:
     """The ``draw`` of a deterministic selection estimator with the options ``options_type``.
 
     ``draw(q_shape, k_shape, *, num_samples, replicates=1, rng=None, mask=None, **params)``, its keywords the
-    fields of ``options_type`` with their defaults (:func:`~randattn.estimators.sparse.options.draw_entry`): it
+    fields of ``options_type`` with their defaults (:func:`~randattn.estimators.base.keyword_entry`): it
     checks the parameters and S against them (:meth:`KeptKeysOptions.check_budget`) and returns
     :func:`budget_draws`.
     """
-    @draw_entry(options_type)
+    @keyword_entry(options_type, leave_out=("scale",))
     def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
              rng: Any = None, options: KeptKeysOptions) -> Draws:
         return budget_draws(q_shape, options.check_budget(num_samples), replicates)

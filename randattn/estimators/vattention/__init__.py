@@ -76,9 +76,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from randattn._validation import check_positive_int
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, keyword_entry
 from randattn.estimators.masks import check_causal_shapes
-from randattn.estimators.sparse.options import draw_entry
 from randattn.estimators.vattention import batched, reference
 from randattn.estimators.vattention.rules import PARAMS, VattentionOptions, uniform_counts
 
@@ -88,7 +87,7 @@ __all__ = ["OFFICIAL_CODE", "PARAMS", "SPEC", "draw"]
 OFFICIAL_CODE = {"quantile": "one-sided", "duplicates": "merge", "sample_from": "window", "rounding": "floor"}
 
 
-@draw_entry(VattentionOptions)
+@keyword_entry(VattentionOptions, leave_out=("scale",))
 def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
          rng: np.random.Generator, options: VattentionOptions) -> Draws:
     r"""Uniforms on [0, 1) for every draw a query may take, independent across replicates, batch elements and queries.
