@@ -40,7 +40,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights, keyword_entry
 from randattn.estimators.lara import batched, reference, weights
 from randattn.estimators.presets import LARA_PRESETS
 from randattn.estimators.lara.reference import PROPOSALS, SAMPLES, WEIGHTINGS, LaraOptions
@@ -51,18 +51,10 @@ __all__ = ["PARAMS", "SPEC", "draw", "PROPOSALS", "WEIGHTINGS", "SAMPLES"]
 PARAMS = LaraOptions.params()
 
 
-def draw(
-    q_shape: Sequence[int],
-    k_shape: Sequence[int],
-    *,
-    num_samples: int,
-    replicates: int = 1,
-    rng: np.random.Generator,
-    proposal: str = "eq34",
-    sample: str = "random",
-    **params: Any,
-) -> Draws:
-    """The draws of LARA with C = ``num_samples`` proposals (see the module docstring).
+@keyword_entry(LaraOptions, leave_out=("scale",))
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
+         rng: np.random.Generator, options: LaraOptions) -> Draws:
+    """The draws of LARA with C = ``num_samples`` proposals (see the module docstring), its keywords LARA's options.
 
     Returns
     -------
@@ -72,10 +64,10 @@ def draw(
     """
     num_samples = check_positive_int("num_samples", num_samples)
     prefix = (replicates, *q_shape[:-2], num_samples)
-    if sample == "mean":
+    if options.sample == "mean":
         return Draws({"proposal_slots": np.zeros((*prefix, 0))}, replicates)
     arrays = {}
-    if proposal == "eq32":
+    if options.proposal == "eq32":
         arrays["u"] = rng.random(prefix)
     arrays["eps"] = rng.standard_normal((*prefix, q_shape[-1]))
     return Draws(arrays, replicates)

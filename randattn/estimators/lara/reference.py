@@ -547,36 +547,16 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> np.n
 
     Parameters
     ----------
-    q : (..., N, D)
-    k : (..., M, D)
-    v : (..., M, Dv)
+    q, k, v : array_like
+        Queries (..., N, D), keys (..., M, D), values (..., M, Dv).
     draws : Draws
         From :func:`randattn.estimators.lara.draw`: ``eps : (R, ..., C, D)``, plus
         ``u : (R, ..., C)`` for ``proposal="eq32"``; for ``sample="mean"`` only the zero-size
         ``proposal_slots : (R, ..., C, 0)`` whose shape carries ``C``. The first
         ``C_eff = min(C, N)`` rows are used (``min(C, N, M)`` for eq. 34, 35).
-    scale : float, optional
-        Temperature; default ``D ** -0.5``.
-    proposal : {"eq34", "eq33", "eq35", "eq32", "standard"}
-        Proposal means (app. G.3.1, :func:`proposal_means`); ``eq32`` is the mixture.
-    weighting : {"decoupled", "balance", "coupled", "constant"}
-        Weighting functions (app. G.3.2, :func:`weighting_functions`).
-    beta : float
-        Coefficient of the decoupled correction (eq. 38 with beta; the paper uses 2 for vision).
-    alpha_clamp : float, optional
-        Clip the weights at this value from below, as the official code does (1e-8).
-    sample : {"random", "mean"}
-        ``mean`` uses :math:`\omega_c = \mathbb E_{q_c}[\omega]` (LARA G.3.3 evaluation mode).
-    noise : {"paper", "reference-code"}
-        Sampling noise std 1, or ``sqrt(scale)`` as in the official code.
-    layout : {"grid", "sequence"}
-        Landmarks from 2-D blocks of the patch grid (app. G.4) when ``grid`` is given, else
-        (and with ``"sequence"``) from contiguous 1-D segments (app. G.3.1); see
-        :mod:`randattn.estimators.segments`.
-    grid : (h, w), "HxW" or None
-        The patch grid of the tokens (``N = M = prefix_tokens + h w``); None: no grid known.
-    prefix_tokens : int
-        Leading tokens (CLS, registers) that are not patches: in no landmark block.
+    scale, proposal, weighting, beta, alpha_clamp, sample, noise, layout, grid, prefix_tokens
+        Keywords: the temperature (default ``D ** -0.5``) and LARA's options, whose meanings, choices and
+        defaults are those of :class:`LaraOptions` (the landmark layouts: :mod:`randattn.estimators.segments`).
 
     Returns
     -------
