@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from randattn._files import atomic_write_text, named_write_errors
-from randattn.results.parts import parts_path as _parts_path
+from randattn.results.parts import parts_path  # the output's parts folder: the rules below act on it
 from randattn.results.parts import stored_unit_ids as _stored_unit_ids
 from randattn.results.table import OUTPUT_FORMATS as _OUTPUT_FORMATS
 from randattn.results.table import sidecar_path
@@ -50,6 +50,7 @@ __all__ = [
     "SettingsChangedError",
     "ManifestError",
     "PartsExistError",
+    "parts_path",
     "check_output_path",
     "check_output",
     "check_manifest",
@@ -65,7 +66,7 @@ MANIFEST = "manifest.json"
 
 #: the names that moved to randattn.results (the table, its parts and its metadata): old name -> module there
 _MOVED = {
-    "CORRUPT_DIR": "parts", "CorruptPartWarning": "parts", "PART_WARNINGS_KEY": "parts", "parts_path": "parts",
+    "CORRUPT_DIR": "parts", "CorruptPartWarning": "parts", "PART_WARNINGS_KEY": "parts",
     "stored_unit_ids": "parts", "unit_id_of": "parts", "write_part": "parts", "read_part_warnings": "parts",
     "read_parts": "parts", "read_position_parts": "parts", "unreadable_parts": "parts",
     "set_aside_unreadable": "parts", "coerce": "schema", "coerce_positions": "schema", "consolidate": "schema",
@@ -528,7 +529,7 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
         ``resume`` on parts whose manifest is damaged.
     """
     out = Path(out)
-    parts = _parts_path(out)
+    parts = parts_path(out)
     if parts.exists() and not _stored_unit_ids(parts) and not resume and not dry_run:
         shutil.rmtree(parts, ignore_errors=True)  # a run stopped before its first unit: nothing to keep
     if force:

@@ -65,16 +65,9 @@ from randattn.analysis.sweep_run import (
     summarize_warnings,
     warning_text,
 )
-from randattn.results import (
-    POSITION_COLUMNS,
-    SweepTables,
-    positions_path,
-    read_parts,
-    read_position_parts,
-    table_records,
-    write_table,
-    write_tables,
-)
+from randattn.results.parts import read_parts, read_position_parts
+from randattn.results.schema import POSITION_COLUMNS
+from randattn.results.table import SweepTables, positions_path, table_records, write_table, write_tables
 
 __all__ = [
     "COLUMNS",

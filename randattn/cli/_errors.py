@@ -26,7 +26,7 @@ from randattn.analysis.store import (
     PartsExistError,
     SweepLockedError,
 )
-from randattn.results import stored_unit_ids
+from randattn.results.parts import stored_unit_ids
 
 __all__ = ["kept_message", "option_of", "out_of_memory", "resume_command", "said"]
 

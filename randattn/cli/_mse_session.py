@@ -92,7 +92,7 @@ def preflight(outs: Sequence[Path | None], scheduler: str, *, resume: bool, forc
     said before anything is loaded. Returns the parsed scheduler."""
     from randattn.analysis import store
     from randattn.analysis.executors import parse_scheduler
-    from randattn.results import parts_path
+    from randattn.results.parts import parts_path
     from randattn.cli._common import abort
     from randattn.cli._errors import said
 
@@ -118,7 +118,7 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
     the memory budget), before the first unit is computed; then the jobs run in order."""
     from randattn.analysis import store
     from randattn.cli._common import UserError, abort, err_console, no_space_message, writable_output
-    from randattn.results import parts_path
+    from randattn.results.parts import parts_path
     from randattn.cli._errors import kept_message, said
 
     several = len(jobs) > 1
@@ -232,7 +232,7 @@ def _plan(job: Job, resume: bool, where: Any, *, timing: bool = False):
     from randattn.cli._errors import said
     from randattn.reports.console import plan_lines
     from randattn.reports.tables import item_noun
-    from randattn.results import parts_path
+    from randattn.results.parts import parts_path
 
     parts = None if job.out is None else parts_path(job.out)
     try:
@@ -260,7 +260,7 @@ def _run(job: Job, parts: Path | None, resume: bool, where: Any, client: Any, se
     from randattn.cli._common import abort, err_console
     from randattn.cli._errors import kept_message, out_of_memory, said
     from randattn.reports.console import warning_lines
-    from randattn.results import CorruptPartWarning
+    from randattn.results.parts import CorruptPartWarning
 
     config, plan = job.config, job.plan
     budget = format_bytes(config.max_memory)
@@ -337,7 +337,7 @@ def _interrupted(exc: BaseException, parts, plan, written: Sequence[Path] = ()) 
     from randattn.analysis.store import drop_empty_parts
     from randattn.cli._common import err_console, interrupt_exit_code
     from randattn.reports.console import interrupted_text
-    from randattn.results import stored_unit_ids
+    from randattn.results.parts import stored_unit_ids
 
     stored = stored_unit_ids(parts) if parts is not None else set()
     if parts is not None and not stored:
@@ -355,7 +355,8 @@ def _interrupted(exc: BaseException, parts, plan, written: Sequence[Path] = ()) 
 def _finish_stored(job: Job, show: str) -> list[dict[str, Any]]:
     """Show the table a finished run of the same settings left in ``job.out`` (``--resume`` with nothing to do);
     its summary records."""
-    from randattn.results import SweepTables, coerce, read_results
+    from randattn.results.schema import coerce
+    from randattn.results.table import SweepTables, read_results
 
     return _finish(SweepTables(coerce(read_results(job.out).table)), job, None, show)
 
@@ -381,7 +382,7 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
         summary_table,
     )
     from randattn.reports.tables import item_noun
-    from randattn.results import positions_path, table_records, write_tables
+    from randattn.results.table import positions_path, table_records, write_tables
 
     config, activations = job.config, job.activations
     table = tables.table

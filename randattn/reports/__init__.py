@@ -21,9 +21,9 @@ _HOMES = {
     "mse_vs_samples_figure": "figures",
     "position_figure": "figures",
     "save_figure": "figures",
-    "Results": "randattn.results",
+    "Results": "randattn.results.table",
     "ResultsError": "tables",
-    "read_results": "randattn.results",
+    "read_results": "randattn.results.table",
     "summary_table": "tables",
 }
 

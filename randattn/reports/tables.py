@@ -22,7 +22,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from randattn.results import COLUMNS, POSITION_COLUMNS, ResultsError
+from randattn.results.schema import COLUMNS, POSITION_COLUMNS
+from randattn.results.table import ResultsError
 
 __all__ = [
     "RESULT_COLUMNS",
