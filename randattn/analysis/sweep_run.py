@@ -119,7 +119,7 @@ def _run_warnings(raised: dict[str, tuple[str, list[tuple[str, str]]]], units: S
                   parts: Path | None) -> list[dict[str, Any]]:
     """The warnings of the whole run: those of the units this call computed (``raised``: unit id -> (label,
     its warnings)) and, with a parts folder, those stored with the parts of units an earlier process computed
-    (:func:`~randattn.analysis.store.read_part_warnings`), so a resumed run reports what its first part raised."""
+    (:func:`~randattn.results.read_part_warnings`), so a resumed run reports what its first part raised."""
     if parts is not None:
         by_uid = {u.uid: u for u in units}
         earlier = sorted(uid for uid in stored_unit_ids(parts) if uid in by_uid and uid not in raised)
@@ -202,7 +202,7 @@ def run_sweep(
         ``positions`` is the per-position table of the layers that get one, else None; read back
         from the parts folder like the table, so a resumed run's is the same too.
         ``table.attrs["set_aside"]``: the stored parts that could not be read, each
-        ``{"file", "moved_to", "reason"}`` (:func:`~randattn.analysis.store.set_aside_unreadable`);
+        ``{"file", "moved_to", "reason"}`` (:func:`~randattn.results.set_aside_unreadable`);
         their units were computed again.
 
     Raises
