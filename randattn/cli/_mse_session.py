@@ -370,9 +370,9 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
     (:func:`~randattn.analysis.relative_error.budget_summary`) and ``broken_promises``: a record per head whose
     promise demonstrably fails (:func:`~randattn.analysis.relative_error.broken_promises`), shown on the
     terminal as a red line each."""
+    from randattn.analysis.aggregation import aggregate
     from randattn.analysis.records import reference_check_summary, table_metadata
     from randattn.analysis.relative_error import broken_promises, budget_summary
-    from randattn.analysis.aggregation import aggregate
     from randattn.cli._common import err_console, out_console
     from randattn.reports.console import (
         broken_promise_lines,
@@ -393,11 +393,11 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
         if tables.positions is not None:
             err_console.print(f"wrote {len(tables.positions)} per-position rows to [bold]{positions_path(out)}[/]",
                               highlight=False)
-    check = reference_check_summary(table)
-    if check is not None:
-        err_console.print(reference_check_line(check), highlight=False)
+    check = reference_check_summary(table)  # what is measured of the table, before any of it is shown
     budget = budget_summary(table)
     broken = broken_promises(table)
+    if check is not None:
+        err_console.print(reference_check_line(check), highlight=False)
     keys = [c for c in ("estimator", "label", "num_samples", "tokens", "mask") if c in summary.columns]
     records = table_records(summary.merge(budget, on=keys, how="left"))
     group = ("label", "num_samples", "tokens", "mask")
