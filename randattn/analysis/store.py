@@ -269,7 +269,6 @@ class SweepLockedError(RuntimeError):
         return self.what if self.holder is None else f"{self.what}; wait for it to finish, or write to another output"
 
 
-
 # ------------------------------------------------------------------------------------------------------------ lock
 def _lock_paths(target: Path) -> tuple[Path, Path]:
     return target.with_name(f".{target.name}.lock"), target.with_name(f".{target.name}.owner.json")
@@ -451,9 +450,9 @@ def read_manifest(parts_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------------------------ output
 def check_output_path(out: str | os.PathLike, *, look_only: bool = False) -> Path:
-    """Check that ``out`` can name a table: its suffix (:data:`~randattn.results.OUTPUT_FORMATS`) and, with ``look_only``, that it
-    is not a folder and its nearest existing folder is one this process can write to (without writing, as a
-    dry run must).
+    """Check that ``out`` can name a table: its suffix (:data:`~randattn.results.OUTPUT_FORMATS`) and, with
+    ``look_only``, that it is not a folder and its nearest existing folder is one this process can write to
+    (without writing, as a dry run must).
 
     Raises
     ------

@@ -50,7 +50,6 @@ def as_activations(source: Any, *, scale: float | None = None):
     raise TypeError(f"expected Activations, a path or a mapping of arrays, got {type(source).__name__}")
 
 
-
 # ------------------------------------------------------------------------------------------------------- the engine
 def plan(activations: Any, config: SweepConfig) -> list[Unit]:
     """Every unit of ``config`` over ``activations``, in canonical order; validates the selection and the masks.

@@ -167,7 +167,6 @@ def exact_labels(table: pd.DataFrame) -> set[str]:
     return {label for label, value in exact.items() if value}
 
 
-
 def require_columns(table: pd.DataFrame, columns: Iterable[str], what: str) -> None:
     """Raise :class:`ResultsError` naming the columns of ``columns`` that ``table`` lacks.
 
@@ -545,7 +544,7 @@ _MOVED = ("MetadataConflictWarning", "Results", "read_results")
 
 
 def __getattr__(name: str) -> Any:
-    """The reading of a results table, moved to :mod:`randattn.results`, still answered with a ``DeprecationWarning``."""
+    """The reading of a results table, moved to :mod:`randattn.results`, answered with a ``DeprecationWarning``."""
     if name in _MOVED:
         import randattn.results
 

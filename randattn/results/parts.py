@@ -60,7 +60,6 @@ class CorruptPartWarning(UserWarning):
     """A stored part could not be read: it was set aside and its unit runs again."""
 
 
-
 def parts_path(out: str | os.PathLike) -> Path:
     """The parts folder of the table ``out``: ``mse.parquet`` -> ``mse.parquet.parts``."""
     out = Path(out)
@@ -207,7 +206,6 @@ def set_aside_unreadable(parts_dir: str | os.PathLike, *, full: bool = False) ->
         warnings.warn(f"{str(path)!r} cannot be read ({reason}); set aside as {str(aside)!r}, its unit runs again",
                       CorruptPartWarning, stacklevel=2)
     return moved
-
 
 
 def read_parts(parts_dir: str | os.PathLike):

@@ -92,7 +92,8 @@ def table_records(table) -> list[dict[str, Any]]:
 
 
 def sidecar_path(path: str | os.PathLike) -> Path:
-    """Where :func:`write_table` puts the metadata of the table at ``path``: ``mse.parquet`` -> ``mse.parquet.meta.json``."""
+    """Where :func:`write_table` puts the metadata of the table at ``path``: ``mse.parquet`` ->
+    ``mse.parquet.meta.json``."""
     path = Path(path)
     return path.with_name(path.name + ".meta.json")
 
