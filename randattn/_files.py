@@ -1,4 +1,4 @@
-"""Atomic file writes shared by every writer (activations, sweep tables, reports).
+"""Atomic file writes shared by every writer (activations, sweep tables, reports), and their errors named.
 
 A file is written under a temporary name in its destination folder and renamed over the
 target only when the write finished, so an interrupted write never leaves a half file.
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_path", "atomic_write_text"]
+__all__ = ["atomic_path", "atomic_write_text", "named_write_errors"]
 
 
 def _umask() -> int:
@@ -45,3 +45,20 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+@contextmanager
+def named_write_errors(path: str | os.PathLike) -> Iterator[None]:
+    """Re-raise an ``OSError`` of the block as one whose ``filename`` is ``path`` (the file the caller asked for).
+
+    The writers are atomic (:func:`atomic_path`): their errors name a temporary file beside ``path``, or no file
+    at all (pyarrow, pandas), while ``path`` itself is left as it was. The errno is kept, so a caller can tell a
+    full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``) from other failures.
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename == str(path):
+            raise
+        reason = os.strerror(exc.errno) if exc.errno else (exc.strerror or str(exc))
+        raise OSError(exc.errno, reason, str(path)) from exc

@@ -6,7 +6,8 @@ tables, figures and the HTML report without a line of randattn changed. A test s
 ``name not in ("rfa", "lara")`` breaks that silently: the plugin gets the fall-through branch.
 
 This walks the AST of every module under ``randattn/analysis``, ``randattn/theory``, ``randattn/reports``,
-``randattn/workflows`` and ``randattn/cli`` and fails on a comparison (``==``, ``!=``, ``in``, ``not in``) or a ``match`` case one of whose sides is a built-in
+``randattn/workflows``, ``randattn/cli`` and ``randattn/results`` (the table that the measurement writes and the
+reports read) and fails on a comparison (``==``, ``!=``, ``in``, ``not in``) or a ``match`` case one of whose sides is a built-in
 estimator's name: a string constant, or a tuple, list, set or dict literal holding one (as an element or a
 key). Lists of *which* estimators to run (``DEFAULT_ESTIMATORS``) are configuration, not comparisons, and pass.
 """
@@ -21,7 +22,8 @@ import pytest
 from randattn.estimators.registry import BUILTIN_ENTRY_POINTS
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED = ("randattn/analysis", "randattn/theory", "randattn/reports", "randattn/workflows", "randattn/cli")
+SCANNED = ("randattn/analysis", "randattn/theory", "randattn/reports", "randattn/workflows", "randattn/cli",
+           "randattn/results")
 #: the built-in estimators' registry names: a comparison with one of them is a name test
 BUILTIN_NAMES = frozenset(name for name, _ in BUILTIN_ENTRY_POINTS)
 _OPS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
@@ -31,7 +33,7 @@ _OPS = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
 ALLOWED: dict[tuple[str, str], str] = {
     # the Dask scheduler called "local" (run in this process), not the local-attention estimator
     ("randattn/analysis/executors.py", "text == 'local'"): "the --scheduler value 'local'",
-    ("randattn/analysis/sweep.py", "spec.kind == 'local'"): "Scheduler.kind 'local' (this process)",
+    ("randattn/analysis/sweep_run.py", "spec.kind == 'local'"): "Scheduler.kind 'local' (this process)",
     ("randattn/cli/_mse_session.py", "where.kind == 'local'"): "Scheduler.kind 'local' (no Dask client)",
 }
 

@@ -151,7 +151,7 @@ def _run_unit_in_worker(path: str, config, config_key: str, unit, parts_dir: str
     ``specs``: estimators the client registered for its session only (entry-point plugins the worker
     discovers itself, as the client did).
     """
-    from randattn.analysis.store import write_part
+    from randattn.results.parts import write_part
     from randattn.analysis.execute import run_recording
     from randattn.estimators.registry import ensure_registered
 

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from randattn.analysis.masking import query_positions
+from randattn.results.schema import POSITION_COLUMNS  # the per-position table's columns, defined with the table's
 
 __all__ = [
     "POSITION_COLUMNS",
@@ -42,12 +43,6 @@ __all__ = [
     "bucket_text",
 ]
 
-#: the per-position table's columns, in order: the cell's identity, the bucket, the bucket's metrics
-POSITION_COLUMNS: tuple[str, ...] = (
-    "model", "image", "layer", "head", "tokens", "mask", "estimator", "params", "label", "num_samples", "replicates",
-    "random", "position_lo", "position_hi", "queries", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive",
-    "bias_sq_se", "seed",
-)
 #: the named bucketings; ``auto``: ``log2`` on masked layers, none on bidirectional ones
 BUCKET_CHOICES = ("auto", "none", "log2")
 

@@ -1,7 +1,7 @@
 """What a sweep's table records about itself: its metadata sidecar and the float64 reference check.
 
 Kept in the library, not the command line, so that a Python caller writing a table
-(:func:`randattn.analysis.sweep.write_tables`) can record the same metadata as ``randattn mse``.
+(:func:`randattn.results.write_tables`) can record the same metadata as ``randattn mse``.
 """
 
 from __future__ import annotations

@@ -36,12 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from randattn.results.schema import RELATIVE_ERROR_COLUMNS  # the table's columns that relative_error_columns fills
+
 __all__ = ["BUDGET_SUMMARY_COLUMNS", "RELATIVE_ERROR_COLUMNS", "broken_promises", "budget_summary", "check_epsilon",
            "clopper_pearson", "query_relative_errors", "relative_error_columns"]
-
-#: the columns :func:`relative_error_columns` gives, in the sweep table's order
-RELATIVE_ERROR_COLUMNS = ("rel_err_mean", "rel_err_median", "rel_err_p95", "epsilon", "violation_rate",
-                          "violation_lo", "violation_hi", "delta", "promise_broken")
 
 
 #: what :func:`budget_summary` gives beside its keys

@@ -1,32 +1,24 @@
-r"""Storing a sweep: one Parquet part per finished unit, a manifest, a lock, consolidation.
+r"""The rules of a sweep's output: what may replace, resume or refuse it, its manifest, and its lock.
 
-ARCHITECTURE sec. 11, "store". A parts folder holds ``manifest.json`` (the configuration and
-a fingerprint of the activations) and ``part-<unit id>.parquet`` files, each written under a
-temporary name and renamed when complete, so a process killed mid-write leaves no partial
-part. A unit with per-position metrics (:mod:`randattn.analysis.positions`) also writes
-``positions-<unit id>.parquet``, atomically and *before* its part: a unit counts as stored only
-when its part exists, and then its per-position rows exist too (a unit killed between the two
-writes runs again and replaces them). A part also carries, in its Parquet schema metadata, the
-warnings its unit raised (:func:`read_part_warnings`), so they survive a resume as its rows do.
-Resume = the planned units minus the stored unit ids.
-:func:`consolidate` sorts the rows into the canonical table, identical whatever executor or
-order produced the parts.
+ARCHITECTURE sec. 11, "store". The table, its parts and its metadata are :mod:`randattn.results`'; this module
+rules a run around them. A parts folder (:func:`~randattn.results.parts_path`) holds, beside the parts,
+``manifest.json``: the configuration and a fingerprint of the activations, checked when a run resumes
+(:func:`prepare_parts_dir`). Resume = the planned units minus the stored unit ids
+(:func:`~randattn.results.stored_unit_ids`).
 
 A sweep's output is protected by a lock (:func:`sweep_lock`, an OS file lock): a second writer
 is refused with :class:`SweepLockedError`, naming the process that holds it; the lock's files are
 removed when it is released.
 
 Every write error names the file the writer was asked for (not its temporary name), so that a
-full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``) can be reported as that file and its cause. A part
-that cannot be read back -- cut short by a crash of the machine, or overwritten -- is set aside
-into ``corrupt/`` when a sweep resumes (:func:`set_aside_unreadable`), and its unit runs again.
+full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``) can be reported as that file and its cause.
 
 An output table's whole life is ruled here too (:func:`check_output`): nothing finished is replaced without
-``force``, ``resume`` continues the parts folder beside it (:func:`parts_path`) or finds the table complete.
-The rules raise typed errors (:class:`OutputExistsError`, :class:`ResumeMismatchError` and its subclasses,
-:class:`OutputPathError`, :class:`PartsExistError`) that carry the facts -- the paths, what differs, what is
-wrong -- as attributes, so ``randattn mse`` and a Python caller refuse alike and each words the remedy with its
-own options (the command line in :mod:`randattn.cli._errors`).
+``force``, ``resume`` continues the parts folder beside it (:func:`~randattn.results.parts_path`) or finds the
+table complete. The rules raise typed errors (:class:`OutputExistsError`, :class:`ResumeMismatchError` and its
+subclasses, :class:`OutputPathError`, :class:`PartsExistError`) that carry the facts -- the paths, what differs,
+what is wrong -- as attributes, so ``randattn mse`` and a Python caller refuse alike and each words the remedy with
+its own options (the command line in :mod:`randattn.cli._errors`).
 """
 
 from __future__ import annotations
@@ -40,16 +32,16 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
-from randattn._files import atomic_path, atomic_write_text
-from randattn.analysis.execute import COLUMNS
-from randattn.analysis.positions import POSITION_COLUMNS
+from randattn._files import atomic_write_text, named_write_errors
+from randattn.results.parts import parts_path  # the output's parts folder: the rules below act on it
+from randattn.results.parts import stored_unit_ids as _stored_unit_ids
+from randattn.results.table import OUTPUT_FORMATS as _OUTPUT_FORMATS
+from randattn.results.table import sidecar_path
 
 __all__ = [
     "MANIFEST",
-    "CORRUPT_DIR",
-    "OUTPUT_FORMATS",
     "OutputRuleError",
     "OutputPathError",
     "OutputExistsError",
@@ -64,47 +56,34 @@ __all__ = [
     "check_manifest",
     "drop_empty_parts",
     "kept_message",
-    "CorruptPartWarning",
     "SweepLockedError",
     "sweep_lock",
     "prepare_parts_dir",
-    "stored_unit_ids",
-    "unit_id_of",
-    "unreadable_parts",
-    "set_aside_unreadable",
-    "write_part",
-    "read_part_warnings",
-    "PART_WARNINGS_KEY",
-    "read_parts",
-    "read_position_parts",
-    "coerce",
-    "coerce_positions",
-    "consolidate",
-    "consolidate_positions",
-    "empty_table",
-    "empty_positions",
+    "read_manifest",
 ]
 
 MANIFEST = "manifest.json"
-#: subfolder of a parts folder where unreadable parts are set aside
-CORRUPT_DIR = "corrupt"
-_PART_PREFIX, _PART_SUFFIX = "part-", ".parquet"
-_POSITIONS_PREFIX = "positions-"
-_STR_COLUMNS = ("model", "image", "mask", "estimator", "params", "label", "dtype")
-_INT_COLUMNS = ("layer", "head", "tokens", "num_samples", "replicates", "seed", "position_lo", "position_hi", "queries")
-_BOOL_COLUMNS = ("random", "promise_broken")
-#: the sweep table's columns whose dtype differs from the per-position table's column of the same name: the table's
-#: ``queries`` is the query selection (``"all"``, ``"last:64"``), the per-position table's the count in a bucket
-_TABLE_STR_COLUMNS = ("queries",)
-#: what a table written before a column existed holds in it: every query was measured, and no promise was checked
-_ABSENT = {"queries": "all", "promise_broken": False}
-#: the key of a part's Parquet schema metadata under which the warnings its unit raised are stored (JSON: a list of
-#: ``[category, message]``, one per time raised)
-PART_WARNINGS_KEY = b"randattn_warnings"
+
+#: the names that moved to randattn.results (the table, its parts and its metadata): old name -> module there
+_MOVED = {
+    "CORRUPT_DIR": "parts", "CorruptPartWarning": "parts", "PART_WARNINGS_KEY": "parts",
+    "stored_unit_ids": "parts", "unit_id_of": "parts", "write_part": "parts", "read_part_warnings": "parts",
+    "read_parts": "parts", "read_position_parts": "parts", "unreadable_parts": "parts",
+    "set_aside_unreadable": "parts", "coerce": "schema", "coerce_positions": "schema", "consolidate": "schema",
+    "consolidate_positions": "schema", "empty_table": "schema", "empty_positions": "schema",
+    "OUTPUT_FORMATS": "table",
+}
 
 
-#: the suffixes a sweep's table can be written as
-OUTPUT_FORMATS = (".parquet", ".csv", ".json")
+def __getattr__(name: str) -> Any:
+    """The names that moved to :mod:`randattn.results`, still answered here with a ``DeprecationWarning``."""
+    if name in _MOVED:
+        from importlib import import_module
+
+        warnings.warn(f"randattn.analysis.store.{name} is deprecated: use randattn.results.{name} (the results "
+                      "table, its parts and its metadata live in randattn.results)", DeprecationWarning, stacklevel=2)
+        return getattr(import_module(f"randattn.results.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class OutputRuleError(ValueError):
@@ -290,27 +269,6 @@ class SweepLockedError(RuntimeError):
         return self.what if self.holder is None else f"{self.what}; wait for it to finish, or write to another output"
 
 
-class CorruptPartWarning(UserWarning):
-    """A stored part could not be read: it was set aside and its unit runs again."""
-
-
-@contextmanager
-def named_write_errors(path: str | os.PathLike) -> Iterator[None]:
-    """Re-raise an ``OSError`` of the block as one whose ``filename`` is ``path`` (the file the caller asked for).
-
-    The writers are atomic (:func:`randattn._files.atomic_path`): their errors name a temporary file beside
-    ``path``, or no file at all (pyarrow, pandas), while ``path`` itself is left as it was. The errno is kept, so
-    a caller can tell a full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``) from other failures.
-    """
-    try:
-        yield
-    except OSError as exc:
-        if exc.filename == str(path):
-            raise
-        reason = os.strerror(exc.errno) if exc.errno else (exc.strerror or str(exc))
-        raise OSError(exc.errno, reason, str(path)) from exc
-
-
 # ------------------------------------------------------------------------------------------------------------ lock
 def _lock_paths(target: Path) -> tuple[Path, Path]:
     return target.with_name(f".{target.name}.lock"), target.with_name(f".{target.name}.owner.json")
@@ -425,7 +383,7 @@ def _owner(owner_path: Path) -> str:
         return "process unknown"
 
 
-# ------------------------------------------------------------------------------------------------------------ parts
+# ------------------------------------------------------------------------------------------------------------ manifest
 def prepare_parts_dir(parts_dir: str | os.PathLike, manifest: Mapping[str, Any], resume: bool,
                       resume_hint: str = "resume=True") -> None:
     """Create ``parts_dir`` with its manifest, or check the stored manifest when resuming.
@@ -444,7 +402,7 @@ def prepare_parts_dir(parts_dir: str | os.PathLike, manifest: Mapping[str, Any],
     """
     parts_dir = Path(parts_dir)
     path = parts_dir / MANIFEST
-    if stored_unit_ids(parts_dir):
+    if _stored_unit_ids(parts_dir):
         if not resume:
             raise PartsExistError(parts_dir, resume_hint)
         old = read_manifest(parts_dir)
@@ -490,262 +448,11 @@ def read_manifest(parts_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return manifest
 
 
-def unit_id_of(path: str | os.PathLike) -> str:
-    """The unit id of a part or per-position part: ``part-<id>.parquet`` or ``positions-<id>.parquet`` -> ``<id>``."""
-    name = Path(path).name
-    prefix = _POSITIONS_PREFIX if name.startswith(_POSITIONS_PREFIX) else _PART_PREFIX
-    return name[len(prefix) : -len(_PART_SUFFIX)]
-
-
-def stored_unit_ids(parts_dir: str | os.PathLike) -> set[str]:
-    """Ids of the units whose part is complete in ``parts_dir`` (temporary files are not parts)."""
-    parts_dir = Path(parts_dir)
-    if not parts_dir.is_dir():
-        return set()
-    return {p.name[len(_PART_PREFIX) : -len(_PART_SUFFIX)] for p in parts_dir.glob(f"{_PART_PREFIX}*{_PART_SUFFIX}")}
-
-
-def write_part(parts_dir: str | os.PathLike, uid: str, rows: Sequence[Mapping[str, Any]],
-               positions: Sequence[Mapping[str, Any]] | None = None,
-               unit_warnings: Sequence[tuple[str, str]] = ()) -> Path:
-    """Write one unit's rows as ``part-<uid>.parquet``, atomically; its per-position rows first, if any.
-
-    By pyarrow directly: pandas' ``to_parquet`` took 4.6 ms a part against 1.5 ms (W1 writes
-    about 2,400 parts); ``read_parts`` reads back the same dtypes and values. The warnings the
-    unit raised go into the part's schema metadata (:data:`PART_WARNINGS_KEY`), so that they
-    live and die with its rows: a resumed run reports those of the units an earlier process
-    computed (:func:`read_part_warnings`).
-
-    Parameters
-    ----------
-    parts_dir : path
-    uid : str
-        The unit's id.
-    rows : sequence of dict
-        The unit's rows (:data:`~randattn.analysis.execute.COLUMNS`).
-    positions : sequence of dict, optional
-        Its per-position rows (:data:`~randattn.analysis.positions.POSITION_COLUMNS`), written as
-        ``positions-<uid>.parquet`` before the part (module docstring).
-    unit_warnings : sequence of (category, message)
-        Every warning the unit raised, one pair per time it was raised
-        (:func:`~randattn.analysis.execute.run_recording`).
-    """
-    if positions is not None:
-        _write_rows(Path(parts_dir) / f"{_POSITIONS_PREFIX}{uid}{_PART_SUFFIX}", positions, POSITION_COLUMNS)
-    metadata = {PART_WARNINGS_KEY: json.dumps([list(w) for w in unit_warnings]).encode()}
-    return _write_rows(Path(parts_dir) / f"{_PART_PREFIX}{uid}{_PART_SUFFIX}", rows, COLUMNS, metadata)
-
-
-def read_part_warnings(parts_dir: str | os.PathLike, uids: Iterable[str]) -> dict[str, list[tuple[str, str]] | None]:
-    """The warnings stored with each of the units ``uids`` of ``parts_dir`` (:func:`write_part`).
-
-    Reads each part's footer only (about 0.3 ms a part).
-
-    Returns
-    -------
-    dict
-        unit id -> its ``(category, message)`` pairs, one per time raised; None for a part written
-        before parts recorded their warnings (what it raised is not known).
-    """
-    import pyarrow.parquet as pq
-
-    found: dict[str, list[tuple[str, str]] | None] = {}
-    for uid in uids:
-        metadata = pq.read_schema(Path(parts_dir) / f"{_PART_PREFIX}{uid}{_PART_SUFFIX}").metadata or {}
-        text = metadata.get(PART_WARNINGS_KEY)
-        found[uid] = None if text is None else [(str(c), str(m)) for c, m in json.loads(text)]
-    return found
-
-
-def _write_rows(path: Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
-                metadata: Mapping[bytes, bytes] | None = None) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pa.table({c: _column(c, [row[c] for row in rows], columns) for c in columns}, metadata=metadata)
-    with named_write_errors(path), atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
-    return path
-
-
-# ------------------------------------------------------------------------------------------------- unreadable parts
-def unreadable_parts(parts_dir: str | os.PathLike, *, full: bool = False) -> dict[Path, str]:
-    """Parts (and per-position parts) of ``parts_dir`` that cannot be read, with the reason.
-
-    Parameters
-    ----------
-    parts_dir : path
-    full : bool
-        Read every file whole (about 3 ms a part); by default only its Parquet footer (0.3 ms), which
-        finds a file cut short, empty or overwritten.
-    """
-    import pyarrow.parquet as pq
-
-    parts_dir = Path(parts_dir)
-    if not parts_dir.is_dir():
-        return {}
-    bad = {}
-    for path in sorted([*parts_dir.glob(f"{_PART_PREFIX}*{_PART_SUFFIX}"),
-                        *parts_dir.glob(f"{_POSITIONS_PREFIX}*{_PART_SUFFIX}")]):
-        try:
-            if full:
-                pq.read_table(path)
-            else:
-                pq.read_metadata(path)
-        except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-            bad[path] = (str(exc).splitlines() or [type(exc).__name__])[0]
-    return bad
-
-
-def set_aside_unreadable(parts_dir: str | os.PathLike, *, full: bool = False) -> list[dict[str, str]]:
-    """Move the parts of ``parts_dir`` that cannot be read into its ``corrupt/`` folder, so that their units run again.
-
-    A unit counts as stored when its part exists (module docstring): an unreadable per-position part
-    takes its unit's part aside too, so that the unit runs again and writes both.
-
-    Returns
-    -------
-    list of dict
-        One ``{"file", "moved_to", "reason"}`` per file moved (the reason: an unreadable one's error, or
-        ``"its per-position part is unreadable"``). Each is also warned about, as :class:`CorruptPartWarning`.
-    """
-    parts_dir = Path(parts_dir)
-    bad = unreadable_parts(parts_dir, full=full)
-    for path in list(bad):
-        if path.name.startswith(_POSITIONS_PREFIX):
-            part = path.with_name(f"{_PART_PREFIX}{unit_id_of(path)}{_PART_SUFFIX}")
-            if part.exists() and part not in bad:
-                bad[part] = "its per-position part is unreadable"
-    moved = []
-    for path, reason in bad.items():
-        aside = parts_dir / CORRUPT_DIR / path.name
-        for n in range(1, 1000):
-            if not aside.exists():
-                break
-            aside = parts_dir / CORRUPT_DIR / f"{path.name}.{n}"
-        with named_write_errors(aside):
-            aside.parent.mkdir(exist_ok=True)
-            os.replace(path, aside)
-        moved.append({"file": str(path), "moved_to": str(aside), "reason": reason})
-        warnings.warn(f"{str(path)!r} cannot be read ({reason}); set aside as {str(aside)!r}, its unit runs again",
-                      CorruptPartWarning, stacklevel=2)
-    return moved
-
-
-def _kind(name: str, columns: Sequence[str]) -> str:
-    """``"str"``, ``"int64"``, ``"bool"`` or ``"float64"``: the dtype of column ``name`` of a table of ``columns``."""
-    if name in _STR_COLUMNS or (name in _TABLE_STR_COLUMNS and tuple(columns) == tuple(COLUMNS)):
-        return "str"
-    return "int64" if name in _INT_COLUMNS else "bool" if name in _BOOL_COLUMNS else "float64"
-
-
-def _column(name: str, values: list, columns: Sequence[str] = COLUMNS):
-    """One column with the dtype :func:`coerce` gives it, built directly (coerce costs 6 ms a part)."""
-    import numpy as np
-
-    kind = _kind(name, columns)
-    if kind == "str":
-        return np.array([str(x) for x in values], dtype=object)
-    return np.array(values, dtype=bool if kind == "bool" else kind)
-
-
-def empty_table():
-    """A table with :data:`COLUMNS` and no rows."""
-    import pandas as pd
-
-    return coerce(pd.DataFrame({c: [] for c in COLUMNS}))
-
-
-def empty_positions():
-    """A per-position table with :data:`~randattn.analysis.positions.POSITION_COLUMNS` and no rows."""
-    import pandas as pd
-
-    return coerce_positions(pd.DataFrame({c: [] for c in POSITION_COLUMNS}))
-
-
-def read_parts(parts_dir: str | os.PathLike):
-    """All rows written so far under ``parts_dir`` (unsorted), as a DataFrame with :data:`COLUMNS`."""
-    return _read(parts_dir, _PART_PREFIX, coerce, empty_table)
-
-
-def read_position_parts(parts_dir: str | os.PathLike):
-    """All per-position rows written so far under ``parts_dir`` (unsorted), with :data:`POSITION_COLUMNS`."""
-    return _read(parts_dir, _POSITIONS_PREFIX, coerce_positions, empty_positions)
-
-
-def _read(parts_dir, prefix: str, coerce_frame, empty):
-    import pandas as pd
-
-    paths = sorted(Path(parts_dir).glob(f"{prefix}*{_PART_SUFFIX}"))
-    if not paths:
-        return empty()
-    import pyarrow as pa
-    import pyarrow.dataset as ds
-
-    try:  # one multi-threaded read: W1's 768 parts of a process in 0.6 s instead of 2.4 s file by file
-        return coerce_frame(ds.dataset([str(p) for p in paths], format="parquet").to_table().to_pandas())
-    except (pa.ArrowInvalid, pa.ArrowTypeError):  # parts whose schemas differ (written by another version)
-        return coerce_frame(pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True))
-
-
-def coerce(frame):
-    """Column dtypes of the sweep table (the same whether built in memory or read from parts).
-
-    A table written before masks existed has no ``mask`` column: its rows were bidirectional (``"none"``).
-    """
-    return _coerce(frame, COLUMNS)
-
-
-def coerce_positions(frame):
-    """Column dtypes of the per-position table (:data:`~randattn.analysis.positions.POSITION_COLUMNS`)."""
-    return _coerce(frame, POSITION_COLUMNS)
-
-
-def _coerce(frame, columns: Sequence[str]):
-    frame = frame.reindex(columns=list(columns)).copy()
-    frame["mask"] = frame["mask"].fillna("none")  # rows written before masks existed were bidirectional
-    for c, value in _ABSENT.items():  # rows written before the column existed
-        if tuple(columns) == tuple(COLUMNS):
-            frame[c] = frame[c].astype(object).where(frame[c].notna(), value)
-    for c in columns:
-        kind = _kind(c, columns)
-        frame[c] = frame[c].astype(kind if kind != "str" else str)
-    return frame
-
-
-def consolidate(table, estimator_labels: Sequence[str], image_names: Sequence[str] = ()):
-    """The canonical table: duplicates dropped, sorted by layer, estimator, S, image, head."""
-    return _consolidate(coerce(table), [], estimator_labels, image_names)
-
-
-def consolidate_positions(positions, estimator_labels: Sequence[str], image_names: Sequence[str] = ()):
-    """The canonical per-position table: as :func:`consolidate`, then by bucket."""
-    return _consolidate(coerce_positions(positions), ["position_lo"], estimator_labels, image_names)
-
-
-def _consolidate(table, extra: list[str], estimator_labels: Sequence[str], image_names: Sequence[str]):
-    keys = ["layer", "label", "num_samples", "image", "head", *extra]
-    table = table.drop_duplicates(subset=keys, keep="first")
-    est_order = {label: i for i, label in enumerate(estimator_labels)}
-    image_order = {name: i for i, name in enumerate(image_names)}
-    order = table.assign(
-        _est=table["label"].map(est_order),
-        _img=table["image"].map(image_order) if image_order else 0,
-    ).sort_values(["layer", "_est", "num_samples", "_img", "head", *extra], kind="stable")
-    return order.drop(columns=["_est", "_img"]).reset_index(drop=True)
-
-
 # ------------------------------------------------------------------------------------------------------------ output
-def parts_path(out: str | os.PathLike) -> Path:
-    """The parts folder of the table ``out``: ``mse.parquet`` -> ``mse.parquet.parts``."""
-    out = Path(out)
-    return out.with_name(out.name + ".parts")
-
-
 def check_output_path(out: str | os.PathLike, *, look_only: bool = False) -> Path:
-    """Check that ``out`` can name a table: its suffix (:data:`OUTPUT_FORMATS`) and, with ``look_only``, that it
-    is not a folder and its nearest existing folder is one this process can write to (without writing, as a
-    dry run must).
+    """Check that ``out`` can name a table: its suffix (:data:`~randattn.results.OUTPUT_FORMATS`) and, with
+    ``look_only``, that it is not a folder and its nearest existing folder is one this process can write to
+    (without writing, as a dry run must).
 
     Raises
     ------
@@ -753,8 +460,8 @@ def check_output_path(out: str | os.PathLike, *, look_only: bool = False) -> Pat
         It names the path and what is wrong.
     """
     out = Path(out)
-    if out.suffix.lower() not in OUTPUT_FORMATS:
-        raise OutputPathError(out, f"unknown suffix {out.suffix!r}; use one of {', '.join(OUTPUT_FORMATS)}")
+    if out.suffix.lower() not in _OUTPUT_FORMATS:
+        raise OutputPathError(out, f"unknown suffix {out.suffix!r}; use one of {', '.join(_OUTPUT_FORMATS)}")
     if not look_only:
         return out
     if out.is_dir():
@@ -776,12 +483,12 @@ def check_manifest(parts: str | os.PathLike) -> None:
         The manifest is missing or damaged; it names the file and what is wrong (``force`` starts afresh, and
         the finished units are lost).
     """
-    if stored_unit_ids(parts):
+    if _stored_unit_ids(parts):
         read_manifest(parts)
 
 
 def _stored_identity(out: Path):
-    sidecar = out.with_name(out.name + ".meta.json")
+    sidecar = sidecar_path(out)
     try:
         return json.loads(sidecar.read_text())["config_identity"]
     except (OSError, ValueError, KeyError):
@@ -822,13 +529,13 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
     """
     out = Path(out)
     parts = parts_path(out)
-    if parts.exists() and not stored_unit_ids(parts) and not resume and not dry_run:
+    if parts.exists() and not _stored_unit_ids(parts) and not resume and not dry_run:
         shutil.rmtree(parts, ignore_errors=True)  # a run stopped before its first unit: nothing to keep
     if force:
         if not dry_run:
             shutil.rmtree(parts, ignore_errors=True)
         return False
-    if stored_unit_ids(parts):
+    if _stored_unit_ids(parts):
         if not resume:
             raise OutputExistsError(out, parts, unfinished=True)
         check_manifest(parts)
@@ -845,7 +552,7 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
 
 def drop_empty_parts(parts: str | os.PathLike) -> None:
     """Remove a parts folder that holds no finished unit (only its manifest): there is nothing to resume."""
-    if Path(parts).is_dir() and not stored_unit_ids(parts):
+    if Path(parts).is_dir() and not _stored_unit_ids(parts):
         shutil.rmtree(parts, ignore_errors=True)
 
 
@@ -856,11 +563,11 @@ def kept_message(parts: str | os.PathLike | None, resume_command: str, then: str
     What a failed run kept, to end its message; an empty parts folder is removed (:func:`drop_empty_parts`).
     """
     warnings.warn("randattn.analysis.store.kept_message is deprecated: what a stopped run kept is said by the command "
-                  "line (randattn.cli._errors.kept_message); stored_unit_ids(parts) tells a Python caller",
+                  "line (randattn.cli._errors.kept_message); _stored_unit_ids(parts) tells a Python caller",
                   DeprecationWarning, stacklevel=2)
     if parts is None:
         return "; nothing was kept (no --out)"
-    if stored_unit_ids(parts):
+    if _stored_unit_ids(parts):
         how = "" if then is None else f"; {then}, continue with: {resume_command}"
         return f"; finished units are kept in {parts} for --resume{how}"
     drop_empty_parts(parts)

@@ -14,23 +14,9 @@ import numpy as np
 
 from randattn.analysis.plan import EstimatorConfig, Unit
 from randattn.analysis.positions import bucket_metrics, bucket_query_slices
-from randattn.analysis.relative_error import RELATIVE_ERROR_COLUMNS
+from randattn.results.schema import COLUMNS, KEYS_USED_COLUMNS, RELATIVE_ERROR_COLUMNS  # the table's schema
 
 __all__ = ["COLUMNS", "KEYS_USED_COLUMNS", "keys_used_columns", "output_metrics", "position_rows", "table_rows"]
-
-#: what the keys-used columns hold: the mean over the measured queries and the replicates of the distinct keys each
-#: query's estimate reads (:attr:`~randattn.estimators.base.EstimatorSpec.keys_used`), its standard error over the
-#: replicates, its largest value, and the mean divided by the mean number of keys the measured queries see
-KEYS_USED_COLUMNS: tuple[str, ...] = ("keys_used", "keys_used_se", "keys_used_max", "keys_fraction")
-
-#: the sweep table's columns, in order (plotting code relies on these names); the columns after ``sink_mass`` were
-#: appended later, so that a table's earlier columns keep their places
-COLUMNS: tuple[str, ...] = (
-    "model", "image", "layer", "head", "tokens", "mask", "estimator", "params", "label", "num_samples", "replicates",
-    "random", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
-    "ess_mean", "delta_var_ratio", "pareto_khat", "dtype", "ref_max_abs_dev", "seconds", "seed", "sink_mass",
-    "queries", *KEYS_USED_COLUMNS, *RELATIVE_ERROR_COLUMNS,
-)
 
 
 def keys_used_columns(per_query_mean: np.ndarray | None, per_query_max: np.ndarray | None, *, random: bool,

@@ -25,8 +25,8 @@ from randattn.analysis.store import (
     OutputPathError,
     PartsExistError,
     SweepLockedError,
-    stored_unit_ids,
 )
+from randattn.results.parts import stored_unit_ids
 
 __all__ = ["kept_message", "option_of", "out_of_memory", "resume_command", "said"]
 

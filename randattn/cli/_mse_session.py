@@ -3,7 +3,8 @@ lock, the plan printed, the sweep run with a progress bar (in this process or on
 can stop mapped to a message and an exit code (README: 0, 1, 2, 130, 143).
 
 The computation is not here: the plan and the sweep are :mod:`randattn.analysis.sweep`, the output's rules
-:mod:`randattn.analysis.store`, the metadata :mod:`randattn.analysis.records`, and what is shown is built by
+:mod:`randattn.analysis.store`, the table, its parts and its files :mod:`randattn.results`, the metadata
+:mod:`randattn.analysis.records`, and what is shown is built by
 :mod:`randattn.reports.console`. This module calls them, prints, and maps their errors to exit codes; the
 errors' words, with the options that act on them, are :mod:`randattn.cli._errors`.
 """
@@ -91,6 +92,7 @@ def preflight(outs: Sequence[Path | None], scheduler: str, *, resume: bool, forc
     said before anything is loaded. Returns the parsed scheduler."""
     from randattn.analysis import store
     from randattn.analysis.executors import parse_scheduler
+    from randattn.results.parts import parts_path
     from randattn.cli._common import abort
     from randattn.cli._errors import said
 
@@ -102,7 +104,7 @@ def preflight(outs: Sequence[Path | None], scheduler: str, *, resume: bool, forc
         where = parse_scheduler(scheduler)
         if resume:
             for out in outs:
-                store.check_manifest(store.parts_path(out))
+                store.check_manifest(parts_path(out))
     except ValueError as exc:
         abort(said(exc))
     return where
@@ -116,6 +118,7 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
     the memory budget), before the first unit is computed; then the jobs run in order."""
     from randattn.analysis import store
     from randattn.cli._common import UserError, abort, err_console, no_space_message, writable_output
+    from randattn.results.parts import parts_path
     from randattn.cli._errors import kept_message, said
 
     several = len(jobs) > 1
@@ -155,7 +158,7 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                     client = held.enter_context(_client(where, jobs[0].config.threads))
             except KeyboardInterrupt as exc:  # nothing computed yet; a resumed run's kept units are said
                 out = None if current is None else current.out
-                _interrupted(exc, None if out is None else store.parts_path(out), None)
+                _interrupted(exc, None if out is None else parts_path(out), None)
             summaries: dict[str, Any] = {}
             show = "table" if not as_json else "none" if several else "json"
             written: list[Path] = []
@@ -166,7 +169,7 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                     _said_complete(job.out)
                     summaries[str(job.source)] = _finish_stored(job, show)
                     continue
-                parts = None if job.out is None else store.parts_path(job.out)
+                parts = None if job.out is None else parts_path(job.out)
                 try:
                     tables = _run(job, parts, resume, where, client, several)
                     summaries[str(job.source)] = _finish(tables, job, job.out, show)
@@ -224,13 +227,14 @@ def _resume() -> str:
 def _plan(job: Job, resume: bool, where: Any, *, timing: bool = False):
     """Plan the sweep (:func:`~randattn.analysis.sweep.plan_sweep`), print it, and refuse (exit 2) one that cannot
     fit the memory budget. Writes nothing."""
-    from randattn.analysis import store, sweep
+    from randattn.analysis import sweep
     from randattn.cli._common import abort, err_console
     from randattn.cli._errors import said
     from randattn.reports.console import plan_lines
     from randattn.reports.tables import item_noun
+    from randattn.results.parts import parts_path
 
-    parts = None if job.out is None else store.parts_path(job.out)
+    parts = None if job.out is None else parts_path(job.out)
     try:
         plan = sweep.plan_sweep(job.activations, job.config, parts_dir=parts, resume=resume, timing=timing)
     except ValueError as exc:
@@ -245,17 +249,18 @@ def _plan(job: Job, resume: bool, where: Any, *, timing: bool = False):
 
 def _run(job: Job, parts: Path | None, resume: bool, where: Any, client: Any, several: bool):
     """Run ``job``'s sweep with a progress bar (on ``client``, a Dask client, where not None); its
-    :class:`~randattn.analysis.sweep.SweepTables`. Ctrl-C and SIGTERM propagate (the command says what was kept)."""
+    :class:`~randattn.results.SweepTables`. Ctrl-C and SIGTERM propagate (the command says what was kept)."""
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from randattn.analysis import sweep
     from randattn.analysis.cell_memory import MemoryBudgetError, format_bytes
     from randattn.analysis.memory import allocation_failure
-    from randattn.analysis.store import CorruptPartWarning, ResumeMismatchError
+    from randattn.analysis.store import ResumeMismatchError
     from randattn.cli._common import abort, err_console
     from randattn.cli._errors import kept_message, out_of_memory, said
     from randattn.reports.console import warning_lines
+    from randattn.results.parts import CorruptPartWarning
 
     config, plan = job.config, job.plan
     budget = format_bytes(config.max_memory)
@@ -329,9 +334,10 @@ def _interrupted(exc: BaseException, parts, plan, written: Sequence[Path] = ()) 
     ``written``: the outputs of the files this run finished before (several files)."""
     from rich.markup import escape
 
-    from randattn.analysis.store import drop_empty_parts, stored_unit_ids
+    from randattn.analysis.store import drop_empty_parts
     from randattn.cli._common import err_console, interrupt_exit_code
     from randattn.reports.console import interrupted_text
+    from randattn.results.parts import stored_unit_ids
 
     stored = stored_unit_ids(parts) if parts is not None else set()
     if parts is not None and not stored:
@@ -349,9 +355,8 @@ def _interrupted(exc: BaseException, parts, plan, written: Sequence[Path] = ()) 
 def _finish_stored(job: Job, show: str) -> list[dict[str, Any]]:
     """Show the table a finished run of the same settings left in ``job.out`` (``--resume`` with nothing to do);
     its summary records."""
-    from randattn.analysis.store import coerce
-    from randattn.analysis.sweep import SweepTables
-    from randattn.reports.tables import read_results
+    from randattn.results.schema import coerce
+    from randattn.results.table import SweepTables, read_results
 
     return _finish(SweepTables(coerce(read_results(job.out).table)), job, None, show)
 
@@ -365,9 +370,9 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
     (:func:`~randattn.analysis.relative_error.budget_summary`) and ``broken_promises``: a record per head whose
     promise demonstrably fails (:func:`~randattn.analysis.relative_error.broken_promises`), shown on the
     terminal as a red line each."""
+    from randattn.analysis.aggregation import aggregate
     from randattn.analysis.records import reference_check_summary, table_metadata
     from randattn.analysis.relative_error import broken_promises, budget_summary
-    from randattn.analysis.sweep import aggregate, positions_path, table_records, write_tables
     from randattn.cli._common import err_console, out_console
     from randattn.reports.console import (
         broken_promise_lines,
@@ -377,6 +382,7 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
         summary_table,
     )
     from randattn.reports.tables import item_noun
+    from randattn.results.table import positions_path, table_records, write_tables
 
     config, activations = job.config, job.activations
     table = tables.table
@@ -387,11 +393,11 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
         if tables.positions is not None:
             err_console.print(f"wrote {len(tables.positions)} per-position rows to [bold]{positions_path(out)}[/]",
                               highlight=False)
-    check = reference_check_summary(table)
-    if check is not None:
-        err_console.print(reference_check_line(check), highlight=False)
+    check = reference_check_summary(table)  # what is measured of the table, before any of it is shown
     budget = budget_summary(table)
     broken = broken_promises(table)
+    if check is not None:
+        err_console.print(reference_check_line(check), highlight=False)
     keys = [c for c in ("estimator", "label", "num_samples", "tokens", "mask") if c in summary.columns]
     records = table_records(summary.merge(budget, on=keys, how="left"))
     group = ("label", "num_samples", "tokens", "mask")

@@ -70,7 +70,7 @@ def _draw(results, kinds, chosen, out_dir, fmt, label, num_samples, dpi) -> None
     from pathlib import Path
 
     from randattn.reports.figures import feature_variants_left_out, make_figure, save_figure
-    from randattn.reports.tables import ResultsError, read_results
+    from randattn.results.table import ResultsError, read_results
 
     try:
         loaded = read_results(results)
@@ -84,7 +84,7 @@ def _draw(results, kinds, chosen, out_dir, fmt, label, num_samples, dpi) -> None
         source = loaded.table
         if kind in _POSITION_KINDS:
             if loaded.positions is None:
-                from randattn.analysis.sweep import positions_path
+                from randattn.results.table import positions_path
 
                 message = (f"no per-position table beside {results} (expected {positions_path(results)}); "
                            "randattn mse writes one under a mask (--mask causal) or with --position-buckets")

@@ -41,7 +41,7 @@ def _write(results, out_dir, name: str, dpi: int):
     import sys
 
     from randattn.reports.html import write_report
-    from randattn.reports.tables import ResultsError, read_results
+    from randattn.results.table import ResultsError, read_results
 
     try:
         loaded = read_results(results)

@@ -21,9 +21,9 @@ _HOMES = {
     "mse_vs_samples_figure": "figures",
     "position_figure": "figures",
     "save_figure": "figures",
-    "Results": "tables",
+    "Results": "randattn.results.table",
     "ResultsError": "tables",
-    "read_results": "tables",
+    "read_results": "randattn.results.table",
     "summary_table": "tables",
 }
 
@@ -34,7 +34,8 @@ def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    module = home if "." in home else f"{__name__}.{home}"  # the table itself is read by randattn.results
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 

@@ -984,7 +984,7 @@ FIGURE_KINDS: dict[str, Callable[..., Figure]] = {
     "heatmap": heatmap_figure,
     "features": features_figure,
 }
-#: ``--kind`` name -> figure function of a per-position table (:attr:`~randattn.reports.tables.Results.positions`)
+#: ``--kind`` name -> figure function of a per-position table (:attr:`~randattn.results.Results.positions`)
 POSITION_FIGURE_KINDS: dict[str, Callable[..., Figure]] = {
     "position": position_figure,
 }
@@ -998,7 +998,7 @@ def make_figure(kind: str, table: pd.DataFrame, **options: Any) -> Figure:
     kind : str
         ``"mse-vs-samples"``, ``"bias-variance"``, ``"heatmap"``, ``"features"`` or ``"position"``.
     table : pandas.DataFrame
-        A results table; for ``"position"``, a per-position table (:attr:`~randattn.reports.tables.Results.positions`).
+        A results table; for ``"position"``, a per-position table (:attr:`~randattn.results.Results.positions`).
     **options
         Passed to the figure function (``metadata``, ``labels``, ``label``, ``num_samples``, ...).
 

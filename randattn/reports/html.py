@@ -430,7 +430,7 @@ def positions_section(positions: pd.DataFrame, metadata: Mapping[str, Any] | Non
     Parameters
     ----------
     positions : pandas.DataFrame
-        A per-position table (:attr:`~randattn.reports.tables.Results.positions`).
+        A per-position table (:attr:`~randattn.results.Results.positions`).
     metadata : dict, optional
     dpi : int
 
@@ -702,7 +702,7 @@ def build_report(
     metadata : dict, optional
         Table metadata (shown in full; ``command`` is taken from it when not given).
     positions : pandas.DataFrame, optional
-        The run's per-position table (:attr:`~randattn.reports.tables.Results.positions`): adds the section
+        The run's per-position table (:attr:`~randattn.results.Results.positions`): adds the section
         on error by position (:func:`positions_section`).
     command : str, optional
         The exact command line that produced the results.

@@ -1,32 +1,29 @@
-"""Results tables for reporting: read, validate, aggregate over images, summarise.
+"""Results tables for reporting: validate, aggregate over images, summarise.
 
 A results table is the tidy long-format table written by ``randattn mse`` (one row per
-``(image, layer, head, estimator, params, num_samples)``). This module reads it back from CSV, Parquet or
-JSON, checks the columns a figure needs, and aggregates it the way LARA app. H.1 does: per
+``(image, layer, head, estimator, params, num_samples)``), read back by :func:`randattn.results.read_results`.
+This module checks the columns a figure needs, and aggregates it the way LARA app. H.1 does: per
 ``(layer, head, image)``, then the mean over heads and layers of each image, then the mean over images with a
 bootstrap confidence interval over images.
 
 A masked run also writes a per-position table beside its table
-(:func:`~randattn.analysis.sweep.positions_path`: ``mse.parquet`` -> ``mse.positions.parquet``; one row per
-cell and position bucket, :data:`~randattn.analysis.positions.POSITION_COLUMNS`); :func:`read_results` reads it
-into :attr:`Results.positions` and :func:`aggregate_positions` aggregates it the same way, per bucket.
+(:func:`~randattn.results.positions_path`: ``mse.parquet`` -> ``mse.positions.parquet``; one row per
+cell and position bucket, :data:`~randattn.results.POSITION_COLUMNS`); :func:`~randattn.results.read_results`
+reads it into :attr:`~randattn.results.Results.positions` and :func:`aggregate_positions` aggregates it the same
+way, per bucket.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 
-from randattn._callers import outside_stacklevel
-from randattn.analysis.positions import POSITION_COLUMNS
-from randattn.analysis.sweep import COLUMNS, positions_path
+from randattn.results.schema import COLUMNS, POSITION_COLUMNS
+from randattn.results.table import ResultsError
 
 __all__ = [
     "RESULT_COLUMNS",
@@ -34,9 +31,6 @@ __all__ = [
     "POSITION_COLUMNS",
     "POSITION_PLOT_COLUMNS",
     "ResultsError",
-    "MetadataConflictWarning",
-    "Results",
-    "read_results",
     "require_columns",
     "AGGREGATED_VALUES",
     "aggregate_over_images",
@@ -64,20 +58,6 @@ RESULT_COLUMNS: tuple[str, ...] = COLUMNS
 PLOT_COLUMNS: tuple[str, ...] = ("image", "layer", "head", "tokens", "estimator", "label", "num_samples", "mse")
 #: the columns the error-by-position figure needs of a per-position table
 POSITION_PLOT_COLUMNS: tuple[str, ...] = (*PLOT_COLUMNS, "position_lo", "position_hi")
-_READERS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".json": "json"}
-#: where table metadata may live beside the table: ``results.csv`` -> ``results.csv.meta.json`` (what
-#: :func:`randattn.analysis.sweep.write_table` writes) or ``results.meta.json``
-_SIDECAR_SUFFIXES = (".meta.json", ".metadata.json")
-_PARQUET_METADATA_KEYS = (b"randattn", b"randattn_metadata", b"metadata")
-
-
-class MetadataConflictWarning(UserWarning):
-    """A table's metadata stored in the file (Parquet, JSON) and in the ``.meta.json`` beside it differ; the
-    file's own is used."""
-
-
-class ResultsError(ValueError):
-    """A results file that cannot be read, or a table without the columns a figure or report needs."""
 
 
 # -------------------------------------------------------------------------------- what the registry says of a row
@@ -187,215 +167,6 @@ def exact_labels(table: pd.DataFrame) -> set[str]:
     return {label for label, value in exact.items() if value}
 
 
-@dataclass(frozen=True)
-class Results:
-    """A results table with the metadata stored beside it.
-
-    Attributes
-    ----------
-    table : pandas.DataFrame
-        One row per ``(image, layer, head, estimator, params, num_samples)``.
-    metadata : dict
-        Model, master seed, command line, randattn version, ... (empty when the file carried none).
-    path : pathlib.Path or None
-        Where the table was read from.
-    positions : pandas.DataFrame or None
-        The per-position table stored beside it (:func:`~randattn.analysis.sweep.positions_path`), when
-        there is one.
-    """
-
-    table: pd.DataFrame
-    metadata: dict[str, Any] = field(default_factory=dict)
-    path: Path | None = None
-    positions: pd.DataFrame | None = None
-
-
-def read_results(path: str | os.PathLike) -> Results:
-    """Read a results table (CSV, Parquet or JSON) and the metadata stored with it.
-
-    Parameters
-    ----------
-    path : str or path-like
-        ``.csv``, ``.parquet`` / ``.pq`` or ``.json``. JSON may be a list of row records, a pandas
-        ``orient="table"`` / ``"split"`` document, or an object ``{"metadata": {...}, "rows" | "results" |
-        "data": [...]}``. Parquet metadata is read from the schema key ``randattn``; a sidecar
-        ``<stem>.meta.json`` beside any format is read too.
-
-    Returns
-    -------
-    Results
-        With the per-position table beside it in :attr:`Results.positions`, when the run wrote one.
-
-    Raises
-    ------
-    ResultsError
-        The file does not exist, has an unknown suffix, cannot be parsed, or holds no rows; a measured column
-        (``mse``, ``variance``, ...) holds text that is not a number, or an error column (``mse``, ``variance``,
-        ``bias_sq``) an infinite value; or its per-position table cannot be read.
-    """
-    table, metadata, path = _read_one(path)
-    beside = positions_path(path)
-    positions = _read_one(beside)[0] if beside.is_file() and beside != path else None
-    return Results(table=table, metadata=metadata, path=path, positions=positions)
-
-
-def _read_one(path: str | os.PathLike) -> tuple[pd.DataFrame, dict[str, Any], Path]:
-    """One table file and its metadata (:func:`read_results` without what lies beside it)."""
-    path = Path(path)
-    kind = _READERS.get(path.suffix.lower())
-    if kind is None:
-        raise ResultsError(
-            f"cannot read results {str(path)!r}: unknown suffix {path.suffix!r}; use one of "
-            f"{', '.join(sorted(_READERS))}"
-        )
-    if not path.is_file():
-        raise ResultsError(f"cannot read results {str(path)!r}: no such file")
-    metadata: dict[str, Any] = {}
-    try:
-        if kind == "csv":
-            table = pd.read_csv(path)
-        elif kind == "parquet":
-            table, metadata = _read_parquet(path)
-        else:
-            table, metadata = _read_json(path)
-    except ResultsError:
-        raise
-    except (ValueError, OSError, UnicodeDecodeError, pd.errors.ParserError, ImportError) as exc:
-        raise ResultsError(f"cannot read results {str(path)!r} as {kind}: {exc}") from exc
-    if not isinstance(table, pd.DataFrame) or table.empty:
-        raise ResultsError(f"results {str(path)!r} hold no rows")
-    sidecar, sidecar_path = _read_sidecar(path)
-    differing = sorted(key for key in sidecar.keys() & metadata.keys()
-                       if json.dumps(sidecar[key], sort_keys=True) != json.dumps(metadata[key], sort_keys=True))
-    if differing:
-        shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
-        warnings.warn(f"{path}: {sidecar_path.name} differs from the metadata stored in the file ({shown}); the "
-                      "file's own is used (edit the metadata inside the file, or remove it to use the sidecar)",
-                      MetadataConflictWarning, stacklevel=outside_stacklevel())
-    metadata = {**sidecar, **metadata}
-    return _checked_values(_normalise_types(table), path), metadata, path
-
-
-def _read_parquet(path: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
-    table = pd.read_parquet(path)
-    metadata: dict[str, Any] = {}
-    try:
-        import pyarrow.parquet as pq
-
-        schema_metadata = pq.read_schema(path).metadata or {}
-    except ImportError:  # pandas may read parquet through fastparquet
-        schema_metadata = {}
-    for key in _PARQUET_METADATA_KEYS:
-        if key in schema_metadata:
-            try:
-                metadata = json.loads(schema_metadata[key])
-            except (ValueError, TypeError):
-                metadata = {}
-            break
-    if not metadata and table.attrs:
-        metadata = dict(table.attrs)
-    return table, metadata if isinstance(metadata, dict) else {}
-
-
-def _read_json(path: Path) -> tuple[pd.DataFrame, dict[str, Any]]:
-    with open(path, encoding="utf-8") as handle:
-        document = json.load(handle)
-    metadata: dict[str, Any] = {}
-    if isinstance(document, list):
-        return pd.DataFrame.from_records(document), metadata
-    if not isinstance(document, dict):
-        raise ResultsError(f"cannot read results {str(path)!r}: JSON must be a list of rows or an object")
-    if isinstance(document.get("metadata"), dict):
-        metadata = document["metadata"]
-    for key in ("rows", "results", "data", "table"):
-        rows = document.get(key)
-        if isinstance(rows, list):
-            if rows and not isinstance(rows[0], dict) and isinstance(document.get("columns"), list):
-                return pd.DataFrame(rows, columns=document["columns"]), metadata  # orient="split"
-            return pd.DataFrame.from_records(rows), metadata
-    # a column-oriented pandas document {"column": {"0": value, ...}, ...}
-    return pd.DataFrame(document), metadata
-
-
-def _read_sidecar(path: Path) -> tuple[dict[str, Any], Path | None]:
-    """The metadata in the sidecar beside ``path`` and the sidecar's path ({} and None without one)."""
-    # write_table writes ``results.csv.meta.json``; hand-made sidecars may drop the table's suffix
-    candidates = [path.with_name(path.name + suffix) for suffix in _SIDECAR_SUFFIXES]
-    candidates += [path.with_name(path.stem + suffix) for suffix in _SIDECAR_SUFFIXES]
-    for sidecar in candidates:
-        if sidecar.is_file():
-            try:
-                with open(sidecar, encoding="utf-8") as handle:
-                    value = json.load(handle)
-            except (OSError, ValueError):
-                return {}, sidecar
-            return (value if isinstance(value, dict) else {}), sidecar
-    return {}, None
-
-
-def _normalise_types(table: pd.DataFrame) -> pd.DataFrame:
-    table = table.copy()
-    if "random" in table:
-        # CSV round trips write booleans as text
-        table["random"] = table["random"].map(
-            lambda value: value if isinstance(value, (bool, np.bool_)) else str(value).strip().lower() in ("true", "1")
-        ).astype(bool)
-    for column in ("layer", "head", "tokens", "num_samples", "replicates", "position_lo", "position_hi", "queries"):
-        if column in table:
-            table[column] = pd.to_numeric(table[column], errors="coerce")
-    if "label" not in table and "estimator" in table:
-        table["label"] = table["estimator"]
-    for column in ("image", "label", "estimator", "model", "mask"):
-        if column in table:
-            table[column] = table[column].astype(str)
-    return table
-
-
-#: the measured columns: numbers, NaN where a value was not computed
-_NUMBER_COLUMNS = ("mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
-                   "ess_mean", "delta_var_ratio", "pareto_khat", "ref_max_abs_dev", "seconds", "sink_mass")
-#: the columns that are aggregated and drawn: finite as well (or NaN)
-_FINITE_COLUMNS = ("mse", "variance", "bias_sq")
-#: text that reads as a missing number
-_MISSING_TEXT = frozenset({"", "nan", "none", "null", "na", "n/a", "<na>"})
-
-
-def _where(row: pd.Series) -> str:
-    """Where a row of a results table was measured, for a message: ``"rfa at S = 16, layer 0, head 1"``."""
-    parts = [str(row["label"]) if "label" in row else None,
-             f"S = {row['num_samples']:g}" if "num_samples" in row and pd.notna(row["num_samples"]) else None]
-    return " at ".join(part for part in parts if part) or f"row {row.name}"
-
-
-def _checked_values(table: pd.DataFrame, path: Path) -> pd.DataFrame:
-    """``table`` with its measured columns as floats; text that is not a number, or an infinite error, raises
-    :class:`ResultsError` naming the file, the column and the first such row."""
-    for column in _NUMBER_COLUMNS:
-        if column not in table or pd.api.types.is_numeric_dtype(table[column]):
-            continue
-        values = table[column]
-        numbers = pd.to_numeric(values, errors="coerce")
-        missing = values.isna() | values.astype(str).str.strip().str.lower().isin(_MISSING_TEXT)
-        bad = numbers.isna() & ~missing
-        if bad.any():
-            first = table[bad].iloc[0]
-            raise ResultsError(
-                f"results {str(path)!r}: column {column!r} holds {int(bad.sum())} value(s) that are not numbers, "
-                f"e.g. {values[bad].iloc[0]!r} ({_where(first)})"
-            )
-        table[column] = numbers.astype(float)
-    for column in _FINITE_COLUMNS:
-        if column in table:
-            infinite = np.isinf(table[column].to_numpy(dtype=float))
-            if infinite.any():
-                first = table[infinite].iloc[0]
-                raise ResultsError(
-                    f"results {str(path)!r}: column {column!r} holds {int(infinite.sum())} infinite value(s), e.g. "
-                    f"{first[column]} ({_where(first)}); an error must be a finite number, or NaN where not computed"
-                )
-    return table
-
-
 def require_columns(table: pd.DataFrame, columns: Iterable[str], what: str) -> None:
     """Raise :class:`ResultsError` naming the columns of ``columns`` that ``table`` lacks.
 
@@ -501,7 +272,7 @@ def aggregate_over_images(
 ) -> pd.DataFrame:
     """Mean over heads and layers of each image, then over images with a bootstrap CI (LARA app. H.1).
 
-    A thin adapter over :func:`randattn.analysis.sweep.aggregate` (the one definition of the aggregation)
+    A thin adapter over :func:`randattn.analysis.aggregation.aggregate` (the one definition of the aggregation)
     that renames its interval columns, adds ``n_images`` and ``random``, and sorts labels for display.
 
     Parameters
@@ -530,7 +301,7 @@ def aggregate_over_images(
     With few images (two in the default demo) the percentile interval over images is narrow and is a
     spread rather than a calibrated interval.
     """
-    from randattn.analysis.sweep import aggregate
+    from randattn.analysis.aggregation import aggregate
 
     unknown = [value for value in values if value not in AGGREGATED_VALUES]
     if unknown:
@@ -576,7 +347,7 @@ def aggregate_positions(
         it) with ``estimator``, ``mse``, ``mse_ci_low``, ``mse_ci_high`` and the same for ``bias_sq`` and
         ``variance``, ``units``, ``ci_over``; labels in display order, then buckets in order.
     """
-    from randattn.analysis.sweep import aggregate
+    from randattn.analysis.aggregation import aggregate
 
     require_columns(positions, [*POSITION_PLOT_COLUMNS, "bias_sq", "variance"], "the aggregation by position")
     result = aggregate(positions, level=confidence, n_boot=n_boot, seed=seed, by=("position_lo", "position_hi"))
@@ -766,3 +537,18 @@ def _compact_ints(values: Sequence[int]) -> str:
     if len(values) > 3 and list(values) == list(range(values[0], values[-1] + 1)):
         return f"{values[0]}-{values[-1]}"
     return ", ".join(map(str, values))
+
+
+#: the names that moved to :mod:`randattn.results` (reading the table and its metadata is the table's owner's)
+_MOVED = ("MetadataConflictWarning", "Results", "read_results")
+
+
+def __getattr__(name: str) -> Any:
+    """The reading of a results table, moved to :mod:`randattn.results`, answered with a ``DeprecationWarning``."""
+    if name in _MOVED:
+        import randattn.results
+
+        warnings.warn(f"randattn.reports.tables.{name} is deprecated: use randattn.results.{name}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(randattn.results, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

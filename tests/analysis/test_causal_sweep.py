@@ -255,7 +255,7 @@ def test_an_interrupted_masked_sweep_resumes_to_the_same_positions(acts, tmp_pat
 
 
 def test_parts_written_before_masks_read_back_as_bidirectional(acts, tmp_path):
-    from randattn.analysis.store import read_parts, write_part
+    from randattn.results import read_parts, write_part
 
     rows = run_sweep(acts, _config(mask=None, layers=(0,))).drop(columns="mask").to_dict("records")
     old = pd.DataFrame(rows[:4])

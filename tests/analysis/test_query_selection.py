@@ -229,7 +229,7 @@ def test_a_table_from_before_the_new_columns_reads_as_all_queries_no_promise():
     """The golden table was written before the columns existed: every query measured, no promise checked."""
     from pathlib import Path
 
-    from randattn.analysis.store import coerce
+    from randattn.results import coerce
 
     old = pd.read_parquet(Path(__file__).resolve().parents[1] / "data" / "golden-sweep.table.parquet")
     assert "queries" not in old.columns

@@ -12,17 +12,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from randattn.analysis import store
-from randattn.analysis.store import (
-    CorruptPartWarning,
-    SweepLockedError,
-    prepare_parts_dir,
-    read_manifest,
-    set_aside_unreadable,
-    stored_unit_ids,
-    sweep_lock,
-    write_part,
-)
+from randattn.analysis.store import SweepLockedError, prepare_parts_dir, read_manifest, sweep_lock
+from randattn.results import CorruptPartWarning, set_aside_unreadable, stored_unit_ids, write_part
+from randattn.results import schema as store
 
 
 def _row(uid: str) -> dict:
@@ -123,7 +115,7 @@ def test_a_part_keeps_its_units_warnings_beside_unchanged_rows(tmp_path):
     """Each time raised, in order; a part without them (written before parts kept them) reads as None: unknown."""
     import pyarrow.parquet as pq
 
-    from randattn.analysis.store import read_part_warnings, read_parts
+    from randattn.results import read_part_warnings, read_parts
 
     raised = [("NonPositiveDenominatorWarning", "some queries"), ("NonPositiveDenominatorWarning", "some queries"),
               ("DiagnosticsSkippedWarning", "no mask")]
@@ -207,7 +199,7 @@ def test_a_failed_part_write_names_the_part_not_its_temporary_file(tmp_path, mon
 @pytest.mark.parametrize("failing", ["x.parquet.meta.json", "x.positions.parquet", "x.positions.parquet.meta.json"])
 def test_the_tables_are_written_all_or_nothing(tmp_path, monkeypatch, failing):
     """A write that fails (the metadata sidecar, the per-position table) leaves every earlier output as it was."""
-    import randattn.analysis.sweep as sweep
+    import randattn.results.table as sweep
     from randattn.analysis.positions import POSITION_COLUMNS
 
     table = pd.DataFrame([_row("L0-a")])

@@ -21,7 +21,7 @@ from randattn.analysis.sweep import (
     run_sweep,
     write_table,
 )
-from randattn.analysis.store import stored_unit_ids
+from randattn.results import stored_unit_ids
 
 
 @pytest.fixture
@@ -487,7 +487,7 @@ def test_probability_rounding_test_on_hand_computed_rows():
 def test_parts_of_differing_schemas_are_read_back(acts, tmp_path):
     """A part written by another version (here: pandas, with ``layer`` as float) joins the others: the
     multi-threaded read falls back to reading file by file, and the table keeps its dtypes."""
-    from randattn.analysis.store import read_parts, write_part
+    from randattn.results import read_parts, write_part
 
     rows = _without_time(run_sweep(acts, _config(layers=(0,)))).assign(seconds=0.0).to_dict("records")
     write_part(tmp_path, "a", rows[:4])

@@ -157,7 +157,7 @@ def test_dry_run_plans_every_file_and_writes_nothing(files, tmp_path):
 def test_an_interrupted_run_resumes_skipping_finished_files_to_the_single_file_tables(files, tmp_path, monkeypatch):
     """In process: Ctrl-C while b's third unit is written (a's table written, two of b's units kept); --resume then
     leaves a's table alone and ends b's equal to its run alone. The same with a real SIGINT: test_faults.py."""
-    from randattn.analysis import sweep
+    from randattn.analysis import sweep_run as sweep  # the run writes each unit's part
 
     a, b = files
     alone = _invoke(b, *SWEEP, "--out", tmp_path / "alone" / "b.parquet")

@@ -141,8 +141,8 @@ def children(acts, reference, stopped_parts, tmp_path_factory):
         "corrupt": _spawn("mse", acts, *SWEEP, "--out", outs["corrupt"], "--resume"),
         "manifest": _spawn("mse", acts, *SWEEP, "--out", outs["manifest"], "--resume"),
         "dry": _spawn("mse", acts, *SWEEP, "--out", outs["dry"], "--dry-run",
-                      hook={"forbid": ["randattn.analysis.sweep:run_sweep", "randattn.analysis.sweep:write_tables",
-                                       "randattn.analysis.store:write_part", "randattn.analysis.store:sweep_lock",
+                      hook={"forbid": ["randattn.analysis.sweep:run_sweep", "randattn.results.table:write_tables",
+                                       "randattn.analysis.sweep_run:write_part", "randattn.analysis.store:sweep_lock",
                                        "randattn.analysis.store:prepare_parts_dir"]}),
     }
     outs.update(plot=figures, corrupt_parts=first, garbage_part=second)

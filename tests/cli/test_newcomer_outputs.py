@@ -103,8 +103,8 @@ main()
 #: what computing means for each command: a refusal must come before it
 _COMPUTE = {
     "capture": ["randattn.activations.dinov2:Dinov2Onnx", "randattn.activations.images:load_images"],
-    "plot": ["randattn.reports.tables:read_results", "randattn.reports.figures:make_figure"],
-    "report": ["randattn.reports.tables:read_results", "randattn.reports.html:write_report"],
+    "plot": ["randattn.results.table:read_results", "randattn.reports.figures:make_figure"],
+    "report": ["randattn.results.table:read_results", "randattn.reports.html:write_report"],
     "demo": ["randattn.workflows.demo:run_demo"],
     "demo-lm": ["randattn.workflows.demo_lm:run_demo_lm"],
 }

@@ -110,7 +110,8 @@ def test_demo_lm_summary_calls_them_sequences(lm_results, capsys):
 @pytest.mark.slow  # draws the report's figures: about 5 s
 def test_report_and_figures_on_text_sequences_call_them_sequences(lm_results):
     from randattn.reports.figures import mse_vs_samples_figure
-    from randattn.reports.tables import describe_data, read_results
+    from randattn.reports.tables import describe_data
+    from randattn.results import read_results
 
     _, out, folder = lm_results
     report = _cli("report", out, "--out", folder / "report")

@@ -18,7 +18,7 @@ from randattn.reports.figures import (
     mse_vs_samples_figure,
     save_figure,
 )
-from randattn.reports.tables import ResultsError, read_results
+from randattn.results import ResultsError, read_results
 from randattn.reports.testing import make_results_table
 
 TOKENS = (197, 577)

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from randattn.analysis.sweep import write_table
-from randattn.reports.tables import MetadataConflictWarning, read_results
+from randattn.results import MetadataConflictWarning, read_results
 
 ROWS = pd.DataFrame({"estimator": ["rfa"], "label": ["rfa"], "num_samples": [4], "mse": [0.5], "variance": [0.4],
                      "bias_sq": [0.1]})

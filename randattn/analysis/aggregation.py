@@ -1,0 +1,89 @@
+r"""Aggregating a sweep's table: bias, variance and MSE per estimator configuration and S, with bootstrap CIs.
+
+The summary of LARA app. H.1 (:func:`aggregate`), computed from the table alone, so that it is the same for a
+table just measured and one read back from disk; the reports present it (:mod:`randattn.reports.tables`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from randattn._validation import check_positive_int
+
+__all__ = ["aggregate"]
+
+
+def _bootstrap_mean_ci(values: np.ndarray, rng: np.random.Generator, n_boot: int, level: float) -> tuple[float, float]:
+    values = values[np.isfinite(values)]
+    if values.size < 2:
+        return math.nan, math.nan
+    idx = rng.integers(0, values.size, size=(n_boot, values.size))
+    means = values[idx].mean(1)
+    alpha = 0.5 * (1.0 - level)
+    lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
+    return float(lo), float(hi)
+
+
+def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0, by: Sequence[str] = ()):
+    r"""Summarize a sweep table like LARA app. H.1, with bootstrap confidence intervals.
+
+    Per (layer, head, image) row -> mean over heads, then over layers, per image -> mean over
+    images. The CI is a percentile bootstrap over images (resampling the per-image means), or
+    over heads (the per-head means over layers) when the table holds a single image.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        A sweep table (:data:`COLUMNS`).
+    level : float
+        CI level.
+    n_boot : int
+        Bootstrap resamples.
+    seed : int
+        Seed of the bootstrap (each group gets ``SeedSequence(seed, spawn_key=(group index,))``).
+    by : sequence of str
+        More grouping columns (e.g. ``("position_lo", "position_hi")`` for a per-position table).
+
+    Returns
+    -------
+    pandas.DataFrame
+        One row per (estimator, label, num_samples, tokens[, mask][, *by]) -- ``mask`` when the table
+        has that column, so that rows of differently masked runs are never averaged together -- with
+        ``mse, mse_lo, mse_hi,
+        bias_sq, bias_sq_lo, bias_sq_hi, variance, variance_lo, variance_hi, units, ci_over``
+        (``units``: the number of images, or heads, bootstrapped; CIs are NaN with one unit).
+    """
+    import pandas as pd
+
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    check_positive_int("n_boot", n_boot)
+    metrics = ["mse", "bias_sq", "variance"]
+    keys = ["estimator", "label", "num_samples", "tokens", *(["mask"] if "mask" in table.columns else []), *by]
+    missing = [c for c in dict.fromkeys(keys + metrics + ["image", "layer", "head"]) if c not in table.columns]
+    if missing:
+        raise ValueError(f"table lacks column(s) {missing}; expected a sweep table")
+    records = []
+    for gi, (key, frame) in enumerate(table.groupby(keys, sort=False)):
+        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(gi,)))
+        per_layer = frame.groupby(["image", "layer"], sort=False)[metrics].mean()  # mean over heads
+        per_image = per_layer.groupby(level="image", sort=False).mean()  # mean over layers
+        if len(per_image) > 1:
+            units, over = per_image, "images"
+        else:
+            units = frame.groupby("head", sort=False)[metrics].mean()  # per head, mean over layers
+            over = "heads"
+        record = dict(zip(keys, key))
+        for metric in metrics:
+            record[metric] = float(per_image[metric].mean())
+            lo, hi = _bootstrap_mean_ci(units[metric].to_numpy(dtype=np.float64), rng, n_boot, level)
+            record[f"{metric}_lo"], record[f"{metric}_hi"] = lo, hi
+        record["units"] = int(len(units))
+        record["ci_over"] = over
+        records.append(record)
+    columns = keys + ["mse", "mse_lo", "mse_hi", "bias_sq", "bias_sq_lo", "bias_sq_hi",
+                      "variance", "variance_lo", "variance_hi", "units", "ci_over"]
+    return pd.DataFrame.from_records(records, columns=columns)
