@@ -124,7 +124,8 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
     from randattn.activations import load_activations
     from randattn.analysis.memory import default_max_memory
     from randattn.analysis.plan import with_threads
-    from randattn.analysis.sweep import SweepConfig, count_cells, parse_estimator_list
+    from randattn.analysis.plan import SweepConfig, parse_estimator_list
+    from randattn.analysis.sweep_plan import count_cells
     from randattn.cli._common import abort
     from randattn.cli._errors import said
     from randattn.estimators.registry import list_estimators

@@ -126,7 +126,7 @@ def save_figure(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     from randattn._files import atomic_path
-    from randattn.reports._writing import named_write_errors
+    from randattn._files import named_write_errors
 
     if not isinstance(fig, Figure):
         raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")

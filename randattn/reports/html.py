@@ -977,7 +977,7 @@ def write_report(
         The write failed (e.g. ``ENOSPC``, a full disk); its ``filename`` is the page's path, which is left as
         it was.
     """
-    from randattn.reports._writing import named_write_errors
+    from randattn._files import named_write_errors
 
     text = build_report(table, metadata=metadata, command=command, figures=figures, dpi=dpi, positions=positions)
     out = Path(out_dir)

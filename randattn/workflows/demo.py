@@ -188,8 +188,10 @@ def run_demo(
     -------
     DemoResult
     """
-    from randattn.analysis.sweep import SweepConfig, aggregate, parse_estimator_list, write_table
-    from randattn.reports._writing import named_write_errors
+    from randattn.analysis.aggregation import aggregate
+    from randattn.analysis.plan import SweepConfig, parse_estimator_list
+    from randattn.results.table import write_table
+    from randattn._files import named_write_errors
     from randattn.reports.figures import mse_vs_samples_figure, save_figure
     from randattn.reports.html import write_report
 
@@ -198,7 +200,7 @@ def run_demo(
     capture = _default_capture if capture is None else capture
     load_model = _default_model if load_model is None else load_model
     if sweep is None:
-        from randattn.analysis.sweep import run_sweep as sweep
+        from randattn.analysis.sweep_run import run_sweep as sweep
     report = progress if progress is not None else (lambda step: None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -305,7 +307,7 @@ def _merge_warnings(lists) -> list[dict[str, Any]]:
 
 
 def _cells(acts: Any, config: Any) -> int:
-    from randattn.analysis.sweep import count_cells
+    from randattn.analysis.sweep_plan import count_cells
 
     try:
         return count_cells(acts, config)

@@ -141,7 +141,7 @@ def demo_lm_outputs(table_name: str = "results.csv", formats: Sequence[str] = ("
                     decode: bool = False) -> tuple[str, ...]:
     """The names of the files :func:`run_demo_lm` writes into its folder (with the same ``table_name`` and
     ``formats``; ``decode``: the decode view, which adds the error-vs-budget figure)."""
-    from randattn.analysis.sweep import positions_path
+    from randattn.results.table import positions_path
 
     positions = positions_path(table_name).name
     budget = tuple(f"error-vs-budget.{fmt}" for fmt in formats) if decode else ()
@@ -186,9 +186,11 @@ def run_demo_lm(
         The bundled model's package is not installed (the message gives the install line).
     """
     from randattn.analysis.masking import masks_of_activations
-    from randattn.analysis.sweep import (SweepConfig, SweepTables, aggregate, parse_estimator_list,
-                                         positions_path, run_sweep_tables, write_tables)
-    from randattn.reports._writing import named_write_errors
+    from randattn.analysis.aggregation import aggregate
+    from randattn.analysis.plan import SweepConfig, parse_estimator_list
+    from randattn.analysis.sweep_run import run_sweep_tables
+    from randattn.results.table import SweepTables, positions_path, write_tables
+    from randattn._files import named_write_errors
     from randattn.reports.figures import error_vs_budget_figure, mse_vs_samples_figure, position_figure, save_figure
     from randattn.reports.html import write_report
 
