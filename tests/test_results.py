@@ -45,7 +45,7 @@ def test_results_imports_neither_the_measurement_nor_the_reports_nor_the_cli():
     graph = import_graph()
     results = {name: targets for name, targets in graph.items() if name.split(".")[:2] == ["randattn", "results"]}
     assert set(results) == {"randattn.results", "randattn.results.schema", "randattn.results.parts",
-                            "randattn.results.table"}
+                            "randattn.results.table", "randattn.results.summary"}
     above = {(name, target) for name, targets in results.items() for target in targets
              if target.split(".")[1] in ("analysis", "reports", "cli")}
     assert above == set()
@@ -81,7 +81,8 @@ def test_every_public_name_answers_without_a_warning(module):
 
 def test_the_sweep_front_passes_on_the_jobs_own_objects():
     """``randattn.analysis.sweep`` is the front of its three jobs: the same objects, not copies."""
-    from randattn.analysis import aggregation, sweep, sweep_plan, sweep_run
+    from randattn.analysis import sweep, sweep_plan, sweep_run
+    from randattn.results import summary as aggregation
     from randattn.results import table
 
     assert sweep.plan_sweep is sweep_plan.plan_sweep and sweep.plan is sweep_plan.plan

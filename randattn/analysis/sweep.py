@@ -13,7 +13,7 @@ heads -- which are executed, stored and resumed independently (ARCHITECTURE sec.
   atomically), consolidation into the canonical table, the table's files and metadata;
 - the sweep's own jobs: :mod:`randattn.analysis.sweep_plan` (:func:`plan`, :func:`plan_sweep`),
   :mod:`randattn.analysis.sweep_run` (:func:`run_sweep`: plan minus stored units -> executor ->
-  parts) and :mod:`randattn.analysis.aggregation` (:func:`aggregate`).
+  parts), and the table's summary, :mod:`randattn.results.summary` (:func:`aggregate`).
 
 This module is the sweep's front: it gathers their public names, so that a caller imports the
 configuration, the plan, the run, the aggregation and the table's output from one place.
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from randattn.analysis.aggregation import aggregate
+from randattn.results.summary import aggregate
 from randattn.analysis.execute import COLUMNS, MemoryBudgetError
 from randattn.analysis.plan import (
     BACKENDS,

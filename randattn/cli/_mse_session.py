@@ -370,7 +370,7 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
     (:func:`~randattn.analysis.relative_error.budget_summary`) and ``broken_promises``: a record per head whose
     promise demonstrably fails (:func:`~randattn.analysis.relative_error.broken_promises`), shown on the
     terminal as a red line each."""
-    from randattn.analysis.aggregation import aggregate
+    from randattn.results.summary import aggregate
     from randattn.analysis.records import reference_check_summary, table_metadata
     from randattn.analysis.relative_error import broken_promises, budget_summary
     from randattn.cli._common import err_console, out_console

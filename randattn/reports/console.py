@@ -205,7 +205,7 @@ def positions_table(positions, seed: int, noun: str = "image"):
     from rich.table import Table
 
     from randattn.analysis.positions import bucket_text
-    from randattn.analysis.aggregation import aggregate
+    from randattn.results.summary import aggregate
 
     means = aggregate(positions, n_boot=1, seed=seed, by=("position_lo", "position_hi"))
     largest = means.groupby("label")["num_samples"].transform("max")

@@ -272,7 +272,7 @@ def aggregate_over_images(
 ) -> pd.DataFrame:
     """Mean over heads and layers of each image, then over images with a bootstrap CI (LARA app. H.1).
 
-    A thin adapter over :func:`randattn.analysis.aggregation.aggregate` (the one definition of the aggregation)
+    A thin adapter over :func:`randattn.results.summary.aggregate` (the one definition of the aggregation)
     that renames its interval columns, adds ``n_images`` and ``random``, and sorts labels for display.
 
     Parameters
@@ -301,7 +301,7 @@ def aggregate_over_images(
     With few images (two in the default demo) the percentile interval over images is narrow and is a
     spread rather than a calibrated interval.
     """
-    from randattn.analysis.aggregation import aggregate
+    from randattn.results.summary import aggregate
 
     unknown = [value for value in values if value not in AGGREGATED_VALUES]
     if unknown:
@@ -347,7 +347,7 @@ def aggregate_positions(
         it) with ``estimator``, ``mse``, ``mse_ci_low``, ``mse_ci_high`` and the same for ``bias_sq`` and
         ``variance``, ``units``, ``ci_over``; labels in display order, then buckets in order.
     """
-    from randattn.analysis.aggregation import aggregate
+    from randattn.results.summary import aggregate
 
     require_columns(positions, [*POSITION_PLOT_COLUMNS, "bias_sq", "variance"], "the aggregation by position")
     result = aggregate(positions, level=confidence, n_boot=n_boot, seed=seed, by=("position_lo", "position_hi"))

@@ -9,7 +9,9 @@ neither.
 - :mod:`randattn.results.parts`: one Parquet part per finished unit in the table's parts folder (:func:`parts_path`),
   read back, and set aside when unreadable;
 - :mod:`randattn.results.table`: the table and its per-position table written (:func:`write_tables`) and read
-  (:func:`read_results`) with their metadata; the metadata-conflict rule (:class:`MetadataConflictWarning`).
+  (:func:`read_results`) with their metadata; the metadata-conflict rule (:class:`MetadataConflictWarning`);
+- :mod:`randattn.results.summary`: the table's summary over images, layers and heads with bootstrap intervals
+  (:func:`aggregate`, LARA app. H.1), from the table alone.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from randattn.results.schema import (
     empty_positions,
     empty_table,
 )
+from randattn.results.summary import aggregate
 from randattn.results.table import (
     OUTPUT_FORMATS,
     MetadataConflictWarning,
@@ -91,4 +94,6 @@ __all__ = [
     "write_table",
     "write_tables",
     "read_results",
+    # summary
+    "aggregate",
 ]

@@ -188,7 +188,7 @@ def run_demo(
     -------
     DemoResult
     """
-    from randattn.analysis.aggregation import aggregate
+    from randattn.results.summary import aggregate
     from randattn.analysis.plan import SweepConfig, parse_estimator_list
     from randattn.results.table import write_table
     from randattn._files import named_write_errors

@@ -186,7 +186,7 @@ def run_demo_lm(
         The bundled model's package is not installed (the message gives the install line).
     """
     from randattn.analysis.masking import masks_of_activations
-    from randattn.analysis.aggregation import aggregate
+    from randattn.results.summary import aggregate
     from randattn.analysis.plan import SweepConfig, parse_estimator_list
     from randattn.analysis.sweep_run import run_sweep_tables
     from randattn.results.table import SweepTables, positions_path, write_tables

@@ -1,4 +1,4 @@
-r"""Aggregating a sweep's table: bias, variance and MSE per estimator configuration and S, with bootstrap CIs.
+r"""The results table's summary: bias, variance and MSE per estimator configuration and S, with bootstrap CIs.
 
 The summary of LARA app. H.1 (:func:`aggregate`), computed from the table alone, so that it is the same for a
 table just measured and one read back from disk; the reports present it (:mod:`randattn.reports.tables`).
