@@ -1,13 +1,7 @@
 """Deprecated alias of :mod:`randattn.workflows.demo_lm`, where the language-model demo now lives.
 
-A demo chains capture, sweep and report: a workflow above ``randattn.reports``, not a report.
-``import randattn.reports.demo_lm`` warns with a :class:`DeprecationWarning` naming the new home and gives the new
-module itself (``randattn.reports.demo_lm is randattn.workflows.demo_lm``), so every name of it, and a monkeypatch
-through either path, is the same.
-
-The new home is loaded by name (``importlib``) rather than by an ``import`` statement: this alias is the only path
-from ``randattn.reports`` up to ``randattn.workflows``, and it is there for old callers alone.
-"""
+``randattn.reports.demo_lm is randattn.workflows.demo_lm`` after a :class:`DeprecationWarning` naming the new home;
+why, and why by name: :mod:`randattn.reports.demo`."""
 
 from __future__ import annotations
 

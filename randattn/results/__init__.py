@@ -16,84 +16,10 @@ neither.
 
 from __future__ import annotations
 
-from randattn.results.parts import (
-    CORRUPT_DIR,
-    PART_WARNINGS_KEY,
-    CorruptPartWarning,
-    parts_path,
-    read_part_warnings,
-    read_parts,
-    read_position_parts,
-    set_aside_unreadable,
-    stored_unit_ids,
-    unit_id_of,
-    unreadable_parts,
-    write_part,
-)
-from randattn.results.schema import (
-    COLUMNS,
-    KEYS_USED_COLUMNS,
-    POSITION_COLUMNS,
-    RELATIVE_ERROR_COLUMNS,
-    coerce,
-    coerce_positions,
-    consolidate,
-    consolidate_positions,
-    empty_positions,
-    empty_table,
-)
-from randattn.results.summary import aggregate
-from randattn.results.table import (
-    OUTPUT_FORMATS,
-    MetadataConflictWarning,
-    Results,
-    ResultsError,
-    SweepTables,
-    positions_path,
-    read_results,
-    sidecar_path,
-    table_records,
-    write_table,
-    write_tables,
-)
+from randattn.results import parts, schema, summary, table
+from randattn.results.parts import *  # noqa: F403 -- the front re-exports each submodule's __all__
+from randattn.results.schema import *  # noqa: F403
+from randattn.results.summary import *  # noqa: F403
+from randattn.results.table import *  # noqa: F403
 
-__all__ = [
-    # schema
-    "COLUMNS",
-    "KEYS_USED_COLUMNS",
-    "POSITION_COLUMNS",
-    "RELATIVE_ERROR_COLUMNS",
-    "coerce",
-    "coerce_positions",
-    "consolidate",
-    "consolidate_positions",
-    "empty_table",
-    "empty_positions",
-    # parts
-    "CORRUPT_DIR",
-    "PART_WARNINGS_KEY",
-    "CorruptPartWarning",
-    "parts_path",
-    "stored_unit_ids",
-    "unit_id_of",
-    "write_part",
-    "read_part_warnings",
-    "read_parts",
-    "read_position_parts",
-    "unreadable_parts",
-    "set_aside_unreadable",
-    # the table's files and metadata
-    "OUTPUT_FORMATS",
-    "SweepTables",
-    "Results",
-    "ResultsError",
-    "MetadataConflictWarning",
-    "positions_path",
-    "sidecar_path",
-    "table_records",
-    "write_table",
-    "write_tables",
-    "read_results",
-    # summary
-    "aggregate",
-]
+__all__ = [*schema.__all__, *parts.__all__, *table.__all__, *summary.__all__]
