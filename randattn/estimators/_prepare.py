@@ -14,7 +14,7 @@ import numpy as np
 from randattn._validation import check_qkv_shapes, check_scale
 from randattn.estimators.base import Draws
 
-__all__ = ["prepare_reference", "prepare_batched", "check_draw_array", "to_torch_draws"]
+__all__ = ["prepare_reference", "prepare_batched", "unscaled_batched", "check_draw_array", "to_torch_draws"]
 
 
 def prepare_reference(q: Any, k: Any, v: Any, scale: float | None):
@@ -28,6 +28,16 @@ def prepare_reference(q: Any, k: Any, v: Any, scale: float | None):
 
 def prepare_batched(q: Any, k: Any, v: Any, scale: float | None):
     """torch ``(x, y, v, scale, batch_shape)``: numpy inputs become float64 tensors; tensors keep dtype/device."""
+    q, k, v, scale, batch = unscaled_batched(q, k, v, scale)
+    root = scale**0.5
+    return q * root, k * root, v, scale, batch
+
+
+def unscaled_batched(q: Any, k: Any, v: Any, scale: float | None):
+    """torch ``(q, k, v, scale, batch_shape)`` validated as :func:`prepare_batched` does, not multiplied by ``sqrt(scale)``.
+
+    For forms that take the temperature elsewhere (in feature weights), sparing scaled copies of the inputs.
+    """
     import torch
 
     batch, _, _, dim, _ = check_qkv_shapes(q, k, v)
@@ -36,8 +46,7 @@ def prepare_batched(q: Any, k: Any, v: Any, scale: float | None):
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    root = scale**0.5
-    return q * root, k * root, v, scale, batch
+    return q, k, v, scale, batch
 
 
 def to_torch_draws(draws: Draws, like: Any) -> Draws:

@@ -1,0 +1,44 @@
+"""The public entry points of the families written on their options keep their hand-written keyword signatures.
+
+Each expected signature is a stub written out literally as the function was declared before its keywords came
+from the family's options class (:func:`randattn.estimators.base.keyword_entry`); the test compares names, kinds,
+defaults and order, never reading the expected values back from the functions under test.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from randattn.estimators.rfa import batched as rfa_batched
+from randattn.estimators.rfa import causal as rfa_causal
+from randattn.estimators.rfa import reference as rfa_reference
+
+
+def _rfa(q, k, v, draws, *, scale=None, feature_map="positive", coupling="iid", mask=None): ...
+def _rfa_probabilities(q, k, draws, *, scale=None, feature_map="positive", coupling="iid", mask=None): ...
+def _rfa_causal(q, k, v, draws, *, scale=None, feature_map="positive", coupling="iid", chunk_size=64): ...
+def _rfa_causal_probabilities(q, k, v, draws, *, scale=None, feature_map="positive", coupling="iid"): ...
+
+
+SIGNATURES = [
+    (rfa_reference.estimate, _rfa),
+    (rfa_batched.estimate, _rfa),
+    (rfa_batched.probabilities, _rfa_probabilities),
+    (rfa_batched.estimate_with_probabilities, _rfa),
+    (rfa_batched.estimate_with_probability_factors, _rfa),
+    (rfa_causal.causal_estimate, _rfa_causal),
+    (rfa_causal.causal_estimate_with_probabilities, _rfa_causal_probabilities),
+]
+
+
+def _shape(function) -> list[tuple]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+@pytest.mark.parametrize("entry, hand_written", SIGNATURES,
+                         ids=[f"{entry.__module__.rsplit('.', 2)[-2]}.{entry.__module__.rsplit('.', 1)[-1]}."
+                              f"{entry.__name__}" for entry, _ in SIGNATURES])
+def test_entry_point_signature_is_the_hand_written_one(entry, hand_written):
+    assert _shape(entry) == _shape(hand_written)
