@@ -11,6 +11,8 @@ import inspect
 
 import pytest
 
+from randattn.estimators.ra import batched as ra_batched
+from randattn.estimators.ra import reference as ra_reference
 from randattn.estimators.rfa import batched as rfa_batched
 from randattn.estimators.rfa import causal as rfa_causal
 from randattn.estimators.rfa import reference as rfa_reference
@@ -21,6 +23,9 @@ def _rfa_probabilities(q, k, draws, *, scale=None, feature_map="positive", coupl
 def _rfa_causal(q, k, v, draws, *, scale=None, feature_map="positive", coupling="iid", chunk_size=64): ...
 def _rfa_causal_probabilities(q, k, v, draws, *, scale=None, feature_map="positive", coupling="iid"): ...
 
+def _ra(q, k, v, draws, *, scale=None, variant="unbiased", noise="paper", sample="random", mask=None): ...
+def _ra_probabilities(q, k, draws, *, scale=None, variant="unbiased", noise="paper", sample="random", mask=None): ...
+
 
 SIGNATURES = [
     (rfa_reference.estimate, _rfa),
@@ -30,6 +35,10 @@ SIGNATURES = [
     (rfa_batched.estimate_with_probability_factors, _rfa),
     (rfa_causal.causal_estimate, _rfa_causal),
     (rfa_causal.causal_estimate_with_probabilities, _rfa_causal_probabilities),
+    (ra_reference.estimate, _ra),
+    (ra_batched.estimate, _ra),
+    (ra_batched.probabilities, _ra_probabilities),
+    (ra_batched.estimate_with_probabilities, _ra),
 ]
 
 
