@@ -11,6 +11,8 @@ import inspect
 
 import pytest
 
+from randattn.estimators.eva import batched as eva_batched
+from randattn.estimators.eva import reference as eva_reference
 from randattn.estimators.ra import batched as ra_batched
 from randattn.estimators.ra import reference as ra_reference
 from randattn.estimators.rfa import batched as rfa_batched
@@ -26,6 +28,13 @@ def _rfa_causal_probabilities(q, k, v, draws, *, scale=None, feature_map="positi
 def _ra(q, k, v, draws, *, scale=None, variant="unbiased", noise="paper", sample="random", mask=None): ...
 def _ra_probabilities(q, k, draws, *, scale=None, variant="unbiased", noise="paper", sample="random", mask=None): ...
 
+def _eva(q, k, v, draws, *, scale=None, window=49, prefix_tokens=0, layout="grid", grid=None, partition="paper",
+         chunk_weight="exact", add_log_chunk_size=False, proposal_mean="sum", sample="random", noise="paper",
+         samples_per_chunk=1, mask=None): ...
+def _eva_probabilities(q, k, draws, *, scale=None, window=49, prefix_tokens=0, layout="grid", grid=None,
+                       partition="paper", chunk_weight="exact", add_log_chunk_size=False, proposal_mean="sum",
+                       sample="random", noise="paper", samples_per_chunk=1, mask=None): ...
+
 
 SIGNATURES = [
     (rfa_reference.estimate, _rfa),
@@ -39,6 +48,11 @@ SIGNATURES = [
     (ra_batched.estimate, _ra),
     (ra_batched.probabilities, _ra_probabilities),
     (ra_batched.estimate_with_probabilities, _ra),
+    (eva_reference.estimate, _eva),
+    (eva_batched.estimate, _eva),
+    # these two took ``**params`` (checked against eva.PARAMS) before; now the same keywords are spelled out
+    (eva_batched.probabilities, _eva_probabilities),
+    (eva_batched.estimate_with_probabilities, _eva),
 ]
 
 
