@@ -13,11 +13,15 @@ import pytest
 
 from randattn.estimators.eva import batched as eva_batched
 from randattn.estimators.eva import reference as eva_reference
+from randattn.estimators.local import batched as local_batched
+from randattn.estimators.local import reference as local_reference
 from randattn.estimators.ra import batched as ra_batched
 from randattn.estimators.ra import reference as ra_reference
 from randattn.estimators.rfa import batched as rfa_batched
 from randattn.estimators.rfa import causal as rfa_causal
 from randattn.estimators.rfa import reference as rfa_reference
+from randattn.estimators.scatterbrain import batched as scatterbrain_batched
+from randattn.estimators.scatterbrain import reference as scatterbrain_reference
 
 
 def _rfa(q, k, v, draws, *, scale=None, feature_map="positive", coupling="iid", mask=None): ...
@@ -34,6 +38,10 @@ def _eva(q, k, v, draws, *, scale=None, window=49, prefix_tokens=0, layout="grid
 def _eva_probabilities(q, k, draws, *, scale=None, window=49, prefix_tokens=0, layout="grid", grid=None,
                        partition="paper", chunk_weight="exact", add_log_chunk_size=False, proposal_mean="sum",
                        sample="random", noise="paper", samples_per_chunk=1, mask=None): ...
+
+def _scatterbrain(q, k, v, draws, *, scale=None, window=49, prefix_tokens=0, layout="grid", grid=None, coupling="iid",
+                  mask=None): ...
+def _local(q, k, v, draws=None, *, scale=None, window=49, prefix_tokens=0, layout="grid", grid=None, mask=None): ...
 
 
 SIGNATURES = [
@@ -53,7 +61,20 @@ SIGNATURES = [
     # these two took ``**params`` (checked against eva.PARAMS) before; now the same keywords are spelled out
     (eva_batched.probabilities, _eva_probabilities),
     (eva_batched.estimate_with_probabilities, _eva),
+    (scatterbrain_reference.estimate, _scatterbrain),
+    (scatterbrain_batched.estimate, _scatterbrain),
+    (local_reference.estimate, _local),
+    (local_batched.estimate, _local),
 ]
+
+
+def test_local_estimate_without_draws_has_no_replicate_dimension():
+    """``draws`` may be left out of local attention (deterministic): the output is (..., N, Dv), as documented."""
+    import numpy as np
+
+    q = k = v = np.arange(24, dtype=np.float64).reshape(4, 6) / 24
+    assert local_reference.estimate(q, k, v, window=2).shape == (4, 6)
+    assert tuple(local_batched.estimate(q, k, v, window=2).shape) == (4, 6)
 
 
 def _shape(function) -> list[tuple]:

@@ -10,8 +10,13 @@ from randattn.estimators._prepare import check_draw_array, prepare_batched, to_t
 from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.features import POSITIVE_MAPS
 from randattn.estimators.features.batched import affine_directions, data_params, log_features
-from randattn.estimators.rfa.causal import causal_estimate, causal_estimate_with_probabilities
-from randattn.estimators.rfa.options import CausalRfaOptions, ChunkedCausalRfaOptions, RfaOptions
+from randattn.estimators.rfa.causal import (
+    CausalRfaOptions,
+    ChunkedCausalRfaOptions,
+    causal_estimate,
+    causal_estimate_with_probabilities,
+)
+from randattn.estimators.rfa.options import RfaOptions
 from randattn.estimators.snis import warn_non_positive
 from randattn.estimators.snis.batched import affine_feature_attention, feature_attention
 

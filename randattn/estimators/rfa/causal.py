@@ -12,6 +12,7 @@ The data-dependent maps (``oprf``, ``sderf``) are refused
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,18 +22,36 @@ from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.features import POSITIVE_MAPS
 from randattn.estimators.features.batched import affine_directions
 from randattn.estimators.masks import check_causal_shapes
-from randattn.estimators.rfa.options import CausalRfaOptions, ChunkedCausalRfaOptions
+from randattn.estimators.rfa.masking import check_rfa_mask
+from randattn.estimators.rfa.options import FeatureOptions
 from randattn.estimators.snis import warn_non_positive
 from randattn.estimators.snis.prefix import (
+    DEFAULT_CHUNK_SIZE,
     FeatureSlice,
     causal_feature_attention,
     causal_feature_weights,
 )
 
-__all__ = ["causal_estimate", "causal_estimate_with_probabilities", "causal_feature_slices"]
+__all__ = ["causal_estimate", "causal_estimate_with_probabilities", "causal_feature_slices", "CausalRfaOptions",
+           "ChunkedCausalRfaOptions"]
 
 #: log2(e): the prefix sums take base-2 log-features (``exp2`` is the faster exponential on CPU)
 LOG2_E = 1.0 / math.log(2.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CausalRfaOptions(FeatureOptions):
+    """The options of the causal prefix-sum forms: a map with a causal form (:func:`check_rfa_mask`)."""
+
+    def check(self) -> None:
+        check_rfa_mask("causal", self.feature_map)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkedCausalRfaOptions(CausalRfaOptions):
+    """:class:`CausalRfaOptions` and the tokens per chunk of the prefix sums (a power of two, checked where used)."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
 
 def causal_feature_slices(

@@ -1,9 +1,8 @@
 """RFA's keyword options, declared once: the spec's ``params`` and the keywords of every entry point.
 
 :class:`RfaOptions` serves the reference and batched forms (``mask=`` included); the causal
-prefix-sum forms of :mod:`randattn.estimators.rfa.causal` take :class:`CausalRfaOptions` (no
-``mask``: they are the causal form) and, for :func:`~randattn.estimators.rfa.causal.causal_estimate`,
-:class:`ChunkedCausalRfaOptions` (its ``chunk_size``).
+prefix-sum forms of :mod:`randattn.estimators.rfa.causal` extend :class:`FeatureOptions` there (no
+``mask``: they are the causal form). No torch here: the reference form imports this module.
 """
 
 from __future__ import annotations
@@ -14,23 +13,26 @@ from randattn.estimators.base import EstimatorOptions, option
 from randattn.estimators.features import FEATURE_MAPS
 from randattn.estimators.rfa.masking import check_rfa_mask
 from randattn.estimators.sampling import COUPLINGS
-from randattn.estimators.snis.prefix import DEFAULT_CHUNK_SIZE
 
-__all__ = ["RfaOptions", "CausalRfaOptions", "ChunkedCausalRfaOptions"]
+__all__ = ["FeatureOptions", "RfaOptions", "coupling_option"]
+
+
+def coupling_option() -> str:
+    """The ``coupling`` field of an options class whose estimator draws RFA's directions (RFA, Scatterbrain)."""
+    return option("iid", "joint law of the S directions (orthogonal-plain-qr: biased, for comparison)",
+                  choices=COUPLINGS)
 
 
 @dataclass(frozen=True, kw_only=True)
-class _FeatureOptions(EstimatorOptions):
+class FeatureOptions(EstimatorOptions):
     """The parameters every RFA form takes: the feature map and the coupling of its directions."""
 
     feature_map: str = option("positive", "random-feature map of exp(x.y)", choices=FEATURE_MAPS)
-    coupling: str = option(
-        "iid", "joint law of the S directions (orthogonal-plain-qr: biased, for comparison)", choices=COUPLINGS
-    )
+    coupling: str = coupling_option()
 
 
 @dataclass(frozen=True, kw_only=True)
-class RfaOptions(_FeatureOptions):
+class RfaOptions(FeatureOptions):
     """The options of ``rfa.reference.estimate`` and the forms of ``rfa.batched``.
 
     Construction runs :func:`~randattn.estimators.rfa.masking.check_rfa_mask`: an unknown mask, or
@@ -42,18 +44,3 @@ class RfaOptions(_FeatureOptions):
 
     def check(self) -> None:
         check_rfa_mask(self.mask, self.feature_map)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CausalRfaOptions(_FeatureOptions):
-    """The options of the causal prefix-sum forms: a map with a causal form (:func:`check_rfa_mask`)."""
-
-    def check(self) -> None:
-        check_rfa_mask("causal", self.feature_map)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChunkedCausalRfaOptions(CausalRfaOptions):
-    """:class:`CausalRfaOptions` and the tokens per chunk of the prefix sums (a power of two, checked where used)."""
-
-    chunk_size: int = DEFAULT_CHUNK_SIZE
