@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 
 from randattn.estimators.eva import batched as eva_batched
@@ -21,6 +22,8 @@ from randattn.estimators.rfa import batched as rfa_batched
 from randattn.estimators.rfa import causal as rfa_causal
 from randattn.estimators.rfa import reference as rfa_reference
 from randattn.estimators.scatterbrain import batched as scatterbrain_batched
+from randattn.estimators.softmax import batched as softmax_batched
+from randattn.estimators.softmax import reference as softmax_reference
 from randattn.estimators.scatterbrain import reference as scatterbrain_reference
 
 
@@ -42,6 +45,8 @@ def _eva_probabilities(q, k, draws, *, scale=None, window=49, prefix_tokens=0, l
 def _scatterbrain(q, k, v, draws, *, scale=None, window=49, prefix_tokens=0, layout="grid", grid=None, coupling="iid",
                   mask=None): ...
 def _local(q, k, v, draws=None, *, scale=None, window=49, prefix_tokens=0, layout="grid", grid=None, mask=None): ...
+
+def _softmax(q, k, v, draws=None, *, scale=None, mask=None): ...
 
 
 SIGNATURES = [
@@ -65,16 +70,18 @@ SIGNATURES = [
     (scatterbrain_batched.estimate, _scatterbrain),
     (local_reference.estimate, _local),
     (local_batched.estimate, _local),
+    (softmax_reference.estimate, _softmax),
+    (softmax_batched.estimate, _softmax),
 ]
 
 
-def test_local_estimate_without_draws_has_no_replicate_dimension():
-    """``draws`` may be left out of local attention (deterministic): the output is (..., N, Dv), as documented."""
-    import numpy as np
-
+@pytest.mark.parametrize("entry", [local_reference.estimate, local_batched.estimate,
+                                   softmax_reference.estimate, softmax_batched.estimate])
+def test_deterministic_estimate_without_draws_has_no_replicate_dimension(entry):
+    """``draws`` may be left out of a deterministic estimator: the output is (..., N, Dv), as documented."""
     q = k = v = np.arange(24, dtype=np.float64).reshape(4, 6) / 24
-    assert local_reference.estimate(q, k, v, window=2).shape == (4, 6)
-    assert tuple(local_batched.estimate(q, k, v, window=2).shape) == (4, 6)
+    assert tuple(entry(q, k, v).shape) == (4, 6)
+    assert tuple(entry(q, k, v, draws=None, mask="causal").shape) == (4, 6)
 
 
 def _shape(function) -> list[tuple]:

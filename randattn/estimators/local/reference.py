@@ -6,15 +6,14 @@ lower-triangular mask of EVA app. D) and to the visible prefix keys; 1-D layouts
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from scipy.special import softmax
 
-from randattn.estimators._prepare import prepare_reference
-from randattn.estimators.base import Draws, keyword_entry
+from randattn.estimators._prepare import deterministic_entry, prepare_reference
+from randattn.estimators.base import Draws
 from randattn.estimators.eva.partition import (
     LayoutOptions,
     Partition,
@@ -23,7 +22,7 @@ from randattn.estimators.eva.partition import (
     eva_partition,
 )
 
-__all__ = ["estimate", "local_layout", "LocalOptions", "local_entry"]
+__all__ = ["estimate", "local_layout", "LocalOptions"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,26 +38,6 @@ class LocalOptions(LayoutOptions):
     def check(self) -> None:
         super().check()
         check_mask_layout(self.mask, grid=self.resolved_grid)
-
-
-def local_entry(impl: Callable[..., Any]) -> Callable[..., Any]:
-    """:func:`~randattn.estimators.base.keyword_entry` for ``impl(q, k, v, draws, options: LocalOptions)`` with
-    ``draws`` optional (None: deterministic output without the replicate dimension).
-
-    ``keyword_entry`` hands ``impl`` only the arrays a call binds, so an array with a default
-    cannot be left out there; this entry point fills ``draws=None`` in before it calls.
-    """
-    entry = keyword_entry(LocalOptions)(impl)
-    parameters = list(entry.__signature__.parameters.values())
-    parameters[3] = parameters[3].replace(default=None)
-
-    @functools.wraps(entry)
-    def with_optional_draws(q: Any, k: Any, v: Any, draws: Draws | None = None, **options: Any) -> Any:
-        return entry(q, k, v, draws, **options)
-
-    del with_optional_draws.__wrapped__  # inspect.signature must give the keyword signature
-    with_optional_draws.__signature__ = entry.__signature__.replace(parameters=parameters)
-    return with_optional_draws
 
 
 def local_layout(num_queries: int, num_keys: int, window: int, prefix_tokens: int, grid: tuple[int, int] | None = None,
@@ -79,7 +58,7 @@ def local_layout(num_queries: int, num_keys: int, window: int, prefix_tokens: in
     return layout
 
 
-@local_entry
+@deterministic_entry(LocalOptions)
 def estimate(q: Any, k: Any, v: Any, draws: Draws | None, options: LocalOptions) -> np.ndarray:
     r"""Softmax attention restricted to each query's local block (EVA's :math:`E^n` alone).
 
