@@ -19,7 +19,7 @@ from randattn._validation import check_positive_int
 from randattn.estimators import describe
 from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec
 from randattn.estimators.ra import batched, reference
-from randattn.estimators.ra.reference import NOISES, RaOptions
+from randattn.estimators.ra.reference import NOISES, RaOptions  # noqa: F401  (NOISES: re-exported, ra.NOISES as before)
 from randattn.estimators.presets import RA_PRESETS
 
 #: RA's parameters, declared once as the fields of :class:`~randattn.estimators.ra.reference.RaOptions`
