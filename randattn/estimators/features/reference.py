@@ -234,7 +234,7 @@ def sderf_optimal_params(x: np.ndarray, y: np.ndarray) -> SderfParams:
     Parameters
     ----------
     x, y : array_like
-        Queries (..., N, D) and keys (..., M, D), in the paper's variables.
+        As :func:`oprf_optimal_a`: queries (..., N, D) and keys (..., M, D).
 
     Returns
     -------
