@@ -93,3 +93,20 @@ def _shape(function) -> list[tuple]:
                               f"{entry.__name__}" for entry, _ in SIGNATURES])
 def test_entry_point_signature_is_the_hand_written_one(entry, hand_written):
     assert _shape(entry) == _shape(hand_written)
+
+
+def test_windowed_options_take_numpy_scalars_as_the_numbers_they_equal():
+    """A window or count read back from a table is a numpy scalar: accepted as before, with the same output."""
+    from randattn.estimators import eva
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(3, 8, 4))
+    draws = eva.draw(q.shape, k.shape, num_samples=2, rng=rng)
+    python = dict(window=4, layout="sequence", samples_per_chunk=1, add_log_chunk_size=True, chunk_weight="mean-key")
+    numpy_ = dict(python, window=np.int64(4), samples_per_chunk=np.int32(1), add_log_chunk_size=np.bool_(True))
+    np.testing.assert_array_equal(eva_reference.estimate(q, k, v, draws, **numpy_),
+                                  eva_reference.estimate(q, k, v, draws, **python))
+    np.testing.assert_array_equal(local_reference.estimate(q, k, v, window=np.int64(4)),
+                                  local_reference.estimate(q, k, v, window=4))
+    with pytest.raises(TypeError):  # a bool is no window, numpy's or Python's
+        local_reference.estimate(q, k, v, window=np.bool_(True))
