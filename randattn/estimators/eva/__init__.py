@@ -24,36 +24,19 @@ import numpy as np
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import layout_mask_note, layout_masks
-from randattn.estimators.base import BatchedForms, ExactLimit,  Draws, EstimatorSpec, Param
+from randattn.estimators.base import BatchedForms, ExactLimit,  Draws, EstimatorSpec
 from randattn.estimators.eva import batched, reference
 from randattn.estimators.presets import EVA_PRESETS
-from randattn.estimators.eva.partition import PARTITIONS, check_mask_layout
-from randattn.estimators.grid import LAYOUTS, resolve_grid
-from randattn.estimators.eva.reference import CHUNK_WEIGHTS, NOISES, PROPOSAL_MEANS, SAMPLES
+from randattn.estimators.eva.partition import PARTITIONS, LayoutOptions, check_mask_layout
+from randattn.estimators.grid import resolve_grid
+from randattn.estimators.eva.reference import CHUNK_WEIGHTS, NOISES, PROPOSAL_MEANS, SAMPLES, EvaOptions
 
-#: the shared layout parameters of eva, scatterbrain and local
-LAYOUT_PARAMS = {
-    "window": Param(
-        49,
-        "local block size W >= 0 in tokens (clipped; 0 = no local block); with layout=grid and a grid, s x s windows, "
-        "W = s^2 (49 = 7x7, EVA's DeiT window)",
-        kind=int,
-    ),
-    "prefix_tokens": Param(0, "leading keys exact for every query (1 = a ViT's CLS token); prefix queries attend exactly to them only", kind=int),
-    "layout": Param("grid", "grid: 2-D windows (and EVA's 2-D chunks) on the patch grid when one is given; sequence: 1-D blocks", choices=LAYOUTS),
-    "grid": Param(None, "patch grid 'HxW' (rows x columns) of the tokens after the prefix; None = unknown (1-D blocks)"),
-}
+#: the shared layout parameters of eva, scatterbrain and local, declared once as the fields of
+#: :class:`~randattn.estimators.eva.partition.LayoutOptions`
+LAYOUT_PARAMS = LayoutOptions.params()
 
-PARAMS = {
-    **LAYOUT_PARAMS,
-    "partition": Param("paper", "paper: chunks of the keys outside E^n; reference-code: chunks of all keys (window counted twice)", choices=PARTITIONS),
-    "chunk_weight": Param("exact", "exact: sum_{P_c} exp(x.y) (eq. 13, quadratic); mean-key: exp(x.mean_c y) (eq. 16); rfa: its random-feature estimate", choices=CHUNK_WEIGHTS),
-    "add_log_chunk_size": Param(False, "mean-key only: multiply the chunk weight by |P_c|", kind=bool),
-    "proposal_mean": Param("sum", "mu_c = q~_c + k~_c (eq. 28), half of it (official code), or standard: 0", choices=PROPOSAL_MEANS),
-    "sample": Param("random", "random, or mean: omega_c = mu_c (Algorithm 1's inference mode, deterministic)", choices=SAMPLES),
-    "noise": Param("paper", "paper: sigma = 1; reference-code: the official N(0, I) in unscaled space = sigma sqrt(scale)", choices=NOISES),
-    "samples_per_chunk": Param(1, "S_c samples per chunk (app. C 'multiple samples'; >1 makes beta_c query-dependent)", kind=int),
-}
+#: EVA's parameters, declared once as the fields of :class:`~randattn.estimators.eva.reference.EvaOptions`
+PARAMS = EvaOptions.params()
 
 
 def draw(
@@ -143,11 +126,7 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    forms=BatchedForms(
-        estimate=batched.estimate,
-        probabilities=batched.probabilities,
-        estimate_with_probabilities=batched.estimate_with_probabilities,
-    ),
+    forms=BatchedForms.of(batched),
     is_random=_is_random,
     variants=_variants(),
     presets=EVA_PRESETS,

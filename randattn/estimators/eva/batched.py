@@ -27,11 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
-from randattn.estimators.base import Draws
+from randattn.estimators._prepare import prepare_batched, to_torch_draws
+from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.eva.partition import PaddedPartition, padded_partition
-from randattn.estimators.eva.reference import check_eva_params, chunk_proposal_mean, log_proposal_ratio
-from randattn.estimators.grid import resolve_grid
+from randattn.estimators.eva.reference import EvaOptions, chunk_noise, chunk_proposal_mean, log_proposal_ratio
 from randattn.estimators.ra.reference import noise_std
 
 __all__ = ["estimate", "probabilities", "estimate_with_probabilities", "eva_attention", "block_exact_attention", "WORK_ELEMENTS"]
@@ -393,69 +392,33 @@ def block_exact_attention(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, pad
     return _gather(out.flatten(-3, -2), _t(pad.query_slot, dev))
 
 
-def estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    window: int = 49,
-    prefix_tokens: int = 0,
-    layout: str = "grid",
-    grid: Any = None,
-    partition: str = "paper",
-    chunk_weight: str = "exact",
-    add_log_chunk_size: bool = False,
-    proposal_mean: str = "sum",
-    sample: str = "random",
-    noise: str = "paper",
-    samples_per_chunk: int = 1,
-    mask: str | None = None,
-) -> torch.Tensor:
+@keyword_entry(EvaOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: EvaOptions) -> torch.Tensor:
     """EVA over (R, ..., N, Dv); same signature, equations and layout as ``eva.reference.estimate`` (``mask`` included)."""
-    return _evaluate(q, k, v, draws, scale=scale, window=window, prefix_tokens=prefix_tokens, layout=layout, grid=grid,
-                     partition=partition, chunk_weight=chunk_weight, add_log_chunk_size=add_log_chunk_size,
-                     proposal_mean=proposal_mean, sample=sample, noise=noise, samples_per_chunk=samples_per_chunk,
-                     mask=mask)
+    return _evaluate(q, k, v, draws, options)
 
 
-def _evaluate(q, k, v, draws, *, scale, window, prefix_tokens, layout, grid, partition, chunk_weight, add_log_chunk_size,
-              proposal_mean, sample, noise, samples_per_chunk, mask=None, with_probabilities: bool = False):
+def _evaluate(q: Any, k: Any, v: Any | None, draws: Draws, options: EvaOptions, with_probabilities: bool = False):
     """:func:`estimate`, or the implied probabilities when ``v`` is None (``I_M``, never formed), or both."""
-    check_eva_params(
-        window=window, prefix_tokens=prefix_tokens, layout=layout, grid=grid, partition=partition, chunk_weight=chunk_weight,
-        add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean, sample=sample, noise=noise,
-        samples_per_chunk=samples_per_chunk, mask=mask,
-    )
     identity = v is None
-    x, y, v, scale, batch = prepare_batched(q, k, k if identity else v, scale)
+    x, y, v, scale, batch = prepare_batched(q, k, k if identity else v, options.scale)
     v = None if identity else v
-    sigma = noise_std(noise, scale)
-    dim = x.shape[-1]
+    sigma = noise_std(options.noise, scale)
     draws = to_torch_draws(draws, x)
-    eps = check_draw_array(draws, "eps", batch, (None, samples_per_chunk if sample == "random" else 0, dim))
-    num_chunks = eps.shape[-3]
-    if num_chunks < 1:
-        raise ValueError(f"draws['eps'] has C = {num_chunks} chunks; EVA needs num_samples = C >= 1")
+    eps, num_chunks = chunk_noise(draws, batch, x.shape[-1], options)
     pad = padded_partition(
-        x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition,
-        grid=resolve_grid(layout, grid), mask=mask,
+        x.shape[-2], y.shape[-2], window=options.window, prefix_tokens=options.prefix_tokens, num_chunks=num_chunks,
+        partition=options.partition, grid=options.resolved_grid, mask=options.mask,
     )
     return eva_attention(
-        x, y, v, eps if sample == "random" else None, pad, replicates=draws.replicates, sigma=sigma,
-        chunk_weight=chunk_weight, add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean,
-        with_probabilities=with_probabilities,
+        x, y, v, eps if options.sample == "random" else None, pad, replicates=draws.replicates, sigma=sigma,
+        chunk_weight=options.chunk_weight, add_log_chunk_size=options.add_log_chunk_size,
+        proposal_mean=options.proposal_mean, with_probabilities=with_probabilities,
     )
 
 
-def _params():
-    from randattn.estimators.eva import PARAMS
-
-    return PARAMS
-
-
-def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, **params: Any) -> torch.Tensor:
+@keyword_entry(EvaOptions)
+def probabilities(q: Any, k: Any, draws: Draws, options: EvaOptions) -> torch.Tensor:
     """The attention probabilities EVA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
 
     Same parameters as :func:`estimate`; the exact and chunk weights are scattered to their key
@@ -463,15 +426,14 @@ def probabilities(q: Any, k: Any, draws: Draws, *, scale: float | None = None, *
     entries (``m > n + M - N``) are exact zeros: no chunk holds a hidden key, and the hidden keys of
     the block have weight ``exp(-inf) = 0``.
     """
-    defaults = {name: p.default for name, p in _params().items()}
-    return _evaluate(q, k, None, draws, scale=scale, **{**defaults, **params})
+    return _evaluate(q, k, None, draws, options)
 
 
-def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, *, scale: float | None = None,
-                                **params: Any) -> tuple[torch.Tensor, torch.Tensor]:
+@keyword_entry(EvaOptions)
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
+                                options: EvaOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits: the chunk terms and weights computed once.
 
     Same parameters as :func:`estimate`.
     """
-    defaults = {name: p.default for name, p in _params().items()}
-    return _evaluate(q, k, v, draws, scale=scale, **{**defaults, **params}, with_probabilities=True)
+    return _evaluate(q, k, v, draws, options, with_probabilities=True)

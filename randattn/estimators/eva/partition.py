@@ -109,14 +109,14 @@ from typing import Any, Mapping
 import numpy as np
 
 from randattn._validation import check_choice, check_positive_int
-from randattn.estimators.base import MASKS
-from randattn.estimators.grid import parse_grid, resolve_grid, tile_of_tokens, tile_side_for_count, tiles, window_side
+from randattn.estimators.base import MASKS, EstimatorOptions, option
+from randattn.estimators.grid import LAYOUTS, parse_grid, resolve_grid, tile_of_tokens, tile_side_for_count, tiles, window_side
 from randattn.estimators.masks import last_visible_key
 from randattn.estimators.segments import segment_bounds
 
 __all__ = [
     "PARTITIONS", "ChunkGroup", "Partition", "PaddedPartition", "eva_partition", "padded_partition",
-    "check_layout_params", "check_mask_layout", "pad_index_lists",
+    "check_layout_params", "check_mask_layout", "pad_index_lists", "LayoutOptions",
 ]
 
 #: ``paper``: chunks of [M] \ E^n (disjoint from the exact set); ``reference-code``: chunks of all body keys
@@ -126,6 +126,52 @@ PARTITIONS = ("paper", "reference-code")
 def check_layout_params(window: int, prefix_tokens: int) -> tuple[int, int]:
     """``window >= 0`` and ``prefix_tokens >= 0`` as ints; ValueError/TypeError naming the argument."""
     return check_positive_int("window", window, minimum=0), check_positive_int("prefix_tokens", prefix_tokens, minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutOptions(EstimatorOptions):
+    """The layout options of the windowed estimators (EVA, Scatterbrain, local attention), declared once.
+
+    Each family's options extend these (their own parameters, then ``mask``). Construction checks
+    ``window`` and ``prefix_tokens`` (:func:`check_layout_params`), ``layout`` and ``grid``
+    (:func:`~randattn.estimators.grid.resolve_grid`) and, on a grid, that ``window`` is a square
+    (:func:`~randattn.estimators.grid.window_side`).
+    """
+
+    window: int = option(
+        49,
+        "local block size W >= 0 in tokens (clipped; 0 = no local block); with layout=grid and a grid, s x s windows, "
+        "W = s^2 (49 = 7x7, EVA's DeiT window)",
+        kind=int,
+    )
+    prefix_tokens: int = option(
+        0, "leading keys exact for every query (1 = a ViT's CLS token); prefix queries attend exactly to them only",
+        kind=int,
+    )
+    layout: str = option(
+        "grid", "grid: 2-D windows (and EVA's 2-D chunks) on the patch grid when one is given; sequence: 1-D blocks",
+        choices=LAYOUTS,
+    )
+    grid: Any = option(None, "patch grid 'HxW' (rows x columns) of the tokens after the prefix; None = unknown (1-D blocks)")
+
+    def __post_init__(self) -> None:
+        # numpy scalars (a window read back from a table or an array of settings) are taken as the Python numbers
+        # they equal, as the layout checks always did; the generic Param checks want int and bool themselves
+        for name, param in self.params().items():
+            value = getattr(self, name)
+            if (param.kind is int and isinstance(value, np.integer)) or (param.kind is bool and isinstance(value, np.bool_)):
+                object.__setattr__(self, name, param.kind(value))
+        super().__post_init__()
+
+    def check(self) -> None:
+        window, _ = check_layout_params(self.window, self.prefix_tokens)
+        if self.resolved_grid is not None and window > 0:
+            window_side(window)
+
+    @property
+    def resolved_grid(self) -> tuple[int, int] | None:
+        """The grid in force (:func:`~randattn.estimators.grid.resolve_grid`): ``(h, w)``, or None for 1-D blocks."""
+        return resolve_grid(self.layout, self.grid)
 
 
 def layout_masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:

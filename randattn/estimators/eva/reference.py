@@ -6,6 +6,7 @@ Everything is in the paper's variables ``x = sqrt(scale) q``, ``y = sqrt(scale) 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,8 +14,14 @@ from scipy.special import logsumexp, softmax
 
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import Draws
-from randattn.estimators.eva.partition import PARTITIONS, check_layout_params, check_mask_layout, eva_partition
+from randattn.estimators.base import Draws, keyword_entry, option
+from randattn.estimators.eva.partition import (
+    PARTITIONS,
+    LayoutOptions,
+    check_layout_params,
+    check_mask_layout,
+    eva_partition,
+)
 from randattn.estimators.features.reference import positive_log_features
 from randattn.estimators.grid import resolve_grid, window_side
 from randattn.estimators.ra.reference import noise_std
@@ -23,6 +30,8 @@ from randattn.estimators.snis.reference import feature_attention
 __all__ = [
     "estimate",
     "check_eva_params",
+    "EvaOptions",
+    "chunk_noise",
     "CHUNK_WEIGHTS",
     "PROPOSAL_MEANS",
     "SAMPLES",
@@ -73,6 +82,47 @@ def check_eva_params(
         raise TypeError(f"add_log_chunk_size must be bool, got {type(add_log_chunk_size).__name__} {add_log_chunk_size!r}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvaOptions(LayoutOptions):
+    """EVA's keyword options, declared once: the layout options, EVA's own, then ``mask``.
+
+    Construction runs :func:`check_eva_params`, so a bad option raises before any input is touched.
+    """
+
+    partition: str = option(
+        "paper", "paper: chunks of the keys outside E^n; reference-code: chunks of all keys (window counted twice)",
+        choices=PARTITIONS,
+    )
+    chunk_weight: str = option(
+        "exact",
+        "exact: sum_{P_c} exp(x.y) (eq. 13, quadratic); mean-key: exp(x.mean_c y) (eq. 16); rfa: its random-feature estimate",
+        choices=CHUNK_WEIGHTS,
+    )
+    add_log_chunk_size: bool = option(False, "mean-key only: multiply the chunk weight by |P_c|", kind=bool)
+    proposal_mean: str = option(
+        "sum", "mu_c = q~_c + k~_c (eq. 28), half of it (official code), or standard: 0", choices=PROPOSAL_MEANS
+    )
+    sample: str = option(
+        "random", "random, or mean: omega_c = mu_c (Algorithm 1's inference mode, deterministic)", choices=SAMPLES
+    )
+    noise: str = option(
+        "paper", "paper: sigma = 1; reference-code: the official N(0, I) in unscaled space = sigma sqrt(scale)",
+        choices=NOISES,
+    )
+    samples_per_chunk: int = option(
+        1, "S_c samples per chunk (app. C 'multiple samples'; >1 makes beta_c query-dependent)", kind=int
+    )
+    mask: str | None = None
+
+    def check(self) -> None:
+        check_eva_params(
+            window=self.window, prefix_tokens=self.prefix_tokens, layout=self.layout, grid=self.grid,
+            partition=self.partition, chunk_weight=self.chunk_weight, add_log_chunk_size=self.add_log_chunk_size,
+            proposal_mean=self.proposal_mean, sample=self.sample, noise=self.noise,
+            samples_per_chunk=self.samples_per_chunk, mask=self.mask,
+        )
+
+
 def chunk_proposal_mean(kind: str, q_landmark: Any, k_landmark: Any) -> Any:
     r"""The proposal mean :math:`\mu_c` (EVA eq. 28) from the chunk landmarks (numpy or torch).
 
@@ -100,35 +150,18 @@ def log_proposal_ratio(omega: Any, mu: Any, sigma: float) -> Any:
     return -0.5 * (omega * omega).sum(-1) + 0.5 * (diff * diff).sum(-1) / sigma**2 + dim * float(np.log(sigma))
 
 
-def _eps_and_chunks(draws: Draws, batch: tuple[int, ...], dim: int, sample: str, samples_per_chunk: int) -> tuple[np.ndarray, int]:
-    """``eps : (R, ..., C, S_c, D)`` (``S_c = 0`` for ``sample="mean"``) and the requested C."""
-    eps = check_draw_array(draws, "eps", batch, (None, samples_per_chunk if sample == "random" else 0, dim))
+def chunk_noise(draws: Draws, batch: tuple[int, ...], dim: int, options: EvaOptions) -> tuple[Any, int]:
+    """``eps : (R, ..., C, S_c, D)`` (``S_c = 0`` for ``sample="mean"``) and the requested C (numpy or torch draws)."""
+    per_chunk = options.samples_per_chunk if options.sample == "random" else 0
+    eps = check_draw_array(draws, "eps", batch, (None, per_chunk, dim))
     num_chunks = eps.shape[-3]
     if num_chunks < 1:
         raise ValueError(f"draws['eps'] has C = {num_chunks} chunks; EVA needs num_samples = C >= 1")
     return eps, num_chunks
 
 
-def estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    window: int = 49,
-    prefix_tokens: int = 0,
-    layout: str = "grid",
-    grid: Any = None,
-    partition: str = "paper",
-    chunk_weight: str = "exact",
-    add_log_chunk_size: bool = False,
-    proposal_mean: str = "sum",
-    sample: str = "random",
-    noise: str = "paper",
-    samples_per_chunk: int = 1,
-    mask: str | None = None,
-) -> np.ndarray:
+@keyword_entry(EvaOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: EvaOptions) -> np.ndarray:
     r"""EVA (EVA sec. 4, eq. 13 / 16, app. C; causal: app. D, Algorithm 2), computed in log space.
 
     For query :math:`n` with exact set :math:`E^n` and chunks :math:`P^n_1..P^n_C`
@@ -162,9 +195,8 @@ def estimate(
 
     Parameters
     ----------
-    q : (..., N, D)
-    k : (..., M, D)
-    v : (..., M, Dv)
+    q, k, v : array_like
+        Queries (..., N, D), keys (..., M, D), values (..., M, Dv).
     draws : Draws
         ``eps : (R, ..., C, S_c, D)`` from :func:`randattn.estimators.eva.draw`, standard
         normal and shared by every query block (common random numbers); ``S_c = 0`` for
@@ -235,19 +267,14 @@ def estimate(
     >>> eva.reference.estimate(q, k, v, draws, window=4).shape
     (5, 2, 16, 8)
     """
-    check_eva_params(
-        window=window, prefix_tokens=prefix_tokens, layout=layout, grid=grid, partition=partition, chunk_weight=chunk_weight,
-        add_log_chunk_size=add_log_chunk_size, proposal_mean=proposal_mean, sample=sample, noise=noise,
-        samples_per_chunk=samples_per_chunk, mask=mask,
-    )
-    x, y, v, scale, batch = prepare_reference(q, k, v, scale)
-    sigma = noise_std(noise, scale)
+    x, y, v, scale, batch = prepare_reference(q, k, v, options.scale)
+    sigma = noise_std(options.noise, scale)
     num_q, num_k, dim = x.shape[-2], y.shape[-2], x.shape[-1]
-    eps, num_chunks = _eps_and_chunks(draws, batch, dim, sample, samples_per_chunk)
+    eps, num_chunks = chunk_noise(draws, batch, dim, options)
     reps = draws.replicates
     parts = eva_partition(
-        num_q, num_k, window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition,
-        grid=resolve_grid(layout, grid), mask=mask,
+        num_q, num_k, window=options.window, prefix_tokens=options.prefix_tokens, num_chunks=num_chunks,
+        partition=options.partition, grid=options.resolved_grid, mask=options.mask,
     )
     last = parts.last_visible  # (N,) t_n under the causal mask, else None
 
@@ -262,8 +289,8 @@ def estimate(
             y_c, v_c = y[..., keys, :], v[..., keys, :]
             k_land = y_c.mean(-2)  # (..., D)
             q_land = x[..., sources, :].mean(-2)
-            mu = chunk_proposal_mean(proposal_mean, q_land, k_land)[None, ..., None, :]  # (1, ..., 1, D)
-            if sample == "random":
+            mu = chunk_proposal_mean(options.proposal_mean, q_land, k_land)[None, ..., None, :]  # (1, ..., 1, D)
+            if options.sample == "random":
                 omega = mu + sigma * eps[..., c, :, :]  # (R, ..., S_c, D)
             else:
                 omega = np.broadcast_to(mu, (*lead, 1, dim))
@@ -271,11 +298,11 @@ def estimate(
             log_qf = positive_log_features(x_g[None], omega)[0][..., 0] + log_alpha[..., None, :]  # (R, ..., n_g, S_c)
             log_kf = positive_log_features(y_c[None], omega)[0][..., 0]  # (R, ..., |P_c|, S_c)
             beta, _ = feature_attention(log_qf[..., None], log_kf[..., None], v_c[None])  # (R, ..., n_g, Dv)
-            if chunk_weight == "exact":
+            if options.chunk_weight == "exact":
                 logw = logsumexp(x_g @ np.swapaxes(y_c, -1, -2), axis=-1)[None]  # (1, ..., n_g)
-            elif chunk_weight == "mean-key":
+            elif options.chunk_weight == "mean-key":
                 logw = (x_g @ k_land[..., :, None])[None, ..., 0]
-                if add_log_chunk_size:
+                if options.add_log_chunk_size:
                     logw = logw + np.log(len(keys))
             else:  # rfa: log (1/S) sum_s alpha xi(x, w_s) sum_m xi(y_m, w_s)
                 log_mass = logsumexp(log_kf, axis=-2)  # (R, ..., S_c)

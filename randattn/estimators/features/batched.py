@@ -5,12 +5,13 @@ Same names, arguments and ``(..., N, S, L)`` log-feature layout as the reference
 
 from __future__ import annotations
 
+import sys
 import math
 
 import torch
 
 from randattn._validation import check_choice
-from randattn.estimators.features import FEATURE_MAPS, POSITIVE_MAPS
+from randattn.estimators.features import POSITIVE_MAPS, select_data_params, select_log_features
 from randattn.estimators.features.reference import SderfParams, _optimal_eigenvalue
 from randattn.estimators.sampling import sphere_project
 
@@ -116,11 +117,7 @@ def sderf_log_features(x: torch.Tensor, omega: torch.Tensor, params: SderfParams
 
 def data_params(feature_map: str, x: torch.Tensor, y: torch.Tensor) -> dict:
     """``log_features`` keywords of the data-dependent maps (oprf, sderf); see ``features.reference``."""
-    if feature_map == "oprf":
-        return {"oprf_a": oprf_optimal_a(x, y)}
-    if feature_map == "sderf":
-        return {"sderf": sderf_optimal_params(x, y)}
-    return {}
+    return select_data_params(sys.modules[__name__], feature_map, x, y)
 
 
 def log_features(
@@ -132,22 +129,7 @@ def log_features(
     sderf: SderfParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dispatch to the named map (one of ``FEATURE_MAPS``), as ``features.reference.log_features``."""
-    check_choice("feature_map", feature_map, FEATURE_MAPS)
-    if feature_map == "positive":
-        return positive_log_features(x, omega)
-    if feature_map == "hyperbolic":
-        return hyperbolic_log_features(x, omega)
-    if feature_map == "trigonometric":
-        return trigonometric_log_features(x, omega)
-    if feature_map == "regularized":
-        return positive_log_features(x, sphere_project(omega, omega.shape[-1]))
-    if feature_map == "sderf":
-        if sderf is None:
-            raise ValueError("feature_map='sderf' needs sderf (see sderf_optimal_params)")
-        return sderf_log_features(x, omega, sderf)
-    if oprf_a is None:
-        raise ValueError("feature_map='oprf' needs oprf_a (see oprf_optimal_a)")
-    return oprf_log_features(x, omega, oprf_a)
+    return select_log_features(sys.modules[__name__], feature_map, x, omega, oprf_a=oprf_a, sderf=sderf)
 
 
 def affine_directions(

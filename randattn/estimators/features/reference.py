@@ -8,14 +8,14 @@ positive maps. ``E_omega[sum_l phi_l(x, omega) phi_l(y, omega)] = exp(x·y)`` fo
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import numpy as np
 from scipy import special
 
 from randattn._validation import check_choice
-from randattn.estimators.features import FEATURE_MAPS
-from randattn.estimators.sampling import sphere_project
+from randattn.estimators.features import FEATURE_MAPS, select_data_params, select_log_features
 
 __all__ = [
     "positive_log_features",
@@ -93,8 +93,8 @@ def oprf_optimal_a(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
     Parameters
     ----------
-    x : (..., N, D)
-    y : (..., M, D)
+    x, y : array_like
+        Queries (..., N, D) and keys (..., M, D), in the paper's variables.
 
     Returns
     -------
@@ -233,8 +233,8 @@ def sderf_optimal_params(x: np.ndarray, y: np.ndarray) -> SderfParams:
 
     Parameters
     ----------
-    x : (..., N, D)
-    y : (..., M, D)
+    x, y : array_like
+        As :func:`oprf_optimal_a`: queries (..., N, D) and keys (..., M, D).
 
     Returns
     -------
@@ -310,11 +310,7 @@ def data_params(feature_map: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any
     ``oprf``: ``{"oprf_a": A*}`` (:func:`oprf_optimal_a`); ``sderf``: ``{"sderf": ...}``
     (:func:`sderf_optimal_params`); both from queries and keys together, ``O((N + M) D^2)``.
     """
-    if feature_map == "oprf":
-        return {"oprf_a": oprf_optimal_a(x, y)}
-    if feature_map == "sderf":
-        return {"sderf": sderf_optimal_params(x, y)}
-    return {}
+    return select_data_params(sys.modules[__name__], feature_map, x, y)
 
 
 def paired_log_features(
@@ -348,22 +344,7 @@ def log_features(
     ``oprf_a`` is required for ``feature_map="oprf"`` (the same ``A`` must be used for both
     queries and keys).
     """
-    check_choice("feature_map", feature_map, FEATURE_MAPS)
-    if feature_map == "positive":
-        return positive_log_features(x, omega)
-    if feature_map == "hyperbolic":
-        return hyperbolic_log_features(x, omega)
-    if feature_map == "trigonometric":
-        return trigonometric_log_features(x, omega)
-    if feature_map == "regularized":
-        return positive_log_features(x, sphere_project(omega, omega.shape[-1]))
-    if feature_map == "sderf":
-        if sderf is None:
-            raise ValueError("feature_map='sderf' needs sderf (see sderf_optimal_params)")
-        return sderf_log_features(x, omega, sderf)
-    if oprf_a is None:
-        raise ValueError("feature_map='oprf' needs oprf_a (see oprf_optimal_a)")
-    return oprf_log_features(x, omega, oprf_a)
+    return select_log_features(sys.modules[__name__], feature_map, x, omega, oprf_a=oprf_a, sderf=sderf)
 
 
 def kernel_estimate(

@@ -14,12 +14,14 @@ from typing import Sequence
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import layout_mask_note, layout_masks
 from randattn.estimators.base import BatchedForms, ExactLimit,  Draws, EstimatorSpec
-from randattn.estimators.eva import LAYOUT_PARAMS
 from randattn.estimators.eva.partition import check_mask_layout
 from randattn.estimators.grid import resolve_grid
 from randattn.estimators.local import batched, reference
+from randattn.estimators.local.reference import LocalOptions
 
-PARAMS = dict(LAYOUT_PARAMS)
+#: local attention's parameters, declared once as the fields of
+#: :class:`~randattn.estimators.local.reference.LocalOptions` (the windowed layout's)
+PARAMS = LocalOptions.params()
 
 
 def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, replicates: int = 1, rng=None,
@@ -40,7 +42,7 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    forms=BatchedForms(estimate=batched.estimate),
+    forms=BatchedForms.of(batched),
     needs_samples=False,
     is_random=lambda params: False,
     variants={

@@ -6,33 +6,20 @@ from typing import Any
 
 import torch
 
-from randattn.estimators._prepare import prepare_batched
+from randattn.estimators._prepare import deterministic_entry, prepare_batched
 from randattn.estimators.base import Draws
 from randattn.estimators.eva.batched import block_exact_attention
-from randattn.estimators.eva.partition import check_mask_layout, padded_partition
-from randattn.estimators.grid import resolve_grid
-from randattn.estimators.local.reference import local_layout
+from randattn.estimators.eva.partition import padded_partition
+from randattn.estimators.local.reference import LocalOptions, local_layout
 
 __all__ = ["estimate"]
 
 
-def estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws | None = None,
-    *,
-    scale: float | None = None,
-    window: int = 49,
-    prefix_tokens: int = 0,
-    layout: str = "grid",
-    grid: Any = None,
-    mask: str | None = None,
-) -> torch.Tensor:
+@deterministic_entry(LocalOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws | None, options: LocalOptions) -> torch.Tensor:
     """Local attention; (R, ..., N, Dv) with draws, else (..., N, Dv). See ``local.reference`` (``mask`` included)."""
-    grid = resolve_grid(layout, grid)
-    check_mask_layout(mask, grid=grid)  # before any computation
-    x, y, v, _, _ = prepare_batched(q, k, v, scale)
+    x, y, v, _, _ = prepare_batched(q, k, v, options.scale)
+    window, prefix_tokens, grid, mask = options.window, options.prefix_tokens, options.resolved_grid, options.mask
     local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens, grid, mask)  # validates: no empty block
     # local attention uses the blocks only: no chunks (padding every block's complement into chunks would be
     # O(M^2 / W) index memory for nothing)

@@ -6,17 +6,38 @@ lower-triangular mask of EVA app. D) and to the visible prefix keys; 1-D layouts
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from scipy.special import softmax
 
-from randattn.estimators._prepare import prepare_reference
+from randattn.estimators._prepare import deterministic_entry, prepare_reference
 from randattn.estimators.base import Draws
-from randattn.estimators.eva.partition import Partition, check_layout_params, check_mask_layout, eva_partition
-from randattn.estimators.grid import resolve_grid
+from randattn.estimators.eva.partition import (
+    LayoutOptions,
+    Partition,
+    check_layout_params,
+    check_mask_layout,
+    eva_partition,
+)
 
-__all__ = ["estimate", "local_layout"]
+__all__ = ["estimate", "local_layout", "LocalOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalOptions(LayoutOptions):
+    """Local attention's keyword options: the windowed layout and ``mask``.
+
+    Construction checks the layout and refuses ``mask="causal"`` on a grid
+    (:func:`~randattn.estimators.eva.partition.check_mask_layout`) before any input is touched.
+    """
+
+    mask: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        check_mask_layout(self.mask, grid=self.resolved_grid)
 
 
 def local_layout(num_queries: int, num_keys: int, window: int, prefix_tokens: int, grid: tuple[int, int] | None = None,
@@ -37,19 +58,8 @@ def local_layout(num_queries: int, num_keys: int, window: int, prefix_tokens: in
     return layout
 
 
-def estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws | None = None,
-    *,
-    scale: float | None = None,
-    window: int = 49,
-    prefix_tokens: int = 0,
-    layout: str = "grid",
-    grid: Any = None,
-    mask: str | None = None,
-) -> np.ndarray:
+@deterministic_entry(LocalOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws | None, options: LocalOptions) -> np.ndarray:
     r"""Softmax attention restricted to each query's local block (EVA's :math:`E^n` alone).
 
     .. math:: y_n = \sum_{m \in E^n} \frac{e^{x_n^\top y_m}}{\sum_{m' \in E^n} e^{x_n^\top y_{m'}}} v_m.
@@ -59,9 +69,8 @@ def estimate(
 
     Parameters
     ----------
-    q : (..., N, D)
-    k : (..., M, D)
-    v : (..., M, Dv)
+    q, k, v : array_like
+        Queries (..., N, D), keys (..., M, D), values (..., M, Dv).
     draws : Draws, optional
         Only its replicate count R is used (deterministic).
     scale : float, optional
@@ -96,10 +105,9 @@ def estimate(
     >>> estimate(q, k, v, window=4).shape
     (16, 8)
     """
-    grid = resolve_grid(layout, grid)
-    check_mask_layout(mask, grid=grid)  # before any computation
-    x, y, v, _, _ = prepare_reference(q, k, v, scale)
-    parts = local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens, grid, mask)
+    x, y, v, _, _ = prepare_reference(q, k, v, options.scale)
+    parts = local_layout(x.shape[-2], y.shape[-2], options.window, options.prefix_tokens, options.resolved_grid,
+                         options.mask)
     last = parts.last_visible  # (N,) t_n under the causal mask, else None
     out = np.empty((*x.shape[:-1], v.shape[-1]))
     for qi, exact in parts.blocks():

@@ -17,17 +17,13 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, Param
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec
 from randattn.estimators.ra import batched, reference
+from randattn.estimators.ra.reference import NOISES, RaOptions  # noqa: F401  (NOISES: re-exported, ra.NOISES as before)
 from randattn.estimators.presets import RA_PRESETS
 
-NOISES = ("paper", "reference-code")
-
-PARAMS = {
-    "variant": Param("unbiased", "unbiased: omega ~ p_n (eq. 29-30); biased: omega ~ N(K pi_n + q_n, I) (eq. 31)", choices=("unbiased", "biased")),
-    "noise": Param("paper", "paper: eps ~ N(0, I); reference-code: the official code's N(0, I) in unscaled space = N(0, scale I)", choices=NOISES),
-    "sample": Param("random", "random, or mean: the biased variant's expected sample (LARA G.2 eval mode)", choices=("random", "mean")),
-}
+#: RA's parameters, declared once as the fields of :class:`~randattn.estimators.ra.reference.RaOptions`
+PARAMS = RaOptions.params()
 
 
 def draw(
@@ -78,11 +74,7 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    forms=BatchedForms(
-        estimate=batched.estimate,
-        probabilities=batched.probabilities,
-        estimate_with_probabilities=batched.estimate_with_probabilities,
-    ),
+    forms=BatchedForms.of(batched),
     is_random=_is_random,
     variants={
         "unbiased": {"variant": "unbiased"},

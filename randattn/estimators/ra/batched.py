@@ -6,11 +6,9 @@ from typing import Any
 
 import torch
 
-from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
-from randattn.estimators.base import Draws
-from randattn.estimators.masks import MASKS
-from randattn.estimators.ra.reference import check_ra_params, noise_std
+from randattn.estimators.base import Draws, keyword_entry
+from randattn.estimators.ra.reference import RaOptions, noise_std
 
 __all__ = ["estimate", "probabilities", "estimate_with_probabilities"]
 
@@ -68,40 +66,19 @@ def _f_mean(omega: torch.Tensor, y: torch.Tensor, v: torch.Tensor | None, with_p
     return (total, total_probs) if with_probabilities else total
 
 
-def estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    variant: str = "unbiased",
-    noise: str = "paper",
-    sample: str = "random",
-    mask: str | None = None,
-) -> torch.Tensor:
+@keyword_entry(RaOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: RaOptions) -> torch.Tensor:
     """Randomized attention over (R, ..., N, Dv); same signature and layout as ``ra.reference.estimate``.
 
     ``mask="causal"``: the mixture (eq. 29-31) and eq. 6 over the keys ``m <= n + M - N`` of each query n; still
     quadratic, the bidirectional computation with the hidden logits at -inf.
     """
-    x, y, v, scale, _ = prepare_batched(q, k, v, scale)
-    hidden = _hidden(mask, x, y)
-    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample, hidden=hidden)
+    y, v, hidden, omega, num_samples = _prepared(q, k, v, draws, options)
     return _f_mean(omega, y, v, hidden=hidden) / num_samples
 
 
-def probabilities(
-    q: Any,
-    k: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    variant: str = "unbiased",
-    noise: str = "paper",
-    sample: str = "random",
-    mask: str | None = None,
-) -> torch.Tensor:
+@keyword_entry(RaOptions)
+def probabilities(q: Any, k: Any, draws: Draws, options: RaOptions) -> torch.Tensor:
     r"""The attention probabilities RA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
 
     :math:`\hat P_{n\cdot} = \frac1S \sum_s \mathrm{softmax}_m(\omega_{ns}^\top y_m - \|y_m\|^2/2)`
@@ -109,36 +86,30 @@ def probabilities(
     ``mask="causal"`` the softmax runs over the visible keys ``m <= n + M - N`` and the hidden entries are exact
     zeros, so ``probabilities @ v`` is :func:`estimate` with the same mask (to rounding).
     """
-    x, y, _, scale, _ = prepare_batched(q, k, k, scale)
-    hidden = _hidden(mask, x, y)
-    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample, hidden=hidden)
+    y, _, hidden, omega, num_samples = _prepared(q, k, k, draws, options)
     total = _f_mean(omega, y, None, hidden=hidden)  # (R, ..., N, M): in place, no second (N, M) array
     return total if num_samples == 1 else total.div_(num_samples)
 
 
-def estimate_with_probabilities(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    variant: str = "unbiased",
-    noise: str = "paper",
-    sample: str = "random",
-    mask: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@keyword_entry(RaOptions)
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, options: RaOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits: each sample's softmax computed once."""
-    x, y, v, scale, _ = prepare_batched(q, k, v, scale)
-    hidden = _hidden(mask, x, y)
-    omega, num_samples = _samples(x, y, draws, scale=scale, variant=variant, noise=noise, sample=sample, hidden=hidden)
+    y, v, hidden, omega, num_samples = _prepared(q, k, v, draws, options)
     total, total_probs = _f_mean(omega, y, v, with_probabilities=True, hidden=hidden)
     return total / num_samples, total_probs if num_samples == 1 else total_probs.div_(num_samples)
 
 
+def _prepared(q: Any, k: Any, v: Any, draws: Draws, options: RaOptions):
+    """``(y, v, hidden, omega, S)``: the scaled keys, the values, the mask's hidden keys and the samples."""
+    x, y, v, scale, _ = prepare_batched(q, k, v, options.scale)
+    hidden = _hidden(options.mask, x, y)
+    omega, num_samples = _samples(x, y, draws, options, scale, hidden=hidden)
+    return y, v, hidden, omega, num_samples
+
+
 def _hidden(mask: str | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-    """``(N, M)`` boolean on ``x``'s device, True where ``mask`` hides key m from query n; None for no mask."""
-    check_choice("mask", mask, MASKS)  # the masks the reference accepts (visible_keys)
+    """``(N, M)`` boolean on ``x``'s device, True where ``mask`` (checked by :class:`RaOptions`) hides key m
+    from query n; None for no mask."""
     if mask is None:
         return None
     from randattn.estimators.masks import check_causal_shapes
@@ -149,27 +120,26 @@ def _hidden(mask: str | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor 
     return torch.ones(n, m, dtype=torch.bool, device=x.device).triu_(m - n + 1)
 
 
-def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, *, scale: float, variant: str, noise: str, sample: str,
+def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, options: RaOptions, scale: float,
              hidden: torch.Tensor | None = None):
     """``(omega (R, ..., N, S, D), S)``: the samples of eq. 7 (or the biased variant's, or the mean); ``scale`` resolved.
 
     ``hidden`` (N, M): the causal mask's hidden keys, which get mixture weight exactly 0 (eq. 29-31 over visible keys).
     """
-    check_ra_params(variant, sample)
-    sigma = noise_std(noise, scale)
+    sigma = noise_std(options.noise, scale)
     batch = x.shape[:-2]
     num_q, dim = x.shape[-2], x.shape[-1]
     logits_pi = x @ y.transpose(-1, -2)  # (..., N, M)
     if hidden is not None:
         logits_pi = logits_pi.masked_fill(hidden, float("-inf"))  # exp gives exact zeros: hidden keys never enter
     log_pi = torch.log_softmax(logits_pi, dim=-1)
-    if sample == "mean":
+    if options.sample == "mean":
         mean = x + torch.exp(log_pi) @ y
         return mean.unsqueeze(0).expand(draws.replicates, *mean.shape).unsqueeze(-2), 1
     draws = to_torch_draws(draws, x)
     eps = check_draw_array(draws, "eps", batch, (num_q, None, dim))
     num_samples = eps.shape[-2]
-    if variant == "biased":
+    if options.variant == "biased":
         mean = x + torch.exp(log_pi) @ y
         return mean.unsqueeze(0).unsqueeze(-2) + sigma * eps, num_samples
     u = check_draw_array(draws, "u", batch, (num_q, num_samples))

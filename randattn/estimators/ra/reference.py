@@ -4,15 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataclasses import dataclass
+
 import numpy as np
 from scipy.special import log_softmax, softmax
 
 from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import Draws
+from randattn.estimators.base import Draws, EstimatorOptions, keyword_entry, option
 from randattn.estimators.masks import MASKS, causal_visible, last_visible_key
 
-__all__ = ["estimate", "noise_std", "check_ra_params", "visible_keys"]
+__all__ = ["estimate", "noise_std", "check_ra_params", "visible_keys", "RaOptions", "NOISES", "VARIANTS", "SAMPLES"]
+
+#: the two samplers of LARA sec. 3.2: omega ~ p_n (eq. 29-30), or the mean-field Gaussian (eq. 31)
+VARIANTS = ("unbiased", "biased")
+#: omega's noise: the paper's N(0, I), or the official code's (:func:`noise_std`)
+NOISES = ("paper", "reference-code")
+#: random samples, or the biased variant's expected sample (LARA G.2 eval mode)
+SAMPLES = ("random", "mean")
 
 
 def noise_std(noise: str, scale: float) -> float:
@@ -21,18 +30,44 @@ def noise_std(noise: str, scale: float) -> float:
     The official code adds N(0, I) to the unscaled ``q + k``; mapped to ``x = sqrt(scale) q``
     that is N(0, scale I): N(0, D^-1/2 I) at the ViT temperature (ARCHITECTURE sec. 10).
     """
-    check_choice("noise", noise, ("paper", "reference-code"))
+    check_choice("noise", noise, NOISES)
     return 1.0 if noise == "paper" else float(np.sqrt(scale))
 
 
 def check_ra_params(variant: str, sample: str) -> None:
-    check_choice("variant", variant, ("unbiased", "biased"))
-    check_choice("sample", sample, ("random", "mean"))
+    check_choice("variant", variant, VARIANTS)
+    check_choice("sample", sample, SAMPLES)
     if variant == "unbiased" and sample == "mean":
         raise ValueError(
             "sample='mean' is only defined for variant='biased' (the unbiased sampler's mean "
             "would replace the random component index too, LARA app. G.2)"
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RaOptions(EstimatorOptions):
+    """RA's keyword options, declared once: the spec's ``params`` and every entry point's keywords.
+
+    Construction runs :func:`check_ra_params` and checks ``mask`` (None or ``"causal"``), so a bad
+    option raises before any input is touched.
+    """
+
+    variant: str = option(
+        "unbiased", "unbiased: omega ~ p_n (eq. 29-30); biased: omega ~ N(K pi_n + q_n, I) (eq. 31)", choices=VARIANTS
+    )
+    noise: str = option(
+        "paper",
+        "paper: eps ~ N(0, I); reference-code: the official code's N(0, I) in unscaled space = N(0, scale I)",
+        choices=NOISES,
+    )
+    sample: str = option(
+        "random", "random, or mean: the biased variant's expected sample (LARA G.2 eval mode)", choices=SAMPLES
+    )
+    mask: str | None = None
+
+    def check(self) -> None:
+        check_ra_params(self.variant, self.sample)
+        check_choice("mask", self.mask, MASKS)
 
 
 def visible_keys(mask: str | None, num_queries: int, num_keys: int) -> np.ndarray | None:
@@ -44,18 +79,8 @@ def visible_keys(mask: str | None, num_queries: int, num_keys: int) -> np.ndarra
     return None if mask is None else causal_visible(num_queries, num_keys)
 
 
-def estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    variant: str = "unbiased",
-    noise: str = "paper",
-    sample: str = "random",
-    mask: str | None = None,
-) -> np.ndarray:
+@keyword_entry(RaOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: RaOptions) -> np.ndarray:
     r"""Randomized attention (LARA sec. 3.2, app. G.2, Algorithm 1), bidirectional or causal.
 
     .. math::
@@ -78,9 +103,8 @@ def estimate(
 
     Parameters
     ----------
-    q : (..., N, D)
-    k : (..., M, D)
-    v : (..., M, Dv)
+    q, k, v : array_like
+        Queries (..., N, D), keys (..., M, D), values (..., M, Dv).
     draws : Draws
         ``u : (R, ..., N, S)`` (unbiased) and ``eps : (R, ..., N, S, D)``; empty for ``sample="mean"``.
     scale : float, optional
@@ -105,20 +129,19 @@ def estimate(
     when ``u`` lies above a rounded-down total mass; the index is then clamped to the last
     visible key (not to M - 1).
     """
-    check_ra_params(variant, sample)
-    x, y, v, scale, batch = prepare_reference(q, k, v, scale)
-    sigma = noise_std(noise, scale)
+    x, y, v, scale, batch = prepare_reference(q, k, v, options.scale)
+    sigma = noise_std(options.noise, scale)
     num_q, dim = x.shape[-2], x.shape[-1]
-    visible = visible_keys(mask, num_q, y.shape[-2])  # (N, M) or None
+    visible = visible_keys(options.mask, num_q, y.shape[-2])  # (N, M) or None
     logits_pi = x @ np.swapaxes(y, -1, -2)  # (..., N, M)
     if visible is not None:
         # -inf, not a large negative number: exp gives exact zeros, so hidden keys' values never enter
         logits_pi = np.where(visible, logits_pi, -np.inf)
     log_pi = log_softmax(logits_pi, axis=-1)  # (..., N, M); eq. 29's pi_n, over V_n under causal
-    if sample == "mean":
+    if options.sample == "mean":
         mean = x + np.exp(log_pi) @ y  # (..., N, D)
         omega = np.broadcast_to(mean, (draws.replicates, *mean.shape))[..., None, :]  # (R, ..., N, 1, D)
-    elif variant == "biased":
+    elif options.variant == "biased":
         eps = check_draw_array(draws, "eps", batch, (num_q, None, dim))
         mean = x + np.exp(log_pi) @ y
         omega = mean[None, ..., None, :] + sigma * eps

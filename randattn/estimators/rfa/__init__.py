@@ -13,16 +13,15 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights, Param
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights
 from randattn.estimators.features import DATA_DEPENDENT_MAPS, FEATURE_MAPS
 from randattn.estimators.rfa import batched, reference, weights
 from randattn.estimators.rfa.masking import check_rfa_mask
+from randattn.estimators.rfa.options import RfaOptions
 from randattn.estimators.sampling import COUPLINGS, draw_omegas
 
-PARAMS = {
-    "feature_map": Param("positive", "random-feature map of exp(x.y)", choices=FEATURE_MAPS),
-    "coupling": Param("iid", "joint law of the S directions (orthogonal-plain-qr: biased, for comparison)", choices=COUPLINGS),
-}
+#: RFA's parameters, declared once as the fields of :class:`~randattn.estimators.rfa.options.RfaOptions`
+PARAMS = RfaOptions.params()
 
 
 def draw(
@@ -79,12 +78,7 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    forms=BatchedForms(
-        estimate=batched.estimate,
-        probabilities=batched.probabilities,
-        estimate_with_probabilities=batched.estimate_with_probabilities,
-        estimate_with_probability_factors=batched.estimate_with_probability_factors,
-    ),
+    forms=BatchedForms.of(batched),
     variants={
         f"{fm}-{coupling}": {"feature_map": fm, "coupling": coupling}
         for fm in FEATURE_MAPS

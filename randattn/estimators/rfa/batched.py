@@ -7,11 +7,16 @@ from typing import Any
 import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
-from randattn.estimators.base import Draws
+from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.features import POSITIVE_MAPS
 from randattn.estimators.features.batched import affine_directions, data_params, log_features
-from randattn.estimators.rfa.causal import causal_estimate, causal_estimate_with_probabilities
-from randattn.estimators.rfa.masking import check_rfa_mask
+from randattn.estimators.rfa.causal import (
+    CausalRfaOptions,
+    ChunkedCausalRfaOptions,
+    causal_estimate,
+    causal_estimate_with_probabilities,
+)
+from randattn.estimators.rfa.options import RfaOptions
 from randattn.estimators.snis import warn_non_positive
 from randattn.estimators.snis.batched import affine_feature_attention, feature_attention
 
@@ -25,33 +30,29 @@ def _add_replicate_dim(value):
     return value[None]
 
 
-def _prepared(q: Any, k: Any, v: Any, draws: Draws, scale: float | None, feature_map: str):
+def _prepared(q: Any, k: Any, v: Any, draws: Draws, options: RfaOptions):
     """``(x, y, v, omega, fitted)``: scaled inputs, the checked draws and the map's data parameters per replicate."""
-    x, y, v, _, batch = prepare_batched(q, k, v, scale)
+    x, y, v, _, batch = prepare_batched(q, k, v, options.scale)
     omega = check_draw_array(to_torch_draws(draws, x), "omega", batch, (None, x.shape[-1]))
-    fitted = {key: _add_replicate_dim(val) for key, val in data_params(feature_map, x, y).items()}
+    fitted = {key: _add_replicate_dim(val) for key, val in data_params(options.feature_map, x, y).items()}
     return x, y, v, omega, fitted
 
 
-def estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    feature_map: str = "positive",
-    coupling: str = "iid",
-    mask: str | None = None,
-) -> torch.Tensor:
+def _causal(options: RfaOptions, causal_options_type: type[CausalRfaOptions] = CausalRfaOptions) -> CausalRfaOptions:
+    """``options`` (with ``mask="causal"``) as the options of the causal prefix-sum forms."""
+    return causal_options_type(scale=options.scale, feature_map=options.feature_map, coupling=options.coupling)
+
+
+@keyword_entry(RfaOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: RfaOptions) -> torch.Tensor:
     """RFA over (R, ..., N, Dv); same signature and layout as ``rfa.reference.estimate``.
 
     ``mask="causal"``: the chunked prefix sums of :func:`randattn.estimators.rfa.causal.causal_estimate`.
     """
-    check_rfa_mask(mask, feature_map)
-    if mask == "causal":
-        return causal_estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling)
-    x, y, v, omega, fitted = _prepared(q, k, v, draws, scale, feature_map)
+    feature_map = options.feature_map
+    if options.mask == "causal":
+        return causal_estimate.on_options(q, k, v, draws, _causal(options, ChunkedCausalRfaOptions))
+    x, y, v, omega, fitted = _prepared(q, k, v, draws, options)
     if feature_map in POSITIVE_MAPS:
         # every positive map is x.W_j + a_j - |x|^2/2: three matrix products, no log-feature tensors
         directions, offset = affine_directions(feature_map, omega, **fitted)
@@ -64,16 +65,8 @@ def estimate(
     return out
 
 
-def probabilities(
-    q: Any,
-    k: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    feature_map: str = "positive",
-    coupling: str = "iid",
-    mask: str | None = None,
-) -> torch.Tensor:
+@keyword_entry(RfaOptions)
+def probabilities(q: Any, k: Any, draws: Draws, options: RfaOptions) -> torch.Tensor:
     r"""The attention probabilities RFA implies, ``(R, ..., N, M)``: :func:`estimate` with ``v = I_M``.
 
     For the positive maps without forming the identity (the key side's normalized
@@ -83,28 +76,18 @@ def probabilities(
     :func:`~randattn.estimators.rfa.causal.causal_estimate_with_probabilities`: exactly 0 at the keys
     a query may not see, and ``probabilities @ v`` equals the causal estimate to rounding.
     """
-    check_rfa_mask(mask, feature_map)
-    if mask == "causal":
-        return causal_estimate_with_probabilities(q, k, k[..., :1], draws, scale=scale, feature_map=feature_map)[1]
-    if feature_map not in POSITIVE_MAPS:
+    if options.mask == "causal":
+        return causal_estimate_with_probabilities.on_options(q, k, k[..., :1], draws, _causal(options))[1]
+    if options.feature_map not in POSITIVE_MAPS:
         eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device).expand(*k.shape[:-1], k.shape[-2])
-        return estimate(q, k, eye, draws, scale=scale, feature_map=feature_map, coupling=coupling)
-    x, y, _, omega, fitted = _prepared(q, k, k, draws, scale, feature_map)
-    directions, offset = affine_directions(feature_map, omega, **fitted)
+        return estimate.on_options(q, k, eye, draws, options)
+    x, y, _, omega, fitted = _prepared(q, k, k, draws, options)
+    directions, offset = affine_directions(options.feature_map, omega, **fitted)
     return affine_feature_attention(x, y, None, directions, offset)
 
 
-def estimate_with_probabilities(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    feature_map: str = "positive",
-    coupling: str = "iid",
-    mask: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@keyword_entry(RfaOptions)
+def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws, options: RfaOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """``(estimate(q, k, v, ...), probabilities(q, k, ...))``, the same bits as the two calls.
 
     For the positive maps the features, both softmaxes and the logits are computed once (see
@@ -114,29 +97,18 @@ def estimate_with_probabilities(
     :func:`estimate`'s prefix sums (linear in N), so that the output does not depend on whether the
     probabilities were asked for.
     """
-    check_rfa_mask(mask, feature_map)
-    if mask == "causal":
-        _, probs = causal_estimate_with_probabilities(q, k, v[..., :1], draws, scale=scale, feature_map=feature_map)
-        return estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling, mask=mask), probs
-    if feature_map not in POSITIVE_MAPS:
-        return (estimate(q, k, v, draws, scale=scale, feature_map=feature_map, coupling=coupling),
-                probabilities(q, k, draws, scale=scale, feature_map=feature_map, coupling=coupling))
-    x, y, v, omega, fitted = _prepared(q, k, v, draws, scale, feature_map)
-    directions, offset = affine_directions(feature_map, omega, **fitted)
+    if options.mask == "causal":
+        _, probs = causal_estimate_with_probabilities.on_options(q, k, v[..., :1], draws, _causal(options))
+        return estimate.on_options(q, k, v, draws, options), probs
+    if options.feature_map not in POSITIVE_MAPS:
+        return estimate.on_options(q, k, v, draws, options), probabilities.on_options(q, k, draws, options)
+    x, y, v, omega, fitted = _prepared(q, k, v, draws, options)
+    directions, offset = affine_directions(options.feature_map, omega, **fitted)
     return affine_feature_attention(x, y, v, directions, offset, with_probabilities=True)
 
 
-def estimate_with_probability_factors(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    feature_map: str = "positive",
-    coupling: str = "iid",
-    mask: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+@keyword_entry(RfaOptions)
+def estimate_with_probability_factors(q: Any, k: Any, v: Any, draws: Draws, options: RfaOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(estimate(q, k, v, ...), L, R)`` with ``probabilities(q, k, ...) = L @ R``, or None for signed features.
 
     For the positive maps the implied probabilities have rank J (the features): ``L (R, ..., N, J)``
@@ -147,9 +119,8 @@ def estimate_with_probability_factors(
     the masked probabilities are no product of an (N, J) and a (J, M) matrix; callers fall back to
     :func:`estimate_with_probabilities`.
     """
-    check_rfa_mask(mask, feature_map)
-    if mask == "causal" or feature_map not in POSITIVE_MAPS:
+    if options.mask == "causal" or options.feature_map not in POSITIVE_MAPS:
         return None
-    x, y, v, omega, fitted = _prepared(q, k, v, draws, scale, feature_map)
-    directions, offset = affine_directions(feature_map, omega, **fitted)
+    x, y, v, omega, fitted = _prepared(q, k, v, draws, options)
+    directions, offset = affine_directions(options.feature_map, omega, **fitted)
     return affine_feature_attention(x, y, v, directions, offset, with_probabilities=True, probability_factors=True)

@@ -12,18 +12,18 @@ The data-dependent maps (``oprf``, ``sderf``) are refused
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from randattn._validation import check_qkv_shapes, check_scale
-from randattn.estimators._prepare import check_draw_array, to_torch_draws
-from randattn.estimators.base import Draws
+from randattn.estimators._prepare import check_draw_array, to_torch_draws, unscaled_batched
+from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.features import POSITIVE_MAPS
 from randattn.estimators.features.batched import affine_directions
 from randattn.estimators.masks import check_causal_shapes
 from randattn.estimators.rfa.masking import check_rfa_mask
+from randattn.estimators.rfa.options import FeatureOptions
 from randattn.estimators.snis import warn_non_positive
 from randattn.estimators.snis.prefix import (
     DEFAULT_CHUNK_SIZE,
@@ -32,10 +32,26 @@ from randattn.estimators.snis.prefix import (
     causal_feature_weights,
 )
 
-__all__ = ["causal_estimate", "causal_estimate_with_probabilities", "causal_feature_slices"]
+__all__ = ["causal_estimate", "causal_estimate_with_probabilities", "causal_feature_slices", "CausalRfaOptions",
+           "ChunkedCausalRfaOptions"]
 
 #: log2(e): the prefix sums take base-2 log-features (``exp2`` is the faster exponential on CPU)
 LOG2_E = 1.0 / math.log(2.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CausalRfaOptions(FeatureOptions):
+    """The options of the causal prefix-sum forms: a map with a causal form (:func:`check_rfa_mask`)."""
+
+    def check(self) -> None:
+        check_rfa_mask("causal", self.feature_map)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkedCausalRfaOptions(CausalRfaOptions):
+    """:class:`CausalRfaOptions` and the tokens per chunk of the prefix sums (a power of two, checked where used)."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
 
 def causal_feature_slices(
@@ -113,29 +129,17 @@ def causal_feature_slices(
     return query_features, key_features, 2 * num_features
 
 
-def _unscaled_inputs(q: Any, k: Any, v: Any, scale: float | None):
-    """``(q, k, v, scale, batch_shape)`` validated as ``_prepare.prepare_batched`` does, but not multiplied by
-    ``sqrt(scale)`` (the features take the temperature in their weights, sparing two copies of the inputs)."""
-    batch, _, _, dim, _ = check_qkv_shapes(q, k, v)
-    scale = check_scale(scale, dim)
-    as_tensor = lambda a: a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))  # noqa: E731
-    q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    return q, k, v, scale, batch
+def _prepared(q: Any, k: Any, v: Any, draws: Draws, options: CausalRfaOptions):
+    """``(q, k, v, scale, batch, omega)``: the inputs validated but not multiplied by ``sqrt(scale)`` (the
+    features take the temperature in their weights, sparing two copies of the inputs), the checked draws."""
+    q, k, v, scale, batch = unscaled_batched(q, k, v, options.scale)
+    check_causal_shapes(q.shape[-2], k.shape[-2])
+    omega = check_draw_array(to_torch_draws(draws, q), "omega", batch, (None, q.shape[-1]))
+    return q, k, v, scale, batch, omega
 
 
-def causal_estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    feature_map: str = "positive",
-    coupling: str = "iid",
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> torch.Tensor:
+@keyword_entry(ChunkedCausalRfaOptions)
+def causal_estimate(q: Any, k: Any, v: Any, draws: Draws, options: ChunkedCausalRfaOptions) -> torch.Tensor:
     r"""Causal RFA over ``(R, ..., N, Dv)``: the batched form of ``rfa.reference.estimate(..., mask="causal")``.
 
     .. math::
@@ -150,16 +154,15 @@ def causal_estimate(
 
     Parameters
     ----------
-    q : (..., N, D)
-    k : (..., M, D)
-        M >= N: the queries are the last N of the M tokens.
-    v : (..., M, Dv)
+    q, k, v : array_like
+        Queries (..., N, D), keys (..., M, D), values (..., M, Dv); M >= N: the queries are the last
+        N of the M tokens.
     draws : Draws
         ``omega : (R, ..., S, D)``.
     scale : float, optional
         Temperature; default ``D ** -0.5``.
     feature_map : {"positive", "hyperbolic", "trigonometric", "regularized"}
-        The data-dependent ``oprf`` and ``sderf`` are refused (:func:`check_rfa_mask`).
+        The data-dependent ``oprf`` and ``sderf`` are refused (:func:`~randattn.estimators.rfa.masking.check_rfa_mask`).
     coupling : str
         Only used by ``draw``.
     chunk_size : int
@@ -174,29 +177,19 @@ def causal_estimate(
     NonPositiveDenominatorWarning
         Trigonometric features whose causal denominator is zero or negative for some queries.
     """
-    check_rfa_mask("causal", feature_map)
-    q, k, v, scale, batch = _unscaled_inputs(q, k, v, scale)
-    check_causal_shapes(q.shape[-2], k.shape[-2])
-    omega = check_draw_array(to_torch_draws(draws, q), "omega", batch, (None, q.shape[-1]))
-    query_features, key_features, num_features = causal_feature_slices(feature_map, q, k, omega, scale)
+    q, k, v, scale, batch, omega = _prepared(q, k, v, draws, options)
+    query_features, key_features, num_features = causal_feature_slices(options.feature_map, q, k, omega, scale)
     out, sign = causal_feature_attention(query_features, key_features, v, num_queries=q.shape[-2],
                                          replicates=draws.replicates, num_features=num_features,
-                                         chunk_size=chunk_size)
-    if feature_map not in POSITIVE_MAPS:
+                                         chunk_size=options.chunk_size)
+    if options.feature_map not in POSITIVE_MAPS:
         warn_non_positive(sign, "signed trigonometric features")
     return out
 
 
-def causal_estimate_with_probabilities(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    feature_map: str = "positive",
-    coupling: str = "iid",
-) -> tuple[torch.Tensor, torch.Tensor]:
+@keyword_entry(CausalRfaOptions)
+def causal_estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
+                                       options: CausalRfaOptions) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Causal RFA and the probabilities it implies, ``((R, ..., N, Dv), (R, ..., N, M))``, from one dense pass.
 
     The probabilities are :math:`\hat P_{nm} = W_{nm} / \sum_{m'} W_{nm'}` with the weights of
@@ -207,18 +200,15 @@ def causal_estimate_with_probabilities(
 
     Parameters and warnings as :func:`causal_estimate`.
     """
-    check_rfa_mask("causal", feature_map)
-    q, k, v, scale, batch = _unscaled_inputs(q, k, v, scale)
-    check_causal_shapes(q.shape[-2], k.shape[-2])
-    omega = check_draw_array(to_torch_draws(draws, q), "omega", batch, (None, q.shape[-1]))
-    query_features, key_features, _ = causal_feature_slices(feature_map, q, k, omega, scale)
+    q, k, v, scale, batch, omega = _prepared(q, k, v, draws, options)
+    query_features, key_features, _ = causal_feature_slices(options.feature_map, q, k, omega, scale)
     num_queries, num_keys = q.shape[-2], k.shape[-2]
     lq, sq = query_features(slice(0, num_queries))
     lk, sk = key_features(slice(0, num_keys))
     weights = causal_feature_weights(lq, sq, lk, sk)
     del lq, sq, lk, sk
     total = weights.sum(-1, keepdim=True)
-    if feature_map not in POSITIVE_MAPS:
+    if options.feature_map not in POSITIVE_MAPS:
         warn_non_positive(torch.sign(total[..., 0]).view(draws.replicates, *batch, num_queries),
                           "signed trigonometric features")
     probs = weights.div_(total).view(draws.replicates, *batch, num_queries, num_keys)

@@ -7,26 +7,17 @@ from typing import Any
 import numpy as np
 
 from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import Draws
+from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.features.reference import paired_log_features
-from randattn.estimators.rfa.masking import check_rfa_mask
+from randattn.estimators.rfa.options import RfaOptions
 from randattn.estimators.snis import NonPositiveDenominatorWarning, warn_non_positive
 from randattn.estimators.snis.reference import causal_feature_attention, feature_attention
 
 __all__ = ["estimate", "NonPositiveDenominatorWarning"]
 
 
-def estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    feature_map: str = "positive",
-    coupling: str = "iid",
-    mask: str | None = None,
-) -> np.ndarray:
+@keyword_entry(RfaOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: RfaOptions) -> np.ndarray:
     r"""RFA (LARA eq. 2), computed as the log-space SNIS of ARCHITECTURE sec. 4.
 
     .. math::
@@ -36,9 +27,8 @@ def estimate(
 
     Parameters
     ----------
-    q : (..., N, D)
-    k : (..., M, D)
-    v : (..., M, Dv)
+    q, k, v : array_like
+        Queries (..., N, D), keys (..., M, D), values (..., M, Dv).
     draws : Draws
         ``omega : (R, ..., S, D)`` from :func:`randattn.estimators.rfa.draw`.
     scale : float, optional
@@ -72,12 +62,12 @@ def estimate(
     computed per query as the log-space SNIS over its visible keys (one query at a time,
     O(N M S L Dv); the batched form is the prefix-sum algorithm).
     """
-    check_rfa_mask(mask, feature_map)
-    x, y, v, _, batch = prepare_reference(q, k, v, scale)
+    feature_map = options.feature_map
+    x, y, v, _, batch = prepare_reference(q, k, v, options.scale)
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
     # data-dependent maps (oprf, sderf): parameters from queries and keys, shared by both sides
     lx, sx, ly, sy = paired_log_features(feature_map, x, y, omega)
-    if mask == "causal":
+    if options.mask == "causal":
         out, sign = causal_feature_attention(lx, ly, v[None], q_sign=sx, k_sign=sy)
     else:
         out, sign = feature_attention(lx, ly, v[None], q_sign=sx, k_sign=sy)

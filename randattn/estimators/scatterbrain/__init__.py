@@ -17,13 +17,15 @@ import numpy as np
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import layout_mask_note, layout_masks
 from randattn.estimators.base import BatchedForms, ExactLimit, Draws, EstimatorSpec
-from randattn.estimators.eva import LAYOUT_PARAMS
 from randattn.estimators.eva.partition import check_mask_layout
 from randattn.estimators.grid import resolve_grid
 from randattn.estimators import rfa
 from randattn.estimators.scatterbrain import batched, reference
+from randattn.estimators.scatterbrain.reference import ScatterbrainOptions
 
-PARAMS = {**LAYOUT_PARAMS, "coupling": rfa.PARAMS["coupling"]}
+#: Scatterbrain's parameters, declared once as the fields of
+#: :class:`~randattn.estimators.scatterbrain.reference.ScatterbrainOptions`
+PARAMS = ScatterbrainOptions.params()
 
 
 def draw(
@@ -52,7 +54,7 @@ SPEC = EstimatorSpec(
     params=PARAMS,
     draw=draw,
     reference=reference.estimate,
-    forms=BatchedForms(estimate=batched.estimate),
+    forms=BatchedForms.of(batched),
     variants={
         "default": {},
         "window-4": {"window": 4},

@@ -2,35 +2,40 @@ r"""Scatterbrain (Chen et al., NeurIPS 2021) as written in EVA app. G.5, numpy f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from scipy.special import logsumexp, softmax
 
 from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import Draws
-from randattn.estimators.eva.partition import check_mask_layout, eva_partition
+from randattn.estimators.base import Draws, keyword_entry
+from randattn.estimators.eva.partition import LayoutOptions, check_mask_layout, eva_partition
 from randattn.estimators.features.reference import positive_log_features
-from randattn.estimators.grid import resolve_grid
+from randattn.estimators.rfa.options import coupling_option
 from randattn.estimators.snis.reference import feature_attention
 
-__all__ = ["estimate"]
+__all__ = ["estimate", "ScatterbrainOptions"]
 
 
-def estimate(
-    q: Any,
-    k: Any,
-    v: Any,
-    draws: Draws,
-    *,
-    scale: float | None = None,
-    window: int = 49,
-    prefix_tokens: int = 0,
-    layout: str = "grid",
-    grid: Any = None,
-    coupling: str = "iid",
-    mask: str | None = None,
-) -> np.ndarray:
+@dataclass(frozen=True, kw_only=True)
+class ScatterbrainOptions(LayoutOptions):
+    """Scatterbrain's keyword options: the windowed layout, RFA's ``coupling`` (used by ``draw`` only), ``mask``.
+
+    Construction checks the layout and refuses ``mask="causal"`` on a grid
+    (:func:`~randattn.estimators.eva.partition.check_mask_layout`) before any input is touched.
+    """
+
+    coupling: str = coupling_option()
+    mask: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        check_mask_layout(self.mask, grid=self.resolved_grid)
+
+
+@keyword_entry(ScatterbrainOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws, options: ScatterbrainOptions) -> np.ndarray:
     r"""Scatterbrain: random features off the local support, exact scores on it, renormalized (EVA eq. 29-30).
 
     .. math::
@@ -53,9 +58,8 @@ def estimate(
 
     Parameters
     ----------
-    q : (..., N, D)
-    k : (..., M, D)
-    v : (..., M, Dv)
+    q, k, v : array_like
+        Queries (..., N, D), keys (..., M, D), values (..., M, Dv).
     draws : Draws
         ``omega : (R, ..., S, D)`` from :func:`randattn.estimators.scatterbrain.draw`, shared by all blocks.
     scale : float, optional
@@ -93,15 +97,13 @@ def estimate(
     >>> scatterbrain.reference.estimate(q, k, v, draws, window=4).shape
     (2, 16, 8)
     """
-    grid = resolve_grid(layout, grid)
-    check_mask_layout(mask, grid=grid)  # before any computation
-    x, y, v, _, batch = prepare_reference(q, k, v, scale)
+    x, y, v, _, batch = prepare_reference(q, k, v, options.scale)
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
     num_q, num_k = x.shape[-2], y.shape[-2]
     lead = (draws.replicates, *batch)
     parts = eva_partition(
-        num_q, num_k, window=window, prefix_tokens=prefix_tokens, num_chunks=1, partition="paper", grid=grid, mask=mask,
-        chunks=False,
+        num_q, num_k, window=options.window, prefix_tokens=options.prefix_tokens, num_chunks=1, partition="paper",
+        grid=options.resolved_grid, mask=options.mask, chunks=False,
     )
     last = parts.last_visible  # (N,) t_n under the causal mask, else None
     out = np.empty((*lead, num_q, v.shape[-1]))

@@ -31,6 +31,11 @@ class NonPositiveDenominatorWarning(RuntimeWarning):
     """
 
 
+def flatten_features(log_f: Any) -> Any:
+    """``(..., T, S, L) -> (..., T, S*L)``: one feature index j = (s, l); numpy arrays and torch tensors alike."""
+    return log_f.reshape(*log_f.shape[:-2], log_f.shape[-2] * log_f.shape[-1])
+
+
 def count_non_positive(sign: Any) -> int:
     """How many entries of ``sign`` are <= 0, read back to the host (the device sync of a signed estimator)."""
     return int((sign <= 0).sum())

@@ -6,11 +6,9 @@ import math
 
 import torch
 
+from randattn.estimators.snis import flatten_features
+
 __all__ = ["feature_attention", "affine_feature_attention", "snis_terms_from_log_features"]
-
-
-def _flatten_features(log_f: torch.Tensor) -> torch.Tensor:
-    return log_f.reshape(*log_f.shape[:-2], log_f.shape[-2] * log_f.shape[-1])
 
 
 def feature_attention(
@@ -25,8 +23,8 @@ def feature_attention(
 
     log_qf : (..., N, S, L), log_kf : (..., M, S, L), v : (..., M, Dv) -> ((..., N, Dv), (..., N)).
     """
-    lq = _flatten_features(log_qf)
-    lk = _flatten_features(log_kf)
+    lq = flatten_features(log_qf)
+    lk = flatten_features(log_kf)
     if q_sign is None and k_sign is None:
         log_key_mass = torch.logsumexp(lk, dim=-2)  # (..., J)
         key_probs = torch.exp(lk - log_key_mass.unsqueeze(-2))
@@ -34,8 +32,8 @@ def feature_attention(
         w = torch.softmax(lq + log_key_mass.unsqueeze(-2), dim=-1)  # (..., N, J)
         out = w @ f
         return out, torch.ones(out.shape[:-1], dtype=out.dtype, device=out.device)
-    sq = torch.ones_like(lq) if q_sign is None else _flatten_features(q_sign)
-    sk = torch.ones_like(lk) if k_sign is None else _flatten_features(k_sign)
+    sq = torch.ones_like(lq) if q_sign is None else flatten_features(q_sign)
+    sk = torch.ones_like(lk) if k_sign is None else flatten_features(k_sign)
     c = lk.amax(dim=-2)
     c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))
     kb = sk * torch.exp(lk - c.unsqueeze(-2))

@@ -5,12 +5,9 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import logsumexp
 
+from randattn.estimators.snis import flatten_features
+
 __all__ = ["causal_feature_attention", "feature_attention", "snis_terms_from_log_features"]
-
-
-def _flatten_features(log_f: np.ndarray) -> np.ndarray:
-    """(..., T, S, L) -> (..., T, S*L): one feature index j = (s, l)."""
-    return log_f.reshape(*log_f.shape[:-2], log_f.shape[-2] * log_f.shape[-1])
 
 
 def feature_attention(
@@ -56,8 +53,8 @@ def feature_attention(
     or negative (possible only with signed features) gives a non-finite or sign-flipped
     output, which callers report rather than hide.
     """
-    lq = _flatten_features(log_qf)  # (..., N, J)
-    lk = _flatten_features(log_kf)  # (..., M, J)
+    lq = flatten_features(log_qf)  # (..., N, J)
+    lk = flatten_features(log_kf)  # (..., M, J)
     signed = q_sign is not None or k_sign is not None
     if not signed:
         # positive features: the plain SNIS form, everything in log space
@@ -68,8 +65,8 @@ def feature_attention(
         log_den = logsumexp(log_w, axis=-1)  # (..., N)
         w = np.exp(log_w - log_den[..., None])
         return w @ f, np.ones(log_den.shape)
-    sq = np.ones(lq.shape) if q_sign is None else _flatten_features(q_sign)
-    sk = np.ones(lk.shape) if k_sign is None else _flatten_features(k_sign)
+    sq = np.ones(lq.shape) if q_sign is None else flatten_features(q_sign)
+    sk = np.ones(lk.shape) if k_sign is None else flatten_features(k_sign)
     c = lk.max(axis=-2)  # (..., J)
     c = np.where(np.isfinite(c), c, 0.0)
     kb = sk * np.exp(lk - c[..., None, :])  # (..., M, J), |.| <= 1

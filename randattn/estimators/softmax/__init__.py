@@ -7,6 +7,7 @@ from typing import Sequence
 from randattn.estimators import describe
 from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec
 from randattn.estimators.softmax import batched, reference
+from randattn.estimators.softmax.reference import SoftmaxOptions
 
 
 def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, replicates: int = 1, rng=None,
@@ -20,10 +21,10 @@ SPEC = EstimatorSpec(
     summary="exact softmax attention (the ground truth)",
     source="Vaswani et al. 2017; LARA sec. 2.1",
     complexity="O(N M D)",
-    params={},
+    params=SoftmaxOptions.params(),
     draw=draw,
     reference=reference.estimate,
-    forms=BatchedForms(estimate=batched.estimate),
+    forms=BatchedForms.of(batched),
     needs_samples=False,
     is_random=lambda params: False,
     variants={"exact": {}},

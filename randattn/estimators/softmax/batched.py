@@ -6,25 +6,22 @@ from typing import Any
 
 import torch
 
-from randattn._validation import check_choice
-from randattn.estimators._prepare import prepare_batched
+from randattn.estimators._prepare import deterministic_entry, prepare_batched
 from randattn.estimators.base import Draws
-from randattn.estimators.softmax.reference import MASKS
+from randattn.estimators.softmax.reference import SoftmaxOptions
 
 __all__ = ["estimate"]
 
 
-def estimate(
-    q: Any, k: Any, v: Any, draws: Draws | None = None, *, scale: float | None = None, mask: str | None = None
-) -> torch.Tensor:
+@deterministic_entry(SoftmaxOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws | None, options: SoftmaxOptions) -> torch.Tensor:
     """Softmax attention; (R, ..., N, Dv) with draws, else (..., N, Dv). See ``softmax.reference``.
 
     ``mask="causal"``: the logits of keys m > n + M - N are set to -inf before ``torch.softmax``
     (which subtracts the row max); M >= N keeps every row non-empty.
     """
-    check_choice("mask", mask, MASKS)
-    x, y, v, _, _ = prepare_batched(q, k, v, scale)
-    if mask is None:
+    x, y, v, _, _ = prepare_batched(q, k, v, options.scale)
+    if options.mask is None:
         out = torch.softmax(x @ y.transpose(-1, -2), dim=-1) @ v
     else:
         from randattn.estimators.masks import check_causal_shapes

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from scipy.special import softmax
 
 from randattn._validation import check_choice
-from randattn.estimators._prepare import prepare_reference
-from randattn.estimators.base import Draws
+from randattn.estimators._prepare import deterministic_entry, prepare_reference
+from randattn.estimators.base import Draws, EstimatorOptions
 from randattn.estimators.masks import MASKS  # exact softmax computes every mask an estimator can declare
 
-__all__ = ["attention_probabilities", "estimate"]
+__all__ = ["attention_probabilities", "estimate", "SoftmaxOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SoftmaxOptions(EstimatorOptions):
+    """Softmax attention's keyword options: no parameters, only ``scale`` and ``mask`` (checked on construction)."""
+
+    mask: str | None = None
+
+    def check(self) -> None:
+        check_choice("mask", self.mask, MASKS)
 
 
 def _masked_logits(x: np.ndarray, y: np.ndarray, mask: str | None) -> np.ndarray:
@@ -39,9 +50,8 @@ def attention_probabilities(q: Any, k: Any, *, scale: float | None = None, mask:
     return softmax(_masked_logits(x, y, mask), axis=-1)
 
 
-def estimate(
-    q: Any, k: Any, v: Any, draws: Draws | None = None, *, scale: float | None = None, mask: str | None = None
-) -> np.ndarray:
+@deterministic_entry(SoftmaxOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws | None, options: SoftmaxOptions) -> np.ndarray:
     r"""Softmax attention (LARA sec. 2.1).
 
     .. math:: y_n = \sum_{m \in V_n} \frac{\exp(s\, q_n^\top k_m)}{\sum_{m' \in V_n} \exp(s\, q_n^\top k_{m'})} v_m,
@@ -51,9 +61,8 @@ def estimate(
 
     Parameters
     ----------
-    q : (..., N, D)
-    k : (..., M, D)
-    v : (..., M, Dv)
+    q, k, v : array_like
+        Queries (..., N, D), keys (..., M, D), values (..., M, Dv).
     draws : Draws, optional
         Only its replicate count R is used (softmax is deterministic).
     scale : float, optional
@@ -65,12 +74,11 @@ def estimate(
     -------
     (R, ..., N, Dv) with draws, else (..., N, Dv).
     """
-    check_choice("mask", mask, MASKS)
-    x, y, v, _, _ = prepare_reference(q, k, v, scale)
-    if mask is None:
+    x, y, v, _, _ = prepare_reference(q, k, v, options.scale)
+    if options.mask is None:
         out = softmax(x @ np.swapaxes(y, -1, -2), axis=-1) @ v
     else:
-        out = softmax(_masked_logits(x, y, mask), axis=-1) @ v
+        out = softmax(_masked_logits(x, y, options.mask), axis=-1) @ v
     if draws is None:
         return out
     return np.broadcast_to(out, (draws.replicates, *out.shape)).copy()
