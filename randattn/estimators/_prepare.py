@@ -7,16 +7,14 @@ moves to the paper's variables ``x = q sqrt(scale)``, ``y = k sqrt(scale)`` so t
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from randattn._validation import check_qkv_shapes, check_scale
-from randattn.estimators.base import Draws, EstimatorOptions, keyword_entry
+from randattn.estimators.base import Draws
 
-__all__ = ["prepare_reference", "prepare_batched", "unscaled_batched", "check_draw_array", "to_torch_draws",
-           "deterministic_entry"]
+__all__ = ["prepare_reference", "prepare_batched", "unscaled_batched", "check_draw_array", "to_torch_draws"]
 
 
 def prepare_reference(q: Any, k: Any, v: Any, scale: float | None):
@@ -81,28 +79,3 @@ def check_draw_array(draws: Draws, key: str, prefix: Sequence[int], trailing: Se
             "were the draws made for inputs of another shape?"
         )
     return array
-
-
-def deterministic_entry(options_type: type[EstimatorOptions]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """:func:`~randattn.estimators.base.keyword_entry` for a deterministic estimator, whose ``draws`` may be left out.
-
-    Decorates ``impl(q, k, v, draws, options)`` into ``f(q, k, v, draws=None, *, scale, **fields)``:
-    ``draws=None`` gives the output without the replicate dimension. ``keyword_entry`` hands ``impl``
-    only the arrays a call binds, so an array with a default cannot be left out there; this entry
-    point fills ``draws=None`` in before it calls. ``impl`` stays reachable as ``on_options``.
-    """
-
-    def decorate(impl: Callable[..., Any]) -> Callable[..., Any]:
-        entry = keyword_entry(options_type)(impl)
-        parameters = list(entry.__signature__.parameters.values())
-        parameters[3] = parameters[3].replace(default=None)
-
-        @functools.wraps(entry)
-        def with_optional_draws(q: Any, k: Any, v: Any, draws: Draws | None = None, **options: Any) -> Any:
-            return entry(q, k, v, draws, **options)
-
-        del with_optional_draws.__wrapped__  # inspect.signature must give the keyword signature, not this one's
-        with_optional_draws.__signature__ = entry.__signature__.replace(parameters=parameters)
-        return with_optional_draws
-
-    return decorate

@@ -150,6 +150,15 @@ def option(default: Any, doc: str, *, choices: tuple[Any, ...] | None = None,
     return field(default=default, metadata={"param": Param(default, doc, choices=choices, kind=kind)})
 
 
+def _python_scalar(value: Any, kind: type | tuple[type, ...] | None) -> int | float | bool | None:
+    """``value`` as a Python ``int``/``float``/``bool`` where it is a numpy scalar of a kind ``kind`` allows, else None."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    for numpy_type, python_type in ((np.bool_, bool), (np.integer, int), (np.floating, float)):
+        if isinstance(value, numpy_type) and python_type in kinds:
+            return python_type(value)
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class EstimatorOptions:
     """The keyword options of one estimator family, declared once and validated in one place.
@@ -172,6 +181,12 @@ class EstimatorOptions:
     scale: float | None = None
 
     def __post_init__(self) -> None:
+        for name, param in self.params().items():
+            # a numpy scalar (a setting read back from a table or an array) is the Python number it equals, as the
+            # families' own checks always took it; the Param checks, like randattn.estimate's, want Python types
+            python = _python_scalar(getattr(self, name), param.kind)
+            if python is not None:
+                object.__setattr__(self, name, python)
         # the family's rules first: they are the stricter, and their messages name the paper's terms
         self.check()
         for name, param in self.params().items():

@@ -147,3 +147,15 @@ def test_a_draw_written_on_options_leaves_out_scale_and_keeps_its_keyword_only_p
         draw((2, 3), (4, 3), num_samples=5, scale=0.5)
     with pytest.raises(TypeError, match="num_samples"):
         draw((2, 3), (4, 3))
+
+
+def test_numpy_scalars_are_the_python_numbers_they_equal(toy):
+    import numpy as np
+
+    ToyOptions, _ = toy
+    options = ToyOptions(width=np.int64(3))
+    assert options.width == 3 and type(options.width) is int
+    with pytest.raises(TypeError, match="width must be int"):  # numpy's bool is no count, as Python's is not
+        ToyOptions(width=np.bool_(True))
+    with pytest.raises(TypeError, match="width must be int"):
+        ToyOptions(width=np.float64(3.0))

@@ -154,15 +154,6 @@ class LayoutOptions(EstimatorOptions):
     )
     grid: Any = option(None, "patch grid 'HxW' (rows x columns) of the tokens after the prefix; None = unknown (1-D blocks)")
 
-    def __post_init__(self) -> None:
-        # numpy scalars (a window read back from a table or an array of settings) are taken as the Python numbers
-        # they equal, as the layout checks always did; the generic Param checks want int and bool themselves
-        for name, param in self.params().items():
-            value = getattr(self, name)
-            if (param.kind is int and isinstance(value, np.integer)) or (param.kind is bool and isinstance(value, np.bool_)):
-                object.__setattr__(self, name, param.kind(value))
-        super().__post_init__()
-
     def check(self) -> None:
         window, _ = check_layout_params(self.window, self.prefix_tokens)
         if self.resolved_grid is not None and window > 0:

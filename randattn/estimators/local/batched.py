@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from randattn.estimators._prepare import deterministic_entry, prepare_batched
-from randattn.estimators.base import Draws
+from randattn.estimators._prepare import prepare_batched
+from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.eva.batched import block_exact_attention
 from randattn.estimators.eva.partition import padded_partition
 from randattn.estimators.local.reference import LocalOptions, local_layout
@@ -15,8 +15,8 @@ from randattn.estimators.local.reference import LocalOptions, local_layout
 __all__ = ["estimate"]
 
 
-@deterministic_entry(LocalOptions)
-def estimate(q: Any, k: Any, v: Any, draws: Draws | None, options: LocalOptions) -> torch.Tensor:
+@keyword_entry(LocalOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws | None = None, *, options: LocalOptions) -> torch.Tensor:
     """Local attention; (R, ..., N, Dv) with draws, else (..., N, Dv). See ``local.reference`` (``mask`` included)."""
     x, y, v, _, _ = prepare_batched(q, k, v, options.scale)
     window, prefix_tokens, grid, mask = options.window, options.prefix_tokens, options.resolved_grid, options.mask

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 from scipy.special import softmax
 
-from randattn.estimators._prepare import deterministic_entry, prepare_reference
-from randattn.estimators.base import Draws
+from randattn.estimators._prepare import prepare_reference
+from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.eva.partition import (
     LayoutOptions,
     Partition,
@@ -58,8 +58,8 @@ def local_layout(num_queries: int, num_keys: int, window: int, prefix_tokens: in
     return layout
 
 
-@deterministic_entry(LocalOptions)
-def estimate(q: Any, k: Any, v: Any, draws: Draws | None, options: LocalOptions) -> np.ndarray:
+@keyword_entry(LocalOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws | None = None, *, options: LocalOptions) -> np.ndarray:
     r"""Softmax attention restricted to each query's local block (EVA's :math:`E^n` alone).
 
     .. math:: y_n = \sum_{m \in E^n} \frac{e^{x_n^\top y_m}}{\sum_{m' \in E^n} e^{x_n^\top y_{m'}}} v_m.

@@ -6,15 +6,15 @@ from typing import Any
 
 import torch
 
-from randattn.estimators._prepare import deterministic_entry, prepare_batched
-from randattn.estimators.base import Draws
+from randattn.estimators._prepare import prepare_batched
+from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.softmax.reference import SoftmaxOptions
 
 __all__ = ["estimate"]
 
 
-@deterministic_entry(SoftmaxOptions)
-def estimate(q: Any, k: Any, v: Any, draws: Draws | None, options: SoftmaxOptions) -> torch.Tensor:
+@keyword_entry(SoftmaxOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws | None = None, *, options: SoftmaxOptions) -> torch.Tensor:
     """Softmax attention; (R, ..., N, Dv) with draws, else (..., N, Dv). See ``softmax.reference``.
 
     ``mask="causal"``: the logits of keys m > n + M - N are set to -inf before ``torch.softmax``

@@ -9,8 +9,8 @@ import numpy as np
 from scipy.special import softmax
 
 from randattn._validation import check_choice
-from randattn.estimators._prepare import deterministic_entry, prepare_reference
-from randattn.estimators.base import Draws, EstimatorOptions
+from randattn.estimators._prepare import prepare_reference
+from randattn.estimators.base import Draws, EstimatorOptions, keyword_entry
 from randattn.estimators.masks import MASKS  # exact softmax computes every mask an estimator can declare
 
 __all__ = ["attention_probabilities", "estimate", "SoftmaxOptions"]
@@ -50,8 +50,8 @@ def attention_probabilities(q: Any, k: Any, *, scale: float | None = None, mask:
     return softmax(_masked_logits(x, y, mask), axis=-1)
 
 
-@deterministic_entry(SoftmaxOptions)
-def estimate(q: Any, k: Any, v: Any, draws: Draws | None, options: SoftmaxOptions) -> np.ndarray:
+@keyword_entry(SoftmaxOptions)
+def estimate(q: Any, k: Any, v: Any, draws: Draws | None = None, *, options: SoftmaxOptions) -> np.ndarray:
     r"""Softmax attention (LARA sec. 2.1).
 
     .. math:: y_n = \sum_{m \in V_n} \frac{\exp(s\, q_n^\top k_m)}{\sum_{m' \in V_n} \exp(s\, q_n^\top k_{m'})} v_m,
