@@ -24,11 +24,10 @@ import numpy as np
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import layout_mask_note, layout_masks
-from randattn.estimators.base import BatchedForms, ExactLimit,  Draws, EstimatorSpec
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, keyword_entry
 from randattn.estimators.eva import batched, reference
 from randattn.estimators.presets import EVA_PRESETS
-from randattn.estimators.eva.partition import PARTITIONS, LayoutOptions, check_mask_layout
-from randattn.estimators.grid import resolve_grid
+from randattn.estimators.eva.partition import PARTITIONS, LayoutOptions
 from randattn.estimators.eva.reference import CHUNK_WEIGHTS, NOISES, PROPOSAL_MEANS, SAMPLES, EvaOptions
 
 #: the shared layout parameters of eva, scatterbrain and local, declared once as the fields of
@@ -39,30 +38,19 @@ LAYOUT_PARAMS = LayoutOptions.params()
 PARAMS = EvaOptions.params()
 
 
-def draw(
-    q_shape: Sequence[int],
-    k_shape: Sequence[int],
-    *,
-    num_samples: int,
-    replicates: int = 1,
-    rng: np.random.Generator,
-    sample: str = "random",
-    samples_per_chunk: int = 1,
-    mask: str | None = None,
-    **params,
-) -> Draws:
+@keyword_entry(EvaOptions, leave_out=("scale",))
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
+         rng: np.random.Generator, options: EvaOptions) -> Draws:
     """``eps : (R, ..., C, S_c, D)`` standard normals with ``C = num_samples``.
 
     With ``sample="mean"`` nothing is random: ``eps`` is ``(R, ..., C, 0, D)``, which only
     carries the number of chunks. The draws do not depend on ``mask``: under ``"causal"`` each
     chunk group still has at most C chunks (of the keys before its block) and uses the first
     ones' ``eps`` as in the bidirectional form. A layout without a causal form (a grid, the
-    code's partition) is refused here already, before anything is drawn.
+    code's partition) is refused by :class:`~randattn.estimators.eva.reference.EvaOptions`, before anything is drawn.
     """
-    check_mask_layout(mask, grid=resolve_grid(params.get("layout", "grid"), params.get("grid")),
-                      partition=params.get("partition", "paper"))
     num_chunks = check_positive_int("num_samples", num_samples)
-    per_chunk = check_positive_int("samples_per_chunk", samples_per_chunk) if sample == "random" else 0
+    per_chunk = options.samples_per_chunk if options.sample == "random" else 0
     shape = (replicates, *q_shape[:-2], num_chunks, per_chunk, q_shape[-1])
     eps = rng.standard_normal(shape) if per_chunk else np.zeros(shape)
     return Draws({"eps": eps}, replicates)

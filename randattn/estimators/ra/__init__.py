@@ -17,7 +17,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, keyword_entry
 from randattn.estimators.ra import batched, reference
 from randattn.estimators.ra.reference import NOISES, RaOptions  # noqa: F401  (NOISES: re-exported, ra.NOISES as before)
 from randattn.estimators.presets import RA_PRESETS
@@ -26,29 +26,20 @@ from randattn.estimators.presets import RA_PRESETS
 PARAMS = RaOptions.params()
 
 
-def draw(
-    q_shape: Sequence[int],
-    k_shape: Sequence[int],
-    *,
-    num_samples: int,
-    replicates: int = 1,
-    rng: np.random.Generator,
-    variant: str = "unbiased",
-    sample: str = "random",
-    mask: str | None = None,
-    **params,
-) -> Draws:
+@keyword_entry(RaOptions, leave_out=("scale",))
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
+         rng: np.random.Generator, options: RaOptions) -> Draws:
     """``u : (R, ..., N, S)`` uniforms (unbiased only) and ``eps : (R, ..., N, S, D)``.
 
-    With ``sample="mean"`` nothing is random and the arrays are empty. ``mask`` is accepted and
-    ignored: the draws are data- and mask-independent (the mask acts in ``estimate``, on ``pi_n``).
+    With ``sample="mean"`` nothing is random and the arrays are empty. The draws are data- and mask-independent
+    (the mask acts in ``estimate``, on ``pi_n``).
     """
     num_samples = check_positive_int("num_samples", num_samples)
     prefix = (replicates, *q_shape[:-2], q_shape[-2], num_samples)
-    if sample == "mean":
+    if options.sample == "mean":
         return Draws({}, replicates)
     arrays = {}
-    if variant == "unbiased":
+    if options.variant == "unbiased":
         arrays["u"] = rng.random(prefix)
     arrays["eps"] = rng.standard_normal((*prefix, q_shape[-1]))
     return Draws(arrays, replicates)

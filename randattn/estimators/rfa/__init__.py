@@ -13,7 +13,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights, keyword_entry
 from randattn.estimators.features import DATA_DEPENDENT_MAPS, FEATURE_MAPS
 from randattn.estimators.rfa import batched, reference, weights
 from randattn.estimators.rfa.masking import check_rfa_mask
@@ -24,26 +24,16 @@ from randattn.estimators.sampling import COUPLINGS, draw_omegas
 PARAMS = RfaOptions.params()
 
 
-def draw(
-    q_shape: Sequence[int],
-    k_shape: Sequence[int],
-    *,
-    num_samples: int,
-    replicates: int = 1,
-    rng: np.random.Generator,
-    coupling: str = "iid",
-    feature_map: str = "positive",
-    mask: str | None = None,
-    **params,
-) -> Draws:
+@keyword_entry(RfaOptions, leave_out=("scale",))
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
+         rng: np.random.Generator, options: RfaOptions) -> Draws:
     """``omega : (R, ..., S, D)``, independent across replicates and batch elements.
 
-    The draws do not depend on ``mask``; it is checked here so that a map with no causal form
-    (``oprf``, ``sderf``: :func:`~randattn.estimators.rfa.masking.check_rfa_mask`) fails before any work.
+    The draws do not depend on ``mask``; :class:`~randattn.estimators.rfa.options.RfaOptions` checks it, so that a
+    map with no causal form (``oprf``, ``sderf``) fails before any work.
     """
-    check_rfa_mask(mask, feature_map)
     num_samples = check_positive_int("num_samples", num_samples)
-    omega = draw_omegas(rng, (replicates, *q_shape[:-2]), num_samples, q_shape[-1], coupling)
+    omega = draw_omegas(rng, (replicates, *q_shape[:-2]), num_samples, q_shape[-1], options.coupling)
     return Draws({"omega": omega}, replicates)
 
 

@@ -16,9 +16,7 @@ import numpy as np
 
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import layout_mask_note, layout_masks
-from randattn.estimators.base import BatchedForms, ExactLimit, Draws, EstimatorSpec
-from randattn.estimators.eva.partition import check_mask_layout
-from randattn.estimators.grid import resolve_grid
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, keyword_entry
 from randattn.estimators import rfa
 from randattn.estimators.scatterbrain import batched, reference
 from randattn.estimators.scatterbrain.reference import ScatterbrainOptions
@@ -28,22 +26,16 @@ from randattn.estimators.scatterbrain.reference import ScatterbrainOptions
 PARAMS = ScatterbrainOptions.params()
 
 
-def draw(
-    q_shape: Sequence[int],
-    k_shape: Sequence[int],
-    *,
-    num_samples: int,
-    replicates: int = 1,
-    rng: np.random.Generator,
-    mask: str | None = None,
-    **params,
-) -> Draws:
+@keyword_entry(ScatterbrainOptions, leave_out=("scale",))
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
+         rng: np.random.Generator, options: ScatterbrainOptions) -> Draws:
     """The same random variables as RFA, ``omega : (R, ..., S, D)``, shared by every local block.
 
-    They do not depend on ``mask``; a grid layout under ``mask="causal"`` is refused here already.
+    They do not depend on ``mask``; a grid layout under ``mask="causal"`` is refused by
+    :class:`~randattn.estimators.scatterbrain.reference.ScatterbrainOptions` already.
     """
-    check_mask_layout(mask, grid=resolve_grid(params.get("layout", "grid"), params.get("grid")))
-    return rfa.draw(q_shape, k_shape, num_samples=num_samples, replicates=replicates, rng=rng, **params)
+    return rfa.draw(q_shape, k_shape, num_samples=num_samples, replicates=replicates, rng=rng,
+                    coupling=options.coupling)
 
 
 SPEC = EstimatorSpec(
