@@ -38,6 +38,7 @@ __all__ = [
     "EstimatorOptions",
     "option",
     "keyword_entry",
+    "family_spec",
     "EstimatorSpec",
     "SpecError",
     "validate_spec",
@@ -731,6 +732,18 @@ class EstimatorSpec:
             value = params.get(name, param.default)
             resolved[name] = param.check(name, value)
         return resolved
+
+
+def family_spec(options: type[EstimatorOptions], draw: Callable[..., Draws], reference: Any, batched: Any,
+                **facts: Any) -> EstimatorSpec:
+    """The spec of a family written on ``options``: the protocol wiring said once, the family's facts given.
+
+    ``params`` are ``options.params()``, ``reference`` is the reference module's ``estimate`` and ``forms`` the
+    forms the torch module defines under their protocol names (:meth:`BatchedForms.of`); ``facts`` are every
+    other :class:`EstimatorSpec` field (name, summary, source, complexity, variants, ...).
+    """
+    return EstimatorSpec(params=options.params(), draw=draw, reference=reference.estimate,
+                         forms=BatchedForms.of(batched), **facts)
 
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")

@@ -159,3 +159,22 @@ def test_numpy_scalars_are_the_python_numbers_they_equal(toy):
         ToyOptions(width=np.bool_(True))
     with pytest.raises(TypeError, match="width must be int"):
         ToyOptions(width=np.float64(3.0))
+
+
+def test_family_spec_wires_the_options_the_reference_and_the_torch_module(toy):
+    from randattn.estimators.base import EstimatorSpec, family_spec
+
+    ToyOptions, toy_estimate = toy
+    reference = types.SimpleNamespace(estimate=toy_estimate)
+    batched = types.SimpleNamespace(estimate=toy_estimate, probabilities=toy_estimate)
+
+    def draw(q_shape, k_shape, *, num_samples, replicates=1, rng=None, **params):
+        """A toy draw."""
+
+    spec = family_spec(ToyOptions, draw, reference, batched, name="toy", summary="s", source="src", complexity="c")
+    want = EstimatorSpec(name="toy", summary="s", source="src", complexity="c",
+                         params={"kind": Param("a", "which toy", choices=("a", "b")),
+                                 "width": Param(2, "a width", kind=int)},
+                         draw=draw, reference=toy_estimate,
+                         forms=BatchedForms(estimate=toy_estimate, probabilities=toy_estimate))
+    assert spec == want

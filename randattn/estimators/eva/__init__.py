@@ -24,7 +24,7 @@ import numpy as np
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import layout_mask_note, layout_masks
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, keyword_entry
+from randattn.estimators.base import Draws, ExactLimit, family_spec, keyword_entry
 from randattn.estimators.eva import batched, reference
 from randattn.estimators.presets import EVA_PRESETS
 from randattn.estimators.eva.partition import PARTITIONS, LayoutOptions
@@ -101,7 +101,8 @@ def _cost(params: Mapping[str, Any]) -> str:
     return "quadratic"
 
 
-SPEC = EstimatorSpec(
+SPEC = family_spec(
+    EvaOptions, draw, reference, batched,
     name="eva",
     summary="EVA: exact local block + per-chunk control variates (beta_c from one sample of N(mu_c, I)) over C chunks",
     source="Zheng et al. ICLR 2023 (EVA) sec. 4 eq. 11-16, app. C eq. 26-28, Algorithm 1, app. G.1; causal: app. D, Algorithm 2",
@@ -111,10 +112,6 @@ SPEC = EstimatorSpec(
         "chunk_weight=exact adds O(N M D); C = num_samples, S_c = samples_per_chunk; same in the grid layout; "
         "mask=causal: G = ceil(M / W) (each block chunks the keys before it), G = N for window=0"
     ),
-    params=PARAMS,
-    draw=draw,
-    reference=reference.estimate,
-    forms=BatchedForms.of(batched),
     is_random=_is_random,
     variants=_variants(),
     presets=EVA_PRESETS,

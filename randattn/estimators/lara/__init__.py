@@ -40,7 +40,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights, keyword_entry
+from randattn.estimators.base import Draws, ImportanceWeights, family_spec, keyword_entry
 from randattn.estimators.lara import batched, reference, weights
 from randattn.estimators.presets import LARA_PRESETS
 from randattn.estimators.lara.reference import PROPOSALS, SAMPLES, WEIGHTINGS, LaraOptions
@@ -106,17 +106,14 @@ def _convergence(params: Mapping[str, Any]) -> str:
     return "consistent"
 
 
-SPEC = EstimatorSpec(
+SPEC = family_spec(
+    LaraOptions, draw, reference, batched,
     name="lara",
     summary="linear randomized attention: C landmark proposals, one sample each, self-normalized MIS",
     source="Zheng et al. ICML 2022 (LARA) sec. 4, eq. 8-10, 28, app. G.3 eq. 32-38, Algorithm 3",
     complexity=(
         "O((N + M) C (D + Dv) + C^2 D); + N C^2 (coupled), + C M D (eq33, eq32), + C^2 M D (eq32 density)"
     ),
-    params=PARAMS,
-    draw=draw,
-    reference=reference.estimate,
-    forms=BatchedForms.of(batched),
     is_random=_is_random,
     variants=_variants(),
     presets=LARA_PRESETS,

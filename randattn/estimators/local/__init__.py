@@ -13,7 +13,7 @@ from typing import Sequence
 
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import layout_mask_note, layout_masks
-from randattn.estimators.base import BatchedForms, ExactLimit,  Draws, EstimatorSpec
+from randattn.estimators.base import Draws, ExactLimit, family_spec
 from randattn.estimators.eva.partition import check_mask_layout
 from randattn.estimators.grid import resolve_grid
 from randattn.estimators.local import batched, reference
@@ -34,15 +34,12 @@ def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, re
     return Draws({}, replicates)
 
 
-SPEC = EstimatorSpec(
+SPEC = family_spec(
+    LocalOptions, draw, reference, batched,
     name="local",
     summary="block-local exact attention (EVA's E^n alone, renormalized): the sparse baseline",
     source="Child et al. 2019; Xiong et al. 2021; EVA (Zheng et al. ICLR 2023) sec. 4.2, app. E.1",
     complexity="O(N W (D + Dv))",
-    params=PARAMS,
-    draw=draw,
-    reference=reference.estimate,
-    forms=BatchedForms.of(batched),
     needs_samples=False,
     is_random=lambda params: False,
     variants={

@@ -59,7 +59,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from randattn._validation import check_positive_int
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, keyword_entry
+from randattn.estimators.base import Draws, ExactLimit, family_spec, keyword_entry
 from randattn.estimators.magicpig import batched, reference
 from randattn.estimators.magicpig.reference import MagicpigOptions
 from randattn.estimators.masks import check_causal_shapes
@@ -97,17 +97,14 @@ def _describe(params: Mapping[str, Any], defaults: Mapping[str, Any]) -> tuple[s
     return head, parts, {"hash_bits", "min_collisions", "sinks", "local", "center"}
 
 
-SPEC = EstimatorSpec(
+SPEC = family_spec(
+    MagicpigOptions, draw, reference, batched,
     name="magicpig",
     summary="MagicPIG: SimHash (K bits x L tables) samples keys, weighted by 1/P[collide in >= 2 tables], "
             "sinks + local window exact",
     source="Chen et al. 2024 (MagicPIG), arXiv 2410.16179 sec. 4.1-4.4, eqs. 9-11, Algorithm 1, app. E; "
            "code Infini-AI-Lab/MagicPIG",
     complexity="O((N + M) L K D + N M L K + N M (D + Dv)); S = L tables",
-    params=PARAMS,
-    draw=draw,
-    reference=reference.estimate,
-    forms=BatchedForms.of(batched),
     variants={
         # the defaults keep 68 exact keys, i.e. every key of the kit's small inputs: these variants sample
         "sampling": {"hash_bits": 2, "sinks": 1, "local": 2},

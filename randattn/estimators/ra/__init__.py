@@ -17,7 +17,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, keyword_entry
+from randattn.estimators.base import Draws, family_spec, keyword_entry
 from randattn.estimators.ra import batched, reference
 from randattn.estimators.ra.reference import NOISES, RaOptions  # noqa: F401  (NOISES: re-exported, ra.NOISES as before)
 from randattn.estimators.presets import RA_PRESETS
@@ -56,16 +56,13 @@ def _convergence(params: Mapping[str, Any]) -> str:
     return "none"
 
 
-SPEC = EstimatorSpec(
+SPEC = family_spec(
+    RaOptions, draw, reference, batched,
     name="ra",
     summary=("randomized attention: per-query samples from the mixture p_n (unbiased) or its mean-field Gaussian "
              "(biased); causal mask supported (mixture over each query's visible keys, still quadratic)"),
     source="Zheng et al. ICML 2022 (LARA) sec. 3.2, Prop. 3.2, app. G.2 eq. 29-31",
     complexity="O(N M (S D + D + Dv)), causal or not (the causal form masks the same N x M logits: quadratic)",
-    params=PARAMS,
-    draw=draw,
-    reference=reference.estimate,
-    forms=BatchedForms.of(batched),
     is_random=_is_random,
     variants={
         "unbiased": {"variant": "unbiased"},

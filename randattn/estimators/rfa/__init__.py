@@ -13,7 +13,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ImportanceWeights, keyword_entry
+from randattn.estimators.base import Draws, ImportanceWeights, family_spec, keyword_entry
 from randattn.estimators.features import DATA_DEPENDENT_MAPS, FEATURE_MAPS
 from randattn.estimators.rfa import batched, reference, weights
 from randattn.estimators.rfa.masking import check_rfa_mask
@@ -60,15 +60,12 @@ def _convergence(params: Mapping[str, Any]) -> str:
     return "consistent"
 
 
-SPEC = EstimatorSpec(
+SPEC = family_spec(
+    RfaOptions, draw, reference, batched,
     name="rfa",
     summary="random feature attention (Performer/FAVOR+; FAVOR++ with feature_map=oprf, FAVOR# with sderf) as log-space SNIS",
     source="Choromanski et al. ICLR 2021 sec. 2.3-2.4; LARA eq. 2, 4-6; Likhosherstov et al. NeurIPS 2022 (OPRF), NeurIPS 2023 (SDERF)",
     complexity="O((N + M) S D + (N + M) S Dv)",
-    params=PARAMS,
-    draw=draw,
-    reference=reference.estimate,
-    forms=BatchedForms.of(batched),
     variants={
         f"{fm}-{coupling}": {"feature_map": fm, "coupling": coupling}
         for fm in FEATURE_MAPS

@@ -16,7 +16,7 @@ import numpy as np
 
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import layout_mask_note, layout_masks
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, keyword_entry
+from randattn.estimators.base import Draws, ExactLimit, family_spec, keyword_entry
 from randattn.estimators import rfa
 from randattn.estimators.scatterbrain import batched, reference
 from randattn.estimators.scatterbrain.reference import ScatterbrainOptions
@@ -38,15 +38,12 @@ def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, re
                     coupling=options.coupling)
 
 
-SPEC = EstimatorSpec(
+SPEC = family_spec(
+    ScatterbrainOptions, draw, reference, batched,
     name="scatterbrain",
     summary="Scatterbrain: positive random features off the local block, exact scores on it, renormalized",
     source="Chen et al. NeurIPS 2021; EVA (Zheng et al. ICLR 2023) app. G.5 eq. 29-30",
     complexity="O(N W (D + Dv) + G M S D + N S (D + Dv)), G = ceil(M / W) local blocks",
-    params=PARAMS,
-    draw=draw,
-    reference=reference.estimate,
-    forms=BatchedForms.of(batched),
     variants={
         "default": {},
         "window-4": {"window": 4},

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from randattn.estimators import describe
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec
+from randattn.estimators.base import Draws, family_spec
 from randattn.estimators.softmax import batched, reference
 from randattn.estimators.softmax.reference import SoftmaxOptions
 
@@ -16,15 +16,12 @@ def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, re
     return Draws({}, replicates)
 
 
-SPEC = EstimatorSpec(
+SPEC = family_spec(
+    SoftmaxOptions, draw, reference, batched,
     name="softmax",
     summary="exact softmax attention (the ground truth)",
     source="Vaswani et al. 2017; LARA sec. 2.1",
     complexity="O(N M D)",
-    params=SoftmaxOptions.params(),
-    draw=draw,
-    reference=reference.estimate,
-    forms=BatchedForms.of(batched),
     needs_samples=False,
     is_random=lambda params: False,
     variants={"exact": {}},

@@ -30,7 +30,7 @@ import numpy as np
 
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import MASKS, BatchedForms, Draws, EstimatorOptions, EstimatorSpec, keyword_entry
+from randattn.estimators.base import Draws, EstimatorOptions, EstimatorSpec, MASKS, family_spec, keyword_entry
 from randattn.estimators.sparse.reference import keys_used as count_keys_used
 from randattn.estimators.sparse.reference import masked_logits, weighted_attention
 
@@ -182,11 +182,8 @@ def kept_keys_spec(*, options_type: type[KeptKeysOptions], reference: Any, batch
     once the kept keys cover every key (each family's ``exact_limits``), nothing in between. Every other fact
     (name, sources, ``selection``, ``exact_limits``, ...) is the family's, in ``declared``.
     """
-    return EstimatorSpec(
-        params=options_type.params(),
-        draw=draw,
-        reference=reference.estimate,
-        forms=BatchedForms.of(batched),
+    return family_spec(
+        options_type, draw, reference, batched,
         keys_used=batched.keys_used,
         needs_samples=True,
         is_random=_never_random,

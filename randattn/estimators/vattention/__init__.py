@@ -76,7 +76,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from randattn._validation import check_positive_int
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, keyword_entry
+from randattn.estimators.base import Draws, ExactLimit, family_spec, keyword_entry
 from randattn.estimators.masks import check_causal_shapes
 from randattn.estimators.vattention import batched, reference
 from randattn.estimators.vattention.rules import PARAMS, VattentionOptions, uniform_counts
@@ -132,7 +132,8 @@ def _promise(params: Mapping[str, Any]) -> tuple[float, float] | None:
 _SMALL = {"sinks": 1, "local": 2, "top_k": 2}
 _SMALL_ADAPTIVE = {**_SMALL, "epsilon": 0.2, "delta": 0.2, "base_rate": 0.25}
 
-SPEC = EstimatorSpec(
+SPEC = family_spec(
+    VattentionOptions, draw, reference, batched,
     name="vattention",
     summary="vAttention: sinks + local window + top-k exact, a uniform sample of the residual reweighted by "
             "n_residual / n_sampled; sample size from a CLT budget for (epsilon, delta) or fixed at S",
@@ -141,10 +142,6 @@ SPEC = EstimatorSpec(
            "AdaptiveSamplingMasker",
     complexity="O(N M (D + Dv)): every key is scored (exact top-k) and the weighted softmax is dense; values "
                "read per query: sinks + local + top-k + at most b sampled",
-    params=PARAMS,
-    draw=draw,
-    reference=reference.estimate,
-    forms=BatchedForms.of(batched),
     variants={
         "default": {},
         "fixed-small": {"budget": "fixed", **_SMALL},
