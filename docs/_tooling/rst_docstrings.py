@@ -19,7 +19,9 @@ mkdocstrings parses its sections; the source files are not touched:
   parsers read as more parameters, moves before the docstring's first section.
 
 It also reads the Sphinx-style ``#:`` comments above a module or class attribute (``#: k-hat above which ...``)
-as that attribute's docstring, which griffe alone does not.
+as that attribute's docstring, which griffe alone does not; and it gives an estimator entry point written on its
+options (decorated with ``randattn.estimators.base.keyword_entry``, whose keyword signature is made when the module
+is imported) the signature a caller sees, read from the imported function, where griffe reads the source alone.
 
 Used from mkdocs.yml (``handlers.python.options.extensions``); ``python docs/_tooling/rst_docstrings.py``
 runs its self-test.
@@ -27,15 +29,17 @@ runs its self-test.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 try:  # griffe is there when mkdocstrings runs the extension; the self-test below needs only this module
-    from griffe import Docstring, Extension
+    from griffe import Docstring, Extension, Parameter, ParameterKind, Parameters
 except ImportError:  # pragma: no cover
-    Docstring = None
+    Docstring = Parameter = ParameterKind = Parameters = None
     Extension = object  # type: ignore[assignment,misc]
 
 _MATH_ROLE = re.compile(r":math:`([^`]+)`")
@@ -226,10 +230,31 @@ def comment_docstring(lines: tuple[str, ...] | list[str], lineno: int) -> str | 
     return match.group(1).strip() if match else None
 
 
+def _is_keyword_entry(obj: Any) -> bool:
+    return getattr(obj, "is_function", False) and any(
+        "keyword_entry" in str(decorator.value) for decorator in getattr(obj, "decorators", ()))
+
+
+def runtime_parameters(module: str, qualname: str) -> list[Any]:
+    """The griffe parameters of the imported ``module.qualname``'s ``inspect.signature`` (defaults as their repr)."""
+    target: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return [
+        Parameter(p.name, kind=ParameterKind(p.kind.description),
+                  annotation=None if p.annotation is p.empty else str(p.annotation),
+                  default=None if p.default is p.empty else repr(p.default))
+        for p in inspect.signature(target).parameters.values()
+    ]
+
+
 class RstDocstrings(Extension):  # type: ignore[misc,valid-type]
     """Rewrite every docstring that griffe loads; give ``#:``-commented attributes their docstring."""
 
     def on_instance(self, *, obj: Any, agent: Any = None, **kwargs: Any) -> None:
+        if _is_keyword_entry(obj):
+            qualname = obj.path[len(obj.module.path) + 1:]
+            obj.parameters = Parameters(*runtime_parameters(obj.module.path, qualname))
         if getattr(obj, "is_attribute", False) and obj.docstring is None and obj.lineno and obj.filepath:
             try:
                 text = comment_docstring(_source_lines(str(obj.filepath)), obj.lineno)
@@ -270,4 +295,10 @@ if __name__ == "__main__":
     assert comment_docstring(source, 3) == "the threshold\nof k-hat"
     assert comment_docstring(source, 4) == "one"
     assert comment_docstring(source, 5) is None
+    if Parameter is not None:  # griffe installed: a keyword entry point's signature is the caller's
+        got = [(p.name, p.kind.value, p.default) for p in runtime_parameters("randattn.estimators.lara.reference",
+                                                                             "estimate")]
+        assert got[:6] == [("q", "positional or keyword", None), ("k", "positional or keyword", None),
+                           ("v", "positional or keyword", None), ("draws", "positional or keyword", None),
+                           ("scale", "keyword-only", "None"), ("proposal", "keyword-only", "'eq34'")], got
     print("rst_docstrings: ok")
