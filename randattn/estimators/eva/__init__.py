@@ -23,8 +23,8 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.eva.partition import layout_mask_note, layout_masks
-from randattn.estimators.base import Draws, ExactLimit, family_spec, keyword_entry
+from randattn.estimators.eva.partition import block_layout_facts
+from randattn.estimators.base import Draws, family_spec, keyword_entry
 from randattn.estimators.eva import batched, reference
 from randattn.estimators.presets import EVA_PRESETS
 from randattn.estimators.eva.partition import PARTITIONS, LayoutOptions
@@ -120,15 +120,8 @@ SPEC = family_spec(
     convergence="none",
     cost=_cost,
     normalized=True,
-    masks=layout_masks,
-    mask_notes={"causal": layout_mask_note},
-    exact_limits=(
-        # with the paper's disjoint partition only: the code's chunks hold the window's keys again
-        ExactLimit("the local window holds every key and the partition is disjoint, so nothing is left to the "
-                   "control variates (EVA sec. 4)",
-                   params=lambda n, m: {"window": max(n, m), "layout": "sequence", "partition": "paper",
-                                        "prefix_tokens": 0}),
-    ),
+    # the exact limit with the paper's disjoint partition only: the code's chunks hold the window's keys again
+    **block_layout_facts("the local window holds every key and the partition is disjoint, so nothing is left to "
+                         "the control variates (EVA sec. 4)", partition="paper"),
     memory_hint="N W local scores, C chunk summaries and S_c samples per chunk, per batch element",
-    query_placement="proportional",
 )

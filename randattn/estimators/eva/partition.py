@@ -109,7 +109,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from randattn._validation import check_choice, check_positive_int
-from randattn.estimators.base import MASKS, EstimatorOptions, option
+from randattn.estimators.base import MASKS, EstimatorOptions, ExactLimit, option
 from randattn.estimators.grid import LAYOUTS, parse_grid, resolve_grid, tile_of_tokens, tile_side_for_count, tiles, window_side
 from randattn.estimators.masks import last_visible_key
 from randattn.estimators.segments import segment_bounds
@@ -182,6 +182,20 @@ def layout_mask_note(params: Mapping[str, Any]) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def block_layout_facts(limit: str, **limit_params: Any) -> dict[str, Any]:
+    """The spec facts of an estimator on EVA's block layout (EVA, Scatterbrain, local attention), said once.
+
+    The masks its layout supports (:func:`layout_masks`, with :func:`layout_mask_note` saying why not), its queries
+    placed in proportion over the keys, and its exact limit: a window holding every key (on 1-D blocks, no prefix
+    tokens; ``limit_params`` add the family's own conditions), described by ``limit``.
+    """
+    def params(n: int, m: int) -> dict[str, Any]:
+        return {"window": max(n, m), "layout": "sequence", "prefix_tokens": 0, **limit_params}
+
+    return {"masks": layout_masks, "mask_notes": {"causal": layout_mask_note}, "query_placement": "proportional",
+            "exact_limits": (ExactLimit(limit, params=params),)}
 
 
 def check_mask_layout(mask: str | None, *, grid: tuple[int, int] | None, partition: str = "paper") -> str | None:

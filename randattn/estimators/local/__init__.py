@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from randattn.estimators import describe
-from randattn.estimators.eva.partition import layout_mask_note, layout_masks
-from randattn.estimators.base import Draws, ExactLimit, family_spec
+from randattn.estimators.eva.partition import block_layout_facts
+from randattn.estimators.base import Draws, family_spec
 from randattn.estimators.eva.partition import check_mask_layout
 from randattn.estimators.grid import resolve_grid
 from randattn.estimators.local import batched, reference
@@ -57,12 +57,6 @@ SPEC = family_spec(
     convergence="none",
     cost="linear",
     normalized=True,
-    masks=layout_masks,
-    mask_notes={"causal": layout_mask_note},
-    exact_limits=(
-        ExactLimit("the window holds every key: local attention is softmax attention",
-                   params=lambda n, m: {"window": max(n, m), "layout": "sequence", "prefix_tokens": 0}),
-    ),
+    **block_layout_facts("the window holds every key: local attention is softmax attention"),
     memory_hint="N W local scores per batch element",
-    query_placement="proportional",
 )

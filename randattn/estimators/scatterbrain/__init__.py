@@ -15,8 +15,8 @@ from typing import Sequence
 import numpy as np
 
 from randattn.estimators import describe
-from randattn.estimators.eva.partition import layout_mask_note, layout_masks
-from randattn.estimators.base import Draws, ExactLimit, family_spec, keyword_entry
+from randattn.estimators.eva.partition import block_layout_facts
+from randattn.estimators.base import Draws, family_spec, keyword_entry
 from randattn.estimators import rfa
 from randattn.estimators.scatterbrain import batched, reference
 from randattn.estimators.scatterbrain.reference import ScatterbrainOptions
@@ -58,12 +58,6 @@ SPEC = family_spec(
     convergence="none",
     cost="quadratic",
     normalized=True,
-    masks=layout_masks,
-    mask_notes={"causal": layout_mask_note},
-    exact_limits=(
-        ExactLimit("the local window holds every key, so every score is exact (EVA app. G.5)",
-                   params=lambda n, m: {"window": max(n, m), "layout": "sequence", "prefix_tokens": 0}),
-    ),
+    **block_layout_facts("the local window holds every key, so every score is exact (EVA app. G.5)"),
     memory_hint="N W local scores and (N + M) S features per batch element; every block re-chunks the keys",
-    query_placement="proportional",
 )
