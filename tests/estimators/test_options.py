@@ -178,3 +178,14 @@ def test_family_spec_wires_the_options_the_reference_and_the_torch_module(toy):
                          draw=draw, reference=toy_estimate,
                          forms=BatchedForms(estimate=toy_estimate, probabilities=toy_estimate))
     assert spec == want
+
+
+def test_numpy_scalars_of_a_parameter_with_several_kinds():
+    import numpy as np
+
+    @dataclass(frozen=True, kw_only=True)
+    class RealOptions(EstimatorOptions):
+        beta: float = option(1.0, "a real coefficient", kind=(int, float))
+
+    assert type(RealOptions(beta=np.int64(2)).beta) is int and type(RealOptions(beta=np.float32(0.5)).beta) is float
+    assert RealOptions(beta=np.float32(0.5)).beta == 0.5
