@@ -9,13 +9,11 @@ prefix (CLS) keys and the N != M mapping as in :mod:`randattn.estimators.eva.par
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import block_layout_facts
-from randattn.estimators.base import Draws, family_spec
-from randattn.estimators.eva.partition import check_mask_layout
-from randattn.estimators.grid import resolve_grid
+from randattn.estimators.base import Draws, family_spec, keyword_entry
 from randattn.estimators.local import batched, reference
 from randattn.estimators.local.reference import LocalOptions
 
@@ -24,13 +22,14 @@ from randattn.estimators.local.reference import LocalOptions
 PARAMS = LocalOptions.params()
 
 
-def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, replicates: int = 1, rng=None,
-         mask: str | None = None, **params) -> Draws:
+@keyword_entry(LocalOptions, leave_out=("scale",))
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int | None = None, replicates: int = 1,
+         rng: Any = None, options: LocalOptions) -> Draws:
     """Local attention is deterministic: no random variables, only the replicate count.
 
-    ``mask`` does not change the draws; a grid layout under ``mask="causal"`` is refused here already.
+    ``mask`` does not change the draws; a grid layout under ``mask="causal"`` is refused by
+    :class:`~randattn.estimators.local.reference.LocalOptions` already.
     """
-    check_mask_layout(mask, grid=resolve_grid(params.get("layout", "grid"), params.get("grid")))
     return Draws({}, replicates)
 
 

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from randattn.estimators import describe
-from randattn.estimators.base import Draws, family_spec
+from randattn.estimators.base import Draws, family_spec, keyword_entry
 from randattn.estimators.softmax import batched, reference
 from randattn.estimators.softmax.reference import SoftmaxOptions
 
 
-def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples=None, replicates: int = 1, rng=None,
-         mask: str | None = None, **params) -> Draws:
+@keyword_entry(SoftmaxOptions, leave_out=("scale",))
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int | None = None, replicates: int = 1,
+         rng: Any = None, options: SoftmaxOptions) -> Draws:
     """Softmax is deterministic: no random variables, only the replicate count (whatever the ``mask``)."""
     return Draws({}, replicates)
 
