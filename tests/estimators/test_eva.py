@@ -17,7 +17,7 @@ from randattn.estimators.base import Draws
 from randattn.estimators.eva import draw as eva_draw
 from randattn.estimators.eva import reference as eva_ref
 from randattn.estimators.eva import batched as eva_bat
-from randattn.estimators.eva.partition import eva_partition
+from randattn.estimators.eva.partition import PaddedPartition, eva_partition, padded_partition
 from randattn.estimators.eva.reference import log_proposal_ratio
 from randattn.estimators.features.reference import positive_log_features
 from randattn.estimators.registry import get_spec
@@ -150,6 +150,20 @@ SHAPE_CASES = [(n, v, s) for n, v in VARIANT_CASES if _grid_tokens(get_spec(n).v
                  ("scatterbrain", "cls"), ("local", "cls")]
     for s in ("N5-M12", "N1-M7")
 ]
+
+
+def test_padded_partition_is_the_padded_form_of_eva_partition_and_warns():
+    layout = eva_partition(11, 11, window=4, prefix_tokens=1, num_chunks=2)
+    padded = PaddedPartition.of(layout)
+    assert PaddedPartition.of(eva_partition(11, 11, window=4, prefix_tokens=1, num_chunks=2)) is padded  # cached
+    # block b's exact keys, read back from the padded arrays, are the exact set of each of its queries
+    for b in range(padded.block_keys.shape[0]):
+        keys = padded.block_keys[b][padded.block_key_mask[b]]
+        for query in padded.block_queries[b][padded.block_query_mask[b]]:
+            np.testing.assert_array_equal(np.sort(keys), np.sort(layout.exact_keys[query]))
+    with pytest.warns(DeprecationWarning, match=r"PaddedPartition\.of\(eva_partition"):
+        old = padded_partition(11, 11, window=4, prefix_tokens=1, num_chunks=2)
+    assert old is padded
 
 
 @pytest.mark.parametrize("name,variant,shape", SHAPE_CASES, ids=["-".join(c) for c in SHAPE_CASES])

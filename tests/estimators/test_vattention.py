@@ -351,7 +351,15 @@ def test_promise_presets_and_convergence():
     ({"local": -2}, 3, ValueError, "local must be a count >= 0"),
     ({"top_k": 1.5}, 3, ValueError, "top_k must be a count >= 0 (int) or a fraction of the visible keys in [0, 1]"),
     ({"top_k": True}, 3, TypeError, "top_k must be an int"),
-    ({"base_rate": 1}, 3, ValueError, "base_rate must be a count >= 2"),
+    ({"base_rate": 1}, 3, ValueError, "base_rate must be a count >= 2 (int; the base sample estimates a standard "
+                                      "deviation)"),
+    # the base rate's fraction excludes 0 (the base sample needs a draw), the sizes' fraction does not
+    ({"base_rate": 0.0}, 3, ValueError, "base_rate must be a count >= 2 (int) or a fraction of the keys sampled "
+                                        "from in (0, 1] (float), got 0.0"),
+    ({"base_rate": 1.5}, 3, ValueError, "fraction of the keys sampled from in (0, 1]"),
+    ({"base_rate": True}, 3, TypeError, "base_rate must be an int (a count) or a float (a fraction of the keys "
+                                        "sampled from), got bool True"),
+    ({"sinks": 0.0, "local": 0.0}, 0, ValueError, "num_samples must be >= 1, got 0"),
     ({"budget": "fixed"}, 0, ValueError, "num_samples must be >= 1, got 0"),
     ({}, -2, ValueError, "num_samples must be >= 1, got -2"),
     ({"duplicates": "sometimes"}, 3, ValueError, "duplicates='sometimes' is not allowed"),

@@ -1,7 +1,7 @@
 r"""EVA in torch (batched form of ``eva.reference``).
 
 Vectorized over replicates, batch dims, local blocks, chunks and samples: the partition
-(:func:`randattn.estimators.eva.partition.padded_partition`) is a set of padded index arrays,
+(:meth:`randattn.estimators.eva.partition.PaddedPartition.of`) is a set of padded index arrays,
 padded keys get a log-weight of ``-inf``. No Python loop runs over blocks or chunks; the only
 loop is over *slices* of blocks, so that the working set stays under :data:`WORK_ELEMENTS`
 (one slice unless the per-group chunk terms of ``partition="paper"`` or the quadratic
@@ -29,7 +29,7 @@ import torch
 
 from randattn.estimators._prepare import prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws, keyword_entry
-from randattn.estimators.eva.partition import PaddedPartition, padded_partition
+from randattn.estimators.eva.partition import PaddedPartition, eva_partition
 from randattn.estimators.eva.reference import EvaOptions, chunk_noise, chunk_proposal_mean, log_proposal_ratio
 from randattn.estimators.ra.reference import noise_std
 
@@ -406,10 +406,10 @@ def _evaluate(q: Any, k: Any, v: Any | None, draws: Draws, options: EvaOptions, 
     sigma = noise_std(options.noise, scale)
     draws = to_torch_draws(draws, x)
     eps, num_chunks = chunk_noise(draws, batch, x.shape[-1], options)
-    pad = padded_partition(
+    pad = PaddedPartition.of(eva_partition(
         x.shape[-2], y.shape[-2], window=options.window, prefix_tokens=options.prefix_tokens, num_chunks=num_chunks,
         partition=options.partition, grid=options.resolved_grid, mask=options.mask,
-    )
+    ))
     return eva_attention(
         x, y, v, eps if options.sample == "random" else None, pad, replicates=draws.replicates, sigma=sigma,
         chunk_weight=options.chunk_weight, add_log_chunk_size=options.add_log_chunk_size,

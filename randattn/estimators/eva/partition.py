@@ -102,6 +102,7 @@ above (the two agree for N = M). The partition stays disjoint (eq. 11-13 need
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Mapping
@@ -115,7 +116,8 @@ from randattn.estimators.masks import last_visible_key
 from randattn.estimators.segments import segment_bounds
 
 __all__ = [
-    "PARTITIONS", "ChunkGroup", "Partition", "PaddedPartition", "eva_partition", "padded_partition",
+    "PARTITIONS", "ChunkGroup", "Partition", "PaddedPartition", "eva_partition",
+    "padded_partition",
     "check_layout_params", "check_mask_layout", "pad_index_lists", "LayoutOptions",
 ]
 
@@ -575,29 +577,22 @@ class PaddedPartition:
     query_slot: np.ndarray
     exact_visible: np.ndarray | None = None
 
+    @classmethod
+    def of(cls, partition: Partition) -> PaddedPartition:
+        """``partition`` as padded arrays; cached per partition (so per shape), treat as read-only."""
+        return _padded(partition)
 
-def padded_partition(
-    num_queries: int,
-    num_keys: int,
-    *,
-    window: int,
-    prefix_tokens: int = 0,
-    num_chunks: int = 1,
-    partition: str = "paper",
-    grid: tuple[int, int] | str | None = None,
-    mask: str | None = None,
-    chunks: bool = True,
-) -> PaddedPartition:
-    """:func:`eva_partition` (same arguments) as padded arrays; cached, treat as read-only."""
-    layout = eva_partition(
-        num_queries, num_keys, window=window, prefix_tokens=prefix_tokens, num_chunks=num_chunks, partition=partition, grid=grid,
-        mask=mask, chunks=chunks,
-    )
-    return _padded(layout)
+
+def padded_partition(*args: Any, **kwargs: Any) -> PaddedPartition:
+    """Deprecated: ``PaddedPartition.of(eva_partition(...))`` (the same arguments, the same cached arrays)."""
+    warnings.warn("randattn.estimators.eva.partition.padded_partition is deprecated; use "
+                  "PaddedPartition.of(eva_partition(...))", DeprecationWarning, stacklevel=2)
+    return PaddedPartition.of(eva_partition(*args, **kwargs))
 
 
 @lru_cache(maxsize=64)
 def _padded(layout: Partition) -> PaddedPartition:
+    """The arrays of :meth:`PaddedPartition.of`, cached per partition (each :func:`eva_partition` is cached)."""
     num_queries = layout.num_queries
     blocks = layout.blocks()
     bq, bq_mask = pad_index_lists([q for q, _ in blocks])

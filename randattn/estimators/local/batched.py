@@ -9,7 +9,7 @@ import torch
 from randattn.estimators._prepare import prepare_batched
 from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.eva.batched import block_exact_attention
-from randattn.estimators.eva.partition import padded_partition
+from randattn.estimators.eva.partition import PaddedPartition, eva_partition
 from randattn.estimators.local.reference import LocalOptions, local_layout
 
 __all__ = ["estimate"]
@@ -23,8 +23,8 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws | None = None, *, options: Loc
     local_layout(x.shape[-2], y.shape[-2], window, prefix_tokens, grid, mask)  # validates: no empty block
     # local attention uses the blocks only: no chunks (padding every block's complement into chunks would be
     # O(M^2 / W) index memory for nothing)
-    pad = padded_partition(x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens, num_chunks=1,
-                           grid=grid, mask=mask, chunks=False)
+    pad = PaddedPartition.of(eva_partition(x.shape[-2], y.shape[-2], window=window, prefix_tokens=prefix_tokens,
+                                           num_chunks=1, grid=grid, mask=mask, chunks=False))
     out = block_exact_attention(x, y, v, pad)
     if draws is None:
         return out

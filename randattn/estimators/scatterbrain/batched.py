@@ -14,7 +14,7 @@ import torch
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.eva.batched import eva_attention
-from randattn.estimators.eva.partition import padded_partition
+from randattn.estimators.eva.partition import PaddedPartition, eva_partition
 from randattn.estimators.scatterbrain.reference import ScatterbrainOptions
 
 __all__ = ["estimate"]
@@ -27,10 +27,10 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, options: ScatterbrainOptions)
     x, y, v, _, batch = prepare_batched(q, k, v, options.scale)
     draws = to_torch_draws(draws, x)
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
-    pad = padded_partition(
+    pad = PaddedPartition.of(eva_partition(
         x.shape[-2], y.shape[-2], window=options.window, prefix_tokens=options.prefix_tokens, num_chunks=1,
         partition="paper", grid=options.resolved_grid, mask=options.mask,
-    )
+    ))
     # omega ~ N(0, I) is EVA's eps with mu = 0 and sigma = 1: one chunk holding all S samples
     return eva_attention(
         x, y, v, omega.unsqueeze(-3), pad, replicates=draws.replicates, sigma=1.0,

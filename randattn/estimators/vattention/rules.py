@@ -109,20 +109,23 @@ def _is_fraction(value: Any) -> bool:
     return isinstance(value, (float, np.floating))
 
 
-def _check_size(name: str, value: Any) -> int | float:
-    """A count ``>= 0`` (int) or a fraction in ``[0, 1]`` (float); TypeError/ValueError naming ``name``."""
+def _check_count_or_fraction(name: str, value: Any, *, min_count: int = 0, zero_fraction: bool = True,
+                             of: str = "of the visible keys", why: str = "") -> int | float:
+    """A count ``>= min_count`` (int) or a fraction in ``[0, 1]`` (``(0, 1]`` unless ``zero_fraction``) of what
+    ``of`` says (float); TypeError/ValueError naming ``name`` (``why``: the reason for the bound, if any)."""
+    unit = "[0, 1]" if zero_fraction else "(0, 1]"
     if _is_count(value):
-        if value < 0:
-            raise ValueError(f"{name} must be a count >= 0 (int) or a fraction of the visible keys in [0, 1] "
+        if value < min_count:
+            raise ValueError(f"{name} must be a count >= {min_count} (int{why}) or a fraction {of} in {unit} "
                              f"(float), got {value}")
         return int(value)
     if _is_fraction(value):
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must be a count >= 0 (int) or a fraction of the visible keys in [0, 1] "
-                             f"(float), got {value}")
+        if not (0.0 <= value <= 1.0 if zero_fraction else 0.0 < value <= 1.0):
+            raise ValueError(f"{name} must be a count >= {min_count} (int) or a fraction {of} in {unit} (float), "
+                             f"got {value}")
         return float(value)
-    raise TypeError(f"{name} must be an int (a count) or a float (a fraction of the visible keys), "
-                    f"got {type(value).__name__} {value!r}")
+    raise TypeError(f"{name} must be an int (a count) or a float (a fraction {of}), got {type(value).__name__} "
+                    f"{value!r}")
 
 
 def _check_open_unit(name: str, value: Any) -> float:
@@ -131,21 +134,6 @@ def _check_open_unit(name: str, value: Any) -> float:
     if not 0.0 < float(value) < 1.0:
         raise ValueError(f"{name} must be in (0, 1) (both ends excluded), got {value}")
     return float(value)
-
-
-def _check_base_rate(value: Any) -> int | float:
-    """The base sample: a count >= 2 (int) or a fraction in (0, 1] of the keys sampled from (float)."""
-    if _is_count(value):
-        if value < 2:
-            raise ValueError(f"base_rate must be a count >= 2 (int; the base sample estimates a standard "
-                             f"deviation) or a fraction in (0, 1] (float), got {value}")
-        return int(value)
-    if _is_fraction(value):
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"base_rate must be a count >= 2 (int) or a fraction in (0, 1] (float), got {value}")
-        return float(value)
-    raise TypeError(f"base_rate must be an int (a count) or a float (a fraction), got {type(value).__name__} "
-                    f"{value!r}")
 
 
 def check_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -166,8 +154,10 @@ def check_params(params: Mapping[str, Any]) -> dict[str, Any]:
     checked = {**{name: param.default for name, param in PARAMS.items()}, **params}
     params = checked
     for name in _SIZES:
-        checked[name] = _check_size(name, params[name])
-    checked["base_rate"] = _check_base_rate(params["base_rate"])
+        checked[name] = _check_count_or_fraction(name, params[name])
+    checked["base_rate"] = _check_count_or_fraction("base_rate", params["base_rate"], min_count=2, zero_fraction=False,
+                                                   of="of the keys sampled from",
+                                                   why="; the base sample estimates a standard deviation")
     checked["epsilon"] = _check_open_unit("epsilon", params["epsilon"])
     checked["delta"] = _check_open_unit("delta", params["delta"])
     for name, allowed in (("budget", BUDGETS), ("quantile", QUANTILES), ("duplicates", DUPLICATES),
