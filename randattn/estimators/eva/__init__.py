@@ -23,7 +23,7 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators import describe
-from randattn.estimators.eva.partition import block_layout_facts
+from randattn.estimators.eva.partition import BLOCK_LAYOUT_VARIANTS, block_layout_facts
 from randattn.estimators.base import Draws, family_spec, keyword_entry
 from randattn.estimators.eva import batched, reference
 from randattn.estimators.presets import EVA_PRESETS
@@ -62,7 +62,7 @@ def _is_random(params) -> bool:
 
 def _variants() -> dict[str, dict]:
     """Every option at least once, on a window of 4 so that 13 tokens make several blocks."""
-    variants: dict[str, dict] = {"default": {}}
+    variants: dict[str, dict] = dict(BLOCK_LAYOUT_VARIANTS)
     for partition in PARTITIONS:
         for weight in CHUNK_WEIGHTS:
             for mean in PROPOSAL_MEANS:
@@ -78,16 +78,13 @@ def _variants() -> dict[str, dict]:
             "multi-sample-exact": {"window": 4, "samples_per_chunk": 3},
             "multi-sample-rfa-standard": {"window": 4, "samples_per_chunk": 3, "chunk_weight": "rfa", "proposal_mean": "standard"},
             "multi-sample-reference-code": {"window": 4, "samples_per_chunk": 2, "partition": "reference-code", "chunk_weight": "mean-key"},
-            "cls": {"window": 4, "prefix_tokens": 1},
             "cls-reference-code-mean-key": {"window": 4, "prefix_tokens": 1, "partition": "reference-code", "chunk_weight": "mean-key"},
             "cls-multi-sample-rfa": {"window": 4, "prefix_tokens": 1, "samples_per_chunk": 2, "chunk_weight": "rfa"},
             "no-window": {"window": 0},
             "no-window-cls": {"window": 0, "prefix_tokens": 1, "chunk_weight": "mean-key"},
             # layout="grid" (the default) with a grid: s x s windows and 2-D chunks; tokens = prefix + h*w
-            "grid-3x4-cls": {"window": 4, "prefix_tokens": 1, "grid": "3x4"},
             "grid-3x5-reference-code-mean-key": {"window": 4, "grid": "3x5", "partition": "reference-code", "chunk_weight": "mean-key"},
             "grid-2x2-prefix5-rfa-multi-sample": {"window": 1, "prefix_tokens": 5, "grid": "2x2", "chunk_weight": "rfa", "samples_per_chunk": 2},
-            "grid-8x8-7x7-window": {"grid": "8x8"},
             "grid-no-window-cls": {"window": 0, "prefix_tokens": 1, "grid": "3x4", "chunk_weight": "mean-key", "sample": "mean"},
         }
     )

@@ -118,7 +118,7 @@ from randattn.estimators.segments import segment_bounds
 __all__ = [
     "PARTITIONS", "ChunkGroup", "Partition", "PaddedPartition", "eva_partition",
     "padded_partition",
-    "check_layout_params", "check_mask_layout", "pad_index_lists", "LayoutOptions",
+    "check_layout_params", "check_mask_layout", "pad_index_lists", "LayoutOptions", "BLOCK_LAYOUT_VARIANTS",
 ]
 
 #: ``paper``: chunks of [M] \ E^n (disjoint from the exact set); ``reference-code``: chunks of all body keys
@@ -184,6 +184,17 @@ def layout_mask_note(params: Mapping[str, Any]) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+#: The layouts every family on EVA's block layout is checked on (its ``variants`` start from these): the default
+#: window, several blocks, a prefix (CLS) token, a patch grid with a prefix, the default 7x7 window on an 8x8 grid.
+BLOCK_LAYOUT_VARIANTS: Mapping[str, Mapping[str, Any]] = {
+    "default": {},
+    "window-4": {"window": 4},
+    "cls": {"window": 4, "prefix_tokens": 1},
+    "grid-3x4-cls": {"window": 4, "prefix_tokens": 1, "grid": "3x4"},
+    "grid-8x8-7x7-window": {"grid": "8x8"},
+}
 
 
 def block_layout_facts(limit: str, **limit_params: Any) -> dict[str, Any]:

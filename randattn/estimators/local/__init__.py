@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from randattn.estimators import describe
-from randattn.estimators.eva.partition import block_layout_facts
+from randattn.estimators.eva.partition import BLOCK_LAYOUT_VARIANTS, block_layout_facts
 from randattn.estimators.base import Draws, family_spec, keyword_entry
 from randattn.estimators.local import batched, reference
 from randattn.estimators.local.reference import LocalOptions
@@ -41,16 +41,8 @@ SPEC = family_spec(
     complexity="O(N W (D + Dv))",
     needs_samples=False,
     is_random=lambda params: False,
-    variants={
-        "default": {},
-        "window-4": {"window": 4},
-        "window-1": {"window": 1},
-        "cls": {"window": 4, "prefix_tokens": 1},
-        "cls-only": {"window": 0, "prefix_tokens": 1},
-        "grid-3x4-cls": {"window": 4, "prefix_tokens": 1, "grid": "3x4"},
-        "grid-5x3": {"window": 4, "grid": "5x3"},
-        "grid-8x8-7x7-window": {"grid": "8x8"},
-    },
+    variants={**BLOCK_LAYOUT_VARIANTS, "window-1": {"window": 1}, "cls-only": {"window": 0, "prefix_tokens": 1},
+              "grid-5x3": {"window": 4, "grid": "5x3"}},
     display_name="Local attention",
     describe=describe.local,
     convergence="none",

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from randattn.estimators import describe
-from randattn.estimators.eva.partition import block_layout_facts
+from randattn.estimators.eva.partition import BLOCK_LAYOUT_VARIANTS, block_layout_facts
 from randattn.estimators.base import Draws, family_spec, keyword_entry
 from randattn.estimators import rfa
 from randattn.estimators.scatterbrain import batched, reference
@@ -44,15 +44,8 @@ SPEC = family_spec(
     summary="Scatterbrain: positive random features off the local block, exact scores on it, renormalized",
     source="Chen et al. NeurIPS 2021; EVA (Zheng et al. ICLR 2023) app. G.5 eq. 29-30",
     complexity="O(N W (D + Dv) + G M S D + N S (D + Dv)), G = ceil(M / W) local blocks",
-    variants={
-        "default": {},
-        "window-4": {"window": 4},
-        "window-4-orthogonal": {"window": 4, "coupling": "orthogonal"},
-        "cls": {"window": 4, "prefix_tokens": 1},
-        "no-window": {"window": 0},
-        "grid-3x4-cls": {"window": 4, "prefix_tokens": 1, "grid": "3x4"},
-        "grid-3x5-orthogonal": {"window": 4, "grid": "3x5", "coupling": "orthogonal"},
-    },
+    variants={**BLOCK_LAYOUT_VARIANTS, "window-4-orthogonal": {"window": 4, "coupling": "orthogonal"},
+              "no-window": {"window": 0}, "grid-3x5-orthogonal": {"window": 4, "grid": "3x5", "coupling": "orthogonal"}},
     display_name="Scatterbrain",
     describe=describe.scatterbrain,
     convergence="none",
