@@ -31,7 +31,7 @@ from typing import Any, Callable
 from randattn.analysis.memory import measure_peak
 from randattn.estimators.base import Draws
 
-__all__ = ["CALIBRATION_KEYS", "MIN_MAX_MEMORY", "MemoryBudgetError", "REFERENCE_CHECK_TOKENS", "SPLIT_ROUNDING",
+__all__ = ["CALIBRATION_KEYS", "CALIBRATION_PAIRS", "MIN_MAX_MEMORY", "MemoryBudgetError", "REFERENCE_CHECK_TOKENS", "SPLIT_ROUNDING",
            "STORE_FACTOR", "block_bytes", "calibration_sizes", "check_fits", "extrapolate_peak", "fit_cell_model", "format_bytes", "measure_block_peak", "split_blocks", "stored_bytes", "unit_peak_bytes",
            "with_margin"]
 
@@ -52,21 +52,35 @@ STORE_FACTOR = 3
 #: soon as it is read, before a file is loaded
 MIN_MAX_MEMORY = 16 * 2**10
 
-#: the keys of the larger slice a tiled unit's memory is measured on (:func:`calibration_sizes`): a run of 32k tokens
-#: is forecast from slices of 512 and 1024, never by running it
+#: the keys of the larger slice a tiled unit of every query is measured on (:func:`calibration_sizes`): a run of 32k
+#: tokens is forecast from slices of 512 and 1024, never by running it
 CALIBRATION_KEYS = 1024
+
+#: the query-key pairs of the larger slice (:func:`calibration_sizes`): ``CALIBRATION_KEYS ** 2`` for a unit of every
+#: query; a unit of few queries (the decode shape, ``--queries last:K``) is measured on longer slices of as many
+#: pairs (K = 64: 8,192 and 16,384 keys), long enough to see a working set that stops growing with the keys (causal
+#: RFA's prefix sums hold one group of tokens at a time: slices inside one group forecast 0.58 KB a key and a
+#: replicate, which a run of 131,072 keys never holds)
+CALIBRATION_PAIRS = CALIBRATION_KEYS**2
 
 #: keys of the slice on which a tiled unit's batched form is checked against the reference (its reference is a
 #: per-query loop at full length)
 REFERENCE_CHECK_TOKENS = 256
 
 
-def calibration_sizes(keys: int) -> tuple[int, ...]:
-    """The key counts of the slices a tiled unit of ``keys`` keys is calibrated on: ``t / 2`` and ``t``,
-    ``t = CALIBRATION_KEYS``; the unit's own size alone where it is no larger."""
-    if keys <= CALIBRATION_KEYS:
+def calibration_sizes(keys: int, queries: int | None = None) -> tuple[int, ...]:
+    """The key counts of the slices a tiled unit of ``keys`` keys and ``queries`` measured queries is calibrated on:
+    ``t / 2`` and ``t``, the unit's own size alone where it is no larger.
+
+    ``t`` is :data:`CALIBRATION_KEYS`, or for fewer queries the largest power of two whose slice holds at most
+    :data:`CALIBRATION_PAIRS` query-key pairs (``queries`` None: every query).
+    """
+    longest = CALIBRATION_KEYS
+    if queries is not None and 0 < queries < CALIBRATION_KEYS:
+        longest = 1 << ((CALIBRATION_PAIRS // queries).bit_length() - 1)
+    if keys <= longest:
         return (int(keys),)
-    return (CALIBRATION_KEYS // 2, CALIBRATION_KEYS)
+    return (longest // 2, longest)
 
 
 def extrapolate_peak(points, queries: int, keys: int) -> int:

@@ -281,8 +281,9 @@ class UnitRunner:
         small slices of its first head, never by running it at full size.
 
         The tiled code path (the estimates, the probability error by key tiles, the keys-used counts, the
-        diagnostics) is measured on slices of ``t / 2`` and ``t`` keys (:data:`~randattn.analysis.cell_memory.
-        CALIBRATION_KEYS`; at most as many queries), and each of ``a`` and ``b`` extrapolated to the unit's K
+        diagnostics) is measured on slices of ``t / 2`` and ``t`` keys
+        (:func:`~randattn.analysis.cell_memory.calibration_sizes`: 1,024 for a unit of every query, longer for a
+        unit of few; at most as many queries), and each of ``a`` and ``b`` extrapolated to the unit's K
         queries and M keys by :func:`~randattn.analysis.cell_memory.extrapolate_peak`: a part that grows with
         K + M and one with K M (an estimator that forms a K x M array keeps its quadratic term, so it is refused, not
         OOM-killed). With the margin of :func:`~randattn.analysis.cell_memory.with_margin` at the full size.
@@ -294,7 +295,7 @@ class UnitRunner:
         q, k, v = (a[:1] for a in self.inputs(unit))
         n, m = q.shape[-2], k.shape[-2]
         points = []
-        for keys in calibration_sizes(m):
+        for keys in calibration_sizes(m, n):
             queries = min(n, keys)
             # every query (n == m): the first tokens, a shorter sequence; the last K of M: the last rows over the
             # first keys (the causal shapes hold: keys >= queries)
