@@ -19,10 +19,10 @@ from randattn.estimators._prepare import check_draw_array, prepare_batched, to_t
 from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.magicpig.reference import MagicpigOptions, exact_and_candidate_keys, tail_terms
 from randattn.estimators.masks import check_causal_shapes
-from randattn.estimators.sparse.batched import keys_used as count_keys_used
 from randattn.estimators.sparse.batched import masked_logits, weighted_attention
 
-__all__ = ["CHUNK_ELEMENTS", "estimate", "estimate_with_probabilities", "keys_used", "log_weights", "probabilities"]
+__all__ = ["CHUNK_ELEMENTS", "estimate", "estimate_with_probabilities", "keys_used", "log_weights", "probabilities",
+           "sample_counts"]
 
 #: about how many hash bits one chunk of queries compares at once
 CHUNK_ELEMENTS = 1 << 22
@@ -78,14 +78,32 @@ def log_weights(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor, *, 
 
     ``x (..., N, D)``, ``y (..., M, D)`` scaled; ``hyperplanes (R, ..., L, K, D)`` in their dtype and device.
     """
+    return _hash_and_sample(x, y, hyperplanes, min_collisions=min_collisions, sinks=sinks, local=local,
+                            center=center, mask=mask, weights=True)
+
+
+def sample_counts(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor, *, min_collisions: int, sinks: int,
+                  local: int, center: str, mask: str | None = None) -> torch.Tensor:
+    """``(R, ..., N)`` float64: the exact keys plus the sampled keys of each query, the keys with a finite weight in
+    :func:`log_weights` (from the same hashes; without the inclusion probabilities, which counting does not need)."""
+    return _hash_and_sample(x, y, hyperplanes, min_collisions=min_collisions, sinks=sinks, local=local,
+                            center=center, mask=mask, weights=False)
+
+
+def _hash_and_sample(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor, *, min_collisions: int, sinks: int,
+                     local: int, center: str, mask: str | None, weights: bool) -> torch.Tensor:
+    """:func:`log_weights` (``weights``) or :func:`sample_counts`: one hashing loop serves both."""
     num_queries, num_keys = x.shape[-2], y.shape[-2]
     replicates, tables, hash_bits = hyperplanes.shape[0], hyperplanes.shape[-3], hyperplanes.shape[-2]
     exact_np, candidates_np = exact_and_candidate_keys(num_queries, num_keys, sinks, local, mask)
     exact = torch.as_tensor(exact_np, device=x.device)
     candidates = torch.as_tensor(candidates_np, device=x.device)
-    out = x.new_full((replicates, *x.shape[:-2], num_queries, num_keys), float("-inf"))
+    if weights:
+        out = x.new_full((replicates, *x.shape[:-2], num_queries, num_keys), float("-inf"))
+    else:  # every query's exact keys, to which its sampled keys are added
+        out = exact.sum(-1).to(torch.float64).expand(replicates, *x.shape[:-2], num_queries).clone()
     if not candidates_np.any():  # sinks and local window hold every visible key: nothing to hash
-        return out.masked_fill(exact, 0.0)
+        return out.masked_fill(exact, 0.0) if weights else out
     means = _centering_means(y, exact | candidates, candidates, center)  # (..., N, D)
     # one (replicate, batch element) at a time: its key projections (K, M, L) and one (C, M, L) agreement buffer
     # per chunk of queries, never an (R, ..., M, L, K) tensor (9 heads x 4 replicates x 4,096 keys x 150 tables
@@ -95,13 +113,14 @@ def log_weights(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor, *, 
         replicates, -1, tables * hash_bits, hyperplanes.shape[-1])
     xs, ys, ms = x.reshape(-1, num_queries, x.shape[-1]), y.reshape(-1, num_keys, y.shape[-1]), \
         means.reshape(-1, num_queries, means.shape[-1])
-    flat_out = out.view(replicates, -1, num_queries, num_keys)
+    flat_out = out.view(replicates, -1, num_queries, num_keys) if weights else out.view(replicates, -1, num_queries)
     chunk = max(1, CHUNK_ELEMENTS // max(1, num_keys * tables))
     chunks = [slice(start, min(start + chunk, num_queries)) for start in range(0, num_queries, chunk)]
     for b in range(xs.shape[0]):
-        # log u of every candidate pair: the same in every replicate (it depends on the angle alone)
-        log_u = torch.cat([_pair_log_inclusion(xs[b, rows], ys[b], ms[b, rows], candidates[rows], hash_bits, tables,
-                                               min_collisions) for rows in chunks], dim=0)  # (N, M)
+        if weights:
+            # log u of every candidate pair: the same in every replicate (it depends on the angle alone)
+            log_u = torch.cat([_pair_log_inclusion(xs[b, rows], ys[b], ms[b, rows], candidates[rows], hash_bits,
+                                                   tables, min_collisions) for rows in chunks], dim=0)  # (N, M)
         for r in range(replicates):
             directions = planes[r, b].transpose(0, 1)  # (D, L K)
 
@@ -119,8 +138,11 @@ def log_weights(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor, *, 
                     else:
                         agree.logical_and_(key_bit.eq_(query_code[bit][rows].unsqueeze(1)))
                 sampled = candidates[rows] & (agree.sum(dim=-1) >= min_collisions)  # (C, M)
-                weights = torch.where(sampled, -log_u[rows], torch.full_like(log_u[rows], float("-inf")))
-                flat_out[r, b, rows] = torch.where(exact[rows], torch.zeros_like(weights), weights)
+                if not weights:
+                    flat_out[r, b, rows] += sampled.sum(-1)
+                    continue
+                sample_weights = torch.where(sampled, -log_u[rows], torch.full_like(log_u[rows], float("-inf")))
+                flat_out[r, b, rows] = torch.where(exact[rows], torch.zeros_like(sample_weights), sample_weights)
     return out
 
 
@@ -169,5 +191,4 @@ def probabilities(q: Any, k: Any, draws: Draws, options: MagicpigOptions) -> tor
 def keys_used(q: Any, k: Any, draws: Draws, options: MagicpigOptions) -> torch.Tensor:
     """``(R, ..., N)`` float64: the distinct keys each query reads, exact plus sampled (reference ``keys_used``)."""
     x, y, _, hyperplanes = _prepared(q, k, _no_values(k), draws, options)
-    weights = log_weights(x, y, hyperplanes, **options.selection_keywords)
-    return count_keys_used(weights, masked_logits(x, y, options.mask))
+    return sample_counts(x, y, hyperplanes, **options.selection_keywords)
