@@ -61,12 +61,17 @@ def _is_random(params) -> bool:
 
 
 def _variants() -> dict[str, dict]:
-    """Every option at least once, on a window of 4 so that 13 tokens make several blocks."""
+    """Every option at least once, on a window of 4 so that 13 tokens make several blocks (the block layouts'
+    ``window-4`` is the defaults' combination, so that one is not listed twice)."""
     variants: dict[str, dict] = dict(BLOCK_LAYOUT_VARIANTS)
+    defaults = EvaOptions()
     for partition in PARTITIONS:
         for weight in CHUNK_WEIGHTS:
             for mean in PROPOSAL_MEANS:
                 for sample in SAMPLES:
+                    if (partition, weight, mean, sample) == (defaults.partition, defaults.chunk_weight,
+                                                             defaults.proposal_mean, defaults.sample):
+                        continue
                     variants[f"{partition}-{weight}-{mean}-{sample}"] = {
                         "window": 4, "partition": partition, "chunk_weight": weight, "proposal_mean": mean, "sample": sample,
                     }
