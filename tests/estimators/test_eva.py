@@ -161,9 +161,12 @@ def test_padded_partition_is_the_padded_form_of_eva_partition_and_warns():
         keys = padded.block_keys[b][padded.block_key_mask[b]]
         for query in padded.block_queries[b][padded.block_query_mask[b]]:
             np.testing.assert_array_equal(np.sort(keys), np.sort(layout.exact_keys[query]))
-    with pytest.warns(DeprecationWarning, match=r"PaddedPartition\.of\(eva_partition"):
+    with pytest.warns(DeprecationWarning) as caught:
         old = padded_partition(11, 11, window=4, prefix_tokens=1, num_chunks=2)
     assert old is padded
+    assert [str(w.message) for w in caught] == ["randattn.estimators.eva.partition.padded_partition is deprecated; "
+                                                "use PaddedPartition.of(eva_partition(...))"]
+    assert caught[0].filename == __file__  # the warning points at the caller
 
 
 @pytest.mark.parametrize("name,variant,shape", SHAPE_CASES, ids=["-".join(c) for c in SHAPE_CASES])
