@@ -109,6 +109,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from randattn._callers import outside_stacklevel
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators.base import MASKS, EstimatorOptions, ExactLimit, option
 from randattn.estimators.grid import LAYOUTS, parse_grid, resolve_grid, tile_of_tokens, tile_side_for_count, tiles, window_side
@@ -597,7 +598,7 @@ class PaddedPartition:
 def padded_partition(*args: Any, **kwargs: Any) -> PaddedPartition:
     """Deprecated: ``PaddedPartition.of(eva_partition(...))`` (the same arguments, the same cached arrays)."""
     warnings.warn("randattn.estimators.eva.partition.padded_partition is deprecated; use "
-                  "PaddedPartition.of(eva_partition(...))", DeprecationWarning, stacklevel=2)
+                  "PaddedPartition.of(eva_partition(...))", DeprecationWarning, stacklevel=outside_stacklevel())
     return PaddedPartition.of(eva_partition(*args, **kwargs))
 
 
