@@ -340,6 +340,10 @@ def test_promise_presets_and_convergence():
     draws = _draws((2, 3, 4), (2, 10, 4), _params(base_rate=0.2), samples=7, replicates=2)
     assert draws["residual_uniforms"].shape == (2, 2, 3, 10) and draws["base_uniforms"].shape == (2, 2, 3, 2)
     assert _draws((3, 4), (10, 4), _params(budget="fixed"), samples=7)["residual_uniforms"].shape == (3, 3, 7)
+    # the ends of the fractions: a base rate of 1.0 (every key sampled from) and sizes of 0.0 and 1.0 are allowed
+    whole = _draws((2, 3, 4), (2, 10, 4), _params(base_rate=1.0), samples=7, replicates=2)
+    assert whole["base_uniforms"].shape == (2, 2, 3, 10)  # 1.0 x the 10 keys
+    _draws((3, 4), (10, 4), _params(sinks=0.0, local=1.0, top_k=0.0), samples=7)
 
 
 @pytest.mark.parametrize(("params", "samples", "error", "words"), [
@@ -347,7 +351,8 @@ def test_promise_presets_and_convergence():
     ({"epsilon": 1.0}, 3, ValueError, "epsilon must be in (0, 1)"),
     ({"delta": 1.5}, 3, ValueError, "delta must be in (0, 1)"),
     ({"delta": -0.1}, 3, ValueError, "delta must be in (0, 1)"),
-    ({"sinks": -1}, 3, ValueError, "sinks must be a count >= 0"),
+    ({"sinks": -1}, 3, ValueError, "sinks must be a count >= 0 (int) or a fraction of the visible keys in [0, 1] "
+                                   "(float), got -1"),
     ({"local": -2}, 3, ValueError, "local must be a count >= 0"),
     ({"top_k": 1.5}, 3, ValueError, "top_k must be a count >= 0 (int) or a fraction of the visible keys in [0, 1]"),
     ({"top_k": True}, 3, TypeError, "top_k must be an int"),
