@@ -169,6 +169,9 @@ def test_a_failing_unit_fails_the_run_with_its_message_and_keeps_finished_parts(
         client.run(_restore)
 
 
+# ~9 s, a second Dask run through the CLI: the default run keeps the Dask table's identity
+# (test_dask_table_is_identical_to_local) and the flag's parsing (test_parse_scheduler)
+@pytest.mark.slow
 def test_cli_scheduler_address_gives_the_local_table(acts_path, client, tmp_path):
     from randattn.cli import main
 

@@ -134,7 +134,9 @@ def test_unknown_kind_lists_the_known_ones(table):
         make_figure("pie", table)
 
 
-@pytest.mark.parametrize("kind", list(FIGURE_KINDS))
+# the files of one kind in the default run (every kind is drawn there by test_no_text_is_clipped); all in `-m slow`
+@pytest.mark.parametrize("kind", [kind if kind == "mse-vs-samples" else pytest.param(kind, marks=pytest.mark.slow)
+                                  for kind in FIGURE_KINDS])
 def test_save_figure_writes_decodable_png_and_svg(kind, table, tmp_path):
     source = _with_keys_used(table) if kind == "error-vs-budget" else table
     paths = save_figure(make_figure(kind, source), tmp_path / "sub" / kind, dpi=80)
