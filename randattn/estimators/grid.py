@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from randattn._validation import check_choice
+from randattn._callers import outside_stacklevel
+from randattn._validation import check_choice, check_positive_int
 
-__all__ = ["LAYOUTS", "parse_grid", "resolve_grid", "tile_of_tokens", "tiles", "tile_side_for_count", "window_side"]
+__all__ = [
+    "LAYOUTS", "SEQUENCE", "TokenLayout", "token_layout_of", "parse_grid", "resolve_grid", "tile_of_tokens", "tiles", "tile_side_for_count",
+    "window_side",
+]
 
 #: ``grid``: 2-D windows/chunks on the patch grid; ``sequence``: 1-D contiguous blocks of the token axis
 LAYOUTS = ("grid", "sequence")
@@ -66,14 +72,84 @@ def parse_grid(grid: Any, name: str = "grid") -> tuple[int, int] | None:
     return h, w
 
 
-def resolve_grid(layout: str, grid: Any) -> tuple[int, int] | None:
-    """The grid in force: ``(h, w)`` for ``layout="grid"`` with a grid given, else None (sequence).
+@dataclass(frozen=True)
+class TokenLayout:
+    """How a sequence's tokens are laid out: one 1-D sequence, or a prefix then a patch grid (module docstring).
 
-    Validates both (ValueError/TypeError naming ``layout`` or ``grid``).
+    ``layout`` is one of :data:`LAYOUTS`; ``grid`` the ``(h, w)`` patch grid (any form :func:`parse_grid`
+    takes, kept parsed), None when unknown; ``prefix_tokens >= 0`` the leading tokens (CLS, registers) before
+    the patches. Construction validates all three (ValueError/TypeError naming the argument), so a
+    ``TokenLayout`` in hand is a valid one; ``layout="grid"`` without a grid is the 1-D layout
+    (:attr:`patch_grid` is None).
+
+    Examples
+    --------
+    >>> TokenLayout("grid", "14x14", 1).patch_grid, TokenLayout("grid").patch_grid
+    ((14, 14), None)
+    >>> TokenLayout("grid", (3, 4), 1).check_length(13, what="keys")
+    (3, 4)
     """
-    check_choice("layout", layout, LAYOUTS)
-    parsed = parse_grid(grid)
-    return parsed if layout == "grid" else None
+
+    layout: str = "sequence"
+    grid: Any = None
+    prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("layout", self.layout, LAYOUTS)
+        object.__setattr__(self, "grid", parse_grid(self.grid))
+        object.__setattr__(self, "prefix_tokens", check_positive_int("prefix_tokens", self.prefix_tokens, minimum=0))
+
+    @property
+    def patch_grid(self) -> tuple[int, int] | None:
+        """The grid in force: ``(h, w)`` for ``layout="grid"`` with a grid given, else None (1-D)."""
+        return self.grid if self.layout == "grid" else None
+
+    def check_length(self, length: int | None, what: str = "tokens") -> tuple[int, int] | None:
+        """:attr:`patch_grid`, after checking that ``length`` tokens (the ``what``) are ``prefix_tokens + h w``.
+
+        ValueError naming the grid, the prefix and ``what``'s length when they disagree; nothing is checked
+        for the 1-D layout or when ``length`` is None.
+        """
+        hw = self.patch_grid
+        if hw is not None and length is not None and length != self.prefix_tokens + hw[0] * hw[1]:
+            raise ValueError(
+                f"grid={hw[0]}x{hw[1]} with prefix_tokens={self.prefix_tokens} describes "
+                f"{self.prefix_tokens + hw[0] * hw[1]} tokens, but the {what} have {length}; pass the patch grid of "
+                "these tokens, or layout='sequence'"
+            )
+        return hw
+
+
+#: one 1-D sequence: every token in a segment (the default layout of every function here)
+SEQUENCE = TokenLayout()
+
+_LAYOUT_KEYWORDS = ("layout", "grid", "prefix_tokens")
+
+
+def token_layout_of(token_layout: TokenLayout, legacy: dict[str, Any], function: str) -> TokenLayout:
+    """``token_layout``, or the :class:`TokenLayout` of the former ``layout=, grid=, prefix_tokens=`` keywords of
+    ``function`` (with a DeprecationWarning naming the replacement, pointing at the caller outside randattn).
+
+    Raises TypeError for another keyword, or for both forms at once.
+    """
+    unknown = sorted(set(legacy) - set(_LAYOUT_KEYWORDS))
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
+    if not legacy:
+        return token_layout
+    if token_layout is not SEQUENCE:
+        raise TypeError(f"{function}() takes token_layout or the deprecated {', '.join(sorted(legacy))}, not both")
+    warnings.warn(f"{function}(..., layout=, grid=, prefix_tokens=) is deprecated; pass "
+                  f"token_layout=TokenLayout(layout, grid, prefix_tokens)", DeprecationWarning,
+                  stacklevel=outside_stacklevel())
+    return TokenLayout(**legacy)
+
+
+def resolve_grid(layout: str, grid: Any) -> tuple[int, int] | None:
+    """The grid in force (:attr:`TokenLayout.patch_grid`): ``(h, w)`` for ``layout="grid"`` with a grid given,
+    else None (sequence). Validates both (ValueError/TypeError naming ``layout`` or ``grid``).
+    """
+    return TokenLayout(layout, grid).patch_grid
 
 
 def window_side(window: int) -> int:

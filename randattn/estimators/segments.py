@@ -1,6 +1,7 @@
 r"""Segments of a token sequence and their means (landmarks), numpy and torch: 1-D or 2-D.
 
-Two layouts (``layout=``):
+Two layouts (``TokenLayout.layout``; every function here takes a ``token_layout``,
+:class:`~randattn.estimators.grid.TokenLayout`, default :data:`SEQUENCE`):
 
 ``"sequence"``, contiguous 1-D segments (LARA app. G.3.1 for sequences)
     Segments follow ``numpy.array_split``: a length-T sequence in C segments has the first
@@ -50,15 +51,19 @@ scatter-add (no ``C x T`` matrix) are both built from it.
 from __future__ import annotations
 
 import math
-import re
+import warnings
 from typing import Any
 
 import numpy as np
 
-from randattn._validation import check_choice, check_positive_int
+from randattn._callers import outside_stacklevel
+from randattn._validation import check_positive_int
+from randattn.estimators.grid import LAYOUTS, SEQUENCE, TokenLayout, parse_grid, token_layout_of
 
 __all__ = [
     "LAYOUTS",
+    "TokenLayout",
+    "SEQUENCE",
     "parse_grid",
     "check_layout",
     "segment_bounds",
@@ -71,57 +76,22 @@ __all__ = [
     "segment_means_torch",
 ]
 
-LAYOUTS = ("grid", "sequence")
-
-_GRID_TEXT = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
-
-
-def parse_grid(grid: Any) -> tuple[int, int] | None:
-    """``(h, w)`` from ``None``, an ``(h, w)`` tuple/list of positive ints, or an ``"HxW"`` string (``"14x14"``)."""
-    if grid is None:
-        return None
-    if isinstance(grid, str):
-        match = _GRID_TEXT.match(grid)
-        if match is None:
-            raise ValueError(f"grid={grid!r} is not allowed; write the patch grid as 'HxW' (e.g. '14x14'), (h, w) or None")
-        grid = (int(match.group(1)), int(match.group(2)))
-    if not isinstance(grid, (tuple, list, np.ndarray)) or len(grid) != 2:
-        raise TypeError(f"grid must be None, an (h, w) pair or an 'HxW' string, got {type(grid).__name__} {grid!r}")
-    h, w = (check_positive_int(f"grid[{i}]", int(g) if isinstance(g, np.integer) else g) for i, g in enumerate(grid))
-    return h, w
-
-
 def check_layout(
     length: int | None, layout: str = "sequence", grid: Any = None, prefix_tokens: int = 0, *, what: str = "tokens"
 ) -> tuple[int, int] | None:
-    """Validate a token layout against a sequence length; the ``(h, w)`` grid in use, or None for 1-D segments.
-
-    ``layout="grid"`` with ``grid=None`` (no grid known) is the 1-D layout. With a grid,
-    ``length`` must be ``prefix_tokens + h w`` (not checked when ``length`` is None).
-    """
-    check_choice("layout", layout, LAYOUTS)
-    if isinstance(prefix_tokens, bool) or not isinstance(prefix_tokens, (int, np.integer)):
-        raise TypeError(f"prefix_tokens must be an integer >= 0, got {type(prefix_tokens).__name__} {prefix_tokens!r}")
-    if prefix_tokens < 0:
-        raise ValueError(f"prefix_tokens must be >= 0, got {prefix_tokens}")
-    hw = parse_grid(grid)
-    if layout == "sequence" or hw is None:
-        return None
-    if length is not None and length != prefix_tokens + hw[0] * hw[1]:
-        raise ValueError(
-            f"grid={hw[0]}x{hw[1]} with prefix_tokens={prefix_tokens} describes {prefix_tokens + hw[0] * hw[1]} "
-            f"tokens, but the {what} have {length}; pass the patch grid of these tokens, or layout='sequence'"
-        )
-    return hw
+    """Deprecated: ``TokenLayout(layout, grid, prefix_tokens).check_length(length, what)`` (the same checks)."""
+    warnings.warn("randattn.estimators.segments.check_layout is deprecated; use "
+                  "TokenLayout(layout, grid, prefix_tokens).check_length(length, what)", DeprecationWarning,
+                  stacklevel=outside_stacklevel())
+    return TokenLayout(layout, grid, prefix_tokens).check_length(length, what)
 
 
-def effective_segments(
-    length: int, num_segments: int, *, layout: str = "sequence", grid: Any = None, prefix_tokens: int = 0
-) -> int:
+def effective_segments(length: int, num_segments: int, token_layout: TokenLayout = SEQUENCE, **legacy: Any) -> int:
     """``C_eff``: ``min(C, T)`` for 1-D segments, ``min(C, h w)`` for grid blocks (more would leave some empty)."""
+    token_layout = token_layout_of(token_layout, legacy, "effective_segments")
     check_positive_int("num_segments", num_segments)
     check_positive_int("length", length)
-    hw = check_layout(length, layout, grid, prefix_tokens)
+    hw = token_layout.check_length(length)
     return min(num_segments, length if hw is None else hw[0] * hw[1])
 
 
@@ -164,42 +134,34 @@ def grid_blocks(grid: Any, num_segments: int) -> np.ndarray:
     return block.reshape(-1)
 
 
-def token_segments(
-    length: int, num_segments: int, *, layout: str = "sequence", grid: Any = None, prefix_tokens: int = 0
-) -> np.ndarray:
+def token_segments(length: int, num_segments: int, token_layout: TokenLayout = SEQUENCE, **legacy: Any) -> np.ndarray:
     """Segment index ``(T,)`` of every token, ``-1`` for tokens in no segment (prefix tokens of a grid)."""
-    c = effective_segments(length, num_segments, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    hw = check_layout(length, layout, grid, prefix_tokens)
+    token_layout = token_layout_of(token_layout, legacy, "token_segments")
+    c = effective_segments(length, num_segments, token_layout)
+    hw = token_layout.patch_grid
     if hw is None:
         return np.repeat(np.arange(c), np.diff(_split_offsets(length, c)))
-    return np.concatenate([np.full(prefix_tokens, -1, dtype=np.int64), grid_blocks(hw, c)])
+    return np.concatenate([np.full(token_layout.prefix_tokens, -1, dtype=np.int64), grid_blocks(hw, c)])
 
 
-def pooling_matrix(
-    length: int, num_segments: int, *, layout: str = "sequence", grid: Any = None, prefix_tokens: int = 0
-) -> np.ndarray:
+def pooling_matrix(length: int, num_segments: int, token_layout: TokenLayout = SEQUENCE, **legacy: Any) -> np.ndarray:
     """``(C_eff, T)`` averaging matrix: row c holds ``1/|segment c|`` on its tokens (0 on prefix tokens of a grid)."""
-    seg = token_segments(length, num_segments, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    seg = token_segments(length, num_segments, token_layout_of(token_layout, legacy, "pooling_matrix"))
     num_c = int(seg.max()) + 1
     member = (seg[None, :] == np.arange(num_c)[:, None]).astype(np.float64)
     return member / member.sum(-1, keepdims=True)
 
 
-def segment_means(
-    x: np.ndarray, num_segments: int, *, layout: str = "sequence", grid: Any = None, prefix_tokens: int = 0
-) -> np.ndarray:
+def segment_means(x: np.ndarray, num_segments: int, token_layout: TokenLayout = SEQUENCE, **legacy: Any) -> np.ndarray:
     """Landmarks ``(..., C_eff, D)``: the mean of each segment of ``x : (..., T, D)`` (LARA G.3.1, G.4)."""
-    pool = pooling_matrix(x.shape[-2], num_segments, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    return pool @ x
+    return pooling_matrix(x.shape[-2], num_segments, token_layout_of(token_layout, legacy, "segment_means")) @ x
 
 
-def segment_means_torch(
-    x: Any, num_segments: int, *, layout: str = "sequence", grid: Any = None, prefix_tokens: int = 0
-) -> Any:
+def segment_means_torch(x: Any, num_segments: int, token_layout: TokenLayout = SEQUENCE, **legacy: Any) -> Any:
     """torch form of :func:`segment_means` (same segments, same layout), by a scatter-add: ``O(T D)``, no ``C x T`` matrix."""
     import torch
 
-    seg = token_segments(x.shape[-2], num_segments, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    seg = token_segments(x.shape[-2], num_segments, token_layout_of(token_layout, legacy, "segment_means_torch"))
     start = int(np.argmax(seg >= 0))  # segment tokens are contiguous after the prefix
     counts = np.bincount(seg[start:])
     index = torch.as_tensor(seg[start:], device=x.device)

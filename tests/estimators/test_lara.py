@@ -29,6 +29,7 @@ from randattn.estimators.base import Draws
 from randattn.estimators.lara import batched as lara_b
 from randattn.estimators.lara import reference as lara_r
 from randattn.estimators.rfa.reference import NonPositiveDenominatorWarning
+from randattn.estimators.grid import TokenLayout
 from randattn.estimators.segments import segment_means
 from randattn.testing import TOLERANCES, assert_close
 
@@ -513,7 +514,7 @@ BAD_OPTIONS = [
 #: layout options the registry's Param types let through, caught by LaraOptions itself
 BAD_LAYOUT_OPTIONS = [
     pytest.param({"layout": "nope"}, ValueError, r"layout='nope' is not allowed", id="layout"),
-    pytest.param({"grid": "4-4"}, ValueError, r"grid='4-4' is not allowed", id="grid"),
+    pytest.param({"grid": "4-4"}, ValueError, r"grid='4-4' is not a grid; write rows x columns as 'HxW'", id="grid"),
     pytest.param({"prefix_tokens": -1}, ValueError, r"prefix_tokens must be >= 0", id="prefix-negative"),
     pytest.param({"beta": "2"}, TypeError, r"beta must be a real number", id="beta-str"),
 ]
@@ -571,7 +572,9 @@ def test_options_are_frozen_and_derive_layout_and_sign():
         options.beta = 2.0  # type: ignore[misc]
     with pytest.raises(TypeError):
         lara_r.LaraOptions("eq34")  # type: ignore[misc]  # keyword-only: ten options, no positional slips
-    assert options.layout_kw == {"layout": "grid", "grid": (3, 4), "prefix_tokens": 1}
+    assert options.token_layout == TokenLayout("grid", (3, 4), 1)
+    with pytest.warns(DeprecationWarning, match="layout_kw is deprecated; use LaraOptions.token_layout"):
+        assert options.layout_kw == {"layout": "grid", "grid": (3, 4), "prefix_tokens": 1}
     spec = randattn.get_spec("lara")
     for params in spec.variants.values():
         assert lara_r.LaraOptions(**params).signed == spec.signed_weights(params), params
@@ -716,7 +719,7 @@ def test_grid_layout_needs_tokens_of_the_grid(backend, rng):
         randattn.estimate("lara", q, q, v[:1].repeat(17, 0), num_samples=3, backend=backend, grid=(4, 4))
     with pytest.raises(ValueError, match=r"describes 17 tokens, but the keys have 16"):
         randattn.estimate("lara", q, k, v, num_samples=3, backend=backend, grid="4x4", prefix_tokens=1)
-    with pytest.raises(ValueError, match=r"grid='4-4' is not allowed"):
+    with pytest.raises(ValueError, match=r"grid='4-4' is not a grid; write rows x columns as 'HxW'"):
         randattn.estimate("lara", q, k, v, num_samples=3, backend=backend, grid="4-4")
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from randattn.estimators import segments
+from randattn.estimators import grid as grid_module, segments
+from randattn.estimators.grid import TokenLayout
 from randattn.testing import assert_close
 
 EXACT = 1e-12  # means of O(1) numbers in float64
@@ -28,15 +29,15 @@ def test_49_blocks_on_14x14_are_2x2_patches_in_raster_order(rng):
     """LARA app. G.4 with C = 49 on a 14 x 14 grid (the official code's AdaptiveAvgPool2d(7)): 7 x 7 blocks of 2 x 2."""
     x = rng.standard_normal((3, 1 + 196, 4))
     expected = x[:, 1:].reshape(3, 7, 2, 7, 2, 4).mean(axis=(2, 4)).reshape(3, 49, 4)
-    got = segments.segment_means(x, 49, layout="grid", grid=(14, 14), prefix_tokens=1)
+    got = segments.segment_means(x, 49, TokenLayout("grid", (14, 14), 1))
     assert_close(got, expected, atol=EXACT, what="2x2 block means")
-    got_t = segments.segment_means_torch(torch.as_tensor(x), 49, layout="grid", grid="14x14", prefix_tokens=1)
+    got_t = segments.segment_means_torch(torch.as_tensor(x), 49, TokenLayout("grid", "14x14", 1))
     assert_close(got_t, expected, atol=EXACT, what="torch 2x2 block means")
 
 
 def test_non_divisible_grid_has_smaller_edge_blocks():
     """C = 6 on 3 x 5: 2 block rows (2 and 1 patch rows) of 3 blocks (2, 2, 1 patch columns)."""
-    seg = segments.token_segments(2 + 15, 6, layout="grid", grid=(3, 5), prefix_tokens=2)
+    seg = segments.token_segments(2 + 15, 6, TokenLayout("grid", (3, 5), 2))
     assert list(seg[:2]) == [-1, -1]
     expected = np.array([[0, 0, 1, 1, 2], [0, 0, 1, 1, 2], [3, 3, 4, 4, 5]])
     assert np.array_equal(seg[2:].reshape(3, 5), expected)
@@ -44,7 +45,7 @@ def test_non_divisible_grid_has_smaller_edge_blocks():
 
 def test_c_that_is_no_product_of_divisors_is_kept_exactly():
     """C = 32 on 14 x 14: 6 bands (rows 3,3,2,2,2,2) of 6,6,5,5,5,5 blocks, columns split evenly per band."""
-    seg = segments.token_segments(196, 32, layout="grid", grid=(14, 14)).reshape(14, 14)
+    seg = segments.token_segments(196, 32, TokenLayout("grid", (14, 14))).reshape(14, 14)
     assert seg.max() + 1 == 32
     assert [len(np.unique(seg[r])) for r in (0, 3, 6, 8, 10, 12)] == [6, 6, 5, 5, 5, 5]
     assert np.array_equal(seg[0], [0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
@@ -86,9 +87,10 @@ def test_sequence_layout_and_unknown_grid_are_1d(rng):
     """layout='sequence' ignores the grid; layout='grid' with grid=None has no grid: both are array_split segments."""
     x = rng.standard_normal((197, 3))
     one_d = np.stack([part.mean(0) for part in np.array_split(x, 49)])
-    for kw in ({}, {"layout": "sequence", "grid": (14, 14), "prefix_tokens": 1}, {"layout": "grid", "grid": None}):
-        assert_close(segments.segment_means(x, 49, **kw), one_d, atol=EXACT, what=str(kw))
-        assert_close(segments.segment_means_torch(torch.as_tensor(x), 49, **kw), one_d, atol=EXACT, what=f"torch {kw}")
+    for layout in (segments.SEQUENCE, TokenLayout("sequence", (14, 14), 1), TokenLayout("grid", None)):
+        assert_close(segments.segment_means(x, 49, layout), one_d, atol=EXACT, what=str(layout))
+        assert_close(segments.segment_means_torch(torch.as_tensor(x), 49, layout), one_d, atol=EXACT,
+                     what=f"torch {layout}")
 
 
 @pytest.mark.parametrize("grid", [(3, 5), (14, 14), (28, 28)], ids=lambda g: f"{g[0]}x{g[1]}")
@@ -98,14 +100,13 @@ def test_pooling_matrix_rows_average_their_patches_only(grid, prefix, num_segmen
     """Row c is 1/|block c| on block c's patches, 0 on prefix tokens; numpy matrix == torch scatter-add."""
     h, w = grid
     n = prefix + h * w
-    pool = segments.pooling_matrix(n, num_segments, layout="grid", grid=grid, prefix_tokens=prefix)
+    pool = segments.pooling_matrix(n, num_segments, TokenLayout("grid", grid, prefix))
     assert pool.shape == (min(num_segments, h * w), n)
     assert np.all(pool[:, :prefix] == 0)
     assert_close(pool.sum(-1), np.ones(len(pool)), atol=EXACT, what="rows average")
     assert np.all((pool > 0).sum(0)[prefix:] == 1), "a patch in no block or in two"
     x = rng.standard_normal((2, n, 3))
-    assert_close(segments.segment_means_torch(torch.as_tensor(x), num_segments, layout="grid", grid=grid,
-                                              prefix_tokens=prefix), pool @ x, atol=EXACT, what="torch")
+    assert_close(segments.segment_means_torch(torch.as_tensor(x), num_segments, TokenLayout("grid", grid, prefix)), pool @ x, atol=EXACT, what="torch")
 
 
 @pytest.mark.parametrize("grid, expected", [("14x14", (14, 14)), (" 3 X 5 ", (3, 5)), ([2, 7], (2, 7)), ((4, 4), (4, 4)), (None, None)])
@@ -116,15 +117,49 @@ def test_parse_grid(grid, expected):
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        (dict(grid="14by14"), ValueError, r"grid='14by14' is not allowed; write the patch grid as 'HxW'"),
-        (dict(grid=(14,)), TypeError, r"grid must be None, an \(h, w\) pair"),
-        (dict(grid=(0, 14)), ValueError, r"grid\[0\] must be >= 1"),
+        (dict(grid="14by14"), ValueError, r"grid='14by14' is not a grid; write rows x columns as 'HxW'"),
+        (dict(grid=(14,)), TypeError, r"grid must be None, an 'HxW' string or a \(rows, columns\) pair"),
+        (dict(grid=(0, 14)), ValueError, r"grid=\(0, 14\) must have rows >= 1 and columns >= 1"),
         (dict(grid=(14, 14), prefix_tokens=-1), ValueError, "prefix_tokens must be >= 0"),
         (dict(grid=(14, 14), prefix_tokens=1.0), TypeError, "prefix_tokens must be an integer"),
-        (dict(grid=(14, 14), prefix_tokens=0), ValueError, r"grid=14x14 with prefix_tokens=0 describes 196 tokens, but the tokens have 197"),
         (dict(grid=(14, 14), layout="2d"), ValueError, r"layout='2d' is not allowed; choose one of 'grid', 'sequence'"),
     ],
 )
 def test_bad_layout_is_named(kwargs, error, message):
     with pytest.raises(error, match=message):
-        segments.token_segments(197, 49, **{"layout": "grid", **kwargs})
+        TokenLayout(**{"layout": "grid", **kwargs})
+
+
+def test_a_grid_of_other_tokens_is_named():
+    layout = TokenLayout("grid", (14, 14))
+    for call in (lambda: segments.token_segments(197, 49, layout), lambda: layout.check_length(197)):
+        with pytest.raises(ValueError, match=r"grid=14x14 with prefix_tokens=0 describes 196 tokens, but the tokens "
+                                             r"have 197"):
+            call()
+    assert TokenLayout("sequence", (14, 14)).check_length(197) is None  # a 1-D layout holds any length
+
+
+def test_one_grid_parser_and_one_list_of_layouts():
+    """The segment helpers and the block layouts (EVA, Scatterbrain, local attention) read a grid by one rule."""
+    assert segments.parse_grid is grid_module.parse_grid and segments.LAYOUTS is grid_module.LAYOUTS
+    assert TokenLayout("grid", " 3 X 5 ", 2) == TokenLayout("grid", [3, 5], 2)  # kept parsed
+
+
+@pytest.mark.parametrize("function, args", [
+    ("token_segments", (17, 6)), ("pooling_matrix", (17, 6)), ("effective_segments", (17, 6)),
+    ("segment_means", (np.ones((17, 2)), 6)),
+])
+def test_the_former_layout_keywords_warn_and_give_the_same_segments(function, args):
+    """``layout=, grid=, prefix_tokens=`` still work, with a DeprecationWarning at the caller's line."""
+    new = getattr(segments, function)(*args, TokenLayout("grid", (3, 5), 2))
+    with pytest.warns(DeprecationWarning, match=rf"{function}\(\.\.\., layout=, grid=, prefix_tokens=\) is "
+                                                r"deprecated; pass token_layout=TokenLayout") as record:
+        old = getattr(segments, function)(*args, layout="grid", grid=(3, 5), prefix_tokens=2)
+    assert record[0].filename == __file__
+    assert np.array_equal(old, new)
+    with pytest.raises(TypeError, match="not both"):
+        getattr(segments, function)(*args, TokenLayout("grid", (3, 5), 2), grid=(3, 5))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'grd'"):
+        getattr(segments, function)(*args, grd=(3, 5))
+    with pytest.warns(DeprecationWarning, match="check_layout is deprecated"):
+        assert segments.check_layout(17, "grid", (3, 5), 2) == (3, 5)

@@ -143,8 +143,9 @@ def _proposals(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> tu
         drawn = check_draw_array(draws, "proposal_slots", batch, (None, 0)).shape[-2]
     else:
         drawn = check_draw_array(draws, "eps", batch, (None, dim)).shape[-2]
-    num_c = effective_proposals(num_q, num_k, drawn, proposal, **options.layout_kw)
-    x_lm, y_lm = landmarks(x, y, num_c, proposal, means=segment_means_torch, **options.layout_kw)
+    token_layout = options.token_layout
+    num_c = effective_proposals(num_q, num_k, drawn, proposal, token_layout)
+    x_lm, y_lm = landmarks(x, y, num_c, proposal, token_layout, means=segment_means_torch)
     mu = _proposal_means(x_lm, y_lm, y, proposal)
     if options.sample == "mean":
         omega = mu.unsqueeze(0).expand(draws.replicates, *mu.shape).contiguous()

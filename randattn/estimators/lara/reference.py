@@ -18,19 +18,22 @@ Layout (shared with ``batched`` and with :mod:`randattn.theory.montecarlo`):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from scipy.special import log_softmax, logsumexp, softmax
 
+from randattn._callers import outside_stacklevel
 from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws, EstimatorOptions, keyword_entry, option
 from randattn.estimators.features.reference import positive_log_features
 from randattn.estimators.ra.reference import noise_std
 from randattn.estimators.snis import warn_non_positive
-from randattn.estimators.segments import check_layout, effective_segments, segment_means
+from randattn.estimators.grid import LAYOUTS, SEQUENCE, TokenLayout, token_layout_of
+from randattn.estimators.segments import effective_segments, segment_means
 from randattn.estimators.snis.reference import feature_attention
 
 __all__ = [
@@ -83,7 +86,7 @@ def check_lara_params(
 ) -> None:
     """Validate LARA's options in one place; ``ValueError``/``TypeError`` name the argument."""
     check_choice("proposal", proposal, PROPOSALS)
-    check_layout(None, layout, grid, prefix_tokens)
+    TokenLayout(layout, grid, prefix_tokens)
     check_choice("weighting", weighting, WEIGHTINGS)
     check_choice("sample", sample, SAMPLES)
     check_choice("noise", noise, NOISES)
@@ -142,7 +145,7 @@ class LaraOptions(EstimatorOptions):
         "grid",
         "landmarks from 2-D blocks of the patch grid (grid, LARA app. G.4 '2D average pooling') when the grid "
         "is known, else from contiguous 1-D segments (sequence, app. G.3.1)",
-        choices=("grid", "sequence"),
+        choices=LAYOUTS,
     )
     grid: Any = option(
         None,
@@ -159,8 +162,15 @@ class LaraOptions(EstimatorOptions):
                           self.layout, self.grid, self.prefix_tokens)
 
     @property
+    def token_layout(self) -> TokenLayout:
+        """``layout``, ``grid``, ``prefix_tokens`` as one :class:`~randattn.estimators.grid.TokenLayout`."""
+        return TokenLayout(self.layout, self.grid, self.prefix_tokens)
+
+    @property
     def layout_kw(self) -> dict[str, Any]:
-        """``layout``, ``grid``, ``prefix_tokens`` as keywords, for the segment helpers."""
+        """Deprecated: :attr:`token_layout` (the segment helpers take one ``TokenLayout``)."""
+        warnings.warn("LaraOptions.layout_kw is deprecated; use LaraOptions.token_layout", DeprecationWarning,
+                      stacklevel=outside_stacklevel())
         return dict(layout=self.layout, grid=self.grid, prefix_tokens=self.prefix_tokens)
 
     @property
@@ -177,55 +187,41 @@ def has_signed_weights(weighting: str, alpha_clamp: float | None) -> bool:
     return weighting in ("decoupled", "coupled") and alpha_clamp is None
 
 
-def effective_proposals(
-    num_queries: int,
-    num_keys: int,
-    num_proposals: int,
-    proposal: str,
-    *,
-    layout: str = "sequence",
-    grid: Any = None,
-    prefix_tokens: int = 0,
-) -> int:
+def effective_proposals(num_queries: int, num_keys: int, num_proposals: int, proposal: str,
+                        token_layout: TokenLayout = SEQUENCE, **legacy: Any) -> int:
     """``C_eff``, the number of proposals (= landmarks = samples) actually used.
 
     Query landmarks are means of ``C`` query segments, so at most ``N`` of them (``h w``
     with a grid layout, whose segments are blocks of patches); proposals built from key
     landmarks (eq. 34, 35) also need ``C <= M`` (``h w``). The draws always hold ``C`` rows
     and the estimator uses the first ``C_eff``, so one set of draws serves every input length.
+    (``layout=, grid=, prefix_tokens=`` in place of ``token_layout`` are deprecated.)
     """
-    layout_kw = dict(layout=layout, grid=grid, prefix_tokens=prefix_tokens)
-    check_layout(num_queries, what="queries", **layout_kw)
-    limit = effective_segments(num_queries, num_proposals, **layout_kw)
+    token_layout = token_layout_of(token_layout, legacy, "effective_proposals")
+    token_layout.check_length(num_queries, what="queries")
+    limit = effective_segments(num_queries, num_proposals, token_layout)
     if proposal in _KEY_LANDMARK_PROPOSALS:
-        check_layout(num_keys, what="keys", **layout_kw)
-        limit = min(limit, effective_segments(num_keys, num_proposals, **layout_kw))
+        token_layout.check_length(num_keys, what="keys")
+        limit = min(limit, effective_segments(num_keys, num_proposals, token_layout))
     return limit
 
 
-def landmarks(
-    x: Any,
-    y: Any,
-    num_c: int,
-    proposal: str,
-    *,
-    layout: str = "sequence",
-    grid: Any = None,
-    prefix_tokens: int = 0,
-    means: Any = segment_means,
-) -> tuple[Any, Any]:
+def landmarks(x: Any, y: Any, num_c: int, proposal: str, token_layout: TokenLayout = SEQUENCE, *,
+              means: Any = segment_means, **legacy: Any) -> tuple[Any, Any]:
     """Query landmarks ``x~ : (..., C, D)`` and key landmarks ``y~`` (None unless eq. 34/35 need them).
 
     Means of contiguous 1-D segments (app. G.3.1) or of 2-D blocks of the patch grid
     (app. G.4, "2D average pooling (the same as segments)"), see :mod:`randattn.estimators.segments`;
-    ``means`` is :func:`~randattn.estimators.segments.segment_means` or its torch form.
+    ``means`` is :func:`~randattn.estimators.segments.segment_means` or its torch form. (``layout=, grid=,
+    prefix_tokens=`` in place of ``token_layout`` are deprecated.)
     """
-    check_layout(x.shape[-2], layout, grid, prefix_tokens, what="queries")
-    x_lm = means(x, num_c, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    token_layout = token_layout_of(token_layout, legacy, "landmarks")
+    token_layout.check_length(x.shape[-2], what="queries")
+    x_lm = means(x, num_c, token_layout)
     if proposal not in _KEY_LANDMARK_PROPOSALS:
         return x_lm, None
-    check_layout(y.shape[-2], layout, grid, prefix_tokens, what="keys")
-    return x_lm, means(y, num_c, layout=layout, grid=grid, prefix_tokens=prefix_tokens)
+    token_layout.check_length(y.shape[-2], what="keys")
+    return x_lm, means(y, num_c, token_layout)
 
 
 def log_gaussian(sq_dist: np.ndarray, dim: int) -> np.ndarray:
@@ -500,8 +496,9 @@ def lara_terms(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> La
     sigma = noise_std(options.noise, scale)
     num_q, num_k, dim = x.shape[-2], y.shape[-2], x.shape[-1]
     drawn = _num_proposals(draws, batch, dim, options.sample)
-    num_c = effective_proposals(num_q, num_k, drawn, options.proposal, **options.layout_kw)
-    x_lm, y_lm = landmarks(x, y, num_c, options.proposal, **options.layout_kw)  # (..., C, D)
+    token_layout = options.token_layout
+    num_c = effective_proposals(num_q, num_k, drawn, options.proposal, token_layout)
+    x_lm, y_lm = landmarks(x, y, num_c, options.proposal, token_layout)  # (..., C, D)
     mu = proposal_means(x_lm, y_lm, y, options.proposal)
     if options.sample == "mean":
         omega = np.broadcast_to(mu, (draws.replicates, *mu.shape)).copy()
