@@ -14,7 +14,7 @@ import functools
 import inspect
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, get_args
+from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 import numpy as np
 
@@ -39,6 +39,9 @@ __all__ = [
     "option",
     "keyword_entry",
     "family_spec",
+    "deterministic_spec",
+    "no_draws",
+    "never_random",
     "EstimatorSpec",
     "SpecError",
     "validate_spec",
@@ -745,6 +748,36 @@ def family_spec(options: type[EstimatorOptions], draw: Callable[..., Draws], ref
     return EstimatorSpec(params=options.params(), draw=draw, reference=reference.estimate,
                          forms=BatchedForms.of(batched), **facts)
 
+
+
+def never_random(params: Mapping[str, Any]) -> bool:
+    """``is_random`` of a family none of whose configurations is random (its output is a function of the inputs)."""
+    return False
+
+
+def no_draws(options: type[EstimatorOptions]) -> Callable[..., Draws]:
+    """The ``draw`` of a family with no random variables, on ``options``: ``Draws({}, replicates)``.
+
+    ``draw(q_shape, k_shape, *, num_samples=None, replicates=1, rng=None, **params)`` takes the fields of
+    ``options`` but ``scale`` as keywords (:func:`keyword_entry`), so a bad configuration is refused at the
+    draw as at the estimate; ``num_samples``, ``rng`` and the mask change nothing.
+    """
+    @keyword_entry(options, leave_out=("scale",))
+    def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int | None = None, replicates: int = 1,
+             rng: Any = None, options: EstimatorOptions) -> Draws:
+        return Draws({}, replicates)
+
+    draw.__doc__ = ("Deterministic: no random variables, only the replicate count (``num_samples``, ``rng`` and "
+                    f"``mask`` change nothing; the parameters are checked by ``{options.__name__}``).")
+    return draw
+
+
+def deterministic_spec(options: type[EstimatorOptions], reference: Any, batched: Any, **facts: Any) -> EstimatorSpec:
+    """The spec of a family that draws nothing and reads no S (softmax, local attention): :func:`family_spec`
+    with ``draw = no_draws(options)``, ``needs_samples=False`` and ``is_random`` :func:`never_random`, stated
+    here once; ``facts`` are the family's own."""
+    return family_spec(options, no_draws(options), reference, batched, needs_samples=False, is_random=never_random,
+                       **facts)
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
 

@@ -180,6 +180,22 @@ def test_family_spec_wires_the_options_the_reference_and_the_torch_module(toy):
     assert spec == want
 
 
+def test_deterministic_spec_draws_nothing_and_checks_the_options_at_the_draw(toy):
+    """A family without random variables: Draws({}, R) whatever S, rng and mask; the options are still checked."""
+    from randattn.estimators.base import Draws, deterministic_spec
+
+    ToyOptions, toy_estimate = toy
+    module = types.SimpleNamespace(estimate=toy_estimate)
+    spec = deterministic_spec(ToyOptions, module, module, name="toy", summary="s", source="src", complexity="c")
+    assert (spec.needs_samples, spec.is_random({}), spec.is_random({"kind": "b"})) == (False, False, False)
+    assert spec.draw((2, 5, 3), (2, 7, 3), replicates=4) == Draws({}, 4)
+    assert spec.draw((5, 3), (5, 3), num_samples=9, rng=object(), mask="causal", kind="b") == Draws({}, 1)
+    assert list(inspect.signature(spec.draw).parameters) == [
+        "q_shape", "k_shape", "num_samples", "replicates", "rng", "kind", "width", "mask"]
+    with pytest.raises(ValueError, match="width goes with kind='a' only"):
+        spec.draw((5, 3), (5, 3), kind="b", width=3)
+
+
 def test_numpy_scalars_of_a_parameter_with_several_kinds():
     import numpy as np
 

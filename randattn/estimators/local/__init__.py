@@ -9,11 +9,9 @@ prefix (CLS) keys and the N != M mapping as in :mod:`randattn.estimators.eva.par
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
 from randattn.estimators import describe
 from randattn.estimators.eva.partition import BLOCK_LAYOUT_VARIANTS, block_layout_facts
-from randattn.estimators.base import Draws, family_spec, keyword_entry
+from randattn.estimators.base import deterministic_spec
 from randattn.estimators.local import batched, reference
 from randattn.estimators.local.reference import LocalOptions
 
@@ -21,26 +19,12 @@ from randattn.estimators.local.reference import LocalOptions
 #: :class:`~randattn.estimators.local.reference.LocalOptions` (the windowed layout's)
 PARAMS = LocalOptions.params()
 
-
-@keyword_entry(LocalOptions, leave_out=("scale",))
-def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int | None = None, replicates: int = 1,
-         rng: Any = None, options: LocalOptions) -> Draws:
-    """Local attention is deterministic: no random variables, only the replicate count.
-
-    ``mask`` does not change the draws; a grid layout under ``mask="causal"`` is refused by
-    :class:`~randattn.estimators.local.reference.LocalOptions` already.
-    """
-    return Draws({}, replicates)
-
-
-SPEC = family_spec(
-    LocalOptions, draw, reference, batched,
+SPEC = deterministic_spec(
+    LocalOptions, reference, batched,
     name="local",
     summary="block-local exact attention (EVA's E^n alone, renormalized): the sparse baseline",
     source="Child et al. 2019; Xiong et al. 2021; EVA (Zheng et al. ICLR 2023) sec. 4.2, app. E.1",
     complexity="O(N W (D + Dv))",
-    needs_samples=False,
-    is_random=lambda params: False,
     variants={**BLOCK_LAYOUT_VARIANTS, "window-1": {"window": 1}, "cls-only": {"window": 0, "prefix_tokens": 1},
               "grid-5x3": {"window": 4, "grid": "5x3"}},
     display_name="Local attention",
@@ -51,3 +35,6 @@ SPEC = family_spec(
     **block_layout_facts("the window holds every key: local attention is softmax attention"),
     memory_hint="N W local scores per batch element",
 )
+
+#: no random variables, only the replicate count (:func:`~randattn.estimators.base.no_draws`)
+draw = SPEC.draw

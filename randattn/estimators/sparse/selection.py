@@ -30,7 +30,7 @@ import numpy as np
 
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import Draws, EstimatorOptions, EstimatorSpec, MASKS, family_spec, keyword_entry
+from randattn.estimators.base import Draws, EstimatorOptions, EstimatorSpec, MASKS, family_spec, keyword_entry, never_random
 from randattn.estimators.sparse.reference import keys_used as count_keys_used
 from randattn.estimators.sparse.reference import masked_logits, weighted_attention
 
@@ -167,11 +167,6 @@ class KeptKeysReference:
         return _replicated(count_keys_used(log_weights, logits), draws.replicates)
 
 
-def _never_random(params: Any) -> bool:
-    """The selection is a function of the inputs and S: no configuration is random."""
-    return False
-
-
 def kept_keys_spec(*, options_type: type[KeptKeysOptions], reference: Any, batched: Any,
                    draw: Callable[..., Draws], **declared: Any) -> EstimatorSpec:
     """The spec of a deterministic selection estimator: what top-k, StreamingLLM and Quest declare alike.
@@ -186,7 +181,7 @@ def kept_keys_spec(*, options_type: type[KeptKeysOptions], reference: Any, batch
         options_type, draw, reference, batched,
         keys_used=batched.keys_used,
         needs_samples=True,
-        is_random=_never_random,
+        is_random=never_random,  # the selection is a function of the inputs and S
         convergence="none",
         cost="quadratic",
         normalized=True,
