@@ -162,29 +162,6 @@ def _z(fraction, probability, draws):
     return (fraction - probability) / np.sqrt(probability * (1 - probability) / draws)
 
 
-@pytest.mark.parametrize("weights", [True, False], ids=["log_weights", "sample_counts"])
-def test_a_second_replicate_holds_no_second_set_of_key_projections(weights):
-    """The hashing loop holds one replicate's (K, M, L) key projections and one pair of (C, M, L) agreement buffers
-    at a time: R = 2 needs R = 1's working set plus its own (N, M) weights, not another (K, M, L) array. The sweep's
-    memory model charges every replicate what the second adds to the first (a second set, 42 MB a replicate at
-    16,384 keys, made MagicPIG's forecast 2.4x its use). Bytes counted by ``measure_peak`` (every tensor made)."""
-    from randattn.analysis.memory import measure_peak
-
-    n, m, d, tables, bits = 4, 4096, 16, 32, 8
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn((n, d), generator=gen), torch.randn((m, d), generator=gen)
-    form = batched.log_weights if weights else batched.sample_counts
-
-    def peak(replicates: int) -> int:
-        planes = torch.randn((replicates, tables, bits, d), generator=gen)
-        return measure_peak(lambda: form(x, y, planes, min_collisions=2, sinks=1, local=2, center="hashed-keys"),
-                            torch_tensors=True)
-
-    key_projections = bits * m * tables * 4  # one replicate's (K, M, L) float32: 4 MiB
-    own = n * m * 4  # a replicate's (N, M) float32 weights: 64 KiB
-    assert peak(2) - peak(1) < own + key_projections // 4
-
-
 @pytest.mark.parametrize("theta", [math.pi / 3, 2 * math.pi / 3])
 def test_collision_probability_matches_monte_carlo_of_the_hash(theta):
     """The fraction of tables whose K-bit codes agree is (1 - theta/pi)^K within 4 standard errors; the same test

@@ -105,9 +105,9 @@ def _hash_and_sample(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor
     if not candidates_np.any():  # sinks and local window hold every visible key: nothing to hash
         return out.masked_fill(exact, 0.0) if weights else out
     means = _centering_means(y, exact | candidates, candidates, center)  # (..., N, D)
-    # one (replicate, batch element) at a time: its key projections (K, M, L) and two (C, M, L) agreement buffers
-    # that every chunk of queries reuses, never an (R, ..., M, L, K) tensor (9 heads x 4 replicates x 4,096 keys x
-    # 150 tables would be 0.9 GB in float32)
+    # one (replicate, batch element) at a time: its key projections (K, M, L) and one (C, M, L) agreement buffer
+    # per chunk of queries, never an (R, ..., M, L, K) tensor (9 heads x 4 replicates x 4,096 keys x 150 tables
+    # would be 0.9 GB in float32)
     batch = x.shape[:-2]
     planes = hyperplanes.expand(replicates, *batch, *hyperplanes.shape[-3:]).reshape(
         replicates, -1, tables * hash_bits, hyperplanes.shape[-1])
@@ -116,9 +116,6 @@ def _hash_and_sample(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor
     flat_out = out.view(replicates, -1, num_queries, num_keys) if weights else out.view(replicates, -1, num_queries)
     chunk = max(1, CHUNK_ELEMENTS // max(1, num_keys * tables))
     chunks = [slice(start, min(start + chunk, num_queries)) for start in range(0, num_queries, chunk)]
-    # the (C, M, L) agreement buffers, made once: each chunk writes the first rows of the same two
-    agree_buffer, key_bit_buffer = (torch.empty((min(chunk, num_queries), num_keys, tables), dtype=torch.bool,
-                                                device=x.device) for _ in range(2))
     for b in range(xs.shape[0]):
         if weights:
             # log u of every candidate pair: the same in every replicate (it depends on the angle alone)
@@ -132,7 +129,8 @@ def _hash_and_sample(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor
 
             key_proj, mean_proj, query_code = bit_major(ys[b]), bit_major(ms[b]), bit_major(xs[b]) > 0
             for rows in chunks:
-                agree, key_bit = agree_buffer[:rows.stop - rows.start], key_bit_buffer[:rows.stop - rows.start]
+                shape = (rows.stop - rows.start, num_keys, tables)
+                agree, key_bit = (torch.empty(shape, dtype=torch.bool, device=x.device) for _ in range(2))
                 for bit in range(hash_bits):  # the tables where the centred key's code equals the query's
                     torch.gt(key_proj[bit].unsqueeze(0), mean_proj[bit][rows].unsqueeze(1), out=key_bit)
                     if bit == 0:
@@ -145,11 +143,6 @@ def _hash_and_sample(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor
                     continue
                 sample_weights = torch.where(sampled, -log_u[rows], torch.full_like(log_u[rows], float("-inf")))
                 flat_out[r, b, rows] = torch.where(exact[rows], torch.zeros_like(sample_weights), sample_weights)
-            # before the next replicate's projections are formed: one replicate's (K, M, L) at a time, not two, so
-            # the working set does not grow with R (the memory model charges each replicate what R = 2 adds to R = 1)
-            del key_proj, mean_proj, query_code
-        if weights:
-            del log_u  # likewise one batch element's (N, M) inclusion probabilities at a time
     return out
 
 
