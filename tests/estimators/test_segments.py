@@ -162,5 +162,19 @@ def test_the_former_layout_keywords_warn_and_give_the_same_segments(function, ar
         getattr(segments, function)(*args, TokenLayout("grid", (3, 5), 2), grid=(3, 5))
     with pytest.raises(TypeError, match="unexpected keyword argument 'grd'"):
         getattr(segments, function)(*args, grd=(3, 5))
-    with pytest.warns(DeprecationWarning, match="check_layout is deprecated"):
+
+
+def test_the_former_check_layout_warns_and_checks_as_before():
+    with pytest.warns(DeprecationWarning, match=r"^randattn\.estimators\.segments\.check_layout is deprecated; use "
+                                                r"TokenLayout\(layout, grid, prefix_tokens\)\.check_length\(length, "
+                                                r"what\)$") as record:
         assert segments.check_layout(17, "grid", (3, 5), 2) == (3, 5)
+    assert not record[0].filename.startswith(PACKAGE_DIR), record[0].filename
+    with pytest.warns(DeprecationWarning):
+        assert segments.check_layout(17) is None  # 1-D by default: any length
+    with pytest.warns(DeprecationWarning):
+        assert segments.check_layout(15, "grid", (3, 5)) == (3, 5)  # no prefix by default
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="but the tokens have 18"):
+        segments.check_layout(18, "grid", (3, 5), 2)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="but the keys have 18"):
+        segments.check_layout(18, "grid", (3, 5), 2, what="keys")
