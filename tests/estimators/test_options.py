@@ -194,6 +194,8 @@ def test_deterministic_spec_draws_nothing_and_checks_the_options_at_the_draw(toy
         "q_shape", "k_shape", "num_samples", "replicates", "rng", "kind", "width", "mask"]
     with pytest.raises(ValueError, match="width goes with kind='a' only"):
         spec.draw((5, 3), (5, 3), kind="b", width=3)
+    assert spec.draw.__doc__ == ("Deterministic: no random variables, only the replicate count (``num_samples``, "
+                                 "``rng`` and ``mask`` change nothing; the parameters are checked by ``ToyOptions``).")
 
 
 def test_numpy_scalars_of_a_parameter_with_several_kinds():
