@@ -113,6 +113,19 @@ def test_grid_partition_windows_chunks_and_cover(case):
     assert len(official.groups) == 1 and all_body == list(range(prefix, tokens)), "official chunks: every body key once"
 
 
+def test_the_block_layouts_read_their_tokens_as_lara_does():
+    """EVA, Scatterbrain and local attention state (layout, grid, prefix_tokens) as one TokenLayout, LARA's."""
+    from randattn.estimators.eva.reference import EvaOptions
+    from randattn.estimators.grid import TokenLayout
+    from randattn.estimators.lara.reference import LaraOptions
+    from randattn.estimators.local.reference import LocalOptions
+
+    for options in (EvaOptions, LocalOptions):
+        assert options(grid="3x4", prefix_tokens=1, window=4).token_layout == TokenLayout("grid", (3, 4), 1)
+        assert options(grid="3x4", layout="sequence", window=4).resolved_grid is None
+    assert LaraOptions(grid=[3, 4], prefix_tokens=1).token_layout == EvaOptions(grid="3 x 4", prefix_tokens=1).token_layout
+
+
 def test_grid_layout_errors_name_the_problem():
     q, k, v = qkv(16)
     draws = eva_draw(q.shape, k.shape, num_samples=2, rng=np.random.default_rng(0))
@@ -122,6 +135,8 @@ def test_grid_layout_errors_name_the_problem():
         eva_bat.estimate(*map(torch.as_tensor, (q, k, v)), draws, grid=(4, 4), window=6)
     with pytest.raises(ValueError, match="layout='tiles' is not allowed"):
         eva_ref.estimate(q, k, v, draws, grid=(4, 4), layout="tiles")
+    with pytest.raises(ValueError, match=r"grid='4-4' is not a grid; write rows x columns as 'HxW'"):
+        eva_ref.estimate(q, k, v, draws, grid="4-4")  # the same rule and words as LARA's
     # sequence layout ignores the grid; grid=None is the 1-D layout
     a = eva_ref.estimate(q, k, v, draws, grid="3x5", layout="sequence", window=4)
     assert_close(a, eva_ref.estimate(q, k, v, draws, window=4), atol=0.0)

@@ -112,7 +112,8 @@ import numpy as np
 from randattn._callers import outside_stacklevel
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators.base import MASKS, EstimatorOptions, ExactLimit, option
-from randattn.estimators.grid import LAYOUTS, parse_grid, resolve_grid, tile_of_tokens, tile_side_for_count, tiles, window_side
+from randattn.estimators.grid import (LAYOUTS, TokenLayout, parse_grid, resolve_grid, tile_of_tokens, tile_side_for_count,
+                                      tiles, window_side)
 from randattn.estimators.masks import last_visible_key
 from randattn.estimators.segments import segment_bounds
 
@@ -163,9 +164,15 @@ class LayoutOptions(EstimatorOptions):
             window_side(window)
 
     @property
+    def token_layout(self) -> TokenLayout:
+        """``layout``, ``grid``, ``prefix_tokens`` as one :class:`~randattn.estimators.grid.TokenLayout` (as LARA's)."""
+        return TokenLayout(self.layout, self.grid, self.prefix_tokens)
+
+    @property
     def resolved_grid(self) -> tuple[int, int] | None:
-        """The grid in force (:func:`~randattn.estimators.grid.resolve_grid`): ``(h, w)``, or None for 1-D blocks."""
-        return resolve_grid(self.layout, self.grid)
+        """The grid in force (:attr:`~randattn.estimators.grid.TokenLayout.patch_grid`): ``(h, w)``, or None for
+        1-D blocks."""
+        return self.token_layout.patch_grid
 
 
 def layout_masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:
