@@ -749,7 +749,6 @@ def family_spec(options: type[EstimatorOptions], draw: Callable[..., Draws], ref
                          forms=BatchedForms.of(batched), **facts)
 
 
-
 def never_random(params: Mapping[str, Any]) -> bool:
     """``is_random`` of a family none of whose configurations is random (its output is a function of the inputs)."""
     return False
@@ -778,6 +777,7 @@ def deterministic_spec(options: type[EstimatorOptions], reference: Any, batched:
     here once; ``facts`` are the family's own."""
     return family_spec(options, no_draws(options), reference, batched, needs_samples=False, is_random=never_random,
                        **facts)
+
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
 

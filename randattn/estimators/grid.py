@@ -32,8 +32,8 @@ from randattn._callers import outside_stacklevel
 from randattn._validation import check_choice, check_positive_int
 
 __all__ = [
-    "LAYOUTS", "SEQUENCE", "TokenLayout", "token_layout_of", "parse_grid", "resolve_grid", "tile_of_tokens", "tiles", "tile_side_for_count",
-    "window_side",
+    "LAYOUTS", "SEQUENCE", "TokenLayout", "token_layout_of", "parse_grid", "resolve_grid", "tile_of_tokens", "tiles",
+    "tile_side_for_count", "window_side",
 ]
 
 #: ``grid``: 2-D windows/chunks on the patch grid; ``sequence``: 1-D contiguous blocks of the token axis
