@@ -5,8 +5,10 @@ The children run as in ``test_faults.py`` (its prelude and fault hooks, ``RANDAT
 a real OS fault that needs no privileges: the child's file-size limit (``RLIMIT_FSIZE``, with SIGXFSZ ignored) makes
 every write past it fail with EFBIG, as ENOSPC and EDQUOT fail on a full disk or quota.
 
-Every child spends ~3 s importing torch, and most need no other: the :func:`children` fixture starts all those
-together, so that the two cores of a small machine overlap them, and each test then waits for its own.
+Every child spends ~3 s importing torch, and most need no other: the :func:`children` fixture starts together
+those that the selected tests name (``@uses_children(...)``), so that the two cores of a small machine overlap them,
+and each test then waits for its own; a child whose tests are deselected (the slow ones, in the default run) is not
+started.
 """
 
 from __future__ import annotations
@@ -33,6 +35,20 @@ THREADS = ("--threads", "1")
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
+def uses_children(*names: str):
+    """Marks a test with the children it waits for: the :func:`children` fixture starts the selected tests' only."""
+    def mark(test):
+        test.children = names
+        return test
+    return mark
+
+
+def _wanted_children(request) -> set[str]:
+    """The children named by this module's tests that the session runs."""
+    return {name for item in request.session.items if item.module is request.module
+            for name in getattr(item.function, "children", ())}
+
+
 def _parts(out: Path) -> Path:
     return out.with_name(out.name + ".parts")
 
@@ -109,8 +125,10 @@ def stopped_parts(acts, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def children(acts, reference, stopped_parts, tmp_path_factory):
-    """name -> (the child process, its --out), every child that needs no other started at once (module docstring)."""
+def children(acts, reference, stopped_parts, tmp_path_factory, request):
+    """name -> (the child process, its --out), every child that a selected test names started at once (module
+    docstring)."""
+    wanted = _wanted_children(request)
     root = tmp_path_factory.mktemp("children")
     outs = {name: root / name / "x.parquet" for name in ("disk", "term", "early", "corrupt", "manifest", "dry")}
     for out in outs.values():
@@ -129,22 +147,29 @@ def children(acts, reference, stopped_parts, tmp_path_factory):
     (_parts(outs["manifest"]) / "manifest.json").write_text('{"config": {"seed": 3,')
 
     figures = root / "figures"
-    started = {
+    commands = {
         # the parts (8 KiB each) fit under 16 kB, the table (33 KiB) does not
-        "disk": _spawn("mse", acts, *SWEEP, "--force", "--out", outs["disk"], preexec_fn=_file_size_limit(16_000)),
-        "term": _spawn("mse", acts, *SWEEP, "--out", outs["term"],
-                       hook={"parts": 4, "marker": str(root / "term.marker")}),
-        "early": _spawn("mse", acts, *SWEEP, "--out", outs["early"],
-                        hook={"parts": 1, "marker": str(root / "early.marker")}),
-        "plot": _spawn("plot", reference, "--out", figures,
-                       hook={"hold": "randattn.reports.figures:make_figure", "marker": str(root / "plot.marker")}),
-        "corrupt": _spawn("mse", acts, *SWEEP, "--out", outs["corrupt"], "--resume"),
-        "manifest": _spawn("mse", acts, *SWEEP, "--out", outs["manifest"], "--resume"),
-        "dry": _spawn("mse", acts, *SWEEP, "--out", outs["dry"], "--dry-run",
-                      hook={"forbid": ["randattn.analysis.sweep:run_sweep", "randattn.results.table:write_tables",
-                                       "randattn.analysis.sweep_run:write_part", "randattn.analysis.store:sweep_lock",
-                                       "randattn.analysis.store:prepare_parts_dir"]}),
+        "disk": lambda: _spawn("mse", acts, *SWEEP, "--force", "--out", outs["disk"],
+                               preexec_fn=_file_size_limit(16_000)),
+        "term": lambda: _spawn("mse", acts, *SWEEP, "--out", outs["term"],
+                               hook={"parts": 4, "marker": str(root / "term.marker")}),
+        "early": lambda: _spawn("mse", acts, *SWEEP, "--out", outs["early"],
+                                hook={"parts": 1, "marker": str(root / "early.marker")}),
+        "plot": lambda: _spawn("plot", reference, "--out", figures,
+                               hook={"hold": "randattn.reports.figures:make_figure",
+                                     "marker": str(root / "plot.marker")}),
+        "corrupt": lambda: _spawn("mse", acts, *SWEEP, "--out", outs["corrupt"], "--resume"),
+        "manifest": lambda: _spawn("mse", acts, *SWEEP, "--out", outs["manifest"], "--resume"),
+        "dry": lambda: _spawn("mse", acts, *SWEEP, "--out", outs["dry"], "--dry-run",
+                              hook={"forbid": ["randattn.analysis.sweep:run_sweep",
+                                               "randattn.results.table:write_tables",
+                                               "randattn.analysis.sweep_run:write_part",
+                                               "randattn.analysis.store:sweep_lock",
+                                               "randattn.analysis.store:prepare_parts_dir"]}),
     }
+    unknown = wanted - commands.keys()
+    assert not unknown, f"tests name children that do not exist: {sorted(unknown)}"
+    started = {name: start() for name, start in commands.items() if name in wanted}
     outs.update(plot=figures, corrupt_parts=first, garbage_part=second)
     yield started, outs, root
     for child in started.values():
@@ -155,6 +180,7 @@ def children(acts, reference, stopped_parts, tmp_path_factory):
 
 # ------------------------------------------------------------------------------------------------------ 1. a full disk
 @pytest.mark.slow  # over 6 s on the 2-core machine: in the slow target
+@uses_children("disk")
 def test_a_full_disk_at_the_table_exits_2_naming_it_and_keeps_the_finished_units(children, acts, reference):
     started, outs, _ = children
     out = outs["disk"]
@@ -218,6 +244,7 @@ def test_any_command_reports_a_full_disk_as_exit_2_naming_the_file(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------------ 2. SIGTERM
 @pytest.mark.slow  # 15-19 s on the 2-core machine (a real process under SIGTERM, then --resume): in the slow target
+@uses_children("term", "plot")
 def test_sigterm_keeps_finished_units_says_how_to_resume_and_exits_143(children, acts, reference):
     started, outs, root = children
     out, child = outs["term"], started["term"]
@@ -268,6 +295,7 @@ def test_sigterm_in_process_is_an_interrupt_that_exits_143(acts, tmp_path, monke
 # ------------------------------------------------------------------------------------------------------ 4. "kept"
 @pytest.mark.slow  # 18 s on the 2-core machine (a real process interrupted twice): in the slow target; SIGINT to
 # every command is tested by tests/cli/test_faults.py in the default run
+@uses_children("early")
 def test_an_interrupt_before_the_first_unit_says_nothing_was_kept(children):
     started, outs, root = children
     out, child = outs["early"], started["early"]
@@ -281,6 +309,7 @@ def test_an_interrupt_before_the_first_unit_says_nothing_was_kept(children):
 
 
 # ------------------------------------------------------------------------------------------------- 5, 6. corrupt files
+@uses_children("corrupt")
 def test_resume_sets_aside_corrupt_parts_and_computes_their_units_again(children, reference):
     started, outs, _ = children
     out = outs["corrupt"]
@@ -295,6 +324,7 @@ def test_resume_sets_aside_corrupt_parts_and_computes_their_units_again(children
     assert sorted(p.name for p in out.parent.iterdir()) == ["x.parquet", "x.parquet.meta.json"]
 
 
+@uses_children("manifest")
 def test_a_corrupt_manifest_exits_2_naming_it_and_what_is_wrong(children):
     started, outs, _ = children
     out = outs["manifest"]
@@ -341,6 +371,7 @@ def test_force_replaces_a_finished_table_and_overwrite_is_the_same(acts, referen
 
 
 # ------------------------------------------------------------------------------------------------------ 9. --dry-run
+@uses_children("dry")
 def test_dry_run_prints_the_plan_and_computes_and_writes_nothing(children):
     started, outs, _ = children
     result = finish(started["dry"])
