@@ -123,12 +123,27 @@ class ChunkTerms:
     key_probs: torch.Tensor | None = None
 
 
-def _chunk_terms(x, y, v, y_sq, eps, pad: PaddedPartition, groups: torch.Tensor, *, sigma: float, proposal_mean: str,
+@dataclass(frozen=True)
+class _ChunkIndex:
+    """The partition's chunk arrays on the device, uploaded once per call: each is (G, C, L), about G x M integers
+    for the paper's partition, so uploading them for every slice of blocks would move them (G / slice) times."""
+
+    keys: torch.Tensor
+    key_mask: torch.Tensor
+    sources: torch.Tensor
+    source_mask: torch.Tensor
+
+    @classmethod
+    def of(cls, pad: PaddedPartition, device: torch.device) -> _ChunkIndex:
+        return cls(_t(pad.chunk_keys, device), _t(pad.chunk_key_mask, device), _t(pad.chunk_sources, device),
+                   _t(pad.chunk_source_mask, device))
+
+
+def _chunk_terms(x, y, v, y_sq, eps, chunks: _ChunkIndex, groups: torch.Tensor, *, sigma: float, proposal_mean: str,
                  with_key_probs: bool = False) -> ChunkTerms:
     """Key-side terms of the chunk groups ``groups`` (EVA eq. 28 proposal, app. C SNIS)."""
-    dev = x.device
-    ck, ckm = _t(pad.chunk_keys, dev)[groups], _t(pad.chunk_key_mask, dev)[groups]  # (G, C, L)
-    cs, csm = _t(pad.chunk_sources, dev)[groups], _t(pad.chunk_source_mask, dev)[groups]
+    ck, ckm = chunks.keys[groups], chunks.key_mask[groups]  # (G, C, L)
+    cs, csm = chunks.sources[groups], chunks.source_mask[groups]
     kf, sf = ckm.to(x.dtype), csm.to(x.dtype)
     sizes = kf.sum(-1)  # (G, C)
     y_c = _gather(y, ck)  # (..., G, C, L, D)
@@ -231,8 +246,9 @@ def eva_attention(
     slice_blocks = _slice_size(pad, replicates, batch_numel, samples, dv, dim, chunk_weight == "exact", not shared_groups,
                                0 if v is None else v.shape[-1])
     all_terms = None
+    chunks = _ChunkIndex.of(pad, dev)
     if shared_groups:
-        all_terms = _chunk_terms(x, y, v, y_sq, eps, pad, _t([0], dev), sigma=sigma, proposal_mean=proposal_mean,
+        all_terms = _chunk_terms(x, y, v, y_sq, eps, chunks, _t([0], dev), sigma=sigma, proposal_mean=proposal_mean,
                                  with_key_probs=with_probabilities)
 
     bq_all, bk_all = _t(pad.block_queries, dev), _t(pad.block_keys, dev)
@@ -249,7 +265,7 @@ def eva_attention(
         if shared_groups:
             terms = all_terms
         else:
-            terms = _chunk_terms(x, y, v, y_sq, eps, pad, gob_all[sl], sigma=sigma, proposal_mean=proposal_mean,
+            terms = _chunk_terms(x, y, v, y_sq, eps, chunks, gob_all[sl], sigma=sigma, proposal_mean=proposal_mean,
                                  with_key_probs=with_probabilities)
         x_b = _gather(x, bq)  # (..., b, Q, D)
         num_e, num_b = bk.shape[-1], bk.shape[0]
@@ -275,10 +291,10 @@ def eva_attention(
             e_logits = x_b @ _gather(y, bk).transpose(-1, -2)  # (..., b, Q, E)
             if chunk_weight == "exact":
                 groups = gob_all[sl] if not shared_groups else _t([0], dev)
-                ck = _t(pad.chunk_keys, dev)[groups]  # (g, C, L)
+                ck = chunks.keys[groups]  # (g, C, L)
                 y_c = _gather(y, ck.reshape(ck.shape[0], -1))  # (..., g, C*L, D)
                 scores = _group_matmul(x_b, y_c).reshape(*x_b.shape[:-1], ck.shape[-2], ck.shape[-1])
-                scores = scores.masked_fill(~_t(pad.chunk_key_mask, dev)[groups].unsqueeze(-3), float("-inf"))
+                scores = scores.masked_fill(~chunks.key_mask[groups].unsqueeze(-3), float("-inf"))
                 logw = torch.logsumexp(scores, dim=-1).unsqueeze(0)  # (1, ..., b, Q, C)
             else:  # rfa: log (1/S) sum_s alpha xi(x, w_s) sum_m xi(y_m, w_s)
                 logw = torch.logsumexp(log_qf + terms.log_mass.unsqueeze(-3), dim=-1) - math.log(samples)
@@ -296,7 +312,7 @@ def eva_attention(
         # eq. 16: one softmax over the exact logits and the chunk log-weights of each query
         probs = torch.softmax(logits, dim=-1)  # (R|1, ..., b, Q, E + C)
         v_mean = terms.v_mean  # (R', ..., g, C, S, Dv)
-        chunk_keys = _t(pad.chunk_keys, dev)[gob_all[sl] if not shared_groups else _t([0], dev)]
+        chunk_keys = chunks.keys[gob_all[sl] if not shared_groups else _t([0], dev)]
         if wide is not None:
             key_probs = v_mean if v is None else terms.key_probs
             _place_rows(wide, _scatter_probabilities(probs, key_probs, log_qf, terms, bk, chunk_keys, num_e,
