@@ -175,3 +175,28 @@ def test_parameters_that_do_not_fit_the_draws_are_refused_in_estimate(spec, ref,
         ref.estimate(q, k, v, draws, **params)
     with pytest.raises(ValueError, match=words):
         bat.estimate(torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v), draws.to_torch(), **params)
+
+
+@pytest.mark.parametrize(("n", "m"), [(1, 1), (1, 9), (5, 5), (4, 11), (16, 16)])
+def test_visible_keys_are_the_causal_mask_made_on_the_device(monkeypatch, n, m):
+    """The causal visibility of the sparse estimators' torch forms: key m visible to query n iff m <= n + M - N
+    (written out here), built where the logits are, never as a host array (``masks.causal_visible`` is numpy)."""
+    from randattn.estimators.sparse import batched as sparse_batched
+
+    def host_array(*args):
+        pytest.fail("the visible keys went through a host array")
+
+    monkeypatch.setattr("randattn.estimators.masks.causal_visible", host_array)
+    monkeypatch.setattr(sparse_batched, "causal_visible", host_array, raising=False)  # a name bound at import
+    got = sparse_batched.visible_keys(n, m, "causal", device="cpu")
+    expected = np.array([[key <= query + m - n for key in range(m)] for query in range(n)])
+    assert got.dtype == torch.bool and got.device.type == "cpu"
+    np.testing.assert_array_equal(got.numpy(), expected)
+    assert sparse_batched.visible_keys(n, m, None) is None
+
+
+def test_visible_keys_refuse_fewer_keys_than_queries():
+    from randattn.estimators.sparse import batched as sparse_batched
+
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
+        sparse_batched.visible_keys(5, 4, "causal")
