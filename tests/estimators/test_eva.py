@@ -540,8 +540,8 @@ def test_bad_draws_and_direct_calls_raise():
 @pytest.mark.parametrize("mask", [None, "causal"])
 @pytest.mark.parametrize("chunk_weight", ["exact", "rfa", "mean-key"])
 def test_the_chunk_index_is_uploaded_once_per_call_whatever_the_slices(monkeypatch, mask, chunk_weight):
-    """The paper partition's chunk arrays hold about G x M integers (G = M / W groups): a call uploads them once,
-    not once per slice of blocks, which on a GPU moved them G times over at long context (16,384 tokens: about
+    """The paper partition's chunk arrays hold about G x M integers (G = M / W groups): a call uploads them (and the
+    causal form's (B, Q, E) visibility of the exact keys) once, not once per slice of blocks, which on a GPU moved them G times over at long context (16,384 tokens: about
     100 MB per slice, one block per slice). Counted: the bytes of host arrays ``_t`` puts on the device, with one
     slice of every block (the default budget, these shapes) and with one block per slice (``WORK_ELEMENTS = 1``)."""
     rng = np.random.default_rng(5)
@@ -560,12 +560,12 @@ def test_the_chunk_index_is_uploaded_once_per_call_whatever_the_slices(monkeypat
     monkeypatch.setattr(eva_bat, "_t", counting)
     t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
     totals = {}
-    for work in (eva_bat.WORK_ELEMENTS, 1):
+    for slices, work in (("one slice", eva_bat.WORK_ELEMENTS), ("a block per slice", 1)):
         monkeypatch.setattr(eva_bat, "WORK_ELEMENTS", work)
         uploads.clear()
         eva_bat.estimate(t(q), t(k), t(v), draws.to_torch(), mask=mask, **params)
-        totals[work] = sum(uploads)
+        totals[slices] = sum(uploads)
     chunk_bytes = sum(a.nbytes for a in (pad.chunk_keys, pad.chunk_key_mask, pad.chunk_sources, pad.chunk_source_mask))
-    assert totals[1] == totals[eva_bat.WORK_ELEMENTS], totals
+    assert totals["a block per slice"] == totals["one slice"], totals
     # once: the chunk arrays, and beside them only the block arrays (each smaller than a second copy would be)
-    assert chunk_bytes <= totals[1] < 2 * chunk_bytes, totals
+    assert chunk_bytes <= totals["one slice"] < 2 * chunk_bytes, totals

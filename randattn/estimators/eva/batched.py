@@ -253,6 +253,7 @@ def eva_attention(
 
     bq_all, bk_all = _t(pad.block_queries, dev), _t(pad.block_keys, dev)
     bkm_all, gob_all = _t(pad.block_key_mask, dev), _t(pad.group_of_block, dev)
+    seen_all = None if pad.exact_visible is None else _t(pad.exact_visible, dev)  # (B, Q, E), causal only
     pieces = []
     wide = None  # the implied probabilities (R, ..., N, M), filled slice by slice in query order
     if v is None or with_probabilities:
@@ -305,7 +306,7 @@ def eva_attention(
             # unconditionally: asking whether any slot is padding would read the answer back from the device
             logits.masked_fill_(~valid.unsqueeze(-2), float("-inf"))
         else:  # causal: Algorithm 2's K x K triangle M^E per query; every chunk of a block lies wholly before it
-            seen = _t(pad.exact_visible, dev)[sl]  # (b, Q, E)
+            seen = seen_all[sl]  # (b, Q, E)
             chunks_seen = per_block(chunk_ok, 0).unsqueeze(-2).expand(num_b, seen.shape[-2], chunk_ok.shape[-1])
             logits.masked_fill_(~torch.cat([seen, chunks_seen], dim=-1), float("-inf"))
 
