@@ -32,8 +32,8 @@
 # --sizes S, --heads H: bench_sweep.py's; a subset for a quick check that the script runs (heads: not extrapolated).
 # --long-tokens N (default 16384): the tokens of step 4 (smaller: a quick check that the step runs).
 # --causal-sizes N,... (default 4096,16384,65536): the sequence lengths of step 5.
-# --device DEV (default cuda): the device of steps 1-2; cpu runs the script's whole path on a machine without a GPU
-#   (step 1 is then skipped), to check that it runs.
+# --device DEV (default cuda): the device of steps 1, 2, 4 and 5; cpu runs the script's whole path on a machine
+#   without a GPU (step 1 is then skipped), to check that it runs.
 #
 # Needs a CUDA build of torch (the CPU wheel of the README's commands has none): install randattn as the README says,
 # then e.g. `pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128`.
