@@ -33,8 +33,10 @@ from randattn.analysis.sweep import SweepConfig, parse_estimator_list, plan
 
 R_VALUES = (2, 8, 20)
 S = 5
-BIDIRECTIONAL = ("softmax", "rfa", "rfa:coupling=orthogonal", "ra", "lara", "eva", "scatterbrain", "local")
-CAUSAL = ("softmax", "rfa", "rfa:coupling=orthogonal", "ra", "eva", "local")
+#: every built-in (Quest with pages of one key: its S = 5 must be whole pages)
+DECODE_TIME = ("topk", "streaming", "quest:page_size=1", "magicpig", "vattention")
+BIDIRECTIONAL = ("softmax", "rfa", "rfa:coupling=orthogonal", "ra", "lara", "eva", "scatterbrain", "local", *DECODE_TIME)
+CAUSAL = ("softmax", "rfa", "rfa:coupling=orthogonal", "ra", "eva", "local", *DECODE_TIME)
 CASES = [pytest.param(e, None, id=f"{e}-bidirectional") for e in BIDIRECTIONAL] + [
     pytest.param(e, "causal", id=f"{e}-causal") for e in CAUSAL]
 

@@ -172,6 +172,11 @@ ALLOWED_OUT = {
     "analysis.execute._reference_deviation": N * DV,  # once per unit: the spot check's one (N, Dv) estimate
     # the relative error of every (replicate, cell, query), for its median, 95th percentile and violation count
     "analysis.relative_error.query_relative_errors": R * HEADS * N,
+    # the decode-time estimators' keys used by every (replicate, cell, query), for the budget axis (its mean and
+    # position buckets are taken on the host, like the relative errors')
+    "analysis.estimate_block.keys_used": R * HEADS * N,
+    # top-k, StreamingLLM, Quest: the budget S lives in the draws, one value per batch element, read back to check it
+    "estimators.sparse.selection.budget_of": HEADS,
 }
 #: where values go to the device: the unit's inputs and exact attention (uploaded once per unit), the draws, the
 #: diagnostics' inputs and k-hat query indices; None: any size (inputs), a number: the most values per upload
@@ -183,6 +188,12 @@ ALLOWED_IN = {
     # index tables computed from the shapes alone (EVA's chunks and windows, segment counts), never from values
     "estimators.segments.segment_means_torch": N * N, "estimators.eva.batched._t": N * N,
     "estimators.eva.batched._place_rows": N * N,
+    # position-only (N, M) sets built on the host from the shapes alone (vAttention's visible, candidate, sink and
+    # local keys; MagicPIG's exact and candidate keys), once per call: small in the decode regime (K x M), N x M at
+    # full context, where a band made on the device would do (as sparse.batched.visible_keys does)
+    "estimators.vattention.batched.select": N * N, "estimators.magicpig.batched._hash_and_sample": N * N,
+    # keys_used takes q and k again (MagicPIG computes its selection anew there)
+    "analysis.estimate_block.keys_used": None,
 }
 #: host reads of device values that the design makes, each with its reason
 ALLOWED_READ = {
@@ -197,6 +208,8 @@ ALLOWED_READ = {
     "estimators.lara.weights.batched_terms",
 }
 ESTIMATORS = "rfa;rfa:coupling=orthogonal;lara;lara:weighting=balance;ra;eva:window=2;softmax"
+#: the decode-time estimators (Quest with pages of one key: S = 5 must be whole pages), both budgets of vAttention
+DECODE_TIME = "topk;streaming;quest:page_size=1;magicpig;vattention;vattention:budget=adaptive"
 
 
 def _acts(mask: str | None):
@@ -282,3 +295,13 @@ def test_a_planted_item_call_fails(monkeypatch):
     monkeypatch.setattr(UnitRunner, "__init__", init)
     with pytest.raises(AssertionError, match="host reads of device values"):
         _check(_run_units(None, "rfa"))
+
+
+@pytest.mark.parametrize("mask", [None, "causal"], ids=["bidirectional", "causal"])
+def test_the_decode_time_estimators_move_only_what_the_design_declares(mask):
+    """Top-k, StreamingLLM, Quest, MagicPIG and vAttention: their inputs, draws and shape-only sets in; per-replicate
+    sums, the keys each query used and (selection) the budget out; no host read of a device value."""
+    recorder = _run_units(mask, DECODE_TIME)
+    _check(recorder)
+    assert len(recorder.of("out")["analysis.metrics._to_host"]) >= len(DECODE_TIME.split(";"))
+    assert "analysis.estimate_block.keys_used" in recorder.of("out")  # the budget axis's counts came back
