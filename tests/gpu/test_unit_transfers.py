@@ -192,6 +192,8 @@ ALLOWED_IN = {
     # local keys; MagicPIG's exact and candidate keys), once per call: small in the decode regime (K x M), N x M at
     # full context, where a band made on the device would do (as sparse.batched.visible_keys does)
     "estimators.vattention.batched.select": N * N, "estimators.magicpig.batched._hash_and_sample": N * N,
+    # MagicPIG's binomial tail: its L + 1 exponents and log binomial coefficients (L = S tables), per chunk of queries
+    "estimators.magicpig.batched._log_inclusion": S + 1,
     # keys_used takes q and k again (MagicPIG computes its selection anew there)
     "analysis.estimate_block.keys_used": None,
 }
@@ -208,8 +210,11 @@ ALLOWED_READ = {
     "estimators.lara.weights.batched_terms",
 }
 ESTIMATORS = "rfa;rfa:coupling=orthogonal;lara;lara:weighting=balance;ra;eva:window=2;softmax"
-#: the decode-time estimators (Quest with pages of one key: S = 5 must be whole pages), both budgets of vAttention
-DECODE_TIME = "topk;streaming;quest:page_size=1;magicpig;vattention;vattention:budget=adaptive"
+#: the decode-time estimators, configured to select among the 12 keys (Quest with pages of one key: S = 5 must be
+#: whole pages; MagicPIG's and vAttention's default sinks and local windows would hold every key exact), both budgets
+#: of vAttention
+DECODE_TIME = ("topk;streaming;quest:page_size=1;magicpig:sinks=1,local=1;vattention:sinks=1,local=1,top_k=1;"
+               "vattention:sinks=1,local=1,top_k=1,budget=adaptive")
 
 
 def _acts(mask: str | None):
