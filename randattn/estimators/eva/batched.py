@@ -247,8 +247,9 @@ def eva_attention(
                                0 if v is None else v.shape[-1])
     all_terms = None
     chunks = _ChunkIndex.of(pad, dev)
+    only_group = _t([0], dev)  # reference-code: every block's chunks are group 0's
     if shared_groups:
-        all_terms = _chunk_terms(x, y, v, y_sq, eps, chunks, _t([0], dev), sigma=sigma, proposal_mean=proposal_mean,
+        all_terms = _chunk_terms(x, y, v, y_sq, eps, chunks, only_group, sigma=sigma, proposal_mean=proposal_mean,
                                  with_key_probs=with_probabilities)
 
     bq_all, bk_all = _t(pad.block_queries, dev), _t(pad.block_keys, dev)
@@ -291,7 +292,7 @@ def eva_attention(
         else:
             e_logits = x_b @ _gather(y, bk).transpose(-1, -2)  # (..., b, Q, E)
             if chunk_weight == "exact":
-                groups = gob_all[sl] if not shared_groups else _t([0], dev)
+                groups = gob_all[sl] if not shared_groups else only_group
                 ck = chunks.keys[groups]  # (g, C, L)
                 y_c = _gather(y, ck.reshape(ck.shape[0], -1))  # (..., g, C*L, D)
                 scores = _group_matmul(x_b, y_c).reshape(*x_b.shape[:-1], ck.shape[-2], ck.shape[-1])
@@ -313,7 +314,7 @@ def eva_attention(
         # eq. 16: one softmax over the exact logits and the chunk log-weights of each query
         probs = torch.softmax(logits, dim=-1)  # (R|1, ..., b, Q, E + C)
         v_mean = terms.v_mean  # (R', ..., g, C, S, Dv)
-        chunk_keys = chunks.keys[gob_all[sl] if not shared_groups else _t([0], dev)]
+        chunk_keys = chunks.keys[gob_all[sl] if not shared_groups else only_group]
         if wide is not None:
             key_probs = v_mean if v is None else terms.key_probs
             _place_rows(wide, _scatter_probabilities(probs, key_probs, log_qf, terms, bk, chunk_keys, num_e,
