@@ -16,10 +16,13 @@ Every way gives the same estimates; the probabilities' error differs between the
 Where the unit's truth is tiled (:mod:`~randattn.analysis.exact_cache`: no K x M array is held), the error is
 taken by key tiles instead (:meth:`BlockEstimator.estimate` with ``log_normaliser``): for each tile of
 :data:`key tile <probability_key_tile>` keys the exact probabilities are formed again from the log-normaliser and
-the estimator's from its factors (:math:`L R_{:,tile}`, in float64) where it has them, else by the estimator
-itself with ``v`` the tile's one-hot columns (every estimator is linear in ``v`` given its draws, so this is
-column ``m`` of :math:`\hat P`); the squared differences are summed in float64. Memory: the block's
-``(R_b, C_b, K, T)`` per tile, never ``K x M``.
+the estimator's from its factors (:math:`L R_{:,tile}`, in float64) where it has them, else sliced from the
+``(R_b, C_b, K, M)`` probabilities of its ``estimate_with_probabilities`` form (the one call that gives the block's
+estimates), else by the estimator itself with ``v`` the tile's one-hot columns (every estimator is linear in ``v``
+given its draws, so this is column ``m`` of :math:`\hat P`; a whole estimator call per tile); the squared
+differences are summed in float64. Memory: the block's ``(R_b, C_b, K, T)`` per tile, never ``K x M``, except the
+dense probabilities of the second way, which :func:`columns_skip_reason` allows only where one head's and replicate's
+``K x M`` fit the budget (the calibration measures that path and sizes the blocks to it).
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ def columns_skip_reason(label: str, mask: Mask, queries: int, keys: int, itemsiz
                         budget: int) -> str | None:
     """Why a tiled unit leaves prob_mse NaN, or None where its probabilities may be formed by key tiles.
 
-    An estimator without probability factors forms its probabilities column by column, as much work as forming
-    them densely (a K x M product per replicate): that is done where today's dense pass could have run, one head's
+    An estimator without probability factors forms its probabilities densely (its ``estimate_with_probabilities``)
+    or column by column, as much work as forming them densely (a K x M product per replicate): either is done where
+    today's dense pass could have run, one head's
     and replicate's K x M probabilities (``itemsize`` bytes each) within ``budget``; beyond, the time would be
     that of a pass the budget forbids, and the column is left NaN with this reason.
     """
@@ -226,10 +230,19 @@ class BlockEstimator:
 
                 def columns_of(k0: int, k1: int):
                     return left64 @ right[..., k0:k1].to(torch.float64)
+            elif not columns:
+                return spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked), None
+            elif spec.forms.has("estimate_with_probabilities"):
+                # one pass gives the estimate and every column: one estimator call where one-hot tiles would make
+                # M / key_tile of them (each a whole estimate: MagicPIG hashing again, 79 times at 20,000 keys);
+                # its (R_b, C_b, K, M) probabilities are what `columns` allows and what the calibration measures
+                out, probs = spec.forms.get("estimate_with_probabilities")(tq, tk, tv, tdraws, scale=self.scale,
+                                                                           **est.params, **masked)
+
+                def columns_of(k0: int, k1: int):
+                    return probs[..., k0:k1]
             else:
                 out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
-                if not columns:
-                    return out, None
 
                 def columns_of(k0: int, k1: int):
                     onehot = torch.zeros((*k.shape[:-1], k1 - k0), device=self.device, dtype=dt)

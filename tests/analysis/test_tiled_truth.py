@@ -182,3 +182,33 @@ def test_units_share_the_files_arrays_without_torch_warnings(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "not writable" not in run.stderr
     assert all((tmp_path / f"{tokens}.csv").exists() for tokens in (1100, 64))
+
+
+def test_a_tiled_unit_takes_its_probability_columns_from_the_estimates_own_call(monkeypatch):
+    """Where a form gives the estimate with its probabilities (the decode-time estimators, RA, EVA), a tiled unit
+    measures prob_mse from that one call per block. Columns by one-hot key tiles ran the whole estimator again for
+    every tile of 256 keys (twice more here at 300 keys; 79 times at 20,000), MagicPIG hashing every key each time:
+    the tiled run hashes exactly as often as the dense run, and its rows are the dense rows (float64, 1e-10)."""
+    import randattn.estimators.magicpig.batched as magicpig_batched
+
+    acts = _acts(300, heads=1)
+    config = SweepConfig(estimators=parse_estimator_list(
+        "magicpig:sinks=1,local=2,hash_bits=2;topk;vattention:sinks=1,local=2,top_k=2,budget=fixed"),
+        num_samples=(4,), replicates=3, threads=1, dtype="float64", mask="causal", diagnostics=False,
+        check_reference=0.0)
+    original, hashings = magicpig_batched._hash_and_sample, []
+
+    def counted(*args, **kwargs):
+        hashings.append(kwargs["weights"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(magicpig_batched, "_hash_and_sample", counted)
+    dense = run_sweep(acts, config)
+    dense_hashings, hashings[:] = list(hashings), []
+    with monkeypatch.context() as patch:
+        patch.setattr(exact_cache, "TILED_ABOVE", 0)  # every unit tiled
+        tiled = run_sweep(acts, config)
+    assert dense_hashings.count(True) > 0
+    assert hashings == dense_hashings
+    _assert_close(dense, tiled, set(dense.label))
+    assert np.isfinite(tiled.prob_mse).all() and (tiled.prob_mse > 0).all()
