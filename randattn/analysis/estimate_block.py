@@ -83,6 +83,22 @@ def columns_skip_reason(label: str, mask: Mask, queries: int, keys: int, itemsiz
 PROBABILITY_ROUNDING_RTOL = 1e-3
 
 
+def _counts_array(est: EstimatorConfig, counts, expected: tuple[int, ...]) -> np.ndarray:
+    """The keys-used ``counts`` of ``est`` as a float64 host array of shape ``expected`` ``(R_b, C_b, N)``.
+
+    Raises
+    ------
+    ValueError
+        The counts have another shape, naming the estimator.
+    """
+    import torch
+
+    if tuple(counts.shape) != expected:
+        raise ValueError(f"keys_used of estimator {est.label!r} returned shape {tuple(counts.shape)}; expected "
+                         f"(R, ..., N) = {expected}")
+    return counts.to(device="cpu", dtype=torch.float64).numpy()
+
+
 class BlockEstimator:
     """Estimates and probability squared errors of blocks of a sweep's units, on one backend.
 
@@ -163,25 +179,29 @@ class BlockEstimator:
             As computed: a torch tensor in the run's dtype on its device, or the reference's float64 array.
         prob_sq : (R_b, C_b) float64 ndarray or None
             None without probabilities.
+        keys_used : (R_b, C_b, N) float64 ndarray or None
+            The keys each query read, where the spec's ``estimate_with_probabilities_and_keys_used`` gave them from
+            the estimate's own selection; None otherwise (:meth:`keys_used` counts them).
         """
         if (not full_precision and exact_sq_norms is not None and exact64 is not None
                 and self.factors_pay(spec, est, rank, q.shape[-2])):
             factored = self._factored(spec, est, q, k, v, draws, exact_probs32, exact_sq_norms, exact64, mask=mask)
             if factored is not None:
-                return factored
+                return (*factored, None)
         if not full_precision and self.rounds_probabilities(spec, est):
             rounded = self._float32_product(spec, est, q, k, v, draws,
                                             exact_probs if exact_probs32 is None else exact_probs32, mask=mask)
             if rounded is not None:
-                return rounded
+                return (*rounded, None)
         if self.torch is None:
-            return self._reference(spec, est, q, k, v, draws, exact_probs, mask=mask)
+            return (*self._reference(spec, est, q, k, v, draws, exact_probs, mask=mask), None)
         return self._dense(spec, est, q, k, v, draws, exact_probs, mask=mask)
 
     def tiled_estimate(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, log_normaliser, *,
                        mask: Mask = NO_MASK, key_tile: int = PROBABILITY_KEY_TILE, columns: bool = True):
-        """:meth:`estimate` where the truth is tiled: the estimates, and the probabilities' squared error
-        ``(R_b, C_b)`` summed over key tiles (module docstring); None without probabilities.
+        """:meth:`estimate` where the truth is tiled: the estimates, the probabilities' squared error
+        ``(R_b, C_b)`` summed over key tiles (module docstring; None without probabilities) and the keys-used
+        counts where the estimate's form gave them (else None), as :meth:`estimate` returns them.
 
         Parameters
         ----------
@@ -202,7 +222,7 @@ class BlockEstimator:
         if torch_mod is None:  # the reference: numpy in, numpy out
             out = np.asarray(spec.reference(q, k, v, draws, scale=self.scale, **est.params, **masked), dtype=np.float64)
             if not self.probabilities or not columns:
-                return out, None
+                return out, None, None
 
             def columns_of(k0: int, k1: int):
                 onehot = np.zeros((*k.shape[:-1], k1 - k0))
@@ -211,7 +231,7 @@ class BlockEstimator:
                                   dtype=np.float64)
 
             return out, tiled_sq_errors(columns_of, q, k, log_normaliser, scale=self.scale, mask=mask.kind,
-                                        key_tile=tile)
+                                        key_tile=tile), None
         import torch
 
         dt = getattr(torch, self.dtype_name(est))
@@ -219,8 +239,8 @@ class BlockEstimator:
         tdraws = draws.to_torch(device=self.device, dtype=dt)
         with torch.no_grad():
             if not self.probabilities:
-                return spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked), None
-            factors = None
+                return spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked), None, None
+            factors, counts = None, None
             if spec.forms.has("estimate_with_probability_factors"):
                 factors = spec.forms.get("estimate_with_probability_factors")(tq, tk, tv, tdraws, scale=self.scale,
                                                                               **est.params, **masked)
@@ -231,13 +251,12 @@ class BlockEstimator:
                 def columns_of(k0: int, k1: int):
                     return left64 @ right[..., k0:k1].to(torch.float64)
             elif not columns:
-                return spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked), None
+                return spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked), None, None
             elif spec.forms.has("estimate_with_probabilities"):
                 # one pass gives the estimate and every column: one estimator call where one-hot tiles would make
                 # M / key_tile of them (each a whole estimate: MagicPIG hashing again, 79 times at 20,000 keys);
                 # its (R_b, C_b, K, M) probabilities are what `columns` allows and what the calibration measures
-                out, probs = spec.forms.get("estimate_with_probabilities")(tq, tk, tv, tdraws, scale=self.scale,
-                                                                           **est.params, **masked)
+                out, probs, counts = self._with_probabilities(spec, est, tq, tk, tv, tdraws, mask)
 
                 def columns_of(k0: int, k1: int):
                     return probs[..., k0:k1]
@@ -252,7 +271,7 @@ class BlockEstimator:
             tq64, tk64 = (input_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k))
             sq = tiled_sq_errors(columns_of, tq64, tk64, log_normaliser, scale=self.scale, mask=mask.kind,
                                  key_tile=tile)
-        return out, sq
+        return out, sq, counts
 
     def keys_used(self, spec, est: EstimatorConfig, q, k, draws: Draws, *, mask: Mask = NO_MASK) -> np.ndarray:
         """float64 ``(R_b, C_b, N)``: the keys each query's estimate reads (:attr:`~randattn.estimators.base.
@@ -273,11 +292,7 @@ class BlockEstimator:
         with torch.no_grad():
             counts = spec.keys_used(tq, tk, draws.to_torch(device=device, dtype=dt), scale=self.scale, **est.params,
                                     **mask.estimator_kwargs)
-        expected = (draws.replicates, *q.shape[:-1])
-        if tuple(counts.shape) != expected:
-            raise ValueError(f"keys_used of estimator {est.label!r} returned shape {tuple(counts.shape)}; expected "
-                             f"(R, ..., N) = {expected}")
-        return counts.to(device="cpu", dtype=torch.float64).numpy()
+        return _counts_array(est, counts, (draws.replicates, *q.shape[:-1]))
 
     def _reference(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: Mask = NO_MASK):
         """:meth:`estimate` by the float64 numpy reference; the probabilities as its estimate of the identity."""
@@ -301,13 +316,12 @@ class BlockEstimator:
         tq, tk, tv = (input_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
         tdraws = draws.to_torch(device=self.device, dtype=dt)
         with torch.no_grad():
-            prob_sq = None
+            prob_sq, counts = None, None
             if not self.probabilities:
                 out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
             elif spec.forms.has("estimate_with_probabilities"):
                 # one pass: the features and weights the two results share are computed once (same bits as two calls)
-                out, probs = spec.forms.get("estimate_with_probabilities")(tq, tk, tv, tdraws, scale=self.scale,
-                                                                           **est.params, **masked)
+                out, probs, counts = self._with_probabilities(spec, est, tq, tk, tv, tdraws, mask)
             else:
                 out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
                 if spec.forms.has("probabilities"):
@@ -320,7 +334,19 @@ class BlockEstimator:
                 prob_sq = row_errors(probs, torch.as_tensor(exact_probs, device=self.device, dtype=probs.dtype))
                 prob_sq = prob_sq.square_().sum(-1).cpu().numpy()
                 del probs
-        return out, prob_sq
+        return out, prob_sq, counts
+
+    def _with_probabilities(self, spec, est: EstimatorConfig, tq, tk, tv, tdraws: Draws, mask: Mask):
+        """``(out, probs, counts)`` by ``estimate_with_probabilities``, with the keys-used counts (a float64
+        ``(R_b, C_b, N)`` array) where the spec's form gives them from the same selection, else None."""
+        masked = mask.estimator_kwargs
+        if spec.forms.has("estimate_with_probabilities_and_keys_used"):
+            out, probs, counts = spec.forms.get("estimate_with_probabilities_and_keys_used")(
+                tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
+            return out, probs, _counts_array(est, counts, (tdraws.replicates, *tq.shape[:-1]))
+        out, probs = spec.forms.get("estimate_with_probabilities")(tq, tk, tv, tdraws, scale=self.scale, **est.params,
+                                                                   **masked)
+        return out, probs, None
 
     def _factored(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact32, sq_norms,
                   exact64: Callable[[], Any], mask: Mask = NO_MASK):

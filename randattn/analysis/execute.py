@@ -255,8 +255,8 @@ class UnitRunner:
         draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(reps), samples, mask)
 
         def one() -> None:
-            estimate(draws)
-            if spec.keys_used is not None:
+            counts = estimate(draws)[2]
+            if spec.keys_used is not None and counts is None:
                 self.estimator.keys_used(spec, est, q, k, draws, mask=mask)
             if self.config.diagnostics and est.random:
                 self._diagnostics_block(est, q, k, v, draws, first_block=False, mask=mask)
@@ -456,15 +456,15 @@ class UnitRunner:
                                unit.num_samples, mask)
             mark = _lap(seconds, "draws", mark, clock)
             if tiled:
-                block_out, block_prob = estimator.tiled_estimate(spec, est, q[cs], k[cs], v[cs], draws,
-                                                                 log_normaliser[cs], mask=mask,
-                                                                 columns=columns_reason is None)
+                block_out, block_prob, counts = estimator.tiled_estimate(spec, est, q[cs], k[cs], v[cs], draws,
+                                                                         log_normaliser[cs], mask=mask,
+                                                                         columns=columns_reason is None)
                 if block_prob is None and config.probabilities and not probabilities_skipped:
                     # NaN with its reason, once per unit (the run's warning records count it)
                     warnings.warn(columns_reason, ProbabilitiesSkippedWarning, stacklevel=2)
                     probabilities_skipped = True
             else:
-                block_out, block_prob = estimator.estimate(
+                block_out, block_prob, counts = estimator.estimate(
                     spec, est, q[cs], k[cs], v[cs], draws, exact_probs[cs] if config.probabilities else None,
                     None if exact32 is None else exact32[cs], rank=unit.num_samples,
                     exact_sq_norms=None if sq_norms is None else sq_norms[cs],
@@ -477,7 +477,8 @@ class UnitRunner:
             if block_prob is not None:
                 prob_sq[rs, cs] = block_prob
             if counts_declared:
-                counts = estimator.keys_used(spec, est, q[cs], k[cs], draws, mask=mask)
+                if counts is None:  # not given by the estimate's own selection
+                    counts = estimator.keys_used(spec, est, q[cs], k[cs], draws, mask=mask)
                 keys_mean[rs, cs], keys_max[rs, cs] = counts.mean(-1), counts.max(-1)
             mark = _lap(seconds, "estimate", mark, clock)
             used = diagnostics.wanted(rs) if diagnose else None

@@ -76,7 +76,7 @@ RESERVED_PARAMETER_NAMES = ("name", "q", "k", "v", "q_shape", "k_shape", "draws"
 
 #: the optional torch forms a spec may declare beside its batched estimate (:class:`BatchedForms`), by name
 BatchedForm = Literal["probabilities", "estimate_with_probabilities", "estimate_with_float32_probabilities",
-                      "estimate_with_probability_factors"]
+                      "estimate_with_probability_factors", "estimate_with_probabilities_and_keys_used"]
 #: the names of :data:`BatchedForm`, in the order :class:`BatchedForms` declares them
 OPTIONAL_FORMS: tuple[str, ...] = get_args(BatchedForm)
 
@@ -373,6 +373,11 @@ class BatchedForms:
         None result where a configuration has no such factors. The sweep measures the probability
         error from them without forming the ``(N, M)`` matrix
         (:mod:`randattn.analysis.probability_error`).
+    estimate_with_probabilities_and_keys_used : callable or None
+        ``(q, k, v, draws, *, scale, **params) -> (out, probs, counts)``: ``estimate_with_probabilities``' two
+        results and the spec's ``keys_used`` counts ``(R, ..., N)`` float64, the same bits, from one selection.
+        The sweep takes it where it measures both (an estimator that picks keys by hashing, as MagicPIG does,
+        would otherwise hash every key twice). Undeclared: the sweep calls ``keys_used`` after the estimate.
 
     Examples
     --------
@@ -387,6 +392,7 @@ class BatchedForms:
     estimate_with_probabilities: Callable[..., Any] | None = None
     estimate_with_float32_probabilities: Callable[..., Any] | None = None
     estimate_with_probability_factors: Callable[..., Any] | None = None
+    estimate_with_probabilities_and_keys_used: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.estimate):
@@ -809,6 +815,10 @@ def validate_spec(spec: Any) -> EstimatorSpec:
         value = getattr(spec, attr)
         if value is not None and not callable(value):
             problems.append(f"{attr} must be callable or None, got {type(value).__name__}")
+    if (isinstance(spec.forms, BatchedForms) and spec.forms.has("estimate_with_probabilities_and_keys_used")
+            and spec.keys_used is None):
+        problems.append("forms declares estimate_with_probabilities_and_keys_used but the spec declares no keys_used "
+                        "(the counts it returns are keys_used's)")
     for attr in ("summary", "source", "complexity"):
         if not isinstance(getattr(spec, attr), str):
             problems.append(f"{attr} must be a string")

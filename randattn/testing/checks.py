@@ -53,7 +53,9 @@ Tolerances, and why:
   ``v = I_M`` to ``1e-10`` (float64; the same computation up to summation order);
   ``estimate_with_probabilities`` gives ``batched``'s output and ``probabilities``' probabilities **bit for
   bit**, with the same warnings, in float64 and float32 (the sweep takes either path, and a table must not depend on
-  which); ``estimate_with_float32_probabilities`` gives ``batched``'s output bit for bit and float32 probabilities
+  which); ``estimate_with_probabilities_and_keys_used`` gives ``batched``'s output, ``estimate_with_probabilities``'
+  probabilities and ``keys_used``' counts bit for bit, warning nothing the three calls do not (float64 and float32);
+  ``estimate_with_float32_probabilities`` gives ``batched``'s output bit for bit and float32 probabilities
   within the returned bound of the float64 ones in each row's 2-norm, plus ``1e-12`` of the row's norm (the float64
   probabilities' own rounding against the exact quotient the bound is stated for, 1e-16 per entry, is far below
   float32's 1e-7); ``estimate_with_probability_factors`` gives ``batched``'s output bit for bit and ``left @ right``
@@ -795,6 +797,41 @@ def check_with_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> 
                                   f"batched_probabilities warn {sorted(out_warnings + probs_warnings)}")
 
 
+def check_with_keys_used(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """``forms.estimate_with_probabilities_and_keys_used`` returns ``batched``'s output, the probabilities of
+    ``forms.estimate_with_probabilities`` and ``keys_used``' counts bit for bit, warning nothing the three do not,
+    in float64 and float32, over odd shapes, under every declared mask."""
+    import torch
+
+    form = "estimate_with_probabilities_and_keys_used"
+    if not spec.forms.has(form):
+        raise CheckSkipped("the spec declares no batched_with_probabilities_and_keys_used")
+    if spec.keys_used is None or not spec.forms.has("estimate_with_probabilities"):
+        raise CheckFailed("batched_with_probabilities_and_keys_used is declared without keys_used and "
+                          "batched_with_probabilities, whose results it must give")
+    with_counts = spec.forms.get(form)
+    for dtype in (torch.float64, torch.float32):
+        for mask, where, (q, k, v), draws in _optional_cases(spec, params, seed=175):
+            where = f"{where}, {dtype}"
+            tq, tk, tv, tdraws = _to_torch((q, k, v), draws, dtype)
+            kwargs = {"mask": mask} if mask is not None else {}
+            (out, probs, counts), joint = _recorded(lambda: with_counts(tq, tk, tv, tdraws, scale=None, **params,
+                                                                        **kwargs))
+            alone_out, out_warnings = _recorded(lambda: spec.batched(tq, tk, tv, tdraws, scale=None, **params,
+                                                                     **kwargs))
+            (_, alone_probs), probs_warnings = _recorded(lambda: spec.forms.get("estimate_with_probabilities")(
+                tq, tk, tv, tdraws, scale=None, **params, **kwargs))
+            alone_counts, counts_warnings = _recorded(lambda: spec.keys_used(tq, tk, tdraws, scale=None, **params,
+                                                                             **kwargs))
+            _bits_equal(f"batched_with_probabilities_and_keys_used' output on {where}", out, alone_out)
+            _bits_equal(f"batched_with_probabilities_and_keys_used' probabilities on {where}", probs, alone_probs)
+            _bits_equal(f"batched_with_probabilities_and_keys_used' keys_used on {where}", counts, alone_counts)
+            separate = set(out_warnings + probs_warnings + counts_warnings)
+            if not set(joint) <= separate:
+                raise CheckFailed(f"batched_with_probabilities_and_keys_used on {where} warned {sorted(set(joint))}, "
+                                  f"but batched, batched_with_probabilities and keys_used warn {sorted(separate)}")
+
+
 def check_float32_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
     """``forms.estimate_with_float32_probabilities`` on float64 inputs: ``out`` is ``batched``'s bits, and each row of
     the float32 probabilities lies within the returned ``bound`` of the float64 ones in the 2-norm (plus 1e-12 of
@@ -990,6 +1027,7 @@ CHECKS: dict[str, Callable[[EstimatorSpec, Mapping[str, Any]], None]] = {
     "float32 batched": check_float32_matches_reference,
     "probabilities": check_probabilities,
     "with probabilities": check_with_probabilities,
+    "with keys used": check_with_keys_used,
     "float32 probabilities": check_float32_probabilities,
     "probability factors": check_probability_factors,
     "key norms 150-200": check_finite_at_large_norms,

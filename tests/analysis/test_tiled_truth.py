@@ -188,7 +188,8 @@ def test_a_tiled_unit_takes_its_probability_columns_from_the_estimates_own_call(
     """Where a form gives the estimate with its probabilities (the decode-time estimators, RA, EVA), a tiled unit
     measures prob_mse from that one call per block. Columns by one-hot key tiles ran the whole estimator again for
     every tile of 256 keys (twice more here at 300 keys; 79 times at 20,000), MagicPIG hashing every key each time:
-    the tiled run hashes exactly as often as the dense run, and its rows are the dense rows (float64, 1e-10)."""
+    the tiled run hashes exactly as often as the dense run, each hashing giving the keys used too, and its rows are
+    the dense rows (float64, 1e-10)."""
     import randattn.estimators.magicpig.batched as magicpig_batched
 
     acts = _acts(300, heads=1)
@@ -210,5 +211,7 @@ def test_a_tiled_unit_takes_its_probability_columns_from_the_estimates_own_call(
         tiled = run_sweep(acts, config)
     assert dense_hashings.count(True) > 0
     assert hashings == dense_hashings
+    # and the keys each query read are counted from that same hashing, not from a second one (weights=False)
+    assert all(hashings)
     _assert_close(dense, tiled, set(dense.label))
     assert np.isfinite(tiled.prob_mse).all() and (tiled.prob_mse > 0).all()

@@ -55,7 +55,8 @@ def test_declared_forms_are_asked_for_by_name():
     assert forms.has("probabilities") and not forms.has("estimate_with_probability_factors")
     assert forms.get("probabilities") is _probabilities
     assert set(OPTIONAL_FORMS) == {"probabilities", "estimate_with_probabilities",
-                                   "estimate_with_float32_probabilities", "estimate_with_probability_factors"}
+                                   "estimate_with_float32_probabilities", "estimate_with_probability_factors",
+                                   "estimate_with_probabilities_and_keys_used"}
     assert BatchedForms(_estimate).declared == ()
 
 

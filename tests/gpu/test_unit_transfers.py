@@ -173,8 +173,8 @@ ALLOWED_OUT = {
     # the relative error of every (replicate, cell, query), for its median, 95th percentile and violation count
     "analysis.relative_error.query_relative_errors": R * HEADS * N,
     # the decode-time estimators' keys used by every (replicate, cell, query), for the budget axis (its mean and
-    # position buckets are taken on the host, like the relative errors')
-    "analysis.estimate_block.keys_used": R * HEADS * N,
+    # position buckets are taken on the host, like the relative errors'), whichever call counted them
+    "analysis.estimate_block._counts_array": R * HEADS * N,
     # top-k, StreamingLLM, Quest: the budget S lives in the draws, one value per batch element, read back to check it
     "estimators.sparse.selection.budget_of": HEADS,
 }
@@ -194,7 +194,8 @@ ALLOWED_IN = {
     "estimators.vattention.batched.select": N * N, "estimators.magicpig.batched._hash_and_sample": N * N,
     # MagicPIG's binomial tail: its L + 1 exponents and log binomial coefficients (L = S tables), per chunk of queries
     "estimators.magicpig.batched._log_inclusion": S + 1,
-    # keys_used takes q and k again (MagicPIG computes its selection anew there)
+    # keys_used takes q and k again where the estimate's form does not count the keys (without probabilities, or a
+    # plugin without estimate_with_probabilities_and_keys_used): MagicPIG then computes its selection anew
     "analysis.estimate_block.keys_used": None,
 }
 #: host reads of device values that the design makes, each with its reason
@@ -309,4 +310,6 @@ def test_the_decode_time_estimators_move_only_what_the_design_declares(mask):
     recorder = _run_units(mask, DECODE_TIME)
     _check(recorder)
     assert len(recorder.of("out")["analysis.metrics._to_host"]) >= len(DECODE_TIME.split(";"))
-    assert "analysis.estimate_block.keys_used" in recorder.of("out")  # the budget axis's counts came back
+    assert "analysis.estimate_block._counts_array" in recorder.of("out")  # the budget axis's counts came back
+    # ... from the estimate's own selection: q and k were not uploaded again for a second one
+    assert "analysis.estimate_block.keys_used" not in recorder.of("in")

@@ -324,7 +324,8 @@ def _only(spec, check, params=None):
 def test_the_optional_forms_are_skipped_where_not_declared():
     lara = randattn.get_spec("lara")
     bare = dataclasses.replace(lara, name="lara-bare", forms=BatchedForms(estimate=lara.batched))
-    for check in ("probabilities", "with probabilities", "float32 probabilities", "probability factors"):
+    for check in ("probabilities", "with probabilities", "float32 probabilities", "probability factors",
+                  "with keys used"):
         result = _only(bare, check)
         assert result.status == "skipped" and "declares no batched_" in result.message, (check, result)
 
@@ -393,6 +394,37 @@ def test_a_one_pass_form_that_drops_a_warning_fails():
         result = _only(spec, "with probabilities")
         assert result.status == status, result
     assert "warned [], but batched and batched_probabilities warn ['a normalizer is not positive']" in result.message
+
+
+def _magicpig_small():
+    """MagicPIG configured to sample among the kit's small inputs (its defaults keep every key exact there)."""
+    return randattn.get_spec("magicpig"), {"sinks": 1, "local": 2, "hash_bits": 2}
+
+
+def test_a_one_pass_form_that_counts_a_key_it_does_not_read_fails():
+    """MagicPIG's one hashing gives the estimate, its probabilities and the keys each query read; a form that
+    counts one key too many per query (the sampled keys plus every exact key again, say) is refused by name."""
+    magicpig, params = _magicpig_small()
+    assert _only(magicpig, "with keys used", params).status == "passed"
+    one_pass = magicpig.forms.get("estimate_with_probabilities_and_keys_used")
+
+    def overcounted(q, k, v, draws, **kwargs):
+        out, probs, counts = one_pass(q, k, v, draws, **kwargs)
+        return out, probs, counts + 1
+
+    spec = dataclasses.replace(magicpig, name="magicpig-overcounted",
+                               forms=magicpig.forms.replace(estimate_with_probabilities_and_keys_used=overcounted))
+    result = _only(spec, "with keys used", params)
+    assert result.status == "failed", result
+    assert "keys_used on" in result.message and "not the same bits as the separate call" in result.message
+
+
+def test_a_one_pass_keys_used_form_without_keys_used_is_an_invalid_spec():
+    magicpig, _ = _magicpig_small()
+    with pytest.raises(SpecError, match="estimate_with_probabilities_and_keys_used but the spec declares no "
+                                        "keys_used"):
+        randattn.estimators.base.validate_spec(dataclasses.replace(magicpig, name="magicpig-uncounted",
+                                                                   keys_used=None))
 
 
 @pytest.mark.parametrize("shrink", [0.0, 1e-3])

@@ -19,10 +19,11 @@ from randattn.estimators._prepare import check_draw_array, prepare_batched, to_t
 from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.magicpig.reference import MagicpigOptions, exact_and_candidate_keys, tail_terms
 from randattn.estimators.masks import check_causal_shapes
+from randattn.estimators.sparse.batched import keys_used as count_keys_used
 from randattn.estimators.sparse.batched import masked_logits, weighted_attention
 
-__all__ = ["CHUNK_ELEMENTS", "estimate", "estimate_with_probabilities", "keys_used", "log_weights", "probabilities",
-           "sample_counts"]
+__all__ = ["CHUNK_ELEMENTS", "estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used",
+           "keys_used", "log_weights", "probabilities", "sample_counts"]
 
 #: about how many hash bits one chunk of queries compares at once
 CHUNK_ELEMENTS = 1 << 22
@@ -171,6 +172,16 @@ def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
     x, y, v, hyperplanes = _prepared(q, k, v, draws, options)
     weights = log_weights(x, y, hyperplanes, **options.selection_keywords)
     return weighted_attention(masked_logits(x, y, options.mask), weights, v)
+
+
+@keyword_entry(MagicpigOptions)
+def estimate_with_probabilities_and_keys_used(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions
+                                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, probabilities, keys_used)`` from one hashing of the keys, the same bits as the three forms: the keys
+    a query reads are those with a finite weight (its exact keys, weight 0, and its sampled keys, ``-log u``)."""
+    x, y, v, hyperplanes = _prepared(q, k, v, draws, options)
+    weights = log_weights(x, y, hyperplanes, **options.selection_keywords)
+    return (*weighted_attention(masked_logits(x, y, options.mask), weights, v), count_keys_used(weights))
 
 
 @keyword_entry(MagicpigOptions)

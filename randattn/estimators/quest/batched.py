@@ -12,7 +12,8 @@ import torch
 from randattn.estimators.quest.reference import QuestOptions
 from randattn.estimators.sparse.batched_selection import KeptKeysBatched, top_ranked
 
-__all__ = ["estimate", "estimate_with_probabilities", "keys_used", "kept_keys", "page_upper_bounds", "probabilities"]
+__all__ = ["estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used", "keys_used",
+           "kept_keys", "page_upper_bounds", "probabilities"]
 
 
 def _running_page_extremes(y: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,4 +67,5 @@ def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: to
     return kept_pages[..., torch.arange(num_keys, device=x.device) // page_size]
 
 
-estimate, estimate_with_probabilities, probabilities, keys_used = KeptKeysBatched(QuestOptions, kept_keys).forms()
+(estimate, estimate_with_probabilities, probabilities, keys_used,
+ estimate_with_probabilities_and_keys_used) = KeptKeysBatched(QuestOptions, kept_keys).forms()

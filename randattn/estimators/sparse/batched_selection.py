@@ -52,11 +52,12 @@ class KeptKeysBatched:
     select: Callable[..., torch.Tensor]
 
     def forms(self) -> tuple[Callable[..., Any], ...]:
-        """``(estimate, estimate_with_probabilities, probabilities, keys_used)``, an estimator's batched functions,
-        each ``f(q, k, [v,] draws, *, scale=None, mask=None, **options)``."""
+        """``(estimate, estimate_with_probabilities, probabilities, keys_used,
+        estimate_with_probabilities_and_keys_used)``, an estimator's batched functions, each
+        ``f(q, k, [v,] draws, *, scale=None, mask=None, **options)``."""
         entry = keyword_entry(self.options_type)
         return (entry(self.estimate), entry(self.estimate_with_probabilities), entry(self.probabilities),
-                entry(self.keys_used))
+                entry(self.keys_used), entry(self.estimate_with_probabilities_and_keys_used))
 
     def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions):
         x, y, v, _, batch = prepare_batched(q, k, v, options.scale)
@@ -74,6 +75,14 @@ class KeptKeysBatched:
         logits, log_weights, v = self._log_weights(q, k, v, draws, options)
         out, probabilities = weighted_attention(logits, log_weights, v)
         return _replicated(out, draws.replicates), _replicated(probabilities, draws.replicates)
+
+    def estimate_with_probabilities_and_keys_used(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
+                                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(out, probabilities, keys_used)`` from one selection, the same bits as the three forms."""
+        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
+        out, probabilities = weighted_attention(logits, log_weights, v)
+        return (_replicated(out, draws.replicates), _replicated(probabilities, draws.replicates),
+                _replicated(count_keys_used(log_weights, logits), draws.replicates))
 
     def estimate(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions) -> torch.Tensor:
         """``(R, ..., N, Dv)``: softmax attention over each query's kept visible keys (same in every replicate)."""

@@ -7,7 +7,8 @@ import torch
 from randattn.estimators.sparse.batched_selection import KeptKeysBatched
 from randattn.estimators.streaming.reference import StreamingOptions
 
-__all__ = ["estimate", "estimate_with_probabilities", "keys_used", "kept_keys", "probabilities"]
+__all__ = ["estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used", "keys_used",
+           "kept_keys", "probabilities"]
 
 
 def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: torch.Tensor,
@@ -23,4 +24,5 @@ def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: to
     return in_window | (keys < sinks)[None, :]
 
 
-estimate, estimate_with_probabilities, probabilities, keys_used = KeptKeysBatched(StreamingOptions, kept_keys).forms()
+(estimate, estimate_with_probabilities, probabilities, keys_used,
+ estimate_with_probabilities_and_keys_used) = KeptKeysBatched(StreamingOptions, kept_keys).forms()

@@ -7,7 +7,8 @@ import torch
 from randattn.estimators.sparse.batched_selection import KeptKeysBatched, top_ranked
 from randattn.estimators.topk.reference import TopkOptions
 
-__all__ = ["estimate", "estimate_with_probabilities", "keys_used", "kept_keys", "probabilities"]
+__all__ = ["estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used", "keys_used",
+           "kept_keys", "probabilities"]
 
 
 def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: torch.Tensor,
@@ -16,4 +17,5 @@ def kept_keys(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, budget: to
     return top_ranked(logits, budget)
 
 
-estimate, estimate_with_probabilities, probabilities, keys_used = KeptKeysBatched(TopkOptions, kept_keys).forms()
+(estimate, estimate_with_probabilities, probabilities, keys_used,
+ estimate_with_probabilities_and_keys_used) = KeptKeysBatched(TopkOptions, kept_keys).forms()

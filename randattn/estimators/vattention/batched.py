@@ -22,7 +22,8 @@ from randattn.estimators.sparse.batched import keys_used as sparse_keys_used
 from randattn.estimators.sparse.batched import masked_logits, weighted_attention
 from randattn.estimators.vattention.rules import VattentionOptions, checked_uniforms, normal_quantile, query_sets
 
-__all__ = ["Selection", "estimate", "estimate_with_probabilities", "keys_used", "probabilities", "select"]
+__all__ = ["Selection", "estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used", "keys_used",
+           "probabilities", "select"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,16 @@ def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
     _, _, v, _, _ = prepare_batched(q, k, v, options.scale)
     chosen = select.on_options(q, k, draws, options)
     return weighted_attention(chosen.logits, chosen.log_weights, v)
+
+
+@keyword_entry(VattentionOptions)
+def estimate_with_probabilities_and_keys_used(q: Any, k: Any, v: Any, draws: Draws, options: VattentionOptions
+                                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, probabilities, keys_used)`` from one selection, the same bits as the three forms."""
+    _, _, v, _, _ = prepare_batched(q, k, v, options.scale)
+    chosen = select.on_options(q, k, draws, options)
+    return (*weighted_attention(chosen.logits, chosen.log_weights, v),
+            sparse_keys_used(chosen.log_weights, chosen.logits))
 
 
 @keyword_entry(VattentionOptions)
