@@ -239,7 +239,8 @@ class BlockEstimator:
         tdraws = draws.to_torch(device=self.device, dtype=dt)
         with torch.no_grad():
             if not self.probabilities:
-                return spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked), None, None
+                out, counts = self._estimate_alone(spec, est, tq, tk, tv, tdraws, mask)
+                return out, None, counts
             factors, counts = None, None
             if spec.forms.has("estimate_with_probability_factors"):
                 factors = spec.forms.get("estimate_with_probability_factors")(tq, tk, tv, tdraws, scale=self.scale,
@@ -251,7 +252,8 @@ class BlockEstimator:
                 def columns_of(k0: int, k1: int):
                     return left64 @ right[..., k0:k1].to(torch.float64)
             elif not columns:
-                return spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked), None, None
+                out, counts = self._estimate_alone(spec, est, tq, tk, tv, tdraws, mask)
+                return out, None, counts
             elif spec.forms.has("estimate_with_probabilities"):
                 # one pass gives the estimate and every column: one estimator call where one-hot tiles would make
                 # M / key_tile of them (each a whole estimate: MagicPIG hashing again, 79 times at 20,000 keys);
@@ -318,7 +320,7 @@ class BlockEstimator:
         with torch.no_grad():
             prob_sq, counts = None, None
             if not self.probabilities:
-                out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
+                out, counts = self._estimate_alone(spec, est, tq, tk, tv, tdraws, mask)
             elif spec.forms.has("estimate_with_probabilities"):
                 # one pass: the features and weights the two results share are computed once (same bits as two calls)
                 out, probs, counts = self._with_probabilities(spec, est, tq, tk, tv, tdraws, mask)
@@ -335,6 +337,15 @@ class BlockEstimator:
                 prob_sq = prob_sq.square_().sum(-1).cpu().numpy()
                 del probs
         return out, prob_sq, counts
+
+    def _estimate_alone(self, spec, est: EstimatorConfig, tq, tk, tv, tdraws: Draws, mask: Mask):
+        """``(out, counts)`` where no probabilities are measured: by the one-pass form where the spec declares it
+        (its probabilities dropped: the selection estimators form them for the estimate anyway, and their keys-used
+        counts then need no second selection), else ``batched`` and None."""
+        if spec.forms.has("estimate_with_probabilities_and_keys_used"):
+            out, _, counts = self._with_probabilities(spec, est, tq, tk, tv, tdraws, mask)
+            return out, counts
+        return spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **mask.estimator_kwargs), None
 
     def _with_probabilities(self, spec, est: EstimatorConfig, tq, tk, tv, tdraws: Draws, mask: Mask):
         """``(out, probs, counts)`` by ``estimate_with_probabilities``, with the keys-used counts (a float64

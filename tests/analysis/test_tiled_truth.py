@@ -184,19 +184,20 @@ def test_units_share_the_files_arrays_without_torch_warnings(tmp_path):
     assert all((tmp_path / f"{tokens}.csv").exists() for tokens in (1100, 64))
 
 
-def test_a_tiled_unit_takes_its_probability_columns_from_the_estimates_own_call(monkeypatch):
+@pytest.mark.parametrize("probabilities", [True, False], ids=["probabilities", "no-probabilities"])
+def test_a_tiled_unit_takes_its_probability_columns_from_the_estimates_own_call(monkeypatch, probabilities):
     """Where a form gives the estimate with its probabilities (the decode-time estimators, RA, EVA), a tiled unit
     measures prob_mse from that one call per block. Columns by one-hot key tiles ran the whole estimator again for
     every tile of 256 keys (twice more here at 300 keys; 79 times at 20,000), MagicPIG hashing every key each time:
-    the tiled run hashes exactly as often as the dense run, each hashing giving the keys used too, and its rows are
-    the dense rows (float64, 1e-10)."""
+    the tiled run hashes exactly as often as the dense run, each hashing giving the keys used too (with or without
+    the probability error), and its rows are the dense rows (float64, 1e-10)."""
     import randattn.estimators.magicpig.batched as magicpig_batched
 
     acts = _acts(300, heads=1)
     config = SweepConfig(estimators=parse_estimator_list(
         "magicpig:sinks=1,local=2,hash_bits=2;topk;vattention:sinks=1,local=2,top_k=2,budget=fixed"),
         num_samples=(4,), replicates=3, threads=1, dtype="float64", mask="causal", diagnostics=False,
-        check_reference=0.0)
+        check_reference=0.0, probabilities=probabilities)
     original, hashings = magicpig_batched._hash_and_sample, []
 
     def counted(*args, **kwargs):
@@ -214,4 +215,8 @@ def test_a_tiled_unit_takes_its_probability_columns_from_the_estimates_own_call(
     # and the keys each query read are counted from that same hashing, not from a second one (weights=False)
     assert all(hashings)
     _assert_close(dense, tiled, set(dense.label))
-    assert np.isfinite(tiled.prob_mse).all() and (tiled.prob_mse > 0).all()
+    if probabilities:
+        assert np.isfinite(tiled.prob_mse).all() and (tiled.prob_mse > 0).all()
+    else:
+        assert np.isnan(tiled.prob_mse).all()
+    assert (tiled.keys_used > 0).all()
