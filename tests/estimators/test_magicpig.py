@@ -361,3 +361,19 @@ def test_presets_and_description_name_the_conventions():
     assert SPEC.resolve_params({"preset": "official-code"})["center"] == "hashed-keys"
     assert SPEC.resolve_params({"preset": "sparse-attention-hub"})["min_collisions"] == 1
     assert SPEC.resolve_params({})["min_collisions"] == 2 and SPEC.resolve_params({})["center"] == "all-keys"
+
+
+def test_the_batched_exact_and_candidate_sets_are_the_references_made_on_the_device():
+    """The position-only (N, M) sets, made with torch from the shapes (no host array uploaded per call), equal the
+    reference's numpy sets for both masks, N < M, windows and sinks covering everything, and none at all; the
+    shape-only test for "anything to hash" agrees with the sets."""
+    for mask in (None, "causal"):
+        for n, m in ((1, 1), (5, 5), (3, 11), (7, 20)):
+            for sinks in (0, 1, 4):
+                for local in (0, 1, 3, 30):
+                    exact_np, candidates_np = reference.exact_and_candidate_keys(n, m, sinks, local, mask)
+                    exact, candidates = batched.exact_and_candidate_keys(n, m, sinks, local, mask)
+                    assert exact.dtype == candidates.dtype == torch.bool
+                    np.testing.assert_array_equal(exact.numpy(), exact_np)
+                    np.testing.assert_array_equal(candidates.numpy(), candidates_np)
+                    assert batched._has_candidates(m, sinks, local) == bool(candidates_np.any())

@@ -17,13 +17,13 @@ import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws, keyword_entry
-from randattn.estimators.magicpig.reference import MagicpigOptions, exact_and_candidate_keys, tail_terms
+from randattn.estimators.magicpig.reference import MagicpigOptions, tail_terms
 from randattn.estimators.masks import check_causal_shapes
 from randattn.estimators.sparse.batched import keys_used as count_keys_used
-from randattn.estimators.sparse.batched import masked_logits, weighted_attention
+from randattn.estimators.sparse.batched import masked_logits, visible_keys, weighted_attention
 
 __all__ = ["CHUNK_ELEMENTS", "estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used",
-           "keys_used", "log_weights", "probabilities", "sample_counts"]
+           "exact_and_candidate_keys", "keys_used", "log_weights", "probabilities", "sample_counts"]
 
 #: about how many hash bits one chunk of queries compares at once
 CHUNK_ELEMENTS = 1 << 22
@@ -64,6 +64,29 @@ def _pair_log_inclusion(x: torch.Tensor, y: torch.Tensor, means: torch.Tensor, c
     return torch.where(candidates, log_u, torch.zeros_like(log_u))
 
 
+def exact_and_candidate_keys(num_queries: int, num_keys: int, sinks: int, local: int, mask: str | None,
+                             device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(exact, candidates)``, each ``(N, M)`` boolean, made on ``device`` from the positions alone (reference
+    :func:`~randattn.estimators.magicpig.reference.exact_and_candidate_keys`): a host array uploaded would move
+    2 N M bytes per call."""
+    keys = torch.arange(num_keys, device=device)
+    last = torch.arange(num_queries, device=device) + (num_keys - num_queries if mask == "causal" else 0)
+    if mask != "causal":  # t_n: the most recent key query n sees
+        last = torch.full_like(last, num_keys - 1)
+    exact = (keys < sinks).unsqueeze(0) | (keys.unsqueeze(0) > (last - local).unsqueeze(1))
+    visible = visible_keys(num_queries, num_keys, mask, device)
+    if visible is None:
+        return exact, ~exact
+    exact &= visible
+    return exact, visible & ~exact
+
+
+def _has_candidates(num_keys: int, sinks: int, local: int) -> bool:
+    """Whether any query has a key that is neither a sink nor local, from the shapes alone (no device read): the
+    query seeing the most keys sees keys ``0..M-1``, of which ``sinks..M-1-local`` are candidates."""
+    return num_keys - local > sinks
+
+
 def _centering_means(y: torch.Tensor, visible: torch.Tensor, candidates: torch.Tensor, center: str) -> torch.Tensor:
     """``(..., N, D)``: the mean of each query's visible keys / candidates (0 for none, or for ``center="none"``)."""
     if center == "none":
@@ -96,14 +119,12 @@ def _hash_and_sample(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor
     """:func:`log_weights` (``weights``) or :func:`sample_counts`: one hashing loop serves both."""
     num_queries, num_keys = x.shape[-2], y.shape[-2]
     replicates, tables, hash_bits = hyperplanes.shape[0], hyperplanes.shape[-3], hyperplanes.shape[-2]
-    exact_np, candidates_np = exact_and_candidate_keys(num_queries, num_keys, sinks, local, mask)
-    exact = torch.as_tensor(exact_np, device=x.device)
-    candidates = torch.as_tensor(candidates_np, device=x.device)
+    exact, candidates = exact_and_candidate_keys(num_queries, num_keys, sinks, local, mask, x.device)
     if weights:
         out = x.new_full((replicates, *x.shape[:-2], num_queries, num_keys), float("-inf"))
     else:  # every query's exact keys, to which its sampled keys are added
         out = exact.sum(-1).to(torch.float64).expand(replicates, *x.shape[:-2], num_queries).clone()
-    if not candidates_np.any():  # sinks and local window hold every visible key: nothing to hash
+    if not _has_candidates(num_keys, sinks, local):  # sinks and local window hold every visible key: nothing to hash
         return out.masked_fill(exact, 0.0) if weights else out
     means = _centering_means(y, exact | candidates, candidates, center)  # (..., N, D)
     # one (replicate, batch element) at a time: its key projections (K, M, L) and one (C, M, L) agreement buffer
