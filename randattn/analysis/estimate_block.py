@@ -62,9 +62,9 @@ def columns_skip_reason(label: str, mask: Mask, queries: int, keys: int, itemsiz
 
     An estimator without probability factors forms its probabilities densely (its ``estimate_with_probabilities``)
     or column by column, as much work as forming them densely (a K x M product per replicate): either is done where
-    today's dense pass could have run, one head's
-    and replicate's K x M probabilities (``itemsize`` bytes each) within ``budget``; beyond, the time would be
-    that of a pass the budget forbids, and the column is left NaN with this reason.
+    today's dense pass could have run, one head's and replicate's K x M probabilities (``itemsize`` bytes each)
+    within ``budget``; beyond, the time would be that of a pass the budget forbids, and the column is left NaN with
+    this reason.
     """
     dense = queries * keys * itemsize
     if dense <= budget:
