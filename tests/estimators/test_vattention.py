@@ -396,3 +396,29 @@ def test_draws_of_the_other_budget_are_refused():
         reference.estimate(q, k, v, fixed, **_params())
     with pytest.raises(ValueError, match="budget='adaptive' needs the draws' 'base_uniforms'"):
         batched.estimate(*_tensors(q, k, v), fixed, **_params())
+
+
+def test_the_batched_position_sets_are_the_references_made_on_the_device():
+    """The (N,) sizes by interval arithmetic and the (N, M) sets made from them with torch (no host N x M array
+    uploaded per call) equal the reference's numpy sets: both masks, N < M and N > M without a mask, counts and
+    fractions for the sinks, the local window and the top-k, both places to sample from."""
+    from randattn.estimators.vattention.rules import query_sets, query_sizes
+
+    cases = 0
+    for mask in (None, "causal"):
+        for n, m in ((1, 1), (3, 3), (5, 9), (2, 17), (9, 4)):
+            if mask == "causal" and n > m:
+                continue
+            for sinks, local, top_k in ((0, 0, 0), (1, 4, 2), (3, 1, 0.5), (0.25, 0.3, 0.1), (0.5, 1.0, 2)):
+                for sample_from in ("window", "residual"):
+                    params = SPEC.resolve_params({"sinks": sinks, "local": local, "top_k": top_k,
+                                                  "sample_from": sample_from})
+                    sets, sizes = query_sets(n, m, mask, params), query_sizes(n, m, mask, params)
+                    for name in ("top_k", "sampled_size", "base_draws"):
+                        np.testing.assert_array_equal(getattr(sizes, name), getattr(sets, name), err_msg=name)
+                    visible, fixed, candidates = batched._position_sets(sizes, m, mask, "cpu")
+                    np.testing.assert_array_equal(visible.numpy(), sets.visible)
+                    np.testing.assert_array_equal(fixed.numpy(), sets.sinks | sets.local)
+                    np.testing.assert_array_equal(candidates.numpy(), sets.candidates)
+                    cases += 1
+    assert cases == 90

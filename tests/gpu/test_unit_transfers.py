@@ -188,10 +188,9 @@ ALLOWED_IN = {
     # index tables computed from the shapes alone (EVA's chunks and windows, segment counts), never from values
     "estimators.segments.segment_means_torch": N * N, "estimators.eva.batched._t": N * N,
     "estimators.eva.batched._place_rows": N * N,
-    # position-only (N, M) sets built on the host from the shapes alone (vAttention's visible, candidate, sink and
-    # local keys), once per call: small in the decode regime (K x M), N x M at full context, where bands made on the
-    # device would do (as sparse.batched.visible_keys and MagicPIG's exact and candidate keys are)
-    "estimators.vattention.batched.select": N * N,
+    # vAttention's per-query sizes (its position-only (N, M) sets are made on the device from them, as
+    # sparse.batched.visible_keys and MagicPIG's exact and candidate keys are): N values per upload, never N x M
+    "estimators.vattention.batched.select": N, "estimators.vattention.batched._position_sets": N,
     # MagicPIG's binomial tail: its L + 1 exponents and log binomial coefficients (L = S tables), per chunk of queries
     "estimators.magicpig.batched._log_inclusion": S + 1,
     # keys_used takes q and k again where the estimate's form does not count the keys (without probabilities, or a

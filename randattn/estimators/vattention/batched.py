@@ -19,8 +19,9 @@ import torch
 from randattn.estimators._prepare import prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.sparse.batched import keys_used as sparse_keys_used
-from randattn.estimators.sparse.batched import masked_logits, weighted_attention
-from randattn.estimators.vattention.rules import VattentionOptions, checked_uniforms, normal_quantile, query_sets
+from randattn.estimators.sparse.batched import masked_logits, visible_keys, weighted_attention
+from randattn.estimators.vattention.rules import (QuerySizes, VattentionOptions, checked_uniforms, normal_quantile,
+                                                  query_sizes)
 
 __all__ = ["Selection", "estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used", "keys_used",
            "probabilities", "select"]
@@ -91,6 +92,24 @@ def _sample_sizes(e: torch.Tensor, heavy: torch.Tensor, pool_order: torch.Tensor
     return torch.minimum(torch.maximum(rounded, b0), n), bound
 
 
+def _position_sets(sizes: QuerySizes, num_keys: int, mask: str | None,
+                   device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(visible, sinks | local, candidates)``, each ``(N, M)`` boolean, made on ``device`` from the ``(N,)`` sizes
+    (the reference's :func:`~randattn.estimators.vattention.rules.query_sets`): uploading host sets moved three
+    ``N x M`` arrays per call (805 MB at 16,384 tokens of full causal context)."""
+    as_tensor = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+    num_queries = len(sizes.own)
+    keys = torch.arange(num_keys, device=device)
+    own = as_tensor(sizes.own).unsqueeze(1)
+    visible = visible_keys(num_queries, num_keys, mask, device)
+    if visible is None:
+        visible = torch.ones((num_queries, num_keys), dtype=torch.bool, device=device)
+    fixed = (keys < as_tensor(sizes.sinks).unsqueeze(1)) | (
+        (keys <= own) & (keys > own - as_tensor(sizes.local).unsqueeze(1)))
+    fixed &= visible
+    return visible, fixed, visible & ~fixed
+
+
 @keyword_entry(VattentionOptions)
 def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selection:
     """The heavy set, the sample and the weights of every query (reference ``select``, vectorized)."""
@@ -99,14 +118,14 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
     draws = to_torch_draws(draws, x)
     num_queries, num_keys = x.shape[-2], y.shape[-2]
     replicates, device = draws.replicates, x.device
-    sets = query_sets(num_queries, num_keys, mask, params)
+    sets = query_sizes(num_queries, num_keys, mask, params)
     main, base = checked_uniforms(draws, batch, num_queries, num_keys, params)
     as_tensor = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
-    visible, candidates = as_tensor(sets.visible), as_tensor(sets.candidates)
+    visible, fixed, candidates = _position_sets(sets, num_keys, mask, device)
     pool_sizes = as_tensor(sets.sampled_size)
 
     logits = masked_logits(x, y, mask)
-    heavy = (as_tensor(sets.sinks | sets.local) | _top_k(logits, candidates, as_tensor(sets.top_k)))
+    heavy = fixed | _top_k(logits, candidates, as_tensor(sets.top_k))
     pool = candidates.expand_as(heavy) if params["sample_from"] == "window" else visible & ~heavy
     pool_order = torch.argsort((~pool).to(torch.uint8), dim=-1, stable=True)  # the pool first, ascending
     # the official code's full mask when its window holds fewer than two keys

@@ -26,9 +26,9 @@ from randattn.estimators.base import Draws, EstimatorOptions, option
 from randattn.estimators.masks import MASKS, causal_visible, check_causal_shapes
 
 __all__ = [
-    "BUDGETS", "DUPLICATES", "PARAMS", "QUANTILES", "ROUNDINGS", "SAMPLE_FROM", "QuerySets", "VattentionOptions",
-    "base_uniform_count", "check_params", "checked_uniforms", "normal_quantile", "query_sets", "size_of",
-    "uniform_counts",
+    "BUDGETS", "DUPLICATES", "PARAMS", "QUANTILES", "ROUNDINGS", "SAMPLE_FROM", "QuerySets", "QuerySizes",
+    "VattentionOptions", "base_uniform_count", "check_params", "checked_uniforms", "normal_quantile", "query_sets",
+    "query_sizes", "size_of", "uniform_counts",
 ]
 
 #: ``adaptive``: the sample size from the CLT budget for (epsilon, delta) (the paper); ``fixed``: S draws
@@ -247,6 +247,53 @@ def query_sets(num_queries: int, num_keys: int, mask: str | None, params: Mappin
         sample_from, sampled_size = None, candidates.sum(-1) - top_k
     base = np.array([base_uniform_count(params["base_rate"], n) for n in sampled_size], dtype=np.int64)
     return QuerySets(visible, sinks, local, top_k, sample_from, sampled_size.astype(np.int64), base)
+
+
+@dataclass(frozen=True)
+class QuerySizes:
+    """The ``(N,)`` sizes behind :class:`QuerySets`, from the positions alone and without any ``(N, M)`` array:
+    what a form that makes the sets where it computes (an accelerator) needs from the host.
+
+    Attributes
+    ----------
+    own : (N,) int
+        ``t_n = n + M - N``, the query's own position (its local window ends there).
+    available, sinks, local : (N,) int
+        Visible keys (the prefix ``0 .. available - 1``), the sink count and the local window's length in keys.
+    top_k, sampled_size, base_draws : (N,) int
+        As in :class:`QuerySets`.
+    """
+
+    own: np.ndarray
+    available: np.ndarray
+    sinks: np.ndarray
+    local: np.ndarray
+    top_k: np.ndarray
+    sampled_size: np.ndarray
+    base_draws: np.ndarray
+
+
+def query_sizes(num_queries: int, num_keys: int, mask: str | None, params: Mapping[str, Any]) -> QuerySizes:
+    """:class:`QuerySizes` by interval arithmetic, equal to :func:`query_sets`' counts.
+
+    The visible keys are the prefix ``[0, a_n)`` (``a_n = t_n + 1`` causal, ``M`` otherwise), the sinks
+    ``[0, s_n)`` with ``s_n <= a_n``, the local window ``[lo_n, t_n]`` with ``lo_n = max(0, t_n - l_n + 1)`` (empty
+    where ``t_n < 0``); the candidates are the visible keys in neither: ``a_n - s_n - |local| + |sinks & local|``.
+    """
+    if mask == "causal":
+        check_causal_shapes(num_queries, num_keys)
+    own = np.arange(num_queries, dtype=np.int64) + (num_keys - num_queries)
+    available = own + 1 if mask == "causal" else np.full(num_queries, num_keys, dtype=np.int64)
+    sinks = np.asarray(size_of(params["sinks"], available), dtype=np.int64)
+    local = np.asarray(size_of(params["local"], available), dtype=np.int64)
+    low = np.maximum(0, own - local + 1)
+    in_local = np.maximum(0, own - low + 1) * (local > 0)
+    overlap = np.maximum(0, np.minimum(sinks, own + 1) - low) * (local > 0)
+    candidates = available - sinks - in_local + overlap
+    top_k = np.minimum(size_of(params["top_k"], available), candidates).astype(np.int64)
+    sampled_size = candidates if params["sample_from"] == "window" else candidates - top_k
+    base = np.array([base_uniform_count(params["base_rate"], n) for n in sampled_size], dtype=np.int64)
+    return QuerySizes(own, available, sinks, local, top_k, sampled_size.astype(np.int64), base)
 
 
 def uniform_counts(num_keys: int, num_samples: int, params: Mapping[str, Any]) -> tuple[int, int]:
