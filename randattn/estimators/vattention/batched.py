@@ -118,18 +118,18 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
     draws = to_torch_draws(draws, x)
     num_queries, num_keys = x.shape[-2], y.shape[-2]
     replicates, device = draws.replicates, x.device
-    sets = query_sizes(num_queries, num_keys, mask, params)
+    per_query = query_sizes(num_queries, num_keys, mask, params)
     main, base = checked_uniforms(draws, batch, num_queries, num_keys, params)
     as_tensor = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
-    visible, fixed, candidates = _position_sets(sets, num_keys, mask, device)
-    pool_sizes = as_tensor(sets.sampled_size)
+    visible, fixed, candidates = _position_sets(per_query, num_keys, mask, device)
+    pool_sizes = as_tensor(per_query.sampled_size)
 
     logits = masked_logits(x, y, mask)
-    heavy = fixed | _top_k(logits, candidates, as_tensor(sets.top_k))
+    heavy = fixed | _top_k(logits, candidates, as_tensor(per_query.top_k))
     pool = candidates.expand_as(heavy) if params["sample_from"] == "window" else visible & ~heavy
     pool_order = torch.argsort((~pool).to(torch.uint8), dim=-1, stable=True)  # the pool first, ascending
     # the official code's full mask when its window holds fewer than two keys
-    full = as_tensor(sets.sampled_size < 2) if params["sample_from"] == "window" else torch.zeros_like(pool_sizes,
+    full = as_tensor(per_query.sampled_size < 2) if params["sample_from"] == "window" else torch.zeros_like(pool_sizes,
                                                                                                      dtype=torch.bool)
     sampling = (pool_sizes > 0) & ~full  # (N,)
     shape = (replicates, *logits.shape[:-1])
@@ -138,7 +138,7 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
         bounds = torch.full(shape, float("nan"), dtype=torch.float64, device=device)
     else:
         shifted = torch.exp((logits - logits.amax(-1, keepdim=True)).to(torch.float64))  # e^{s - c}, hidden 0
-        sizes, bounds = _sample_sizes(shifted, heavy, pool_order, pool_sizes, as_tensor(sets.base_draws), base,
+        sizes, bounds = _sample_sizes(shifted, heavy, pool_order, pool_sizes, as_tensor(per_query.base_draws), base,
                                       params)
     sizes = torch.where(sampling, sizes, torch.zeros_like(sizes))
     bounds = torch.where(sampling, bounds, torch.full_like(bounds, float("nan")))
