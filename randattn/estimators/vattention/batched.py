@@ -23,8 +23,8 @@ from randattn.estimators.sparse.batched import masked_logits, visible_keys, weig
 from randattn.estimators.vattention.rules import (QuerySizes, VattentionOptions, checked_uniforms, normal_quantile,
                                                   query_sizes)
 
-__all__ = ["Selection", "estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used", "keys_used",
-           "probabilities", "select"]
+__all__ = ["Selection", "estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used",
+           "keys_used", "probabilities", "select"]
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,8 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
     pool = candidates.expand_as(heavy) if params["sample_from"] == "window" else visible & ~heavy
     pool_order = torch.argsort((~pool).to(torch.uint8), dim=-1, stable=True)  # the pool first, ascending
     # the official code's full mask when its window holds fewer than two keys
-    full = as_tensor(per_query.sampled_size < 2) if params["sample_from"] == "window" else torch.zeros_like(pool_sizes,
-                                                                                                     dtype=torch.bool)
+    full = (as_tensor(per_query.sampled_size < 2) if params["sample_from"] == "window"
+            else torch.zeros_like(pool_sizes, dtype=torch.bool))
     sampling = (pool_sizes > 0) & ~full  # (N,)
     shape = (replicates, *logits.shape[:-1])
     if base is None:
