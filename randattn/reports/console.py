@@ -50,13 +50,15 @@ def plan_lines(plan, timing: bool, dask: bool = False, noun: str = "image") -> l
     noun : str
         What an entry of the activations is (:func:`randattn.reports.tables.item_noun`): image or sequence.
     """
+    from randattn.reports.tables import queries_noun
+
     config = plan.config
     pairs = sum(len(config.num_samples) if e.needs_samples else 1 for e in config.estimators)
     n_layers, n_heads, n_images = len(plan.layers), len(plan.heads), len(plan.images)
     first = (f"[bold]plan[/]: {count(plan.cells, 'cell')} in {count(len(plan.units), 'unit')} = {count(n_layers, 'layer')} x "
              f"{count(n_heads, 'head')} x {count(n_images, noun)} x {pairs} (estimator, S) "
              f"{'pair' if pairs == 1 else 'pairs'}, R = {config.replicates}"
-             + ("" if config.queries == "all" else f"; measuring {_queries_noun(config.queries)} of each head"))
+             + ("" if config.queries == "all" else f"; measuring {queries_noun(config.queries)} of each head"))
     if len(plan.todo) < len(plan.units):
         first += f"; resuming: {count(plan.todo_cells, 'cell')} left to compute"
     if plan.unreadable:
@@ -159,15 +161,11 @@ def interrupted_text(parts, stored: set[str], plan, resume_command: str) -> str:
             f"{escape(resume_command)}")
 
 
-def _queries_noun(queries: str) -> str:
-    """``"the last 64 queries"``, ``"64 sampled queries"`` of a selection other than ``all``."""
-    kind, count = str(queries).split(":")
-    return f"the last {count} queries" if kind == "last" else f"{count} sampled queries"
-
-
 def _queries_text(queries: str | None) -> str:
     """``" on the last 64 queries"``, ``" on 64 sampled queries"``; ``""`` for every query."""
-    return "" if queries in (None, "all") else f" on {_queries_noun(queries)}"
+    from randattn.reports.tables import queries_noun
+
+    return "" if queries in (None, "all") else f" on {queries_noun(queries)}"
 
 
 def summary_table(summary, noun: str = "image", queries: str | None = None):

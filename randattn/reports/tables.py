@@ -42,6 +42,7 @@ __all__ = [
     "mse_pivot",
     "label_order",
     "describe_data",
+    "queries_noun",
     "item_noun",
     "display_names",
     "estimator_order",
@@ -506,7 +507,8 @@ def describe_data(table: pd.DataFrame, metadata: dict[str, Any] | None = None) -
     -------
     str
         E.g. ``"dinov2-s14 · 2 images (astronaut, coffee) · layers 0, 5, 11 · 6 heads · R = 8"``; the entries
-        are sequences for a language-model capture (:func:`item_noun`).
+        are sequences for a language-model capture (:func:`item_noun`), and a table measured on some queries says
+        which (``"... · causal mask · the last 64 queries of each head · R = 4"``).
     """
     metadata = metadata or {}
     parts = []
@@ -521,16 +523,29 @@ def describe_data(table: pd.DataFrame, metadata: dict[str, Any] | None = None) -
         layers = sorted(set(int(x) for x in table["layer"].dropna()))
         parts.append(("layer " if len(layers) == 1 else "layers ") + _compact_ints(layers))
     if "head" in table:
-        parts.append(f"{table['head'].nunique()} heads")
+        heads = table["head"].nunique()
+        parts.append(f"{heads} head{'s' if heads != 1 else ''}")
     masks = table_masks(table)
     if masks:
         parts.append(" and ".join(f"{kind} mask" for kind in masks))
+    # a figure of the last 64 queries must not read as one of every query (a per-position table's `queries` is
+    # the count of its bucket's queries instead)
+    if "queries" in table and "position_lo" not in table:
+        selections = sorted(set(table["queries"].dropna().astype(str)) - {"all"})
+        parts.extend(f"{queries_noun(selection)} of each head" for selection in selections)
     random_rows = table[table["random"].astype(bool)] if "random" in table else table
     if "replicates" in random_rows and random_rows["replicates"].notna().any():
         # deterministic estimators run one replicate; R is the random estimators' count
         replicates = sorted(set(int(x) for x in random_rows["replicates"].dropna()))
         parts.append("R = " + ", ".join(map(str, replicates)))
     return " · ".join(parts)
+
+
+def queries_noun(queries: str) -> str:
+    """``"the last 64 queries"``, ``"64 sampled queries"``: a query selection other than ``all``
+    (:mod:`randattn.analysis.queries`) in words."""
+    kind, count = str(queries).split(":")
+    return f"the last {count} queries" if kind == "last" else f"{count} sampled queries"
 
 
 def _compact_ints(values: Sequence[int]) -> str:

@@ -118,7 +118,7 @@ def test_report_and_figures_on_text_sequences_call_them_sequences(lm_results):
     assert report.exit_code == 0, report.output
     loaded = read_results(out)
     assert describe_data(loaded.table, loaded.metadata) == ("tinylm · 2 sequences (pydoc:assignment, pydoc:for) · "
-                                                            "layer 0 · 1 heads · causal mask · R = 2")
+                                                            "layer 0 · 1 head · causal mask · R = 2")
     page = (folder / "report" / "report.html").read_text(encoding="utf-8")
     visible = re.sub(r"<pre>.*?</pre>|src=\"data:image/png;base64,[^\"]*\"", "", page, flags=re.S)
     assert "per (layer, head, sequence), then the mean over heads and layers of each sequence, then the mean over " \

@@ -32,3 +32,29 @@ def test_an_edited_sidecar_is_named_and_the_files_own_metadata_wins(tmp_path):
                                                      r"the file \(note, seed\); the file's own is used"):
         metadata = read_results(table).metadata
     assert (metadata["seed"], metadata["note"], metadata["model"], metadata["added"]) == (3, "a", "m", 1)
+
+
+def _described(queries: list[str], heads: list[int]) -> str:
+    from randattn.reports.tables import describe_data
+
+    table = pd.DataFrame({"model": "tinylm", "image": "pydoc:for", "layer": 0, "head": heads, "mask": "causal",
+                          "random": True, "replicates": 4, "queries": queries})
+    return describe_data(table, {"layout": "sequence"})
+
+
+def test_a_table_of_the_last_queries_says_so_in_its_description():
+    """Figures and the report take their subtitle from describe_data: a decode measurement (--queries last:64)
+    must not read as one of every query, and one head is one head."""
+    assert _described(["last:64"], [3]) == ("tinylm · 1 sequence (pydoc:for) · layer 0 · 1 head · causal mask · "
+                                            "the last 64 queries of each head · R = 4")
+    assert "64 sampled queries of each head" in _described(["sample:64", "sample:64"], [0, 1])
+    assert "queries" not in _described(["all", "all"], [0, 1]) and "· 2 heads ·" in _described(["all", "all"], [0, 1])
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".json"])
+def test_the_query_selection_reads_back_as_written(tmp_path, suffix):
+    """The results table's `queries` is the selection, a string: reading it as a per-position table's count
+    turned 'last:64' into NaN, and the report and figures of a decode run into ones of every query."""
+    rows = pd.concat([ROWS.assign(queries="last:64"), ROWS.assign(estimator="ra", label="ra", queries="sample:8")])
+    table, _ = write_table(rows, tmp_path / f"r{suffix}", {"seed": 3})
+    assert list(read_results(table).table["queries"]) == ["last:64", "sample:8"]
