@@ -535,7 +535,9 @@ def promise_section(table: pd.DataFrame) -> list[str]:
            "||y<sub>n</sub>||; per head its mean, median and 95th percentile over the measured queries and "
            "replicates. With an error bound epsilon (<code>--epsilon</code>, or an estimator's own promise, as "
            "vAttention's (epsilon, delta)) the violation rate is the fraction of (query, replicate) pairs above it, "
-           "with a 95% Clopper-Pearson interval.</p>"]
+           "with a 95% Clopper-Pearson interval. A promise is read here as one on the output, as a user of the "
+           "estimator reads it; vAttention's budget rule sizes its sample for the error of the softmax denominator, "
+           "not of the output (the Estimators guide).</p>"]
     if "promise_broken" in table.columns:
         broken = table[table["promise_broken"].fillna(False).astype(bool)]
         if not broken.empty:
