@@ -528,11 +528,14 @@ def describe_data(table: pd.DataFrame, metadata: dict[str, Any] | None = None) -
     masks = table_masks(table)
     if masks:
         parts.append(" and ".join(f"{kind} mask" for kind in masks))
-    # a figure of the last 64 queries must not read as one of every query (a per-position table's `queries` is
-    # the count of its bucket's queries instead)
+    # a figure of the last 64 queries must not read as one of every query; a per-position table's `queries` is
+    # the count of its bucket's queries instead, and the run's selection is in the metadata
     if "queries" in table and "position_lo" not in table:
-        selections = sorted(set(table["queries"].dropna().astype(str)) - {"all"})
-        parts.extend(f"{queries_noun(selection)} of each head" for selection in selections)
+        selections = set(table["queries"].dropna().astype(str))
+    else:
+        recorded = metadata.get("queries")
+        selections = {str(recorded.get("selection", "all"))} if isinstance(recorded, dict) else set()
+    parts.extend(f"{queries_noun(selection)} of each head" for selection in sorted(selections - {"all"}))
     random_rows = table[table["random"].astype(bool)] if "random" in table else table
     if "replicates" in random_rows and random_rows["replicates"].notna().any():
         # deterministic estimators run one replicate; R is the random estimators' count

@@ -51,6 +51,18 @@ def test_a_table_of_the_last_queries_says_so_in_its_description():
     assert "queries" not in _described(["all", "all"], [0, 1]) and "· 2 heads ·" in _described(["all", "all"], [0, 1])
 
 
+def test_a_per_position_table_takes_the_query_selection_from_the_metadata():
+    """Its `queries` column counts a bucket's queries; the run's selection is the metadata's."""
+    from randattn.reports.tables import describe_data
+
+    positions = pd.DataFrame({"model": "tinylm", "head": [0], "position_lo": [4096], "position_hi": [8191],
+                              "queries": [63]})
+    assert describe_data(positions, {"queries": {"selection": "last:64", "of": 8192}}) == \
+        "tinylm · 1 head · the last 64 queries of each head"
+    assert describe_data(positions, {"queries": {"selection": "all", "of": 8192}}) == "tinylm · 1 head"
+    assert describe_data(positions, {}) == "tinylm · 1 head"
+
+
 @pytest.mark.parametrize("suffix", [".parquet", ".csv", ".json"])
 def test_the_query_selection_reads_back_as_written(tmp_path, suffix):
     """The results table's `queries` is the selection, a string: reading it as a per-position table's count
