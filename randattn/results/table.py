@@ -346,13 +346,11 @@ def _normalise_types(table: pd.DataFrame) -> pd.DataFrame:
         table["random"] = table["random"].map(
             lambda value: value if isinstance(value, (bool, np.bool_)) else str(value).strip().lower() in ("true", "1")
         ).astype(bool)
-    # `queries` is a count only in a per-position table; the results table's is the selection ("all", "last:64")
-    counts = ("queries",) if "position_lo" in table else ()
-    for column in ("layer", "head", "tokens", "num_samples", "replicates", "position_lo", "position_hi", *counts):
+    # not `queries`: the results table's is the selection ("all", "last:64"), which a number would turn into NaN;
+    # the per-position table's count of queries reads back as the integer it was written as
+    for column in ("layer", "head", "tokens", "num_samples", "replicates", "position_lo", "position_hi"):
         if column in table:
             table[column] = pd.to_numeric(table[column], errors="coerce")
-    if "queries" in table and not counts:
-        table["queries"] = table["queries"].astype(object).where(table["queries"].notna(), "all").astype(str)
     if "label" not in table and "estimator" in table:
         table["label"] = table["estimator"]
     for column in ("image", "label", "estimator", "model", "mask"):

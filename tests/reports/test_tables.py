@@ -70,3 +70,15 @@ def test_the_query_selection_reads_back_as_written(tmp_path, suffix):
     rows = pd.concat([ROWS.assign(queries="last:64"), ROWS.assign(estimator="ra", label="ra", queries="sample:8")])
     table, _ = write_table(rows, tmp_path / f"r{suffix}", {"seed": 3})
     assert list(read_results(table).table["queries"]) == ["last:64", "sample:8"]
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".json"])
+def test_a_per_position_tables_query_counts_read_back_as_integers(tmp_path, suffix):
+    """Its `queries` is a count of the bucket's queries, read back as the integer written (no conversion needed)."""
+    rows = pd.DataFrame({"estimator": ["rfa", "rfa"], "label": ["rfa", "rfa"], "num_samples": [4, 4],
+                         "position_lo": [1, 2], "position_hi": [1, 3], "queries": [1, 2], "mse": [0.5, 0.25]})
+    path = tmp_path / f"r.positions{suffix}"
+    {".parquet": rows.to_parquet, ".csv": lambda p: rows.to_csv(p, index=False),
+     ".json": lambda p: rows.to_json(p, orient="records")}[suffix](path)
+    counts = read_results(path).table["queries"]
+    assert pd.api.types.is_integer_dtype(counts) and list(counts) == [1, 2]
