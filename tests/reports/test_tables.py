@@ -61,6 +61,7 @@ def test_a_per_position_table_takes_the_query_selection_from_the_metadata():
         "tinylm · 1 head · the last 64 queries of each head"
     assert describe_data(positions, {"queries": {"selection": "all", "of": 8192}}) == "tinylm · 1 head"
     assert describe_data(positions, {}) == "tinylm · 1 head"
+    assert describe_data(positions, {"queries": {"of": 8192}}) == "tinylm · 1 head"  # recorded before a selection
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".csv", ".json"])
