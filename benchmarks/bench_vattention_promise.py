@@ -34,20 +34,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from scipy.special import logsumexp
-from scipy.stats import beta
 
+from randattn.analysis.relative_error import clopper_pearson
 from randattn.estimators.registry import get_spec
 from randattn.estimators.vattention import batched
 
 #: replicates drawn and selected at once (an (R, K, M) float64 weight array per chunk: 64 x 8,192 x 25 = 105 MB)
 CHUNK = 25
-
-
-def _interval(violations: int, trials: int) -> tuple[float, float]:
-    """Clopper-Pearson 95% interval of a binomial rate."""
-    lo = beta.ppf(0.025, violations, trials - violations + 1) if violations else 0.0
-    hi = beta.ppf(0.975, violations + 1, trials - violations) if violations < trials else 1.0
-    return float(lo), float(hi)
 
 
 def measure_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, params: dict[str, Any], replicates: int,
@@ -84,7 +77,7 @@ def measure_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, params: dict[str, 
            "cap": float(joined["cap"].mean())}
     for name in ("denominator", "output"):
         count = int(joined[name].sum())
-        row[name] = (count / trials, *_interval(count, trials))
+        row[name] = (count / trials, *map(float, clopper_pearson(count, trials)))
     return row
 
 
