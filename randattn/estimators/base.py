@@ -28,6 +28,7 @@ __all__ = [
     "RESERVED_PARAMETER_NAMES",
     "SELECTIONS",
     "QUERY_PLACEMENTS",
+    "PROMISE_QUANTITIES",
     "OPTIONAL_FORMS",
     "BatchedForm",
     "BatchedForms",
@@ -67,6 +68,11 @@ SELECTIONS = ("continuous", "discrete")
 #: mask alone); ``last-n-of-m``: query n is token n + M - N even without a mask (windows of recent keys); and
 #: ``proportional``: without a mask N != M queries are spread over the keys in proportion (EVA's blocks and chunks).
 QUERY_PLACEMENTS = ("independent", "last-n-of-m", "proportional")
+#: what an estimator's (epsilon, delta) promise bounds (:attr:`EstimatorSpec.promise_on`): ``output``: the relative
+#: output error :math:`\lVert \hat y_n - y_n \rVert / \lVert y_n \rVert`; ``denominator``: the relative error
+#: :math:`|\hat Z_n - Z_n| / Z_n` of its estimate of the softmax normaliser
+#: :math:`Z_n = \sum_{m \in V_n} e^{s\, q_n \cdot k_m}` (vAttention's budget rule, which sizes its sample for it)
+PROMISE_QUANTITIES = ("output", "denominator")
 #: names an estimator parameter may not take: the arguments of ``randattn.estimate`` and ``randattn.draw`` and
 #: the names the protocol passes to ``draw``, ``reference`` and ``batched`` beside the parameters (a parameter
 #: ``k`` would collide with the keys of ``estimate(name, q, k, v, ...)``).
@@ -76,7 +82,8 @@ RESERVED_PARAMETER_NAMES = ("name", "q", "k", "v", "q_shape", "k_shape", "draws"
 
 #: the optional torch forms a spec may declare beside its batched estimate (:class:`BatchedForms`), by name
 BatchedForm = Literal["probabilities", "estimate_with_probabilities", "estimate_with_float32_probabilities",
-                      "estimate_with_probability_factors", "estimate_with_probabilities_and_keys_used"]
+                      "estimate_with_probability_factors", "estimate_with_probabilities_and_keys_used",
+                      "estimate_with_probabilities_keys_used_and_log_denominator"]
 #: the names of :data:`BatchedForm`, in the order :class:`BatchedForms` declares them
 OPTIONAL_FORMS: tuple[str, ...] = get_args(BatchedForm)
 
@@ -336,6 +343,14 @@ def _fact(value: Any, params: Mapping[str, Any]) -> Any:
     return value(params) if callable(value) else value
 
 
+def _denominator_promised(spec: "EstimatorSpec", params: Mapping[str, Any]) -> bool:
+    """Whether ``params``' promise is on the denominator; False where ``promise_on`` raises (reported elsewhere)."""
+    try:
+        return spec.promise_on_of(params) == "denominator"
+    except Exception:
+        return False
+
+
 @dataclass(frozen=True)
 class BatchedForms:
     """An estimator's torch forms: the batched estimate and the optional forms it declares.
@@ -378,6 +393,12 @@ class BatchedForms:
         results and the spec's ``keys_used`` counts ``(R, ..., N)`` float64, the same bits, from one selection.
         The sweep takes it where it measures both (an estimator that picks keys by hashing, as MagicPIG does,
         would otherwise hash every key twice). Undeclared: the sweep calls ``keys_used`` after the estimate.
+    estimate_with_probabilities_keys_used_and_log_denominator : callable or None
+        ``(q, k, v, draws, *, scale, **params) -> (out, probs, counts, log_denominator)``:
+        ``estimate_with_probabilities_and_keys_used``' three results and the spec's ``log_denominator`` ``(R, ..., N)``
+        float64, the same bits, from one selection. The sweep takes it where a promise on the denominator is
+        checked (vAttention's selection would otherwise be made twice). Undeclared: the sweep calls
+        ``log_denominator`` after the estimate.
 
     Examples
     --------
@@ -393,6 +414,7 @@ class BatchedForms:
     estimate_with_float32_probabilities: Callable[..., Any] | None = None
     estimate_with_probability_factors: Callable[..., Any] | None = None
     estimate_with_probabilities_and_keys_used: Callable[..., Any] | None = None
+    estimate_with_probabilities_keys_used_and_log_denominator: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.estimate):
@@ -509,7 +531,7 @@ def _accepting_legacy_form_keywords(cls: type) -> type:
 @_accepting_legacy_form_keywords
 @dataclass(frozen=True)
 class EstimatorSpec:
-    """What the registry knows of an estimator.
+    r"""What the registry knows of an estimator.
 
     Attributes
     ----------
@@ -593,8 +615,19 @@ class EstimatorSpec:
         is passed as to ``batched``. None: not declared (the sweep leaves the ``keys_used`` column empty).
     promise : callable or None
         ``promise(params) -> (epsilon, delta) | None``: the accuracy the configuration guarantees, as
-        ``P(||y_hat_n - y_n|| / ||y_n|| > epsilon) <= delta`` for each query n (vAttention's "verified"
-        attention); the sweep then measures the violation rate against it. None, or a None result: no promise.
+        ``P(e_n > epsilon) <= delta`` for each query n, ``e_n`` the relative error of what :attr:`promise_on`
+        names (vAttention's "verified" attention); the sweep then measures the violation rate of that quantity
+        against it. None, or a None result: no promise.
+    promise_on : str or callable
+        One of :data:`PROMISE_QUANTITIES`, or ``promise_on(params) -> str``: what the promise bounds. ``output``
+        (the default): the relative output error; ``denominator``: the relative error of the estimate of the
+        softmax normaliser, which the spec then gives as :attr:`log_denominator`.
+    log_denominator : callable or None
+        torch ``log_denominator(q, k, draws, *, scale, **params) -> (R, ..., N)``: the log of the estimator's
+        estimate :math:`\hat Z_n` of the softmax normaliser :math:`Z_n = \sum_{m \in V_n} e^{s\, q_n \cdot k_m}`
+        over the keys each query sees (not max-shifted: a log, so that norms above 100 stay finite), a float64
+        tensor, from the same draws as its estimate. ``mask=`` is passed as to ``batched``. Required where the
+        promise is on the denominator.
     memory_hint : str
         What dominates its working memory, for the catalogue (the sweep measures the actual
         bytes of a cell before it plans, :mod:`randattn.analysis.memory`).
@@ -626,6 +659,8 @@ class EstimatorSpec:
     query_placement: str | Callable[[Mapping[str, Any]], str] = "independent"
     keys_used: Callable[..., Any] | None = None
     promise: Callable[[Mapping[str, Any]], tuple[float, float] | None] | None = None
+    promise_on: str | Callable[[Mapping[str, Any]], str] = "output"
+    log_denominator: Callable[..., Any] | None = None
     memory_hint: str = ""
 
     def __post_init__(self) -> None:
@@ -682,6 +717,10 @@ class EstimatorSpec:
             return None
         promised = self.promise(params)
         return None if promised is None else (float(promised[0]), float(promised[1]))
+
+    def promise_on_of(self, params: Mapping[str, Any]) -> str:
+        """One of :data:`PROMISE_QUANTITIES`: what this configuration's promise bounds (see :attr:`promise_on`)."""
+        return _fact(self.promise_on, params)
 
     def masks_of(self, params: Mapping[str, Any] | None = None) -> tuple[str | None, ...]:
         """The masks this configuration supports (the estimator's, for ``params=None``: any configuration's)."""
@@ -811,7 +850,7 @@ def validate_spec(spec: Any) -> EstimatorSpec:
             problems.append(f"{attr} must be callable, got {type(getattr(spec, attr)).__name__}")
     if not isinstance(spec.forms, BatchedForms):  # its forms are checked when it is made
         problems.append(f"forms must be a randattn.estimators.BatchedForms, got {type(spec.forms).__name__}")
-    for attr in ("describe", "keys_used", "promise"):
+    for attr in ("describe", "keys_used", "promise", "log_denominator"):
         value = getattr(spec, attr)
         if value is not None and not callable(value):
             problems.append(f"{attr} must be callable or None, got {type(value).__name__}")
@@ -819,6 +858,11 @@ def validate_spec(spec: Any) -> EstimatorSpec:
             and spec.keys_used is None):
         problems.append("forms declares estimate_with_probabilities_and_keys_used but the spec declares no keys_used "
                         "(the counts it returns are keys_used's)")
+    if (isinstance(spec.forms, BatchedForms)
+            and spec.forms.has("estimate_with_probabilities_keys_used_and_log_denominator")
+            and (spec.keys_used is None or spec.log_denominator is None)):
+        problems.append("forms declares estimate_with_probabilities_keys_used_and_log_denominator but the spec "
+                        "declares no keys_used or no log_denominator (what it returns beside the estimate is theirs)")
     for attr in ("summary", "source", "complexity"):
         if not isinstance(getattr(spec, attr), str):
             problems.append(f"{attr} must be a string")
@@ -840,7 +884,8 @@ def validate_spec(spec: Any) -> EstimatorSpec:
         return _raise_if(spec, problems)
     facts = (("convergence", spec.convergence_of, CONVERGENCE), ("cost", spec.cost_of, COSTS),
              ("selection", spec.selection_of, SELECTIONS),
-             ("query_placement", spec.query_placement_of, QUERY_PLACEMENTS))
+             ("query_placement", spec.query_placement_of, QUERY_PLACEMENTS),
+             ("promise_on", spec.promise_on_of, PROMISE_QUANTITIES))
     for label, params in [("defaults", defaults), *((f"variant {v!r}", p) for v, p in spec.variants.items())]:
         try:
             resolved = spec.resolve_params(params)
@@ -862,6 +907,9 @@ def validate_spec(spec: Any) -> EstimatorSpec:
             continue
         if spec.convergence_of(resolved) == "exact" and is_random:
             problems.append(f"the {label} claim convergence 'exact' but is_random says they are random")
+        if spec.promise is not None and spec.log_denominator is None and _denominator_promised(spec, resolved):
+            problems.append(f"the {label} promise an accuracy of the denominator but the spec declares no "
+                            "log_denominator (the sweep measures the promise on it)")
     for preset, params in spec.presets.items():
         unknown = sorted(set(params) - set(spec.params))
         if unknown:

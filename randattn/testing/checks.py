@@ -33,6 +33,10 @@ Tolerances, and why:
 - **keys used**: where a spec declares ``keys_used``, its count for each query equals, exactly, the number of
   keys with a nonzero implied probability (``batched`` with ``v = I_M``, float64, inputs of norm ~ 1 so that no
   read key's weight underflows), under every declared mask, with N = M and N < M (the decode regime).
+- **log denominator**: where a spec declares ``log_denominator`` (the estimate of the softmax normaliser a
+  denominator promise is about), a float64 ``(R, ..., N)`` tensor, finite at key norms 150-200 under every declared
+  mask, and in every declared exact limit (bidirectional) the exact log-normaliser (written out here) to the
+  limit's ``rtol`` absolute in log space (relative in the normaliser).
 - **one key**: a normalized estimator returns that key's value to ``1e-12`` relative (a weight
   divided by itself: one rounding).
 - **seeds and replicates** (through ``randattn.estimate``, N = M = 64 so that no default local window covers every
@@ -617,6 +621,59 @@ def check_keys_used(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
                 raise CheckFailed(f"{where}: counts more keys than a query sees")
 
 
+def _log_normaliser(q, k) -> np.ndarray:
+    """``log sum_m exp(s q_n . k_m)``, written out here (float64, max-subtracted)."""
+    logits = q.shape[-1] ** -0.5 * np.einsum("...nd,...md->...nm", q, k)
+    top = logits.max(-1, keepdims=True)
+    return np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+
+
+def _log_denominator(spec: EstimatorSpec, q, k, draws, params, mask) -> np.ndarray:
+    import torch
+
+    kwargs = {"mask": mask} if mask is not None else {}
+    t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
+    value = _quiet(lambda: spec.log_denominator(t(q), t(k), draws.to_torch(dtype=torch.float64), scale=None,
+                                                **params, **kwargs))
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float64:
+        raise CheckFailed(f"log_denominator must return a float64 torch tensor, got "
+                          f"{getattr(value, 'dtype', type(value).__name__)}")
+    return to_numpy(value)
+
+
+def check_log_denominator(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """``log_denominator``: float64 ``(R, ..., N)``, finite at key norms 150-200 (a log, never an overflowing
+    exponential), under every declared mask; and in each declared exact limit equal to the exact
+    ``log sum_m exp(s q_n . k_m)`` over the visible keys (written out here) to the limit's ``rtol`` in log space,
+    i.e. relative in the normaliser."""
+    if spec.log_denominator is None:
+        raise CheckSkipped("the spec declares no log_denominator")
+    for mask in _masks(spec, params):
+        for n, m in ((9, 9), (3, 20)):
+            q, k, _ = _inputs(((2, n, 5), (2, m, 5), (2, m, 1)), seed=160 + m)
+            draws = _draw(spec, q.shape, k.shape, params, seed=161, mask=mask)
+            value = _log_denominator(spec, q, k, draws, params, mask)
+            where = f"log_denominator (N={n}, M={m}{_mask_words(mask)})"
+            if value.shape != (_REPLICATES, 2, n):
+                raise CheckFailed(f"{where}: shape {value.shape}, expected (R, 2, N) = {(_REPLICATES, 2, n)}")
+            if not np.isfinite(value).all():
+                raise CheckFailed(f"{where}: {int((~np.isfinite(value)).sum())} of {value.size} values not finite")
+        q, k, _ = _large_norm_inputs(162)
+        value = _log_denominator(spec, q, k, _draw(spec, q.shape, k.shape, params, seed=163, mask=mask), params, mask)
+        if not np.isfinite(value).all():
+            raise CheckFailed(f"log_denominator at key norms 150-200{_mask_words(mask)}: "
+                              f"{int((~np.isfinite(value)).sum())} of {value.size} values not finite")
+    for limit in spec.exact_limits:  # bidirectional, as check_exact_limits
+        for n, m in ((12, 12), (7, 12)):
+            q, k, _ = _inputs(((2, n, 6), (2, m, 6), (2, m, 3)), seed=164 + n)
+            limit_params, samples = limit.resolve(n, m)
+            limit_params = spec.resolve_params({**params, **limit_params})
+            draws = _draw(spec, q.shape, k.shape, limit_params, samples=samples or 3, seed=165)
+            value = _log_denominator(spec, q, k, draws, limit_params, None)
+            _close(value, np.broadcast_to(_log_normaliser(q, k), value.shape), atol=limit.rtol, rtol=0.0,
+                   what=f"log_denominator in the exact limit '{limit.description}' (N={n}, M={m}):")
+
+
 def check_single_key(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
     """A normalized estimator given one key returns that key's value for every query, exactly."""
     import torch
@@ -797,39 +854,74 @@ def check_with_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> 
                                   f"batched_probabilities warn {sorted(out_warnings + probs_warnings)}")
 
 
+def _separate_calls(spec: EstimatorSpec) -> dict[str, Callable[..., Any]]:
+    """What a one-pass form returns, part by part, as the separate calls give it: ``name -> call(tq, tk, tv, tdraws,
+    kwargs)`` (the names the kit's messages use)."""
+    return {
+        "output": lambda tq, tk, tv, tdraws, kw: spec.batched(tq, tk, tv, tdraws, **kw),
+        "probabilities": lambda tq, tk, tv, tdraws, kw: spec.forms.get("estimate_with_probabilities")(
+            tq, tk, tv, tdraws, **kw)[1],
+        "keys_used": lambda tq, tk, tv, tdraws, kw: spec.keys_used(tq, tk, tdraws, **kw),
+        "log_denominator": lambda tq, tk, tv, tdraws, kw: spec.log_denominator(tq, tk, tdraws, **kw),
+    }
+
+
+#: the one-pass forms: each returns these parts of :func:`_separate_calls`, in order, from one selection
+_ONE_PASS_PARTS = {
+    "estimate_with_probabilities_and_keys_used": ("output", "probabilities", "keys_used"),
+    "estimate_with_probabilities_keys_used_and_log_denominator": ("output", "probabilities", "keys_used",
+                                                                  "log_denominator"),
+}
+#: the separate call each part comes from, as the kit's messages name it
+_SEPARATE_NAMES = {"output": "batched", "probabilities": "batched_with_probabilities", "keys_used": "keys_used",
+                   "log_denominator": "log_denominator"}
+
+
+def _check_one_pass(spec: EstimatorSpec, params: Mapping[str, Any], form: str, seed: int) -> None:
+    """``form`` returns the parts :data:`_ONE_PASS_PARTS` names, each bit for bit as its separate call gives it,
+    warning nothing the separate calls do not, in float64 and float32, over odd shapes, under every declared mask."""
+    import torch
+
+    name = "batched_" + form.removeprefix("estimate_")
+    if not spec.forms.has(form):
+        raise CheckSkipped(f"the spec declares no {name}")
+    parts = _ONE_PASS_PARTS[form]
+    declared = {"probabilities": spec.forms.has("estimate_with_probabilities"),
+                "keys_used": spec.keys_used is not None, "log_denominator": spec.log_denominator is not None}
+    missing = [_SEPARATE_NAMES[p] for p in parts[1:] if not declared[p]]
+    if missing:
+        raise CheckFailed(f"{name} is declared without {' and '.join(missing)}, whose results it must give")
+    calls = _separate_calls(spec)
+    one_pass = spec.forms.get(form)
+    for dtype in (torch.float64, torch.float32):
+        for mask, where, (q, k, v), draws in _optional_cases(spec, params, seed=seed):
+            where = f"{where}, {dtype}"
+            tq, tk, tv, tdraws = _to_torch((q, k, v), draws, dtype)
+            kwargs = {"scale": None, **params, **({"mask": mask} if mask is not None else {})}
+            results, joint = _recorded(lambda: one_pass(tq, tk, tv, tdraws, **kwargs))
+            separate: set[str] = set()
+            for part, result in zip(parts, results):
+                alone, alone_warnings = _recorded(lambda: calls[part](tq, tk, tv, tdraws, kwargs))
+                separate |= set(alone_warnings)
+                _bits_equal(f"{name}' {'output' if part == 'output' else part} on {where}", result, alone)
+            if not set(joint) <= separate:
+                names = [_SEPARATE_NAMES[p] for p in parts]
+                raise CheckFailed(f"{name} on {where} warned {sorted(set(joint))}, but "
+                                  f"{', '.join(names[:-1])} and {names[-1]} warn {sorted(separate)}")
+
+
 def check_with_keys_used(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
     """``forms.estimate_with_probabilities_and_keys_used`` returns ``batched``'s output, the probabilities of
     ``forms.estimate_with_probabilities`` and ``keys_used``' counts bit for bit, warning nothing the three do not,
     in float64 and float32, over odd shapes, under every declared mask."""
-    import torch
+    _check_one_pass(spec, params, "estimate_with_probabilities_and_keys_used", seed=175)
 
-    form = "estimate_with_probabilities_and_keys_used"
-    if not spec.forms.has(form):
-        raise CheckSkipped("the spec declares no batched_with_probabilities_and_keys_used")
-    if spec.keys_used is None or not spec.forms.has("estimate_with_probabilities"):
-        raise CheckFailed("batched_with_probabilities_and_keys_used is declared without keys_used and "
-                          "batched_with_probabilities, whose results it must give")
-    with_counts = spec.forms.get(form)
-    for dtype in (torch.float64, torch.float32):
-        for mask, where, (q, k, v), draws in _optional_cases(spec, params, seed=175):
-            where = f"{where}, {dtype}"
-            tq, tk, tv, tdraws = _to_torch((q, k, v), draws, dtype)
-            kwargs = {"mask": mask} if mask is not None else {}
-            (out, probs, counts), joint = _recorded(lambda: with_counts(tq, tk, tv, tdraws, scale=None, **params,
-                                                                        **kwargs))
-            alone_out, out_warnings = _recorded(lambda: spec.batched(tq, tk, tv, tdraws, scale=None, **params,
-                                                                     **kwargs))
-            (_, alone_probs), probs_warnings = _recorded(lambda: spec.forms.get("estimate_with_probabilities")(
-                tq, tk, tv, tdraws, scale=None, **params, **kwargs))
-            alone_counts, counts_warnings = _recorded(lambda: spec.keys_used(tq, tk, tdraws, scale=None, **params,
-                                                                             **kwargs))
-            _bits_equal(f"batched_with_probabilities_and_keys_used' output on {where}", out, alone_out)
-            _bits_equal(f"batched_with_probabilities_and_keys_used' probabilities on {where}", probs, alone_probs)
-            _bits_equal(f"batched_with_probabilities_and_keys_used' keys_used on {where}", counts, alone_counts)
-            separate = set(out_warnings + probs_warnings + counts_warnings)
-            if not set(joint) <= separate:
-                raise CheckFailed(f"batched_with_probabilities_and_keys_used on {where} warned {sorted(set(joint))}, "
-                                  f"but batched, batched_with_probabilities and keys_used warn {sorted(separate)}")
+
+def check_with_log_denominator(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """``forms.estimate_with_probabilities_keys_used_and_log_denominator`` returns the three results of
+    ``check_with_keys_used`` and ``log_denominator``'s values bit for bit, warning nothing the four do not, in
+    float64 and float32, over odd shapes, under every declared mask."""
+    _check_one_pass(spec, params, "estimate_with_probabilities_keys_used_and_log_denominator", seed=178)
 
 
 def check_float32_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
@@ -1028,6 +1120,7 @@ CHECKS: dict[str, Callable[[EstimatorSpec, Mapping[str, Any]], None]] = {
     "probabilities": check_probabilities,
     "with probabilities": check_with_probabilities,
     "with keys used": check_with_keys_used,
+    "with log denominator": check_with_log_denominator,
     "float32 probabilities": check_float32_probabilities,
     "probability factors": check_probability_factors,
     "key norms 150-200": check_finite_at_large_norms,
@@ -1035,6 +1128,7 @@ CHECKS: dict[str, Callable[[EstimatorSpec, Mapping[str, Any]], None]] = {
     "declared convergence": check_convergence,
     "exact limits": check_exact_limits,
     "keys used": check_keys_used,
+    "log denominator": check_log_denominator,
     "one key": check_single_key,
     "causal prefix invariance": check_causal_prefix_invariance,
     "no N x M memory": check_no_quadratic_memory,

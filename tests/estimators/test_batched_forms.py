@@ -56,7 +56,8 @@ def test_declared_forms_are_asked_for_by_name():
     assert forms.get("probabilities") is _probabilities
     assert set(OPTIONAL_FORMS) == {"probabilities", "estimate_with_probabilities",
                                    "estimate_with_float32_probabilities", "estimate_with_probability_factors",
-                                   "estimate_with_probabilities_and_keys_used"}
+                                   "estimate_with_probabilities_and_keys_used",
+                                   "estimate_with_probabilities_keys_used_and_log_denominator"}
     assert BatchedForms(_estimate).declared == ()
 
 

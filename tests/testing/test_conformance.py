@@ -10,6 +10,7 @@ the package: softmax over the keys ``m <= n + offset + M - N``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import warnings
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import randattn
-from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, SpecError
+from randattn.estimators.base import BatchedForms, Draws, EstimatorSpec, ExactLimit, SpecError
 from randattn.testing import EstimatorCheckError, check_estimator, parametrize_with_checks
 
 #: configurations beyond the defaults whose declared facts differ (orthogonal draws, positive LARA weights,
@@ -315,6 +316,52 @@ def test_a_promise_outside_the_unit_interval_is_an_invalid_spec():
         randattn.estimators.base.validate_spec(spec)
 
 
+# ---------------------------------------------------------------------------------------------- log denominator
+def _log_normaliser(defect: str = ""):
+    """log_denominator of exact softmax: the logsumexp of the visible logits (written out here), or with a
+    planted ``defect``: ``"+1%"`` (the normaliser 1% high), ``"float32"`` (the wrong dtype), ``"unshifted"``
+    (exp before log: inf at large norms)."""
+
+    def log_denominator(q, k, draws, *, scale=None, mask=None):
+        n, m = q.shape[-2], k.shape[-2]
+        logits = (q.shape[-1] ** -0.5 if scale is None else scale) * (q @ k.transpose(-1, -2))
+        if mask == "causal":
+            logits = logits.masked_fill(~torch.as_tensor(np.arange(m)[None, :] <= np.arange(n)[:, None] + m - n),
+                                        float("-inf"))
+        logs = (torch.exp(logits).sum(-1).log() if defect == "unshifted" else torch.logsumexp(logits, dim=-1))
+        logs = logs + math.log(1.01) if defect == "+1%" else logs
+        logs = logs.to(torch.float32) if defect == "float32" else logs
+        return logs.expand(draws.replicates, *logs.shape).clone()
+
+    return log_denominator
+
+
+def _denominator_softmax(name: str, defect: str = "") -> EstimatorSpec:
+    return dataclasses.replace(_causal_softmax_spec(name, 0), log_denominator=_log_normaliser(defect),
+                               exact_limits=(ExactLimit("always: it is softmax attention"),),
+                               promise=lambda p: (0.1, 0.1), promise_on="denominator")
+
+
+@pytest.mark.parametrize(("defect", "words"), [
+    ("+1%", r"log_denominator in the exact limit 'always: it is softmax attention' \(N=12, M=12\)"),
+    ("float32", "log_denominator must return a float64 torch tensor, got torch.float32"),
+    ("unshifted", r"log_denominator at key norms 150-200: \d+ of \d+ values not finite"),
+])
+def test_a_true_log_denominator_passes_and_each_planted_defect_fails(defect, words):
+    assert _only(_denominator_softmax("normalised-softmax"), "log denominator").status == "passed"
+    result = _only(_denominator_softmax("misnormalised-softmax", defect), "log denominator")
+    assert result.status == "failed" and re.search(words, result.message), result.message
+
+
+def test_a_denominator_promise_without_log_denominator_is_an_invalid_spec():
+    spec = dataclasses.replace(_denominator_softmax("denominator-softmax"), log_denominator=None)
+    with pytest.raises(SpecError, match="promise an accuracy of the denominator but the spec declares no "
+                                        "log_denominator"):
+        randattn.estimators.base.validate_spec(spec)
+    with pytest.raises(SpecError, match="promise_on of the defaults is 'numerator'; allowed: output, denominator"):
+        randattn.estimators.base.validate_spec(dataclasses.replace(spec, promise_on="numerator"))
+
+
 # ------------------------------------------------------------------------------------------------ optional forms
 def _only(spec, check, params=None):
     """The one result of ``check`` on ``spec``."""
@@ -417,6 +464,31 @@ def test_a_one_pass_form_that_counts_a_key_it_does_not_read_fails():
     result = _only(spec, "with keys used", params)
     assert result.status == "failed", result
     assert "keys_used on" in result.message and "not the same bits as the separate call" in result.message
+
+
+def test_a_one_pass_form_whose_log_denominator_is_a_rounding_off_fails():
+    """vAttention's one selection gives its estimate, probabilities, keys used and log-denominator; a form whose
+    log-denominator differs from the separate call's by one rounding (summed in the input dtype, not float64) is
+    refused: the violation count of its promise must not depend on the path the sweep took."""
+    vattention = randattn.get_spec("vattention")
+    params = vattention.variants["adaptive-small"]
+    assert _only(vattention, "with log denominator", params).status == "passed"
+    form = "estimate_with_probabilities_keys_used_and_log_denominator"
+    one_pass = vattention.forms.get(form)
+
+    def rounded(q, k, v, draws, **kwargs):
+        out, probs, counts, logs = one_pass(q, k, v, draws, **kwargs)
+        return out, probs, counts, logs.to(q.dtype).to(torch.float64) + (0 if q.dtype == torch.float32 else 1e-15)
+
+    spec = dataclasses.replace(vattention, name="vattention-rounded", forms=vattention.forms.replace(**{form: rounded}))
+    result = _only(spec, "with log denominator", params)
+    assert result.status == "failed", result
+    assert ("batched_with_probabilities_keys_used_and_log_denominator' log_denominator on" in result.message
+            and "not the same bits as the separate call" in result.message), result.message
+    with pytest.raises(SpecError, match="estimate_with_probabilities_keys_used_and_log_denominator but the spec "
+                                        "declares no keys_used or no log_denominator"):
+        randattn.estimators.base.validate_spec(dataclasses.replace(vattention, name="vattention-unlogged",
+                                                                   log_denominator=None))
 
 
 def test_a_one_pass_keys_used_form_without_keys_used_is_an_invalid_spec():
