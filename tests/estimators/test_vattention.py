@@ -57,7 +57,7 @@ def _tensors(*arrays):
 def literal_vattention(q, k, v, draws, params, mask=None):
     """The algorithm once more, one replicate, batch element and query at a time, in plain Python.
 
-    Returns ``(out (R, ..., N, Dv), sample sizes (R, ..., N), keys read (R, ..., N))``.
+    Returns ``(out (R, ..., N, Dv), sample sizes (R, ..., N), keys read (R, ..., N), log D_hat (R, ..., N))``.
     """
     *batch, num_queries, dim = q.shape
     num_keys = k.shape[-2]
@@ -70,6 +70,7 @@ def literal_vattention(q, k, v, draws, params, mask=None):
     out = np.zeros((replicates, *batch, num_queries, v.shape[-1]))
     sizes = np.zeros((replicates, *batch, num_queries))
     read = np.zeros((replicates, *batch, num_queries))
+    log_den = np.zeros((replicates, *batch, num_queries))
     for r in range(replicates):
         for element in np.ndindex(*batch):
             for n in range(num_queries):
@@ -114,9 +115,11 @@ def literal_vattention(q, k, v, draws, params, mask=None):
                     for m in set(picks) - heavy:
                         weight[m] = n_s / b * (picks.count(m) if params["duplicates"] == "count" else 1)
                 numerator = sum(weight[m] * e[m] * v[(*element, m)] for m in weight)
-                out[(r, *at)] = numerator / sum(weight[m] * e[m] for m in weight)
+                denominator = sum(weight[m] * e[m] for m in weight)
+                out[(r, *at)] = numerator / denominator
                 sizes[(r, *at)], read[(r, *at)] = b, len(weight)
-    return out, sizes, read
+                log_den[(r, *at)] = math.log(denominator) + shift
+    return out, sizes, read, log_den
 
 
 # ------------------------------------------------------------------------------------------------ identities
@@ -129,12 +132,15 @@ def test_reference_matches_a_literal_loop(config, mask):
     rng = np.random.default_rng(1)
     q, k, v = rng.normal(size=(2, 5, 3)), rng.normal(size=(2, 9, 3)), rng.normal(size=(2, 9, 2))
     draws = _draws(q.shape, k.shape, params, samples=4, replicates=3, seed=2, mask=mask)
-    expected, sizes, read = literal_vattention(q, k, v, draws, params, mask)
+    expected, sizes, read, log_den = literal_vattention(q, k, v, draws, params, mask)
     assert_close(reference.estimate(q, k, v, draws, **params, **_masked(mask)), expected, atol=1e-12, rtol=1e-12,
                  what="reference against the literal loop:")
     chosen = reference.select(q, k, draws, **params, **_masked(mask))
     np.testing.assert_array_equal(chosen.sample_sizes, sizes)
     np.testing.assert_array_equal(reference.keys_used(q, k, draws, **params, **_masked(mask)), read)
+    # log D_hat: an absolute difference of logs is a relative one of the denominators (1e-12: a few roundings)
+    assert_close(reference.log_denominator(q, k, draws, **params, **_masked(mask)), log_den, atol=1e-12, rtol=0.0,
+                 what="reference log D_hat against the literal loop:")
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=["none", "causal"])
@@ -156,6 +162,9 @@ def test_batched_matches_reference_in_decode(config, mask):
                                   reference.keys_used(q, k, draws, **params, **_masked(mask)))
     np.testing.assert_array_equal(batched.select(qt, kt, draws.to_torch(), **params, **_masked(mask)).sample_sizes,
                                   reference.select(q, k, draws, **params, **_masked(mask)).sample_sizes)
+    assert_close(batched.log_denominator(qt, kt, draws.to_torch(), **params, **_masked(mask)),
+                 reference.log_denominator(q, k, draws, **params, **_masked(mask)), atol=atol, rtol=0.0,
+                 what=f"{config} log D_hat:")
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=["none", "causal"])
@@ -326,6 +335,10 @@ def test_finite_at_large_norms(mask):
         assert np.isfinite(ref).all(), params
         out = batched.estimate(*_tensors(q, k, v), draws.to_torch(), **params, **_masked(mask))
         assert_close(out, ref, atol=1e-10 * np.abs(v).max(), rtol=1e-10, what=f"large norms {params}:")
+        log_den = reference.log_denominator(q, k, draws, **params, **_masked(mask))  # D_hat itself overflows here
+        assert np.isfinite(log_den).all() and log_den.max() > 709, params
+        assert_close(batched.log_denominator(*_tensors(q, k), draws.to_torch(), **params, **_masked(mask)), log_den,
+                     atol=1e-10, rtol=0.0, what=f"large norms log D_hat {params}:")
 
 
 # ------------------------------------------------------------------------------------------------ facts, errors

@@ -24,7 +24,8 @@ from randattn.estimators.vattention.rules import (QuerySizes, VattentionOptions,
                                                   query_sizes)
 
 __all__ = ["Selection", "estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used",
-           "keys_used", "probabilities", "select"]
+           "estimate_with_probabilities_keys_used_and_log_denominator", "keys_used", "log_denominator",
+           "probabilities", "select"]
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,17 @@ def estimate_with_probabilities_and_keys_used(q: Any, k: Any, v: Any, draws: Dra
 
 
 @keyword_entry(VattentionOptions)
+def estimate_with_probabilities_keys_used_and_log_denominator(
+        q: Any, k: Any, v: Any, draws: Draws, options: VattentionOptions
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, probabilities, keys_used, log_denominator)`` from one selection, the same bits as the four forms."""
+    _, _, v, _, _ = prepare_batched(q, k, v, options.scale)
+    chosen = select.on_options(q, k, draws, options)
+    return (*weighted_attention(chosen.logits, chosen.log_weights, v),
+            sparse_keys_used(chosen.log_weights, chosen.logits), _log_denominator_of(chosen))
+
+
+@keyword_entry(VattentionOptions)
 def estimate(q: Any, k: Any, v: Any, draws: Draws, options: VattentionOptions) -> torch.Tensor:
     """vAttention, ``(R, ..., N, Dv)`` in the inputs' dtype; see :func:`.reference.estimate`."""
     return estimate_with_probabilities.on_options(q, k, v, draws, options)[0]
@@ -194,3 +206,16 @@ def keys_used(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> torch
     """``(R, ..., N)`` float64: heavy set plus distinct sampled keys (the base sample's keys not counted)."""
     chosen = select.on_options(q, k, draws, options)
     return sparse_keys_used(chosen.log_weights, chosen.logits)
+
+
+@keyword_entry(VattentionOptions)
+def log_denominator(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> torch.Tensor:
+    """``(R, ..., N)`` float64: the log of the estimated softmax normaliser; see :func:`.reference.log_denominator`.
+
+    Summed in float64 whatever the input dtype (the logits keep their own rounding)."""
+    return _log_denominator_of(select.on_options(q, k, draws, options))
+
+
+def _log_denominator_of(chosen: Selection) -> torch.Tensor:
+    """``(R, ..., N)`` float64: ``logsumexp(s + log w)`` over a selection's keys."""
+    return torch.logsumexp(chosen.logits.to(torch.float64) + chosen.log_weights.to(torch.float64), dim=-1)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from scipy.special import logsumexp
 
 from randattn.estimators._prepare import prepare_reference
 from randattn.estimators.base import Draws, keyword_entry
@@ -47,8 +48,8 @@ from randattn.estimators.vattention.rules import (
     QuerySets, VattentionOptions, ceil_or_floor, checked_uniforms, normal_quantile, query_sets,
 )
 
-__all__ = ["Selection", "estimate", "estimate_with_probabilities", "keys_used", "probabilities", "sample_size",
-           "select"]
+__all__ = ["Selection", "estimate", "estimate_with_probabilities", "keys_used", "log_denominator", "probabilities",
+           "sample_size", "select"]
 
 
 @dataclass(frozen=True)
@@ -275,3 +276,15 @@ def keys_used(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> np.nd
     """
     chosen = select.on_options(q, k, draws, options)
     return sparse_keys_used(chosen.log_weights, chosen.logits)
+
+
+@keyword_entry(VattentionOptions)
+def log_denominator(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> np.ndarray:
+    r"""``(R, ..., N)`` float64: :math:`\log \hat D_n`, the log of step 5's estimate of the softmax normaliser
+    :math:`D_n = \sum_{m \in V_n} e^{s_m}`, which the adaptive budget's (epsilon, delta) promise is about.
+
+    :math:`\hat D_n = \sum_m w_{nm} e^{s_{nm}}` over the selection, as a logsumexp of :math:`\log w + s`: finite
+    for logits of any size (the heavy set is never empty, so no row is all ``-inf``).
+    """
+    chosen = select.on_options(q, k, draws, options)
+    return logsumexp(chosen.logits + chosen.log_weights, axis=-1)
