@@ -1,11 +1,12 @@
 """Measurement: does vAttention keep its (epsilon, delta) promise where its budget rule states it -- on the softmax
-denominator -- and how does that compare with the output, where ``randattn mse`` reads the promise?
+denominator -- and how does that compare with the output, which the promise does not bound?
 
 vAttention's adaptive budget (the paper's denominator-only rule, the official code) sizes the residual sample so
 that ``P(|D_hat - D| > epsilon D) <= delta`` per query, to the accuracy of the central limit theorem with the
 residual's spread and D estimated from a base sample (``randattn.estimators.vattention.reference.sample_size``).
-``randattn mse`` checks the output, ``||y_hat_n - y_n|| > epsilon ||y_n||``, and flags a head whose rate is
-demonstrably above delta. This script measures both rates on the same draws, per head:
+``randattn mse`` checks the promise on the denominator too (the spec's ``promise_on``, with ``log_denominator``) and
+flags a head whose rate is demonstrably above delta; a user reading "verified attention" may expect it of the
+output, ``||y_hat_n - y_n|| > epsilon ||y_n||``. This script measures both rates on the same draws, per head:
 
 - ``denominator``: the rate of ``|D_hat / D - 1| > epsilon`` over R replicates x K queries, with ``D`` written out
   here (a logsumexp of the scaled scores over the visible keys) and ``D_hat`` formed here from the package's

@@ -27,7 +27,7 @@ dense probabilities of the second way, which :func:`columns_skip_reason` allows 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from randattn.estimators.base import Draws
 from randattn.estimators.masks import NO_MASK, Mask
 
 __all__ = ["PROBABILITY_KEY_TILE", "PROBABILITY_ROUNDING_RTOL", "BlockEstimator", "ProbabilitiesSkippedWarning",
-           "columns_skip_reason"]
+           "QueryFacts", "columns_skip_reason"]
 
 #: keys per tile of the tiled probability error. Fixed, so that the sum's order (and so its bits) does not depend on
 #: the memory budget. 256: causal RFA (S = 64, 4096 tokens, 2 cores) takes 0.80 s for a call with 64 value columns,
@@ -54,6 +54,16 @@ PROBABILITY_KEY_TILE = 256
 
 class ProbabilitiesSkippedWarning(UserWarning):
     """A unit's probability error was not computed (prob_mse is NaN); the message says why."""
+
+
+class QueryFacts(NamedTuple):
+    """What a block's estimate gave per (replicate, cell, query) from its own selection, as float64 ``(R_b, C_b, N)``
+    host arrays: the keys each query read and the log of its estimated softmax normaliser; None where the
+    estimator's forms did not give it (the unit then asks the spec's separate ``keys_used`` or ``log_denominator``,
+    :meth:`BlockEstimator.keys_used`, :meth:`BlockEstimator.log_denominator`)."""
+
+    keys_used: np.ndarray | None = None
+    log_denominator: np.ndarray | None = None
 
 
 def columns_skip_reason(label: str, mask: Mask, queries: int, keys: int, itemsize: int,
@@ -83,20 +93,21 @@ def columns_skip_reason(label: str, mask: Mask, queries: int, keys: int, itemsiz
 PROBABILITY_ROUNDING_RTOL = 1e-3
 
 
-def _counts_array(est: EstimatorConfig, counts, expected: tuple[int, ...]) -> np.ndarray:
-    """The keys-used ``counts`` of ``est`` as a float64 host array of shape ``expected`` ``(R_b, C_b, N)``.
+def _per_query_array(est: EstimatorConfig, values, expected: tuple[int, ...], form: str = "keys_used") -> np.ndarray:
+    """The per-query ``values`` of ``est``'s ``form`` (its keys-used counts, or its log-denominators) as a float64
+    host array of shape ``expected`` ``(R_b, C_b, N)``.
 
     Raises
     ------
     ValueError
-        The counts have another shape, naming the estimator.
+        The values have another shape, naming the estimator and the form.
     """
     import torch
 
-    if tuple(counts.shape) != expected:
-        raise ValueError(f"keys_used of estimator {est.label!r} returned shape {tuple(counts.shape)}; expected "
+    if tuple(values.shape) != expected:
+        raise ValueError(f"{form} of estimator {est.label!r} returned shape {tuple(values.shape)}; expected "
                          f"(R, ..., N) = {expected}")
-    return counts.to(device="cpu", dtype=torch.float64).numpy()
+    return values.to(device="cpu", dtype=torch.float64).numpy()
 
 
 class BlockEstimator:
@@ -179,29 +190,29 @@ class BlockEstimator:
             As computed: a torch tensor in the run's dtype on its device, or the reference's float64 array.
         prob_sq : (R_b, C_b) float64 ndarray or None
             None without probabilities.
-        keys_used : (R_b, C_b, N) float64 ndarray or None
-            The keys each query read, where the spec's ``estimate_with_probabilities_and_keys_used`` gave them from
-            the estimate's own selection; None otherwise (:meth:`keys_used` counts them).
+        facts : QueryFacts
+            The keys each query read and its log-denominator, where a one-pass form of the spec gave them from the
+            estimate's own selection (:meth:`_with_probabilities`); None fields otherwise.
         """
         if (not full_precision and exact_sq_norms is not None and exact64 is not None
                 and self.factors_pay(spec, est, rank, q.shape[-2])):
             factored = self._factored(spec, est, q, k, v, draws, exact_probs32, exact_sq_norms, exact64, mask=mask)
             if factored is not None:
-                return (*factored, None)
+                return (*factored, QueryFacts())
         if not full_precision and self.rounds_probabilities(spec, est):
             rounded = self._float32_product(spec, est, q, k, v, draws,
                                             exact_probs if exact_probs32 is None else exact_probs32, mask=mask)
             if rounded is not None:
-                return (*rounded, None)
+                return (*rounded, QueryFacts())
         if self.torch is None:
-            return (*self._reference(spec, est, q, k, v, draws, exact_probs, mask=mask), None)
+            return (*self._reference(spec, est, q, k, v, draws, exact_probs, mask=mask), QueryFacts())
         return self._dense(spec, est, q, k, v, draws, exact_probs, mask=mask)
 
     def tiled_estimate(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, log_normaliser, *,
                        mask: Mask = NO_MASK, key_tile: int = PROBABILITY_KEY_TILE, columns: bool = True):
         """:meth:`estimate` where the truth is tiled: the estimates, the probabilities' squared error
-        ``(R_b, C_b)`` summed over key tiles (module docstring; None without probabilities) and the keys-used
-        counts where the estimate's form gave them (else None), as :meth:`estimate` returns them.
+        ``(R_b, C_b)`` summed over key tiles (module docstring; None without probabilities) and the
+        :class:`QueryFacts` the estimate's form gave, as :meth:`estimate` returns them.
 
         Parameters
         ----------
@@ -222,7 +233,7 @@ class BlockEstimator:
         if torch_mod is None:  # the reference: numpy in, numpy out
             out = np.asarray(spec.reference(q, k, v, draws, scale=self.scale, **est.params, **masked), dtype=np.float64)
             if not self.probabilities or not columns:
-                return out, None, None
+                return out, None, QueryFacts()
 
             def columns_of(k0: int, k1: int):
                 onehot = np.zeros((*k.shape[:-1], k1 - k0))
@@ -231,7 +242,7 @@ class BlockEstimator:
                                   dtype=np.float64)
 
             return out, tiled_sq_errors(columns_of, q, k, log_normaliser, scale=self.scale, mask=mask.kind,
-                                        key_tile=tile), None
+                                        key_tile=tile), QueryFacts()
         import torch
 
         dt = getattr(torch, self.dtype_name(est))
@@ -239,9 +250,9 @@ class BlockEstimator:
         tdraws = draws.to_torch(device=self.device, dtype=dt)
         with torch.no_grad():
             if not self.probabilities:
-                out, counts = self._estimate_alone(spec, est, tq, tk, tv, tdraws, mask)
-                return out, None, counts
-            factors, counts = None, None
+                out, facts = self._estimate_alone(spec, est, tq, tk, tv, tdraws, mask)
+                return out, None, facts
+            factors, facts = None, QueryFacts()
             if spec.forms.has("estimate_with_probability_factors"):
                 factors = spec.forms.get("estimate_with_probability_factors")(tq, tk, tv, tdraws, scale=self.scale,
                                                                               **est.params, **masked)
@@ -252,13 +263,13 @@ class BlockEstimator:
                 def columns_of(k0: int, k1: int):
                     return left64 @ right[..., k0:k1].to(torch.float64)
             elif not columns:
-                out, counts = self._estimate_alone(spec, est, tq, tk, tv, tdraws, mask)
-                return out, None, counts
+                out, facts = self._estimate_alone(spec, est, tq, tk, tv, tdraws, mask)
+                return out, None, facts
             elif spec.forms.has("estimate_with_probabilities"):
                 # one pass gives the estimate and every column: one estimator call where one-hot tiles would make
                 # M / key_tile of them (each a whole estimate: MagicPIG hashing again, 79 times at 20,000 keys);
                 # its (R_b, C_b, K, M) probabilities are what `columns` allows and what the calibration measures
-                out, probs, counts = self._with_probabilities(spec, est, tq, tk, tv, tdraws, mask)
+                out, probs, facts = self._with_probabilities(spec, est, tq, tk, tv, tdraws, mask)
 
                 def columns_of(k0: int, k1: int):
                     return probs[..., k0:k1]
@@ -273,7 +284,7 @@ class BlockEstimator:
             tq64, tk64 = (input_tensor(a, device=self.device, dtype=torch.float64) for a in (q, k))
             sq = tiled_sq_errors(columns_of, tq64, tk64, log_normaliser, scale=self.scale, mask=mask.kind,
                                  key_tile=tile)
-        return out, sq, counts
+        return out, sq, facts
 
     def keys_used(self, spec, est: EstimatorConfig, q, k, draws: Draws, *, mask: Mask = NO_MASK) -> np.ndarray:
         """float64 ``(R_b, C_b, N)``: the keys each query's estimate reads (:attr:`~randattn.estimators.base.
@@ -294,7 +305,27 @@ class BlockEstimator:
         with torch.no_grad():
             counts = spec.keys_used(tq, tk, draws.to_torch(device=device, dtype=dt), scale=self.scale, **est.params,
                                     **mask.estimator_kwargs)
-        return _counts_array(est, counts, (draws.replicates, *q.shape[:-1]))
+        return _per_query_array(est, counts, (draws.replicates, *q.shape[:-1]))
+
+    def log_denominator(self, spec, est: EstimatorConfig, q, k, draws: Draws, *, mask: Mask = NO_MASK) -> np.ndarray:
+        """float64 ``(R_b, C_b, N)``: the log of each query's estimated softmax normaliser
+        (:attr:`~randattn.estimators.base.EstimatorSpec.log_denominator`), from the block's own draws, in the dtype
+        its estimate ran in, as :meth:`keys_used` (on the torch CPU for the reference backend).
+
+        Raises
+        ------
+        ValueError
+            The values do not have the layout ``(R_b, C_b, N)``, naming the estimator.
+        """
+        import torch
+
+        device = self.device if self.torch is not None else None
+        dt = getattr(torch, self.dtype_name(est))
+        tq, tk = (input_tensor(a, device=device, dtype=dt) for a in (q, k))
+        with torch.no_grad():
+            logs = spec.log_denominator(tq, tk, draws.to_torch(device=device, dtype=dt), scale=self.scale,
+                                        **est.params, **mask.estimator_kwargs)
+        return _per_query_array(est, logs, (draws.replicates, *q.shape[:-1]), "log_denominator")
 
     def _reference(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: Mask = NO_MASK):
         """:meth:`estimate` by the float64 numpy reference; the probabilities as its estimate of the identity."""
@@ -318,12 +349,12 @@ class BlockEstimator:
         tq, tk, tv = (input_tensor(a, device=self.device, dtype=dt) for a in (q, k, v))
         tdraws = draws.to_torch(device=self.device, dtype=dt)
         with torch.no_grad():
-            prob_sq, counts = None, None
+            prob_sq, facts = None, QueryFacts()
             if not self.probabilities:
-                out, counts = self._estimate_alone(spec, est, tq, tk, tv, tdraws, mask)
+                out, facts = self._estimate_alone(spec, est, tq, tk, tv, tdraws, mask)
             elif spec.forms.has("estimate_with_probabilities"):
                 # one pass: the features and weights the two results share are computed once (same bits as two calls)
-                out, probs, counts = self._with_probabilities(spec, est, tq, tk, tv, tdraws, mask)
+                out, probs, facts = self._with_probabilities(spec, est, tq, tk, tv, tdraws, mask)
             else:
                 out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
                 if spec.forms.has("probabilities"):
@@ -336,28 +367,46 @@ class BlockEstimator:
                 prob_sq = row_errors(probs, torch.as_tensor(exact_probs, device=self.device, dtype=probs.dtype))
                 prob_sq = prob_sq.square_().sum(-1).cpu().numpy()
                 del probs
-        return out, prob_sq, counts
+        return out, prob_sq, facts
 
     def _estimate_alone(self, spec, est: EstimatorConfig, tq, tk, tv, tdraws: Draws, mask: Mask):
-        """``(out, counts)`` where no probabilities are measured: by the one-pass form where the spec declares it
+        """``(out, facts)`` where no probabilities are measured: by a one-pass form where the spec declares one
         (its probabilities dropped: the selection estimators form them for the estimate anyway, and their keys-used
-        counts then need no second selection), else ``batched`` and None."""
+        counts and log-denominators then need no second selection), else ``batched`` and empty :class:`QueryFacts`."""
+        if self._one_pass_form(spec, est) is not None:
+            out, _, facts = self._with_probabilities(spec, est, tq, tk, tv, tdraws, mask)
+            return out, facts
+        return (spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **mask.estimator_kwargs),
+                QueryFacts())
+
+    def wants_log_denominator(self, spec, est: EstimatorConfig) -> bool:
+        """Whether ``est``'s promise is on the denominator, so that its log-denominators are measured."""
+        return spec.promise_of(est.params) is not None and spec.promise_on_of(est.params) == "denominator"
+
+    def _one_pass_form(self, spec, est: EstimatorConfig) -> str | None:
+        """The one-pass form that gives what ``est``'s rows need beside its estimate from one selection: with its
+        log-denominator where it is measured and the spec has such a form, else with the keys used; None where the
+        spec declares neither."""
+        if (self.wants_log_denominator(spec, est)
+                and spec.forms.has("estimate_with_probabilities_keys_used_and_log_denominator")):
+            return "estimate_with_probabilities_keys_used_and_log_denominator"
         if spec.forms.has("estimate_with_probabilities_and_keys_used"):
-            out, _, counts = self._with_probabilities(spec, est, tq, tk, tv, tdraws, mask)
-            return out, counts
-        return spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **mask.estimator_kwargs), None
+            return "estimate_with_probabilities_and_keys_used"
+        return None
 
     def _with_probabilities(self, spec, est: EstimatorConfig, tq, tk, tv, tdraws: Draws, mask: Mask):
-        """``(out, probs, counts)`` by ``estimate_with_probabilities``, with the keys-used counts (a float64
-        ``(R_b, C_b, N)`` array) where the spec's form gives them from the same selection, else None."""
+        """``(out, probs, facts)`` by ``estimate_with_probabilities``, with the :class:`QueryFacts` a one-pass form
+        of the spec gives from the same selection (:meth:`_one_pass_form`; empty without one)."""
         masked = mask.estimator_kwargs
-        if spec.forms.has("estimate_with_probabilities_and_keys_used"):
-            out, probs, counts = spec.forms.get("estimate_with_probabilities_and_keys_used")(
-                tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
-            return out, probs, _counts_array(est, counts, (tdraws.replicates, *tq.shape[:-1]))
-        out, probs = spec.forms.get("estimate_with_probabilities")(tq, tk, tv, tdraws, scale=self.scale, **est.params,
-                                                                   **masked)
-        return out, probs, None
+        form = self._one_pass_form(spec, est)
+        if form is None:
+            out, probs = spec.forms.get("estimate_with_probabilities")(tq, tk, tv, tdraws, scale=self.scale,
+                                                                       **est.params, **masked)
+            return out, probs, QueryFacts()
+        out, probs, counts, *logs = spec.forms.get(form)(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
+        expected = (tdraws.replicates, *tq.shape[:-1])
+        return out, probs, QueryFacts(_per_query_array(est, counts, expected),
+                                      _per_query_array(est, logs[0], expected, "log_denominator") if logs else None)
 
     def _factored(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact32, sq_norms,
                   exact64: Callable[[], Any], mask: Mask = NO_MASK):

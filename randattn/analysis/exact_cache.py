@@ -29,8 +29,8 @@ from randattn.analysis._tensors import input_tensor
 from randattn.analysis.plan import Unit
 from randattn.estimators.masks import MASKS, Mask
 
-__all__ = ["TILED_ABOVE", "ExactCache", "exact_attention", "exact_under_mask", "sink_mass_from_log_normaliser",
-           "tiles_exact"]
+__all__ = ["TILED_ABOVE", "ExactCache", "exact_attention", "exact_log_normaliser", "exact_under_mask",
+           "sink_mass_from_log_normaliser", "tiles_exact"]
 
 #: a head's truth is taken by tiles where its K x M probabilities have more entries than this (1024 x 1024, 8 MiB of
 #: float64 per head): the dense softmax, the float32 copy and the probability pass each hold that much per head and
@@ -54,6 +54,21 @@ def sink_mass_from_log_normaliser(q, k, log_normaliser, scale: float, *, torch: 
     tk0 = input_tensor(np.ascontiguousarray(k[..., :1, :], dtype=np.float64), device=log_normaliser.device)
     logits = (scale * tq @ tk0.transpose(-1, -2))[..., 0]
     return (logits - log_normaliser).exp().mean(-1).cpu().numpy()
+
+
+def exact_log_normaliser(kind: Mask | str | None, q, k, scale: float) -> np.ndarray:
+    r"""float64 ``(C, N)``: :math:`\log Z_n = \log \sum_{m \in V_n} e^{s\, q_n \cdot k_m}`, by torch in float64
+    (a logsumexp: finite for logits of any size), :math:`V_n` the keys visible under ``kind`` as in
+    :func:`exact_under_mask`. What a promise on the denominator is measured against (dense truths; a tiled one
+    has its own from the flash recurrence)."""
+    import torch
+
+    mask = Mask.parse(kind)
+    tq, tk = (input_tensor(np.ascontiguousarray(a, dtype=np.float64)) for a in (q, k))
+    logits = scale * (tq @ tk.transpose(-1, -2))
+    if mask.masked:
+        logits = logits.masked_fill_(~torch.from_numpy(mask.visible(q.shape[-2], k.shape[-2])), float("-inf"))
+    return torch.logsumexp(logits, dim=-1).numpy()
 
 
 def exact_under_mask(kind: Mask | str, q, k, v, scale: float, *, torch: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -272,6 +287,16 @@ class ExactCache:
         """The log-normaliser ``(C, K)`` of a tiled unit's heads, a float64 tensor on the device; None where the
         unit's truth is dense."""
         return self._entry(unit)[1].get("log_normaliser")
+
+    def log_normalisers(self, unit: Unit) -> np.ndarray:
+        r"""float64 ``(C, K)``: each measured query's exact log-normaliser :math:`\log Z_n` (cached): the tiled
+        truth's own, else :func:`exact_log_normaliser` of the unit's inputs."""
+        arrays, converted = self._entry(unit)
+        if "log_z" not in converted:
+            tiled = converted.get("log_normaliser")
+            converted["log_z"] = (tiled.cpu().numpy() if tiled is not None else
+                                  exact_log_normaliser(self.layer_mask(unit.layer), arrays[0], arrays[1], self.scale))
+        return converted["log_z"]
 
     def output(self, unit: Unit):
         """The exact output ``(C, N, Dv)`` as a float64 tensor on the device (cached)."""

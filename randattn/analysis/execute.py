@@ -72,7 +72,7 @@ from randattn.analysis.unit_diagnostics import (
     UnitDiagnostics,
     diagnostics_block,
 )
-from randattn.analysis.relative_error import relative_error_columns
+from randattn.analysis.relative_error import denominator_relative_errors, relative_error_columns
 from randattn.analysis.unit_rows import COLUMNS, keys_used_columns, output_metrics, position_rows, table_rows
 from randattn.estimators.base import Draws
 from randattn.estimators.masks import NO_MASK, Mask
@@ -249,15 +249,17 @@ class UnitRunner:
     def _block_peak(self, est: EstimatorConfig, q, k, v, samples: int | None, reps: int, mask: Mask,
                     estimate: Callable[[Draws], Any]) -> int:
         """Peak bytes of one calibration block of ``reps`` replicates at ``samples``: the code path a unit runs --
-        ``estimate(draws)``, the keys-used counts, the diagnostics (:func:`~randattn.analysis.cell_memory.
-        measure_block_peak`)."""
+        ``estimate(draws)``, the keys-used counts and log-denominators, the diagnostics
+        (:func:`~randattn.analysis.cell_memory.measure_block_peak`)."""
         spec = self.specs[est.name]
         draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], [0], range(reps), samples, mask)
 
         def one() -> None:
-            counts = estimate(draws)[2]
-            if spec.keys_used is not None and counts is None:
+            facts = estimate(draws)[2]
+            if spec.keys_used is not None and facts.keys_used is None:
                 self.estimator.keys_used(spec, est, q, k, draws, mask=mask)
+            if self.estimator.wants_log_denominator(spec, est) and facts.log_denominator is None:
+                self.estimator.log_denominator(spec, est, q, k, draws, mask=mask)
             if self.config.diagnostics and est.random:
                 self._diagnostics_block(est, q, k, v, draws, first_block=False, mask=mask)
 
@@ -280,8 +282,8 @@ class UnitRunner:
         """``(a, b)`` of a tiled unit (:meth:`~randattn.analysis.exact_cache.ExactCache.tiled`), forecast from two
         small slices of its first head, never by running it at full size.
 
-        The tiled code path (the estimates, the probability error by key tiles, the keys-used counts, the
-        diagnostics) is measured on slices of ``t / 2`` and ``t`` keys
+        The tiled code path (the estimates, the probability error by key tiles, the keys-used counts and
+        log-denominators, the diagnostics) is measured on slices of ``t / 2`` and ``t`` keys
         (:func:`~randattn.analysis.cell_memory.calibration_sizes`: 1,024 for a unit of every query, longer for a
         unit of few; at most as many queries), and each of ``a`` and ``b`` extrapolated to the unit's K
         queries and M keys by :func:`~randattn.analysis.cell_memory.extrapolate_peak`: a part that grows with
@@ -443,6 +445,10 @@ class UnitRunner:
         counts_declared = spec.keys_used is not None
         keys_mean = np.full((reps, cells), np.nan) if counts_declared else None
         keys_max = np.full((reps, cells), np.nan) if counts_declared else None
+        promise = spec.promise_of(est.params)
+        promise_on = "output" if promise is None else spec.promise_on_of(est.params)
+        # per (replicate, cell, query): log Z_hat, where the promise is on the denominator
+        log_denominators = np.full((reps, cells, n), np.nan) if estimator.wants_log_denominator(spec, est) else None
         diagnostics = UnitDiagnostics(reps, cells)
         diagnose = config.diagnostics and est.random
         skipped = diagnostics_skip_reason(spec, est.params, mask.kind, config.backend) if diagnose else None
@@ -456,7 +462,7 @@ class UnitRunner:
                                unit.num_samples, mask)
             mark = _lap(seconds, "draws", mark, clock)
             if tiled:
-                block_out, block_prob, counts = estimator.tiled_estimate(spec, est, q[cs], k[cs], v[cs], draws,
+                block_out, block_prob, facts = estimator.tiled_estimate(spec, est, q[cs], k[cs], v[cs], draws,
                                                                          log_normaliser[cs], mask=mask,
                                                                          columns=columns_reason is None)
                 if block_prob is None and config.probabilities and not probabilities_skipped:
@@ -464,7 +470,7 @@ class UnitRunner:
                     warnings.warn(columns_reason, ProbabilitiesSkippedWarning, stacklevel=2)
                     probabilities_skipped = True
             else:
-                block_out, block_prob, counts = estimator.estimate(
+                block_out, block_prob, facts = estimator.estimate(
                     spec, est, q[cs], k[cs], v[cs], draws, exact_probs[cs] if config.probabilities else None,
                     None if exact32 is None else exact32[cs], rank=unit.num_samples,
                     exact_sq_norms=None if sq_norms is None else sq_norms[cs],
@@ -477,9 +483,15 @@ class UnitRunner:
             if block_prob is not None:
                 prob_sq[rs, cs] = block_prob
             if counts_declared:
+                counts = facts.keys_used
                 if counts is None:  # not given by the estimate's own selection
                     counts = estimator.keys_used(spec, est, q[cs], k[cs], draws, mask=mask)
                 keys_mean[rs, cs], keys_max[rs, cs] = counts.mean(-1), counts.max(-1)
+            if log_denominators is not None:
+                logs = facts.log_denominator
+                if logs is None:  # likewise
+                    logs = estimator.log_denominator(spec, est, q[cs], k[cs], draws, mask=mask)
+                log_denominators[rs, cs] = logs
             mark = _lap(seconds, "estimate", mark, clock)
             used = diagnostics.wanted(rs) if diagnose else None
             if used is not None:
@@ -504,7 +516,9 @@ class UnitRunner:
         keys_used = keys_used_columns(keys_mean, keys_max, random=est.random, replicates=metrics.replicates,
                                       visible=float((visible if self.query_rows is None else
                                                      visible[self.query_rows]).mean()))
-        relative = relative_error_columns(errors, config.epsilon, spec.promise_of(est.params))
+        promised = (None if log_denominators is None else
+                    denominator_relative_errors(log_denominators, cache.log_normalisers(unit), random=est.random))
+        relative = relative_error_columns(errors, config.epsilon, promise, promised=promised, promise_on=promise_on)
         ess_mean, delta_ratio, khat = diagnostics.columns(metrics.variance)
         _lap(seconds, "metrics", mark, clock)
         per_cell = (clock() - start) / cells

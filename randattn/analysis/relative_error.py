@@ -10,10 +10,13 @@ replicates of the cell, and -- given a tolerance :math:`\epsilon` -- the violati
 .. math:: \hat p = \frac{\#\{(r, n) : e_{rn} > \epsilon\}}{\#\{(r, n)\}}
 
 with its exact (Clopper-Pearson) 95% interval. An estimator that promises
-:math:`P(e_n > \epsilon) \le \delta` for each query (vAttention's verified attention,
-:attr:`~randattn.estimators.base.EstimatorSpec.promise`) is checked, not trusted: the pooled rate estimates the
-mean over the measured queries of their violation probabilities, so a lower confidence bound above
-:math:`\delta` shows that some query's probability exceeds :math:`\delta` -- the promise demonstrably fails for
+:math:`P(e_n > \epsilon) \le \delta` for each query (:attr:`~randattn.estimators.base.EstimatorSpec.promise`) is
+checked, not trusted, on the quantity its promise bounds (:attr:`~randattn.estimators.base.EstimatorSpec.promise_on`):
+the output, :math:`e_{rn}` above, or the softmax normaliser (vAttention's verified attention, whose budget rule sizes
+its sample for it), :math:`d_{rn} = |\hat Z_{rn} - Z_n| / Z_n` (:func:`denominator_relative_errors`); the table's
+``violation_of`` says which the violation columns count, while ``rel_err_*`` are always the output's. The pooled
+rate estimates the mean over the measured queries of their violation probabilities, so a lower confidence bound
+above :math:`\delta` shows that some query's probability exceeds :math:`\delta` -- the promise demonstrably fails for
 that head (``promise_broken``). Replicates are independent; the queries of one replicate share its draws, so the
 interval, which treats the :math:`R K` indicators as independent trials, is exact for R independent draws of one
 query and approximate across queries (the rate itself is unbiased either way).
@@ -39,15 +42,15 @@ import numpy as np
 from randattn.results.schema import RELATIVE_ERROR_COLUMNS  # the table's columns that relative_error_columns fills
 
 __all__ = ["BUDGET_SUMMARY_COLUMNS", "RELATIVE_ERROR_COLUMNS", "broken_promises", "budget_summary", "check_epsilon",
-           "clopper_pearson", "query_relative_errors", "relative_error_columns"]
+           "clopper_pearson", "denominator_relative_errors", "query_relative_errors", "relative_error_columns"]
 
 
 #: what :func:`budget_summary` gives beside its keys
 BUDGET_SUMMARY_COLUMNS = ("keys_used", "keys_fraction", "rel_err_median", "rel_err_p95", "epsilon", "delta",
-                          "violation_rate", "heads", "promises_broken")
+                          "violation_rate", "violation_of", "heads", "promises_broken")
 #: a broken promise's record (:func:`broken_promises`)
 _BROKEN_FIELDS = ("label", "num_samples", "tokens", "mask", "queries", "image", "layer", "head", "epsilon", "delta",
-                  "violation_rate", "violation_lo", "violation_hi")
+                  "violation_rate", "violation_lo", "violation_hi", "violation_of")
 
 
 def check_epsilon(value: Any) -> float:
@@ -120,27 +123,59 @@ def clopper_pearson(successes: Any, trials: Any, level: float = 0.95) -> tuple[n
     return np.where(empty, np.nan, lo), np.where(empty, np.nan, hi)
 
 
-def relative_error_columns(errors: np.ndarray, epsilon: float | None,
-                           promise: tuple[float, float] | None) -> dict[str, np.ndarray]:
+def denominator_relative_errors(log_estimate: Any, log_exact: Any, *, random: bool) -> np.ndarray:
+    r""":math:`d_{rn} = |\hat Z_{rn} - Z_n| / Z_n = |e^{\log \hat Z_{rn} - \log Z_n} - 1|`, float64 ``(R, C, N)``.
+
+    The relative error of an estimator's softmax normaliser (a promise ``on="denominator"``,
+    :attr:`~randattn.estimators.base.EstimatorSpec.promise_on`), from logs, so that normalisers beyond float64's
+    range (logits above 709) compare exactly as well as small ones.
+
+    Parameters
+    ----------
+    log_estimate : (R, C, N)
+        :math:`\log \hat Z` (:attr:`~randattn.estimators.base.EstimatorSpec.log_denominator`) per replicate.
+    log_exact : (C, N)
+        :math:`\log Z_n`, the exact log-normaliser over each query's visible keys.
+    random : bool
+        False: the first replicate only (a deterministic estimator's replicates are one).
+    """
+    estimate = np.asarray(log_estimate, dtype=np.float64)
+    estimate = estimate if random else estimate[:1]
+    return np.abs(np.expm1(estimate - np.asarray(log_exact, dtype=np.float64)))
+
+
+def relative_error_columns(errors: np.ndarray, epsilon: float | None, promise: tuple[float, float] | None, *,
+                           promised: np.ndarray | None = None, promise_on: str = "output") -> dict[str, np.ndarray]:
     r"""The table's relative-error columns of each cell, from :func:`query_relative_errors`.
 
     Parameters
     ----------
     errors : (R, C, N) float64 ndarray
-        :math:`e_{rn}` per replicate, cell and measured query.
+        :math:`e_{rn}` per replicate, cell and measured query: the relative output error.
     epsilon : float or None
         The run's tolerance (``--epsilon``); None for none.
     promise : (epsilon, delta) or None
         The configuration's promise (:meth:`~randattn.estimators.base.EstimatorSpec.promise_of`): its epsilon
         replaces the run's.
+    promised : (R, C, N) float64 ndarray, optional
+        With a promise on another quantity than the output (``promise_on``), that quantity's relative errors
+        (:func:`denominator_relative_errors`): the violation columns count them.
+    promise_on : str
+        What the promise bounds (:meth:`~randattn.estimators.base.EstimatorSpec.promise_on_of`).
 
     Returns
     -------
-    dict of str to (C,) ndarray
+    dict of str to (C,) ndarray (``violation_of``: a str)
         :data:`RELATIVE_ERROR_COLUMNS`: the mean, median and 95th percentile (numpy's linear interpolation) of
         :math:`e_{rn}` over the R x N values of each cell; ``epsilon`` used (NaN without one), the violation rate
-        and its Clopper-Pearson 95% interval (NaN without an epsilon); ``delta`` (NaN without a promise) and
-        ``promise_broken`` (bool: ``violation_lo > delta``; False without a promise).
+        and its Clopper-Pearson 95% interval (NaN without an epsilon); ``delta`` (NaN without a promise),
+        ``promise_broken`` (bool: ``violation_lo > delta``; False without a promise) and ``violation_of``, the
+        quantity whose relative error the violation columns count (``"output"``, or the promise's).
+
+    Raises
+    ------
+    ValueError
+        A promise on a quantity other than the output without its errors (``promised``).
     """
     errors = np.asarray(errors, dtype=np.float64)
     cells = errors.shape[1]
@@ -149,6 +184,12 @@ def relative_error_columns(errors: np.ndarray, epsilon: float | None,
     columns = {"rel_err_mean": per_cell.mean(axis=1),
                "rel_err_median": np.quantile(per_cell, 0.5, axis=1),
                "rel_err_p95": np.quantile(per_cell, 0.95, axis=1)}
+    quantity = "output" if promise is None else promise_on
+    if quantity != "output":
+        if promised is None:
+            raise ValueError(f"a promise on the {quantity} needs its relative errors (promised=)")
+        per_cell = np.moveaxis(np.asarray(promised, dtype=np.float64), 1, 0).reshape(cells, -1)
+    columns["violation_of"] = quantity
     tolerance = promise[0] if promise is not None else epsilon
     if tolerance is None:
         columns.update(epsilon=nan, violation_rate=nan.copy(), violation_lo=nan.copy(), violation_hi=nan.copy())
@@ -190,21 +231,24 @@ def budget_summary(table):
         The keys and :data:`BUDGET_SUMMARY_COLUMNS`: the mean over the group's rows (every (image, layer) holds
         the same heads, so the mean over heads, then layers, then images) of ``keys_used``, ``keys_fraction``,
         ``rel_err_median``, ``rel_err_p95`` and ``violation_rate``; ``epsilon`` and ``delta`` (the group's, NaN
-        where it has none); ``heads``: the group's rows; ``promises_broken``: its rows whose ``promise_broken`` is
+        where it has none); ``violation_of``: what the violation rate counts (``"output"``, or the quantity the
+        configuration's promise bounds, e.g. ``"denominator"``); ``heads``: the group's rows; ``promises_broken``: its rows whose ``promise_broken`` is
         true (each a head of an image and layer whose promise demonstrably fails, :func:`broken_promises`).
     """
     import pandas as pd
 
     keys = _summary_keys(table)
     means = ["keys_used", "keys_fraction", "rel_err_median", "rel_err_p95", "violation_rate", "epsilon", "delta"]
-    frame = table.reindex(columns=list(dict.fromkeys([*keys, *means, "promise_broken"]))).copy()
+    frame = table.reindex(columns=list(dict.fromkeys([*keys, *means, "promise_broken", "violation_of"]))).copy()
     frame["promise_broken"] = frame["promise_broken"].eq(True)  # absent (NaN): no promise checked
+    frame["violation_of"] = frame["violation_of"].where(frame["violation_of"].notna(), "output")  # a table before it
     records = []
     for key, group in frame.groupby(keys, sort=False):
         record = dict(zip(keys, key))
         for column in means:
             values = group[column].to_numpy(dtype=np.float64)
             record[column] = float(values.mean()) if np.isfinite(values).any() else np.nan
+        record["violation_of"] = str(group["violation_of"].iloc[0])  # one configuration: one quantity
         record["heads"] = int(len(group))
         record["promises_broken"] = int(group["promise_broken"].sum())
         records.append(record)
@@ -213,8 +257,8 @@ def budget_summary(table):
 
 def broken_promises(table) -> list[dict[str, Any]]:
     """One record per row of a sweep table whose configuration's promise demonstrably fails (``promise_broken``):
-    its label, S, tokens, mask, query selection, image, layer and head, and epsilon, delta, the violation rate and
-    its Clopper-Pearson interval (plain Python values), in the table's order."""
+    its label, S, tokens, mask, query selection, image, layer and head, and epsilon, delta, the violation rate, its
+    Clopper-Pearson interval and what it counts (``violation_of``) (plain Python values), in the table's order."""
     if "promise_broken" not in table.columns:
         return []
     broken = table[table["promise_broken"].eq(True)]

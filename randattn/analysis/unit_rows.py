@@ -141,11 +141,12 @@ def table_rows(unit: Unit, est: EstimatorConfig, row_samples: Sequence[int], *, 
     keys_used : dict, optional
         :func:`keys_used_columns` (scalars or (C,) arrays); None: NaN.
     relative : dict, optional
-        :func:`~randattn.analysis.relative_error.relative_error_columns`; None: NaN (``promise_broken`` False).
+        :func:`~randattn.analysis.relative_error.relative_error_columns`; None: NaN (``promise_broken`` False,
+        ``violation_of`` ``"output"``).
     """
     keys_used = dict.fromkeys(KEYS_USED_COLUMNS, np.nan) if keys_used is None else keys_used
     if relative is None:
-        relative = {**dict.fromkeys(RELATIVE_ERROR_COLUMNS, np.nan), "promise_broken": False}
+        relative = {**dict.fromkeys(RELATIVE_ERROR_COLUMNS, np.nan), "promise_broken": False, "violation_of": "output"}
 
     def cell(values: dict, j: int) -> dict[str, Any]:
         return {name: (value[j].item() if isinstance(value, np.ndarray) else value) for name, value in values.items()}

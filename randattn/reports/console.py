@@ -225,8 +225,9 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
     budget_summary`) as a rich table, or None when no estimator declares its keys and no epsilon was checked.
 
     Columns: the keys read (mean, and as a fraction of the keys the queries see), the median and 95th percentile
-    of the relative error, the epsilon checked with the mean violation rate, and the promise (delta) with how
-    many heads demonstrably break it (red).
+    of the relative error, the epsilon checked with the mean violation rate (of the output, or of the quantity a
+    promise bounds, named beside it: ``(denominator)``), and the promise (delta) with how many heads demonstrably
+    break it (red).
     """
     import math
 
@@ -249,6 +250,9 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
     for row in budget.itertuples(index=False):
         keys = "" if not math.isfinite(row.keys_used) else f"{row.keys_used:.4g} ({row.keys_fraction:.2%})"
         violation = "" if not math.isfinite(row.epsilon) else f"{row.violation_rate:.3g} at eps = {row.epsilon:g}"
+        quantity = getattr(row, "violation_of", "output")
+        if violation and quantity != "output":  # the rate counts the quantity the promise bounds
+            violation += f" ({quantity})"
         promise = ""
         if math.isfinite(row.delta):
             promise = f"delta = {row.delta:g}: " + (f"[bold red]broken on {row.promises_broken} of {row.heads} heads[/]"
@@ -258,13 +262,21 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
     return table
 
 
+def _error_of(broken: Mapping[str, Any]) -> str:
+    """``"err"`` (the relative output error), or ``"<quantity> err"`` for a promise on another quantity."""
+    quantity = broken.get("violation_of", "output")
+    return "err" if quantity == "output" else f"{quantity} err"
+
+
 def broken_promise_lines(broken: Sequence[Mapping[str, Any]], noun: str = "image") -> list[str]:
     """A red line (rich markup) per head whose configuration's (epsilon, delta) promise demonstrably fails
     (:func:`~randattn.analysis.relative_error.broken_promises`): the whole 95% interval of its violation rate is
-    above delta."""
+    above delta. The error is the output's (``P(err > eps)``) unless the promise bounds another quantity
+    (``P(denominator err > eps)``)."""
     from rich.markup import escape
 
     return [f"[bold red]promise broken[/]: {escape(str(b['label']))} S={b['num_samples']} layer {b['layer']} head "
-            f"{b['head']} {noun} {escape(str(b['image']))}: P(err > {b['epsilon']:g}) = {b['violation_rate']:.3g} "
+            f"{b['head']} {noun} {escape(str(b['image']))}: P({_error_of(b)} > {b['epsilon']:g}) = "
+            f"{b['violation_rate']:.3g} "
             f"[{b['violation_lo']:.3g}, {b['violation_hi']:.3g}] > delta = {b['delta']:g}"
             for b in broken]

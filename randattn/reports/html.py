@@ -499,10 +499,19 @@ _RELATIVE_COLUMNS = ("rel_err_mean", "rel_err_median", "rel_err_p95")
 MAX_BROKEN_HEADS_SHOWN = 40
 
 
+def _counts_other_than_output(table: pd.DataFrame) -> bool:
+    """Whether some row's violation columns count another quantity than the output (a promise on the denominator)."""
+    if "violation_of" not in table.columns:
+        return False
+    quantity = table["violation_of"]
+    return bool((quantity.notna() & quantity.ne("output")).any())  # NaN: a table from before the column
+
+
 def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
     """Per ``(label, num_samples)``: the relative output error ``||y_hat_n - y_n|| / ||y_n||`` over heads (mean of the
     heads' means and medians, the largest 95th percentile) and, where measured, the violation rate ``P(error >
-    epsilon)`` (mean over heads) and how many heads break a promise; None when the table has no such columns."""
+    epsilon)`` (mean over heads; with ``violation of`` where some promise bounds another quantity than the output)
+    and how many heads break a promise; None when the table has no such columns."""
     if not set(_RELATIVE_COLUMNS) <= set(table.columns) or table["rel_err_mean"].isna().all():
         return None
     groups = table.groupby(["label", "num_samples"], sort=False)
@@ -514,6 +523,8 @@ def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
     if "violation_rate" in table.columns:
         summary["epsilon"] = groups["epsilon"].first()
         summary["violation rate"] = groups["violation_rate"].mean()
+        if _counts_other_than_output(table):
+            summary["violation of"] = groups["violation_of"].first()
     if "promise_broken" in table.columns:
         summary["delta"] = groups["delta"].first()
         summary["heads broken"] = groups["promise_broken"].apply(lambda b: f"{int(b.fillna(False).astype(bool).sum())} "
@@ -535,9 +546,10 @@ def promise_section(table: pd.DataFrame) -> list[str]:
            "||y<sub>n</sub>||; per head its mean, median and 95th percentile over the measured queries and "
            "replicates. With an error bound epsilon (<code>--epsilon</code>, or an estimator's own promise, as "
            "vAttention's (epsilon, delta)) the violation rate is the fraction of (query, replicate) pairs above it, "
-           "with a 95% Clopper-Pearson interval. A promise is read here as one on the output, as a user of the "
-           "estimator reads it; vAttention's budget rule sizes its sample for the error of the softmax denominator, "
-           "not of the output (the Estimators guide).</p>"]
+           "with a 95% Clopper-Pearson interval. A promise is checked on the quantity it bounds: the output, or "
+           "the softmax denominator Z<sub>n</sub>, as |Z&#770;<sub>n</sub> &minus; Z<sub>n</sub>| / Z<sub>n</sub> "
+           "(vAttention's, whose budget rule sizes its sample for the denominator; the column <em>violation of</em> "
+           "names it); the relative errors are always the output's.</p>"]
     if "promise_broken" in table.columns:
         broken = table[table["promise_broken"].fillna(False).astype(bool)]
         if not broken.empty:
@@ -548,6 +560,8 @@ def promise_section(table: pd.DataFrame) -> list[str]:
                 "head": shown["head"].astype(int), "item": shown["image"],
                 "epsilon": shown["epsilon"].map(_format_number), "delta": shown["delta"].map(_format_number),
                 "violation rate": shown["violation_rate"].map(_format_number),
+                **({"violation of": [q if isinstance(q, str) else "output" for q in shown["violation_of"]]}
+                   if _counts_other_than_output(table) else {}),
                 "95% interval": [f"[{_format_number(lo)}, {_format_number(hi)}]"
                                  for lo, hi in zip(shown["violation_lo"], shown["violation_hi"])],
             })
@@ -561,7 +575,7 @@ def promise_section(table: pd.DataFrame) -> list[str]:
     shown = summary.assign(label=[names.get(label, label) for label in summary["label"]])
     shown = shown.rename(columns={"label": "estimator", "num_samples": "S"})
     for column in shown.columns:
-        if column not in ("estimator", "S", "heads broken"):
+        if column not in ("estimator", "S", "heads broken", "violation of"):
             shown[column] = shown[column].map(_format_number)
     out.append(_table_html(shown))
     return out

@@ -31,7 +31,7 @@ KEYS_USED_COLUMNS: tuple[str, ...] = ("keys_used", "keys_used_se", "keys_used_ma
 #: the per-query relative error and promise columns (:func:`randattn.analysis.relative_error.relative_error_columns`),
 #: in the sweep table's order
 RELATIVE_ERROR_COLUMNS = ("rel_err_mean", "rel_err_median", "rel_err_p95", "epsilon", "violation_rate",
-                          "violation_lo", "violation_hi", "delta", "promise_broken")
+                          "violation_lo", "violation_hi", "delta", "promise_broken", "violation_of")
 
 #: the sweep table's columns, in order (plotting code relies on these names); the columns after ``sink_mass`` were
 #: appended later, so that a table's earlier columns keep their places
@@ -49,14 +49,15 @@ POSITION_COLUMNS: tuple[str, ...] = (
     "bias_sq_se", "seed",
 )
 
-_STR_COLUMNS = ("model", "image", "mask", "estimator", "params", "label", "dtype")
+_STR_COLUMNS = ("model", "image", "mask", "estimator", "params", "label", "dtype", "violation_of")
 _INT_COLUMNS = ("layer", "head", "tokens", "num_samples", "replicates", "seed", "position_lo", "position_hi", "queries")
 _BOOL_COLUMNS = ("random", "promise_broken")
 #: the sweep table's columns whose dtype differs from the per-position table's column of the same name: the table's
 #: ``queries`` is the query selection (``"all"``, ``"last:64"``), the per-position table's the count in a bucket
 _TABLE_STR_COLUMNS = ("queries",)
-#: what a table written before a column existed holds in it: every query was measured, and no promise was checked
-_ABSENT = {"queries": "all", "promise_broken": False}
+#: what a table written before a column existed holds in it: every query was measured, no promise was checked, and
+#: the violation columns counted the output's relative error
+_ABSENT = {"queries": "all", "promise_broken": False, "violation_of": "output"}
 
 
 def column_kind(name: str, columns: Sequence[str]) -> str:

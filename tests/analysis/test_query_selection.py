@@ -161,6 +161,51 @@ def test_a_promise_is_checked_per_head(spec, acts):
     assert (kept["epsilon"] == 0.999).all() and not kept["promise_broken"].any()
 
 
+def _expected_denominator_errors(q, k, rows, seed, causal):
+    """``(R, K)``: |Z_hat / Z - 1| per replicate and measured query, Z_hat the test estimator's Horvitz-Thompson sum
+    written out here (each key read with probability min(1, S / V_n), the last visible key always)."""
+    m = k.shape[0]
+    errors = np.empty((R, len(rows)))
+    for r in range(R):
+        u = SPEC.draw((1, len(rows), D), (1, m, D), num_samples=S, replicates=1, rng=replicate_rng(seed, r),
+                      **({"mask": "causal"} if causal else {}))["u"][0, 0]
+        for j, n in enumerate(rows):
+            last = n + m - N if causal else m - 1
+            seen = np.arange(last + 1) if causal else np.arange(m)
+            inclusion = min(1.0, S / len(seen))
+            terms = np.exp(SCALE * k @ q[n])
+            estimate = sum(terms[key] / (1.0 if key == last else inclusion)
+                           for key in seen if u[j, key] < S / len(seen) or key == last)
+            errors[r, j] = abs(estimate / terms[seen].sum() - 1.0)
+    return errors
+
+
+def test_a_promise_on_the_denominator_counts_the_denominators_error(spec, acts):
+    """A promise declared on the denominator: the violation columns count |Z_hat - Z| / Z > eps (written out per
+    query above, the interval from scipy's binomtest), ``violation_of`` says so, and the rel_err columns stay the
+    output's. eps = 0.7 puts the rate strictly between 0 and 1 on these inputs, so the count is not trivially
+    right; the output's own rate at 0.7 differs from it (asserted), so counting the output would fail."""
+    label = f"{NAME}:eps=0.7,delta=0.2,on=denominator"
+    table = run_sweep_tables(acts, _config("last:4", "causal", label=label)).table
+    q, k, v = acts.layer_qkv(0, image=0)
+    rows = query_rows("last:4", N)
+    assert set(table["violation_of"]) == {"denominator"}
+    for head in range(HEADS):
+        row = table[table["head"] == head].iloc[0]
+        errors = _expected_denominator_errors(q[head], k[head], rows, int(row.seed), True)
+        violations = int((errors > 0.7).sum())
+        assert 0 < violations < errors.size
+        ci = binomtest(violations, errors.size).proportion_ci(0.95, method="exact")
+        assert row["violation_rate"] == pytest.approx(violations / errors.size, rel=1e-12)
+        assert (row["violation_lo"], row["violation_hi"]) == pytest.approx((ci.low, ci.high), rel=1e-10)
+        assert row["promise_broken"] == (ci.low > 0.2)
+        output = _expected_cell(q[head], k[head], v[head], rows, int(row.seed), True, 0.7)
+        assert row["rel_err_mean"] == pytest.approx(output["rel_err_mean"], rel=1e-10)
+        assert output["violation_rate"] != row["violation_rate"]
+    on_output = run_sweep_tables(acts, _config("last:4", "causal", label=f"{NAME}:eps=0.7,delta=0.2")).table
+    assert set(on_output["violation_of"]) == {"output"}
+
+
 def test_estimators_without_keys_used_or_epsilon_get_nan(acts):
     table = run_sweep_tables(acts, _config("all", None, label="softmax")).table
     assert table[["keys_used", "keys_used_se", "keys_used_max", "keys_fraction", "epsilon", "violation_rate",
@@ -211,8 +256,10 @@ def test_buckets_of_selected_rows_are_their_true_positions():
 
 def test_a_resumed_run_gives_the_same_new_columns(spec, acts, tmp_path):
     """Stopped after its first unit and resumed from its parts, the table's new columns round-trip the store."""
-    config = _config("last:4", "causal", label=f"softmax;{NAME}:eps=0.05,delta=0.01", epsilon=0.2)
+    config = _config("last:4", "causal", label=f"softmax;{NAME}:eps=0.05,delta=0.01;{NAME}:eps=0.05,on=denominator",
+                     epsilon=0.2)
     whole = run_sweep_tables(acts, config).table
+    assert set(whole["violation_of"]) == {"output", "denominator"}
 
     def stop(progress):
         raise KeyboardInterrupt
@@ -220,13 +267,15 @@ def test_a_resumed_run_gives_the_same_new_columns(spec, acts, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run_sweep_tables(acts, config, parts_dir=tmp_path / "parts", progress=stop)
     resumed = run_sweep_tables(acts, config, parts_dir=tmp_path / "parts", resume=True).table
-    assert resumed.attrs["timing"]["units"] == 1
+    assert resumed.attrs["timing"]["units"] == 2  # three units, the first stored before the stop
     pd.testing.assert_frame_equal(resumed.drop(columns="seconds"), whole.drop(columns="seconds"), check_exact=True)
     assert resumed["queries"].dtype == resumed["label"].dtype and resumed["promise_broken"].dtype == bool
+    assert resumed["violation_of"].dtype == resumed["label"].dtype
 
 
 def test_a_table_from_before_the_new_columns_reads_as_all_queries_no_promise():
-    """The golden table was written before the columns existed: every query measured, no promise checked."""
+    """The golden table was written before the columns existed: every query measured, no promise checked, the
+    violation columns (empty) of the output."""
     from pathlib import Path
 
     from randattn.results import coerce
@@ -235,6 +284,7 @@ def test_a_table_from_before_the_new_columns_reads_as_all_queries_no_promise():
     assert "queries" not in old.columns
     table = coerce(old)
     assert set(table["queries"]) == {"all"} and not table["promise_broken"].any()
+    assert set(table["violation_of"]) == {"output"}
     assert table["keys_used"].isna().all() and table["violation_rate"].isna().all()
     pd.testing.assert_frame_equal(table[list(old.columns)], old, check_exact=True, check_dtype=False)
 

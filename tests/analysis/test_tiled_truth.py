@@ -67,6 +67,23 @@ def test_tiled_rows_equal_dense_rows(monkeypatch, mask):
     assert np.isfinite(tiled.prob_mse).all()
 
 
+def test_a_denominator_promise_counts_the_same_violations_on_the_tiled_truth(monkeypatch):
+    """vAttention's promise is checked on |Z_hat - Z| / Z: against the dense log-normaliser (a logsumexp) or the tiled
+    truth's (the flash recurrence), the same violation counts for the last 6 queries under the causal mask, with the
+    rate strictly between 0 and 1 (the two logs differ by ~1e-15: only a d that close to epsilon could count
+    differently, and a different count fails here)."""
+    acts = _acts(24, seed=4)
+    label = "vattention:sinks=1,local=2,top_k=2,epsilon=0.02,delta=0.2,base_rate=0.25"
+    config = SweepConfig(estimators=parse_estimator_list(label), num_samples=(4,), replicates=8, seed=2, threads=1,
+                         dtype="float64", mask="causal", queries="last:6", diagnostics=False, check_reference=0.0)
+    dense, tiled = _both(monkeypatch, acts, config)
+    assert set(dense.violation_of) == set(tiled.violation_of) == {"denominator"}
+    assert ((dense.violation_rate > 0) & (dense.violation_rate < 1)).all()
+    for column in ("violation_rate", "violation_lo", "violation_hi", "promise_broken"):
+        np.testing.assert_array_equal(tiled[column].to_numpy(), dense[column].to_numpy(), err_msg=column)
+    _assert_close(dense, tiled, {label})
+
+
 @pytest.mark.slow
 def test_tiled_rows_equal_dense_rows_for_lara_and_the_last_queries(monkeypatch):
     """LARA's factors, and a decode-regime run (--queries last:5, causal): the truth of 5 rows over 24 keys."""

@@ -191,6 +191,9 @@ def test_demo_lm_decode_view_on_a_tiny_capture(lm_file, tmp_path):
     assert set(table["queries"]) == {"last:4"} and (table["epsilon"].dropna() > 0).all()
     promised = table[table["estimator"] == "vattention"]
     assert set(promised["epsilon"]) == {0.05} and set(promised["delta"]) == {0.05}
+    # vAttention's promise is on the softmax denominator (its budget rule's), the others' rates on the output
+    assert set(promised["violation_of"]) == {"denominator"}
+    assert set(table.loc[table["estimator"] != "vattention", "violation_of"]) == {"output"}
     assert set(table.loc[table["estimator"] == "topk", "keys_used"]) == {4.0, 8.0}  # 13..16 keys seen, S kept
     page = result.files["report"].read_text()
-    assert 'id="promise"' in page and 'id="fig-error-vs-budget"' in page
+    assert 'id="promise"' in page and 'id="fig-error-vs-budget"' in page and "<th>violation of</th>" in page

@@ -91,6 +91,28 @@ def test_json_names_the_heads_whose_promise_breaks(acts_file):
     assert records["softmax"]["broken_promises"] == [] and records["softmax"]["keys_used"] is None
 
 
+def test_a_promise_on_the_denominator_is_named_where_it_is_reported(acts_file, tmp_path):
+    """The terminal's summary and broken-promise lines, the --json records and the table say that the violation
+    rate counts the denominator's error for a promise on it (and stay as they were for a promise on the output)."""
+    denominator = f"{NAME}:eps=0.01,delta=0.001,on=denominator"
+    out = tmp_path / "denominator.csv"
+    result = _invoke(acts_file, "--mask", "causal", "--queries", "last:3", "-e", denominator, "-e", PROMISING,
+                     "--samples", "3", "--replicates", "4", "--out", out, "--threads", "1")
+    assert result.exit_code == 0, result.output
+    table = pd.read_csv(out)
+    assert list(table.groupby("label", sort=False)["violation_of"].unique().map(list)) == [["denominator"],
+                                                                                          ["output"]]
+    text = _words(result)
+    assert "at eps = 0.01 (denominator)" in text and text.count("(denominator)") == 1
+    assert f"promise broken: {denominator} S=3 layer 0 head 0 sequence image0: P(denominator err > 0.01) =" in text
+    assert f"promise broken: {PROMISING} S=3 layer 0 head 0 sequence image0: P(err > 0.01) =" in text
+    records = {r["label"]: r for r in json.loads(_invoke(acts_file, "--mask", "causal", "--queries", "last:3", "-e",
+                                                         denominator, "--samples", "3", "--replicates", "4",
+                                                         "--json", "--threads", "1").stdout)}
+    assert records[denominator]["violation_of"] == "denominator"
+    assert {b["violation_of"] for b in records[denominator]["broken_promises"]} == {"denominator"}
+
+
 def test_a_sample_is_reproducible_from_the_seed(acts_file, tmp_path):
     out = tmp_path / "sample.csv"
     result = _invoke(acts_file, "--queries", "sample:3", "-e", "softmax", "--samples", "2", "--seed", "5",

@@ -173,8 +173,9 @@ ALLOWED_OUT = {
     # the relative error of every (replicate, cell, query), for its median, 95th percentile and violation count
     "analysis.relative_error.query_relative_errors": R * HEADS * N,
     # the decode-time estimators' keys used by every (replicate, cell, query), for the budget axis (its mean and
-    # position buckets are taken on the host, like the relative errors'), whichever call counted them
-    "analysis.estimate_block._counts_array": R * HEADS * N,
+    # position buckets are taken on the host, like the relative errors'), whichever call counted them; and
+    # vAttention's log-denominators, for the violation count of its promise
+    "analysis.estimate_block._per_query_array": R * HEADS * N,
     # top-k, StreamingLLM, Quest: the budget S lives in the draws, one value per batch element, read back to check it
     "estimators.sparse.selection.budget_of": HEADS,
 }
@@ -309,6 +310,8 @@ def test_the_decode_time_estimators_move_only_what_the_design_declares(mask):
     recorder = _run_units(mask, DECODE_TIME)
     _check(recorder)
     assert len(recorder.of("out")["analysis.metrics._to_host"]) >= len(DECODE_TIME.split(";"))
-    assert "analysis.estimate_block._counts_array" in recorder.of("out")  # the budget axis's counts came back
-    # ... from the estimate's own selection: q and k were not uploaded again for a second one
+    assert "analysis.estimate_block._per_query_array" in recorder.of("out")  # the budget axis's counts came back
+    # ... from the estimate's own selection: q and k were not uploaded again for a second one, neither for the keys
+    # used nor for vAttention's log-denominators (its promise is on the denominator)
     assert "analysis.estimate_block.keys_used" not in recorder.of("in")
+    assert "analysis.estimate_block.log_denominator" not in recorder.of("in")

@@ -220,3 +220,22 @@ def test_the_report_lists_a_broken_promise_and_summarises_the_relative_error():
     assert '<h2 id="promise">Relative error and promises</h2>' in page and 'href="#promise"' in page
     assert f"Broken promise</strong> in {int(table['promise_broken'].sum())} head(s)" in page
     assert "[0.51, 0.53]" in page
+    assert "violation of" not in summary.columns and "<th>violation of</th>" not in page  # every rate the output's
+
+
+def test_the_report_names_a_promise_on_the_denominator():
+    """Where a promise bounds the denominator, the summary and the broken heads say what the violation rate counts."""
+    from randattn.reports.html import build_report, promise_summary
+    from randattn.reports.testing import make_results_table
+
+    table = make_results_table(tokens=(64,), samples=(8,), heads=2, layers=(0,))
+    table["rel_err_mean"], table["rel_err_median"], table["rel_err_p95"] = 0.1, 0.08, 0.3
+    table["epsilon"], table["delta"], table["violation_rate"] = 0.05, 0.1, 0.5
+    table["violation_lo"], table["violation_hi"] = 0.4, 0.6
+    table["promise_broken"] = table["head"] == 1
+    table["violation_of"] = np.where(table["label"] == table["label"].iloc[0], "denominator", "output")
+    summary = promise_summary(table)
+    assert dict(zip(summary["label"], summary["violation of"])) == dict(zip(table["label"], table["violation_of"]))
+    page = build_report(table, environment={}, figures=[])
+    assert page.count("<td>denominator</td>") == 1 + int(((table["violation_of"] == "denominator")
+                                                          & table["promise_broken"]).sum())
