@@ -181,11 +181,14 @@ def estimate_with_probabilities_and_keys_used(q: Any, k: Any, v: Any, draws: Dra
 def estimate_with_probabilities_keys_used_and_log_denominator(
         q: Any, k: Any, v: Any, draws: Draws, options: VattentionOptions
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, probabilities, keys_used, log_denominator)`` from one selection, the same bits as the four forms."""
+    """``(out, probabilities, keys_used, log_denominator)`` from one selection, the same bits as the four forms:
+    the weighted scores ``s + log w`` formed once for the softmax and the logsumexp (an (R, ..., N, M) array less)."""
     _, _, v, _, _ = prepare_batched(q, k, v, options.scale)
     chosen = select.on_options(q, k, draws, options)
-    return (*weighted_attention(chosen.logits, chosen.log_weights, v),
-            sparse_keys_used(chosen.log_weights, chosen.logits), _log_denominator_of(chosen))
+    scores = chosen.logits + chosen.log_weights
+    probabilities = torch.softmax(scores, dim=-1)  # weighted_attention's, written out to share the scores
+    return (probabilities @ v, probabilities, sparse_keys_used(chosen.log_weights, chosen.logits),
+            torch.logsumexp(scores, dim=-1).to(torch.float64))
 
 
 @keyword_entry(VattentionOptions)
@@ -212,10 +215,7 @@ def keys_used(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> torch
 def log_denominator(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> torch.Tensor:
     """``(R, ..., N)`` float64: the log of the estimated softmax normaliser; see :func:`.reference.log_denominator`.
 
-    Summed in float64 whatever the input dtype (the logits keep their own rounding)."""
-    return _log_denominator_of(select.on_options(q, k, draws, options))
-
-
-def _log_denominator_of(chosen: Selection) -> torch.Tensor:
-    """``(R, ..., N)`` float64: ``logsumexp(s + log w)`` over a selection's keys."""
-    return torch.logsumexp(chosen.logits.to(torch.float64) + chosen.log_weights.to(torch.float64), dim=-1)
+    A logsumexp in the inputs' dtype (a float32 run rounds it by a few float32 ulps of the largest score, some
+    1e-6 of the normaliser: far below any epsilon a promise states), returned as float64."""
+    chosen = select.on_options(q, k, draws, options)
+    return torch.logsumexp(chosen.logits + chosen.log_weights, dim=-1).to(torch.float64)
