@@ -288,34 +288,24 @@ class BlockEstimator:
 
     def keys_used(self, spec, est: EstimatorConfig, q, k, draws: Draws, *, mask: Mask = NO_MASK) -> np.ndarray:
         """float64 ``(R_b, C_b, N)``: the keys each query's estimate reads (:attr:`~randattn.estimators.base.
-        EstimatorSpec.keys_used`), from the block's own draws, in the dtype its estimate ran in (a selection by
-        scores may differ between float32 and float64 where candidates nearly tie); on the torch CPU for the
-        reference backend (the fact is declared in torch only).
-
-        Raises
-        ------
-        ValueError
-            The counts do not have the layout ``(R_b, C_b, N)``, naming the estimator.
-        """
-        import torch
-
-        device = self.device if self.torch is not None else None
-        dt = getattr(torch, self.dtype_name(est))
-        tq, tk = (input_tensor(a, device=device, dtype=dt) for a in (q, k))
-        with torch.no_grad():
-            counts = spec.keys_used(tq, tk, draws.to_torch(device=device, dtype=dt), scale=self.scale, **est.params,
-                                    **mask.estimator_kwargs)
-        return _per_query_array(est, counts, (draws.replicates, *q.shape[:-1]))
+        EstimatorSpec.keys_used`), by :meth:`_per_query` (a selection by scores may differ between float32 and
+        float64 where candidates nearly tie, so it runs in the estimate's dtype)."""
+        return self._per_query(spec.keys_used, "keys_used", est, q, k, draws, mask)
 
     def log_denominator(self, spec, est: EstimatorConfig, q, k, draws: Draws, *, mask: Mask = NO_MASK) -> np.ndarray:
         """float64 ``(R_b, C_b, N)``: the log of each query's estimated softmax normaliser
-        (:attr:`~randattn.estimators.base.EstimatorSpec.log_denominator`), from the block's own draws, in the dtype
-        its estimate ran in, as :meth:`keys_used` (on the torch CPU for the reference backend).
+        (:attr:`~randattn.estimators.base.EstimatorSpec.log_denominator`), by :meth:`_per_query`."""
+        return self._per_query(spec.log_denominator, "log_denominator", est, q, k, draws, mask)
+
+    def _per_query(self, fact: Callable[..., Any], form: str, est: EstimatorConfig, q, k, draws: Draws,
+                   mask: Mask) -> np.ndarray:
+        """``fact(q, k, draws, ...)`` of the block's own draws as a float64 ``(R_b, C_b, N)`` host array, in the dtype
+        its estimate ran in; on the torch CPU for the reference backend (such facts are declared in torch only).
 
         Raises
         ------
         ValueError
-            The values do not have the layout ``(R_b, C_b, N)``, naming the estimator.
+            The values do not have the layout ``(R_b, C_b, N)``, naming the estimator and ``form``.
         """
         import torch
 
@@ -323,9 +313,9 @@ class BlockEstimator:
         dt = getattr(torch, self.dtype_name(est))
         tq, tk = (input_tensor(a, device=device, dtype=dt) for a in (q, k))
         with torch.no_grad():
-            logs = spec.log_denominator(tq, tk, draws.to_torch(device=device, dtype=dt), scale=self.scale,
-                                        **est.params, **mask.estimator_kwargs)
-        return _per_query_array(est, logs, (draws.replicates, *q.shape[:-1]), "log_denominator")
+            values = fact(tq, tk, draws.to_torch(device=device, dtype=dt), scale=self.scale, **est.params,
+                          **mask.estimator_kwargs)
+        return _per_query_array(est, values, (draws.replicates, *q.shape[:-1]), form)
 
     def _reference(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: Mask = NO_MASK):
         """:meth:`estimate` by the float64 numpy reference; the probabilities as its estimate of the identity."""

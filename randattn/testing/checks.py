@@ -588,6 +588,15 @@ def check_exact_limits(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
                    what=f"exact limit '{limit.description}' (N={n}, M={m}), batched:")
 
 
+def _per_query_cases(spec: EstimatorSpec, params: Mapping[str, Any], *, seed: int):
+    """For every declared mask, N = M = 9 and the decode regime N = 3 < M = 20 (batch 2, D = 5):
+    ``(mask, n, m, q, k, draws)``, inputs seeded ``seed + m`` and draws ``seed + 1``."""
+    for mask in _masks(spec, params):
+        for n, m in ((9, 9), (3, 20)):
+            q, k, _ = _inputs(((2, n, 5), (2, m, 5), (2, m, 1)), seed=seed + m)
+            yield mask, n, m, q, k, _draw(spec, q.shape, k.shape, params, seed=seed + 1, mask=mask)
+
+
 def check_keys_used(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
     """``keys_used`` counts, per query and replicate, exactly the keys its estimate reads: those with a nonzero
     implied probability (``batched`` with ``v = I_M``), never more than the query sees."""
@@ -597,28 +606,25 @@ def check_keys_used(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
 
     if spec.keys_used is None:
         raise CheckSkipped("the spec declares no keys_used")
-    for mask in _masks(spec, params):
-        for n, m in ((9, 9), (3, 20)):
-            q, k, _ = _inputs(((2, n, 5), (2, m, 5), (2, m, 1)), seed=150 + m)
-            draws = _draw(spec, q.shape, k.shape, params, seed=151, mask=mask)
-            eye = np.broadcast_to(np.eye(m), (2, m, m))
-            kwargs = {"mask": mask} if mask is not None else {}
-            t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
-            used = to_numpy(_quiet(lambda: spec.keys_used(t(q), t(k), draws.to_torch(dtype=torch.float64), scale=None,
-                                                         **params, **kwargs)))
-            probabilities = to_numpy(_quiet(lambda: _batched(spec, q, k, eye, draws, params, dtype=torch.float64,
-                                                             mask=mask)))
-            where = f"keys_used (N={n}, M={m}{_mask_words(mask)})"
-            if used.shape != (_REPLICATES, 2, n):
-                raise CheckFailed(f"{where}: shape {used.shape}, expected (R, 2, N) = {(_REPLICATES, 2, n)}")
-            read = (probabilities != 0).sum(axis=-1)
-            if not np.array_equal(used, read):
-                at = plain_index(np.argwhere(used != read)[0])
-                raise CheckFailed(f"{where}: says {used[at]:g} keys at (replicate, batch, query) {at}, but the "
-                                  f"estimate gives {int(read[at])} keys a nonzero probability")
-            visible = causal_visible(n, m).sum(-1) if mask == "causal" else np.full(n, m)
-            if (used > visible).any():
-                raise CheckFailed(f"{where}: counts more keys than a query sees")
+    for mask, n, m, q, k, draws in _per_query_cases(spec, params, seed=150):
+        eye = np.broadcast_to(np.eye(m), (2, m, m))
+        kwargs = {"mask": mask} if mask is not None else {}
+        t = lambda a: torch.as_tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
+        used = to_numpy(_quiet(lambda: spec.keys_used(t(q), t(k), draws.to_torch(dtype=torch.float64), scale=None,
+                                                     **params, **kwargs)))
+        probabilities = to_numpy(_quiet(lambda: _batched(spec, q, k, eye, draws, params, dtype=torch.float64,
+                                                         mask=mask)))
+        where = f"keys_used (N={n}, M={m}{_mask_words(mask)})"
+        if used.shape != (_REPLICATES, 2, n):
+            raise CheckFailed(f"{where}: shape {used.shape}, expected (R, 2, N) = {(_REPLICATES, 2, n)}")
+        read = (probabilities != 0).sum(axis=-1)
+        if not np.array_equal(used, read):
+            at = plain_index(np.argwhere(used != read)[0])
+            raise CheckFailed(f"{where}: says {used[at]:g} keys at (replicate, batch, query) {at}, but the "
+                              f"estimate gives {int(read[at])} keys a nonzero probability")
+        visible = causal_visible(n, m).sum(-1) if mask == "causal" else np.full(n, m)
+        if (used > visible).any():
+            raise CheckFailed(f"{where}: counts more keys than a query sees")
 
 
 def _log_normaliser(q, k) -> np.ndarray:
@@ -643,22 +649,20 @@ def _log_denominator(spec: EstimatorSpec, q, k, draws, params, mask) -> np.ndarr
 
 def check_log_denominator(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
     """``log_denominator``: float64 ``(R, ..., N)``, finite at key norms 150-200 (a log, never an overflowing
-    exponential), under every declared mask; and in each declared exact limit equal to the exact
-    ``log sum_m exp(s q_n . k_m)`` over the visible keys (written out here) to the limit's ``rtol`` in log space,
-    i.e. relative in the normaliser."""
+    exponential), under every declared mask; and in each declared exact limit (bidirectional) equal to the exact
+    ``log sum_m exp(s q_n . k_m)`` (written out here) to the limit's ``rtol`` in log space, i.e. relative in the
+    normaliser."""
     if spec.log_denominator is None:
         raise CheckSkipped("the spec declares no log_denominator")
+    for mask, n, m, q, k, draws in _per_query_cases(spec, params, seed=160):
+        value = _log_denominator(spec, q, k, draws, params, mask)
+        where = f"log_denominator (N={n}, M={m}{_mask_words(mask)})"
+        if value.shape != (_REPLICATES, 2, n):
+            raise CheckFailed(f"{where}: shape {value.shape}, expected (R, 2, N) = {(_REPLICATES, 2, n)}")
+        if not np.isfinite(value).all():
+            raise CheckFailed(f"{where}: {int((~np.isfinite(value)).sum())} of {value.size} values not finite")
+    q, k, _ = _large_norm_inputs(162)
     for mask in _masks(spec, params):
-        for n, m in ((9, 9), (3, 20)):
-            q, k, _ = _inputs(((2, n, 5), (2, m, 5), (2, m, 1)), seed=160 + m)
-            draws = _draw(spec, q.shape, k.shape, params, seed=161, mask=mask)
-            value = _log_denominator(spec, q, k, draws, params, mask)
-            where = f"log_denominator (N={n}, M={m}{_mask_words(mask)})"
-            if value.shape != (_REPLICATES, 2, n):
-                raise CheckFailed(f"{where}: shape {value.shape}, expected (R, 2, N) = {(_REPLICATES, 2, n)}")
-            if not np.isfinite(value).all():
-                raise CheckFailed(f"{where}: {int((~np.isfinite(value)).sum())} of {value.size} values not finite")
-        q, k, _ = _large_norm_inputs(162)
         value = _log_denominator(spec, q, k, _draw(spec, q.shape, k.shape, params, seed=163, mask=mask), params, mask)
         if not np.isfinite(value).all():
             raise CheckFailed(f"log_denominator at key norms 150-200{_mask_words(mask)}: "
