@@ -211,6 +211,18 @@ def registry() -> tuple[Check, ...]:
               "weights (n_s - 1)/b are rejected by the same z-test (passes when detected)",
               "vAttention (arXiv 2510.05688)", _MC, _decode.vattention_off_by_one_detected, max_tested=8,
               synthetic_note="synthetic (decode, 2 queries over 12 keys)"),
+        Check("decode.vattention-clt-budget",
+              "b = ceil((Phi^-1(1 - delta/2) n_s sigma / (epsilon D))^2) uniform residual draws give "
+              "P(|D_hat - D| > epsilon D) <= delta + 2 C rho / (sigma^3 sqrt(b)) (Berry-Esseen, C = 0.4748)",
+              "vAttention (the budget theorem, for the denominator; arXiv 2510.05688); Shevtsova 2011",
+              _MC, _decode.vattention_clt_budget, max_tested=1,
+              synthetic_note="synthetic (one decode query over 1,024 keys, logits of sd 0.5)"),
+        Check("decode.vattention-one-sided-quantile-detected",
+              "the official code's Phi^-1(1 - delta) sizes b for 2 delta: rejected by the same test (passes when "
+              "detected)",
+              "vAttention's official code (AdaptiveSamplingMasker)", _MC,
+              _decode.vattention_one_sided_quantile_detected, max_tested=1,
+              synthetic_note="synthetic (one decode query over 1,024 keys, logits of sd 0.5)"),
         # ---------------- numerics
         Check("numerics.large-norm-stability",
               "every registered estimator is finite at key norms >= 150, float32 and float64; batched = reference "

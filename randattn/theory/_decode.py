@@ -3,6 +3,9 @@ r"""The decode-time sparse and sampling estimators (ARCHITECTURE sec. 14): their
 - :func:`budget_covers_every_key`: every registered estimator that reports the keys it reads (``keys_used``)
   equals causal softmax attention, written out as a loop here, when its budget covers every visible key (its
   declared exact limits), in the decode regime (the last N of M tokens) and in self-attention.
+- :func:`vattention_clt_budget`: vAttention's budget theorem for the denominator holds to its Berry-Esseen bound
+  with the package's sampler; :func:`vattention_one_sided_quantile_detected`: the official code's one-sided
+  quantile does not.
 
 Expected values come from formulas written here, never from the code under test. Every function has the signature
 ``(rng, quick, data, *, <thing under test>=default)`` so that the tests can inject a broken one.
@@ -15,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from randattn.theory._base import CheckResult, exact_result
+from randattn.theory._base import MC_K_SE, CheckResult, exact_result
 from randattn.theory._causal import loop_causal_softmax
 
 #: (N queries, M keys): the decode regime (a few last queries of a longer cache) and self-attention
@@ -117,8 +120,6 @@ def magicpig_collision_probability(rng: np.random.Generator, quick: bool, data: 
 
 def magicpig_wrong_exponent_detected(rng: np.random.Generator, quick: bool, data: Any = None) -> CheckResult:
     """Negative control: the same Monte Carlo rejects ``(1 - theta/pi)^(K+1)`` (passes when detected)."""
-    from randattn.theory._base import MC_K_SE
-
     result = magicpig_collision_probability(rng, quick, exponent_offset=1)
     return CheckResult("decode.magicpig-wrong-exponent-detected", result.measured, MC_K_SE,
                        result.measured >= MC_K_SE, f"exponent K + 1 against the hash; {result.details}",
@@ -169,7 +170,7 @@ def vattention_residual_unbiased(rng: np.random.Generator, quick: bool, data: An
 
 def vattention_off_by_one_detected(rng: np.random.Generator, quick: bool, data: Any = None) -> CheckResult:
     """Negative control: weights (n_s - 1) / b, a reweighting off by one, are rejected (passes when detected)."""
-    from randattn.theory._base import MC_K_SE, mc_unbiased_result
+    from randattn.theory._base import mc_unbiased_result
 
     _, _, sizes = _vattention_residual_sums(np.random.default_rng(0), quick)  # the residual sizes n_s per query
     factor = ((sizes - 1) / sizes)[:, None]
@@ -177,3 +178,88 @@ def vattention_off_by_one_detected(rng: np.random.Generator, quick: bool, data: 
     result = mc_unbiased_result("decode.vattention-off-by-one-detected", estimated, exact, "weights (n_s - 1) / b")
     return CheckResult(result.name, result.measured, MC_K_SE, result.measured >= MC_K_SE, result.details,
                        comparison=">=", tested=result.tested)
+
+
+# -------------------------------------------------------------------------------- vAttention's CLT budget
+#: one decode query over M keys (D = 8), its logits N(0, 0.5^2): 4 sinks, 4 local and 4 top-k keys exact, the rest
+#: (1,012 keys) sampled; epsilon = 0.01, delta = 0.2, so that b ~ 4,200 draws and the Berry-Esseen term is ~0.03
+BUDGET_KEYS, BUDGET_DIM, BUDGET_LOGIT_SD = 1024, 8, 0.5
+BUDGET_PARAMS = {"budget": "fixed", "sinks": 4, "local": 4, "top_k": 4}
+BUDGET_EPSILON, BUDGET_DELTA = 0.01, 0.2
+BUDGET_REPLICATES = 4000
+#: Shevtsova (2011): sup_x |P(Z_b <= x) - Phi(x)| <= C rho / (sigma^3 sqrt(b)) for b iid terms, C = 0.4748
+BERRY_ESSEEN_C = 0.4748
+
+
+def _residual_of_one_query(logits: np.ndarray, params: dict[str, int]) -> np.ndarray:
+    """The residual (keys sampled) of a decode query seeing every key: not among the first ``sinks``, the last
+    ``local`` (its own position is the last key) or the ``top_k`` largest logits of the others."""
+    m = len(logits)
+    heavy = set(range(params["sinks"])) | set(range(m - params["local"], m))
+    others = [j for j in range(m) if j not in heavy]
+    heavy |= set(sorted(others, key=lambda j: (-logits[j], j))[: params["top_k"]])
+    return np.array([j not in heavy for j in range(m)])
+
+
+def vattention_clt_budget(rng: np.random.Generator, quick: bool, data: Any = None, *,
+                          quantile: str = "two-sided", budget_scale: float = 1.0) -> CheckResult:
+    r"""vAttention's budget theorem, for the denominator: with the residual's own mean and spread, b draws with
+
+    .. math:: b = \left\lceil \left( \Phi^{-1}(1 - \delta/2)\, \frac{n_s \sigma}{\epsilon D} \right)^2 \right\rceil
+
+    give :math:`P(|\hat D - D| > \epsilon D) \le \delta + 2 C \rho / (\sigma^3 \sqrt b)`, the Berry-Esseen bound
+    on the central limit theorem the budget rests on (:math:`\rho = E|x - \mu|^3` over the residual,
+    :math:`C = 0.4748`, Shevtsova 2011; :math:`\hat D - D = \frac{n_s}{b} \sum_i (x_{j_i} - \mu)` is a sum of b
+    iid terms, and :math:`b \ge b^*` puts :math:`\epsilon D` at least z standard deviations out). The package's
+    sampler and weights make :math:`\hat D` (its ``log_denominator``, fixed budget S = b); the residual, n_s,
+    sigma, rho, D and b are written out here. The rate over R replicates is tested one-sided against the bound:
+    :math:`z = (\hat p - \beta) / \sqrt{\beta (1 - \beta) / R} \le` MC_K_SE. ``quantile="one-sided"`` (the
+    official code's :math:`\Phi^{-1}(1 - \delta)`) and ``budget_scale`` < 1 are the negative controls.
+    """
+    import torch
+    from scipy.stats import norm
+
+    from randattn.estimators.registry import get_spec
+    from randattn.estimators.vattention import batched
+
+    spec = get_spec("vattention")
+    direction = rng.standard_normal(BUDGET_DIM)
+    q = (BUDGET_LOGIT_SD * np.sqrt(BUDGET_DIM) / np.linalg.norm(direction)) * direction[None, :]  # (1, D)
+    k = rng.standard_normal((BUDGET_KEYS, BUDGET_DIM))
+    logits = (k @ q[0]) / np.sqrt(BUDGET_DIM)  # logit sd 0.5: scale D^-1/2, |q| = 0.5 sqrt(D)
+    residual = _residual_of_one_query(logits, BUDGET_PARAMS)
+    shift = logits.max()
+    x = np.exp(logits[residual] - shift)  # the residual's e^{s}, shifted: every ratio below is scale-free
+    n_s, mu, sigma = x.size, x.mean(), x.std()  # population moments (ddof = 0): the theorem's sigma
+    rho = np.mean(np.abs(x - mu) ** 3)
+    denominator = np.exp(logits - shift).sum()
+    tail = BUDGET_DELTA / 2 if quantile == "two-sided" else BUDGET_DELTA
+    z = norm.isf(tail)
+    draws_b = int(np.ceil(budget_scale * (z * n_s * sigma / (BUDGET_EPSILON * denominator)) ** 2))
+    replicates = BUDGET_REPLICATES // (4 if quick else 1)
+    params = spec.resolve_params(BUDGET_PARAMS)
+    draws = spec.draw(q.shape, k.shape, num_samples=draws_b, replicates=replicates, rng=rng, mask="causal", **params)
+    with torch.no_grad():
+        log_estimate = batched.log_denominator(torch.as_tensor(q), torch.as_tensor(k), draws.to_torch(),
+                                               mask="causal", **params).numpy()[:, 0]  # (R,)
+    log_exact = np.log(denominator) + shift
+    rate = float(np.mean(np.abs(np.expm1(log_estimate - log_exact)) > BUDGET_EPSILON))
+    berry_esseen = 2 * BERRY_ESSEEN_C * rho / (sigma**3 * np.sqrt(draws_b))
+    bound = BUDGET_DELTA + berry_esseen
+    se = np.sqrt(bound * (1 - bound) / replicates)
+    measured = (rate - bound) / se
+    details = (f"one decode query over {BUDGET_KEYS} keys, logits N(0, {BUDGET_LOGIT_SD}^2), {BUDGET_PARAMS}: "
+               f"n_s = {n_s}, b = {draws_b} draws ({quantile} quantile{'' if budget_scale == 1 else f' x {budget_scale:g}'}),"
+               f" epsilon = {BUDGET_EPSILON}, delta = {BUDGET_DELTA}; P(|D_hat - D| > epsilon D) = {rate:.4f} over "
+               f"R = {replicates}, bound delta + Berry-Esseen = {BUDGET_DELTA} + {berry_esseen:.4f} "
+               f"(rho / sigma^3 = {rho / sigma**3:.3f}); a rate >= {bound + (MC_K_SE + 1.28) * se:.3f} would be "
+               "caught with 90% power")
+    return CheckResult("decode.vattention-clt-budget", float(measured), MC_K_SE, bool(measured <= MC_K_SE), details)
+
+
+def vattention_one_sided_quantile_detected(rng: np.random.Generator, quick: bool, data: Any = None) -> CheckResult:
+    """Negative control: the official code's one-sided quantile, Phi^-1(1 - delta), sizes b for a two-sided level of
+    2 delta; its rate is rejected against delta + the Berry-Esseen term (passes when detected)."""
+    result = vattention_clt_budget(rng, quick, quantile="one-sided")
+    return CheckResult("decode.vattention-one-sided-quantile-detected", result.measured, MC_K_SE,
+                       result.measured >= MC_K_SE, result.details, comparison=">=")

@@ -43,3 +43,23 @@ def test_an_exact_limit_that_leaves_a_key_out_fails():
 def test_the_collision_check_rejects_a_wrong_exponent():
     result = _decode.magicpig_collision_probability(theory.check_rng(0, "x"), True, exponent_offset=1)
     assert not result.passed and result.measured > theory.MC_K_SE
+
+
+def test_the_budget_check_rejects_half_the_budget():
+    """b at half the theorem's size puts epsilon D at z / sqrt(2) standard deviations: P(|Z| > 0.91) = 0.36, far
+    above delta + the Berry-Esseen term (0.24)."""
+    result = _decode.vattention_clt_budget(theory.check_rng(0, "x"), True, budget_scale=0.5)
+    assert not result.passed and result.measured > theory.MC_K_SE
+
+
+def test_the_budget_check_measures_the_packages_denominator(monkeypatch):
+    """A denominator estimate 2 % high (every draw's weight, as a wrong n_s / b would make it) violates epsilon = 1 %
+    nearly always: the check reads the package's log_denominator, not a copy of its own."""
+    import math
+
+    from randattn.estimators.vattention import batched
+
+    honest = batched.log_denominator
+    monkeypatch.setattr(batched, "log_denominator", lambda *a, **kw: honest(*a, **kw) + math.log(1.02))
+    result = _decode.vattention_clt_budget(theory.check_rng(0, "x"), True)
+    assert not result.passed and result.measured > theory.MC_K_SE
