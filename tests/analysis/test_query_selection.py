@@ -180,13 +180,15 @@ def _expected_denominator_errors(q, k, rows, seed, causal):
     return errors
 
 
-def test_a_promise_on_the_denominator_counts_the_denominators_error(spec, acts):
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_a_promise_on_the_denominator_counts_the_denominators_error(spec, acts, backend):
     """A promise declared on the denominator: the violation columns count |Z_hat - Z| / Z > eps (written out per
     query above, the interval from scipy's binomtest), ``violation_of`` says so, and the rel_err columns stay the
     output's. eps = 0.7 puts the rate strictly between 0 and 1 on these inputs, so the count is not trivially
-    right; the output's own rate at 0.7 differs from it (asserted), so counting the output would fail."""
+    right; the output's own rate at 0.7 differs from it (asserted), so counting the output would fail. On both
+    backends (the reference's log-denominators are the spec's torch form on the CPU, as its keys used)."""
     label = f"{NAME}:eps=0.7,delta=0.2,on=denominator"
-    table = run_sweep_tables(acts, _config("last:4", "causal", label=label)).table
+    table = run_sweep_tables(acts, _config("last:4", "causal", label=label, backend=backend)).table
     q, k, v = acts.layer_qkv(0, image=0)
     rows = query_rows("last:4", N)
     assert set(table["violation_of"]) == {"denominator"}
