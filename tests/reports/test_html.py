@@ -221,6 +221,10 @@ def test_the_report_lists_a_broken_promise_and_summarises_the_relative_error():
     assert f"Broken promise</strong> in {int(table['promise_broken'].sum())} head(s)" in page
     assert "[0.51, 0.53]" in page
     assert "violation of" not in summary.columns and "<th>violation of</th>" not in page  # every rate the output's
+    # the same when the column says so (a table of this version) and when it is absent (read without coerce)
+    for labelled in (table.assign(violation_of="output"), table.drop(columns="violation_of", errors="ignore")):
+        assert "violation of" not in promise_summary(labelled).columns
+        assert "<th>violation of</th>" not in build_report(labelled, environment={}, figures=[])
 
 
 def test_the_report_names_a_promise_on_the_denominator():

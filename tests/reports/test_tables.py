@@ -83,3 +83,17 @@ def test_a_per_position_tables_query_counts_read_back_as_integers(tmp_path, suff
      ".json": lambda p: rows.to_json(p, orient="records")}[suffix](path)
     counts = read_results(path).table["queries"]
     assert pd.api.types.is_integer_dtype(counts) and list(counts) == [1, 2]
+
+
+def test_a_broken_promise_line_names_the_quantity_its_rate_counts():
+    """``P(err > eps)`` for the output (and for a record from before ``violation_of``), ``P(denominator err > eps)``
+    for a promise on the denominator."""
+    from randattn.reports.console import broken_promise_lines
+
+    record = {"label": "vattention", "num_samples": 64, "layer": 0, "head": 3, "image": "text", "epsilon": 0.05,
+              "delta": 0.05, "violation_rate": 0.5, "violation_lo": 0.4, "violation_hi": 0.6}
+    old, output, denominator = broken_promise_lines([record, {**record, "violation_of": "output"},
+                                                     {**record, "violation_of": "denominator"}], noun="sequence")
+    assert old == output
+    assert "layer 0 head 3 sequence text: P(err > 0.05) = 0.5 [0.4, 0.6] > delta = 0.05" in output
+    assert "layer 0 head 3 sequence text: P(denominator err > 0.05) = 0.5 [0.4, 0.6] > delta = 0.05" in denominator
