@@ -213,7 +213,15 @@ def test_the_report_lists_a_broken_promise_and_summarises_the_relative_error():
     table["violation_lo"], table["violation_hi"] = table["violation_rate"] - 0.01, table["violation_rate"] + 0.01
     table["promise_broken"] = table["violation_lo"] > table["delta"]
     summary = promise_summary(table)
+    assert list(summary.columns) == ["label", "num_samples", "mean rel. error", "median rel. error",
+                                     "largest 95th pct", "epsilon", "violation rate", "delta", "heads broken"]
+    assert list(zip(summary["label"], summary["num_samples"])) == list(dict.fromkeys(  # the table's order
+        zip(table["label"], table["num_samples"])))
     assert set(summary["largest 95th pct"]) == {1.3}
+    assert set(summary["mean rel. error"]) == {0.1} and set(summary["median rel. error"]) == {0.08}
+    assert set(summary["epsilon"]) == {0.05} and set(summary["delta"]) == {0.1}
+    assert np.allclose(summary["violation rate"], 0.02 + 0.5 * 0.5)  # heads 0 and 1 in equal numbers
+    assert promise_summary(table.assign(rel_err_mean=np.nan)) is None  # a table from before the relative error
     items = table["image"].nunique()
     assert set(summary["heads broken"]) == {f"{items} of {2 * items}"}  # head 1 of each item
     page = build_report(table, environment={}, figures=[])  # the figures are tested elsewhere
