@@ -445,8 +445,6 @@ class UnitRunner:
         counts_declared = spec.keys_used is not None
         keys_mean = np.full((reps, cells), np.nan) if counts_declared else None
         keys_max = np.full((reps, cells), np.nan) if counts_declared else None
-        promise = spec.promise_of(est.params)
-        promise_on = "output" if promise is None else spec.promise_on_of(est.params)
         # per (replicate, cell, query): log Z_hat, where the promise is on the denominator
         log_denominators = np.full((reps, cells, n), np.nan) if estimator.wants_log_denominator(spec, est) else None
         diagnostics = UnitDiagnostics(reps, cells)
@@ -518,7 +516,8 @@ class UnitRunner:
                                                      visible[self.query_rows]).mean()))
         promised = (None if log_denominators is None else
                     denominator_relative_errors(log_denominators, cache.log_normalisers(unit), random=est.random))
-        relative = relative_error_columns(errors, config.epsilon, promise, promised=promised, promise_on=promise_on)
+        relative = relative_error_columns(errors, config.epsilon, spec.promise_of(est.params), promised=promised,
+                                          promise_on=spec.promise_on_of(est.params))
         ess_mean, delta_ratio, khat = diagnostics.columns(metrics.variance)
         _lap(seconds, "metrics", mark, clock)
         per_cell = (clock() - start) / cells
