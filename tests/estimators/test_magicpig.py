@@ -82,8 +82,9 @@ def _literal_magicpig(q, k, v, planes, *, scale, at_least, sinks, local, center,
                 skipped_pairs.append((n, m))
                 continue
             sampled_pairs.append((n, m))
-            cosine = (sum(q[n][d] * centred[d] for d in range(dim))
-                      / math.sqrt(sum(a * a for a in q[n]) * sum(a * a for a in centred)))
+            norms = math.sqrt(sum(a * a for a in q[n]) * sum(a * a for a in centred))
+            # a zero vector is at a right angle to every vector (the package's convention, its unit vector 0)
+            cosine = sum(q[n][d] * centred[d] for d in range(dim)) / norms if norms else 0.0
             p = 1 - math.acos(max(-1.0, min(1.0, cosine))) / math.pi
             u = _tail(p**bits, tables, at_least)
             weighted.append((scale * sum(q[n][d] * k[m][d] for d in range(dim)) - math.log(u), m))
@@ -377,3 +378,133 @@ def test_the_batched_exact_and_candidate_sets_are_the_references_made_on_the_dev
                     np.testing.assert_array_equal(exact.numpy(), exact_np)
                     np.testing.assert_array_equal(candidates.numpy(), candidates_np)
                     assert batched._has_candidates(m, sinks, local) == bool(candidates_np.any())
+
+
+# ---------------------------------------------------------------- the sampler's two forms: buckets, comparisons
+def _sampled_by_batched(q, k, draws, params, mask):
+    """The (n, m) candidate pairs the batched form samples in replicate 0, and its log weights ``(R, N, M)``."""
+    t = torch.as_tensor
+    selection = {name: params[name] for name in ("min_collisions", "sinks", "local", "center")}
+    weights = batched.log_weights(t(q), t(k), t(draws["hyperplanes"]).to(t(q).dtype), mask=mask, **selection)
+    _, candidates = reference.exact_and_candidate_keys(len(q), len(k), params["sinks"], params["local"], mask)
+    rows, cols = np.nonzero(torch.isfinite(weights[0]).numpy() & candidates)
+    return sorted(zip(rows.tolist(), cols.tolist())), weights
+
+
+def _literal_pairs(q, k, draws, params, mask):
+    _, sampled, skipped = _literal_magicpig(q.tolist(), k.tolist(), k[:, :1].tolist(),
+                                            draws["hyperplanes"][0].tolist(), scale=1.0,
+                                            at_least=params["min_collisions"], sinks=params["sinks"],
+                                            local=params["local"], center=params["center"], mask=mask)
+    return sorted(sampled), skipped
+
+
+@pytest.mark.parametrize("group", [1, 5, 64])
+@pytest.mark.parametrize("center", CENTERS)
+def test_buckets_sample_the_literal_loops_pairs_where_the_thresholds_differ(group, center, monkeypatch):
+    """Under the causal mask each query centres the keys on the mean of the keys it sees, so the thresholds of a
+    group of queries spread and some (table, key) pairs fall in the band between them, where the buckets compare
+    bit by bit. The sample is the literal loop's, pair for pair: groups of one query (no band), of five, and of
+    all 20 (the widest bands), with the buckets' matches, the band's pairs and the queries listed one at a time."""
+    monkeypatch.setattr(batched, "QUERY_GROUP", group)
+    monkeypatch.setattr(batched, "BUCKET_PIECE", 1)
+    monkeypatch.setattr(batched, "CHUNK_ELEMENTS", 1)
+    rng = np.random.default_rng(21)
+    q, k = rng.normal(size=(20, 3)), rng.normal(size=(20, 3)) + 0.7
+    params = _params(hash_bits=2, min_collisions=2, sinks=1, local=2, center=center)
+    draws = _draw(q, k, 8, params, seed=22, mask="causal")
+    expected, skipped = _literal_pairs(q, k, draws, params, "causal")
+    actual, _ = _sampled_by_batched(q, k, draws, params, "causal")
+    assert actual == expected, f"group {group}, {center}: batched samples {len(actual)} pairs, the loop {len(expected)}"
+    assert expected and skipped, "the inputs must exercise both sampled and rejected candidates"
+
+
+@pytest.mark.parametrize("center", ["all-keys", "none"])
+def test_buckets_hash_a_key_on_the_hyperplane_as_the_loop_does(center):
+    """A centred key of zero lies on every hyperplane and hashes to bit 0 (``w.v > 0`` is false), in the buckets as
+    in the literal loop: integer keys in +/- pairs make the mean exactly 0, zero keys tie with it, and repeated keys
+    share their bucket (no causal mask: one threshold for every query, so no band)."""
+    rng = np.random.default_rng(23)
+    base = rng.integers(-3, 4, size=(5, 3)).astype(np.float64)
+    k = np.concatenate([base, -base, np.zeros((4, 3))])
+    q = np.concatenate([rng.integers(-3, 4, size=(5, 3)).astype(np.float64), np.zeros((1, 3))])
+    params = _params(hash_bits=1, min_collisions=1, sinks=1, local=1, center=center)
+    draws = _draw(q, k, 3, params, seed=24)
+    expected, skipped = _literal_pairs(q, k, draws, params, None)
+    actual, _ = _sampled_by_batched(q, k, draws, params, None)
+    assert actual == expected and expected and skipped
+    zero_keys = set(range(10, 13))  # the candidates among the zero keys (the last key is local)
+    assert any(m in zero_keys for _, m in expected) and any(m in zero_keys for _, m in skipped), (
+        "the zero keys must be sampled by some query (the zero query: both codes all 0) and rejected by another")
+
+
+@pytest.mark.parametrize("accelerator_form", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_key_equal_to_its_querys_mean_hashes_to_bit_0(dtype, accelerator_form, monkeypatch):
+    """Centred on the hashed keys, a query with one candidate centres it to zero: ``(y - mu).w = 0``, bit 0 in every
+    table (the loop subtracts first). The batched form compares ``y.w > mu.w``, so the two projections must be
+    equal to the bit: they come from one product. Queries 3 and 4 of the causal mask (1 sink, 1 local key) have one
+    and two candidates; one bit per table, so the tie decides collisions. Batch (2, 3) and 36 draws: projections
+    made by separate products (the form before this test) broke one or two of these ties in each dtype."""
+    if accelerator_form:
+        monkeypatch.setattr(batched, "BUCKETED_DEVICES", ())
+    params = _params(hash_bits=1, min_collisions=1, sinks=1, local=1, center="hashed-keys")
+    t = torch.as_tensor
+    differ = []
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        for dim in (5, 8, 16):
+            q, k = rng.normal(size=(2, 3, 11, dim)).astype(dtype), (3 * rng.normal(size=(2, 3, 13, dim))).astype(dtype)
+            draws = _draw(q, k, 6, params, seed=seed, mask="causal")
+            weights = batched.log_weights(t(q), t(k), t(draws["hyperplanes"]).to(t(q).dtype), mask="causal",
+                                          min_collisions=1, sinks=1, local=1, center="hashed-keys")
+            _, candidates = reference.exact_and_candidate_keys(11, 13, 1, 1, "causal")
+            for i, j in np.ndindex(2, 3):
+                _, sampled, _ = _literal_magicpig(q[i, j].astype(np.float64).tolist(),
+                                                  k[i, j].astype(np.float64).tolist(), k[i, j, :, :1].tolist(),
+                                                  draws["hyperplanes"][0, i, j].tolist(), scale=1.0, at_least=1,
+                                                  sinks=1, local=1, center="hashed-keys", mask="causal")
+                rows, cols = np.nonzero(torch.isfinite(weights[0, i, j]).numpy() & candidates)
+                if sorted(zip(rows.tolist(), cols.tolist())) != sorted(sampled):
+                    differ.append((seed, dim, i, j))
+    assert not differ, f"samples unlike the loop's (seed, D, batch element): {differ}"
+
+
+def test_codes_longer_than_an_int64_are_compared_densely(monkeypatch):
+    """K = 63 bits do not fit the buckets' int64 codes: the sampler compares every bit, and samples the loop's
+    pairs (keys a few degrees from the query collide even at K = 63; their negatives never do)."""
+    def no_buckets(*args, **kwargs):
+        raise AssertionError("63-bit codes went to the buckets")
+
+    monkeypatch.setattr(batched, "_sample_in_buckets", no_buckets)
+    rng = np.random.default_rng(25)
+    q = rng.normal(size=(1, 3))
+    near = q + 0.01 * np.linalg.norm(q) * rng.normal(size=(5, 3))
+    k = np.concatenate([q, near, -near, q])
+    params = _params(hash_bits=63, min_collisions=1, sinks=1, local=1, center="none")
+    draws = _draw(q, k, 3, params, seed=26)
+    expected, skipped = _literal_pairs(q, k, draws, params, None)
+    actual, _ = _sampled_by_batched(q, k, draws, params, None)
+    assert actual == expected and expected and skipped
+
+
+def test_the_host_and_accelerator_forms_sample_the_same_keys(monkeypatch):
+    """The paper's defaults (K = 10, L = 150, 4 sinks, 64 local) on the last 64 queries of 2,048 causal keys, two
+    replicates, float64: the buckets (host) and the dense comparisons (an accelerator's form, forced here) sample
+    the same keys, and the log weights agree to 1e-12 (log u is formed at the sampled pairs alone on the host, at
+    every candidate on an accelerator: the same function of the same angle)."""
+    rng = np.random.default_rng(27)
+    drift = np.cumsum(rng.normal(scale=0.05, size=(2048, 16)), axis=0)  # keys whose mean moves, as in a context
+    k = rng.normal(size=(2048, 16)) + drift
+    q = rng.normal(size=(64, 16)) + drift[-64:]
+    params = _params()
+    draws = _draw(q, k, 150, params, replicates=2, seed=28, mask="causal")
+    _, on_host = _sampled_by_batched(q, k, draws, params, "causal")
+    monkeypatch.setattr(batched, "BUCKETED_DEVICES", ())
+    _, on_accelerator = _sampled_by_batched(q, k, draws, params, "causal")
+    np.testing.assert_array_equal(torch.isfinite(on_host).numpy(), torch.isfinite(on_accelerator).numpy())
+    sampled = torch.isfinite(on_host) & (on_host > 0)
+    assert 0 < sampled.sum() < sampled.numel() // 4, "the sampler must keep some candidates and leave most"
+    finite = torch.isfinite(on_host)
+    assert_close(on_host[finite], on_accelerator[finite], atol=0, rtol=1e-12,
+                 what="log weights, host vs accelerator form:")

@@ -48,8 +48,11 @@ Conventions (paper first; where the official code or sparse-attention-hub differ
 
 Presets: ``"official-code"`` centres on the hashed keys; ``"sparse-attention-hub"`` samples on one collision.
 
-Cost: the sampler is evaluated densely here, O(N M L K) code comparisons plus O(N M (D + Dv)) attention
-(``cost="quadratic"``); the paper's hash tables reach the same sample without touching every key.
+Cost: O((N + M) L K D) projections and O(N M (D + Dv)) attention over the dense weights (``cost="quadratic"``),
+plus the sampler. On the CPU it reads hash buckets as the paper's tables do: per group of 64 queries O(M L K)
+comparisons and a sort of each table's M codes, plus the matches and the few (table, key) pairs whose bit differs
+between the group's queries. On an accelerator it compares every (query, key, table, bit), O(N M L K), and reads
+nothing back. Both take the same sample (:mod:`.batched`).
 """
 
 from __future__ import annotations
@@ -104,7 +107,8 @@ SPEC = family_spec(
             "sinks + local window exact",
     source="Chen et al. 2024 (MagicPIG), arXiv 2410.16179 sec. 4.1-4.4, eqs. 9-11, Algorithm 1, app. E; "
            "code Infini-AI-Lab/MagicPIG",
-    complexity="O((N + M) L K D + N M L K + N M (D + Dv)); S = L tables",
+    complexity="O((N + M) L K D + N M (D + Dv)) + the sampler: O(ceil(N / 64) L M (K + log M)) and the matches from "
+               "hash buckets on the CPU, O(N M L K) comparisons on an accelerator; S = L tables",
     variants={
         # the defaults keep 68 exact keys, i.e. every key of the kit's small inputs: these variants sample
         "sampling": {"hash_bits": 2, "sinks": 1, "local": 2},
@@ -132,6 +136,6 @@ SPEC = family_spec(
                    params=lambda n, m: {"sinks": m, "local": 0}),
     ),
     keys_used=batched.keys_used,
-    memory_hint="R x M x L x K key projections and, per chunk of queries, C x M x L x K hash bits "
-                "(C M L K R ~ 4M); the N x M weights per batch element",
+    memory_hint="M x L x K key projections and an R x N x M sample per batch element, the N x M weights; per "
+                "chunk of queries C x M x L hash agreements on an accelerator (C M L ~ 4M)",
 )

@@ -1,10 +1,20 @@
 """MagicPIG in torch (the batched form of :mod:`.reference`, same draws, same layout).
 
-The key projections :math:`y_m^\\top w_{lk}` are formed once per replicate; each query's centred codes compare them
-with :math:`\\mu_n^\\top w_{lk}` (:math:`(y_m - \\mu_n)^\\top w > 0 \\iff y_m^\\top w > \\mu_n^\\top w`). Queries go in
-chunks so that the ``(R, ..., C, M, L, K)`` bits of one chunk stay near :data:`CHUNK_ELEMENTS` elements: the
-sampler is dense over (query, key) pairs, O(N M L K) comparisons (the paper's hash tables avoid that work, not
-its result).
+The projections :math:`y_m^\\top w_{lk}` of the keys, :math:`\\mu_n^\\top w_{lk}` of the queries' centring means
+and :math:`x_n^\\top w_{lk}` of the queries are formed in one product per replicate and batch element; a centred key
+has bit 1 where :math:`y_m^\\top w > \\mu_n^\\top w` (:math:`\\iff (y_m - \\mu_n)^\\top w > 0`). The sampler has
+two forms that take the same sample (each is tested against the reference and the paper's loop):
+
+- **on the CPU** (:data:`BUCKETED_DEVICES`), from hash buckets: for each group of :data:`QUERY_GROUP` queries the
+  keys' codes go into each table's buckets (a sort) and a query collides with the keys of its code's bucket, so
+  the work is O(M L K) comparisons and O(L M log M) to sort per group, plus the matches; the few (table, key)
+  pairs whose bit differs between the group's queries are compared per query (:func:`_sample_in_buckets`);
+- **elsewhere** (an accelerator), densely: every (query, key, table, bit) is compared, O(N M L K), in chunks of
+  queries whose ``(C, M, L)`` agreement stays near :data:`CHUNK_ELEMENTS` elements, reading nothing back from the
+  device (:func:`_sample_densely`).
+
+``log u`` depends on the angle alone, so it is formed once for all replicates: at the sampled pairs on the CPU, at
+every candidate pair elsewhere.
 """
 
 from __future__ import annotations
@@ -25,8 +35,19 @@ from randattn.estimators.sparse.batched import masked_logits, visible_keys, weig
 __all__ = ["CHUNK_ELEMENTS", "estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used",
            "exact_and_candidate_keys", "keys_used", "log_weights", "probabilities", "sample_counts"]
 
-#: about how many hash bits one chunk of queries compares at once
+#: about how many elements one chunk of the sampler's work holds (the dense form's agreement, the band's codes,
+#: the binomial tails' terms)
 CHUNK_ELEMENTS = 1 << 22
+#: device types on which the sampler reads hash buckets (:func:`_sample_in_buckets`: their sizes come from the
+#: data, so they are read on the host); elsewhere (an accelerator) it compares every (query, key, table, bit),
+#: which reads nothing back
+BUCKETED_DEVICES = ("cpu",)
+#: the longest code that one int64 holds; longer codes are compared densely
+MAX_CODE_BITS = 62
+#: queries whose thresholds share one set of bucket codes (the decode-time runs' last 64 queries are one group)
+QUERY_GROUP = 64
+#: about how many (table, query, key) matches one piece of :func:`_bucket_matches` lists
+BUCKET_PIECE = 1 << 20
 
 
 def _angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -52,16 +73,6 @@ def _log_inclusion(log_table_probability: torch.Tensor, tables: int, min_collisi
     upper = torch.logsumexp(terms[..., min_collisions:], dim=-1)
     lower = torch.logsumexp(terms[..., :min_collisions], dim=-1)
     return torch.where(lower <= -math.log(2.0), torch.log1p(-torch.exp(lower)), upper)
-
-
-def _pair_log_inclusion(x: torch.Tensor, y: torch.Tensor, means: torch.Tensor, candidates: torch.Tensor,
-                        hash_bits: int, tables: int, min_collisions: int) -> torch.Tensor:
-    """``(C, M)``: ``log u`` of each candidate (query, key) pair, 0 elsewhere, from ``x (C, D)``, ``y (M, D)`` and the
-    queries' centring means ``(C, D)``: the same for every replicate (it depends on the angle alone), so computed
-    once per batch element; dense over the pairs, so that no value is read back from an accelerator."""
-    theta = _angle(x.unsqueeze(-2), y.unsqueeze(-3) - means.unsqueeze(-2))  # (C, M)
-    log_u = _log_inclusion(hash_bits * torch.log1p(-theta / math.pi), tables, min_collisions)
-    return torch.where(candidates, log_u, torch.zeros_like(log_u))
 
 
 def exact_and_candidate_keys(num_queries: int, num_keys: int, sinks: int, local: int, mask: str | None,
@@ -126,45 +137,162 @@ def _hash_and_sample(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor
     if not _has_candidates(num_keys, sinks, local):  # sinks and local window hold every visible key: nothing to hash
         return out.masked_fill(exact, 0.0) if weights else out
     means = _centering_means(y, exact | candidates, candidates, center)  # (..., N, D)
-    # one (replicate, batch element) at a time: its key projections (K, M, L) and one (C, M, L) agreement buffer
-    # per chunk of queries, never an (R, ..., M, L, K) tensor (9 heads x 4 replicates x 4,096 keys x 150 tables
-    # would be 0.9 GB in float32)
+    # one (replicate, batch element) at a time: its key projections (K, M, L) and the buffers of one chunk of
+    # queries, never an (R, ..., M, L, K) tensor (9 heads x 4 replicates x 4,096 keys x 150 tables would be 0.9 GB
+    # in float32)
     batch = x.shape[:-2]
-    planes = hyperplanes.expand(replicates, *batch, *hyperplanes.shape[-3:]).reshape(
-        replicates, -1, tables * hash_bits, hyperplanes.shape[-1])
+    # the directions in (bit, table) order: the product with the keys is each bit's (L, M) projections in one block
+    planes = hyperplanes.expand(replicates, *batch, *hyperplanes.shape[-3:]).transpose(-3, -2).reshape(
+        replicates, -1, hash_bits * tables, hyperplanes.shape[-1])
     xs, ys, ms = x.reshape(-1, num_queries, x.shape[-1]), y.reshape(-1, num_keys, y.shape[-1]), \
         means.reshape(-1, num_queries, means.shape[-1])
     flat_out = out.view(replicates, -1, num_queries, num_keys) if weights else out.view(replicates, -1, num_queries)
-    chunk = max(1, CHUNK_ELEMENTS // max(1, num_keys * tables))
-    chunks = [slice(start, min(start + chunk, num_queries)) for start in range(0, num_queries, chunk)]
+    in_buckets = x.device.type in BUCKETED_DEVICES and hash_bits <= MAX_CODE_BITS
+    sample, pair_log_inclusion = ((_sample_in_buckets, _sampled_pairs_log_inclusion) if in_buckets
+                                  else (_sample_densely, _candidate_pairs_log_inclusion))
     for b in range(xs.shape[0]):
-        if weights:
-            # log u of every candidate pair: the same in every replicate (it depends on the angle alone)
-            log_u = torch.cat([_pair_log_inclusion(xs[b, rows], ys[b], ms[b, rows], candidates[rows], hash_bits,
-                                                   tables, min_collisions) for rows in chunks], dim=0)  # (N, M)
+        sampled = torch.empty((replicates, num_queries, num_keys), dtype=torch.bool, device=x.device)
+        # keys, means and queries in one product: a key equal to its query's mean projects to the same numbers, so
+        # the tie y.w = mu.w is exact, and the bit 0, as (y - mu).w = 0 is in the reference
+        stacked = torch.cat([ys[b], ms[b], xs[b]]).T  # (D, M + 2 N)
         for r in range(replicates):
-            directions = planes[r, b].transpose(0, 1)  # (D, L K)
-
-            def bit_major(vectors: torch.Tensor) -> torch.Tensor:  # (P, D) -> (K, P, L), contiguous per bit
-                return (vectors @ directions).unflatten(-1, (tables, hash_bits)).permute(2, 0, 1).contiguous()
-
-            key_proj, mean_proj, query_code = bit_major(ys[b]), bit_major(ms[b]), bit_major(xs[b]) > 0
-            for rows in chunks:
-                shape = (rows.stop - rows.start, num_keys, tables)
-                agree, key_bit = (torch.empty(shape, dtype=torch.bool, device=x.device) for _ in range(2))
-                for bit in range(hash_bits):  # the tables where the centred key's code equals the query's
-                    torch.gt(key_proj[bit].unsqueeze(0), mean_proj[bit][rows].unsqueeze(1), out=key_bit)
-                    if bit == 0:
-                        torch.eq(key_bit, query_code[bit][rows].unsqueeze(1), out=agree)
-                    else:
-                        agree.logical_and_(key_bit.eq_(query_code[bit][rows].unsqueeze(1)))
-                sampled = candidates[rows] & (agree.sum(dim=-1) >= min_collisions)  # (C, M)
-                if not weights:
-                    flat_out[r, b, rows] += sampled.sum(-1)
-                    continue
-                sample_weights = torch.where(sampled, -log_u[rows], torch.full_like(log_u[rows], float("-inf")))
-                flat_out[r, b, rows] = torch.where(exact[rows], torch.zeros_like(sample_weights), sample_weights)
+            projections = (planes[r, b] @ stacked).unflatten(0, (hash_bits, tables))  # (K, L, M + 2 N)
+            key_proj, mean_proj, query_proj = projections.split([num_keys, num_queries, num_queries], dim=-1)
+            sample(key_proj, mean_proj, query_proj > 0, candidates, min_collisions, out=sampled[r])
+        if not weights:
+            flat_out[:, b] += sampled.sum(-1)
+            continue
+        # log u of the pairs: the same in every replicate (it depends on the angle alone)
+        log_u = pair_log_inclusion(xs[b], ys[b], ms[b], candidates, sampled, hash_bits, tables, min_collisions)
+        for r in range(replicates):
+            sample_weights = torch.where(sampled[r], -log_u, torch.full_like(log_u, float("-inf")))
+            flat_out[r, b] = torch.where(exact, torch.zeros_like(sample_weights), sample_weights)
     return out
+
+
+def _sample_densely(key_proj: torch.Tensor, thresholds: torch.Tensor, query_bits: torch.Tensor,
+                    candidates: torch.Tensor, min_collisions: int, *, out: torch.Tensor) -> None:
+    """``out (N, M)``: the candidates that share the query's code in at least ``min_collisions`` tables, found by
+    comparing every (query, key, table, bit): ``key_proj (K, L, M)`` are :math:`y_m^\\top w_{lk}`, ``thresholds
+    (K, L, N)`` :math:`\\mu_n^\\top w_{lk}` and ``query_bits (K, L, N)`` the queries' codes. Queries go in chunks
+    whose ``(C, M, L)`` agreement stays near :data:`CHUNK_ELEMENTS`; nothing is read back from the device."""
+    # (K, M, L), (K, N, L): each bit's keys by tables in one block, the tables last (as each query's code is)
+    key_proj, thresholds, query_bits = (a.transpose(-2, -1).contiguous() for a in (key_proj, thresholds, query_bits))
+    (hash_bits, num_keys, tables), num_queries = key_proj.shape, thresholds.shape[1]
+    for rows in _pieces(num_queries, CHUNK_ELEMENTS // max(1, num_keys * tables)):
+        shape = (rows.stop - rows.start, num_keys, tables)
+        agree, key_bit = (torch.empty(shape, dtype=torch.bool, device=key_proj.device) for _ in range(2))
+        for bit in range(hash_bits):  # the tables where the centred key's code equals the query's
+            torch.gt(key_proj[bit].unsqueeze(0), thresholds[bit, rows].unsqueeze(1), out=key_bit)
+            if bit == 0:
+                torch.eq(key_bit, query_bits[bit, rows].unsqueeze(1), out=agree)
+            else:
+                agree.logical_and_(key_bit.eq_(query_bits[bit, rows].unsqueeze(1)))
+        torch.logical_and(candidates[rows], agree.sum(dim=-1) >= min_collisions, out=out[rows])
+
+
+def _sample_in_buckets(key_proj: torch.Tensor, thresholds: torch.Tensor, query_bits: torch.Tensor,
+                       candidates: torch.Tensor, min_collisions: int, *, out: torch.Tensor) -> None:
+    """:func:`_sample_densely`, the same sample from the same arguments, read from hash buckets: O(M L K)
+    comparisons and a sort per group of :data:`QUERY_GROUP` queries in place of O(N M L K) comparisons, on the
+    host (the buckets' sizes are read).
+
+    A key's bit :math:`[y_m^\\top w > \\mu_n^\\top w]` is the same for every query of a group unless
+    :math:`y_m^\\top w` lies between the group's least and greatest threshold. Outside those bands each (table,
+    key) has one K-bit code, shared by the group's queries: it is put in its table's bucket, and a query
+    collides in table l with exactly the keys of its code's bucket there. The (table, key) pairs with a bit inside a
+    band (2 % of them for the last 64 queries of SmolLM2's 8,192-token capture, whose means barely move) are
+    compared bit by bit, as the dense form compares every pair.
+    """
+    hash_bits, tables, num_keys = key_proj.shape
+    code_type = torch.int32 if hash_bits < 31 else torch.int64
+    for rows in _pieces(thresholds.shape[-1], QUERY_GROUP):
+        group_thresholds = thresholds[..., rows].contiguous()  # (K, L, C)
+        highest, lowest = group_thresholds.amax(-1, keepdim=True), group_thresholds.amin(-1, keepdim=True)
+        key_codes = torch.zeros((tables, num_keys), dtype=code_type, device=key_proj.device)
+        query_codes = torch.zeros(group_thresholds.shape[1:], dtype=code_type, device=key_proj.device)
+        in_band = torch.zeros((tables, num_keys), dtype=torch.bool, device=key_proj.device)
+        for bit in range(hash_bits):
+            above = key_proj[bit] > highest[bit]  # (L, M): every query's bit, outside the band
+            in_band |= (key_proj[bit] > lowest[bit]) ^ above
+            key_codes |= above.to(code_type) << bit
+            query_codes |= query_bits[bit, :, rows].to(code_type) << bit
+        counts = _bucket_matches(key_codes.masked_fill_(in_band, -1), query_codes, num_keys)  # (C, M); -1: no bucket
+        band_tables, band_keys = in_band.nonzero(as_tuple=True)
+        for part in _pieces(band_keys.numel(), CHUNK_ELEMENTS // (rows.stop - rows.start)):
+            tabs, keys = band_tables[part], band_keys[part]
+            own_codes = torch.zeros((keys.numel(), rows.stop - rows.start), dtype=code_type, device=key_proj.device)
+            for bit in range(hash_bits):  # each query's own code of these (table, key) pairs: (A, C)
+                own_codes |= (key_proj[bit, tabs, keys].unsqueeze(1) > group_thresholds[bit, tabs]).to(code_type) << bit
+            counts.index_add_(1, keys, (own_codes == query_codes[tabs]).T.to(torch.int64))
+        torch.logical_and(candidates[rows], counts >= min_collisions, out=out[rows])
+
+
+def _bucket_matches(key_codes: torch.Tensor, query_codes: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``(C, M)`` int64: for ``key_codes (L, M)`` and ``query_codes (L, C)``, in how many tables key m's code equals
+    query n's, from each table's keys sorted by code (a query's matches are one run of the sort, found by
+    :func:`torch.searchsorted`); the matches are listed about :data:`BUCKET_PIECE` at a time."""
+    tables, num_queries = query_codes.shape
+    sorted_codes, order = key_codes.sort(dim=1)
+    starts = torch.searchsorted(sorted_codes, query_codes)  # (L, C)
+    sizes = (torch.searchsorted(sorted_codes, query_codes, right=True) - starts).flatten()
+    starts, ends = starts.flatten(), sizes.cumsum(0)
+    counts = torch.zeros(num_queries * num_keys, dtype=torch.int64, device=key_codes.device)
+    for part in _runs_in_pieces(ends.tolist(), BUCKET_PIECE):  # whole (table, query) runs
+        run = torch.arange(part.start, part.stop, device=key_codes.device).repeat_interleave(sizes[part])
+        offset = torch.arange(run.numel(), device=key_codes.device) + (ends[part.start] - sizes[part.start]) \
+            - (ends[run] - sizes[run])
+        keys = order[run // num_queries, starts[run] + offset]
+        counts += torch.bincount(run % num_queries * num_keys + keys, minlength=num_queries * num_keys)
+    return counts.view(num_queries, num_keys)
+
+
+def _pieces(total: int, size: int) -> list[slice]:
+    """``[0, total)`` in slices of ``size`` (at least 1)."""
+    size = max(1, size)
+    return [slice(start, min(start + size, total)) for start in range(0, total, size)]
+
+
+def _runs_in_pieces(ends: list[int], size: int) -> list[slice]:
+    """Consecutive runs, whole, grouped so that a group holds at most ``size`` items unless one run alone holds
+    more; ``ends`` are the runs' cumulative sizes."""
+    groups, first, base = [], 0, 0
+    for i, end in enumerate(ends):
+        if end - base > size and i > first:
+            groups.append(slice(first, i))
+            first, base = i, ends[i - 1]
+    if ends:
+        groups.append(slice(first, len(ends)))
+    return groups
+
+
+def _candidate_pairs_log_inclusion(x: torch.Tensor, y: torch.Tensor, means: torch.Tensor, candidates: torch.Tensor,
+                                   sampled: torch.Tensor, hash_bits: int, tables: int,
+                                   min_collisions: int) -> torch.Tensor:
+    """``(N, M)``: ``log u`` of every candidate (query, key) pair, 0 elsewhere, from ``x (N, D)``, ``y (M, D)`` and the
+    queries' centring means ``(N, D)``; dense over the pairs, in chunks of queries, so that no value is read back
+    from an accelerator (``sampled`` is not read)."""
+    num_queries, num_keys = candidates.shape
+    log_u = []
+    for rows in _pieces(num_queries, CHUNK_ELEMENTS // max(1, num_keys * tables)):
+        theta = _angle(x[rows].unsqueeze(-2), y.unsqueeze(-3) - means[rows].unsqueeze(-2))  # (C, M)
+        chunk = _log_inclusion(hash_bits * torch.log1p(-theta / math.pi), tables, min_collisions)
+        log_u.append(torch.where(candidates[rows], chunk, torch.zeros_like(chunk)))
+    return torch.cat(log_u, dim=0)
+
+
+def _sampled_pairs_log_inclusion(x: torch.Tensor, y: torch.Tensor, means: torch.Tensor, candidates: torch.Tensor,
+                                 sampled: torch.Tensor, hash_bits: int, tables: int,
+                                 min_collisions: int) -> torch.Tensor:
+    """:func:`_candidate_pairs_log_inclusion` at the pairs some replicate of ``sampled (R, N, M)`` sampled alone, 0
+    elsewhere (the weights read no other): the same values, on the host, for a few percent of the pairs."""
+    log_u = x.new_zeros(candidates.shape)
+    queries, keys = sampled.any(0).nonzero(as_tuple=True)
+    for part in _pieces(queries.numel(), CHUNK_ELEMENTS // (tables + 1)):
+        n, m = queries[part], keys[part]
+        theta = _angle(x[n], y[m] - means[n])
+        log_u[n, m] = _log_inclusion(hash_bits * torch.log1p(-theta / math.pi), tables, min_collisions)
+    return log_u
 
 
 def _no_values(k: Any) -> Any:
