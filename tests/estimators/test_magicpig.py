@@ -470,6 +470,36 @@ def test_a_key_equal_to_its_querys_mean_hashes_to_bit_0(dtype, accelerator_form,
     assert not differ, f"samples unlike the loop's (seed, D, batch element): {differ}"
 
 
+@pytest.mark.parametrize("bits", [20, 40])
+def test_long_codes_in_the_buckets(bits):
+    """Codes of 20 bits (an int32 each) and 40 bits (an int64) in the buckets: the sample is the loop's (keys a few
+    degrees from the query collide at these K, keys about 17 degrees off agree on some bits and not others, so a
+    code cut short would collide wrongly; their negatives never collide)."""
+    rng = np.random.default_rng(30 + bits)
+    q = rng.normal(size=(2, 3))
+    scatter = np.repeat([0.01, 0.3], [4, 26])[:, None]
+    near = q[0] + scatter * np.linalg.norm(q[0]) * rng.normal(size=(30, 3))
+    k = np.concatenate([q[:1], near, -near, q[:1]])
+    params = _params(hash_bits=bits, min_collisions=1, sinks=1, local=1, center="none")
+    draws = _draw(q, k, 4, params, seed=31)
+    expected, skipped = _literal_pairs(q, k, draws, params, None)
+    actual, _ = _sampled_by_batched(q, k, draws, params, None)
+    assert actual == expected and expected and skipped
+
+
+def test_the_bucket_matches_are_listed_in_whole_runs_of_about_a_piece():
+    """Runs of sizes 3, 0, 5, 1, 9, 2 (cumulative 3, 3, 8, 9, 18, 20) in pieces of at most 6 matches: a run is never
+    split, a run longer than a piece is a piece of its own, and every run is listed once."""
+    ends = [3, 3, 8, 9, 18, 20]
+    assert batched._runs_in_pieces(ends, 6) == [slice(0, 2), slice(2, 4), slice(4, 5), slice(5, 6)]
+    assert batched._runs_in_pieces(ends, 100) == [slice(0, 6)]
+    assert batched._runs_in_pieces(ends, 1) == [slice(0, 1), slice(1, 2), slice(2, 3), slice(3, 4), slice(4, 5),
+                                                slice(5, 6)]
+    assert batched._runs_in_pieces([], 6) == []
+    assert batched._pieces(7, 3) == [slice(0, 3), slice(3, 6), slice(6, 7)] and batched._pieces(2, 0) == [
+        slice(0, 1), slice(1, 2)]
+
+
 def test_codes_longer_than_an_int64_are_compared_densely(monkeypatch):
     """K = 63 bits do not fit the buckets' int64 codes: the sampler compares every bit, and samples the loop's
     pairs (keys a few degrees from the query collide even at K = 63; their negatives never do)."""
