@@ -139,7 +139,7 @@ def _hash_and_sample(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor
     if not _has_candidates(num_keys, sinks, local):  # sinks and local window hold every visible key: nothing to hash
         return out.masked_fill(exact, 0.0) if weights else out
     means = _centering_means(y, exact | candidates, candidates, center)  # (..., N, D)
-    # one (replicate, batch element) at a time: its key projections (K, M, L) and the buffers of one chunk of
+    # one (replicate, batch element) at a time: its projections (K, L, M + 2 N) and the buffers of one chunk of
     # queries, never an (R, ..., M, L, K) tensor (9 heads x 4 replicates x 4,096 keys x 150 tables would be 0.9 GB
     # in float32)
     batch = x.shape[:-2]
