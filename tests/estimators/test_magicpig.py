@@ -217,9 +217,23 @@ def test_log_inclusion_probability_in_log_space():
     # u -> 1: log u = log1p(-lower tail), exact where 1 - u is far below the float64 spacing at 1
     assert_close(two[2], -(0.7**150 + 150 * 0.3 * 0.7**149), atol=0, rtol=1e-12, what="u near 1, c=2:")
     assert_close(one[2], -(0.7**150), atol=0, rtol=1e-12, what="u near 1, c=1:")
-    as_torch = batched._log_inclusion(torch.as_tensor(log_p), 150, 2).numpy()
-    assert as_torch[4] == -np.inf
-    assert_close(as_torch[:4], two[:4], atol=1e-15, rtol=1e-13, what="torch log u:")
+    for form in (batched._log_inclusion, batched._log_inclusion_where_needed):  # an accelerator's, the host's
+        for at_least, expected in ((2, two), (1, one)):
+            as_torch = form(torch.as_tensor(log_p), 150, at_least).numpy()
+            assert as_torch[4] == -np.inf
+            assert_close(as_torch[:4], expected[:4], atol=1e-15, rtol=1e-13, what=f"torch log u, c={at_least}:")
+
+
+def test_the_host_forms_upper_sum_where_u_crosses_one_half():
+    """The host forms the upper sum only where u < 1/2: P around the median of Bin(150, P) >= 2 (u = 1/2 near
+    P = 1.12e-2), on both sides and in float32, agrees with eq. 10 written out; every pair takes one branch."""
+    table_p = np.array([1e-3, 5e-3, 1.0e-2, 1.1e-2, 1.15e-2, 1.2e-2, 2e-2, 0.5])
+    u = np.array([_tail(p, 150, 2) for p in table_p])
+    assert (u < 0.5).any() and (u > 0.5).any(), "the inputs must straddle u = 1/2"
+    for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        log_u = batched._log_inclusion_where_needed(torch.log(torch.as_tensor(table_p, dtype=dtype)), 150, 2)
+        assert log_u.dtype == dtype
+        assert_close(np.exp(log_u.double().numpy()), u, atol=0, rtol=rtol, what=f"host log u, {dtype}:")
 
 
 # --------------------------------------------------------------------------------------------- keys_used, limits
@@ -399,13 +413,17 @@ def _literal_pairs(q, k, draws, params, mask):
     return sorted(sampled), skipped
 
 
+@pytest.mark.parametrize("tables_per_pass", [1, 3, 16])
 @pytest.mark.parametrize("group", [1, 5, 64])
 @pytest.mark.parametrize("center", CENTERS)
-def test_buckets_sample_the_literal_loops_pairs_where_the_thresholds_differ(group, center, monkeypatch):
+def test_buckets_sample_the_literal_loops_pairs_where_the_thresholds_differ(group, center, tables_per_pass,
+                                                                            monkeypatch):
     """Under the causal mask each query centres the keys on the mean of the keys it sees, so the thresholds of a
     group of queries spread and some (table, key) pairs fall in the band between them, where the buckets compare
     bit by bit. The sample is the literal loop's, pair for pair: groups of one query (no band), of five, and of
-    all 20 (the widest bands), with the buckets' matches, the band's pairs and the queries listed one at a time."""
+    all 20 (the widest bands), with the buckets' matches, the band's pairs and the queries listed one at a time;
+    the 8 tables in passes of one, of three (the last pass short) and in one pass, their collisions added up."""
+    monkeypatch.setattr(batched, "TABLES_PER_PASS", tables_per_pass)
     monkeypatch.setattr(batched, "QUERY_GROUP", group)
     monkeypatch.setattr(batched, "BUCKET_PIECE", 1)
     monkeypatch.setattr(batched, "CHUNK_ELEMENTS", 1)

@@ -8,13 +8,15 @@ two forms that take the same sample (each is tested against the reference and th
 - **on the CPU** (:data:`BUCKETED_DEVICES`), from hash buckets: for each group of :data:`QUERY_GROUP` queries the
   keys' codes go into each table's buckets (a sort) and a query collides with the keys of its code's bucket, so
   the work is O(M L K) comparisons and O(L M log M) to sort per group, plus the matches; the few (table, key)
-  pairs whose bit differs between the group's queries are compared per query (:func:`_sample_in_buckets`);
+  pairs whose bit differs between the group's queries are compared per query (:func:`_sample_in_buckets`). The
+  tables are projected and read :data:`TABLES_PER_PASS` at a time and each (query, key)'s collisions summed over
+  the passes, so the memory held is O(K M) projections and an int16 N x M count, whatever L is;
 - **elsewhere** (an accelerator), densely: every (query, key, table, bit) is compared, O(N M L K), in chunks of
   queries whose ``(C, M, L)`` agreement stays near :data:`CHUNK_ELEMENTS` elements, reading nothing back from the
   device (:func:`_sample_densely`).
 
-``log u`` depends on the angle alone, so it is formed once for all replicates: at the sampled pairs on the CPU, at
-every candidate pair elsewhere.
+``log u`` depends on the angle alone, so it is formed once for all replicates: at the sampled pairs on the CPU (and
+there the L-term upper sum of the binomial tail only where u < 1/2), at every candidate pair elsewhere.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ MAX_CODE_BITS = 62
 QUERY_GROUP = 64
 #: about how many (table, query, key) matches one piece of :func:`_bucket_matches` lists
 BUCKET_PIECE = 1 << 20
+#: tables whose projections the buckets form and read in one pass (K x 16 x M of them, 84 MB in float32 at K = 10
+#: and 131,072 keys), so that no (K, L, M) projections are held whatever the number of tables
+TABLES_PER_PASS = 16
 
 
 def _angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -63,18 +68,38 @@ def _angle(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _log_inclusion(log_table_probability: torch.Tensor, tables: int, min_collisions: int) -> torch.Tensor:
     """``log u``, the binomial tail in log space: the upper sum where u < 1/2, ``log1p`` of minus the lower sum
-    where u >= 1/2 (reference :func:`~randattn.estimators.magicpig.reference.log_inclusion_probability`)."""
+    where u >= 1/2 (reference :func:`~randattn.estimators.magicpig.reference.log_inclusion_probability`); both sums
+    at every pair, so that nothing is read back from an accelerator."""
     like = log_table_probability
-    j, log_binomial = (torch.as_tensor(a, dtype=like.dtype, device=like.device)
-                       for a in tail_terms(tables, min_collisions))
+    j, log_binomial = (torch.as_tensor(a, dtype=like.dtype, device=like.device) for a in tail_terms(tables, 0))
+    lower = _log_binomial_sum(like, j[:min_collisions], log_binomial[:min_collisions], tables)
+    upper = _log_binomial_sum(like, j[min_collisions:], log_binomial[min_collisions:], tables)
+    return torch.where(lower <= -math.log(2.0), torch.log1p(-torch.exp(lower)), upper)
+
+
+def _log_inclusion_where_needed(log_table_probability: torch.Tensor, tables: int,
+                                min_collisions: int) -> torch.Tensor:
+    """:func:`_log_inclusion`, the same numbers, with the L - c + 1 terms of the upper sum formed only at the pairs
+    whose u is below 1/2 (the lower sum has c terms; a host-side selection)."""
+    like = log_table_probability
+    j, log_binomial = (torch.as_tensor(a, dtype=like.dtype, device=like.device) for a in tail_terms(tables, 0))
+    lower = _log_binomial_sum(like, j[:min_collisions], log_binomial[:min_collisions], tables)
+    log_u = torch.log1p(-torch.exp(lower))
+    small = lower > -math.log(2.0)
+    log_u[small] = _log_binomial_sum(like[small], j[min_collisions:], log_binomial[min_collisions:], tables)
+    return log_u
+
+
+def _log_binomial_sum(log_table_probability: torch.Tensor, j: torch.Tensor, log_binomial: torch.Tensor,
+                      tables: int) -> torch.Tensor:
+    """:math:`\\log \\sum_j \\binom{L}{j} P^j (1 - P)^{L - j}` over the collision counts ``j`` with their
+    ``log_binomial`` coefficients, from :math:`\\log P`; :math:`0 \\log 0 = 0`, so the j = 0 and j = L terms hold
+    where P is 0 or 1."""
     log_p = log_table_probability.unsqueeze(-1)
     log_q = torch.log1p(-torch.exp(log_p))  # log(1 - P), once per pair (not once per term)
-    # j log P and (L - j) log(1 - P), 0 where the count is 0 even where the log is -inf (0 log 0 = 0)
     terms = (log_binomial + torch.where(j > 0, j * log_p, torch.zeros_like(log_p))
              + torch.where(j < tables, (tables - j) * log_q, torch.zeros_like(log_q)))
-    upper = torch.logsumexp(terms[..., min_collisions:], dim=-1)
-    lower = torch.logsumexp(terms[..., :min_collisions], dim=-1)
-    return torch.where(lower <= -math.log(2.0), torch.log1p(-torch.exp(lower)), upper)
+    return torch.logsumexp(terms, dim=-1)
 
 
 def exact_and_candidate_keys(num_queries: int, num_keys: int, sinks: int, local: int, mask: str | None,
@@ -139,13 +164,12 @@ def _hash_and_sample(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor
     if not _has_candidates(num_keys, sinks, local):  # sinks and local window hold every visible key: nothing to hash
         return out.masked_fill(exact, 0.0) if weights else out
     means = _centering_means(y, exact | candidates, candidates, center)  # (..., N, D)
-    # one (replicate, batch element) at a time: its projections (K, L, M + 2 N) and the buffers of one chunk of
-    # queries, never an (R, ..., M, L, K) tensor (9 heads x 4 replicates x 4,096 keys x 150 tables would be 0.9 GB
-    # in float32)
+    # one (replicate, batch element) at a time, never an (R, ..., M, L, K) tensor (9 heads x 4 replicates x 4,096
+    # keys x 150 tables would be 0.9 GB in float32)
     batch = x.shape[:-2]
     # the directions in (bit, table) order: the product with the keys is each bit's (L, M) projections in one block
     planes = hyperplanes.expand(replicates, *batch, *hyperplanes.shape[-3:]).transpose(-3, -2).reshape(
-        replicates, -1, hash_bits * tables, hyperplanes.shape[-1])
+        replicates, -1, hash_bits, tables, hyperplanes.shape[-1])
     xs, ys, ms = x.reshape(-1, num_queries, x.shape[-1]), y.reshape(-1, num_keys, y.shape[-1]), \
         means.reshape(-1, num_queries, means.shape[-1])
     flat_out = out.view(replicates, -1, num_queries, num_keys) if weights else out.view(replicates, -1, num_queries)
@@ -158,9 +182,7 @@ def _hash_and_sample(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor
         # the tie y.w = mu.w is exact, and the bit 0, as (y - mu).w = 0 is in the reference
         stacked = torch.cat([ys[b], ms[b], xs[b]]).T  # (D, M + 2 N)
         for r in range(replicates):
-            projections = (planes[r, b] @ stacked).unflatten(0, (hash_bits, tables))  # (K, L, M + 2 N)
-            key_proj, mean_proj, query_proj = projections.split([num_keys, num_queries, num_queries], dim=-1)
-            sample(key_proj, mean_proj, query_proj > 0, candidates, min_collisions, out=sampled[r])
+            sample(planes[r, b], stacked, candidates, min_collisions, out=sampled[r])
         if not weights:
             flat_out[:, b] += sampled.sum(-1)
             continue
@@ -172,15 +194,29 @@ def _hash_and_sample(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor
     return out
 
 
-def _sample_densely(key_proj: torch.Tensor, thresholds: torch.Tensor, query_bits: torch.Tensor,
-                    candidates: torch.Tensor, min_collisions: int, *, out: torch.Tensor) -> None:
+def _projections(planes: torch.Tensor, stacked: torch.Tensor,
+                 num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(key_proj (K, L', M), thresholds (K, L', N), query_bits (K, L', N))`` of the tables of ``planes (K, L', D)``:
+    :math:`y_m^\\top w_{lk}`, :math:`\\mu_n^\\top w_{lk}` and :math:`[x_n^\\top w_{lk} > 0]`, from one product with
+    ``stacked (D, M + 2 N)``, the keys, the means and the queries as columns."""
+    hash_bits, tables, dim = planes.shape
+    projections = (planes.reshape(hash_bits * tables, dim) @ stacked).unflatten(0, (hash_bits, tables))
+    num_queries = (stacked.shape[-1] - num_keys) // 2
+    key_proj, thresholds, query_proj = projections.split([num_keys, num_queries, num_queries], dim=-1)
+    return key_proj, thresholds, query_proj > 0
+
+
+def _sample_densely(planes: torch.Tensor, stacked: torch.Tensor, candidates: torch.Tensor, min_collisions: int, *,
+                    out: torch.Tensor) -> None:
     """``out (N, M)``: the candidates that share the query's code in at least ``min_collisions`` tables, found by
-    comparing every (query, key, table, bit): ``key_proj (K, L, M)`` are :math:`y_m^\\top w_{lk}`, ``thresholds
-    (K, L, N)`` :math:`\\mu_n^\\top w_{lk}` and ``query_bits (K, L, N)`` the queries' codes. Queries go in chunks
-    whose ``(C, M, L)`` agreement stays near :data:`CHUNK_ELEMENTS`; nothing is read back from the device."""
+    comparing every (query, key, table, bit) of the projections (:func:`_projections`) on the directions ``planes
+    (K, L, D)``. Queries go in chunks whose ``(C, M, L)`` agreement stays near :data:`CHUNK_ELEMENTS`; nothing is
+    read back from the device."""
+    num_queries, num_keys = candidates.shape
     # (K, M, L), (K, N, L): each bit's keys by tables in one block, the tables last (as each query's code is)
-    key_proj, thresholds, query_bits = (a.transpose(-2, -1).contiguous() for a in (key_proj, thresholds, query_bits))
-    (hash_bits, num_keys, tables), num_queries = key_proj.shape, thresholds.shape[1]
+    key_proj, thresholds, query_bits = (a.transpose(-2, -1).contiguous()
+                                        for a in _projections(planes, stacked, num_keys))
+    hash_bits, tables = planes.shape[:2]
     for rows in _pieces(num_queries, CHUNK_ELEMENTS // max(1, num_keys * tables)):
         shape = (rows.stop - rows.start, num_keys, tables)
         agree, key_bit = (torch.empty(shape, dtype=torch.bool, device=key_proj.device) for _ in range(2))
@@ -193,11 +229,32 @@ def _sample_densely(key_proj: torch.Tensor, thresholds: torch.Tensor, query_bits
         torch.logical_and(candidates[rows], agree.sum(dim=-1) >= min_collisions, out=out[rows])
 
 
-def _sample_in_buckets(key_proj: torch.Tensor, thresholds: torch.Tensor, query_bits: torch.Tensor,
-                       candidates: torch.Tensor, min_collisions: int, *, out: torch.Tensor) -> None:
+def _sample_in_buckets(planes: torch.Tensor, stacked: torch.Tensor, candidates: torch.Tensor, min_collisions: int,
+                       *, out: torch.Tensor) -> None:
     """:func:`_sample_densely`, the same sample from the same arguments, read from hash buckets: O(M L K)
     comparisons and a sort per group of :data:`QUERY_GROUP` queries in place of O(N M L K) comparisons, on the
     host (the buckets' sizes are read).
+
+    The tables go :data:`TABLES_PER_PASS` at a time, each pass projecting its own tables, so that the projections
+    held are O(K M) whatever L is; the collisions of every query with every key are counted across the passes.
+    """
+    hash_bits, tables = planes.shape[:2]
+    num_queries, num_keys = candidates.shape
+    code_type = torch.int32 if hash_bits < 31 else torch.int64
+    collisions = torch.zeros((num_queries, num_keys), dtype=torch.int16 if tables < 2 ** 15 else torch.int32,
+                             device=planes.device)
+    for tabs in _pieces(tables, TABLES_PER_PASS):
+        key_proj, thresholds, query_bits = _projections(planes[:, tabs], stacked, num_keys)
+        for rows in _pieces(num_queries, QUERY_GROUP):
+            _count_group_collisions(key_proj, thresholds[..., rows], query_bits[..., rows], code_type,
+                                    out=collisions[rows])
+    torch.logical_and(candidates, collisions >= min_collisions, out=out)
+
+
+def _count_group_collisions(key_proj: torch.Tensor, thresholds: torch.Tensor, query_bits: torch.Tensor,
+                            code_type: torch.dtype, *, out: torch.Tensor) -> None:
+    """Add to ``out (C, M)`` the tables in which each key's centred code equals each query's, for one group of
+    queries: ``key_proj (K, L', M)``, ``thresholds`` and ``query_bits (K, L', C)`` as from :func:`_projections`.
 
     A key's bit :math:`[y_m^\\top w > \\mu_n^\\top w]` is the same for every query of a group unless
     :math:`y_m^\\top w` lies between the group's least and greatest threshold. Outside those bands each (table,
@@ -207,46 +264,44 @@ def _sample_in_buckets(key_proj: torch.Tensor, thresholds: torch.Tensor, query_b
     compared bit by bit, as the dense form compares every pair.
     """
     hash_bits, tables, num_keys = key_proj.shape
-    code_type = torch.int32 if hash_bits < 31 else torch.int64
-    for rows in _pieces(thresholds.shape[-1], QUERY_GROUP):
-        group_thresholds = thresholds[..., rows].contiguous()  # (K, L, C)
-        highest, lowest = group_thresholds.amax(-1, keepdim=True), group_thresholds.amin(-1, keepdim=True)
-        key_codes = torch.zeros((tables, num_keys), dtype=code_type, device=key_proj.device)
-        query_codes = torch.zeros(group_thresholds.shape[1:], dtype=code_type, device=key_proj.device)
-        in_band = torch.zeros((tables, num_keys), dtype=torch.bool, device=key_proj.device)
-        for bit in range(hash_bits):
-            above = key_proj[bit] > highest[bit]  # (L, M): every query's bit, outside the band
-            in_band |= (key_proj[bit] > lowest[bit]) ^ above
-            key_codes |= above.to(code_type) << bit
-            query_codes |= query_bits[bit, :, rows].to(code_type) << bit
-        counts = _bucket_matches(key_codes.masked_fill_(in_band, -1), query_codes, num_keys)  # (C, M); -1: no bucket
-        band_tables, band_keys = in_band.nonzero(as_tuple=True)
-        for part in _pieces(band_keys.numel(), CHUNK_ELEMENTS // (rows.stop - rows.start)):
-            tabs, keys = band_tables[part], band_keys[part]
-            own_codes = torch.zeros((keys.numel(), rows.stop - rows.start), dtype=code_type, device=key_proj.device)
-            for bit in range(hash_bits):  # each query's own code of these (table, key) pairs: (A, C)
-                own_codes |= (key_proj[bit, tabs, keys].unsqueeze(1) > group_thresholds[bit, tabs]).to(code_type) << bit
-            counts.index_add_(1, keys, (own_codes == query_codes[tabs]).T.to(torch.int64))
-        torch.logical_and(candidates[rows], counts >= min_collisions, out=out[rows])
+    group_size = thresholds.shape[-1]
+    thresholds = thresholds.contiguous()
+    highest, lowest = thresholds.amax(-1, keepdim=True), thresholds.amin(-1, keepdim=True)
+    key_codes = torch.zeros((tables, num_keys), dtype=code_type, device=key_proj.device)
+    query_codes = torch.zeros(thresholds.shape[1:], dtype=code_type, device=key_proj.device)
+    in_band = torch.zeros((tables, num_keys), dtype=torch.bool, device=key_proj.device)
+    for bit in range(hash_bits):
+        above = key_proj[bit] > highest[bit]  # (L', M): every query's bit, outside the band
+        in_band |= (key_proj[bit] > lowest[bit]) ^ above
+        key_codes |= above.to(code_type) << bit
+        query_codes |= query_bits[bit].to(code_type) << bit
+    _bucket_matches(key_codes.masked_fill_(in_band, -1), query_codes, out=out)  # -1: in no bucket
+    band_tables, band_keys = in_band.nonzero(as_tuple=True)
+    for part in _pieces(band_keys.numel(), CHUNK_ELEMENTS // group_size):
+        tabs, keys = band_tables[part], band_keys[part]
+        own_codes = torch.zeros((keys.numel(), group_size), dtype=code_type, device=key_proj.device)
+        for bit in range(hash_bits):  # each query's own code of these (table, key) pairs: (A, C)
+            own_codes |= (key_proj[bit, tabs, keys].unsqueeze(1) > thresholds[bit, tabs]).to(code_type) << bit
+        out.index_add_(1, keys, (own_codes == query_codes[tabs]).T.to(out.dtype))
 
 
-def _bucket_matches(key_codes: torch.Tensor, query_codes: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """``(C, M)`` int64: for ``key_codes (L, M)`` and ``query_codes (L, C)``, in how many tables key m's code equals
-    query n's, from each table's keys sorted by code (a query's matches are one run of the sort, found by
+def _bucket_matches(key_codes: torch.Tensor, query_codes: torch.Tensor, *, out: torch.Tensor) -> None:
+    """Add to ``out (C, M)``, for ``key_codes (L', M)`` and ``query_codes (L', C)``, the tables in which key m's code
+    equals query n's, from each table's keys sorted by code (a query's matches are one run of the sort, found by
     :func:`torch.searchsorted`); the matches are listed about :data:`BUCKET_PIECE` at a time."""
     tables, num_queries = query_codes.shape
+    num_keys = key_codes.shape[-1]
     sorted_codes, order = key_codes.sort(dim=1)
-    starts = torch.searchsorted(sorted_codes, query_codes)  # (L, C)
+    starts = torch.searchsorted(sorted_codes, query_codes)  # (L', C)
     sizes = (torch.searchsorted(sorted_codes, query_codes, right=True) - starts).flatten()
     starts, ends = starts.flatten(), sizes.cumsum(0)
-    counts = torch.zeros(num_queries * num_keys, dtype=torch.int64, device=key_codes.device)
+    flat = out.view(-1)
     for part in _runs_in_pieces(ends.tolist(), BUCKET_PIECE):  # whole (table, query) runs
         run = torch.arange(part.start, part.stop, device=key_codes.device).repeat_interleave(sizes[part])
         offset = torch.arange(run.numel(), device=key_codes.device) + (ends[part.start] - sizes[part.start]) \
             - (ends[run] - sizes[run])
         keys = order[run // num_queries, starts[run] + offset]
-        counts += torch.bincount(run % num_queries * num_keys + keys, minlength=num_queries * num_keys)
-    return counts.view(num_queries, num_keys)
+        flat.index_add_(0, run % num_queries * num_keys + keys, torch.ones_like(keys, dtype=out.dtype))
 
 
 def _pieces(total: int, size: int) -> list[slice]:
@@ -293,7 +348,8 @@ def _sampled_pairs_log_inclusion(x: torch.Tensor, y: torch.Tensor, means: torch.
     for part in _pieces(queries.numel(), CHUNK_ELEMENTS // (tables + 1)):
         n, m = queries[part], keys[part]
         theta = _angle(x[n], y[m] - means[n])
-        log_u[n, m] = _log_inclusion(hash_bits * torch.log1p(-theta / math.pi), tables, min_collisions)
+        log_u[n, m] = _log_inclusion_where_needed(hash_bits * torch.log1p(-theta / math.pi), tables,
+                                                  min_collisions)
     return log_u
 
 
