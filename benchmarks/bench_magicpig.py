@@ -1,8 +1,8 @@
 """MagicPIG's sampler on the CPU: hash buckets against the dense comparisons and the projections' GEMM. Prints a
 table; not a test.
 
-What is measured, float32, one head, one replicate, D = 64, the paper's K = 10 bits x L = 150 tables, 4 sinks and
-64 local keys, the last 64 queries of M causal keys with a shared offset and a slow drift (each query centres the
+What is measured, float32, one head, one replicate, D = 64, the paper's K = 10 bits x L = 150 tables (``--tables``
+for another L), 4 sinks and 64 local keys, the last 64 queries of M causal keys with a shared offset and a slow drift (each query centres the
 keys on the mean of those it sees), at each M:
 
 - **buckets**: :func:`randattn.estimators.magicpig.batched.log_weights` as it runs on the CPU (hash buckets per
@@ -17,7 +17,7 @@ keys on the mean of those it sees), at each M:
 
 Usage::
 
-    python benchmarks/bench_magicpig.py [--sizes 8192,32768,131072] [--repeats 2] [--dense-max-keys 32768]
+    python benchmarks/bench_magicpig.py [--sizes 8192,32768,131072] [--tables 150] [--repeats 2] [--dense-max-keys 32768]
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from randattn.estimators.magicpig import batched as magicpig_batched
 from randattn.estimators.magicpig import draw
 from randattn.estimators.softmax import batched as softmax_batched
 
-DIM, QUERIES, TABLES, BITS = 64, 64, 150, 10
+DIM, QUERIES, BITS = 64, 64, 10
 SELECTION = {"min_collisions": 2, "sinks": 4, "local": 64, "center": "all-keys", "mask": "causal"}
 
 
-def _inputs(num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(num_keys: int, tables: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x, y, hyperplanes)``: keys with a shared offset (as a language model's keys have) plus a slow drift, so the
     mean each query sees moves; queries around half the offset."""
     rng = np.random.default_rng(num_keys)
@@ -44,7 +44,7 @@ def _inputs(num_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     drift = 0.5 * np.sin(2 * np.pi * np.arange(num_keys)[:, None] / 4096 + rng.uniform(0, 2 * np.pi, size=DIM))
     y = rng.normal(size=(num_keys, DIM)) + offset + drift
     x = rng.normal(size=(QUERIES, DIM)) + offset / 2
-    planes = draw((QUERIES, DIM), (num_keys, DIM), num_samples=TABLES, replicates=1, rng=rng,
+    planes = draw((QUERIES, DIM), (num_keys, DIM), num_samples=tables, replicates=1, rng=rng,
                   hash_bits=BITS)["hyperplanes"]
     return tuple(torch.as_tensor(a, dtype=torch.float32) for a in (x, y, planes))
 
@@ -61,18 +61,19 @@ def _log_weights(x: torch.Tensor, y: torch.Tensor, planes: torch.Tensor, devices
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="8192,32768,131072")
+    parser.add_argument("--tables", type=int, default=150, help="L, the hash tables (default: 150)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dense-max-keys", type=int, default=32768)
     args = parser.parse_args()
-    print(f"float32, 1 head, 1 replicate, D = {DIM}, K = {BITS}, L = {TABLES}, the last {QUERIES} of M causal keys, "
+    print(f"float32, 1 head, 1 replicate, D = {DIM}, K = {BITS}, L = {args.tables}, the last {QUERIES} of M causal keys, "
           f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); times best of {args.repeats}")
     header = (f"{'M':>7} | {'buckets s':>9} {'dense s':>8} {'GEMM s':>7} {'softmax s':>9} | {'buckets/GEMM':>12} "
               f"{'dense/buckets':>13} {'buckets/softmax':>15} | {'keys read':>9} {'same':>4}")
     print(header)
     print("-" * len(header))
     for num_keys in (int(s) for s in args.sizes.split(",")):
-        x, y, planes = _inputs(num_keys)
-        directions = planes[0].transpose(0, 1).reshape(BITS * TABLES, DIM)
+        x, y, planes = _inputs(num_keys, args.tables)
+        directions = planes[0].transpose(0, 1).reshape(BITS * args.tables, DIM)
         stacked = torch.cat([y, x, x]).T.contiguous()
         buckets_s = _best_time(lambda: _log_weights(x, y, planes, ("cpu",)), args.repeats)
         gemm_s = _best_time(lambda: directions @ stacked, args.repeats)
