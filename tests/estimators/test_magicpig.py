@@ -413,7 +413,7 @@ def _literal_pairs(q, k, draws, params, mask):
     return sorted(sampled), skipped
 
 
-@pytest.mark.parametrize("tables_per_pass", [1, 3, 16])
+@pytest.mark.parametrize("tables_per_pass", [1, 3, 32])
 @pytest.mark.parametrize("group", [1, 5, 64])
 @pytest.mark.parametrize("center", CENTERS)
 def test_buckets_sample_the_literal_loops_pairs_where_the_thresholds_differ(group, center, tables_per_pass,

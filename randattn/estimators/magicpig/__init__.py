@@ -137,6 +137,6 @@ SPEC = family_spec(
     ),
     keys_used=batched.keys_used,
     memory_hint="an R x N x M sample and the N x M weights per batch element; on the CPU the key projections of "
-                "16 tables at a time (M x 16 x K) and an N x M count of collisions; on an accelerator M x L x K key "
+                "32 tables at a time (M x 32 x K) and an N x M count of collisions; on an accelerator M x L x K key "
                 "projections and, per chunk of queries, C x M x L hash agreements (C M L ~ 4M)",
 )
