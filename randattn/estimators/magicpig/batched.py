@@ -72,7 +72,8 @@ def _log_inclusion(log_table_probability: torch.Tensor, tables: int, min_collisi
     where u >= 1/2 (reference :func:`~randattn.estimators.magicpig.reference.log_inclusion_probability`); both sums
     at every pair, so that nothing is read back from an accelerator."""
     like = log_table_probability
-    j, log_binomial = (torch.as_tensor(a, dtype=like.dtype, device=like.device) for a in tail_terms(tables, min_collisions))
+    j, log_binomial = (torch.as_tensor(a, dtype=like.dtype, device=like.device)
+                       for a in tail_terms(tables, min_collisions))
     lower = _log_binomial_sum(like, j[:min_collisions], log_binomial[:min_collisions], tables)
     upper = _log_binomial_sum(like, j[min_collisions:], log_binomial[min_collisions:], tables)
     return torch.where(lower <= -math.log(2.0), torch.log1p(-torch.exp(lower)), upper)
@@ -83,7 +84,8 @@ def _log_inclusion_where_needed(log_table_probability: torch.Tensor, tables: int
     """:func:`_log_inclusion`, the same numbers, with the L - c + 1 terms of the upper sum formed only at the pairs
     whose u is below 1/2 (the lower sum has c terms; a host-side selection)."""
     like = log_table_probability
-    j, log_binomial = (torch.as_tensor(a, dtype=like.dtype, device=like.device) for a in tail_terms(tables, min_collisions))
+    j, log_binomial = (torch.as_tensor(a, dtype=like.dtype, device=like.device)
+                       for a in tail_terms(tables, min_collisions))
     lower = _log_binomial_sum(like, j[:min_collisions], log_binomial[:min_collisions], tables)
     log_u = torch.log1p(-torch.exp(lower))
     small = lower > -math.log(2.0)
