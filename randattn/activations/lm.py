@@ -39,6 +39,7 @@ import importlib.util
 import mmap
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -57,6 +58,7 @@ __all__ = [
     "BundledLM",
     "LoadedLM",
     "LMCaptureRefused",
+    "BeyondContextWarning",
     "LMSize",
     "bundled_lm_path",
     "lm_size",
@@ -88,6 +90,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 class LMCaptureRefused(ValueError):
     """The model's attention is not ``softmax(scale q k^T + mask) v``; a capture would misrepresent it."""
+
+
+class BeyondContextWarning(UserWarning):
+    """The sequences are longer than the context the model's config declares (``max_position_embeddings``).
+
+    The capture is still what the model computes, but at positions past that context its rotary (or learned)
+    position encoding runs where it was never trained, so the queries and keys there need not resemble the ones
+    a researcher measures the estimators for. The file records the declared ``context_length``.
+    """
 
 
 @dataclass(frozen=True)
@@ -315,18 +326,23 @@ class LMSize:
     vocab_size : int
         Token ids ``0 .. vocab_size - 1``: ``config.vocab_size``, a GGUF file's ``<architecture>.vocab_size`` or
         else the length of its token list (as transformers reads it).
+    learned_positions : int or None
+        The rows of a learned position table (GPT-2's ``n_positions``, a GGUF file's ``gpt2.context_length``): no
+        position past them exists. None for rotary models, which run at any length.
     """
 
     num_layers: int
     vocab_size: int
+    learned_positions: int | None = None
 
     def check_layers(self, layers: str | int | Iterable[int] | None) -> tuple[int, ...]:
         """The selected layers (:func:`~randattn.activations.dinov2.parse_layers`); ValueError naming the range."""
         return parse_layers(layers, num_layers=self.num_layers)
 
     def check_token_ids(self, token_ids: np.ndarray) -> np.ndarray:
-        """``token_ids`` as int64 ``(sequences, N)``; ValueError naming the first id outside the vocabulary."""
-        return _check_vocabulary(token_ids, self.vocab_size)
+        """``token_ids`` as int64 ``(sequences, N)``; ValueError naming the first id outside the vocabulary, or
+        more tokens than :attr:`learned_positions`."""
+        return _check_positions(_check_vocabulary(token_ids, self.vocab_size), self.learned_positions)
 
 
 def lm_size(name_or_path: str | os.PathLike, *, gguf_file: str | None = None,
@@ -360,7 +376,8 @@ def lm_size(name_or_path: str | os.PathLike, *, gguf_file: str | None = None,
     if gguf_file is not None:
         return _gguf_size(Path(folder) / gguf_file, where)
     config = _checked_config(_transformers(), folder, where, local_files_only)
-    return LMSize(num_layers=int(config.num_hidden_layers), vocab_size=int(config.vocab_size))
+    return LMSize(num_layers=int(config.num_hidden_layers), vocab_size=int(config.vocab_size),
+                  learned_positions=_learned_positions(config))
 
 
 def bundled_lm_size(name: str) -> LMSize:
@@ -383,7 +400,9 @@ def _gguf_size(path: Path, where: str) -> LMSize:
     if not isinstance(layers, int) or not isinstance(vocab, int):
         raise ValueError(f"{where}: the GGUF header gives no {architecture}.block_count or no vocabulary size "
                          f"({architecture}.vocab_size, tokenizer.ggml.tokens)")
-    return LMSize(num_layers=layers, vocab_size=vocab)
+    positions = header.get(f"{architecture}.context_length") if architecture in _LEARNED_POSITION_TYPES else None
+    return LMSize(num_layers=layers, vocab_size=vocab,
+                  learned_positions=positions if isinstance(positions, int) else None)
 
 
 def _gguf_header(path: Path) -> dict[str, Any]:
@@ -705,14 +724,33 @@ def read_token_ids(path: str | os.PathLike) -> np.ndarray:
 
 
 def check_token_ids(model, token_ids: np.ndarray) -> np.ndarray:
-    """``token_ids`` as int64 ``(sequences, N)``, checked against the model's vocabulary.
+    """``token_ids`` as int64 ``(sequences, N)``, checked against the model's vocabulary and positions.
 
     Raises
     ------
     ValueError
-        Naming the first id outside ``[0, vocabulary)`` and where it is.
+        Naming the first id outside ``[0, vocabulary)`` and where it is, or more tokens than a learned position
+        table has rows (GPT-2's ``n_positions``).
     """
-    return _check_vocabulary(token_ids, int(model.get_input_embeddings().num_embeddings))
+    ids = _check_vocabulary(token_ids, int(model.get_input_embeddings().num_embeddings))
+    return _check_positions(ids, _learned_positions(model.config))
+
+
+#: architectures whose positions are a learned table (GPT-2's ``wpe``) rather than a rotary embedding
+_LEARNED_POSITION_TYPES = ("gpt2",)
+
+
+def _learned_positions(config: Any) -> int | None:
+    """The rows of ``config``'s learned position table, None where positions are rotary."""
+    return _declared_context(config) if getattr(config, "model_type", None) in _LEARNED_POSITION_TYPES else None
+
+
+def _check_positions(ids: np.ndarray, learned_positions: int | None) -> np.ndarray:
+    if learned_positions is not None and ids.shape[1] > learned_positions:
+        raise ValueError(f"token ids: {ids.shape[1]:,} tokens per sequence, but the model's learned position table "
+                         f"has {learned_positions:,} rows (config.n_positions) and no position exists past them; "
+                         f"keep at most {learned_positions:,} tokens")
+    return ids
 
 
 def _check_vocabulary(token_ids: np.ndarray, vocab: int) -> np.ndarray:
@@ -944,6 +982,12 @@ def capture_lm_attention(
     return {**recorder.captured, "logits": logits}
 
 
+def _declared_context(config: Any) -> int | None:
+    """The context length ``config`` declares (``max_position_embeddings``, GPT-2's ``n_positions``), or None."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def capture_lm(
     lm: LoadedLM,
     token_ids: np.ndarray | Sequence[Sequence[int]],
@@ -974,18 +1018,30 @@ def capture_lm(
     -------
     Activations
         Layout ``"sequence"``: q ``(S, H, N, D)``, k and v ``(S, Hkv, N, D)`` float32, metadata ``kv_heads``,
-        ``head_map``, ``mask`` per layer, ``sliding_window``, ``token_ids``, ``token_strings``, ``weights``.
+        ``head_map``, ``mask`` per layer, ``sliding_window``, ``token_ids``, ``context_length`` (the config's
+        ``max_position_embeddings``, None where it declares none), ``token_strings``, ``weights``.
 
     Raises
     ------
     ValueError
         Token ids outside the vocabulary, layers with different scales, :class:`LMCaptureRefused`.
+
+    Warns
+    -----
+    BeyondContextWarning
+        N is larger than ``context_length``.
     """
     model = lm.model
     ids = check_token_ids(model, np.asarray(token_ids))
     names = [f"seq{i}" for i in range(len(ids))] if names is None else [str(n) for n in names]
     if len(names) != len(ids):
         raise ValueError(f"names: {len(names)} name(s) for {len(ids)} sequence(s)")
+    context_length = _declared_context(model.config)
+    if context_length is not None and ids.shape[1] > context_length:
+        warnings.warn(f"{ids.shape[1]:,} tokens are more than the {context_length:,} of {lm.name}'s declared context "
+                      "(config.max_position_embeddings): the positions past it are ones the model was not trained "
+                      "on, and their queries and keys need not look like its own", BeyondContextWarning,
+                      stacklevel=2)
     per_seq = run_per_image(list(ids), lambda row: capture_lm_attention(model, row[None], layers), progress)
     chosen = sorted(k for k in per_seq[0] if isinstance(k, int))
     scales = {per_seq[0][layer]["scale"] for layer in chosen}
@@ -1015,6 +1071,7 @@ def capture_lm(
         "mask": {str(layer): per_seq[0][layer]["mask"] for layer in chosen},
         "sliding_window": {str(layer): per_seq[0][layer]["sliding_window"] for layer in chosen},
         "token_ids": ids.tolist(),
+        "context_length": context_length,
         "token_strings": strings,
         "add_bos": add_bos,
         "text": text,

@@ -7,6 +7,7 @@ exits 2 on bad input. The bundled SmolLM2-135M is checked the same way (slow; sk
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import numpy as np
@@ -231,6 +232,36 @@ def test_early_stop_captures_the_same_arrays(tmp_path):
         np.testing.assert_array_equal(early[0][role], full[0][role])
     assert early[0]["attn"].shape == (1, 4, TOKENS, 8)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in lm.model.modules())
+
+
+#: GPT-2's refusal of a sequence longer than its learned position table (8 rows), 9 tokens
+_PAST_POSITIONS = ("token ids: 9 tokens per sequence, but the model's learned position table has 8 rows "
+                   "(config.n_positions) and no position exists past them; keep at most 8 tokens")
+
+
+@pytest.mark.parametrize("tokens", [8, 9], ids=["all-rows", "one-past"])
+def test_gpt2_takes_as_many_tokens_as_its_learned_positions_and_no_more(tmp_path, tokens):
+    lm = load_lm(_save("gpt2", tmp_path / "gpt2", n_positions=8), local_files_only=True)
+    if tokens > 8:
+        with pytest.raises(ValueError, match=re.escape(_PAST_POSITIONS)):
+            capture_lm(lm, _token_ids(1, tokens), [0])
+    else:
+        assert capture_lm(lm, _token_ids(1, tokens), [0]).metadata["context_length"] == 8
+
+
+@pytest.mark.parametrize(("context", "warned"), [(TOKENS - 1, True), (TOKENS, False)], ids=["past", "within"])
+def test_a_capture_past_the_declared_context_warns_and_the_file_records_it(tmp_path, context, warned):
+    folder = _save("llama", tmp_path / "llama", max_position_embeddings=context)
+    lm = load_lm(folder, local_files_only=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acts = capture_lm(lm, _token_ids(1), [0])
+    said = [str(w.message) for w in caught if issubclass(w.category, lm_mod.BeyondContextWarning)]
+    assert said == ([f"12 tokens are more than the 11 of hf:{folder}'s declared context (config.max_position_"
+                     "embeddings): the positions past it are ones the model was not trained on, and their queries "
+                     "and keys need not look like its own"] if warned else [])
+    save_activations(acts, tmp_path / "a.safetensors")
+    assert load_activations(tmp_path / "a.safetensors").metadata["context_length"] == context
 
 
 # ------------------------------------------------------------------------------------------------------- refusals
@@ -522,13 +553,13 @@ def _forbid_loading(monkeypatch) -> None:
         monkeypatch.setattr(lm_mod, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran before the refusal"))
 
 
-def _tiny_gguf(path, *, vocab_size: int | None = None):
-    """A GGUF file of a 3-layer Llama header with a 7-token vocabulary list (and ``llama.vocab_size`` if given),
-    written by gguf's own writer; one tensor, so that it is a whole file."""
+def _tiny_gguf(path, *, vocab_size: int | None = None, architecture: str = "llama", context_length: int = 64):
+    """A GGUF file of a 3-layer Llama header (or ``architecture``'s) with a 7-token vocabulary list (and
+    ``<architecture>.vocab_size`` if given), written by gguf's own writer; one tensor, so that it is a whole file."""
     gguf = pytest.importorskip("gguf")
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(3)
-    writer.add_context_length(64)
+    writer.add_context_length(context_length)
     writer.add_embedding_length(8)
     writer.add_head_count(2)
     if vocab_size is not None:
@@ -609,7 +640,9 @@ def test_unreadable_gguf_header_is_named(tmp_path, content):
 
 def test_lm_size_of_a_folder_is_its_config(tmp_path):
     _config("gpt2").save_pretrained(tmp_path)  # n_layer: GPT-2's name for the layer count; no weights needed
-    assert lm_mod.lm_size(tmp_path, local_files_only=True) == lm_mod.LMSize(num_layers=2, vocab_size=VOCAB)
+    # GPT-2's positions are a learned table of n_positions rows (1,024 by default); a rotary model has none
+    assert lm_mod.lm_size(tmp_path, local_files_only=True) == lm_mod.LMSize(num_layers=2, vocab_size=VOCAB,
+                                                                            learned_positions=1024)
     _config("llama", num_hidden_layers=3).save_pretrained(tmp_path)
     assert lm_mod.lm_size(tmp_path, local_files_only=True) == lm_mod.LMSize(num_layers=3, vocab_size=VOCAB)
 
@@ -622,12 +655,18 @@ def test_lm_size_of_a_folder_is_its_config(tmp_path):
          f"token ids out of vocabulary: id {VOCAB + 7} at sequence 0, token 2; the model has {VOCAB} token ids"),
         ("gguf", ["--layers", "0,3"], "layers: layer 3 is out of range; the model has layers 0..2"),
         ("gguf", ["--token-ids", "{tmp}/big.npy"], "id 307 at sequence 0, token 2; the model has 7 token ids (0..6)"),
+        ("gpt2-folder", ["--token-ids", "{tmp}/long.npy"], _PAST_POSITIONS),
+        ("gpt2-gguf", ["--token-ids", "{tmp}/long.npy"], _PAST_POSITIONS),
     ],
-    ids=["folder-layers", "folder-vocabulary", "gguf-layers", "gguf-vocabulary"],
+    ids=["folder-layers", "folder-vocabulary", "gguf-layers", "gguf-vocabulary", "folder-positions", "gguf-positions"],
 )
 def test_cli_refuses_layers_and_token_ids_before_loading_the_model(tmp_path, monkeypatch, model, args, message):
-    where = _save("llama", tmp_path / "m") if model == "folder" else _tiny_gguf(tmp_path / "tiny.gguf")
+    where = {"folder": lambda: _save("llama", tmp_path / "m"),
+             "gguf": lambda: _tiny_gguf(tmp_path / "tiny.gguf"),
+             "gpt2-folder": lambda: _save("gpt2", tmp_path / "m", n_positions=8),
+             "gpt2-gguf": lambda: _tiny_gguf(tmp_path / "tiny.gguf", architecture="gpt2", context_length=8)}[model]()
     np.save(tmp_path / "big.npy", np.array([[3, 4, VOCAB + 7]]))
+    np.save(tmp_path / "long.npy", _token_ids(1, 9) % 7)  # in every vocabulary here, one token past 8 positions
     _forbid_loading(monkeypatch)
     out = tmp_path / "out" / "a.safetensors"
     result = _cli("--hf", str(where), *[a.format(tmp=tmp_path) for a in args], "--out", str(out))
