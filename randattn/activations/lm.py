@@ -11,12 +11,14 @@ that the forward pass goes on unchanged. Keys and values arrive once per key/val
 and are stored that way; query head ``h`` uses key/value head ``h // (H / Hkv)``, as ``repeat_kv`` does.
 
 The mask needs care. ``transformers`` builds masks per attention implementation through
-``AttentionMaskInterface``; for an implementation without a mask function it builds none, and for SDPA it hands
-``attention_mask=None`` for a plain causal mask (the kernel's ``is_causal`` shortcut). A capture function that
-sees None and ran an eager kernel would attend bidirectionally, and every later layer would be captured from wrong
-hidden states. So a mask function is registered under the same name, always materialising the boolean mask; the
-capture reads each layer's mask, classifies it (none, ``causal``, ``sliding:W``) and refuses anything else, and
-hands the same mask to the kernel.
+``AttentionMaskInterface``; for an implementation without a mask function it builds none. So SDPA's mask function
+is registered under the same name: it hands a boolean mask for a sliding window or padding, and
+``attention_mask=None`` for a plain causal mask (the kernel's ``is_causal`` shortcut), which holds no N x N array:
+at 32,768 tokens the materialised mask and the kernel's copy of it took 7 GB where the sequence's activations take
+a few hundred MB. The capture classifies each layer's mask (none, ``causal``, ``sliding:W``) and refuses anything
+else: a None mask by the kernel's own rule (causal when the module is and there is more than one query), since
+an eager kernel that took None for "no mask" would attend bidirectionally and every later layer would be captured
+from wrong hidden states. The kernel then gets the same mask.
 
 Refused, with a message naming the reason, rather than captured wrong: logit soft-capping (Gemma 2), attention
 sinks (extra learned logits), additive position biases in the logits (ALiBi-style float masks), masks that are
@@ -799,10 +801,10 @@ def _register() -> None:
 
 
 def _capture_mask(*args, **kwargs):
-    """transformers' boolean SDPA mask, always materialised (never None for a causal mask: see module docstring)."""
+    """transformers' SDPA mask: boolean for a sliding window or padding, None for a plain causal mask (see the
+    module docstring)."""
     from transformers.masking_utils import sdpa_mask
 
-    kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 
@@ -864,7 +866,7 @@ def _numpy(t) -> np.ndarray:
 
 
 def _kernel(module, query, key, value, attention_mask, **kwargs):
-    """What computes the attention once it is recorded: transformers' SDPA function, with the materialised mask."""
+    """What computes the attention once it is recorded: transformers' SDPA function, with the mask it was given."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -221,6 +221,29 @@ def test_a_missing_mask_function_is_refused_for_sliding_windows(tmp_path, monkey
         capture_lm_attention(lm.model, _token_ids(1), "0")
 
 
+@pytest.mark.parametrize(("name", "masks", "materialised"),
+                         [("llama", ["causal", "causal"], False), ("mistral", ["sliding:4", "sliding:4"], True)])
+def test_a_plain_causal_mask_reaches_the_kernel_as_none_and_a_window_as_a_mask(tmp_path, monkeypatch, name, masks,
+                                                                              materialised):
+    """No N x N array for a plain causal mask (at 32,768 tokens a materialised one took 7 GB): SDPA's is_causal
+    shortcut, recorded as causal; a sliding window needs its boolean mask."""
+    lm = load_lm(_save(name, tmp_path / name), local_files_only=True)
+    given, kernel = [], lm_mod._kernel
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        given.append(attention_mask)
+        return kernel(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(lm_mod, "_kernel", spy)
+    acts = capture_lm(lm, _token_ids(1), "all")
+    assert [acts.metadata["mask"][str(layer)] for layer in acts.layers] == masks
+    assert len(given) == 2
+    if materialised:
+        assert all(m is not None and tuple(m.shape[-2:]) == (TOKENS, TOKENS) for m in given)
+    else:
+        assert all(m is None for m in given)
+
+
 def test_early_stop_captures_the_same_arrays(tmp_path):
     folder = _save("llama", tmp_path / "llama")
     lm = load_lm(folder, local_files_only=True)
