@@ -88,8 +88,9 @@ def check_scale(scale: Any, head_dim: int) -> float:
     return value
 
 
-def _shape_dtype(name: str, array: Any) -> tuple[tuple[int, ...], Any, bool]:
-    """Shape, dtype and whether the values are all finite, for numpy arrays and torch tensors."""
+def _shape_dtype(name: str, array: Any, *, values: bool = True) -> tuple[tuple[int, ...], Any, bool]:
+    """Shape, dtype and whether the values are all finite (True unread where ``values`` is False), for numpy arrays
+    and torch tensors."""
     shape = getattr(array, "shape", None)
     dtype = getattr(array, "dtype", None)
     if shape is None or dtype is None:
@@ -104,7 +105,7 @@ def _shape_dtype(name: str, array: Any) -> tuple[tuple[int, ...], Any, bool]:
         floating = bool(getattr(array, "is_floating_point", lambda: False)())
     if not floating:
         raise TypeError(f"{name} must have a real floating dtype (float16/32/64), got {dtype}")
-    if 0 in shape:
+    if 0 in shape or not values:
         return shape, dtype, True
     # a broadcast input (stride 0, e.g. an identity expanded over heads) holds each value once: check that once
     strides = array.strides if isinstance(array, np.ndarray) else array.stride()
@@ -140,7 +141,15 @@ def check_finite_on_device(**arrays: Any) -> None:
                 raise ValueError(f"{name} contains NaN or infinite values")
 
 
-def check_qkv_shapes(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], int, int, int, int]:
+def check_finite(**arrays: Any) -> None:
+    """Raise ValueError naming the first of ``arrays`` (numpy arrays or torch tensors on the CPU) holding NaN or inf:
+    the values check of :func:`check_qkv_shapes`, for a caller that reads only a block of its inputs."""
+    for name, array in arrays.items():
+        if not _shape_dtype(name, array)[2]:
+            raise ValueError(f"{name} contains NaN or infinite values")
+
+
+def check_qkv_shapes(q: Any, k: Any, v: Any, *, values: bool = True) -> tuple[tuple[int, ...], int, int, int, int]:
     """Validate queries, keys and values of one attention call.
 
     Parameters
@@ -148,6 +157,10 @@ def check_qkv_shapes(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], int, int,
     q : (..., N, D) array or tensor
     k : (..., M, D) array or tensor
     v : (..., M, Dv) array or tensor
+    values : bool
+        Whether to read the values for NaN and inf (two reductions over each input). False checks types and shapes
+        only, for a caller that reads a block of the inputs and checks that block (:func:`check_finite`): a
+        tiled pass that checked whole inputs per tile would read them once per tile.
 
     Returns
     -------
@@ -163,7 +176,7 @@ def check_qkv_shapes(q: Any, k: Any, v: Any) -> tuple[tuple[int, ...], int, int,
     """
     shapes = {}
     for name, array in (("q", q), ("k", k), ("v", v)):
-        shape, _, finite = _shape_dtype(name, array)
+        shape, _, finite = _shape_dtype(name, array, values=values)
         if len(shape) < 2:
             raise ValueError(f"{name} must have shape (..., tokens, features), got shape {shape}")
         if shape[-1] == 0:

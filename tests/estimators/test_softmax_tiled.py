@@ -239,6 +239,25 @@ def test_probabilities_bad_input_raises_value_error_naming_the_problem():
         tiled_probabilities(k, q, lse, mask="causal", query_slice=slice(0, 2), key_slice=slice(0, 2))
 
 
+@pytest.mark.parametrize("kind", [np.nan, np.inf], ids=["nan", "inf"])
+def test_a_probability_block_refuses_bad_values_in_the_rows_it_reads_and_reads_no_others(kind):
+    """Each block reads the values of its own rows of q and k only: a pass over M / Tk key tiles that checked all of
+    k on every call did O(M^2 / Tk) work. A bad value in the block's rows is refused; one elsewhere does not touch
+    the block, which equals the dense reference's."""
+    q, k, v = _inputs(13, 4, 6)
+    _, lse = tiled_attention(q, k, v)
+    bad_k, bad_q = k.copy(), q.copy()
+    bad_k[1, 5, 2], bad_q[0, 3, 1] = kind, kind
+    with pytest.raises(ValueError, match="^k contains NaN or infinite values$"):
+        tiled_probabilities(q, bad_k, lse, query_slice=slice(0, 4), key_slice=slice(4, 6))
+    with pytest.raises(ValueError, match="^q contains NaN or infinite values$"):
+        tiled_probabilities(bad_q, k, lse, query_slice=slice(2, 4), key_slice=slice(0, 2))
+    block = tiled_probabilities(bad_q, bad_k, lse, query_slice=slice(0, 3), key_slice=slice(0, 5)).numpy()
+    logits = _masked_logits(q, k, None)
+    dense = np.exp(logits - logsumexp(logits, axis=-1, keepdims=True))
+    np.testing.assert_allclose(block, dense[..., :3, :5], rtol=1e-13, atol=0)
+
+
 def _peak_extra(func, *inputs: torch.Tensor) -> int:
     """Peak bytes ``func()`` allocates beyond its inputs, its output included (as ``benchmarks/bench_causal``):
     ``measure_peak`` counts a storage the first time an operator returns it, so the inputs are viewed first to
