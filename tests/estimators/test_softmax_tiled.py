@@ -248,10 +248,12 @@ def test_a_probability_block_refuses_bad_values_in_the_rows_it_reads_and_reads_n
     _, lse = tiled_attention(q, k, v)
     bad_k, bad_q = k.copy(), q.copy()
     bad_k[1, 5, 2], bad_q[0, 3, 1] = kind, kind
-    with pytest.raises(ValueError, match="^k contains NaN or infinite values$"):
-        tiled_probabilities(q, bad_k, lse, query_slice=slice(0, 4), key_slice=slice(4, 6))
-    with pytest.raises(ValueError, match="^q contains NaN or infinite values$"):
-        tiled_probabilities(bad_q, k, lse, query_slice=slice(2, 4), key_slice=slice(0, 2))
+    for first, last in ((5, 6), (4, 6)):  # the bad row first in the block, then last
+        with pytest.raises(ValueError, match="^k contains NaN or infinite values$"):
+            tiled_probabilities(q, bad_k, lse, query_slice=slice(0, 4), key_slice=slice(first, last))
+    for first, last in ((3, 4), (2, 4)):
+        with pytest.raises(ValueError, match="^q contains NaN or infinite values$"):
+            tiled_probabilities(bad_q, k, lse, query_slice=slice(first, last), key_slice=slice(0, 2))
     block = tiled_probabilities(bad_q, bad_k, lse, query_slice=slice(0, 3), key_slice=slice(0, 5)).numpy()
     logits = _masked_logits(q, k, None)
     dense = np.exp(logits - logsumexp(logits, axis=-1, keepdims=True))
