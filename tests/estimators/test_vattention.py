@@ -435,3 +435,27 @@ def test_the_batched_position_sets_are_the_references_made_on_the_device():
                     np.testing.assert_array_equal(candidates.numpy(), sets.candidates)
                     cases += 1
     assert cases == 90
+
+
+# ------------------------------------------------------------------------------ the batched selection's set helpers
+@pytest.mark.parametrize("seed", range(4))
+def test_top_k_and_pool_order_are_the_literal_per_row_choices(seed):
+    """Each query's ``counts[n]`` candidates of largest logit, ties to the lower index, and each row's pool keys
+    first: against a Python loop that sorts every row by (-logit, index). Integer logits make ties common; counts
+    run from 0 (all rows 0 in one case) to more than the row's candidates."""
+    rng = np.random.default_rng(seed)
+    n, m = 5, 17
+    logits = torch.tensor(rng.integers(-2, 3, (2, 3, n, m)).astype(np.float64 if seed % 2 else np.float32))
+    candidates = torch.tensor(rng.random((n, m)) < 0.7)
+    counts = np.zeros(n, dtype=np.int64) if seed == 3 else rng.integers(0, m + 3, n)
+    chosen = batched._top_k(logits, candidates, counts)
+    pool = torch.tensor(rng.random((2, 3, n, m)) < 0.4)
+    order = batched._pool_first(pool)
+    assert chosen.shape == logits.shape and order.shape == pool.shape
+    for index in np.ndindex(*logits.shape[:-1]):
+        row = logits[index].tolist()
+        ranked = sorted((j for j in range(m) if candidates[index[-1], j]), key=lambda j: (-row[j], j))
+        assert set(np.flatnonzero(chosen[index].numpy())) == set(ranked[:counts[index[-1]]]), index
+        members = pool[index].tolist()
+        want = [j for j in range(m) if members[j]] + [j for j in range(m) if not members[j]]
+        assert order[index].tolist() == want, index
