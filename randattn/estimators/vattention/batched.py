@@ -57,20 +57,20 @@ def _pick(pool_order: torch.Tensor, sizes: torch.Tensor, uniforms: torch.Tensor)
     return torch.gather(expanded, -1, slots)
 
 
-def _top_k(logits: torch.Tensor, candidates: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
-    """``(..., N, M)`` bool: each query's ``counts[n]`` (host ``(N,)``) candidates of largest logit (ties: lower
-    index first).
+def _top_k(logits: torch.Tensor, candidates: torch.Tensor, counts: torch.Tensor, most: int) -> torch.Tensor:
+    """``(..., N, M)`` bool: each query's ``counts[n]`` candidates of largest logit (ties: lower index first);
+    ``most``, the largest count, is given from the host so that nothing is read back from the device.
 
     The ``counts[n]``-th largest score is each row's threshold: every candidate above it is taken, and of those
     equal to it the first ones by index until ``counts[n]`` are -- the set a stable descending sort would rank
     first, from ``topk`` of the largest count and cumulative sums: O(M log k) where sorting every row was
-    O(M log M) (a third of vAttention's time at 113,108 keys).
+    O(M log M) (with the pool's sort, 3 s of vAttention's 24 s estimate phase at 113,108 keys).
     """
     score = logits.masked_fill(~candidates, float("-inf"))
-    most = min(int(counts.max(initial=0)), score.shape[-1])  # a host number: no device read-back
+    most = min(most, score.shape[-1])
     if most == 0:
         return torch.zeros_like(score, dtype=torch.bool)
-    wanted = torch.as_tensor(counts, device=score.device)[:, None]
+    wanted = counts[:, None]
     largest = torch.topk(score, most, dim=-1).values  # (..., N, most), descending
     at = (wanted - 1).clamp(0, most - 1).expand(*largest.shape[:-1], 1)
     threshold = largest.gather(-1, at)
@@ -149,7 +149,7 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
     pool_sizes = as_tensor(per_query.sampled_size)
 
     logits = masked_logits(x, y, mask)
-    heavy = fixed | _top_k(logits, candidates, np.asarray(per_query.top_k))
+    heavy = fixed | _top_k(logits, candidates, as_tensor(per_query.top_k), int(np.max(per_query.top_k, initial=0)))
     pool = candidates.expand_as(heavy) if params["sample_from"] == "window" else visible & ~heavy
     pool_order = _pool_first(pool)
     # the official code's full mask when its window holds fewer than two keys
