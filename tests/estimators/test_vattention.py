@@ -448,6 +448,8 @@ def test_top_k_and_pool_order_are_the_literal_per_row_choices(seed):
     logits = torch.tensor(rng.integers(-2, 3, (2, 3, n, m)).astype(np.float64 if seed % 2 else np.float32))
     candidates = torch.tensor(rng.random((n, m)) < 0.7)
     counts = np.zeros(n, dtype=np.int64) if seed == 3 else rng.integers(0, m + 3, n)
+    if seed != 3:
+        counts[seed] = m + 2  # more than the row holds
     chosen = batched._top_k(logits, candidates, torch.as_tensor(counts), int(counts.max()))
     pool = torch.tensor(rng.random((2, 3, n, m)) < 0.4)
     order = batched._pool_first(pool)

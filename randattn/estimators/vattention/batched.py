@@ -77,7 +77,7 @@ def _top_k(logits: torch.Tensor, candidates: torch.Tensor, counts: torch.Tensor,
     above = score > threshold
     tied = score == threshold
     room = wanted - above.sum(-1, keepdim=True)
-    return candidates & (wanted > 0) & (above | (tied & (tied.cumsum(-1) <= room)))
+    return candidates & (above | (tied & (tied.cumsum(-1) <= room)))
 
 
 def _pool_first(pool: torch.Tensor) -> torch.Tensor:
