@@ -14,11 +14,11 @@ The mask needs care. ``transformers`` builds masks per attention implementation 
 ``AttentionMaskInterface``; for an implementation without a mask function it builds none. So SDPA's mask function
 is registered under the same name: it hands a boolean mask for a sliding window or padding, and
 ``attention_mask=None`` for a plain causal mask (the kernel's ``is_causal`` shortcut), which holds no N x N array:
-at 32,768 tokens the materialised mask and the kernel's copy of it took 7 GB where the sequence's activations take
-a few hundred MB. The capture classifies each layer's mask (none, ``causal``, ``sliding:W``) and refuses anything
-else: a None mask by the kernel's own rule (causal when the module is and there is more than one query), since
-an eager kernel that took None for "no mask" would attend bidirectionally and every later layer would be captured
-from wrong hidden states. The kernel then gets the same mask.
+layer 0 of SmolLM2-135M at 32,768 tokens peaked at 1.65 GB, where materialising the mask peaked at 7.0 GB. The
+capture classifies each layer's mask (none, ``causal``, ``sliding:W``) and refuses anything else: a None mask by
+the kernel's own rule (causal when the module is and there is more than one query), since an eager kernel that
+took None for "no mask" would attend bidirectionally and every later layer would be captured from wrong hidden
+states. The kernel then gets the same mask.
 
 Refused, with a message naming the reason, rather than captured wrong: logit soft-capping (Gemma 2), attention
 sinks (extra learned logits), additive position biases in the logits (ALiBi-style float masks), masks that are
@@ -793,19 +793,12 @@ def _register() -> None:
     if _registered:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(CAPTURE_IMPLEMENTATION, _capture_attention)
-    AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, _capture_mask)
+    # SDPA's own masks: boolean for a sliding window or padding, None for a plain causal mask (module docstring)
+    AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, sdpa_mask)
     _registered = True
-
-
-def _capture_mask(*args, **kwargs):
-    """transformers' SDPA mask: boolean for a sliding window or padding, None for a plain causal mask (see the
-    module docstring)."""
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, **kwargs)
 
 
 def _refusal(module, dropout: float, kwargs: dict) -> str | None:
