@@ -77,6 +77,7 @@ __all__ = [
     "check_token_ids",
     "capture_lm_attention",
     "capture_lm",
+    "capture_bytes",
 ]
 
 _MISSING_TRANSFORMERS = 'the language-model capture needs transformers: pip install "randattn[hf]"'
@@ -977,6 +978,22 @@ def capture_lm_attention(
     return {**recorder.captured, "logits": logits}
 
 
+def _stacked(per_seq: list[dict], layer: int, role: str) -> np.ndarray:
+    """One role of one layer over the sequences, each sequence's array let go as it is copied in (one sequence's
+    is taken as it is): the capture then holds its arrays once, not twice, at the end."""
+    parts = [r[layer].pop(role) for r in per_seq]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def capture_bytes(config: Any, layers: int, sequences: int, tokens: int) -> int:
+    """Bytes of the float32 q, k and v a capture of ``layers`` layers of ``sequences`` x ``tokens`` keeps (and
+    writes), for a model with ``config``: :math:`4 S L N D (H + 2 H_{kv})`."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return 4 * sequences * layers * tokens * head_dim * (heads + 2 * kv_heads)
+
+
 def _declared_context(config: Any) -> int | None:
     """The context length ``config`` declares (``max_position_embeddings``, GPT-2's ``n_positions``), or None."""
     value = getattr(config, "max_position_embeddings", None)
@@ -1043,7 +1060,7 @@ def capture_lm(
     if len(scales) != 1:
         raise ValueError(f"layers {chosen} use different scales {sorted(scales)}; capture them separately "
                          "(one activation file holds one scale)")
-    arrays = {layer: tuple(np.concatenate([r[layer][role] for r in per_seq]) for role in "qkv") for layer in chosen}
+    arrays = {layer: tuple(_stacked(per_seq, layer, role) for role in "qkv") for layer in chosen}
     heads, kv_heads = arrays[chosen[0]][0].shape[1], arrays[chosen[0]][1].shape[1]
     tokenizer = lm.tokenizer
     strings = None

@@ -287,6 +287,31 @@ def test_a_capture_past_the_declared_context_warns_and_the_file_records_it(tmp_p
     assert load_activations(tmp_path / "a.safetensors").metadata["context_length"] == context
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2"])
+def test_capture_bytes_are_the_arrays_a_capture_keeps(tmp_path, name):
+    lm = load_lm(_save(name, tmp_path / name), local_files_only=True)
+    acts = capture_lm(lm, _token_ids(2), "all")
+    kept = sum(a.nbytes for layer in acts.layers for a in acts.stored_qkv(layer))
+    assert lm_mod.capture_bytes(lm.model.config, len(acts.layers), 2, TOKENS) == kept
+
+
+def test_cli_refuses_a_capture_whose_arrays_exceed_the_memory_available(tmp_path, monkeypatch):
+    import randattn.analysis.memory as memory
+
+    folder = _save("llama", tmp_path / "llama")
+    np.save(tmp_path / "ids.npy", _token_ids(1))
+    # 2 layers x 12 tokens x 8 dims x (4 + 2 x 2) heads x 4 bytes = 6,144 bytes kept
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: 6143)
+    out = tmp_path / "out" / "a.safetensors"
+    result = _cli("--hf", str(folder), "--token-ids", str(tmp_path / "ids.npy"), "--out", str(out))
+    assert result.exit_code == 2, result.output
+    assert ("the capture keeps 6,144 bytes of float32 q, k and v (1 sequence(s) x 12 tokens x 2 layer(s)) and writes "
+            "as much, but 6,143 bytes of memory is available") in " ".join(result.stderr.split())
+    assert not out.parent.exists()
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: 6144)
+    assert _cli("--hf", str(folder), "--token-ids", str(tmp_path / "ids.npy"), "--out", str(out)).exit_code == 0
+
+
 # ------------------------------------------------------------------------------------------------------- refusals
 def test_soft_capping_and_unknown_architectures_are_refused(tmp_path):
     _save("gemma2", tmp_path / "gemma2", attn_logit_softcapping=50.0)
