@@ -11,14 +11,15 @@ that the forward pass goes on unchanged. Keys and values arrive once per key/val
 and are stored that way; query head ``h`` uses key/value head ``h // (H / Hkv)``, as ``repeat_kv`` does.
 
 The mask needs care. ``transformers`` builds masks per attention implementation through
-``AttentionMaskInterface``; for an implementation without a mask function it builds none. So SDPA's mask function
-is registered under the same name: it hands a boolean mask for a sliding window or padding, and
-``attention_mask=None`` for a plain causal mask (the kernel's ``is_causal`` shortcut), which holds no N x N array:
-layer 0 of SmolLM2-135M at 32,768 tokens peaked at 1.65 GB, where materialising the mask peaked at 7.0 GB. The
-capture classifies each layer's mask (none, ``causal``, ``sliding:W``) and refuses anything else: a None mask by
-the kernel's own rule (causal when the module is and there is more than one query), since an eager kernel that
-took None for "no mask" would attend bidirectionally and every later layer would be captured from wrong hidden
-states. The kernel then gets the same mask.
+``AttentionMaskInterface``; for an implementation without a mask function it builds none. So a mask function is
+registered under the same name (:mod:`randattn.activations.lm_masks`): SDPA's, which hands
+``attention_mask=None`` for a plain causal mask (the kernel's ``is_causal`` shortcut), holding no N x N array
+(layer 0 of SmolLM2-135M at 32,768 tokens peaked at 1.65 GB, where materialising the mask peaked at 7.0 GB), except
+that a sliding window is never materialised either: its rows are made a block of queries at a time, and the kernel
+runs on each block and the keys it sees. The capture classifies each layer's mask (none, ``causal``,
+``sliding:W``) and refuses anything else: a None mask by the kernel's own rule (causal when the module is and there
+is more than one query), since an eager kernel that took None for "no mask" would attend bidirectionally and every
+later layer would be captured from wrong hidden states. The kernel then gets the same mask.
 
 Refused, with a message naming the reason, rather than captured wrong: logit soft-capping (Gemma 2), attention
 sinks (extra learned logits), additive position biases in the logits (ALiBi-style float masks), masks that are
@@ -51,6 +52,7 @@ import numpy as np
 from randattn.activations._capture import run_per_image
 from randattn.activations.dinov2 import parse_layers
 from randattn.activations.io import Activations, _version, make_activations
+from randattn.activations.lm_masks import MaskRefused, WindowRows, attention_in_query_blocks, capture_mask, mask_kind
 
 __all__ = [
     "SUPPORTED_LM_TYPES",
@@ -794,11 +796,11 @@ def _register() -> None:
     if _registered:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(CAPTURE_IMPLEMENTATION, _capture_attention)
-    # SDPA's own masks: boolean for a sliding window or padding, None for a plain causal mask (module docstring)
-    AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, sdpa_mask)
+    # SDPA's own masks, None for a plain causal mask, and a sliding window as rows made on demand (module docstring)
+    AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, capture_mask)
     _registered = True
 
 
@@ -817,41 +819,6 @@ def _refusal(module, dropout: float, kwargs: dict) -> str | None:
     return None
 
 
-def _mask_kind(mask, causal: bool, n: int, m: int) -> str | None:
-    """Classify the mask the kernel gets: None (none), ``"causal"`` or ``"sliding:W"``; raise for anything else."""
-    import torch
-
-    if mask is None:
-        # SDPA then applies is_causal (for more than one query); nothing else is masked
-        return "causal" if causal and n > 1 else None
-    if mask.dtype == torch.bool:
-        allowed = mask
-    else:
-        allowed = mask == 0
-        blocked = mask <= torch.finfo(mask.dtype).min / 2
-        if not bool((allowed | blocked).all()):
-            raise LMCaptureRefused(
-                "the attention mask adds values other than 0 and -inf to the logits (a position bias such as "
-                "ALiBi), which softmax(scale q k^T) with a causal or sliding-window mask does not reproduce"
-            )
-    allowed = allowed.reshape(-1, allowed.shape[-2], allowed.shape[-1]).cpu()
-    if not bool((allowed == allowed[:1]).all()):
-        raise LMCaptureRefused("the attention mask differs between sequences or heads (padding?); it is not one "
-                               "causal or sliding-window pattern")
-    a = allowed[0]
-    rows = torch.arange(n)[:, None] + (m - n)  # section 12: key m visible to query n iff m <= n + (M - N)
-    cols = torch.arange(m)[None, :]
-    causal_pattern = cols <= rows
-    if bool(a.all()):
-        return None
-    if torch.equal(a, causal_pattern):
-        return "causal"
-    window = int(a.sum(-1).max())
-    if torch.equal(a, causal_pattern & (cols > rows - window)):
-        return f"sliding:{window}"
-    raise LMCaptureRefused("the attention mask is neither causal nor a causal sliding window")
-
-
 def _numpy(t) -> np.ndarray:
     import torch
 
@@ -860,9 +827,12 @@ def _numpy(t) -> np.ndarray:
 
 
 def _kernel(module, query, key, value, attention_mask, **kwargs):
-    """What computes the attention once it is recorded: transformers' SDPA function, with the mask it was given."""
+    """What computes the attention once it is recorded: transformers' SDPA function, with the mask it was given
+    (a sliding window a block of queries at a time, on the keys the block sees)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if isinstance(attention_mask, WindowRows):
+        return attention_in_query_blocks(sdpa_attention_forward, module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -886,8 +856,8 @@ def _capture_attention(module, query, key, value, attention_mask, dropout: float
             raise LMCaptureRefused(f"layer {layer}: a sliding window of {window} but no mask reached the attention "
                                    "function; refused rather than captured wrong")
         try:
-            kind = _mask_kind(attention_mask, causal, n, m)
-        except LMCaptureRefused as exc:
+            kind = mask_kind(attention_mask, causal, n, m)
+        except MaskRefused as exc:
             raise LMCaptureRefused(f"layer {layer}: {exc}; refused rather than captured wrong") from None
         if query.shape[1] % key.shape[1]:
             raise LMCaptureRefused(f"layer {layer}: {query.shape[1]} query heads do not split evenly over "

@@ -20,6 +20,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from randattn.activations import io as act_io  # noqa: E402
 from randattn.activations import lm as lm_mod  # noqa: E402
+from randattn.activations import lm_masks  # noqa: E402
 from randattn.activations.io import NoGridWarning, load_activations, make_activations, save_activations  # noqa: E402
 from randattn.activations.lm import (  # noqa: E402
     LMCaptureRefused,
@@ -221,12 +222,12 @@ def test_a_missing_mask_function_is_refused_for_sliding_windows(tmp_path, monkey
         capture_lm_attention(lm.model, _token_ids(1), "0")
 
 
-@pytest.mark.parametrize(("name", "masks", "materialised"),
+@pytest.mark.parametrize(("name", "masks", "described"),
                          [("llama", ["causal", "causal"], False), ("mistral", ["sliding:4", "sliding:4"], True)])
-def test_a_plain_causal_mask_reaches_the_kernel_as_none_and_a_window_as_a_mask(tmp_path, monkeypatch, name, masks,
-                                                                              materialised):
-    """No N x N array for a plain causal mask (at 32,768 tokens a materialised one took 7 GB): SDPA's is_causal
-    shortcut, recorded as causal; a sliding window needs its boolean mask."""
+def test_neither_a_causal_mask_nor_a_window_reaches_the_kernel_as_an_n_by_n_array(tmp_path, monkeypatch, name, masks,
+                                                                                 described):
+    """No N x N array: a plain causal mask is None (SDPA's is_causal shortcut, recorded as causal; at 32,768 tokens
+    a materialised one took 7 GB), a sliding window a description whose rows are made on demand."""
     lm = load_lm(_save(name, tmp_path / name), local_files_only=True)
     given, kernel = [], lm_mod._kernel
 
@@ -238,10 +239,76 @@ def test_a_plain_causal_mask_reaches_the_kernel_as_none_and_a_window_as_a_mask(t
     acts = capture_lm(lm, _token_ids(1), "all")
     assert [acts.metadata["mask"][str(layer)] for layer in acts.layers] == masks
     assert len(given) == 2
-    if materialised:
-        assert all(m is not None and tuple(m.shape[-2:]) == (TOKENS, TOKENS) for m in given)
+    if described:
+        assert all(isinstance(m, lm_masks.WindowRows) and m.window == 4 for m in given)
     else:
         assert all(m is None for m in given)
+
+
+def test_a_long_sliding_window_is_captured_a_block_of_queries_at_a_time(tmp_path, monkeypatch):
+    """150 tokens through a window of 24, 32 queries a kernel call: the file reproduces the model's own attention and
+    the captured run its logits (the default run builds the whole mask), while no mask larger than one block's
+    32 x (32 + 24 - 1) keys, or one classification block, is ever made (a 150 x 150 one was, before)."""
+    from transformers import masking_utils
+
+    folder = _save("mistral", tmp_path / "mistral", sliding_window=24)
+    ids = _token_ids(1, 150)
+    logits, outputs, _ = _default_run(folder, ids)
+    monkeypatch.setattr(lm_masks, "QUERY_BLOCK", 32)
+    monkeypatch.setattr(lm_masks, "_CLASSIFY_ELEMENTS", 4 * 150)
+    sizes, sdpa_mask = [], masking_utils.sdpa_mask
+
+    def counted(**arguments):
+        sizes.append(arguments["q_length"] * arguments["kv_length"])
+        return sdpa_mask(**arguments)
+
+    monkeypatch.setattr(masking_utils, "sdpa_mask", counted)
+    lm = load_lm(folder, local_files_only=True)
+    acts = capture_lm(lm, ids, "all")
+    assert [acts.mask(layer) for layer in acts.layers] == ["sliding:24", "sliding:24"]
+    _check_reproduction(acts, outputs, "mistral, 150 tokens")
+    out = capture_lm_attention(lm.model, ids, "all", run_to_end=True)
+    assert np.abs(out["logits"] - logits).max() < 1e-5 * max(1.0, np.abs(logits).max())
+    assert sizes and max(sizes) <= max(32 * (32 + 24 - 1), 4 * 150)
+
+
+def test_a_window_the_mask_function_contradicts_is_refused(tmp_path, monkeypatch):
+    """A window whose mask function also shows key 0 to every query (outside the band of late rows) is no sliding
+    window: refused, not captured as one (the band alone would never have seen it)."""
+    from transformers import masking_utils
+
+    window = masking_utils.sliding_window_causal_mask_function
+    monkeypatch.setattr(masking_utils, "sliding_window_causal_mask_function",
+                        lambda w: masking_utils.or_masks(window(w), lambda b, h, q, kv: kv == 0))
+    lm = load_lm(_save("mistral", tmp_path / "mistral"), local_files_only=True)
+    with pytest.raises(LMCaptureRefused, match="layer 0: the attention mask is neither causal nor a causal sliding "
+                                               "window; refused rather than captured wrong"):
+        capture_lm(lm, _token_ids(1), "0")
+
+
+@pytest.mark.slow  # a 40,960-token forward pass of a tiny Mistral in a real process: about 10 s
+def test_a_long_sliding_window_capture_never_holds_the_n_by_n_mask(tmp_path):
+    """Peak memory of ``randattn capture`` at 40,960 tokens through a window of 1,024, read by the parent process:
+    below the 1.68 GB that the boolean N x N mask alone takes (the whole process, interpreter and libraries
+    included, peaked at 11.1 GB at 32,768 tokens when the mask was materialised)."""
+    import subprocess
+    import sys
+
+    n = 40_960
+    folder = _save("mistral", tmp_path / "mistral", sliding_window=1024, max_position_embeddings=n)
+    np.save(tmp_path / "ids.npy", _token_ids(1, n))
+    measure = ("import resource, subprocess, sys; "
+               "code = subprocess.run(sys.argv[1:]).returncode; "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(code)")
+    command = [sys.executable, "-c", measure, sys.executable, "-c", "from randattn.cli import main; main()",
+               "capture", "--hf", str(folder), "--token-ids", str(tmp_path / "ids.npy"),
+               "--out", str(tmp_path / "acts.safetensors")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    peak = int(run.stdout.strip().splitlines()[-1])
+    assert peak < n * n, f"peak RSS {peak / 1e9:.2f} GB >= the N x N mask's {n * n / 1e9:.2f} GB"
+    acts = load_activations(tmp_path / "acts.safetensors")
+    assert acts.shape == (1, 4, n, 8) and [acts.mask(layer) for layer in acts.layers] == ["sliding:1024"] * 2
 
 
 def test_early_stop_captures_the_same_arrays(tmp_path):
@@ -334,21 +401,21 @@ def test_per_layer_scales_need_separate_files(tmp_path):
 def test_masks_plain_softmax_cannot_reproduce_are_refused():
     n = 5
     causal = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None]
-    assert lm_mod._mask_kind(causal, True, n, n) == "causal"
-    assert lm_mod._mask_kind(None, True, n, n) == "causal"
-    assert lm_mod._mask_kind(torch.ones(1, 1, n, n, dtype=torch.bool), False, n, n) is None
+    assert lm_masks.mask_kind(causal, True, n, n) == "causal"
+    assert lm_masks.mask_kind(None, True, n, n) == "causal"
+    assert lm_masks.mask_kind(torch.ones(1, 1, n, n, dtype=torch.bool), False, n, n) is None
     band = causal & ~torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-2)[None, None]
-    assert lm_mod._mask_kind(band, True, n, n) == "sliding:2"
+    assert lm_masks.mask_kind(band, True, n, n) == "sliding:2"
     alibi = torch.where(causal, -0.5 * (torch.arange(n)[:, None] - torch.arange(n)[None, :]).float(), -torch.inf)
-    with pytest.raises(LMCaptureRefused, match="adds values other than 0 and -inf"):
-        lm_mod._mask_kind(alibi, True, n, n)
+    with pytest.raises(lm_masks.MaskRefused, match="adds values other than 0 and -inf"):
+        lm_masks.mask_kind(alibi, True, n, n)
     odd = causal.clone()
     odd[..., 4, 1] = False
-    with pytest.raises(LMCaptureRefused, match="neither causal nor a causal sliding window"):
-        lm_mod._mask_kind(odd, True, n, n)
+    with pytest.raises(lm_masks.MaskRefused, match="neither causal nor a causal sliding window"):
+        lm_masks.mask_kind(odd, True, n, n)
     padded = torch.cat([causal, causal & (torch.arange(n) > 0)], dim=0)
-    with pytest.raises(LMCaptureRefused, match="differs between sequences"):
-        lm_mod._mask_kind(padded, True, n, n)
+    with pytest.raises(lm_masks.MaskRefused, match="differs between sequences"):
+        lm_masks.mask_kind(padded, True, n, n)
 
 
 def test_sinks_softcap_and_dropout_at_the_seam_are_refused():
