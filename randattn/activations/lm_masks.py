@@ -89,9 +89,8 @@ class WindowRows:
         shift = self.kv_length - self.q_length  # key m visible to query n iff m <= n + (M - N) (io, section 12)
         if kind is None:
             return 0, self.kv_length
-        hi = min(self.kv_length, stop + shift)
-        lo = max(0, start + shift - self.window + 1) if kind.startswith("sliding:") else 0
-        return lo, hi
+        # a causal kind means a window over every key, where this lower end is 0
+        return max(0, start + shift - self.window + 1), min(self.kv_length, stop + shift)
 
 
 def capture_mask(**arguments: Any):
