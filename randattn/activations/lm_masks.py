@@ -4,14 +4,14 @@
 name (:mod:`randattn.activations.lm`). SDPA's own mask function, ``sdpa_mask``, hands ``None`` for a plain causal
 mask (the kernel's ``is_causal`` path, no N x N array) but materialises a sliding window as a boolean N x M array:
 1 GiB at 32,768 tokens and 16 GiB at 131,072, before the arrays that classify it. :func:`capture_mask` is
-``sdpa_mask`` except there: a sliding window whose keys outnumber it becomes a :class:`WindowRows`, a description
+``sdpa_mask`` except there: a sliding window over at least W keys becomes a :class:`WindowRows`, a description
 whose rows ``sdpa_mask`` itself makes on demand, for a block of queries and the keys the block can see. So the mask's
 values stay the model's own, and :func:`attention_in_query_blocks` runs the kernel block by block on those keys only:
 O(N (W + B)) work and O(B (W + B)) mask per block, with B = :data:`QUERY_BLOCK` queries.
 
 :func:`mask_kind` names what the kernel gets: ``None`` (no mask), ``"causal"`` or ``"sliding:W"`` (the convention of
 :mod:`randattn.activations.io`), and refuses any other pattern. A :class:`WindowRows` is read whole for that, once
-and a block of rows at a time (O(N M) time, O(M) memory per row), since a window the kernel trusts but the mask
+and a block of rows at a time (O(N M) time; about 1 MiB of mask at once), since a window the kernel trusts but the mask
 function contradicts (padding, packed sequences, an extra mask function) would be captured wrong.
 """
 
