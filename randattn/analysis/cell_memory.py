@@ -4,7 +4,8 @@ A block of c cells x r replicates is modelled to need ``c (a + b r)`` bytes: ``a
 whatever R, ``b`` per replicate. Both are calibrated once per (configuration, S, shape) by
 :func:`~randattn.analysis.memory.measure_peak` on the code path that runs
 (:func:`measure_block_peak`) at one cell with one and two replicates, after a warm-up call, at
-S = 16 and 64, and extrapolated linearly in S (every estimator's working set is affine in S)
+S = 16 and 64 (or the nearest S above each that the configuration accepts, :func:`calibration_samples`), and
+extrapolated linearly in S (every estimator's working set is affine in S)
 (:func:`fit_cell_model`), plus the stored estimate (:func:`with_margin`). :func:`split_blocks`
 cuts a unit into blocks under the budget; a unit whose single (cell, replicate) exceeds it is
 refused with :class:`MemoryBudgetError` (:func:`check_fits`) before anything is computed.
@@ -32,7 +33,7 @@ from randattn.analysis.memory import measure_peak
 from randattn.estimators.base import Draws
 
 __all__ = ["CALIBRATION_KEYS", "CALIBRATION_PAIRS", "MIN_MAX_MEMORY", "MemoryBudgetError", "REFERENCE_CHECK_TOKENS", "SPLIT_ROUNDING",
-           "STORE_FACTOR", "block_bytes", "calibration_sizes", "check_fits", "extrapolate_peak", "fit_cell_model", "format_bytes", "measure_block_peak", "split_blocks", "stored_bytes", "unit_peak_bytes",
+           "STORE_FACTOR", "block_bytes", "calibration_samples", "calibration_sizes", "check_fits", "extrapolate_peak", "fit_cell_model", "format_bytes", "measure_block_peak", "split_blocks", "stored_bytes", "unit_peak_bytes",
            "with_margin"]
 
 #: what a split below the canonical block does to a row, said alike by ``randattn mse``'s plan and the sweeps guide
@@ -197,8 +198,25 @@ def measure_block_peak(run: Callable[[], Any], draws: Draws, *, torch_tensors: b
         return measure_peak(run, torch_tensors=torch_tensors) + draw_bytes(draws)
 
 
-def fit_cell_model(peak_at: Callable[[int | None, int], int], num_samples: int | None,
-                   random: bool) -> tuple[int, int]:
+def calibration_samples(num_samples: int, accepts: Callable[[int], bool]) -> tuple[int, ...]:
+    """The S at which a unit of S = ``num_samples`` is measured: S itself up to 64; above, two smaller S.
+
+    They are the smallest S from 16 and the smallest from 64 (or past the first) that the estimator ``accepts``
+    (Quest's S must be a multiple of its page size, StreamingLLM's at least its sinks), and S itself where no two
+    smaller ones are accepted.
+    """
+    low, high = _CALIBRATION_SAMPLES
+    if num_samples <= high:
+        return (num_samples,)
+    first = next((s for s in range(low, num_samples) if accepts(s)), None)
+    if first is None:
+        return (num_samples,)
+    second = next((s for s in range(max(high, first + 1), num_samples) if accepts(s)), None)
+    return (num_samples,) if second is None else (first, second)
+
+
+def fit_cell_model(peak_at: Callable[[int | None, int], int], num_samples: int | None, random: bool,
+                   accepts: Callable[[int], bool] = lambda samples: True) -> tuple[int, int]:
     """``(a, b)`` of the model ``c (a + b r)``, from peaks measured at one cell (no margin).
 
     Parameters
@@ -209,11 +227,14 @@ def fit_cell_model(peak_at: Callable[[int | None, int], int], num_samples: int |
         The unit's S (None: an estimator without samples).
     random : bool
         Whether the estimator is random: only then is a second replicate measured (a deterministic one has one).
+    accepts : callable, optional
+        ``S -> bool``: whether the configuration takes that S (:func:`calibration_samples`); every S by default.
 
     Notes
     -----
-    A warm-up call comes first (caches, lazy imports). Up to S = 64 the model is measured at S itself; above,
-    at S = 16 and 64 and extrapolated affinely in S, never decreasing.
+    A warm-up call comes first (caches, lazy imports), at the smallest accepted S from ``min(S, 16)``. Up to
+    S = 64 the model is measured at S itself; above, at two smaller S (16 and 64 where accepted) and
+    extrapolated affinely in S, never decreasing.
     """
     reps_measured = (1, 2) if random else (1,)
 
@@ -223,10 +244,15 @@ def fit_cell_model(peak_at: Callable[[int | None, int], int], num_samples: int |
         return max(peaks[0] - per_rep, 0), per_rep
 
     s = num_samples
-    peak_at(min(s, _CALIBRATION_SAMPLES[0]) if s is not None else None, 1)  # warm-up: caches, lazy imports
-    if s is None or s <= _CALIBRATION_SAMPLES[1]:
+    if s is None:
+        peak_at(None, 1)  # warm-up: caches, lazy imports
+        return model_at(None)
+    points = calibration_samples(s, accepts)
+    warm = next((t for t in range(min(s, _CALIBRATION_SAMPLES[0]), points[0]) if accepts(t)), points[0])
+    peak_at(warm, 1)  # warm-up: caches, lazy imports
+    if len(points) == 1:
         return model_at(s)
-    (s1, s2) = _CALIBRATION_SAMPLES  # affine in S through the two calibration points
+    (s1, s2) = points  # affine in S through the two calibration points
     (a1, b1), (a2, b2) = model_at(s1), model_at(s2)
     a = int(max(a1, a2) + max(a2 - a1, 0) / (s2 - s1) * (s - s2))
     b = int(max(b1, b2) + max(b2 - b1, 0) / (s2 - s1) * (s - s2))

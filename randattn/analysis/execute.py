@@ -241,10 +241,26 @@ class UnitRunner:
                 return self._block_peak(est, q, k, v, samples, reps, mask, lambda draws: self.estimator.estimate(
                     spec, est, q, k, v, draws, exact_probs, full_precision=True, mask=mask))
 
-            a, b = fit_cell_model(peak_at, unit.num_samples, est.random)
+            a, b = fit_cell_model(peak_at, unit.num_samples, est.random,
+                                  self._accepts(est, q.shape[1:], k.shape[1:], mask))
             self._cell_bytes[key] = with_margin(a, b, queries=self.measured_queries, value_dim=v.shape[-1],
                                                 key_dim=self.acts.shape[3], num_samples=unit.num_samples)
         return self._cell_bytes[key]
+
+    def _accepts(self, est: EstimatorConfig, q_shape, k_shape, mask: Mask) -> Callable[[int], bool]:
+        """``S -> bool``: whether the configuration's ``draw`` takes S on these shapes (a calibration S the user did
+        not choose, :func:`~randattn.analysis.cell_memory.calibration_samples`; the unit's own S was checked by the
+        plan, so a ValueError here is about S)."""
+        spec = self.specs[est.name]
+
+        def accepts(samples: int) -> bool:
+            try:
+                cell_draws(spec, est, q_shape, k_shape, [0], range(1), samples, mask)
+            except ValueError:
+                return False
+            return True
+
+        return accepts
 
     def _block_peak(self, est: EstimatorConfig, q, k, v, samples: int | None, reps: int, mask: Mask,
                     estimate: Callable[[Draws], Any]) -> int:
@@ -310,7 +326,8 @@ class UnitRunner:
                                         lambda draws: self.estimator.tiled_estimate(
                                             spec, est, qs, ks, vs, draws, lz, mask=mask, columns=columns))
 
-            points.append((queries, keys, fit_cell_model(peak_at, unit.num_samples, est.random)))
+            accepts = self._accepts(est, qs.shape[1:], ks.shape[1:], mask)
+            points.append((queries, keys, fit_cell_model(peak_at, unit.num_samples, est.random, accepts)))
         a = extrapolate_peak([(kq, km, ab[0]) for kq, km, ab in points], n, m)
         b = extrapolate_peak([(kq, km, ab[1]) for kq, km, ab in points], n, m)
         return with_margin(a, b, queries=self.measured_queries, value_dim=v.shape[-1], key_dim=self.acts.shape[3],

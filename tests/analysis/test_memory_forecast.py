@@ -260,3 +260,68 @@ def test_the_decode_shape_forecast_still_holds_in_a_real_process():
     assert result.returncode == 0, result.stderr[-3000:]
     forecast, grown = json.loads(result.stdout.strip().splitlines()[-1])
     assert 0 < grown <= forecast, (forecast, grown)
+
+
+# ------------------------------------------------------------------------ calibration at an S the configuration takes
+def test_calibration_samples_are_ones_the_configuration_accepts():
+    """S = 16 and 64 where accepted; else the next S above each that is (Quest: a multiple of its page size;
+    StreamingLLM: at least its sinks); S itself up to 64, or where no two smaller S are accepted."""
+    from randattn.analysis.cell_memory import calibration_samples
+
+    def every(s):
+        return True
+
+    def pages_of(size):
+        return lambda s: s % size == 0
+
+    def at_least(sinks):
+        return lambda s: s >= sinks
+
+    assert calibration_samples(1024, every) == (16, 64)
+    assert calibration_samples(64, every) == (64,) and calibration_samples(8, every) == (8,)
+    assert calibration_samples(128, pages_of(32)) == (32, 64)
+    assert calibration_samples(1024, pages_of(48)) == (48, 96)
+    assert calibration_samples(200, pages_of(100)) == (200,)  # 100 alone below 200
+    assert calibration_samples(128, at_least(20)) == (20, 64)
+    assert calibration_samples(100, at_least(70)) == (70, 71)
+    assert calibration_samples(100, at_least(99)) == (100,)
+
+
+def test_the_model_never_measures_an_s_the_configuration_refuses():
+    """A peak function that raises, as the estimator's draw does, at any S but a multiple of 32: the warm-up and
+    the two points are 32 and 64, and the model extrapolates from them (affine: a = 2 S, b = 3 S)."""
+    from randattn.analysis.cell_memory import fit_cell_model
+
+    asked = []
+
+    def peak_at(samples, reps):
+        if samples % 32:
+            raise ValueError(f"num_samples S={samples} must be a multiple of page_size=32")
+        asked.append((samples, reps))
+        return 2 * samples + 3 * samples * reps
+
+    def pages(s):
+        return s % 32 == 0
+
+    assert fit_cell_model(peak_at, 256, True, pages) == (2 * 256, 3 * 256)
+    assert asked == [(32, 1), (32, 1), (32, 2), (64, 1), (64, 2)]
+    asked.clear()
+    # S itself, one replicate: a deterministic estimator's whole peak is per replicate
+    assert fit_cell_model(peak_at, 32, False, pages) == (0, 5 * 32)
+    assert asked == [(32, 1), (32, 1)]
+
+
+@pytest.mark.parametrize("estimator", ["streaming:sinks=20", "quest:page_size=32", "quest:page_size=24"])
+@pytest.mark.parametrize("samples", ["48", "96"])
+def test_mse_measures_settings_whose_s_rules_refuse_16(tmp_path, estimator, samples):
+    """``randattn mse`` calibrated every unit at S = 16 and 64 whatever the configuration, so StreamingLLM with
+    20 sinks and Quest with pages of 32 or 24 keys were refused at an S the user never asked for."""
+    from randattn.cli import main
+
+    if estimator.endswith("=32") and samples == "48":  # (24 divides both)
+        pytest.skip("48 is not a multiple of 32: refused for the user's own S")
+    path = save_activations(_decode_acts(256), tmp_path / "acts.safetensors")
+    result = CliRunner().invoke(main, ["mse", str(path), "-e", estimator, "--samples", samples, "--replicates", "2",
+                                       "--queries", "last:4", "--mask", "causal", "--out",
+                                       str(tmp_path / "t.csv")])
+    assert result.exit_code == 0, result.output
