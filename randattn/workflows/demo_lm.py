@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
+from randattn._validation import ParameterError
 from randattn.workflows.demo import DemoResult, DemoStep, demo_metadata, demo_outputs, run_sweeps
 
 __all__ = ["LMDemoConfig", "LM_DECODE", "LM_DECODE_QUICK", "LM_QUICK", "check_bundled_layers", "demo_lm_outputs",
@@ -81,14 +82,29 @@ class LMDemoConfig:
         return self.queries != "all"
 
     def __post_init__(self) -> None:
+        """Every value the capture and the sweep would refuse, refused here: before the model loads.
+
+        Raises
+        ------
+        ParameterError
+            Naming the field (a command line names its option for it).
+        """
         if self.max_tokens < 2:
-            raise ValueError(f"max_tokens must be at least 2, got {self.max_tokens}")
+            raise ParameterError("max_tokens", str(self.max_tokens), " must be at least 2")
         if not self.layers:
-            raise ValueError("layers: give at least one layer")
+            raise ParameterError("layers", None, ": give at least one layer")
+        for name in ("samples", "single_sample"):
+            bad = [s for s in getattr(self, name) if s < 1]
+            if bad:
+                raise ParameterError(name, None, f": sample counts must be positive integers, got {bad}")
         if not self.samples and not (self.ra and self.single_sample):
             raise ValueError("nothing to measure: give samples or ra sample counts")
         if self.replicates < 2:
-            raise ValueError(f"replicates must be at least 2 (a variance needs two), got {self.replicates}")
+            raise ParameterError("replicates", str(self.replicates), " must be at least 2 (a variance needs two)")
+        if self.decode and self.max_tokens < int(self.queries.split(":")[1]):
+            raise ParameterError("max_tokens", str(self.max_tokens), f": the decode view measures the last "
+                                 f"{self.queries.split(':')[1]} queries of the cache, so it needs at least that "
+                                 "many tokens")
 
 
 #: a seconds-long smoke test: 64 tokens, the first layer only, S = 4, 8, R = 3

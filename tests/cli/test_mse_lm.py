@@ -155,6 +155,30 @@ def test_demo_lm_refuses_layers_smollm2_lacks_before_loading_it(tmp_path, monkey
     assert not (tmp_path / "demo").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize(("arguments", "said"), [
+    (["--samples", "0"], "--samples: sample counts must be positive integers, got [0]"),
+    (["--ra-samples", "2,-1"], "--ra-samples: sample counts must be positive integers, got [-1]"),
+    (["--replicates", "1"], "--replicates 1 must be at least 2"),
+    (["--max-tokens", "1"], "--max-tokens 1 must be at least 2"),
+    (["--decode", "--max-tokens", "32"], "--max-tokens 32: the decode view measures the last 64 queries"),
+    (["--decode", "--quick", "--max-tokens", "63"], "--max-tokens 63: the decode view measures the last 64"),
+])
+def test_demo_lm_refuses_values_the_sweep_would_refuse_before_the_model_loads(tmp_path, monkeypatch, arguments, said):
+    """Exit 2 means refused before anything is computed (README): these were refused by the sweep after the
+    capture's seconds, in the library's words (``num_samples must be >= 1``, ``queries='last:64' asks for 64
+    queries``). Whether or not SmolLM2 is installed, nothing loads and nothing is written."""
+    from randattn.activations import lm as lm_mod
+    from randattn.workflows import demo_lm as workflow
+
+    for module, name in ((lm_mod, "load_lm"), (lm_mod, "capture_lm_attention"), (workflow, "run_demo_lm")):
+        monkeypatch.setattr(module, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran before the refusal"))
+    result = CliRunner().invoke(main, ["demo-lm", *arguments, "--out", str(tmp_path / "demo")],
+                                catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert said in " ".join(result.stderr.split())
+    assert not (tmp_path / "demo").exists()
+
+
 @pytest.mark.slow  # over 6 s on the 2-core machine: in the slow target
 def test_demo_lm_runs_on_a_tiny_capture(lm_file, tmp_path):
     from randattn.workflows.demo_lm import LMDemoConfig, run_demo_lm
