@@ -54,11 +54,16 @@ def run_steps(run: Callable[[Callable[[Any], None]], Any], *, label_width: int, 
     elapsed = time.perf_counter() - start
     print_warnings(caught)
     print_summary(result.summary, noun)
-    shown = [k for k in ("table", "positions", "figure.png", "figure.svg", "position.png", "report") if k in result.files]
-    for key in shown:
-        err_console.print(f"  {key:<{max(map(len, shown)) + 1}} {result.files[key]}", highlight=False)
+    print_files(result.files)
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items() if k != "total")
     err_console.print(f"[bold green]done[/] in {elapsed:.1f} s ({parts})", highlight=False)
+
+
+def print_files(files: dict[str, Any]) -> None:
+    """One line per file the run wrote, in the order it wrote them: its role, then its path."""
+    width = max(map(len, files), default=0) + 1
+    for key, path in files.items():
+        err_console.print(f"  {key:<{width}} {path}", highlight=False)
 
 
 def warning_lines(caught: Iterable[warnings.WarningMessage]) -> list[tuple[str, str, int]]:

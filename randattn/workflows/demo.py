@@ -126,7 +126,9 @@ class DemoResult:
     summary : pandas.DataFrame
         :func:`randattn.analysis.sweep.aggregate` of it.
     files : dict
-        ``"table"``, ``"metadata"``, ``"report"`` and ``"figure.png"`` / ``"figure.svg"`` -> path.
+        What the run wrote, in the order it wrote it: ``"table"``, ``"figure.png"`` / ``"figure.svg"`` and
+        ``"report"`` -> path; the LM demo adds ``"positions"``, ``"position.<format>"`` and, in the decode view,
+        ``"error-vs-budget.<format>"``.
     seconds : dict
         Wall-clock seconds of ``capture``, ``sweep``, ``report`` and ``total``.
     """

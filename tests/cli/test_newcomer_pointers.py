@@ -188,3 +188,17 @@ def test_a_hand_made_file_is_told_its_layout_is_unknown(tmp_path, monkeypatch):
                     "unknown; estimators use 1-D (sequence) windows. For ViT patch tokens add 'grid' [rows, columns] "
                     "and 'prefix_tokens' to the metadata (randattn.activations.io.infer_grid gives the square-grid "
                     "reading); for text add \"layout\": \"sequence\". Said once per process.")
+
+
+def test_the_demos_list_every_file_they_wrote(capsys):
+    """``demo-lm --decode`` wrote error-vs-budget.png and .svg, its headline figure, but listed neither."""
+    from pathlib import Path
+
+    from randattn.cli._demo_session import print_files
+
+    roles = ["table", "positions", "figure.png", "figure.svg", "error-vs-budget.png", "error-vs-budget.svg",
+             "position.png", "position.svg", "report"]
+    print_files({role: Path("out") / role for role in roles})
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[0] for line in lines] == roles
+    assert all(line.split()[1] == str(Path("out") / role) for line, role in zip(lines, roles))
