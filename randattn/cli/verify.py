@@ -40,9 +40,15 @@ def command(pattern: str | None, quick: bool, seed: int, activations: str | None
     )
     from randattn.cli._common import abort, err_console, out_console
 
-    checks = select_checks(registry(), pattern)
+    every = registry()
+    checks = select_checks(every, pattern)
     if not checks:
-        abort(f"--only {pattern!r} matches no check; names look like 'lara.prop3.1.mixture' (see randattn verify --help)")
+        families: dict[str, int] = {}
+        for check in every:
+            families[check.name.split(".")[0]] = families.get(check.name.split(".")[0], 0) + 1
+        abort(f"--only {pattern!r} matches no check; the {len(every)} checks are named family.result, e.g. "
+              f"{every[0].name!r}, in the families " + ", ".join(f"{f} ({n})" for f, n in families.items())
+              + f" (--only {next(iter(families))} runs one family)")
     data = None
     if activations is not None:
         from randattn.activations.io import load_activations

@@ -42,7 +42,13 @@ def test_substring_pattern():
 def test_pattern_matching_nothing_is_a_usage_error():
     result = _invoke("--only", "no-such-check")
     assert result.exit_code == 2, result.output
-    assert "--only 'no-such-check' matches no check" in result.output
+    said = " ".join(result.output.split())
+    assert "--only 'no-such-check' matches no check" in said
+    # the names it can match, where the help pointed to before (it lists none)
+    from randattn.theory import registry
+
+    assert f"the {len(registry())} checks are named family.result, e.g. 'lara.prop3.1.mixture'" in said
+    assert "lara (10)" in said and "decode (7)" in said and "numerics (1)" in said and "--help" not in said
 
 
 def test_unreadable_activation_file_is_a_usage_error(tmp_path):
