@@ -228,18 +228,21 @@ def _split_gguf(name_or_path: str | os.PathLike, gguf_file: str | None) -> tuple
 
 
 def is_lm_config(name_or_path: str | os.PathLike, *, gguf_file: str | None = None,
-                 local_files_only: bool = False) -> bool:
+                 local_files_only: bool = False, unreadable: str = "no") -> bool:
     """Whether a checkpoint is a decoder language model (a ``.gguf`` file, or a ``...ForCausalLM``/LM config).
 
     Used to route ``randattn capture --hf`` between the ViT and the LM capture; a config that cannot be read
-    counts as no LM (the ViT loader then names the problem).
+    counts as no LM (the ViT loader then names the problem), or with ``unreadable="raise"`` raises the
+    ValueError that names it (one read of the config: offline, a hub name's read can take tens of seconds).
     """
     folder, gguf_file = _split_gguf(name_or_path, gguf_file)
     if gguf_file is not None:
         return True
     try:
         config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=local_files_only)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        if unreadable == "raise":
+            raise _unreadable_config(str(name_or_path), exc) from exc
         return False
     architectures = getattr(config, "architectures", None) or []
     return config.model_type in SUPPORTED_LM_TYPES or any(a.endswith(("ForCausalLM", "LMHeadModel"))
@@ -276,12 +279,14 @@ def _checked_config(transformers: Any, folder: Any, where: str, local_files_only
     try:
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=local_files_only, **extra)
     except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"cannot load a transformers config from {where!r} (a local save_pretrained folder, a .gguf file, or a "
-            f"hub name that is cached or reachable): {exc}"
-        ) from exc
+        raise _unreadable_config(where, exc) from exc
     check_lm_config(config, where)
     return config
+
+
+def _unreadable_config(where: str, exc: BaseException) -> ValueError:
+    return ValueError(f"cannot load a transformers config from {where!r} (a local save_pretrained folder, a .gguf "
+                      f"file, or a hub name that is cached or reachable): {exc}")
 
 
 def _has_tokenizer(folder: str, gguf_file: str | None) -> bool:

@@ -92,6 +92,9 @@ def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, 
     refuse_to_replace_file(Path(out_path), force)  # before loading a model: a capture takes seconds to minutes
     if timm_name is not None and hf_name is not None:
         abort("use either --timm NAME or --hf PATH_OR_NAME, not both")
+    if hf_name is not None and _names_a_path(hf_name) and not Path(hf_name).expanduser().exists():
+        abort(f"--hf {hf_name!r}: no such folder or file (a save_pretrained folder or a .gguf file; a hub name is "
+              "NAME or NAMESPACE/NAME)")
     if timm_name is None and checkpoint is not None:
         abort("--checkpoint is only used with --timm NAME")
     if timm_name is not None and checkpoint is None:
@@ -123,9 +126,11 @@ def _output_lock(out: Path) -> Iterator[None]:
 
 def _capture(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, text_specs, pack, token_ids_path,
              max_tokens, add_bos, layers, dtype, out_path) -> None:
-    lm = _is_lm(model_name, timm_name, hf_name)
     given = {name for name in ("images_spec", "size", "text_specs", "pack", "token_ids_path", "max_tokens", "add_bos")
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT}
+    # language-model options: a config that cannot be read is refused for its reason, not called a vision model
+    lm = _is_lm(model_name, timm_name, hf_name,
+                strict=bool(given & {"text_specs", "pack", "token_ids_path", "max_tokens", "add_bos"}))
     if lm and given & {"images_spec", "size"}:
         abort("--images and --size are for vision models; a decoder language model takes --text FILE or "
               "--token-ids FILE")
@@ -181,8 +186,16 @@ def _bytes(n: int) -> str:
     return f"{n:,} bytes"
 
 
-def _is_lm(model_name: str, timm_name: str | None, hf_name: str | None) -> bool:
-    """Whether the chosen model is a decoder LM (bundled name, or an --hf checkpoint whose config says so)."""
+def _names_a_path(hf_name: str) -> bool:
+    """Whether ``--hf`` can only mean a path: a hub name is NAME or NAMESPACE/NAME, never absolute, relative to
+    the current folder or home, deeper, or a .gguf file (transformers would word the miss as a bad repo id)."""
+    return (hf_name.startswith(("/", "./", "../", "~")) or hf_name in (".", "..") or hf_name.count("/") > 1
+            or hf_name.lower().endswith(".gguf") or "\\" in hf_name)
+
+
+def _is_lm(model_name: str, timm_name: str | None, hf_name: str | None, strict: bool = False) -> bool:
+    """Whether the chosen model is a decoder LM (bundled name, or an --hf checkpoint whose config says so);
+    ``strict``: exit 2 naming why an --hf config cannot be read."""
     if timm_name is not None:
         return False
     if hf_name is None:
@@ -192,9 +205,11 @@ def _is_lm(model_name: str, timm_name: str | None, hf_name: str | None) -> bool:
     except ModuleNotFoundError:  # no transformers: the ViT path names the missing extra
         return False
     try:
-        return is_lm_config(hf_name)
+        return is_lm_config(hf_name, unreadable="raise" if strict else "no")
     except ModuleNotFoundError:
         return False
+    except ValueError as exc:
+        abort(str(exc))
 
 
 def _progress():

