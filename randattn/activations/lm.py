@@ -228,11 +228,11 @@ def _split_gguf(name_or_path: str | os.PathLike, gguf_file: str | None) -> tuple
 
 
 def is_lm_config(name_or_path: str | os.PathLike, *, gguf_file: str | None = None,
-                 local_files_only: bool = False, unreadable: str = "no") -> bool:
+                 local_files_only: bool = False, unreadable_raises: bool = False) -> bool:
     """Whether a checkpoint is a decoder language model (a ``.gguf`` file, or a ``...ForCausalLM``/LM config).
 
     Used to route ``randattn capture --hf`` between the ViT and the LM capture; a config that cannot be read
-    counts as no LM (the ViT loader then names the problem), or with ``unreadable="raise"`` raises the
+    counts as no LM (the ViT loader then names the problem), or with ``unreadable_raises`` raises the
     ValueError that names it (one read of the config: offline, a hub name's read can take tens of seconds).
     """
     folder, gguf_file = _split_gguf(name_or_path, gguf_file)
@@ -241,7 +241,7 @@ def is_lm_config(name_or_path: str | os.PathLike, *, gguf_file: str | None = Non
     try:
         config = _transformers().AutoConfig.from_pretrained(folder, local_files_only=local_files_only)
     except (OSError, ValueError) as exc:
-        if unreadable == "raise":
+        if unreadable_raises:
             raise _unreadable_config(str(name_or_path), exc) from exc
         return False
     architectures = getattr(config, "architectures", None) or []

@@ -205,7 +205,7 @@ def _is_lm(model_name: str, timm_name: str | None, hf_name: str | None, strict: 
     except ModuleNotFoundError:  # no transformers: the ViT path names the missing extra
         return False
     try:
-        return is_lm_config(hf_name, unreadable="raise" if strict else "no")
+        return is_lm_config(hf_name, unreadable_raises=strict)
     except ModuleNotFoundError:
         return False
     except ValueError as exc:

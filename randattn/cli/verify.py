@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import click
 
@@ -43,9 +44,7 @@ def command(pattern: str | None, quick: bool, seed: int, activations: str | None
     every = registry()
     checks = select_checks(every, pattern)
     if not checks:
-        families: dict[str, int] = {}
-        for check in every:
-            families[check.name.split(".")[0]] = families.get(check.name.split(".")[0], 0) + 1
+        families = Counter(check.name.split(".")[0] for check in every)  # in the registry's order
         abort(f"--only {pattern!r} matches no check; the {len(every)} checks are named family.result, e.g. "
               f"{every[0].name!r}, in the families " + ", ".join(f"{f} ({n})" for f, n in families.items())
               + f" (--only {next(iter(families))} runs one family)")
