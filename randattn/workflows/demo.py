@@ -18,6 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 
+from randattn._validation import ParameterError
+
 __all__ = ["DemoConfig", "DemoResult", "DemoStep", "QUICK", "demo_outputs", "run_demo"]
 
 #: estimators of the default demo over S (LARA Fig. 1's methods plus EVA; softmax is the exact reference row;
@@ -76,29 +78,38 @@ class DemoConfig:
     diagnostics: bool = True
 
     def __post_init__(self) -> None:
+        """Refuse what the capture and the sweep would, before either runs.
+
+        Raises
+        ------
+        ParameterError
+            Naming the field (a command line names its option for it).
+        """
         for name in ("images", "sizes", "layers", "samples", "estimators"):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, tuple) or not value:
-                raise ValueError(f"{name} must be a non-empty tuple, got {value!r}")
+                raise ParameterError(name, None, f" must be a non-empty tuple, got {value!r}")
         bad_sizes = [s for s in self.sizes if not isinstance(s, int) or s <= 0 or s % 14]
         if bad_sizes:
-            raise ValueError(f"sizes must be positive multiples of 14 (196, 336, 392), got {bad_sizes}")
+            raise ParameterError("sizes", None, f" must be positive multiples of 14 (196, 336, 392), got {bad_sizes}")
         bad_layers = [x for x in self.layers if not isinstance(x, int) or not 0 <= x < 12]
         if bad_layers:
-            raise ValueError(f"layers must be in 0..11 (DINOv2 ViT-S/14 has 12), got {bad_layers}")
+            raise ParameterError("layers", None, f" must be in 0..11 (DINOv2 ViT-S/14 has 12), got {bad_layers}")
         if self.heads is not None:
             bad_heads = [h for h in self.heads if not isinstance(h, int) or not 0 <= h < 6]
             if not self.heads or bad_heads:
-                raise ValueError(f"heads must be None or a non-empty tuple of 0..5, got {self.heads!r}")
+                raise ParameterError("heads", None, f" must be None or a non-empty tuple of 0..5, got {self.heads!r}")
         bad_samples = [s for s in self.samples if not isinstance(s, int) or s <= 0]
         if bad_samples:
-            raise ValueError(f"samples must be positive integers, got {bad_samples}")
+            raise ParameterError("samples", None, f" must be positive integers, got {bad_samples}")
         if not isinstance(self.replicates, int) or self.replicates < 2:
-            raise ValueError(f"replicates must be an integer >= 2 (variance needs two), got {self.replicates!r}")
+            raise ParameterError("replicates", None,
+                                 f" must be an integer >= 2 (variance needs two), got {self.replicates!r}")
         if not isinstance(self.single_sample, tuple) or isinstance(self.single_sample, str):
-            raise ValueError(f"single_sample must be a tuple (possibly empty), got {self.single_sample!r}")
+            raise ParameterError("single_sample", None,
+                                 f" must be a tuple (possibly empty), got {self.single_sample!r}")
         if self.backend not in ("torch", "reference"):
-            raise ValueError(f"backend must be 'torch' or 'reference', got {self.backend!r}")
+            raise ParameterError("backend", None, f" must be 'torch' or 'reference', got {self.backend!r}")
 
 
 #: a configuration for smoke tests: one image, one small input, one layer, two heads, two S, R = 3

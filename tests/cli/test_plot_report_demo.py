@@ -124,7 +124,12 @@ def test_report_bad_input_exits_2(tmp_path):
 def test_demo_rejects_bad_options_before_doing_work(tmp_path):
     result = invoke("demo", "--quick", "--out", str(tmp_path), "--sizes", "200")
     assert result.exit_code == 2, result.output
-    assert "sizes must be positive multiples of 14 (196, 336, 392), got [200]" in error_text(result)
+    assert "--sizes must be positive multiples of 14 (196, 336, 392), got [200]" in error_text(result)
+    for option, value, said in (("--samples", "4,0", "--samples must be positive integers, got [0]"),
+                                ("--layers", "12", "--layers must be in 0..11"),
+                                ("--replicates", "1", "--replicates must be an integer >= 2")):
+        result = invoke("demo", "--quick", "--out", str(tmp_path), option, value)
+        assert result.exit_code == 2 and said in error_text(result), result.output  # the option, as typed
     result = invoke("demo", "--quick", "--out", str(tmp_path), "--layers", "x")
     assert result.exit_code == 2 and "--layers: expected comma-separated integers, got 'x'" in error_text(result)
     assert not any(tmp_path.iterdir())
