@@ -163,7 +163,8 @@ def _classify(blocks: Iterator[tuple[int, Any]], n: int, m: int, window: int) ->
         if sliding:
             hi = torch.arange(start, start + a.shape[0], device=a.device) + (m - n)
             lo = (hi - window + 1).clamp(min=0)
-            first, stop = int(lo.min()), max(int(hi.max()) + 1, 0)
+            # the band's columns from host integers (lo and hi grow with the row): no read-back from a device
+            first, stop = max(0, start + m - n - window + 1), max(start + a.shape[0] + m - n, 0)
             cols = torch.arange(first, stop, device=a.device)[None, :]
             band = (cols >= lo[:, None]) & (cols <= hi[:, None])
             sliding = (torch.equal(counts, (hi - lo + 1).clamp(min=0))

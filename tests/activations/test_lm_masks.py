@@ -57,10 +57,10 @@ def test_the_described_mask_is_classified_as_the_whole_array_is(monkeypatch, n, 
     assert lm_masks.mask_kind(lm_masks.capture_mask(**arguments), True, n, m) == kind
 
 
-@pytest.mark.parametrize("overlay", ["sink", "hole", "shifted"])
+@pytest.mark.parametrize("overlay", ["sink", "hole", "shifted", "own-key"])
 def test_a_window_its_mask_function_contradicts_is_refused_and_still_computed_whole(monkeypatch, overlay):
     """Key 0 visible to every query (an attention sink, outside the band for late rows), one key hidden inside the
-    band, or one row's oldest key traded for key 0: the pattern is no sliding window, so the capture refuses it, and the kernel, trusting no band, reads
+    band, or one row's oldest key or its own traded for key 0: the pattern is no sliding window, so the capture refuses it, and the kernel, trusting no band, reads
     every key and gives the whole mask's attention."""
     monkeypatch.setattr(lm_masks, "_CLASSIFY_ELEMENTS", 4 * 40)
     monkeypatch.setattr(lm_masks, "QUERY_BLOCK", 8)
@@ -68,11 +68,13 @@ def test_a_window_its_mask_function_contradicts_is_refused_and_still_computed_wh
     base = masking_utils.sliding_window_causal_mask_function(window)
     if overlay == "sink":
         function = masking_utils.or_masks(base, lambda b, h, q, kv: kv == 0)
-    elif overlay == "shifted":
-        # row 28 (the first of a classification block) trades its band's oldest key for key 0: its count is right
+    elif overlay in ("shifted", "own-key"):
+        # row 28 (the first of a classification block) trades its band's oldest key for key 0, or row 31 (the
+        # block's last) its own key: the count is right, one key of the band is not
+        row, traded = (28, 28 - window + 1) if overlay == "shifted" else (31, 31)
 
         def function(b, h, q, kv):
-            return (base(b, h, q, kv) & ~((q == 28) & (kv == 28 - window + 1))) | ((q == 28) & (kv == 0))
+            return (base(b, h, q, kv) & ~((q == row) & (kv == traded))) | ((q == row) & (kv == 0))
     else:
         function = masking_utils.and_masks(base, lambda b, h, q, kv: kv != 21)
     arguments = _arguments(1, n, n, window, function)
