@@ -151,9 +151,9 @@ def check_estimator_masks(spec: Any, label: str, layer_kinds: Mapping[int, str |
         where = f"layer {layer} has mask {kind!r}: " if per_layer else ""
         window = Mask.parse(kind).window
         if window is not None:
-            if "sliding" in getattr(spec, "masks", ()):
-                continue
-            supported = ", ".join("none" if m is None else repr(m) for m in spec.masks)
+            # no estimator computes a sliding window (MASKS holds None and "causal" alone); masks_of, not the
+            # field, because a family may declare its masks as a function of its parameters (rfa, eva)
+            supported = ", ".join("none" if m is None else repr(m) for m in spec.masks_of())
             raise ValueError(
                 f"layer {layer} uses a sliding-window mask ({kind!r}: each query sees its last {window} keys), which "
                 f"estimator {spec.name!r} does not compute (it supports: {supported}); leave the layer out with "

@@ -134,6 +134,11 @@ def test_sliding_window_layers_are_refused_naming_the_layer(acts):
     with pytest.raises(ValueError, match="layer 5 uses a sliding-window mask \\('sliding:3'.*estimator 'ra' does not "
                                          "compute"):
         plan(acts, config)
+    # rfa and eva declare their masks as a function of their parameters: the same refusal, not a TypeError
+    for name in ("rfa", "eva"):
+        with pytest.raises(ValueError, match=f"layer 5 uses a sliding-window mask .*estimator {name!r} does not "
+                                             "compute \\(it supports: none, 'causal'\\)"):
+            plan(acts, _config(mask={0: "causal", 5: "sliding:3"}, estimators=parse_estimator_list(name)))
     tables = run_sweep_tables(acts, _config(mask={0: "causal", 5: "sliding:3"}, layers=(0,)))
     assert set(tables.table.layer) == {0} and set(tables.table["mask"]) == {"causal"}
 
