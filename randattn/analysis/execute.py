@@ -111,15 +111,50 @@ def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[
                mask: Mask = NO_MASK) -> Draws:
     """Draws ``(len(reps), C, ...)`` for the cells with these seeds; replicate r of a cell from ``replicate_rng(seed, r)``.
 
-    One ``draw`` call for the whole block, on a (replicates, cells) grid of generators
-    (:class:`~randattn.analysis.plan.StackedGenerators`): the same bits as one call per
-    (cell, replicate), at a fraction of the per-call cost (orthogonal features take one
-    stacked QR instead of one per call). ``mask``'s keywords reach ``draw`` (none for no mask).
+    Where the spec declares ``stacked_draw``, one ``draw`` call for the whole block, on a (replicates,
+    cells) grid of generators (:class:`~randattn.analysis.plan.StackedGenerators`): the same bits as one
+    call per (cell, replicate), at a fraction of the per-call cost (orthogonal features take one stacked
+    QR instead of one per call). Otherwise that call per (cell, replicate), with the numpy ``Generator``
+    the estimator protocol promises (:func:`per_cell_draws`). ``mask``'s keywords reach ``draw`` (none for
+    no mask).
     """
+    if not spec.stacked_draw:
+        return per_cell_draws(spec, config, q_shape, k_shape, seeds, reps, num_samples, mask)
     generators = StackedGenerators([[replicate_rng(seed, r) for seed in seeds] for r in reps])
     cells = len(seeds)
     return spec.draw((cells, *q_shape), (cells, *k_shape), num_samples=num_samples, replicates=len(reps),
                      rng=generators, **config.params, **mask.estimator_kwargs)
+
+
+def per_cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[int], reps: range, num_samples,
+                   mask: Mask = NO_MASK) -> Draws:
+    """:func:`cell_draws` made one ``draw(q_shape, k_shape, replicates=1, rng=replicate_rng(seed, r))`` call per
+    cell and replicate, the arrays stacked to ``(len(reps), C, ...)``.
+
+    Raises
+    ------
+    ValueError
+        Naming the estimator, where the calls' arrays do not stack: an array without the leading replicate dim
+        of 1, or with another name or shape than the first call's.
+    """
+    calls = [[spec.draw(q_shape, k_shape, num_samples=num_samples, replicates=1, rng=replicate_rng(seed, r),
+                        **config.params, **mask.estimator_kwargs) for seed in seeds] for r in reps]
+    first = {key: np.shape(a) for key, a in calls[0][0].arrays.items()}
+    for key, shape in first.items():
+        if shape[:1] != (1,):
+            raise ValueError(f"estimator {config.label!r}: draw(replicates=1) gave {key!r} of shape {shape}, which "
+                             "does not start with the replicate dim 1 (every array of Draws starts with "
+                             "(replicates, *batch dims))")
+    for row in calls:
+        for one in row:
+            shapes = {key: np.shape(a) for key, a in one.arrays.items()}
+            if shapes != first:
+                raise ValueError(f"estimator {config.label!r}: draw() gave arrays {shapes} for one cell and "
+                                 f"{first} for another of the same shape; the draws of a configuration must not "
+                                 "change shape from one seed to the next")
+    arrays = {key: np.stack([np.stack([np.asarray(one.arrays[key])[0] for one in row]) for row in calls])
+              for key in first}
+    return Draws(arrays, len(reps))
 
 
 def _lap(seconds: dict[str, float], phase: str, mark: float, clock: Callable[[], float]) -> float:

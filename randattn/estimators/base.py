@@ -631,6 +631,14 @@ class EstimatorSpec:
     memory_hint : str
         What dominates its working memory, for the catalogue (the sweep measures the actual
         bytes of a cell before it plans, :mod:`randattn.analysis.memory`).
+    stacked_draw : bool
+        Whether ``draw`` may be given a grid of generators (:class:`~randattn.analysis.plan.StackedGenerators`)
+        for its ``rng``: it asks the ``rng`` only for ``standard_normal``, ``random`` and ``chisquare``, each of a
+        ``size`` that starts with ``(replicates, *batch dims)``, so that one call over a block of cells and
+        replicates gives, bit for bit, the per-cell, per-replicate draws stacked (the kit checks this where it is
+        declared). False (the default): the sweep calls ``draw`` once per cell and replicate with that replicate's
+        numpy ``Generator``, and stacks the draws; the numbers are the same either way. :func:`family_spec`, which
+        the built-in families are written with, declares it.
     """
 
     name: str
@@ -662,6 +670,7 @@ class EstimatorSpec:
     promise_on: str | Callable[[Mapping[str, Any]], str] = "output"
     log_denominator: Callable[..., Any] | None = None
     memory_hint: str = ""
+    stacked_draw: bool = False
 
     def __post_init__(self) -> None:
         if callable(self.forms) and not isinstance(self.forms, BatchedForms):  # ``batched`` given by position
@@ -788,10 +797,12 @@ def family_spec(options: type[EstimatorOptions], draw: Callable[..., Draws], ref
 
     ``params`` are ``options.params()``, ``reference`` is the reference module's ``estimate`` and ``forms`` the
     forms the torch module defines under their protocol names (:meth:`BatchedForms.of`); ``facts`` are every
-    other :class:`EstimatorSpec` field (name, summary, source, complexity, variants, ...).
+    other :class:`EstimatorSpec` field (name, summary, source, complexity, variants, ...). ``stacked_draw`` is
+    True unless ``facts`` say otherwise: the families' draws ask their ``rng`` for arrays of the stacked methods
+    alone, leading with ``(replicates, *batch dims)``.
     """
     return EstimatorSpec(params=options.params(), draw=draw, reference=reference.estimate,
-                         forms=BatchedForms.of(batched), **facts)
+                         forms=BatchedForms.of(batched), **{"stacked_draw": True, **facts})
 
 
 def never_random(params: Mapping[str, Any]) -> bool:

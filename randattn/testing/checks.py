@@ -39,6 +39,10 @@ Tolerances, and why:
   limit's ``rtol`` absolute in log space (relative in the normaliser).
 - **one key**: a normalized estimator returns that key's value to ``1e-12`` relative (a weight
   divided by itself: one rounding).
+- **draws layout**: ``draw`` with 2 replicates on the first odd shape (batch 2 x 3) gives ``Draws`` of
+  ``replicates=2`` whose arrays are float64 numpy of shape ``(2, 2, 3, ...)``, under every declared mask.
+- **stacked draw** (only where the spec declares ``stacked_draw``): one ``draw`` over a 2 x 3 grid of generators
+  equals, bit for bit, each generator's one-cell, one-replicate draw (exact: the same numbers, stacked).
 - **seeds and replicates** (through ``randattn.estimate``, N = M = 64 so that no default local window covers every
   key): the same seed gives the same bits on both backends, which agree to ``1e-10``; another seed gives other bits
   exactly when the estimate is random *here* -- declared random and not exact softmax to ``1e-12`` on these inputs
@@ -295,6 +299,57 @@ def check_seeded_reproducibility(spec: EstimatorSpec, params: Mapping[str, Any])
     if not torch.equal(torch.nan_to_num(bat1), torch.nan_to_num(bat2)):
         raise CheckFailed("batched (float32) is not a pure function of its draws: two calls differ")
     _check_seeds_through_estimate(spec, params)
+
+
+def check_draws_layout(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """``draw`` gives :class:`Draws` of ``replicates`` R whose every array is a float64 numpy array of shape
+    ``(R, *batch dims, ...)``, under every declared mask: the layout the sweep slices and stacks by cell."""
+    for mask in _masks(spec, params):
+        label, q_shape, k_shape, _ = _odd_shapes(mask)[0]
+        batch = q_shape[:-2]
+        draws = _draw(spec, q_shape, k_shape, params, replicates=2, seed=90, mask=mask)
+        where = f"draw() on {label}, replicates=2{_mask_words(mask)}"
+        if not isinstance(draws, Draws) or draws.replicates != 2:
+            raise CheckFailed(f"{where} returned {type(draws).__name__} with replicates="
+                              f"{getattr(draws, 'replicates', '?')}; expected Draws with replicates=2")
+        for key, array in draws.arrays.items():
+            if not isinstance(array, np.ndarray) or array.dtype != np.float64 or array.shape[:3] != (2, *batch):
+                raise CheckFailed(f"{where} gave {key!r} as {type(array).__name__} {getattr(array, 'dtype', '?')} "
+                                  f"of shape {np.shape(array)}; expected a float64 numpy array whose shape starts "
+                                  f"with (replicates, *batch dims) = {(2, *batch)}")
+
+
+def check_stacked_draw(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """Where the spec declares ``stacked_draw``: one ``draw`` over a (replicates, cells) grid of generators
+    (:class:`~randattn.analysis.plan.StackedGenerators`) gives, bit for bit, the one-cell, one-replicate draws of
+    each generator stacked (written out here), under every declared mask."""
+    if not spec.stacked_draw:
+        raise CheckSkipped("the spec does not declare stacked_draw: the sweep draws one cell and replicate a call")
+    from randattn.analysis.plan import StackedGenerators, replicate_rng
+
+    seeds, reps = (3, 4, 5), (0, 1)
+    for mask in _masks(spec, params):
+        label, q_shape, k_shape, _ = CAUSAL_ODD_SHAPES[0]
+        q_shape, k_shape = q_shape[-2:], k_shape[-2:]
+        kwargs = {"num_samples": _SAMPLES if spec.needs_samples else None, **params}
+        kwargs.update({"mask": mask} if mask is not None else {})
+        grid = StackedGenerators([[replicate_rng(seed, r) for seed in seeds] for r in reps])
+        try:
+            block = spec.draw((len(seeds), *q_shape), (len(seeds), *k_shape), replicates=len(reps), rng=grid,
+                              **kwargs)
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise CheckFailed(f"draw() over a grid of generators{_mask_words(mask)} raised {type(exc).__name__}: "
+                              f"{exc}; a draw that needs more of numpy's Generator than standard_normal, random "
+                              "and chisquare, or other sizes, must not declare stacked_draw") from None
+        for c, seed in enumerate(seeds):
+            for i, r in enumerate(reps):
+                one = spec.draw(q_shape, k_shape, replicates=1, rng=replicate_rng(seed, r), **kwargs)
+                for key, array in one.arrays.items():
+                    if key not in block.arrays or not np.array_equal(block.arrays[key][i, c], array[0]):
+                        raise CheckFailed(f"draw() over a grid of generators{_mask_words(mask)} gave another "
+                                          f"{key!r} for cell {c}, replicate {r} than one call with that cell's "
+                                          "generator; a draw that is not the stack of its one-cell draws must not "
+                                          "declare stacked_draw")
 
 
 def _estimate(spec: EstimatorSpec, params: Mapping[str, Any], q, k, v, **kwargs) -> np.ndarray:
@@ -1119,6 +1174,8 @@ CHECKS: dict[str, Callable[[EstimatorSpec, Mapping[str, Any]], None]] = {
     "reference == batched (float64)": check_reference_matches_batched,
     "shapes and dtypes": check_shapes_and_dtypes,
     "seeded reproducibility": check_seeded_reproducibility,
+    "draws layout": check_draws_layout,
+    "stacked draw": check_stacked_draw,
     "replicates": check_replicates,
     "float32 batched": check_float32_matches_reference,
     "probabilities": check_probabilities,

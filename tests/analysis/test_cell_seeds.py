@@ -145,3 +145,60 @@ def test_replicate_rng_is_the_seed_sequence_of_the_cell_and_replicate(seed, repl
     got = replicate_rng(seed, replicate)
     assert np.array_equal(got.standard_normal(64), expected.standard_normal(64))
     assert np.array_equal(got.integers(0, 2**63, 8), expected.integers(0, 2**63, 8))
+
+
+# ------------------------------------------------------------------------------------------------ plugin draws
+@pytest.fixture
+def uniform_keys():
+    """A registered plugin whose ``draw`` calls ``rng.integers`` (tests/analysis/_uniform_keys.py)."""
+    from _uniform_keys import NAME, SPEC
+
+    from randattn.estimators.registry import register_estimator, unregister_estimator
+
+    register_estimator(SPEC)
+    yield SPEC
+    unregister_estimator(NAME)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_a_plugin_draw_gets_a_numpy_generator_in_the_sweep(same_head_everywhere, uniform_keys, backend):
+    """The plugin guide promises ``draw`` a numpy ``Generator``: a plugin that does not declare ``stacked_draw`` is
+    drawn one cell and replicate a call, so ``rng.integers`` works, and the table's MSE is the mean of the replicate
+    errors recomputed from ``replicate_rng(cell seed, r)`` (float64: to rounding, 1e-9 relative)."""
+    acts, qkv = same_head_everywhere
+    config = SweepConfig(estimators=(estimator_config(uniform_keys.name),), num_samples=(3,), replicates=4, seed=4,
+                         diagnostics=False, probabilities=False, backend=backend, dtype="float64")
+    table = run_sweep(acts, config)
+    assert len(table) == 2 * 2 * 3
+    for _, row in table.iterrows():
+        np.testing.assert_allclose(_replicate_errors(row, qkv, 4).mean(), row["mse"], rtol=1e-9)
+    assert table.mse.nunique() > 1  # the cells drew their own keys
+
+
+def test_per_cell_draws_are_the_one_cell_draws_stacked_and_named_when_they_do_not_stack(uniform_keys):
+    from randattn.analysis.execute import cell_draws
+    from randattn.estimators.base import Draws, EstimatorSpec
+
+    config = estimator_config(uniform_keys.name)
+    seeds, reps = [7, 8], range(1, 4)
+    block = cell_draws(uniform_keys, config, (5, 3), (9, 3), seeds, reps, 6)
+    assert block.replicates == 3 and block["idx"].shape == (3, 2, 6)
+    for c, seed in enumerate(seeds):
+        for i, r in enumerate(reps):
+            want = replicate_rng(seed, r).integers(0, 9, size=(1, 6))[0]  # the plugin's draw, written out
+            assert np.array_equal(block["idx"][i, c], want)
+
+    def without_replicate_dim(q_shape, k_shape, *, num_samples, replicates=1, rng):
+        return Draws({"idx": rng.integers(0, k_shape[-2], size=num_samples).astype(float)}, replicates)
+
+    bad = EstimatorSpec(**{**vars(uniform_keys), "draw": without_replicate_dim})
+    with pytest.raises(ValueError, match=r"estimator 'uniform-keys': draw\(replicates=1\) gave 'idx' of shape \(6,\), "
+                                         r"which does not start with the replicate dim 1"):
+        cell_draws(bad, config, (5, 3), (9, 3), seeds, reps, 6)
+
+    def shape_by_seed(q_shape, k_shape, *, num_samples, replicates=1, rng):
+        return Draws({"idx": np.zeros((replicates, int(rng.integers(1, 3))))}, replicates)
+
+    moving = EstimatorSpec(**{**vars(uniform_keys), "draw": shape_by_seed})
+    with pytest.raises(ValueError, match="must not change shape from one seed to the next"):
+        cell_draws(moving, config, (5, 3), (9, 3), list(range(10)), reps, 6)

@@ -176,7 +176,7 @@ def test_family_spec_wires_the_options_the_reference_and_the_torch_module(toy):
                          params={"kind": Param("a", "which toy", choices=("a", "b")),
                                  "width": Param(2, "a width", kind=int)},
                          draw=draw, reference=toy_estimate,
-                         forms=BatchedForms(estimate=toy_estimate, probabilities=toy_estimate))
+                         forms=BatchedForms(estimate=toy_estimate, probabilities=toy_estimate), stacked_draw=True)
     assert spec == want
 
 

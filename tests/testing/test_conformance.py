@@ -42,7 +42,7 @@ def _causal_softmax_spec(name: str, offset: int, *, causal_batched=None) -> Esti
     defect that only a causal call runs)."""
 
     def draw(q_shape, k_shape, *, num_samples=None, replicates=1, rng, mask=None):
-        return Draws({"slots": np.zeros((replicates, 0))}, replicates)
+        return Draws({"slots": np.zeros((replicates, *q_shape[:-2], 0))}, replicates)
 
     def visible(n, m):
         return np.arange(m)[None, :] <= np.arange(n)[:, None] + offset + (m - n)
@@ -129,7 +129,7 @@ def _hard_attention_spec(selection: str, *, second_best: bool = False) -> Estima
     here). ``second_best`` plants a defect: batched returns the runner-up's value instead."""
 
     def draw(q_shape, k_shape, *, num_samples=None, replicates=1, rng):
-        return Draws({"slots": np.zeros((replicates, 0))}, replicates)
+        return Draws({"slots": np.zeros((replicates, *q_shape[:-2], 0))}, replicates)
 
     def reference(q, k, v, draws, *, scale=None):
         best = np.argmax(np.einsum("...nd,...md->...nm", q, k), -1)
@@ -613,3 +613,45 @@ def test_an_unshifted_exponential_fails_at_vit_like_norms():
     spec = _causal_softmax_spec("unshifted-softmax", 0, causal_batched=unshifted)
     result = _only(spec, "ViT-like norms")
     assert result.status == "failed" and "not finite at ViT-like norms, mask='causal'" in result.message, result
+
+
+# ------------------------------------------------------------------------------------------------ the draws
+def _with_draw(name: str, draw, **facts) -> EstimatorSpec:
+    """Exact causal softmax (it ignores its draws) with another ``draw``: only the draws' checks can fail."""
+    return dataclasses.replace(_causal_softmax_spec(name, 0), draw=draw, **facts)
+
+
+def test_draws_without_the_batch_dims_fail_the_layout_check():
+    def shared_by_the_batch(q_shape, k_shape, *, num_samples=None, replicates=1, rng, mask=None):
+        return Draws({"slots": np.zeros((replicates, 0))}, replicates)
+
+    failed = _failures(_with_draw("no-batch-dims", shared_by_the_batch))
+    assert set(failed) == {"draws layout"}
+    assert "gave 'slots' as ndarray float64 of shape (2, 0); expected a float64 numpy array whose shape starts " \
+           "with (replicates, *batch dims) = (2, 2, 3)" in failed["draws layout"]
+
+
+@pytest.mark.parametrize(("rng_use", "expected"), [
+    # a method the grid of generators does not have
+    (lambda rng, lead: rng.integers(0, 2, size=(*lead, 1)), "raised AttributeError"),
+    # a size that does not start with (replicates, *batch dims)
+    (lambda rng, lead: np.broadcast_to(rng.standard_normal(size=(3,)), (*lead, 3)), "raised ValueError"),
+    # the grid's sizes, but numbers that mix the replicates: not the one-cell draws stacked
+    (lambda rng, lead: rng.standard_normal(size=(*lead, 2)).cumsum(axis=0), "gave another 'slots' for cell 0, replicate 1"),
+])
+def test_a_draw_declaring_stacked_draw_wrongly_fails_its_check(rng_use, expected):
+    def draw(q_shape, k_shape, *, num_samples=None, replicates=1, rng, mask=None):
+        return Draws({"slots": np.array(rng_use(rng, (replicates, *q_shape[:-2])), dtype=np.float64)}, replicates)
+
+    assert _failures_or_none(_with_draw("stacks-not-declared", draw)) == {}  # one call a cell: every check passes
+    failed = _failures(_with_draw("stacks-declared", draw, stacked_draw=True))
+    assert set(failed) == {"stacked draw"} and expected in failed["stacked draw"]
+    assert "must not declare stacked_draw" in failed["stacked draw"]
+
+
+def _failures_or_none(spec) -> dict[str, str]:
+    try:
+        check_estimator(spec)
+    except EstimatorCheckError as exc:
+        return {r.check: r.message for r in exc.report.failures}
+    return {}
