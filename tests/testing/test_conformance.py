@@ -631,6 +631,15 @@ def test_draws_without_the_batch_dims_fail_the_layout_check():
            "with (replicates, *batch dims) = (2, 2, 3)" in failed["draws layout"]
 
 
+def test_draws_of_integers_fail_the_layout_check():
+    """Draws are float64 (``Draws``: "numpy float64 as drawn"); key indices as int64 are refused by name."""
+    def integer_indices(q_shape, k_shape, *, num_samples=None, replicates=1, rng, mask=None):
+        return Draws({"idx": np.zeros((replicates, *q_shape[:-2], 2), dtype=np.int64)}, replicates)
+
+    failed = _failures(_with_draw("integer-draws", integer_indices))
+    assert set(failed) == {"draws layout"} and "gave 'idx' as ndarray int64 of shape (2, 2, 3, 2)" in failed["draws layout"]
+
+
 @pytest.mark.parametrize(("rng_use", "expected"), [
     # a method the grid of generators does not have
     (lambda rng, lead: rng.integers(0, 2, size=(*lead, 1)), "raised AttributeError"),
