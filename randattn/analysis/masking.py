@@ -16,9 +16,9 @@ the older helpers that re-derived a label, keywords or visibility from a kind ar
 
 The exact float64 softmax (the ground truth of every error the sweep reports) is taken over the
 visible keys only, with the others exactly 0, in the probabilities too. An estimator runs under a
-mask only when its spec declares it (:attr:`~randattn.estimators.base.EstimatorSpec.masks`); no
-spec declares ``"sliding"`` today, so sliding-window layers are refused by name before anything is
-computed (:func:`check_estimator_masks`).
+mask only when its spec declares it (:attr:`~randattn.estimators.base.EstimatorSpec.masks`;
+``"sliding"`` for every window, which softmax and top-k declare); a layer whose mask an estimator does
+not declare is refused by name before anything is computed (:func:`check_estimator_masks`).
 """
 
 from __future__ import annotations
@@ -150,9 +150,8 @@ def check_estimator_masks(spec: Any, label: str, layer_kinds: Mapping[int, str |
         checked.add(kind)
         where = f"layer {layer} has mask {kind!r}: " if per_layer else ""
         window = Mask.parse(kind).window
-        if window is not None:
-            # no estimator computes a sliding window (MASKS holds None and "causal" alone); masks_of, not the
-            # field, because a family may declare its masks as a function of its parameters (rfa, eva)
+        if window is not None and not spec.supports_mask(kind):
+            # masks_of, not the field: a family may declare its masks as a function of its parameters (rfa, eva)
             supported = ", ".join("none" if m is None else repr(m) for m in spec.masks_of())
             raise ValueError(
                 f"layer {layer} uses a sliding-window mask ({kind!r}: each query sees its last {window} keys), which "

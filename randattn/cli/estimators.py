@@ -30,7 +30,7 @@ def command(as_json: bool) -> None:
     table.add_column("what it is", max_width=44)
     table.add_column("parameters: what each means (default; choices)")
     table.add_column("complexity", max_width=22)
-    table.add_column("facts (defaults)", max_width=24)
+    table.add_column("facts (defaults)", max_width=20)  # "no convergence claim"; a long mask list wraps
     for record in records:
         params = []
         for pname, p in record["parameters"].items():

@@ -11,6 +11,7 @@ way (:mod:`randattn.estimators.registry`) and are held to the same checks
 from randattn.estimators.base import (
     CONVERGENCE,
     COSTS,
+    DECLARABLE_MASKS,
     MASKS,
     OPTIONAL_FORMS,
     PROMISE_QUANTITIES,
@@ -33,6 +34,7 @@ from randattn.estimators.base import (
 __all__ = [
     "CONVERGENCE",
     "COSTS",
+    "DECLARABLE_MASKS",
     "MASKS",
     "OPTIONAL_FORMS",
     "PROMISE_QUANTITIES",

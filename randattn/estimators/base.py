@@ -19,11 +19,12 @@ from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 import numpy as np
 
 from randattn._validation import check_choice
-from randattn.estimators.masks import MASKS
+from randattn.estimators.masks import DECLARABLE_MASKS, MASKS, Mask
 
 __all__ = [
     "CONVERGENCE",
     "COSTS",
+    "DECLARABLE_MASKS",
     "MASKS",
     "RESERVED_PARAMETER_NAMES",
     "SELECTIONS",
@@ -56,8 +57,9 @@ CONVERGENCE = ("exact", "unbiased", "consistent", "none")
 #: how time and memory grow with the number of tokens (:attr:`EstimatorSpec.cost`): ``linear``
 #: promises never to hold an N x M array; ``quadratic`` makes no such promise.
 COSTS = ("linear", "quadratic")
-# MASKS, the attention masks an estimator may support (:attr:`EstimatorSpec.masks`), is defined once in
-# randattn.estimators.masks and re-exported here: None (bidirectional) and "causal" (ARCHITECTURE sec. 12).
+# MASKS (None, "causal") and DECLARABLE_MASKS (those and "sliding"), the attention masks an estimator may support
+# (:attr:`EstimatorSpec.masks`), are defined once in randattn.estimators.masks and re-exported here
+# (ARCHITECTURE sec. 12).
 #: how an estimator picks the keys it weighs (:attr:`EstimatorSpec.selection`): ``continuous``: every key's weight
 #: is a continuous function of the inputs (or the keys are chosen by position or by the draws alone);
 #: ``discrete``: keys are chosen by comparing values computed from the inputs (top-k scores, hash buckets), so
@@ -291,7 +293,7 @@ class ImportanceWeights:
         ``weights_per_sample(params) -> int``: importance weights per sample (J = S L; 2 for
         hyperbolic features), which decides whether k-hat's tail of 5 can be fitted.
     masks : tuple or callable
-        The masks of :data:`MASKS` the providers compute the weights under, or ``masks(params) ->
+        The masks of :data:`~randattn.estimators.masks.DECLARABLE_MASKS` the providers compute the weights under, or ``masks(params) ->
         tuple``; they get a ``mask=`` keyword only when it is not None, as the estimator's forms do.
         Default ``(None,)``: bidirectional weights only, so under a mask the diagnostics are skipped
         (weights that pool later keys would describe another estimator than the one measured).
@@ -587,9 +589,10 @@ class EstimatorSpec:
         How to get the self-normalized importance weights for the IS diagnostics; None: the
         diagnostics do not apply to this estimator.
     masks : tuple or callable
-        The masks of :data:`MASKS` it supports, or ``masks(params) -> tuple`` where a parameter decides (EVA:
-        causal with the paper's disjoint partition on a 1-D layout only); ``draw``, ``reference`` and
-        ``batched`` get a ``mask=`` keyword only when it is not None.
+        The masks of :data:`~randattn.estimators.masks.DECLARABLE_MASKS` it supports, or ``masks(params) ->
+        tuple`` where a parameter decides (EVA: causal with the paper's disjoint partition on a 1-D layout only);
+        ``"sliding"`` declares every sliding window, received as ``mask="sliding:W"``. ``draw``, ``reference``
+        and ``batched`` get a ``mask=`` keyword only when it is not None.
     selection : str or callable
         One of :data:`SELECTIONS`, or ``selection(params) -> str``: ``discrete`` where keys are chosen by
         comparing values computed from the inputs (top-k, hashing), so that near ties may select other keys in
@@ -738,16 +741,19 @@ class EstimatorSpec:
         return tuple(self.masks(self.resolve_params({}) if params is None else params))
 
     def supports_mask(self, mask: str | None, params: Mapping[str, Any] | None = None) -> bool:
-        """Whether ``mask`` (None or ``"causal"``) is one this estimator (or configuration ``params``) computes."""
-        return mask in self.masks_of(params)
+        """Whether ``mask`` (None, ``"causal"`` or ``"sliding:W"``) is one this estimator (or configuration
+        ``params``) computes: its :attr:`~randattn.estimators.masks.Mask.declared` form is in :attr:`masks`."""
+        form = _declared_form(mask)
+        return (mask is None or form is not None) and form in self.masks_of(params)
 
     def check_mask(self, mask: str | None, params: Mapping[str, Any] | None = None) -> None:
         """Raise ValueError naming the estimator and what it supports when ``mask`` is not supported."""
-        if mask not in MASKS:
-            raise ValueError(f"unknown mask {mask!r}; allowed: None (bidirectional) or 'causal'")
+        if mask is not None and _declared_form(mask) is None:
+            raise ValueError(f"unknown mask {mask!r}; allowed: None (bidirectional), 'causal' or 'sliding:W' (W a "
+                             "positive integer)")
         if not self.supports_mask(mask, params):
             supported = ", ".join("none" if m is None else repr(m) for m in self.masks_of(params))
-            why = self.mask_notes.get(mask)
+            why = self.mask_notes.get(_declared_form(mask))
             if callable(why):
                 why = why(self.resolve_params({}) if params is None else params)
             raise ValueError(f"estimator {self.name!r} does not support mask={mask!r} (it supports: {supported})"
@@ -836,6 +842,15 @@ def deterministic_spec(options: type[EstimatorOptions], reference: Any, batched:
 
 
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def _declared_form(mask: Any) -> str | None:
+    """The entry of :data:`~randattn.estimators.masks.DECLARABLE_MASKS` that covers ``mask`` (None, ``"causal"``,
+    ``"sliding:W"``); None for no mask and for a value that names no mask."""
+    try:
+        return Mask.parse(mask).declared if mask is None or isinstance(mask, str) else None
+    except ValueError:
+        return None
 
 
 def validate_spec(spec: Any) -> EstimatorSpec:
@@ -931,8 +946,8 @@ def validate_spec(spec: Any) -> EstimatorSpec:
         problems.append(f"masks could not be evaluated: {type(exc).__name__}: {exc}")
         declared = []
     for masks in declared:
-        if not isinstance(masks, tuple) or None not in masks or not set(masks) <= set(MASKS):
-            problems.append(f"masks must be a tuple holding None and optionally 'causal', got {masks!r}")
+        if not isinstance(masks, tuple) or None not in masks or not set(masks) <= set(DECLARABLE_MASKS):
+            problems.append(f"masks must be a tuple holding None and optionally 'causal' and 'sliding', got {masks!r}")
             break
     if spec.promise is not None:
         for params in [{}, *spec.variants.values()]:
@@ -953,8 +968,8 @@ def validate_spec(spec: Any) -> EstimatorSpec:
             except Exception as exc:
                 problems.append(f"importance_weights.masks could not be evaluated: {type(exc).__name__}: {exc}")
                 break
-            if None not in weight_masks or not set(weight_masks) <= set(MASKS):
-                problems.append(f"importance_weights.masks must be a tuple holding None and optionally 'causal', "
+            if None not in weight_masks or not set(weight_masks) <= set(DECLARABLE_MASKS):
+                problems.append(f"importance_weights.masks must be a tuple holding None and optionally 'causal' and 'sliding', "
                                 f"got {weight_masks!r}")
                 break
     for limit in spec.exact_limits:

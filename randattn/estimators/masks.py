@@ -12,8 +12,10 @@ the mask is empty; M < N (queries before the first key) has no causal meaning an
 
 A layer's mask is one value, :class:`Mask`: its kind (none, causal, or a sliding window of W keys),
 the label tables and run metadata write (``"none"``, ``"causal"``, ``"sliding:W"``), the keyword
-arguments an estimator receives, and which keys each query sees. :data:`MASKS` lists the masks an
-estimator can declare and receive as ``mask=``.
+arguments an estimator receives, and which keys each query sees. :data:`MASKS` lists the masks every
+estimator names alike (None and ``"causal"``); :data:`DECLARABLE_MASKS` adds ``"sliding"``, which a spec
+declares to compute every sliding window, and then receives as ``mask="sliding:W"``
+(:func:`check_mask_argument`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MASKS", "MASK_KINDS", "NO_MASK", "Mask", "causal_visible", "check_causal_shapes", "last_visible_key"]
+__all__ = ["DECLARABLE_MASKS", "MASKS", "MASK_KINDS", "NO_MASK", "Mask", "causal_visible", "check_causal_shapes",
+           "check_mask_argument", "last_visible_key"]
 
-#: the masks an estimator can support (its spec's ``masks``) and receive as ``mask=``: None (bidirectional) and
-#: ``"causal"``; no estimator computes a sliding window
+#: the masks an estimator receives as ``mask=`` by these very names: None (bidirectional) and ``"causal"``
 MASKS = (None, "causal")
+#: what a spec's ``masks`` may hold: :data:`MASKS` and ``"sliding"``, every sliding window; an estimator that declares
+#: it receives ``mask="sliding:W"`` (W a positive integer, :meth:`Mask.parse`)
+DECLARABLE_MASKS = (*MASKS, "sliding")
 #: the kinds of :class:`Mask`: every key visible, the causal rule, the causal rule cut to the last W keys
 MASK_KINDS = ("none", "causal", "sliding")
 _SLIDING = re.compile(r"^sliding:([1-9]\d*)$")
@@ -148,6 +153,12 @@ class Mask:
         return self.label if self.masked else None
 
     @property
+    def declared(self) -> str | None:
+        """The entry of :data:`DECLARABLE_MASKS` that covers this mask, as a spec's ``masks`` declares it: None,
+        ``"causal"`` or ``"sliding"`` (every window W)."""
+        return self.name if self.masked else None
+
+    @property
     def estimator_kwargs(self) -> dict[str, Any]:
         """``{"mask": kind}`` under a mask, ``{}`` otherwise: an estimator's callables get ``mask=`` only when set
         (so that one that takes no mask still runs bidirectionally). A new dict each time."""
@@ -171,6 +182,22 @@ class Mask:
             visible &= np.arange(num_keys)[None, :] > (last - self.window)[:, None]
         return visible
 
+    def visible_tensor(self, num_queries: int, num_keys: int, device: Any = None) -> Any:
+        r""":meth:`visible` as a torch boolean tensor on ``device``, made there as a band of ones (a host array
+        uploaded would move N x M bytes per call); None when every key is visible.
+
+        ``causal`` keeps :math:`m - n \le M - N` (``tril_``); ``sliding`` also :math:`m - n \ge M - N - W + 1`
+        (``triu_``).
+        """
+        if not self.masked:
+            return None
+        import torch
+
+        check_causal_shapes(num_queries, num_keys)
+        offset = num_keys - num_queries
+        visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril_(offset)
+        return visible if self.window is None else visible.triu_(offset - self.window + 1)
+
     def visible_counts(self, num_queries: int, num_keys: int) -> np.ndarray:
         r"""``(N,)`` int64: how many keys each query sees, without forming the ``(N, M)`` mask.
 
@@ -186,6 +213,26 @@ class Mask:
             return np.full(num_queries, num_keys, dtype=np.int64)
         counts = (last_visible_key(num_queries, num_keys) + 1).astype(np.int64)
         return counts if self.window is None else np.minimum(counts, self.window)
+
+
+def check_mask_argument(mask: Any, declared: tuple[str | None, ...] = MASKS) -> str | None:
+    """An estimator's ``mask=`` keyword, checked against the masks it ``declared`` (entries of
+    :data:`DECLARABLE_MASKS`): None, ``"causal"``, or ``"sliding:W"`` where ``"sliding"`` is declared. Returns it.
+
+    Raises
+    ------
+    ValueError
+        Naming the value and the masks allowed (``'sliding:W'`` written out as the form it takes).
+    """
+    allowed = ", ".join("'sliding:W' (W a positive integer)" if m == "sliding" else repr(m) for m in declared)
+    try:
+        parsed = Mask.parse(mask) if mask is None or isinstance(mask, str) else None
+    except ValueError:
+        parsed = None
+    # "none" is a table label, not an estimator's keyword: the estimators take None for no mask
+    if parsed is None or mask == "none" or parsed.declared not in declared:
+        raise ValueError(f"mask={mask!r} is not allowed; choose one of {allowed}")
+    return mask
 
 
 #: the mask of a bidirectional layer (every key visible to every query); the default where a mask is optional

@@ -176,7 +176,7 @@ def summary_table(summary, noun: str = "image", queries: str | None = None):
 
     kinds = sorted(set(summary["mask"].astype(str))) if "mask" in summary else []
     masks = [kind for kind in kinds if kind != "none"]
-    several = len(kinds) > 1  # layers under different masks: a row per mask, named
+    several = _several_masks(summary)
     under = (f" under the {' and '.join(masks)} mask{'s' if len(masks) > 1 else ''}" if masks else "")
     table = Table(title=f"attention MSE{under}{_queries_text(queries)} (mean over heads, layers, {noun}s; 95% "
                         "bootstrap CI)")
@@ -192,6 +192,12 @@ def summary_table(summary, noun: str = "image", queries: str | None = None):
     return table
 
 
+def _several_masks(frame) -> bool:
+    """Whether the layers of a run were measured under different masks (causal and sliding-window layers of one
+    model): the tables then give a row per mask, named."""
+    return "mask" in frame and frame["mask"].astype(str).nunique() > 1
+
+
 def _over(ci_over: str, noun: str) -> str:
     """The aggregate's ``ci_over`` ("images" or "heads") in the activations' own word."""
     return f"{noun}s" if ci_over == "images" else ci_over
@@ -205,18 +211,21 @@ def positions_table(positions, seed: int, noun: str = "image"):
     from randattn.analysis.positions import bucket_text
     from randattn.results.summary import aggregate
 
-    means = aggregate(positions, n_boot=1, seed=seed, by=("position_lo", "position_hi"))
+    several = _several_masks(positions)
+    means = aggregate(positions, n_boot=1, seed=seed, by=("position_lo", "position_hi"))  # a row per mask, too
     largest = means.groupby("label")["num_samples"].transform("max")
     means = means[means["num_samples"] == largest]
     buckets = sorted(set(zip(means["position_lo"], means["position_hi"])))
     table = Table(title=f"MSE by query position (p = n + M - N + 1; mean over heads, layers, {noun}s)")
     table.add_column("estimator", no_wrap=True)
     table.add_column("S", justify="right")
+    if several:
+        table.add_column("mask")
     for lo, hi in buckets:
         table.add_column(f"p {bucket_text(lo, hi)}", justify="right")
-    for (label, s), group in means.groupby(["label", "num_samples"], sort=False):
+    for key, group in means.groupby(["label", "num_samples", *(["mask"] if several else [])], sort=False):
         values = {(lo, hi): mse for lo, hi, mse in zip(group["position_lo"], group["position_hi"], group["mse"])}
-        table.add_row(str(label), str(s), *(f"{values[b]:.3g}" if b in values else "" for b in buckets))
+        table.add_row(*(str(part) for part in key), *(f"{values[b]:.3g}" if b in values else "" for b in buckets))
     return table
 
 
@@ -240,8 +249,10 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
         return None
     table = Table(title=f"keys read and relative error ||y_hat_n - y_n|| / ||y_n||{_queries_text(queries)} "
                         f"(mean over heads, layers, {noun}s)")
-    for name in ("estimator", "S", "keys used (fraction)", "rel. err. median", "p95", "P(err > eps)", "promise"):
-        table.add_column(name, justify="left" if name in ("estimator", "promise") else "right",
+    several = _several_masks(budget)
+    for name in ("estimator", "S", *(["mask"] if several else []), "keys used (fraction)", "rel. err. median", "p95",
+                 "P(err > eps)", "promise"):
+        table.add_column(name, justify="left" if name in ("estimator", "mask", "promise") else "right",
                          no_wrap=name == "estimator")
 
     def number(value: float, spec: str) -> str:
@@ -257,7 +268,8 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
         if math.isfinite(row.delta):
             promise = f"delta = {row.delta:g}: " + (f"[bold red]broken on {row.promises_broken} of {row.heads} heads[/]"
                                                    if row.promises_broken else f"kept on all {row.heads} heads")
-        table.add_row(str(row.label), str(row.num_samples), keys, number(row.rel_err_median, ".3g"),
+        table.add_row(str(row.label), str(row.num_samples), *([str(row.mask)] if several else []), keys,
+                      number(row.rel_err_median, ".3g"),
                       number(row.rel_err_p95, ".3g"), violation, promise)
     return table
 

@@ -206,7 +206,7 @@ def _token_panels(aggregated: pd.DataFrame) -> list[tuple[int, str | None, pd.Da
             rows = aggregated[(aggregated["tokens"] == n)
                               & ((aggregated["mask"].astype(str) == mask) if mask is not None else True)]
             if not rows.empty:
-                shown = "no mask" if mask == "none" else f"{mask} mask"
+                shown = _mask_words(mask)
                 panels.append((n, mask, rows, f"N = {n} tokens" + (f", {shown}" if mask is not None else "")))
     return panels
 
@@ -850,6 +850,11 @@ def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: 
 _POSITION_LABEL = "query position p = n + M − N + 1 (log scale)"
 
 
+def _mask_words(kind: str) -> str:
+    """A panel's mask, as its title says it: ``"no mask"``, ``"causal mask"``, ``"sliding:8 mask"``."""
+    return "no mask" if kind == "none" else f"{kind} mask"
+
+
 def _drop_single_visible_key(positions: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
     """``positions`` without the buckets in which each query sees a single key under a mask, for normalized estimators.
 
@@ -902,7 +907,8 @@ def position_figure(
     Returns
     -------
     matplotlib.figure.Figure
-        One axes per (token count, S); one line (plus a band) per label in each.
+        One axes per (token count, S), and per mask where the rows hold several (as
+        :func:`mse_vs_samples_figure`); one line (plus a band) per label in each.
     """
     require_columns(positions, [*POSITION_PLOT_COLUMNS, "bias_sq", "variance"], "the error-by-position figure")
     positions = _select_labels(positions, labels)
@@ -922,15 +928,21 @@ def position_figure(
     aggregated, exact = _drop_exact(aggregated, "mse", names, exact_labels(positions))
     if aggregated.empty:
         raise _nothing_to_draw("the error-by-position figure", every, "mse", exact_labels(positions), exact)
-    panels = [(int(n), int(s)) for n in _token_values(aggregated)
-              for s in sorted(aggregated.loc[aggregated["tokens"] == n, "num_samples"].unique())]
-    several_tokens = len({n for n, _ in panels}) > 1
+    # layers under different masks (causal and sliding-window layers of one model): a panel per mask, named
+    kinds = sorted(set(aggregated["mask"].astype(str))) if "mask" in aggregated else []
+    several_masks = len(kinds) > 1
+    panels = [(int(n), int(s), kind) for n in _token_values(aggregated)
+              for s in sorted(aggregated.loc[aggregated["tokens"] == n, "num_samples"].unique())
+              for kind in (kinds if several_masks else [None])]
+    several_tokens = len({n for n, _, _ in panels}) > 1
     styles = label_styles(aggregated["label"])
     fig, axes = _new_figure(len(panels), ncols=min(len(panels), 3), sharey=True)
     handles: dict[str, Line2D] = {}
     zeros = False
-    for ax, (n, s) in zip(axes, panels):
+    for ax, (n, s, kind) in zip(axes, panels):
         panel = aggregated[(aggregated["tokens"] == n) & (aggregated["num_samples"] == s)]
+        if kind is not None:
+            panel = panel[panel["mask"].astype(str) == kind]
         ticks: dict[float, str] = {}
         for label in label_order(panel["label"]):
             rows = panel[panel["label"] == label].sort_values("position_lo")
@@ -955,7 +967,8 @@ def position_figure(
         centres = sorted(ticks)
         ax.set_xticks(centres, [ticks[c] for c in centres], rotation=45 if len(centres) > 6 else 0)
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_title(f"S = {s}" + (f", N = {n} tokens" if several_tokens else ""), fontsize=10)
+        ax.set_title(f"S = {s}" + (f", N = {n} tokens" if several_tokens else "") + (f", {_mask_words(kind)}" if kind else ""),
+                     fontsize=10)
         ax.set_xlabel(_POSITION_LABEL)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel(f"MSE ({MSE_UNITS})")

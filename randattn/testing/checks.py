@@ -37,6 +37,10 @@ Tolerances, and why:
   denominator promise is about), a float64 ``(R, ..., N)`` tensor, finite at key norms 150-200 under every declared
   mask, and in every declared exact limit (bidirectional) the exact log-normaliser (written out here) to the
   limit's ``rtol`` absolute in log space (relative in the normaliser).
+- **sliding window** (where ``"sliding"`` is declared; every check that runs under the declared masks runs it as
+  ``"sliding:4"``): output n is unchanged, bit for bit in the reference and to ``1e-12`` in batched float64, when
+  every key and value outside its window is junk; ``"sliding:M"`` equals ``"causal"`` to ``1e-12`` (where that is
+  declared too); and a normalized estimator under ``"sliding:1"`` returns each query's own value to ``1e-12``.
 - **one key**: a normalized estimator returns that key's value to ``1e-12`` relative (a weight
   divided by itself: one rounding).
 - **draws layout**: ``draw`` with 2 replicates on the first odd shape (batch 2 x 3) gives ``Draws`` of
@@ -171,10 +175,15 @@ def _close(actual, expected, *, atol, rtol, what) -> None:
         raise CheckFailed(str(exc)) from None
 
 
+#: W of the sliding window the checks run a declared ``"sliding"`` under: below the key count of every odd shape but
+#: the one-query one, so that the window cuts most rows
+SLIDING_WINDOW = 4
+
+
 def _masks(spec: EstimatorSpec, params: Mapping[str, Any]) -> tuple[str | None, ...]:
-    """The masks the configuration declares, bidirectional (None) first."""
+    """The masks the configuration declares, bidirectional (None) first; ``"sliding"`` as ``"sliding:4"``."""
     masks = spec.masks_of(params)
-    return (None, *(m for m in masks if m is not None))
+    return (None, *(f"sliding:{SLIDING_WINDOW}" if m == "sliding" else m for m in masks if m is not None))
 
 
 def _odd_shapes(mask: str | None):
@@ -657,7 +666,7 @@ def check_keys_used(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
     implied probability (``batched`` with ``v = I_M``), never more than the query sees."""
     import torch
 
-    from randattn.estimators.masks import causal_visible
+    from randattn.estimators.masks import Mask
 
     if spec.keys_used is None:
         raise CheckSkipped("the spec declares no keys_used")
@@ -677,7 +686,7 @@ def check_keys_used(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
             at = plain_index(np.argwhere(used != read)[0])
             raise CheckFailed(f"{where}: says {used[at]:g} keys at (replicate, batch, query) {at}, but the "
                               f"estimate gives {int(read[at])} keys a nonzero probability")
-        visible = causal_visible(n, m).sum(-1) if mask == "causal" else np.full(n, m)
+        visible = Mask.parse(mask).visible_counts(n, m)
         if (used > visible).any():
             raise CheckFailed(f"{where}: counts more keys than a query sees")
 
@@ -786,6 +795,54 @@ def check_causal_prefix_invariance(spec: EstimatorSpec, params: Mapping[str, Any
             bidirectional = _quiet(lambda: _reference(spec, q, k, v, draws, params))
             _close(ref[..., -1, :], bidirectional[..., -1, :], atol=1e-10, rtol=1e-10,
                    what=f"causal (N=M={n}): the last query sees every key, so it must equal the bidirectional output:")
+
+
+def check_sliding_window(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """Under ``mask="sliding:W"`` (where declared), output n is unchanged when every key and value outside its window
+    :math:`n + M - N - W < m \le n + M - N` is junk (bit-identical in the reference, to 1e-12 in batched float64);
+    a window over every key is the causal mask (1e-12); and for a normalized estimator a window of one key returns
+    each query's own value."""
+    import torch
+
+    from randattn.estimators.masks import last_visible_key
+
+    if not spec.supports_mask("sliding:1", params):
+        raise CheckSkipped("the spec does not declare sliding-window support for this configuration")
+    window = SLIDING_WINDOW
+    mask = f"sliding:{window}"
+    for n, m in ((10, 10), (6, 10)):
+        q, k, v = _inputs(((2, n, 5), (2, m, 5), (2, m, 3)), seed=130 + m - n)
+        draws = _draw(spec, q.shape, k.shape, params, seed=131, mask=mask)
+        ref = _quiet(lambda: _reference(spec, q, k, v, draws, params, mask=mask))
+        bat = _quiet(lambda: _batched(spec, q, k, v, draws, params, dtype=torch.float64, mask=mask))
+        last = last_visible_key(n, m)
+        junk_rng = np.random.default_rng(132)
+        for query in sorted({0, n // 2, n - 1}):
+            outside = np.ones(m, dtype=bool)
+            outside[max(int(last[query]) - window + 1, 0): int(last[query]) + 1] = False
+            k2, v2 = k.copy(), v.copy()
+            k2[..., outside, :] = junk_rng.standard_normal(k2[..., outside, :].shape) * 50
+            v2[..., outside, :] = junk_rng.standard_normal(v2[..., outside, :].shape) * 1e3
+            ref2 = _quiet(lambda: _reference(spec, q, k2, v2, draws, params, mask=mask))
+            if not np.array_equal(ref[..., query, :], ref2[..., query, :], equal_nan=True):
+                diff = np.nanmax(np.abs(ref[..., query, :] - ref2[..., query, :]))
+                raise CheckFailed(f"{mask} (N={n}, M={m}): replacing the keys/values outside query {query}'s window "
+                                  f"(keys {max(int(last[query]) - window + 1, 0)}..{int(last[query])}) changed its "
+                                  f"reference output (max change {diff:.3g}): it uses keys its mask hides")
+            bat2 = _quiet(lambda: _batched(spec, q, k2, v2, draws, params, dtype=torch.float64, mask=mask))
+            _close(bat2[..., query, :], bat[..., query, :], atol=1e-12, rtol=1e-12,
+                   what=f"{mask} (N={n}, M={m}), batched, query {query} after junk outside its window:")
+        whole = _quiet(lambda: _reference(spec, q, k, v, draws, params, mask=f"sliding:{m}"))
+        causal = _quiet(lambda: _reference(spec, q, k, v, draws, params, mask="causal")) \
+            if spec.supports_mask("causal", params) else None
+        if causal is not None:
+            _close(whole, causal, atol=1e-12, rtol=1e-12,
+                   what=f"sliding:{m} (N={n}, M={m}): a window over every key is the causal mask:")
+        if spec.normalized:
+            own = _quiet(lambda: _reference(spec, q, k, v, draws, params, mask="sliding:1"))
+            expected = np.broadcast_to(v[..., m - n:, :], own.shape)
+            _close(own, expected, atol=0.0, rtol=1e-12,
+                   what=f"sliding:1 (N={n}, M={m}): each query sees its own key only and must return its value:")
 
 
 # ---------------------------------------------------------------------------------------------------- optional forms
@@ -1192,6 +1249,7 @@ CHECKS: dict[str, Callable[[EstimatorSpec, Mapping[str, Any]], None]] = {
     "log denominator": check_log_denominator,
     "one key": check_single_key,
     "causal prefix invariance": check_causal_prefix_invariance,
+    "sliding window": check_sliding_window,
     "no N x M memory": check_no_quadratic_memory,
     "bad inputs": check_bad_inputs,
 }

@@ -130,9 +130,9 @@ def test_an_estimator_without_the_mask_is_refused_by_name_before_computing(acts)
 
 
 def test_sliding_window_layers_are_refused_naming_the_layer(acts):
-    config = _config(mask={0: "causal", 5: "sliding:3"})
-    with pytest.raises(ValueError, match="layer 5 uses a sliding-window mask \\('sliding:3'.*estimator 'ra' does not "
-                                         "compute"):
+    config = _config(mask={0: "causal", 5: "sliding:3"}, estimators=parse_estimator_list("streaming;softmax"))
+    with pytest.raises(ValueError, match="layer 5 uses a sliding-window mask \\('sliding:3'.*estimator 'streaming' does "
+                                         "not compute"):
         plan(acts, config)
     # rfa and eva declare their masks as a function of their parameters: the same refusal, not a TypeError
     for name in ("rfa", "eva"):
@@ -189,6 +189,51 @@ def test_bucket_metrics_of_a_random_and_a_deterministic_estimator_match_the_defi
             for metric, value in want.items():
                 assert bucket[metric] == pytest.approx(value, rel=1e-9, abs=1e-30), (label, bucket["position_lo"],
                                                                                       metric)
+
+
+def test_a_sliding_window_layer_is_measured_against_its_own_window(acts):
+    """topk, softmax and RA declare ``"sliding"``: on a layer with ``sliding:3`` (beside a causal one) each cell's
+    MSE, keys used and per-position MSE equal the definitions, with the exact attention and top-k over each query's
+    last 3 keys written as loops here (RA's replicates redrawn from the cell's seed); the estimators that do not
+    declare it are still refused."""
+    config = _config(mask={0: "causal", 5: "sliding:3"}, estimators=parse_estimator_list("topk;softmax;ra"),
+                     num_samples=(2,))
+    tables = run_sweep_tables(acts, config)
+    table, positions = tables.table, tables.positions
+    assert table.groupby("layer")["mask"].unique().map(tuple).to_dict() == {0: ("causal",), 5: ("sliding:3",)}
+    q, k, v = (a[0, 1].astype(np.float64) for a in acts.qkv(5))  # image "cat", head 1
+    first = lambda n, nq, nk: n + nk - nq - 2  # noqa: E731 - the window's first key: W = 3 keys up to the query's own
+    own = lambda n, nq, nk: n + nk - nq  # noqa: E731
+    truth, _ = _loop_attention(q, k, v, SCALE, first, own)
+    top2 = np.zeros_like(truth)
+    for n in range(N):  # top-2 of the (up to) 3 window keys, ties to the lower index
+        keys = list(range(max(n - 2, 0), n + 1))
+        kept = sorted(keys, key=lambda j: (-float(q[n] @ k[j]), j))[:2]
+        logits = np.array([SCALE * float(q[n] @ k[j]) for j in kept])
+        weights = np.exp(logits - logits.max())
+        top2[n] = (weights / weights.sum()) @ v[kept]
+    for label, estimate in (("softmax", truth), ("topk", top2)):
+        [row] = table[(table.label == label) & (table.layer == 5) & (table.image == "cat")
+                      & (table["head"] == 1)].to_dict("records")
+        assert row["mse"] == pytest.approx(((estimate - truth) ** 2).mean(), rel=1e-9, abs=1e-30), label
+    [row] = table[(table.label == "ra") & (table.layer == 5) & (table.image == "cat")
+                  & (table["head"] == 1)].to_dict("records")  # RA's replicates redrawn from the cell's seed
+    estimates = [get_spec("ra").reference(q, k, v, get_spec("ra").draw(q.shape, k.shape, num_samples=2, replicates=1,
+                                                                        rng=replicate_rng(row["seed"], r),
+                                                                        mask="sliding:3"),
+                                          scale=SCALE, mask="sliding:3")[0] for r in range(int(row["replicates"]))]
+    assert row["mse"] == pytest.approx(((np.array(estimates) - truth) ** 2).mean(), rel=1e-9)
+    [row] = table[(table.label == "topk") & (table.layer == 5) & (table.image == "cat")
+                  & (table["head"] == 1)].to_dict("records")
+    assert row["keys_used"] == pytest.approx(np.minimum(np.minimum(np.arange(1, N + 1), 3), 2).mean())
+    rows = positions[(positions.label == "topk") & (positions.layer == 5) & (positions.image == "cat")
+                     & (positions["head"] == 1)].sort_values("position_lo")
+    for bucket in rows.to_dict("records"):
+        queries = slice(bucket["position_lo"] - 1, bucket["position_hi"])
+        assert bucket["mse"] == pytest.approx(((top2[queries] - truth[queries]) ** 2).mean(), rel=1e-9, abs=1e-30)
+    with pytest.raises(ValueError, match="layer 5 uses a sliding-window mask .*estimator 'streaming' does not "
+                                         "compute"):
+        plan(acts, _config(mask={0: "causal", 5: "sliding:3"}, estimators=parse_estimator_list("topk;streaming")))
 
 
 def test_bucket_metrics_weighted_by_their_queries_give_the_cell(acts):

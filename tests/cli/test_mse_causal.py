@@ -168,3 +168,30 @@ def test_plot_position_without_a_positions_table_exits_2(files, tmp_path):
     result = CliRunner().invoke(main, ["plot", str(out), "--kind", "position", "--out", str(tmp_path / "f")])
     assert result.exit_code == 2
     assert "no per-position table beside" in " ".join(result.output.split())
+
+
+def test_a_file_with_sliding_window_and_causal_layers_gets_a_row_and_a_panel_per_mask(tmp_path):
+    """A Gemma-like file (layer 0 a window of 4 keys, layer 1 causal): the estimators that declare ``sliding`` run
+    on both layers, and the terminal's MSE, keys-read and per-position tables and the per-position figure name the
+    mask of each row or panel, so that no number mixes the two."""
+    meta = {"scale": 0.5, "model": "synthetic", "layout": "sequence", "mask": {"0": "sliding:4", "1": "causal"}}
+    path = save_activations(make_activations(_arrays(), meta), tmp_path / "gemma-like.safetensors")
+    out = tmp_path / "mixed.parquet"
+    result = CliRunner().invoke(main, ["mse", str(path), "-e", "topk", "-e", "ra", "--samples", "2", "--replicates",
+                                       "2", "--out", str(out)], catch_exceptions=False, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    table = pd.read_parquet(out)
+    assert table.groupby("layer")["mask"].unique().map(tuple).to_dict() == {0: ("sliding:4",), 1: ("causal",)}
+    lines = result.output.splitlines()
+    for title in ("attention MSE under", "keys read and relative error", "MSE by query position"):
+        start = next(i for i, line in enumerate(lines) if title in line)
+        header = next(line for line in lines[start:] if "estimator" in line)
+        rows = [line for line in lines[start:start + 12] if line.startswith("│ topk")]
+        assert "mask" in header, title
+        assert sorted(row.split("│")[3 if "MSE under" not in title else 4].strip() for row in rows[:2]) == \
+            ["causal", "sliding:4"], (title, rows)
+    from randattn.reports.figures import position_figure
+
+    figure = position_figure(pd.read_parquet(tmp_path / "mixed.positions.parquet"))
+    assert sorted(ax.get_title() for ax in figure.axes if ax.get_title()) == ["S = 2, causal mask",
+                                                                              "S = 2, sliding:4 mask"]

@@ -220,7 +220,7 @@ def test_the_builtin_weights_declare_bidirectional_masks_only():
         assert spec.importance_weights.masks_of(spec.resolve_params({})) == (None,)
 
 
-@pytest.mark.parametrize("masks", [("causal",), (None, "sliding"), ()])
+@pytest.mark.parametrize("masks", [("causal",), (None, "sliding:4"), ()])
 def test_validate_spec_refuses_weights_masks_outside_the_protocol(masks):
     spec = dataclasses.replace(RFA, importance_weights=_weights(masks))
     with pytest.raises(SpecError, match="importance_weights.masks must be a tuple holding None"):

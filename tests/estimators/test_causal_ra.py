@@ -334,6 +334,53 @@ def test_draws_ignore_the_mask_and_the_api_runs_causal():
 
 
 def test_spec_declares_causal_support():
-    assert SPEC.masks == (None, "causal") and SPEC.supports_mask("causal")
+    assert SPEC.masks == (None, "causal", "sliding") and SPEC.supports_mask("causal")
+    assert SPEC.supports_mask("sliding:5") and not SPEC.supports_mask("sliding") and not SPEC.supports_mask("none")
     assert "causal" in SPEC.summary and "quadratic" in SPEC.summary
     assert "causal" in SPEC.complexity and "quadratic" in SPEC.complexity
+
+
+# ---------------------------------------------------------------------------------------------- sliding window
+def _window_of(width: int) -> Callable[[int, int, int, int], bool]:
+    """Key m visible to query n iff n + M - N - W < m <= n + M - N (a sliding window of W keys), written out."""
+    def visible(n: int, m: int, num_q: int, num_k: int) -> bool:
+        last = n + (num_k - num_q)
+        return last - width < m <= last
+
+    return visible
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("n, m, width", [(6, 6, 3), (4, 9, 2), (5, 7, 1), (5, 7, 7)])
+def test_sliding_window_reference_and_batched_equal_the_loop_over_queries(variant, n, m, width):
+    """``mask="sliding:W"``: RA over each query's last W visible keys (eq. 29-31 and eq. 6 over that window), the
+    loop from the same draws (1e-12); batched == reference (1e-10); W = 7 >= M is causal RA, bit for bit."""
+    params = VARIANTS[variant]
+    q, k, v = _inputs(8, (), n, m, 3, 2)
+    draws = _draws(q, k, params, seed=9)
+    mask = f"sliding:{width}"
+    expected = _loop_ra(q, k, v, draws, **params, visible=_window_of(width))
+    ref = ra_ref.estimate(q, k, v, draws, **params, mask=mask)
+    assert_close(ref, expected, atol=1e-12, rtol=1e-12, what=f"sliding:{width} {variant}, reference vs loop:")
+    assert_close(_batched(q, k, v, draws, params, mask=mask), ref, atol=1e-10, rtol=1e-10,
+                 what=f"sliding:{width} {variant}, batched vs reference:")
+    if width >= m:
+        assert np.array_equal(ref, ra_ref.estimate(q, k, v, draws, **params, mask="causal"))
+
+
+def test_unbiased_component_of_u_zero_is_the_windows_first_key():
+    """u = 0 counts no key of the CDF, which is 0 before the window: the component is the window's first key, not
+    key 0 (hidden). Zero queries make pi_n uniform, eps = 0 gives omega = y_z, and eq. 6 over the window is
+    written out here; both forms."""
+    rng = np.random.default_rng(11)
+    q, k, v = np.zeros((3, 4)), rng.standard_normal((6, 4)), rng.standard_normal((6, 2))
+    draws = Draws({"u": np.zeros((1, 3, 1)), "eps": np.zeros((1, 3, 1, 4))}, 1)
+    expected = np.empty((3, 2))
+    for n in range(3):
+        last = n + 3  # M - N = 3
+        window = np.arange(last - 1, last + 1)  # W = 2
+        logits = k[window] @ k[window[0]] - 0.5 * (k[window] * k[window]).sum(-1)
+        w = np.exp(logits - logits.max())
+        expected[n] = w @ v[window] / w.sum()
+    assert_close(ra_ref.estimate(q, k, v, draws, scale=1.0, mask="sliding:2")[0], expected, atol=1e-12, rtol=1e-12)
+    assert_close(_batched(q, k, v, draws, {}, scale=1.0, mask="sliding:2")[0], expected, atol=1e-12, rtol=1e-12)

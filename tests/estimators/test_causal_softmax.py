@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import randattn
-from randattn.estimators.masks import causal_visible
+from randattn.estimators.masks import Mask, causal_visible
 from randattn.estimators.softmax import SPEC
 from randattn.estimators.softmax import batched as softmax_batched
 from randattn.estimators.softmax import reference as softmax_ref
@@ -32,21 +32,37 @@ def _t(*arrays, dtype=torch.float64):
     return [torch.as_tensor(a, dtype=dtype) for a in arrays]
 
 
-def _loop_softmax(q, k, v, *, offset=0):
+def _loop_softmax(q, k, v, *, offset=0, window=None):
     """y_n = sum_{m visible} e^{s q_n.k_m} v_m / sum_{m visible} e^{s q_n.k_m}, key m visible iff
-    m <= n + (M - N) + ``offset``, one query at a time (shifted by its largest visible logit); NaN where none."""
+    m <= n + (M - N) + ``offset`` (and, with ``window`` W, m > n + (M - N) - W), one query at a time (shifted by
+    its largest visible logit); NaN where none."""
     scale = q.shape[-1] ** -0.5
     n_q, n_k = q.shape[-2], k.shape[-2]
     out = np.full((*v.shape[:-2], n_q, v.shape[-1]), np.nan)
     for b in np.ndindex(*q.shape[:-2]):
         for n in range(n_q):
             last = n + (n_k - n_q) + offset
-            if last < 0:
+            first = 0 if window is None else max(n + (n_k - n_q) - window + 1, 0)
+            if last < first:
                 continue
-            logits = scale * k[b][: last + 1] @ q[b][n]
+            logits = scale * k[b][first: last + 1] @ q[b][n]
             weights = np.exp(logits - logits.max())
-            out[b][n] = weights @ v[b][: last + 1] / weights.sum()
+            out[b][n] = weights @ v[b][first: last + 1] / weights.sum()
     return out
+
+
+@pytest.mark.parametrize("window", [1, 3, 9])
+@pytest.mark.parametrize("n, m", [(1, 1), (7, 7), (5, 9), (1, 6)], ids=["N1-M1", "N7-M7", "N5-M9", "N1-M6"])
+def test_a_sliding_window_in_both_forms_equals_the_loop_over_queries(n, m, window):
+    """``mask="sliding:W"``: each query's last W visible keys (W = 9 covers every key: the causal output)."""
+    q, k, v = _inputs(2, n, m)
+    expected = _loop_softmax(q, k, v, window=window)
+    mask = f"sliding:{window}"
+    assert_close(softmax_ref.estimate(q, k, v, mask=mask), expected, atol=1e-12, rtol=1e-12, what="reference:")
+    assert_close(softmax_batched.estimate(*_t(q, k, v), mask=mask), expected, atol=1e-12, rtol=1e-12,
+                 what="batched:")
+    probabilities = softmax_ref.attention_probabilities(q, k, mask=mask)
+    assert np.array_equal(probabilities != 0, np.broadcast_to(Mask.parse(mask).visible(n, m), probabilities.shape))
 
 
 @pytest.mark.parametrize("n, m", [(1, 1), (7, 7), (5, 9), (1, 6)], ids=["N1-M1", "N7-M7", "N5-M9", "N1-M6"])

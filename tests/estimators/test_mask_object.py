@@ -7,12 +7,14 @@ against the functions under test.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
 import pytest
+import torch
 
-from randattn.estimators.masks import MASK_KINDS, MASKS, NO_MASK, Mask
+from randattn.estimators.masks import DECLARABLE_MASKS, MASK_KINDS, MASKS, NO_MASK, Mask, check_mask_argument
 
 SHAPES = [(1, 1), (1, 6), (4, 4), (5, 5), (3, 7), (7, 7), (2, 9)]
 STRINGS = [None, "none", "causal", "sliding:1", "sliding:3", "sliding:12"]
@@ -78,6 +80,27 @@ def test_visibility_and_counts_match_a_loop(text, n, m):
     counts = mask.visible_counts(n, m)
     assert counts.dtype == np.int64
     assert counts.tolist() == [int(row.sum()) for row in expected]
+    tensor = mask.visible_tensor(n, m)
+    if mask.masked:
+        assert tensor.dtype == torch.bool and np.array_equal(tensor.numpy(), expected)
+    else:
+        assert tensor is None
+
+
+@pytest.mark.parametrize(("mask", "declared", "allowed"), [
+    (None, MASKS, True), ("causal", MASKS, True), ("sliding:3", MASKS, False), ("sliding:3", DECLARABLE_MASKS, True),
+    ("causal", (None,), False), ("none", DECLARABLE_MASKS, False), ("sliding", DECLARABLE_MASKS, False),
+    ("sliding:0", DECLARABLE_MASKS, False), (3, DECLARABLE_MASKS, False), (Mask("causal"), MASKS, False),
+], ids=repr)
+def test_an_estimators_mask_argument_is_one_it_declares(mask, declared, allowed):
+    """None, 'causal', or 'sliding:W' where 'sliding' is declared; a table label ('none'), the bare family name
+    ('sliding') and a Mask object are not an estimator's keyword."""
+    if allowed:
+        assert check_mask_argument(mask, declared) == mask
+        return
+    with pytest.raises(ValueError, match=re.escape(f"mask={mask!r} is not allowed; choose one of ")) as info:
+        check_mask_argument(mask, declared)
+    assert ("'sliding:W' (W a positive integer)" in str(info.value)) == ("sliding" in declared)
 
 
 @pytest.mark.parametrize("text", [None, "causal", "sliding:3"], ids=str)

@@ -17,14 +17,18 @@ def test_conformance(estimator, check):
     check(estimator)
 
 
-def _literal_topk(q, k, v, budget, causal):
+def _literal_topk(q, k, v, budget, causal, window=None):
     """Top-k attention one query at a time in pure Python: logits by explicit sums, a sort on (-logit, index)
-    (ties to the lower index), softmax over the first S visible keys."""
+    (ties to the lower index), softmax over the first S visible keys; ``window`` W: only the last W of the keys the
+    causal rule shows."""
     num_queries, num_keys, dim = len(q), len(k), len(q[0])
     scale = dim**-0.5
     out = []
     for n in range(num_queries):
-        visible = [m for m in range(num_keys) if not causal or m <= n + num_keys - num_queries]
+        last = n + num_keys - num_queries
+        visible = [m for m in range(num_keys) if not causal or m <= last]
+        if window is not None:
+            visible = [m for m in visible if m > last - window]
         logits = {m: scale * sum(q[n][i] * k[m][i] for i in range(dim)) for m in visible}
         kept = sorted(visible, key=lambda m: (-logits[m], m))[:budget]
         top = max(logits[m] for m in kept)
@@ -34,18 +38,30 @@ def _literal_topk(q, k, v, budget, causal):
     return np.array(out)
 
 
-@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("mask", [None, "causal", "sliding:5", "sliding:1"])
 @pytest.mark.parametrize(("num_queries", "num_keys", "budget"), [(10, 10, 3), (3, 40, 7), (4, 6, 9)])
 def test_reference_matches_a_literal_sort_per_query(mask, num_queries, num_keys, budget):
-    """Against pure Python (float64 sums in another order): 1e-12, a few roundings of outputs of order one."""
+    """Against pure Python (float64 sums in another order): 1e-12, a few roundings of outputs of order one. A
+    sliding window ranks the keys inside it only (S = 9 > W = 5: every window key is kept); the batched form and
+    its keys_used (the window's kept keys, min(S, W, position)) agree."""
     rng = np.random.default_rng(num_queries * 100 + num_keys)
     q, k = rng.standard_normal((num_queries, 5)), rng.standard_normal((num_keys, 5))
     v = rng.standard_normal((num_keys, 2))
     kw = {"mask": mask} if mask else {}
+    window = int(mask.split(":")[1]) if mask and mask.startswith("sliding") else None
     draws = SPEC.draw(q.shape, k.shape, num_samples=budget, replicates=2, **kw)
-    expected = _literal_topk(q.tolist(), k.tolist(), v.tolist(), budget, causal=mask == "causal")
+    expected = _literal_topk(q.tolist(), k.tolist(), v.tolist(), budget, causal=mask is not None, window=window)
     assert_close(reference.estimate(q, k, v, draws, **kw), np.broadcast_to(expected, (2, *expected.shape)),
                  atol=1e-12, rtol=1e-12, what=f"topk reference vs literal sort, mask={mask}:")
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    assert_close(batched.estimate(t(q), t(k), t(v), draws.to_torch(), **kw).numpy(),
+                 np.broadcast_to(expected, (2, *expected.shape)), atol=1e-12, rtol=1e-12,
+                 what=f"topk batched vs literal sort, mask={mask}:")
+    positions = np.arange(num_queries) + num_keys - num_queries + 1  # the keys the causal rule shows each query
+    sees = positions if mask is not None else np.full(num_queries, num_keys)
+    sees = np.minimum(sees, window) if window is not None else sees
+    used = batched.keys_used(t(q), t(k), draws.to_torch(), **kw).numpy()
+    assert np.array_equal(used, np.broadcast_to(np.minimum(sees, budget), used.shape).astype(float))
 
 
 def test_ties_go_to_the_lower_key_index_in_both_forms():

@@ -664,3 +664,56 @@ def _failures_or_none(spec) -> dict[str, str]:
     except EstimatorCheckError as exc:
         return {r.check: r.message for r in exc.report.failures}
     return {}
+
+
+# ------------------------------------------------------------------------------------------------ sliding window
+def _sliding_softmax_spec(name: str, widen: int) -> EstimatorSpec:
+    """Exact softmax declaring every mask; under ``"sliding:W"`` key m is visible to query n iff
+    ``n + M - N - W - widen < m <= n + M - N`` (written out here): ``widen`` 0 is correct, 1 peeks one key before the
+    window, -1 drops the window's first key."""
+    base = _causal_softmax_spec(name, 0)
+
+    def visible(n, m, mask):
+        last = np.arange(n)[:, None] + m - n
+        keys = np.arange(m)[None, :]
+        if mask is None:
+            return np.ones((n, m), dtype=bool)
+        window = m if mask == "causal" else int(mask.split(":")[1]) + widen
+        return (keys <= last) & (keys > last - window)
+
+    def reference(q, k, v, draws, *, scale=None, mask=None):
+        logits = (q.shape[-1] ** -0.5 if scale is None else scale) * np.einsum("...nd,...md->...nm", q, k)
+        logits = np.where(visible(q.shape[-2], k.shape[-2], mask), logits, -np.inf)
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        out = np.einsum("...nm,...md->...nd", w / w.sum(-1, keepdims=True), v)
+        return np.broadcast_to(out, (draws.replicates, *out.shape)).copy()
+
+    def batched(q, k, v, draws, *, scale=None, mask=None):
+        logits = (q.shape[-1] ** -0.5 if scale is None else scale) * q @ k.transpose(-1, -2)
+        keep = torch.as_tensor(visible(q.shape[-2], k.shape[-2], mask), device=q.device)
+        out = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1) @ v
+        return out.unsqueeze(0).expand(draws.replicates, *out.shape).clone()
+
+    return dataclasses.replace(base, reference=reference, forms=BatchedForms(estimate=batched),
+                               masks=(None, "causal", "sliding"))
+
+
+def test_a_correct_sliding_window_passes_and_runs_the_other_checks_under_it():
+    report = check_estimator(_sliding_softmax_spec("sliding-softmax", 0))
+    assert {r.check: r.status for r in report.results}["sliding window"] == "passed"
+
+
+@pytest.mark.parametrize(("widen", "expected"), [
+    (1, "changed its reference output"),           # sees one key before its window
+    (-1, "a window over every key is the causal mask"),  # drops its window's first key
+])
+def test_an_off_by_one_sliding_window_fails(widen, expected):
+    failed = _failures(_sliding_softmax_spec("off-by-one-window", widen))
+    assert "sliding window" in failed and expected in failed["sliding window"], failed
+
+
+def test_a_spec_declaring_an_unknown_mask_is_invalid():
+    with pytest.raises(SpecError, match="masks must be a tuple holding None and optionally 'causal' and 'sliding', "
+                                        "got \\(None, 'sliding:4'\\)"):
+        randattn.estimators.validate_spec(dataclasses.replace(_causal_softmax_spec("bad-masks", 0),
+                                                              masks=(None, "sliding:4")))

@@ -60,7 +60,7 @@ SPEC = family_spec(
     RaOptions, draw, reference, batched,
     name="ra",
     summary=("randomized attention: per-query samples from the mixture p_n (unbiased) or its mean-field Gaussian "
-             "(biased); causal mask supported (mixture over each query's visible keys, still quadratic)"),
+             "(biased); causal and sliding-window masks supported (mixture over each query's visible keys, still quadratic)"),
     source="Zheng et al. ICML 2022 (LARA) sec. 3.2, Prop. 3.2, app. G.2 eq. 29-31",
     complexity="O(N M (S D + D + Dv)), causal or not (the causal form masks the same N x M logits: quadratic)",
     is_random=_is_random,
@@ -75,7 +75,7 @@ SPEC = family_spec(
     describe=describe.ra,
     convergence=_convergence,
     cost="quadratic",
-    masks=(None, "causal"),
+    masks=(None, "causal", "sliding"),
     normalized=True,
     memory_hint="per query, S samples against all M keys: N S M per batch element",
 )

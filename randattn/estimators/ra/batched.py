@@ -8,6 +8,7 @@ import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws, keyword_entry
+from randattn.estimators.masks import Mask
 from randattn.estimators.ra.reference import RaOptions, noise_std
 
 __all__ = ["estimate", "probabilities", "estimate_with_probabilities"]
@@ -109,15 +110,9 @@ def _prepared(q: Any, k: Any, v: Any, draws: Draws, options: RaOptions):
 
 def _hidden(mask: str | None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
     """``(N, M)`` boolean on ``x``'s device, True where ``mask`` (checked by :class:`RaOptions`) hides key m
-    from query n; None for no mask."""
-    if mask is None:
-        return None
-    from randattn.estimators.masks import check_causal_shapes
-
-    n, m = x.shape[-2], y.shape[-2]
-    check_causal_shapes(n, m)
-    # made on the device, not uploaded: key m hidden from query n iff m > n + (M - N), as causal_visible
-    return torch.ones(n, m, dtype=torch.bool, device=x.device).triu_(m - n + 1)
+    from query n (:meth:`~randattn.estimators.masks.Mask.visible_tensor`, made on the device); None for no mask."""
+    visible = Mask.parse(mask).visible_tensor(x.shape[-2], y.shape[-2], x.device)
+    return None if visible is None else visible.logical_not_()
 
 
 def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, options: RaOptions, scale: float,
@@ -156,6 +151,9 @@ def _samples(x: torch.Tensor, y: torch.Tensor, draws: Draws, options: RaOptions,
         # made on the device, as masks.last_visible_key: n + (M - N) (the shapes were checked by _hidden)
         last = torch.arange(num_q, device=z.device).add_(y.shape[-2] - num_q).unsqueeze(-1)  # (N, 1)
         z = torch.minimum(z, last)
+        window = Mask.parse(options.mask).window
+        if window is not None:  # u = 0 would count no key: the window's first key, as the reference
+            z = torch.maximum(z, last.sub(window - 1).clamp_min_(0))
     z = z.reshape(*u.shape[1:-1], reps, num_samples).movedim(-2, 0)  # (R, ..., N, S)
     y_b = y.unsqueeze(0).expand(draws.replicates, *y.shape)
     picked = torch.gather(y_b, -2, z.reshape(*z.shape[:-2], -1, 1).expand(*z.shape[:-2], z.shape[-2] * num_samples, dim))

@@ -12,7 +12,7 @@ from scipy.special import log_softmax, softmax
 from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws, EstimatorOptions, keyword_entry, option
-from randattn.estimators.masks import MASKS, causal_visible, last_visible_key
+from randattn.estimators.masks import DECLARABLE_MASKS, Mask, check_mask_argument, last_visible_key
 
 __all__ = ["estimate", "noise_std", "check_ra_params", "visible_keys", "RaOptions", "NOISES", "VARIANTS", "SAMPLES"]
 
@@ -48,8 +48,8 @@ def check_ra_params(variant: str, sample: str) -> None:
 class RaOptions(EstimatorOptions):
     """RA's keyword options, declared once: the spec's ``params`` and every entry point's keywords.
 
-    Construction runs :func:`check_ra_params` and checks ``mask`` (None or ``"causal"``), so a bad
-    option raises before any input is touched.
+    Construction runs :func:`check_ra_params` and checks ``mask`` (None, ``"causal"`` or ``"sliding:W"``), so a
+    bad option raises before any input is touched.
     """
 
     variant: str = option(
@@ -67,16 +67,24 @@ class RaOptions(EstimatorOptions):
 
     def check(self) -> None:
         check_ra_params(self.variant, self.sample)
-        check_choice("mask", self.mask, MASKS)
+        check_mask_argument(self.mask, DECLARABLE_MASKS)
 
 
 def visible_keys(mask: str | None, num_queries: int, num_keys: int) -> np.ndarray | None:
-    """``(N, M)`` boolean visibility of ``mask`` (:func:`~randattn.estimators.masks.causal_visible`), None for none.
+    """``(N, M)`` boolean visibility of ``mask`` (:meth:`~randattn.estimators.masks.Mask.visible`), None for none.
 
-    Raises ValueError for a mask other than None and ``"causal"``, and for causal with M < N.
+    Raises ValueError for a mask other than None, ``"causal"`` and ``"sliding:W"``, and for a mask with M < N.
     """
-    check_choice("mask", mask, MASKS)
-    return None if mask is None else causal_visible(num_queries, num_keys)
+    return Mask.parse(check_mask_argument(mask, DECLARABLE_MASKS)).visible(num_queries, num_keys)
+
+
+def _first_visible_key(mask: str | None, num_queries: int, num_keys: int) -> np.ndarray | int:
+    """``(N, 1)`` the first key each query sees under a sliding window, ``n + M - N - W + 1`` (at least 0); 0 for
+    the other masks, under which key 0 is visible to every query."""
+    window = Mask.parse(mask).window
+    if window is None:
+        return 0
+    return np.maximum(last_visible_key(num_queries, num_keys) - window + 1, 0)[:, None]
 
 
 @keyword_entry(RaOptions)
@@ -99,7 +107,8 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, options: RaOptions) -> np.nda
     ``x_n + sum_{m in V_n} pi_nm y_m`` (eq. 31); and eq. 6 becomes
     ``f_n(omega) = sum_{m in V_n} softmax_{m in V_n}(omega·y_m - |y_m|^2/2) v_m``. This is RA for
     the causal softmax target ``sum_{m in V_n} softmax_{m in V_n}(x_n·y_m) v_m`` (Prop. 3.2 holds
-    query by query with M replaced by V_n), so the unbiased variant stays unbiased for it.
+    query by query with M replaced by V_n), so the unbiased variant stays unbiased for it. Under
+    ``mask="sliding:W"`` the same holds with ``V_n`` the last W of those keys, ``n + M - N - W < m <= n + M - N``.
 
     Parameters
     ----------
@@ -111,9 +120,10 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, options: RaOptions) -> np.nda
     variant : {"unbiased", "biased"}
     noise : {"paper", "reference-code"}
     sample : {"random", "mean"}
-    mask : {None, "causal"}
+    mask : {None, "causal", "sliding:W"}
         None: every query sees every key. ``"causal"``: key m is visible to query n iff
-        ``m <= n + M - N``; needs M >= N. The draws are the same either way.
+        ``m <= n + M - N``; ``"sliding:W"``: the last W of those; a mask needs M >= N. The draws are the same
+        either way.
 
     Returns
     -------
@@ -150,9 +160,10 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, options: RaOptions) -> np.nda
         eps = check_draw_array(draws, "eps", batch, (num_q, u.shape[-1], dim))
         cdf = np.cumsum(np.exp(log_pi), axis=-1)  # (..., N, M)
         z = (cdf[None, ..., None, :] < u[..., None]).sum(-1)  # (R, ..., N, S)
-        # u above a rounded-down total mass: clamp to the last key the query sees
+        # u above a rounded-down total mass: clamp to the last key the query sees; under a window, u = 0 (drawn
+        # with probability 2^-53) would count no key and pick key 0: clamp to the window's first key
         top = y.shape[-2] - 1 if visible is None else last_visible_key(num_q, y.shape[-2])[:, None]
-        z = np.minimum(z, top)
+        z = np.clip(z, _first_visible_key(options.mask, num_q, y.shape[-2]), top)
         y_b = np.broadcast_to(y, (draws.replicates, *y.shape))
         picked = np.take_along_axis(y_b, z.reshape(*z.shape[:-2], -1)[..., None], axis=-2)
         picked = picked.reshape(*z.shape, dim)  # (R, ..., N, S, D)

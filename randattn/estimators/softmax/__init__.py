@@ -18,7 +18,7 @@ SPEC = deterministic_spec(
     describe=describe.softmax,
     convergence="exact",
     cost="quadratic",
-    masks=(None, "causal"),
+    masks=(None, "causal", "sliding"),
     normalized=True,
     memory_hint="the N x M scores of one batch element at a time",
 )

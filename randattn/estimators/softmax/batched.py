@@ -8,6 +8,7 @@ import torch
 
 from randattn.estimators._prepare import prepare_batched
 from randattn.estimators.base import Draws, keyword_entry
+from randattn.estimators.masks import Mask
 from randattn.estimators.softmax.reference import SoftmaxOptions
 
 __all__ = ["estimate"]
@@ -17,20 +18,15 @@ __all__ = ["estimate"]
 def estimate(q: Any, k: Any, v: Any, draws: Draws | None = None, *, options: SoftmaxOptions) -> torch.Tensor:
     """Softmax attention; (R, ..., N, Dv) with draws, else (..., N, Dv). See ``softmax.reference``.
 
-    ``mask="causal"``: the logits of keys m > n + M - N are set to -inf before ``torch.softmax``
-    (which subtracts the row max); M >= N keeps every row non-empty.
+    Under a mask (``"causal"``, ``"sliding:W"``) the logits of the hidden keys are set to -inf before
+    ``torch.softmax`` (which subtracts the row max); M >= N keeps every row non-empty (its own key).
     """
     x, y, v, _, _ = prepare_batched(q, k, v, options.scale)
     if options.mask is None:
         out = torch.softmax(x @ y.transpose(-1, -2), dim=-1) @ v
     else:
-        from randattn.estimators.masks import check_causal_shapes
-
-        n, m = x.shape[-2], y.shape[-2]
-        check_causal_shapes(n, m)
-        # key m hidden from query n iff m > n + (M - N): the strict upper triangle shifted by M - N
-        hidden = torch.ones(n, m, dtype=torch.bool, device=x.device).triu_(m - n + 1)
-        out = torch.softmax((x @ y.transpose(-1, -2)).masked_fill_(hidden, -torch.inf), dim=-1) @ v
+        visible = Mask.parse(options.mask).visible_tensor(x.shape[-2], y.shape[-2], x.device)
+        out = torch.softmax((x @ y.transpose(-1, -2)).masked_fill_(~visible, -torch.inf), dim=-1) @ v
     if draws is None:
         return out
     return out.unsqueeze(0).expand(draws.replicates, *out.shape).clone()

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from randattn._validation import check_choice, check_finite, check_positive_int, check_qkv_shapes, check_scale
-from randattn.estimators.softmax.reference import MASKS
+from randattn.estimators.masks import MASKS  # the tiles' recurrence computes no sliding window
 
 __all__ = ["DEFAULT_KEY_TILE", "DEFAULT_QUERY_TILE", "tiled_attention", "tiled_probabilities"]
 

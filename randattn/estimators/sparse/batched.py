@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from randattn.estimators.masks import check_causal_shapes
+from randattn.estimators.masks import Mask
 
 __all__ = ["keys_used", "masked_logits", "visible_keys", "weighted_attention"]
 
@@ -14,13 +14,10 @@ __all__ = ["keys_used", "masked_logits", "visible_keys", "weighted_attention"]
 def visible_keys(num_queries: int, num_keys: int, mask: str | None, device: Any = None) -> torch.Tensor | None:
     """``(N, M)`` boolean on ``device``: the keys each query may see; None without a mask (every key).
 
-    Key m is visible to query n iff ``m <= n + M - N`` (:func:`randattn.estimators.masks.causal_visible`), made on
-    the device as a band of ones: a host array uploaded would move N x M bytes per call (268 MB at 16,384 tokens).
+    :meth:`~randattn.estimators.masks.Mask.visible_tensor`: a band of ones made on the device (a host array uploaded
+    would move N x M bytes per call, 268 MB at 16,384 tokens).
     """
-    if mask != "causal":
-        return None
-    check_causal_shapes(num_queries, num_keys)
-    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril_(num_keys - num_queries)
+    return Mask.parse(mask).visible_tensor(num_queries, num_keys, device)
 
 
 def masked_logits(x: torch.Tensor, y: torch.Tensor, mask: str | None) -> torch.Tensor:

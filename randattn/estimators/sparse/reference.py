@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import softmax
 
-from randattn.estimators.masks import causal_visible
+from randattn.estimators.masks import Mask
 
 __all__ = ["keys_used", "masked_logits", "visible_keys", "weighted_attention"]
 
 
 def visible_keys(num_queries: int, num_keys: int, mask: str | None) -> np.ndarray:
-    """``(N, M)`` boolean: the keys each query may see (every key, or ``m <= n + M - N`` under the causal mask)."""
-    if mask == "causal":
-        return causal_visible(num_queries, num_keys)
-    return np.ones((num_queries, num_keys), dtype=bool)
+    """``(N, M)`` boolean: the keys each query may see (every key; ``m <= n + M - N`` under the causal mask; the last
+    W of those under ``"sliding:W"``: :meth:`~randattn.estimators.masks.Mask.visible`)."""
+    visible = Mask.parse(mask).visible(num_queries, num_keys)
+    return np.ones((num_queries, num_keys), dtype=bool) if visible is None else visible
 
 
 def masked_logits(x: np.ndarray, y: np.ndarray, mask: str | None) -> np.ndarray:

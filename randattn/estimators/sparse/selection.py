@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
 
-from randattn._validation import check_choice, check_positive_int
+from randattn._validation import check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import Draws, EstimatorOptions, EstimatorSpec, MASKS, family_spec, keyword_entry, never_random
+from randattn.estimators.base import Draws, EstimatorOptions, EstimatorSpec, family_spec, keyword_entry, never_random
+from randattn.estimators.masks import MASKS, check_mask_argument
 from randattn.estimators.sparse.reference import keys_used as count_keys_used
 from randattn.estimators.sparse.reference import masked_logits, weighted_attention
 
@@ -48,10 +49,14 @@ class KeptKeysOptions(EstimatorOptions):
     known, in ``draw`` and, from the draws, in every form.
     """
 
+    #: the masks the family computes (its spec's ``masks``): None and ``"causal"`` here; ``"sliding"`` where the
+    #: selection rule reads the visible keys alone, so that a window needs no rule of its own (top-k)
+    declared_masks: ClassVar[tuple[str | None, ...]] = MASKS
+
     mask: str | None = None
 
     def check(self) -> None:
-        check_choice("mask", self.mask, MASKS)
+        check_mask_argument(self.mask, self.declared_masks)
 
     def check_budget(self, budget: Any) -> int:
         """S = ``num_samples`` against the parameters (here: a positive integer); ValueError/TypeError naming them."""
@@ -173,7 +178,7 @@ def kept_keys_spec(*, options_type: type[KeptKeysOptions], reference: Any, batch
 
     Its parameters are the fields of ``options_type``; the forms are ``reference.estimate`` and the protocol
     forms of the ``batched`` module (with its ``keys_used``); no configuration is random; it is normalized
-    attention over the kept keys, under either mask; and it makes no convergence claim: biased for S < M, exact
+    attention over the kept keys, under the masks of ``options_type.declared_masks``; and it makes no convergence claim: biased for S < M, exact
     once the kept keys cover every key (each family's ``exact_limits``), nothing in between. Every other fact
     (name, sources, ``selection``, ``exact_limits``, ...) is the family's, in ``declared``.
     """
@@ -185,7 +190,7 @@ def kept_keys_spec(*, options_type: type[KeptKeysOptions], reference: Any, batch
         convergence="none",
         cost="quadratic",
         normalized=True,
-        masks=(None, "causal"),
+        masks=options_type.declared_masks,
         **declared,
     )
 

@@ -5,8 +5,9 @@ it reads every logit to choose, so it saves nothing, but it shows the error of t
 
 Budget: **S = keys kept per query** (``num_samples``); a query that sees fewer than S keys keeps all of them, so
 ``keys_used = min(S, visible keys)``. Ties between equal logits go to the lower key index (a stable sort of the
-negated logits, in both forms). Under ``mask="causal"`` the S keys are chosen among the visible keys
-(``m <= n + M - N``) only. Deterministic: the draws carry S alone.
+negated logits, in both forms). Under a mask the S keys are chosen among the visible keys only: ``m <= n + M - N``
+under ``mask="causal"``, the last W of those under ``mask="sliding:W"`` (a sliding-window layer), so that
+``keys_used = min(S, W)`` once W keys precede the query. Deterministic: the draws carry S alone.
 """
 
 from __future__ import annotations

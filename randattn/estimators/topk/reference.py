@@ -12,10 +12,11 @@ Ties between equal logits go to the lower key index; a query that sees at most :
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from randattn.estimators.masks import DECLARABLE_MASKS
 from randattn.estimators.sparse.selection import (
     KeptKeysOptions, KeptKeysReference, deprecated_check_params, top_ranked,
 )
@@ -26,7 +27,10 @@ __all__ = ["TopkOptions", "estimate", "keys_used", "kept_keys", "probabilities"]
 @dataclass(frozen=True, kw_only=True)
 class TopkOptions(KeptKeysOptions):
     """Top-k's keyword options: ``scale`` and ``mask`` only; S (``num_samples``, the keys each query keeps) comes
-    with the draws and may be any positive integer."""
+    with the draws and may be any positive integer. Every mask, a sliding window too: the S keys are ranked among
+    the keys the query sees, whichever they are."""
+
+    declared_masks: ClassVar[tuple[str | None, ...]] = DECLARABLE_MASKS
 
 
 def kept_keys(x: np.ndarray, y: np.ndarray, logits: np.ndarray, budget: int, options: TopkOptions) -> np.ndarray:
