@@ -667,18 +667,20 @@ def _failures_or_none(spec) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------ sliding window
-def _sliding_softmax_spec(name: str, widen: int) -> EstimatorSpec:
+def _sliding_softmax_spec(name: str, widen: int, *, smallest: int = 1, batched_window: bool = True) -> EstimatorSpec:
     """Exact softmax declaring every mask; under ``"sliding:W"`` key m is visible to query n iff
-    ``n + M - N - W - widen < m <= n + M - N`` (written out here): ``widen`` 0 is correct, 1 peeks one key before the
-    window, -1 drops the window's first key."""
+    ``n + M - N - W' < m <= n + M - N`` with ``W' = max(W + widen, smallest)`` (written out here): ``widen`` 0 and
+    ``smallest`` 1 are correct; ``widen`` 1 peeks one key before the window, -1 drops the window's first key;
+    ``smallest`` 2 is a kernel that cannot hold a window of one key. ``batched_window=False``: the torch form
+    ignores the window (causal), the reference keeps it."""
     base = _causal_softmax_spec(name, 0)
 
-    def visible(n, m, mask):
+    def visible(n, m, mask, *, window_kept=True):
         last = np.arange(n)[:, None] + m - n
         keys = np.arange(m)[None, :]
         if mask is None:
             return np.ones((n, m), dtype=bool)
-        window = m if mask == "causal" else int(mask.split(":")[1]) + widen
+        window = m if mask == "causal" or not window_kept else max(int(mask.split(":")[1]) + widen, smallest)
         return (keys <= last) & (keys > last - window)
 
     def reference(q, k, v, draws, *, scale=None, mask=None):
@@ -690,7 +692,7 @@ def _sliding_softmax_spec(name: str, widen: int) -> EstimatorSpec:
 
     def batched(q, k, v, draws, *, scale=None, mask=None):
         logits = (q.shape[-1] ** -0.5 if scale is None else scale) * q @ k.transpose(-1, -2)
-        keep = torch.as_tensor(visible(q.shape[-2], k.shape[-2], mask), device=q.device)
+        keep = torch.as_tensor(visible(q.shape[-2], k.shape[-2], mask, window_kept=batched_window), device=q.device)
         out = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1) @ v
         return out.unsqueeze(0).expand(draws.replicates, *out.shape).clone()
 
@@ -710,6 +712,20 @@ def test_a_correct_sliding_window_passes_and_runs_the_other_checks_under_it():
 def test_an_off_by_one_sliding_window_fails(widen, expected):
     failed = _failures(_sliding_softmax_spec("off-by-one-window", widen))
     assert "sliding window" in failed and expected in failed["sliding window"], failed
+
+
+def test_a_window_that_cannot_hold_one_key_fails_only_at_a_window_of_one():
+    failed = _failures(_sliding_softmax_spec("two-key-window", 0, smallest=2))
+    assert set(failed) == {"sliding window"}
+    assert "sliding:1 (N=10, M=10): each query sees its own key only" in failed["sliding window"]
+
+
+def test_a_torch_form_that_ignores_the_window_fails_the_comparisons_run_under_it():
+    """Every masked check runs sliding:4 too: reference == batched names the mask where only the torch form is
+    wrong, as the sliding-window check does."""
+    failed = _failures(_sliding_softmax_spec("torch-without-window", 0, batched_window=False))
+    assert "mask='sliding:4'" in failed["reference == batched (float64)"]
+    assert "sliding window" in failed
 
 
 def test_a_spec_declaring_an_unknown_mask_is_invalid():
