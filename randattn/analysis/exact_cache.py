@@ -9,8 +9,8 @@ so one entry is enough and at most one image-layer's arrays are held.
 
 Long contexts: the truth by tiles
 ---------------------------------
-Where a head's K x M probabilities exceed :data:`TILED_ABOVE` entries (K measured queries, M keys) and the mask
-is none or causal, the cache holds no probabilities at all: the output and each query's log-normaliser
+Where a head's K x M probabilities exceed :data:`TILED_ABOVE` entries (K measured queries, M keys), under any
+mask, the cache holds no probabilities at all: the output and each query's log-normaliser
 :math:`\log Z_n` come from :func:`~randattn.estimators.softmax.tiled.tiled_attention` (the float64 flash
 recurrence, memory O(K Dv) per head), and whatever needs a probability forms it again from
 :math:`p_{nm} = e^{s_{nm} - \log Z_n}` one block at a time (the sink mass from key 0's column, the probability
@@ -27,7 +27,7 @@ import numpy as np
 
 from randattn.analysis._tensors import input_tensor
 from randattn.analysis.plan import Unit
-from randattn.estimators.masks import MASKS, Mask
+from randattn.estimators.masks import Mask
 
 __all__ = ["TILED_ABOVE", "ExactCache", "exact_attention", "exact_log_normaliser", "exact_under_mask",
            "sink_mass_from_log_normaliser", "tiles_exact"]
@@ -41,18 +41,27 @@ TILED_ABOVE = 2**20
 def tiles_exact(kind: Mask | str | None, queries: int, keys: int) -> bool:
     """Whether a unit with ``queries`` measured rows and ``keys`` keys under mask ``kind`` takes its truth by tiles
     (:data:`TILED_ABOVE`; the budget plays no part, so the rows do not depend on it). The tiled recurrence computes
-    the estimators' masks (:data:`~randattn.estimators.masks.MASKS`); a sliding window stays dense."""
-    return Mask.parse(kind).kind in MASKS and queries * keys > TILED_ABOVE
+    every mask, a sliding window's at a cost of its window, not of M."""
+    Mask.parse(kind)  # a kind that names no mask is refused here too
+    return queries * keys > TILED_ABOVE
 
 
-def sink_mass_from_log_normaliser(q, k, log_normaliser, scale: float, *, torch: Any) -> np.ndarray:
+def sink_mass_from_log_normaliser(q, k, log_normaliser, scale: float, *, torch: Any,
+                                  kind: Mask | str | None = None) -> np.ndarray:
     r"""float64 ``(C,)``: :math:`\frac1K \sum_n p_{n0}`, :math:`p_{n0} = e^{s\, q_n \cdot k_0 - \log Z_n}`.
 
-    Key 0 is visible to every query under every supported mask, so its probability is the same expression for all.
+    Key 0 is visible to every query without a mask and under the causal one; under a sliding window of W keys
+    (``kind``) only to the queries at tokens :math:`n + M - K < W` (the K queries are the last of the M tokens), and
+    :math:`p_{n0} = 0` for the others.
     """
     tq = input_tensor(np.ascontiguousarray(q, dtype=np.float64), device=log_normaliser.device)
     tk0 = input_tensor(np.ascontiguousarray(k[..., :1, :], dtype=np.float64), device=log_normaliser.device)
     logits = (scale * tq @ tk0.transpose(-1, -2))[..., 0]
+    window = Mask.parse(kind).window
+    if window is not None:
+        queries, keys = q.shape[-2], k.shape[-2]
+        tokens = torch.arange(queries, device=logits.device) + (keys - queries)
+        logits = logits.masked_fill(tokens >= window, -torch.inf)
     return (logits - log_normaliser).exp().mean(-1).cpu().numpy()
 
 
@@ -278,7 +287,8 @@ class ExactCache:
                 import torch
 
                 converted["sink"] = sink_mass_from_log_normaliser(arrays[0], arrays[1], converted["log_normaliser"],
-                                                                  self.scale, torch=torch)
+                                                                  self.scale, torch=torch,
+                                                                  kind=self.layer_mask(unit.layer))
             else:
                 converted["sink"] = np.asarray(arrays[3][..., 0], dtype=np.float64).mean(-1)
         return converted["sink"]

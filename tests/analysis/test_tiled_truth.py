@@ -9,6 +9,8 @@ is rounding noise of ~1e-34) are not compared relatively. The dense side is the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 
 import numpy as np
@@ -65,6 +67,25 @@ def test_tiled_rows_equal_dense_rows(monkeypatch, mask):
     dense, tiled = _both(monkeypatch, acts, config)
     _assert_close(dense, tiled, {"rfa", "ra"})
     assert np.isfinite(tiled.prob_mse).all()
+
+
+@pytest.mark.parametrize("queries", ["all", "last:5"])
+def test_a_sliding_window_takes_its_truth_by_tiles_too(monkeypatch, queries):
+    """A window of 6 keys over 16 tokens (and its last 5 queries): RA, top-k and softmax rows from the tiled truth
+    within 1e-10 relative of the dense one, prob_mse and the sink mass included (key 0 leaves the window of
+    queries 6 on: their share of the sink mass is an exact 0, so the mean is below the causal one); softmax runs
+    as the third estimator."""
+    acts = _acts(16)
+    config = SweepConfig(estimators=parse_estimator_list("ra;topk;softmax"), num_samples=(4,), replicates=3, seed=3,
+                         threads=1, dtype="float64", mask="sliding:6", diagnostics=False, check_reference=0.0,
+                         queries=queries)
+    dense, tiled = _both(monkeypatch, acts, config)
+    _assert_close(dense, tiled, {"ra", "topk"})  # softmax's error is round-off (1e-33) against either truth
+    assert np.isfinite(tiled.prob_mse).all()
+    if queries != "all":  # the last 5 queries sit at tokens 11..15 >= W: none sees key 0
+        assert (tiled.sink_mass == 0).all()
+    causal = run_sweep(acts, dataclasses.replace(config, mask="causal"))
+    assert (tiled.sink_mass.to_numpy() < causal.sink_mass.to_numpy()).all()
 
 
 def test_a_denominator_promise_counts_the_same_violations_on_the_tiled_truth(monkeypatch):

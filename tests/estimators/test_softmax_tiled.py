@@ -18,7 +18,7 @@ import torch
 from scipy.special import logsumexp
 
 from randattn.analysis.memory import measure_peak
-from randattn.estimators.masks import causal_visible
+from randattn.estimators.masks import Mask, causal_visible
 from randattn.estimators.softmax import batched as softmax_batched
 from randattn.estimators.softmax import reference as softmax_ref
 from randattn.estimators.softmax.tiled import tiled_attention, tiled_probabilities
@@ -35,10 +35,15 @@ def _inputs(seed: int, n: int, m: int, *, batch=(2,), d=5, dv=3, q_size=1.0, k_s
 
 
 def _masked_logits(q, k, mask):
-    """scale q.k with -inf where ``mask`` hides the key: the whole N x M array, written out (small sizes only)."""
+    """scale q.k with -inf where ``mask`` hides the key: the whole N x M array, written out (small sizes only);
+    ``"sliding:W"``: also the keys m <= n + M - N - W."""
     logits = q.shape[-1] ** -0.5 * (q @ np.swapaxes(k, -1, -2))
-    if mask == "causal":
+    if mask is not None:
         logits = np.where(causal_visible(q.shape[-2], k.shape[-2]), logits, -np.inf)
+    if mask is not None and mask.startswith("sliding:"):
+        n, m, window = q.shape[-2], k.shape[-2], int(mask.split(":")[1])
+        before = np.arange(m)[None, :] <= (np.arange(n) + m - n - window)[:, None]
+        logits = np.where(before, -np.inf, logits)
     return logits
 
 
@@ -58,14 +63,18 @@ CASES = [
 IDS = [f"N{n}-M{m}-Tq{tq}-Tk{tk}-B{'x'.join(map(str, b)) or '0'}" for n, m, tq, tk, b in CASES]
 
 
-@pytest.mark.parametrize("mask", [None, "causal"], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("mask", [None, "causal", "sliding:1", "sliding:3", "sliding:40"],
+                         ids=["bidirectional", "causal", "window-1", "window-3", "window-40"])
 @pytest.mark.parametrize("n, m, tq, tk, batch", CASES, ids=IDS)
 def test_output_and_log_normaliser_equal_the_dense_reference(n, m, tq, tk, batch, mask):
+    """Every case against the dense reference; a window of 1 or 3 keys is narrower than most query tiles, so a
+    tile's later queries see none of its first key tile (their running maximum stays -inf there: no NaN)."""
     q, k, v = _inputs(1, n, m, batch=batch, d=6, dv=4)
     out, lse = tiled_attention(q, k, v, mask=mask, query_tile=tq, key_tile=tk)
     assert out.dtype == lse.dtype == torch.float64
     assert out.shape == (*batch, n, 4) and lse.shape == (*batch, n)
     scale_v = np.abs(v).max()
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert_close(out, softmax_ref.estimate(q, k, v, mask=mask), atol=1e-12 * scale_v, rtol=1e-12, what="output:")
     expected_lse = logsumexp(_masked_logits(q, k, mask), axis=-1)
     assert_close(lse, expected_lse, atol=1e-12 * np.abs(expected_lse).max(), rtol=1e-12, what="log-normaliser:")
@@ -120,7 +129,7 @@ def test_junk_after_the_last_visible_key_changes_nothing(n, m):
         assert not torch.equal(seen_out[..., cut, :], out[..., cut, :]), f"cut={cut}: the control saw no change"
 
 
-@pytest.mark.parametrize("mask", [None, "causal"], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("mask", [None, "causal", "sliding:3"], ids=["bidirectional", "causal", "window-3"])
 @pytest.mark.parametrize("n, m, tq, tk", [(7, 7, 3, 2), (5, 13, 2, 4), (9, 9, 9, 9)], ids=["N7", "N5-M13", "one"])
 def test_probability_blocks_equal_the_reference_and_rows_sum_to_one(n, m, tq, tk, mask):
     q, k, v = _inputs(6, n, m, d=6)
@@ -133,8 +142,8 @@ def test_probability_blocks_equal_the_reference_and_rows_sum_to_one(n, m, tq, tk
                                         key_slice=slice(k0, k0 + tk))
             assert_close(block, expected[..., n0:n0 + tq, k0:k0 + tk], atol=1e-12, rtol=1e-12,
                          what=f"block ({n0}, {k0}):")
-            if mask == "causal":  # hidden entries are exact zeros
-                hidden = ~causal_visible(n, m)[n0:n0 + tq, k0:k0 + tk]
+            if mask is not None:  # hidden entries are exact zeros
+                hidden = ~Mask.parse(mask).visible(n, m)[n0:n0 + tq, k0:k0 + tk]
                 assert (block.numpy()[..., hidden] == 0).all()
             rows += block.sum(dim=-1).numpy()
         # a sum of M terms each rounded to eps relative: M eps
@@ -143,7 +152,8 @@ def test_probability_blocks_equal_the_reference_and_rows_sum_to_one(n, m, tq, tk
 
 def test_causal_skips_key_tiles_wholly_hidden_from_a_query_tile():
     """The matrix products run equal two per (query tile, key tile) block holding a visible key, counted from
-    ``causal_visible``; the bidirectional count (every block) is the negative control."""
+    ``causal_visible``; the bidirectional count (every block) is the negative control. A sliding window reads the
+    key tiles of its band only."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountProducts(TorchDispatchMode):
@@ -171,6 +181,14 @@ def test_causal_skips_key_tiles_wholly_hidden_from_a_query_tile():
             tiled_attention(q, k, v, mask=mask, query_tile=tq, key_tile=tk)
         counts[mask] = counter.count
     assert counts["causal"] == 2 * with_visible < 2 * len(blocks) == counts[None], counts
+
+    n, m, tq, tk, window = 40, 40, 4, 4, 3
+    q, k, v = (torch.as_tensor(a) for a in _inputs(8, n, m))
+    with CountProducts() as counter:
+        tiled_attention(q, k, v, mask=f"sliding:{window}", query_tile=tq, key_tile=tk)
+    # a query tile's keys span W - 1 + Tq = 6 positions, so at most 3 key tiles of 4 hold them, whatever M: two
+    # products each, over 10 query tiles (the causal loop would take 110)
+    assert counter.count <= 2 * (n // tq) * 3, counter.count
 
 
 def test_float32_inputs_and_float32_recurrence():

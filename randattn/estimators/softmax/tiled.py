@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from randattn._validation import check_choice, check_finite, check_positive_int, check_qkv_shapes, check_scale
-from randattn.estimators.masks import MASKS  # the tiles' recurrence computes no sliding window
+from randattn.estimators.masks import DECLARABLE_MASKS, Mask, check_causal_shapes, check_mask_argument
 
 __all__ = ["DEFAULT_KEY_TILE", "DEFAULT_QUERY_TILE", "tiled_attention", "tiled_probabilities"]
 
@@ -74,16 +74,24 @@ def _check_tiles(query_tile: Any, key_tile: Any) -> tuple[int, int]:
     return check_positive_int("query_tile", query_tile), check_positive_int("key_tile", key_tile)
 
 
-def _hidden_block(n0: int, n1: int, k0: int, k1: int, offset: int, device: torch.device) -> torch.Tensor | None:
-    """``(n1 - n0, k1 - k0)`` boolean, True where key m is hidden from query n (m > n + offset, offset = M - N).
+def _hidden_block(n0: int, n1: int, k0: int, k1: int, offset: int, device: torch.device,
+                  window: int | None = None) -> torch.Tensor | None:
+    """``(n1 - n0, k1 - k0)`` boolean, True where key m is hidden from query n: m > n + offset (offset = M - N),
+    or, with a sliding ``window`` W, m <= n + offset - W.
 
-    None when the block is wholly visible (its last key is visible to its first query), so that blocks
-    below the diagonal take no mask at all.
+    None when the block is wholly visible (its last key is visible to its first query, and its first key to its
+    last query), so that the blocks inside the band take no mask at all.
     """
-    if k1 - 1 <= n0 + offset:
+    after = k1 - 1 > n0 + offset
+    before = window is not None and k0 <= n1 - 1 + offset - window
+    if not (after or before):
         return None
     # hidden iff k0 + j > n0 + i + offset iff j - i >= n0 + offset - k0 + 1: an upper triangle from that diagonal
-    return torch.ones(n1 - n0, k1 - k0, dtype=torch.bool, device=device).triu_(n0 + offset - k0 + 1)
+    hidden = torch.ones(n1 - n0, k1 - k0, dtype=torch.bool, device=device).triu_(n0 + offset - k0 + 1)
+    if before:
+        # hidden iff k0 + j <= n0 + i + offset - W iff j - i <= n0 + offset - W - k0: a lower triangle
+        hidden |= torch.ones(n1 - n0, k1 - k0, dtype=torch.bool, device=device).tril_(n0 + offset - window - k0)
+    return hidden
 
 
 def tiled_attention(
@@ -106,7 +114,9 @@ def tiled_attention(
     computed with the running maximum and normaliser of the module docstring over key tiles of
     ``key_tile`` keys, for query tiles of ``query_tile`` queries in turn. Under ``mask="causal"``
     (:math:`V_n = \{m \le n + M - N\}`) a key tile wholly hidden from a query tile is skipped (no work),
-    and only the tiles the diagonal crosses are masked.
+    and only the tiles the diagonal crosses are masked. Under ``mask="sliding:W"`` (the last W of those keys) the
+    key tiles of a query tile start at its first query's first key, :math:`n_0 + M - N - W + 1`: its work is
+    :math:`O(T_q (W + T_q))` keys, whatever M.
 
     Parameters
     ----------
@@ -116,8 +126,8 @@ def tiled_attention(
         The same leading (batch) dims, e.g. heads; tensors stay on their device.
     scale : float, optional
         Temperature; default ``D ** -0.5`` (the logits are ``scale * q.k``, as ``softmax.batched``).
-    mask : {None, "causal"}
-        ``"causal"`` requires M >= N (the queries are the last N of the M tokens).
+    mask : {None, "causal", "sliding:W"}
+        A mask requires M >= N (the queries are the last N of the M tokens).
     query_tile, key_tile : int
         Tile sizes Tq, Tk >= 1 (larger than N or M means one tile). See ``DEFAULT_QUERY_TILE``.
     dtype : torch.float64 or torch.float32
@@ -143,7 +153,8 @@ def tiled_attention(
     Memory beyond the inputs: the output and three running states, :math:`(N D_v + 2N)` numbers, plus
     one block of :math:`T_q T_k` logits (and, on diagonal blocks, a :math:`T_q T_k` boolean mask) and
     :math:`T_q (D + D_v)` for the query tile -- per batch element, all batch elements at once. Never an
-    N x M array. Time :math:`O(N M (D + D_v))`, about half of it under the causal mask.
+    N x M array. Time :math:`O(N M (D + D_v))`, about half of it under the causal mask, and
+    :math:`O(N (W + T_q + T_k) (D + D_v))` under a sliding window.
 
     References
     ----------
@@ -158,15 +169,14 @@ def tiled_attention(
     >>> out.shape, lse.shape
     (torch.Size([2, 5, 8]), torch.Size([2, 5]))
     """
-    check_choice("mask", mask, MASKS)
+    check_mask_argument(mask, DECLARABLE_MASKS)
     check_choice("dtype", dtype, DTYPES)
     _, n, m, dim, dv = check_qkv_shapes(q, k, v)
     scale = check_scale(scale, dim)
     query_tile, key_tile = _check_tiles(query_tile, key_tile)
-    offset = m - n  # key j is visible to query i iff j <= i + offset
-    if mask == "causal":
-        from randattn.estimators.masks import check_causal_shapes
-
+    offset = m - n  # key j is visible to query i iff j <= i + offset (and, with a window W, j > i + offset - W)
+    window = Mask.parse(mask).window
+    if mask is not None:
         check_causal_shapes(n, m)
     q, k, v = _as_tensor(q), _as_tensor(k), _as_tensor(v)
     batch = q.shape[:-2]
@@ -179,19 +189,24 @@ def tiled_attention(
         running_max = torch.full((*batch, n1 - n0), -torch.inf, dtype=dtype, device=q.device)
         running_sum = torch.zeros((*batch, n1 - n0), dtype=dtype, device=q.device)
         acc = torch.zeros((*batch, n1 - n0, dv), dtype=dtype, device=q.device)
-        # causal: the key tiles starting after the tile's last query's last key (n1 - 1 + offset) are hidden
+        # causal: the key tiles starting after the tile's last query's last key (n1 - 1 + offset) are hidden; a
+        # window: so are the keys before its first query's first key (n0 + offset - W + 1)
         key_end = m if mask is None else n1 + offset
-        for k0 in range(0, key_end, key_tile):
+        key_start = 0 if window is None else max(n0 + offset - window + 1, 0)
+        for k0 in range(key_start, key_end, key_tile):
             k1 = min(k0 + key_tile, key_end)
             logits = q_tile @ k[..., k0:k1, :].to(dtype).transpose(-1, -2)
-            hidden = None if mask is None else _hidden_block(n0, n1, k0, k1, offset, q.device)
+            hidden = None if mask is None else _hidden_block(n0, n1, k0, k1, offset, q.device, window)
             if hidden is not None:
                 logits.masked_fill_(hidden, -torch.inf)
-            # a row wholly hidden in this block has max -inf; the new maximum is then the old one (finite
-            # after the first tile, which holds key 0), so no exp(-inf - -inf) arises
+            # a row wholly hidden in this block has max -inf; the new maximum is then the old one, finite after
+            # the first tile, which holds key 0 (causal) -- under a window a later query's first tile may hide
+            # its whole row: a maximum still -inf is shifted by 0 there, not by itself (no exp(-inf - -inf)), and
+            # stays -inf as the running maximum
             new_max = torch.maximum(running_max, logits.amax(dim=-1))
-            rescale = torch.exp(running_max - new_max)  # exp(-inf) = 0 on the first tile
-            weights = logits.sub_(new_max.unsqueeze(-1)).exp_()
+            shift = new_max if window is None else torch.where(torch.isinf(new_max), 0.0, new_max)
+            rescale = torch.exp(running_max - shift)  # exp(-inf) = 0 on the first tile
+            weights = logits.sub_(shift.unsqueeze(-1)).exp_()
             running_sum.mul_(rescale).add_(weights.sum(dim=-1))
             acc.mul_(rescale.unsqueeze(-1)).add_(weights @ v[..., k0:k1, :].to(dtype))
             running_max = new_max
@@ -240,7 +255,7 @@ def tiled_probabilities(
         Step-1 slices of range(N) and range(M) (negative and open ends as in Python).
     scale : float, optional
         Temperature; default ``D ** -0.5``.
-    mask : {None, "causal"}
+    mask : {None, "causal", "sliding:W"}
 
     Returns
     -------
@@ -252,15 +267,13 @@ def tiled_probabilities(
         Shapes that disagree (the log-normaliser's included), an empty or strided slice, an unknown mask,
         M < N under ``mask="causal"``, NaN or inf in the rows of q or k that the block reads (on the CPU).
     """
-    check_choice("mask", mask, MASKS)
+    check_mask_argument(mask, DECLARABLE_MASKS)
     k_values = k[..., :1]  # a view standing in for v: check_qkv_shapes checks q and k (and the batch dims)
     # shapes here, values below: only the block's rows are read, and a pass over M / Tk key tiles that read all
     # of k on each call did O(M^2 / Tk) work (72 s of 80 at 113,108 keys)
     batch, n, m, dim, _ = check_qkv_shapes(q, k, k_values, values=False)
     scale = check_scale(scale, dim)
-    if mask == "causal":
-        from randattn.estimators.masks import check_causal_shapes
-
+    if mask is not None:
         check_causal_shapes(n, m)
     log_normaliser = _as_tensor(log_normaliser)
     if tuple(log_normaliser.shape) != (*batch, n):
@@ -273,8 +286,8 @@ def tiled_probabilities(
     dtype = log_normaliser.dtype
     q, k = _as_tensor(q), _as_tensor(k)
     logits = (q[..., n0:n1, :].to(dtype) * scale) @ k[..., k0:k1, :].to(dtype).transpose(-1, -2)
-    if mask == "causal":
-        hidden = _hidden_block(n0, n1, k0, k1, m - n, log_normaliser.device)
+    if mask is not None:
+        hidden = _hidden_block(n0, n1, k0, k1, m - n, log_normaliser.device, Mask.parse(mask).window)
         if hidden is not None:
             logits.masked_fill_(hidden, -torch.inf)
     return logits.sub_(log_normaliser[..., n0:n1].unsqueeze(-1)).exp_()
