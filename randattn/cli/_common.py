@@ -8,7 +8,7 @@ import re
 import signal
 import sys
 import threading
-from typing import Iterator, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import click
 from rich.console import Console
@@ -31,6 +31,24 @@ class UserError(click.ClickException):
 
         # escaped: a path or value holding "[...]" is not rich markup; soft_wrap: paths stay whole for copy and paste
         err_console.print(f"[bold red]error:[/] {escape(self.format_message())}", highlight=False, soft_wrap=True)
+
+
+def json_text(value: Any) -> str:
+    """``value`` as strict JSON (indented): a float that is NaN or infinite (a check that errored, a column with no
+    value) becomes ``null``, which every JSON reader takes, where ``json.dumps`` would write ``NaN``."""
+    import json
+    import math
+
+    def strict(item: Any) -> Any:
+        if isinstance(item, float) and not math.isfinite(item):
+            return None
+        if isinstance(item, dict):
+            return {key: strict(inner) for key, inner in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [strict(inner) for inner in item]
+        return item
+
+    return json.dumps(strict(value), indent=2, allow_nan=False)
 
 
 def abort(message: str, code: int = 2) -> NoReturn:

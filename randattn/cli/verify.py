@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import click
+
+from randattn.cli._common import json_text
 
 
 def _fmt(value: float) -> str:
@@ -82,8 +83,8 @@ def command(pattern: str | None, quick: bool, seed: int, activations: str | None
             record.update(claim=check.claim, source=check.source, method=check.method_label,
                           inputs="user data" if (data is not None and check.uses_data) else (check.synthetic_note or "synthetic"))
             records.append(record)
-        click.echo(json.dumps({"results": records, "passed": not failed, "summary": summary, "seed": seed,
-                               "quick": quick, "data": None if data is None else data.description}, indent=2))
+        click.echo(json_text({"results": records, "passed": not failed, "summary": summary, "seed": seed,
+                              "quick": quick, "data": None if data is None else data.description}))
     else:
         table = Table(title="randattn verify", show_lines=False)
         table.add_column("check", no_wrap=True)

@@ -82,7 +82,10 @@ def _run_all(name: str, params: dict, q, k, v, scale: float, rng: np.random.Gene
         outs = [ref]
         for dtype in (torch.float64, torch.float32):
             t = [torch.as_tensor(a, dtype=dtype) for a in (q, k, v)]
-            outs.append(spec.batched(*t, draws, scale=scale, **resolved).detach().cpu().double().numpy())
+            # the draws as torch tensors of the run's dtype, as the kit and randattn.estimate give them: a plugin's
+            # batched form need not take numpy arrays
+            tdraws = draws.to_torch(dtype=dtype)
+            outs.append(spec.batched(*t, tdraws, scale=scale, **resolved).detach().cpu().double().numpy())
     return outs
 
 
@@ -102,7 +105,12 @@ def large_norm_stability(rng: np.random.Generator, quick: bool, data, *,
         entries = [e for e in entries if e[1] == "default"]
     worst, where, problems = 0.0, "", []
     for name, label, params in entries:
-        ref, b64, b32 = run_fn(name, params, q, k, v, scale, np.random.default_rng(rng.integers(2**63)))
+        try:
+            ref, b64, b32 = run_fn(name, params, q, k, v, scale, np.random.default_rng(rng.integers(2**63)))
+        except Exception as exc:  # one estimator's error is its own failure, named; the others are still measured
+            problems.append(f"{name}[{label}]: raised {type(exc).__name__}: {exc}")
+            worst = np.inf
+            continue
         if not all(np.isfinite(a).all() for a in (ref, b64, b32)):
             bad = [dt for dt, a in (("reference", ref), ("float64", b64), ("float32", b32)) if not np.isfinite(a).all()]
             problems.append(f"{name}[{label}]: non-finite output ({', '.join(bad)})")

@@ -89,3 +89,22 @@ def test_a_failing_check_exits_1(monkeypatch):
     result = _invoke("--quick")
     assert result.exit_code == 1, result.output
     assert "0 of 1 checks passed; failed: x.fail" in result.output
+
+
+def test_json_of_a_check_that_errored_is_strict_json(monkeypatch):
+    """A check that raises is reported with no measurement and no tolerance: ``null`` in the JSON, which every
+    reader parses (``NaN`` is not JSON: ``parse_constant`` refuses it here, as JavaScript's parser does)."""
+    from randattn.theory import _stability
+
+    def broken(rng):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(_stability, "_large_norm_inputs", broken)
+    result = _invoke("--quick", "--json", "--only", "numerics.large-norm-stability")
+    assert result.exit_code == 1, result.output
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    [record] = json.loads(result.stdout, parse_constant=refuse)["results"]
+    assert record["passed"] is False and record["tolerance"] is None

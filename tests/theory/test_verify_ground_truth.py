@@ -80,6 +80,41 @@ def test_stability_check_passes_and_covers_every_registered_estimator():
     assert result.tested == len(list_estimators())
 
 
+def test_stability_gives_a_plugin_torch_draws_and_names_one_that_raises():
+    """A registered plugin whose torch form reads its draws as tensors (``.to``) is measured as the kit measures it
+    (the draws converted, as ``randattn.check`` and ``randattn.estimate`` give them); one that raises fails the check
+    by name, and the other estimators are still measured."""
+    import importlib.util
+    from dataclasses import replace
+    from pathlib import Path
+
+    from randattn.estimators.base import BatchedForms
+    from randattn.estimators.registry import register_estimator, unregister_estimator
+
+    location = importlib.util.spec_from_file_location(
+        "_uniform_keys", Path(__file__).resolve().parents[1] / "analysis" / "_uniform_keys.py")
+    module = importlib.util.module_from_spec(location)
+    location.loader.exec_module(module)
+    register_estimator(module.SPEC)  # its batched form calls draws["idx"].long()
+    try:
+        (result,) = _run("numerics.large-norm-stability")
+        assert result.passed, result.details
+    finally:
+        unregister_estimator(module.NAME)
+
+    def raises(q, k, v, draws, **params):
+        raise RuntimeError("planted")
+
+    register_estimator(replace(module.SPEC, name="raises-keys", forms=BatchedForms(estimate=raises)))
+    try:
+        (result,) = _run("numerics.large-norm-stability")
+    finally:
+        unregister_estimator("raises-keys")
+    assert not result.passed and "raises-keys[default]: raised RuntimeError: planted" in result.details
+    problems = [part for part in result.details.split("; ") if "[default]:" in part]
+    assert problems == ["raises-keys[default]: raised RuntimeError: planted"]  # the built-ins measured and passing
+
+
 def test_stability_compares_with_the_ground_truth_what_the_spec_declares_exact():
     from dataclasses import replace
 
