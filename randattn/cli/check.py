@@ -47,16 +47,17 @@ def command(target: str, param_items: tuple[str, ...], check_names: tuple[str, .
                     if not sep or key.strip() not in spec.params:
                         abort(f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(spec.params)}")
                     params[key.strip()] = _convert(raw.strip(), spec.params[key.strip()].default)
+                spec.resolve_params(params)  # each value against its parameter's check, as parse_estimator does
             else:
                 _, params = parse_estimator(f"{spec.name}:{text}")
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:  # a word for a number is a TypeError of the parameter's check
             abort(str(exc))
     unknown = [c for c in check_names if c not in CHECKS]
     if unknown:
         abort(f"unknown check(s) {', '.join(map(repr, unknown))}; the checks are: {', '.join(CHECKS)}")
     try:
         report = check_estimator(spec, params, checks=list(check_names) or None, raise_on_failure=False)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:  # a parameter its options refuse
         abort(str(exc))
     if as_json:
         click.echo(json.dumps({"estimator": report.estimator, "params": dict(report.params), "passed": report.passed,

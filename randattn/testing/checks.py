@@ -798,7 +798,7 @@ def check_causal_prefix_invariance(spec: EstimatorSpec, params: Mapping[str, Any
 
 
 def check_sliding_window(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
-    """Under ``mask="sliding:W"`` (where declared), output n is unchanged when every key and value outside its window
+    r"""Under ``mask="sliding:W"`` (where declared), output n is unchanged when every key and value outside its window
     :math:`n + M - N - W < m \le n + M - N` is junk (bit-identical in the reference, to 1e-12 in batched float64);
     a window over every key is the causal mask (1e-12); and for a normalized estimator a window of one key returns
     each query's own value."""

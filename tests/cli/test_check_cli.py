@@ -66,3 +66,16 @@ def test_load_spec_error_carries_the_facts():
     with pytest.raises(SpecTargetError) as caught:
         load_spec("os.path:join")
     assert caught.value.estimator is None and caught.value.got == "a function, join, that needs arguments (a)"
+
+
+@pytest.mark.parametrize(("target", "param", "said"), [
+    ("lara", "beta=abc", "beta must be int/float, got str 'abc'"),
+    ("eva", "window=2.5", "window must be int, got str '2.5'"),
+    ("randattn.estimators.eva:SPEC", "window=abc", "window must be int"),
+])
+def test_a_parameter_of_the_wrong_type_is_bad_usage_named(target, param, said):
+    """A word where a number goes is refused like a value out of range: exit 2 and the parameter's own message,
+    not a traceback."""
+    result = CliRunner().invoke(main, ["check", target, "-p", param])
+    assert result.exit_code == 2, result.output
+    assert said in result.output and "Traceback" not in result.output
