@@ -66,7 +66,14 @@ from randattn.analysis.estimate_block import (
 )
 from randattn.analysis.exact_cache import ExactCache, exact_under_mask
 from randattn.analysis.masking import diagnostics_skip_reason
-from randattn.analysis.plan import EstimatorConfig, StackedGenerators, SweepConfig, Unit, replicate_rng
+from randattn.analysis.plan import (
+    EstimatorConfig,
+    StackedDrawError,
+    StackedGenerators,
+    SweepConfig,
+    Unit,
+    replicate_rng,
+)
 from randattn.analysis.unit_diagnostics import (
     DiagnosticsSkippedWarning,
     UnitDiagnostics,
@@ -122,8 +129,11 @@ def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[
         return per_cell_draws(spec, config, q_shape, k_shape, seeds, reps, num_samples, mask)
     generators = StackedGenerators([[replicate_rng(seed, r) for seed in seeds] for r in reps])
     cells = len(seeds)
-    return spec.draw((cells, *q_shape), (cells, *k_shape), num_samples=num_samples, replicates=len(reps),
-                     rng=generators, **config.params, **mask.estimator_kwargs)
+    try:
+        return spec.draw((cells, *q_shape), (cells, *k_shape), num_samples=num_samples, replicates=len(reps),
+                         rng=generators, **config.params, **mask.estimator_kwargs)
+    except StackedDrawError as exc:
+        raise StackedDrawError(f"estimator {config.label!r}: {exc}") from None
 
 
 def per_cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[int], reps: range, num_samples,

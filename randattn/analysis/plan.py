@@ -41,6 +41,7 @@ __all__ = [
     "with_threads",
     "cell_seed",
     "replicate_rng",
+    "StackedDrawError",
     "StackedGenerators",
     "plan_units",
     "select",
@@ -455,6 +456,10 @@ def replicate_rng(seed: int, replicate: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed), spawn_key=(int(replicate),))))
 
 
+class StackedDrawError(ValueError):
+    """A draw that declares ``stacked_draw`` asked a :class:`StackedGenerators` grid for what it does not stack."""
+
+
 class StackedGenerators:
     """A grid of numpy Generators that draws each array as the stack of one draw per generator.
 
@@ -517,6 +522,16 @@ class StackedGenerators:
     def chisquare(self, df: float, size: Any) -> np.ndarray:
         """``Generator.chisquare`` per generator, stacked."""
         return self._draw("chisquare", size, df)
+
+    def __getattr__(self, name: str) -> Any:
+        """Any other method of numpy's ``Generator`` (``integers``, ``choice``, ...) is not stacked: a draw that asks
+        for one is refused by name here (ValueError), not as a missing attribute deep in its own code."""
+        if name.startswith("_") or not hasattr(np.random.Generator, name):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise StackedDrawError(
+            f"draw() asked its rng for Generator.{name}, which a grid of generators does not stack (it stacks "
+            "standard_normal, random and chisquare): an estimator whose draw needs more must not declare "
+            "stacked_draw (randattn check: 'stacked draw')")
 
 
 # ------------------------------------------------------------------------------------------------------------ units

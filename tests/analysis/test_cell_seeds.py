@@ -202,3 +202,28 @@ def test_per_cell_draws_are_the_one_cell_draws_stacked_and_named_when_they_do_no
     moving = EstimatorSpec(**{**vars(uniform_keys), "draw": shape_by_seed})
     with pytest.raises(ValueError, match="must not change shape from one seed to the next"):
         cell_draws(moving, config, (5, 3), (9, 3), list(range(10)), reps, 6)
+
+
+def test_a_plugin_declaring_stacked_draw_wrongly_is_refused_by_name_in_the_sweep(same_head_everywhere, uniform_keys):
+    """A draw calling ``rng.integers`` that declares ``stacked_draw`` anyway: the sweep refuses it with a ValueError
+    naming the estimator, the method and the declaration (the CLI's exit 2), not an AttributeError traceback."""
+    import dataclasses
+
+    from randattn.analysis.plan import StackedDrawError
+    from randattn.estimators.registry import register_estimator, unregister_estimator
+
+    acts, _ = same_head_everywhere
+    register_estimator(dataclasses.replace(uniform_keys, name="stacks-integers", stacked_draw=True))
+    try:
+        config = SweepConfig(estimators=(estimator_config("stacks-integers"),), num_samples=(3,), replicates=2,
+                             seed=4, diagnostics=False, probabilities=False, backend="torch")
+        with pytest.raises(StackedDrawError, match="estimator 'stacks-integers': draw\\(\\) asked its rng for "
+                                                   "Generator.integers.*must not declare stacked_draw"):
+            run_sweep(acts, config)
+    finally:
+        unregister_estimator("stacks-integers")
+    from randattn.analysis.plan import StackedGenerators
+
+    grid = StackedGenerators([[np.random.default_rng(0)]])
+    with pytest.raises(AttributeError, match="no attribute 'not_a_method'"):
+        grid.not_a_method

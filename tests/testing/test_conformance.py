@@ -642,7 +642,8 @@ def test_draws_of_integers_fail_the_layout_check():
 
 @pytest.mark.parametrize(("rng_use", "expected"), [
     # a method the grid of generators does not have
-    (lambda rng, lead: rng.integers(0, 2, size=(*lead, 1)), "raised AttributeError"),
+    (lambda rng, lead: rng.integers(0, 2, size=(*lead, 1)), "raised StackedDrawError: draw() asked its rng for "
+                                                             "Generator.integers"),
     # a size that does not start with (replicates, *batch dims)
     (lambda rng, lead: np.broadcast_to(rng.standard_normal(size=(3,)), (*lead, 3)), "raised ValueError"),
     # the grid's sizes, but numbers that mix the replicates: not the one-cell draws stacked
