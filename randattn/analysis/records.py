@@ -74,17 +74,21 @@ def reference_check_summary(table) -> dict | None:
     Parameters
     ----------
     table : pandas.DataFrame
-        A sweep's table; the units re-run on the float64 reference have a finite ``ref_max_abs_dev``.
+        A sweep's table; the units re-run on the float64 reference have a ``ref_max_abs_dev`` that is not NaN
+        (infinite where one form gave a non-finite value the other did not).
 
     Returns
     -------
     dict or None
         None when no unit was checked. The ratio's entries are None when every checked estimator is exact;
         otherwise ``above_tolerance_dtypes`` lists the dtypes of the units whose ratio exceeds the tolerance.
+        ``non_finite: True`` (and ``max_abs_dev`` None) where a checked unit's forms disagreed on a non-finite
+        value; ``max_abs_dev_label`` names its estimator.
     """
     import numpy as np
 
-    checked = table[np.isfinite(table["ref_max_abs_dev"])] if "ref_max_abs_dev" in table else table.iloc[:0]
+    # NaN: not checked; inf: checked, and a form gave a non-finite value where the other did not
+    checked = table[table["ref_max_abs_dev"].notna()] if "ref_max_abs_dev" in table else table.iloc[:0]
     if not len(checked):
         return None
     worst = checked.loc[checked["ref_max_abs_dev"].idxmax()]
@@ -97,10 +101,15 @@ def reference_check_summary(table) -> dict | None:
         "max_dev_over_rmse_dtype": None,
         "tolerance_dev_over_rmse": REFERENCE_TOLERANCE,
     }
+    if not np.isfinite(summary["max_abs_dev"]):
+        # a form gave NaN or inf where the other did not: no deviation to state (null in the metadata's JSON), and
+        # the estimator that did it named
+        return {**summary, "max_abs_dev": None, "non_finite": True}
     inexact = checked[[not _declared_exact(name, params) for name, params in zip(checked["estimator"],
                                                                                   checked["params"])]]
     if len(inexact):
-        ratio = inexact["ref_max_abs_dev"] / np.sqrt(inexact["mse"].clip(lower=1e-300))
+        # an MSE that is NaN (the estimate was) makes the ratio as large as it gets, not a NaN that idxmax skips
+        ratio = (inexact["ref_max_abs_dev"] / np.sqrt(inexact["mse"].clip(lower=1e-300))).fillna(np.inf)
         worst_ratio = inexact.loc[ratio.idxmax()]
         summary.update(max_dev_over_rmse=float(ratio.max()), max_dev_over_rmse_label=str(worst_ratio["label"]),
                        max_dev_over_rmse_dtype=str(worst_ratio["dtype"]),

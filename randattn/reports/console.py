@@ -113,6 +113,10 @@ def reference_check_line(check: Mapping[str, Any]) -> str:
     :data:`~randattn.analysis.records.REFERENCE_TOLERANCE`."""
     from randattn.analysis.records import REFERENCE_TOLERANCE
 
+    if check.get("non_finite"):  # not rounding: one form gave NaN or inf where the other did not
+        return (f"[yellow]reference check[/]: {count(check['units_checked'], 'unit')} re-run on the float64 "
+                f"reference; {check['max_abs_dev_label']}: one form gave a non-finite value where the other did not, "
+                f"so its rows say nothing (randattn check {check['max_abs_dev_label'].split(':')[0]} compares the two)")
     ratio = check.get("max_dev_over_rmse")
     flag = ratio is not None and ratio > REFERENCE_TOLERANCE
     colour = "yellow" if flag else "green"

@@ -888,6 +888,12 @@ def reference_check_html(metadata: Mapping[str, Any] | None, names: Mapping[str,
     if not isinstance(check, Mapping):
         return []
     esc = html.escape
+    if check.get("non_finite"):  # one form gave NaN or inf where the other did not: no deviation to state
+        label = str(check.get("max_abs_dev_label", ""))
+        who = esc((names or {}).get(label, label))
+        return [f'<div class="warning"><b>Reference check</b>: for <span title="{esc(label)}">{who}</span> one form '
+                "(batched or reference) gave a non-finite value where the other did not, so its rows say nothing; "
+                f"<code>randattn check {esc(label.split(':')[0])}</code> compares the two.</div>"]
     if check.get("max_dev_over_rmse", 0.0) is None:  # only exact estimators checked: their RMSE is rounding
         try:
             units, deviation = int(check.get("units_checked", 0)), float(check["max_abs_dev"])

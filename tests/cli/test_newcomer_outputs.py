@@ -597,6 +597,29 @@ def test_a_reference_check_of_exact_estimators_only_gives_no_ratio_and_no_advice
     assert "deviates from it by at most 2.5e-07 (exact estimators only" in html and "--dtype" not in html
 
 
+def test_a_form_that_gives_nan_fails_the_reference_check_by_name():
+    """A batched form that returns NaN where the reference is finite deviates infinitely (not NaN, which the table
+    reads as "not checked"); the summary names the estimator, states no deviation (JSON null), and the terminal and
+    the report say so. Equal entries, NaN in both included, deviate by 0."""
+    from randattn.analysis.execute import max_abs_deviation
+    from randattn.analysis.records import reference_check_summary
+    from randattn.reports.console import reference_check_line
+    from randattn.reports.html import reference_check_html
+
+    nan, inf = float("nan"), float("inf")
+    assert max_abs_deviation(np.array([1.0, nan, 2.0]), np.array([1.5, nan, 2.0])) == 0.5
+    assert max_abs_deviation(np.array([1.0, 2.0]), np.array([1.0, nan])) == inf
+    assert max_abs_deviation(np.array([inf, 2.0]), np.array([inf, 2.25])) == 0.25
+    assert max_abs_deviation(np.array([inf]), np.array([-inf])) == inf
+    table = _checked_rows(("rfa", "{}", "rfa", "float32", 1e-2, 1e-6), ("m-nan", "{}", "m-nan", "float32", nan, inf))
+    check = reference_check_summary(table)
+    assert check["non_finite"] is True and check["max_abs_dev"] is None and check["max_abs_dev_label"] == "m-nan"
+    json.dumps(check, allow_nan=False)  # strict JSON in the metadata
+    assert "m-nan: one form gave a non-finite value where the other did not" in reference_check_line(check)
+    (html,) = reference_check_html({"reference_check": check})
+    assert '<div class="warning">' in html and "randattn check m-nan" in html
+
+
 def test_the_reference_check_line_says_the_ratio_and_advises_float64_only_above_the_tolerance():
     from randattn.reports.console import reference_check_line
 
