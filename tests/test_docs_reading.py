@@ -78,3 +78,22 @@ def test_a_link_to_a_repository_folder_leads_to_a_copy_in_the_site(tmp_path):
     assert hooks.on_page_markdown(line, source, with_url, files) == (
         "The worked example is [`examples/randattn-nystrom/`](https://example.org/randattn/tree/HEAD/"
         "examples/randattn-nystrom): Nyströmformer")
+
+
+def test_the_masks_guide_lists_every_estimator_with_the_masks_its_spec_declares():
+    """docs/guide/masks.md's table has a row per registered built-in, and its causal and sliding-window columns say
+    "yes" (or a qualified "yes, ...") exactly where the spec's defaults declare the mask."""
+    from randattn.estimators.registry import get_spec, list_estimators
+
+    text = (ROOT / "docs/guide/masks.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and re.fullmatch(r"`[a-z]+`", cells[0]):
+            rows[cells[0].strip("`")] = cells[1:3]
+    names = [name for name in list_estimators() if get_spec(name).draw.__module__.startswith("randattn.")]
+    assert sorted(rows) == sorted(names)
+    for name, (causal, sliding) in rows.items():
+        masks = get_spec(name).masks_of(get_spec(name).resolve_params({}))
+        assert causal.lower().lstrip("*").startswith("yes") == ("causal" in masks), name
+        assert sliding.startswith("yes") == ("sliding" in masks), name
