@@ -142,7 +142,12 @@ def _worker_runner(path: str, mtime_ns: int, config_key: str, config):
     from randattn.analysis.execute import UnitRunner
 
     retain_freed_memory()  # a worker process is ours to configure, as the CLI's is (randattn._process)
-    return UnitRunner(load_activations(path), config)
+    with warnings.catch_warnings():
+        # the client read the same file to plan and said its warnings once, in its own words; a worker that said
+        # them again would print them in Python's format (file, line, source) once per process
+        warnings.simplefilter("ignore")
+        activations = load_activations(path)
+    return UnitRunner(activations, config)
 
 
 def _run_unit_in_worker(path: str, config, config_key: str, unit, parts_dir: str | None, specs=()):

@@ -158,7 +158,7 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                     client = held.enter_context(_client(where, jobs[0].config.threads))
             except KeyboardInterrupt as exc:  # nothing computed yet; a resumed run's kept units are said
                 out = None if current is None else current.out
-                _interrupted(exc, None if out is None else parts_path(out), None)
+                _interrupted(exc, None if out is None else parts_path(out), None, closing=held.close)
             summaries: dict[str, Any] = {}
             show = "table" if not as_json else "none" if several else "json"
             written: list[Path] = []
@@ -178,7 +178,7 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                         store.drop_empty_parts(parts)  # refused before any unit finished (memory): leave nothing
                     raise
                 except KeyboardInterrupt as exc:
-                    _interrupted(exc, parts, job.plan, written)
+                    _interrupted(exc, parts, job.plan, written, closing=held.close)
                 except OSError as exc:
                     if parts is None or no_space_message(exc) is None:
                         raise
@@ -329,9 +329,12 @@ def _client(where: Any, threads: int | None = None) -> Iterator[Any]:
         manager.__exit__(None, None, None)
 
 
-def _interrupted(exc: BaseException, parts, plan, written: Sequence[Path] = ()) -> NoReturn:
+def _interrupted(exc: BaseException, parts, plan, written: Sequence[Path] = (),
+                 closing: Callable[[], Any] | None = None) -> NoReturn:
     """Say what an interrupted (Ctrl-C, SIGTERM) run kept and how to continue it; exit 128 + the signal.
-    ``written``: the outputs of the files this run finished before (several files)."""
+    ``written``: the outputs of the files this run finished before (several files). ``closing``: what the run
+    holds (a Dask cluster, the outputs' locks), closed first, so that the workers' own reports of the signal come
+    before these lines and the ``--resume`` command is the last thing said."""
     from rich.markup import escape
 
     from randattn.analysis.store import drop_empty_parts
@@ -339,6 +342,8 @@ def _interrupted(exc: BaseException, parts, plan, written: Sequence[Path] = ()) 
     from randattn.reports.console import interrupted_text
     from randattn.results.parts import stored_unit_ids
 
+    if closing is not None:
+        closing()
     stored = stored_unit_ids(parts) if parts is not None else set()
     if parts is not None and not stored:
         drop_empty_parts(parts)

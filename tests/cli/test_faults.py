@@ -386,6 +386,34 @@ def test_sigkill_during_a_part_write_leaves_no_partial_part_and_resume_is_identi
     _assert_same_table(out, reference)
 
 
+@pytest.mark.slow  # a Dask cluster of two worker processes: ~15 s on 2 cores
+def test_ctrl_c_on_a_dask_run_says_the_resume_command_last_and_resume_is_identical(acts, tmp_path):
+    """Ctrl-C reaches the whole process group (the workers too), as a terminal sends it: the workers' own reports
+    of the signal come before the run's lines, so "continue with:" and the command are the last thing said; the
+    workers print no warning of their own about the file (the client said it once, in its own words); and the
+    resumed table equals an uninterrupted one."""
+    sweep = ("-e", "ra", "-e", "rfa", "--samples", "4,8,16", "--replicates", "400", "--scheduler", "processes:2")
+    whole = tmp_path / "whole.parquet"
+    assert _cli("mse", acts, *sweep[:-2], "--out", whole).returncode == 0
+    out = tmp_path / "x.parquet"
+    child = _spawn("mse", acts, *sweep, "--out", out, preexec_fn=os.setsid)
+    deadline = time.monotonic() + 120
+    while not list(_parts(out).glob("part-*.parquet")):
+        assert child.poll() is None and time.monotonic() < deadline, "no unit finished before the run ended"
+        time.sleep(0.02)
+    os.killpg(child.pid, signal.SIGINT)
+    result = finish(child)
+    assert result.returncode == 130, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.strip()]
+    assert said[-2] == "continue with:", said[-6:]
+    argv = shlex.split(said[-1].strip())
+    assert argv[0] == "randattn" and "--resume" in argv
+    assert "executors.py" not in result.stderr  # no warning in Python's format from a worker
+    resumed = _cli(*argv[1:])
+    assert resumed.returncode == 0, resumed.stderr
+    _assert_same_table(out, whole)
+
+
 def test_sigint_to_any_command_exits_130_without_a_traceback(reference, tmp_path):
     marker = tmp_path / "drawing"
     child = _spawn("plot", reference, "--out", tmp_path / "figures",
