@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import keyword
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args
@@ -899,6 +900,10 @@ def validate_spec(spec: Any) -> EstimatorSpec:
         if pname in RESERVED_PARAMETER_NAMES:
             problems.append(f"parameter name {pname!r} is reserved by randattn (the reserved names: "
                             f"{', '.join(RESERVED_PARAMETER_NAMES)}); rename it")
+        elif not isinstance(pname, str) or not pname.isidentifier() or keyword.iskeyword(pname):
+            # every entry point takes the parameters as keyword arguments
+            problems.append(f"parameter name {pname!r} is not a Python identifier (a keyword argument of every "
+                            "entry point); use letters, digits and _ (e.g. top_k)")
         try:
             param.check(pname, param.default)
         except (TypeError, ValueError) as exc:
@@ -930,6 +935,9 @@ def validate_spec(spec: Any) -> EstimatorSpec:
             is_random = spec.is_random(resolved)
         except Exception as exc:
             problems.append(f"is_random of the {label} raised {type(exc).__name__}: {exc}")
+            continue
+        if not isinstance(is_random, (bool, np.bool_)):
+            problems.append(f"is_random of the {label} returned {is_random!r}; it must return True or False")
             continue
         if spec.convergence_of(resolved) == "exact" and is_random:
             problems.append(f"the {label} claim convergence 'exact' but is_random says they are random")

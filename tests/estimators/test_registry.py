@@ -107,6 +107,23 @@ def test_a_plugin_parameter_named_like_an_argument_of_estimate_is_refused_with_t
     assert {r.status for r in report.results[1:]} == {"skipped"}
 
 
+@pytest.mark.parametrize("name", ["top-k", "2nd", "class", "top k"])
+def test_a_parameter_name_that_is_no_keyword_argument_is_refused(name):
+    from randattn.estimators.base import Param
+
+    spec = dataclasses.replace(_copy("odd-name"), params={**_copy("odd-name").params, name: Param(4, "x", kind=int)})
+    with pytest.raises(randattn.estimators.SpecError, match=f"parameter name {name!r} is not a Python identifier"):
+        randattn.estimators.validate_spec(spec)
+
+
+@pytest.mark.parametrize("answer", ["yes", 1, None])
+def test_is_random_must_answer_true_or_false(answer):
+    spec = dataclasses.replace(_copy("vague"), is_random=lambda params: answer)
+    with pytest.raises(randattn.estimators.SpecError, match=f"is_random of the defaults returned {answer!r}; it "
+                                                            "must return True or False"):
+        randattn.estimators.validate_spec(spec)
+
+
 def test_the_reserved_names_cover_every_argument_of_estimate_and_draw_and_of_the_protocol_calls():
     """Any name ``randattn.estimate``/``draw`` take, or that ``draw``/``reference``/``batched`` get beside the
     parameters, is one a parameter would collide with."""
