@@ -730,6 +730,11 @@ def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
 
 
 def _read_npz(path: Path) -> tuple[dict[str, np.ndarray], str | None]:
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        # np.load would take any other file for a pickle and advise loading it unsafely
+        raise ValueError("it is not an .npz archive (a zip of .npy arrays, as numpy.savez writes)")
     with np.load(path, allow_pickle=False) as data:
         arrays = {key: data[key] for key in data.files}
     text = arrays.pop(METADATA_KEY, None)

@@ -100,8 +100,10 @@ def test_unknown_suffix_and_unreadable(tmp_path):
     with pytest.raises(ValueError, match="cannot read as safetensors"):
         load_activations(tmp_path / "bad.safetensors")
     (tmp_path / "bad.npz").write_bytes(b"garbage")
-    with pytest.raises(ValueError, match="cannot read as npz"):
+    with pytest.raises(ValueError, match="cannot read as npz") as info:
         load_activations(tmp_path / "bad.npz")
+    # said as what it is, not numpy's advice to unpickle it (np.load takes a non-zip file for a pickle)
+    assert "not an .npz archive" in str(info.value) and "allow_pickle" not in str(info.value)
 
 
 @pytest.mark.parametrize(
