@@ -185,21 +185,26 @@ def test_negative_control_off_by_one_mask_differs(variant, wrong, n, m):
     assert np.abs(off[rows] - ref[rows]).max() > 1e-6
 
 
-def test_unbiased_component_is_a_visible_key_even_when_u_exceeds_the_rounded_mass():
-    """u = 1 (above any rounded-down total of pi_n) picks the last visible key, not a hidden one: with zero
-    queries pi_n is uniform over V_n, eps = 0 gives omega = y_z, and eq. 6 over V_n is written out here."""
+@pytest.mark.parametrize(("u", "mask", "offset", "seen", "picked"), [
+    # u = 1, above any rounded-down total of pi_n: the last visible key, not a hidden one after it
+    (1.0, "causal", 2, lambda last: np.arange(last + 1), lambda last: last),
+    # u = 0 counts no key of the CDF, which is 0 before a window: the window's first key, not key 0 (hidden)
+    (0.0, "sliding:2", 3, lambda last: np.arange(last - 1, last + 1), lambda last: last - 1),
+], ids=["u=1-causal", "u=0-window"])
+def test_unbiased_component_at_the_ends_of_the_cdf_is_a_visible_key(u, mask, offset, seen, picked):
+    """Zero queries make pi_n uniform over V_n, eps = 0 gives omega = y_z, and eq. 6 over V_n is written out here,
+    with z the key the rule names; both forms (scale 1: x = q, y = k)."""
     rng = np.random.default_rng(7)
-    q, k, v = np.zeros((3, 4)), rng.standard_normal((5, 4)), rng.standard_normal((5, 2))
-    draws = Draws({"u": np.ones((1, 3, 1)), "eps": np.zeros((1, 3, 1, 4))}, 1)
+    q, k, v = np.zeros((3, 4)), rng.standard_normal((3 + offset, 4)), rng.standard_normal((3 + offset, 2))
+    draws = Draws({"u": np.full((1, 3, 1), u), "eps": np.zeros((1, 3, 1, 4))}, 1)
     expected = np.empty((3, 2))
     for n in range(3):
-        last = n + 2  # M - N = 2
-        keys = k[: last + 1]
-        logits = keys @ k[last] - 0.5 * (keys * keys).sum(-1)
+        keys = seen(n + offset)  # the last visible key is n + M - N
+        logits = k[keys] @ k[picked(n + offset)] - 0.5 * (k[keys] * k[keys]).sum(-1)
         w = np.exp(logits - logits.max())
-        expected[n] = w @ v[: last + 1] / w.sum()
-    assert_close(ra_ref.estimate(q, k, v, draws, scale=1.0, mask="causal")[0], expected, atol=1e-12)
-    bat = ra_bat.estimate(_t(q), _t(k), _t(v), draws.to_torch(), scale=1.0, mask="causal")
+        expected[n] = w @ v[keys] / w.sum()
+    assert_close(ra_ref.estimate(q, k, v, draws, scale=1.0, mask=mask)[0], expected, atol=1e-12)
+    bat = ra_bat.estimate(_t(q), _t(k), _t(v), draws.to_torch(), scale=1.0, mask=mask)
     assert_close(bat[0], expected, atol=1e-12)
 
 
@@ -367,20 +372,3 @@ def test_sliding_window_reference_and_batched_equal_the_loop_over_queries(varian
     if width >= m:
         assert np.array_equal(ref, ra_ref.estimate(q, k, v, draws, **params, mask="causal"))
 
-
-def test_unbiased_component_of_u_zero_is_the_windows_first_key():
-    """u = 0 counts no key of the CDF, which is 0 before the window: the component is the window's first key, not
-    key 0 (hidden). Zero queries make pi_n uniform, eps = 0 gives omega = y_z, and eq. 6 over the window is
-    written out here; both forms."""
-    rng = np.random.default_rng(11)
-    q, k, v = np.zeros((3, 4)), rng.standard_normal((6, 4)), rng.standard_normal((6, 2))
-    draws = Draws({"u": np.zeros((1, 3, 1)), "eps": np.zeros((1, 3, 1, 4))}, 1)
-    expected = np.empty((3, 2))
-    for n in range(3):
-        last = n + 3  # M - N = 3
-        window = np.arange(last - 1, last + 1)  # W = 2
-        logits = k[window] @ k[window[0]] - 0.5 * (k[window] * k[window]).sum(-1)
-        w = np.exp(logits - logits.max())
-        expected[n] = w @ v[window] / w.sum()
-    assert_close(ra_ref.estimate(q, k, v, draws, scale=1.0, mask="sliding:2")[0], expected, atol=1e-12, rtol=1e-12)
-    assert_close(_batched(q, k, v, draws, {}, scale=1.0, mask="sliding:2")[0], expected, atol=1e-12, rtol=1e-12)
