@@ -294,8 +294,9 @@ class ImportanceWeights:
         ``weights_per_sample(params) -> int``: importance weights per sample (J = S L; 2 for
         hyperbolic features), which decides whether k-hat's tail of 5 can be fitted.
     masks : tuple or callable
-        The masks of :data:`~randattn.estimators.masks.DECLARABLE_MASKS` the providers compute the weights under, or ``masks(params) ->
-        tuple``; they get a ``mask=`` keyword only when it is not None, as the estimator's forms do.
+        The masks of :data:`~randattn.estimators.masks.DECLARABLE_MASKS` the providers compute the weights
+        under, or ``masks(params) -> tuple``; they get a ``mask=`` keyword only when it is not None, as the
+        estimator's forms do.
         Default ``(None,)``: bidirectional weights only, so under a mask the diagnostics are skipped
         (weights that pool later keys would describe another estimator than the one measured).
     """
@@ -977,8 +978,8 @@ def validate_spec(spec: Any) -> EstimatorSpec:
                 problems.append(f"importance_weights.masks could not be evaluated: {type(exc).__name__}: {exc}")
                 break
             if None not in weight_masks or not set(weight_masks) <= set(DECLARABLE_MASKS):
-                problems.append(f"importance_weights.masks must be a tuple holding None and optionally 'causal' and 'sliding', "
-                                f"got {weight_masks!r}")
+                problems.append("importance_weights.masks must be a tuple holding None and optionally 'causal' and "
+                                f"'sliding', got {weight_masks!r}")
                 break
     for limit in spec.exact_limits:
         if not isinstance(limit, ExactLimit):

@@ -967,8 +967,8 @@ def position_figure(
         centres = sorted(ticks)
         ax.set_xticks(centres, [ticks[c] for c in centres], rotation=45 if len(centres) > 6 else 0)
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_title(f"S = {s}" + (f", N = {n} tokens" if several_tokens else "") + (f", {_mask_words(kind)}" if kind else ""),
-                     fontsize=10)
+        title = f"S = {s}" + (f", N = {n} tokens" if several_tokens else "")
+        ax.set_title(title + (f", {_mask_words(kind)}" if kind else ""), fontsize=10)
         ax.set_xlabel(_POSITION_LABEL)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel(f"MSE ({MSE_UNITS})")

@@ -60,7 +60,8 @@ SPEC = family_spec(
     RaOptions, draw, reference, batched,
     name="ra",
     summary=("randomized attention: per-query samples from the mixture p_n (unbiased) or its mean-field Gaussian "
-             "(biased); causal and sliding-window masks supported (mixture over each query's visible keys, still quadratic)"),
+             "(biased); causal and sliding-window masks supported (mixture over each query's visible keys, still "
+             "quadratic)"),
     source="Zheng et al. ICML 2022 (LARA) sec. 3.2, Prop. 3.2, app. G.2 eq. 29-31",
     complexity="O(N M (S D + D + Dv)), causal or not (the causal form masks the same N x M logits: quadratic)",
     is_random=_is_random,

@@ -178,9 +178,10 @@ def kept_keys_spec(*, options_type: type[KeptKeysOptions], reference: Any, batch
 
     Its parameters are the fields of ``options_type``; the forms are ``reference.estimate`` and the protocol
     forms of the ``batched`` module (with its ``keys_used``); no configuration is random; it is normalized
-    attention over the kept keys, under the masks of ``options_type.declared_masks``; and it makes no convergence claim: biased for S < M, exact
-    once the kept keys cover every key (each family's ``exact_limits``), nothing in between. Every other fact
-    (name, sources, ``selection``, ``exact_limits``, ...) is the family's, in ``declared``.
+    attention over the kept keys, under the masks of ``options_type.declared_masks``; and it makes no
+    convergence claim: biased for S < M, exact once the kept keys cover every key (each family's
+    ``exact_limits``), nothing in between. Every other fact (name, sources, ``selection``, ``exact_limits``, ...)
+    is the family's, in ``declared``.
     """
     return family_spec(
         options_type, draw, reference, batched,
