@@ -50,6 +50,10 @@ __all__ = ["PROBABILITY_KEY_TILE", "PROBABILITY_ROUNDING_RTOL", "BlockEstimator"
 #: the memory budget. 256: causal RFA (S = 64, 4096 tokens, 2 cores) takes 0.80 s for a call with 64 value columns,
 #: 0.88 s with 256 and 5.9 s with 1024, so 256 columns per call is the cheapest per column measured
 PROBABILITY_KEY_TILE = 256
+#: above this many entries of an M x M identity (1024 x 1024, as the tiled truth's threshold) an estimator without a
+#: probability form is given one-hot value columns a tile at a time; below it, the identity at once (the bits of
+#: every earlier table)
+IDENTITY_ABOVE = 2**20
 
 
 class ProbabilitiesSkippedWarning(UserWarning):
@@ -317,6 +321,25 @@ class BlockEstimator:
                           **mask.estimator_kwargs)
         return _per_query_array(est, values, (draws.replicates, *q.shape[:-1]), form)
 
+    def _one_hot_sq_errors(self, spec, est: EstimatorConfig, tq, tk, tdraws: Draws, exact_probs, mask: Mask,
+                           dt) -> np.ndarray:
+        """float64 ``(R_b, C_b)``: the squared probability error of an estimator without a probability form, from
+        its estimate of :data:`PROBABILITY_KEY_TILE` one-hot value columns at a time against the dense exact
+        probabilities: ``M / tile`` estimates of ``(K, tile)`` each, where one estimate of the ``M x M`` identity
+        would hold ``M^2`` values (2 GiB in float64 at 16,384 keys) for a ``K x M`` truth."""
+        torch = self.torch
+        m, total = tk.shape[-2], None
+        exact = torch.as_tensor(exact_probs, device=self.device, dtype=dt)
+        for k0 in range(0, m, PROBABILITY_KEY_TILE):
+            k1 = min(k0 + PROBABILITY_KEY_TILE, m)
+            onehot = torch.zeros((*tk.shape[:-1], k1 - k0), device=self.device, dtype=dt)
+            onehot[..., torch.arange(k0, k1), torch.arange(k1 - k0)] = 1.0
+            columns = spec.batched(tq, tk, onehot, tdraws, scale=self.scale, **est.params, **mask.estimator_kwargs)
+            diff = columns.to(torch.float64).sub_(exact[..., k0:k1])
+            part = torch.linalg.vecdot(diff.flatten(-2), diff.flatten(-2))  # (R_b, C_b)
+            total = part if total is None else total.add_(part)
+        return total.cpu().numpy()
+
     def _reference(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, exact_probs, mask: Mask = NO_MASK):
         """:meth:`estimate` by the float64 numpy reference; the probabilities as its estimate of the identity."""
         masked = mask.estimator_kwargs
@@ -349,6 +372,9 @@ class BlockEstimator:
                 out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
                 if spec.forms.has("probabilities"):
                     probs = spec.forms.get("probabilities")(tq, tk, tdraws, scale=self.scale, **est.params, **masked)
+                elif m * m > IDENTITY_ABOVE:
+                    prob_sq = self._one_hot_sq_errors(spec, est, tq, tk, tdraws, exact_probs, mask, dt)
+                    return out, prob_sq, facts
                 else:
                     eye = torch.eye(m, device=self.device, dtype=dt).expand(*k.shape[:-1], m)
                     probs = spec.batched(tq, tk, eye, tdraws, scale=self.scale, **est.params, **masked)

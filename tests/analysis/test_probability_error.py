@@ -156,3 +156,34 @@ def test_a_near_exact_estimate_is_refused_in_float64_too(rng):
     exact = np.asarray(left, np.float64) @ np.asarray(right, np.float64)
     sq, bound = _call(left, right, exact[0], torch.float64)
     assert not factored_rounding_negligible(sq, bound, 1e-3)
+
+
+def test_an_estimator_without_a_probability_form_is_measured_by_one_hot_tiles_above_the_identity_size(monkeypatch):
+    """local and scatterbrain declare no probability form: with 1,100 keys (a 1.2M-entry identity, above 2^20) and
+    the last 64 causal queries (a dense truth), their probability error comes from one-hot value columns a tile at a time,
+    never an M x M identity (torch.eye is made to fail), and equals the identity's (forced by raising the threshold)
+    to 1e-10 relative: the same terms summed in another order."""
+    import torch
+
+    from randattn.activations import make_activations
+    from randattn.analysis import estimate_block
+    from randattn.analysis.plan import SweepConfig, parse_estimator_list
+    from randattn.analysis.sweep import run_sweep
+
+    rng = np.random.default_rng(2)
+    acts = make_activations({0: tuple(0.5 * rng.normal(size=(1, 2, 1100, 8)) for _ in range(3))},
+                            {"scale": 8 ** -0.5, "layout": "sequence"})
+    config = SweepConfig(estimators=parse_estimator_list("local:window=64;scatterbrain:window=64"), num_samples=(8,),
+                         replicates=3, seed=1, threads=1, dtype="float64", mask="causal", diagnostics=False,
+                         check_reference=0.0, queries="last:64")
+    eye = torch.eye
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "eye", lambda *a, **k: pytest.fail("an identity was made"))
+        tiles = run_sweep(acts, config)
+    with monkeypatch.context() as patch:
+        patch.setattr(estimate_block, "IDENTITY_ABOVE", 2**40)
+        patch.setattr(torch, "eye", eye)
+        identity = run_sweep(acts, config)
+    assert np.isfinite(tiles.prob_mse).all()
+    np.testing.assert_allclose(tiles.prob_mse, identity.prob_mse, rtol=1e-10, atol=0)
+    np.testing.assert_array_equal(tiles.mse, identity.mse)  # the estimates are the same calls
