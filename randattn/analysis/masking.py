@@ -153,10 +153,13 @@ def check_estimator_masks(spec: Any, label: str, layer_kinds: Mapping[int, str |
         if window is not None and not spec.supports_mask(kind):
             # masks_of, not the field: a family may declare its masks as a function of its parameters (rfa, eva)
             supported = ", ".join("none" if m is None else repr(m) for m in spec.masks_of())
+            why = spec.mask_notes.get("sliding")
+            why = why(spec.resolve_params({})) if callable(why) else why
             raise ValueError(
                 f"layer {layer} uses a sliding-window mask ({kind!r}: each query sees its last {window} keys), which "
-                f"estimator {spec.name!r} does not compute (it supports: {supported}); leave the layer out with "
-                "--layers, or choose another mask with --mask"
+                f"estimator {spec.name!r} does not compute (it supports: {supported}"
+                + (f"; {why}" if why else "") + "); leave the layer out with --layers, or choose another mask with "
+                "--mask"
             )
         try:
             spec.check_mask(kind)

@@ -132,7 +132,8 @@ def test_an_estimator_without_the_mask_is_refused_by_name_before_computing(acts)
 def test_sliding_window_layers_are_refused_naming_the_layer(acts):
     config = _config(mask={0: "causal", 5: "sliding:3"}, estimators=parse_estimator_list("streaming;softmax"))
     with pytest.raises(ValueError, match="layer 5 uses a sliding-window mask \\('sliding:3'.*estimator 'streaming' does "
-                                         "not compute"):
+                                         "not compute \\(it supports: none, 'causal'; its sink keys are the first "
+                                         "tokens, which a sliding window has passed"):
         plan(acts, config)
     # rfa and eva declare their masks as a function of their parameters: the same refusal, not a TypeError
     for name in ("rfa", "eva"):

@@ -66,6 +66,7 @@ from randattn.estimators.base import Draws, ExactLimit, family_spec, keyword_ent
 from randattn.estimators.magicpig import batched, reference
 from randattn.estimators.magicpig.reference import MagicpigOptions
 from randattn.estimators.masks import check_causal_shapes
+from randattn.estimators.sparse.selection import SLIDING_SINKS_NOTE
 
 __all__ = ["PARAMS", "SPEC", "draw"]
 
@@ -103,6 +104,7 @@ def _describe(params: Mapping[str, Any], defaults: Mapping[str, Any]) -> tuple[s
 SPEC = family_spec(
     MagicpigOptions, draw, reference, batched,
     name="magicpig",
+    mask_notes={"sliding": SLIDING_SINKS_NOTE},
     summary="MagicPIG: SimHash (K bits x L tables) samples keys, weighted by 1/P[collide in >= 2 tables], "
             "sinks + local window exact",
     source="Chen et al. 2024 (MagicPIG), arXiv 2410.16179 sec. 4.1-4.4, eqs. 9-11, Algorithm 1, app. E; "

@@ -36,6 +36,7 @@ def _page_limit(num_queries: int, num_keys: int) -> int:
 
 SPEC = kept_keys_spec(
     name="quest",
+    mask_notes={"sliding": "a window cuts the pages its bounds rank, and no rule for a page the window cuts is settled"},
     summary="Quest: exact softmax over the pages of largest min/max upper bound (S = pages kept x page_size)",
     source="Tang et al. 2024, Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference, arXiv 2406.10774, "
            "sec. 3.4, Alg. 1, sec. 3.5; mit-han-lab/Quest",

@@ -20,7 +20,7 @@ captured q and k here are post-RoPE at their original positions. The keys are ch
 from __future__ import annotations
 
 from randattn.estimators.base import ExactLimit
-from randattn.estimators.sparse.selection import budget_draw, kept_keys_spec
+from randattn.estimators.sparse.selection import SLIDING_SINKS_NOTE, budget_draw, kept_keys_spec
 from randattn.estimators.streaming import batched, reference
 from randattn.estimators.streaming.reference import StreamingOptions
 
@@ -32,6 +32,7 @@ draw = budget_draw(StreamingOptions)
 
 SPEC = kept_keys_spec(
     name="streaming",
+    mask_notes={"sliding": SLIDING_SINKS_NOTE},
     summary="StreamingLLM: exact softmax over the attention-sink keys and a window of recent keys (S = sinks + window)",
     source="Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks, arXiv 2309.17453, sec. 3.2, "
            "fig. 4; mit-han-lab/streaming-llm (StartRecentKVCache)",

@@ -80,6 +80,7 @@ import numpy as np
 from randattn._validation import check_positive_int
 from randattn.estimators.base import Draws, ExactLimit, family_spec, keyword_entry
 from randattn.estimators.masks import check_causal_shapes
+from randattn.estimators.sparse.selection import SLIDING_SINKS_NOTE
 from randattn.estimators.vattention import batched, reference
 from randattn.estimators.vattention.rules import PARAMS, VattentionOptions, uniform_counts
 
@@ -137,6 +138,7 @@ _SMALL_ADAPTIVE = {**_SMALL, "epsilon": 0.2, "delta": 0.2, "base_rate": 0.25}
 SPEC = family_spec(
     VattentionOptions, draw, reference, batched,
     name="vattention",
+    mask_notes={"sliding": SLIDING_SINKS_NOTE},
     summary="vAttention: sinks + local window + top-k exact, a uniform sample of the residual reweighted by "
             "n_residual / n_sampled; sample size from a CLT budget for (epsilon, delta) or fixed at S",
     source="Desai et al., vAttention: Verified Sparse Attention, ICLR 2026, arXiv 2510.05688 (estimator of N and D, "
