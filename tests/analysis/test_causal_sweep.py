@@ -130,10 +130,10 @@ def test_an_estimator_without_the_mask_is_refused_by_name_before_computing(acts)
 
 
 def test_sliding_window_layers_are_refused_naming_the_layer(acts):
-    config = _config(mask={0: "causal", 5: "sliding:3"}, estimators=parse_estimator_list("streaming;softmax"))
-    with pytest.raises(ValueError, match="layer 5 uses a sliding-window mask \\('sliding:3'.*estimator 'streaming' does "
-                                         "not compute \\(it supports: none, 'causal'; its sink keys are the first "
-                                         "tokens, which a sliding window has passed"):
+    config = _config(mask={0: "causal", 5: "sliding:3"},
+                     estimators=parse_estimator_list("magicpig:local=0,sinks=2;softmax"))
+    with pytest.raises(ValueError, match="layer 5 has mask 'sliding:3': estimator 'magicpig:sinks=2,local=0': "
+                                         "local must be >= 1 under mask='sliding:3'"):
         plan(acts, config)
     # rfa and eva declare their masks as a function of their parameters: the same refusal, not a TypeError
     for name in ("rfa", "eva"):
@@ -193,12 +193,13 @@ def test_bucket_metrics_of_a_random_and_a_deterministic_estimator_match_the_defi
 
 
 def test_a_sliding_window_layer_is_measured_against_its_own_window(acts):
-    """topk, softmax and RA declare ``"sliding"``: on a layer with ``sliding:3`` (beside a causal one) each cell's
-    MSE, keys used and per-position MSE equal the definitions, with the exact attention and top-k over each query's
-    last 3 keys written as loops here (RA's replicates redrawn from the cell's seed); the estimators that do not
-    declare it are still refused."""
-    config = _config(mask={0: "causal", 5: "sliding:3"}, estimators=parse_estimator_list("topk;softmax;ra"),
-                     num_samples=(2,))
+    """topk, softmax, RA and StreamingLLM declare ``"sliding"``: on a layer with ``sliding:3`` (beside a causal one)
+    each cell's MSE, keys used and per-position MSE equal the definitions, with the exact attention, top-k and
+    StreamingLLM (its sink read only while the window shows it) over each query's last 3 keys written as loops here
+    (RA's replicates redrawn from the cell's seed); a StreamingLLM budget with no recent window is refused naming
+    the layer."""
+    config = _config(mask={0: "causal", 5: "sliding:3"},
+                     estimators=parse_estimator_list("topk;softmax;ra;streaming:sinks=1"), num_samples=(2,))
     tables = run_sweep_tables(acts, config)
     table, positions = tables.table, tables.positions
     assert table.groupby("layer")["mask"].unique().map(tuple).to_dict() == {0: ("causal",), 5: ("sliding:3",)}
@@ -213,7 +214,13 @@ def test_a_sliding_window_layer_is_measured_against_its_own_window(acts):
         logits = np.array([SCALE * float(q[n] @ k[j]) for j in kept])
         weights = np.exp(logits - logits.max())
         top2[n] = (weights / weights.sum()) @ v[kept]
-    for label, estimate in (("softmax", truth), ("topk", top2)):
+    sink_and_own = np.zeros_like(truth)
+    for n in range(N):  # StreamingLLM, S = 2 with one sink: key 0 while the window shows it, and the query's own key
+        kept = [j for j in sorted({0, n}) if j >= n - 2]
+        logits = np.array([SCALE * float(q[n] @ k[j]) for j in kept])
+        weights = np.exp(logits - logits.max())
+        sink_and_own[n] = (weights / weights.sum()) @ v[kept]
+    for label, estimate in (("softmax", truth), ("topk", top2), ("streaming:sinks=1", sink_and_own)):
         [row] = table[(table.label == label) & (table.layer == 5) & (table.image == "cat")
                       & (table["head"] == 1)].to_dict("records")
         assert row["mse"] == pytest.approx(((estimate - truth) ** 2).mean(), rel=1e-9, abs=1e-30), label
@@ -232,9 +239,10 @@ def test_a_sliding_window_layer_is_measured_against_its_own_window(acts):
     for bucket in rows.to_dict("records"):
         queries = slice(bucket["position_lo"] - 1, bucket["position_hi"])
         assert bucket["mse"] == pytest.approx(((top2[queries] - truth[queries]) ** 2).mean(), rel=1e-9, abs=1e-30)
-    with pytest.raises(ValueError, match="layer 5 uses a sliding-window mask .*estimator 'streaming' does not "
-                                         "compute"):
-        plan(acts, _config(mask={0: "causal", 5: "sliding:3"}, estimators=parse_estimator_list("topk;streaming")))
+    with pytest.raises(ValueError, match="layer 5 has mask 'sliding:3': estimator 'streaming:sinks=2': "
+                                         "num_samples S=2 equals sinks=2 under mask='sliding:3'"):
+        plan(acts, _config(mask={0: "causal", 5: "sliding:3"}, estimators=parse_estimator_list("topk;streaming:sinks=2"),
+                           num_samples=(2,)))
 
 
 def test_bucket_metrics_weighted_by_their_queries_give_the_cell(acts):

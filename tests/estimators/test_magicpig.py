@@ -68,8 +68,9 @@ def _literal_magicpig(q, k, v, planes, *, scale, at_least, sinks, local, center,
         return tuple(sum(planes[table][b][d] * vector[d] for d in range(dim)) > 0 for b in range(bits))
 
     for n in range(num_queries):
-        last = n + num_keys - num_queries if mask == "causal" else num_keys - 1
-        visible = [m for m in range(num_keys) if m <= last]
+        last = n + num_keys - num_queries if mask else num_keys - 1
+        width = int(mask.split(":")[1]) if mask and mask.startswith("sliding:") else num_keys
+        visible = [m for m in range(num_keys) if last - width < m <= last]  # sinks a window has passed: not seen
         exact = [m for m in visible if m < sinks or m > last - local]
         candidates = [m for m in visible if m not in exact]
         pool = {"all-keys": visible, "hashed-keys": candidates, "none": []}[center]
@@ -94,9 +95,11 @@ def _literal_magicpig(q, k, v, planes, *, scale, at_least, sinks, local, center,
     return np.array(out), sampled_pairs, skipped_pairs
 
 
-@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("mask", [None, "causal", "sliding:3", "sliding:7"])
 @pytest.mark.parametrize("at_least", [2, 1])
 def test_reference_follows_the_paper_query_by_query(mask, at_least):
+    """The reference against Algorithm 1 written out; under a window of 3 every query (tokens 5..8) has passed the
+    sink (key 0), under a window of 7 the first query still sees it."""
     rng = np.random.default_rng(3)
     q, k, v = rng.normal(size=(4, 3)), rng.normal(size=(9, 3)), rng.normal(size=(9, 2))
     sampled = skipped = 0
@@ -113,7 +116,7 @@ def test_reference_follows_the_paper_query_by_query(mask, at_least):
 
 
 # ----------------------------------------------------------------------------------------- batched == reference
-@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("mask", [None, "causal", "sliding:9"])
 @pytest.mark.parametrize(("label", "q_shape", "k_shape"), [
     ("decode N=3 over M=40", (3, 6), (40, 6)),
     ("batch 2, N=M=11", (2, 11, 5), (2, 11, 5)),
@@ -144,7 +147,7 @@ def test_batched_equals_reference(mask, label, q_shape, k_shape):
         assert sampled.min() >= 0 and sampled.max() > 0 and (sampled < candidates.sum(-1)).any(), what
 
 
-@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("mask", [None, "causal", "sliding:4"])
 def test_batched_in_chunks_of_one_query(mask, monkeypatch):
     """Chunking the queries (here one at a time) changes nothing."""
     rng = np.random.default_rng(9)
@@ -369,6 +372,24 @@ def test_bad_draws_and_masks():
                            **_params(), mask="causal")
 
 
+def test_a_window_needs_local_keys():
+    """Under a sliding window the sinks pass out of view, so local=0 could leave a query no key: the spec declares
+    no window for it (``randattn.estimate`` says why) and the options refuse it in every form."""
+    import randattn
+
+    rng = np.random.default_rng(23)
+    q, k, v = rng.normal(size=(3, 4)), rng.normal(size=(8, 4)), rng.normal(size=(8, 2))
+    assert "sliding" in SPEC.masks_of(_params(local=1)) and "sliding" not in SPEC.masks_of(_params(local=0))
+    with pytest.raises(ValueError, match="with local=0 a query whose window has passed the sinks keeps no exact key"):
+        randattn.estimate(SPEC, q, k, v, num_samples=4, sinks=2, local=0, mask="sliding:4")
+    with pytest.raises(ValueError, match="local must be >= 1 under mask='sliding:4'"):
+        _draw(q, k, 4, _params(sinks=2, local=0), mask="sliding:4")
+    good = _draw(q, k, 4, _params(sinks=2, local=1), mask="sliding:4")
+    with pytest.raises(ValueError, match="local must be >= 1 under mask='sliding:4'"):
+        batched.estimate(torch.as_tensor(q), torch.as_tensor(k), torch.as_tensor(v), good, **_params(sinks=2, local=0),
+                         mask="sliding:4")
+
+
 def test_presets_and_description_name_the_conventions():
     assert SPEC.describe(_params(), _params()) == ("K=10, >= 2 tables", ["4 sinks + 64 local"],
                                                    {"hash_bits", "min_collisions", "sinks", "local", "center"})
@@ -382,7 +403,7 @@ def test_the_batched_exact_and_candidate_sets_are_the_references_made_on_the_dev
     """The position-only (N, M) sets, made with torch from the shapes (no host array uploaded per call), equal the
     reference's numpy sets for both masks, N < M, windows and sinks covering everything, and none at all; the
     shape-only test for "anything to hash" agrees with the sets."""
-    for mask in (None, "causal"):
+    for mask in (None, "causal", "sliding:1", "sliding:6"):
         for n, m in ((1, 1), (5, 5), (3, 11), (7, 20)):
             for sinks in (0, 1, 4):
                 for local in (0, 1, 3, 30):
@@ -391,7 +412,11 @@ def test_the_batched_exact_and_candidate_sets_are_the_references_made_on_the_dev
                     assert exact.dtype == candidates.dtype == torch.bool
                     np.testing.assert_array_equal(exact.numpy(), exact_np)
                     np.testing.assert_array_equal(candidates.numpy(), candidates_np)
-                    assert batched._has_candidates(m, sinks, local) == bool(candidates_np.any())
+                    anything = batched._has_candidates(m, sinks, local)
+                    if mask is None or mask == "causal":
+                        assert anything == bool(candidates_np.any())
+                    else:  # from the shapes alone: a window may leave none where the causal mask has some
+                        assert anything or not candidates_np.any()
 
 
 # ---------------------------------------------------------------- the sampler's two forms: buckets, comparisons

@@ -20,17 +20,25 @@ def test_conformance(estimator, check):
     check(estimator)
 
 
-def _loop_bounds(x, y, page_size, causal):
+def _seen(n, num_queries, num_keys, mask):
+    """``(first, last)``: query n sees keys ``first <= m <= last`` (every key; causal: up to its token
+    ``n + M - N``; ``sliding:W``: the W keys ending there)."""
+    last = n + num_keys - num_queries if mask else num_keys - 1
+    width = int(mask.split(":")[1]) if mask and mask.startswith("sliding:") else num_keys
+    return last - width + 1, last
+
+
+def _loop_bounds(x, y, page_size, mask):
     """Alg. 1 with explicit loops over queries, pages and channels: ``U[n][p] = sum_i max(x_i min_i, x_i max_i)``
     over the keys of page p that query n sees (None for a page it does not see)."""
     num_queries, num_keys, dim = len(x), len(y), len(x[0])
     num_pages = math.ceil(num_keys / page_size)
     bounds = []
     for n in range(num_queries):
-        last = n + num_keys - num_queries if causal else num_keys - 1
+        first, last = _seen(n, num_queries, num_keys, mask)
         row = []
         for p in range(num_pages):
-            keys = [m for m in range(p * page_size, min((p + 1) * page_size, num_keys)) if m <= last]
+            keys = [m for m in range(p * page_size, min((p + 1) * page_size, num_keys)) if first <= m <= last]
             if not keys:
                 row.append(None)
                 continue
@@ -52,13 +60,14 @@ def _assert_bounds(actual, bounds, what):
     assert_close(np.where(unseen, 0.0, actual), expected, atol=1e-12, rtol=1e-12, what=what)
 
 
-@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("mask", [None, "causal", "sliding:2", "sliding:6", "sliding:13"])
 @pytest.mark.parametrize(("num_queries", "num_keys", "page_size"), [(10, 10, 4), (3, 40, 4), (7, 11, 3)])
 def test_page_bounds_match_explicit_loops(mask, num_queries, num_keys, page_size):
-    """Both forms against the loops (one rounding per term, sums in another order: 1e-12)."""
+    """Both forms against the loops (one rounding per term, sums in another order: 1e-12). Windows of 2 keys (inside
+    one page or across two), 6 (cutting a page at each end) and 13 (covering some queries' every key)."""
     rng = np.random.default_rng(num_keys)
     x, y = rng.standard_normal((num_queries, 5)), rng.standard_normal((num_keys, 5))
-    expected = _loop_bounds(x.tolist(), y.tolist(), page_size, causal=mask == "causal")
+    expected = _loop_bounds(x.tolist(), y.tolist(), page_size, mask)
     _assert_bounds(reference.page_upper_bounds(x, y, page_size, mask), expected, f"reference, mask={mask}:")
     _assert_bounds(batched.page_upper_bounds(torch.as_tensor(x), torch.as_tensor(y), page_size, mask).numpy(),
                    expected, f"batched, mask={mask}:")
@@ -67,7 +76,7 @@ def test_page_bounds_match_explicit_loops(mask, num_queries, num_keys, page_size
 @pytest.mark.parametrize("seed", range(4))
 def test_bound_is_at_least_every_visible_score_in_its_page(seed):
     """Quest's upper-bound property, U_np >= x_n . y_m for every key m of page p that query n sees, on random inputs
-    of growing size (entries up to ~50), both masks and forms. Each term max(x_i m_i, x_i M_i) >= x_i y_mi holds in
+    of growing size (entries up to ~50), every mask kind and both forms. Each term max(x_i m_i, x_i M_i) >= x_i y_mi holds in
     floating point too (rounding is monotone); only the order of the sums differs, hence the allowance of
     1e-12 sum_i |x_i y_mi|."""
     rng = np.random.default_rng(seed)
@@ -77,8 +86,9 @@ def test_bound_is_at_least_every_visible_score_in_its_page(seed):
     scores = x @ y.T
     allowance = 1e-12 * np.abs(x) @ np.abs(y).T
     page_of = np.arange(23) // page_size
-    for mask in (None, "causal"):
-        visible = np.arange(23)[None, :] <= (np.arange(6) + 17)[:, None] if mask else np.ones((6, 23), dtype=bool)
+    own = (np.arange(6) + 17)[:, None]
+    for mask, visible in ((None, np.ones((6, 23), dtype=bool)), ("causal", np.arange(23)[None, :] <= own),
+                          ("sliding:7", (np.arange(23)[None, :] <= own) & (np.arange(23)[None, :] > own - 7))):
         for bounds in (reference.page_upper_bounds(x, y, page_size, mask),
                        batched.page_upper_bounds(torch.as_tensor(x), torch.as_tensor(y), page_size, mask).numpy()):
             per_key = bounds[:, page_of]
@@ -88,22 +98,23 @@ def test_bound_is_at_least_every_visible_score_in_its_page(seed):
             assert not (unseen & visible).any()
 
 
-def _literal_quest(q, k, v, budget, page_size, causal, keep_current):
+def _literal_quest(q, k, v, budget, page_size, mask, keep_current):
     """Quest per query: loop bounds, pages sorted on (-bound, page) with the own page first when kept, softmax
     over the visible keys of the first S / page_size pages."""
     num_queries, num_keys, dim = len(q), len(k), len(q[0])
     root = dim**-0.25  # x = q scale^(1/2), y = k scale^(1/2)
     x = [[a * root for a in row] for row in q]
     y = [[a * root for a in row] for row in k]
-    bounds = _loop_bounds(x, y, page_size, causal)
+    bounds = _loop_bounds(x, y, page_size, mask)
     out = []
     for n in range(num_queries):
         token = min(max(n + num_keys - num_queries, 0), num_keys - 1)
-        last = token if causal else num_keys - 1
+        first, last = _seen(n, num_queries, num_keys, mask)
         pages = [p for p, b in enumerate(bounds[n]) if b is not None]
         order = sorted(pages, key=lambda p: (not (keep_current and p == token // page_size), -bounds[n][p], p))
         kept_pages = order[: budget // page_size]
-        keys = [m for p in kept_pages for m in range(p * page_size, min((p + 1) * page_size, num_keys)) if m <= last]
+        keys = [m for p in kept_pages for m in range(p * page_size, min((p + 1) * page_size, num_keys))
+                if first <= m <= last]
         logits = [sum(x[n][i] * y[m][i] for i in range(dim)) for m in keys]
         weights = [math.exp(logit - max(logits)) for logit in logits]
         out.append([sum(w * v[m][j] for w, m in zip(weights, keys)) / sum(weights) for j in range(len(v[0]))])
@@ -111,25 +122,24 @@ def _literal_quest(q, k, v, budget, page_size, causal, keep_current):
 
 
 @pytest.mark.parametrize("current_page", ["compete", "keep"])
-@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("mask", [None, "causal", "sliding:2", "sliding:7"])
 @pytest.mark.parametrize(("num_queries", "num_keys", "page_size", "budget"), [(10, 10, 3, 6), (3, 40, 4, 8),
                                                                                 (5, 3, 2, 2)])
 def test_reference_matches_the_selection_written_out(current_page, mask, num_queries, num_keys, page_size, budget):
     if mask and num_queries > num_keys:
-        pytest.skip("a causal mask needs N <= M")
+        pytest.skip("a mask needs N <= M")
     rng = np.random.default_rng(10 * num_keys + page_size)
     q, k = rng.standard_normal((num_queries, 4)), rng.standard_normal((num_keys, 4))
     v = rng.standard_normal((num_keys, 3))
     kw = {"mask": mask} if mask else {}
     params = {"page_size": page_size, "current_page": current_page}
     draws = SPEC.draw(q.shape, k.shape, num_samples=budget, **params, **kw)
-    expected = _literal_quest(q.tolist(), k.tolist(), v.tolist(), budget, page_size, mask == "causal",
-                              current_page == "keep")
+    expected = _literal_quest(q.tolist(), k.tolist(), v.tolist(), budget, page_size, mask, current_page == "keep")
     assert_close(reference.estimate(q, k, v, draws, **params, **kw)[0], expected, atol=1e-12, rtol=1e-12,
                  what=f"Quest reference vs the selection written out ({current_page}, mask={mask}):")
 
 
-@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("mask", [None, "causal", "sliding:4"])
 def test_one_key_pages_that_compete_are_top_k_attention(mask):
     """page_size = 1: the bound of a one-key page is its logit, so Quest is oracle top-k attention."""
     rng = np.random.default_rng(11)

@@ -106,7 +106,7 @@ def test_vattention_options_hold_the_checked_values():
     options = VattentionOptions(sinks=np.int64(3), top_k=np.float64(0.25))
     assert type(options.sinks) is int and type(options.top_k) is float
     assert options.parameters == {**_VATTENTION, "sinks": 3, "top_k": 0.25}
-    with pytest.raises(ValueError, match="unknown mask 'full'; allowed: None"):
+    with pytest.raises(ValueError, match="mask='full' is not allowed; choose one of None, 'causal', 'sliding:W'"):
         VattentionOptions(mask="full")
     with pytest.raises(ValueError, match="epsilon must be in \\(0, 1\\)"):
         VattentionOptions(epsilon=1.0)

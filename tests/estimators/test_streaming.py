@@ -30,6 +30,10 @@ SELF_ATTENTION_S6_SINKS2 = {  # N = M = 10, S = 6 (sinks 0, 1 and a window of 4 
     # no mask: a query before token S - 1 sees the cache of the first S tokens, later ones as above
     None: [[0, 1, 2, 3, 4, 5]] * 6 + [[0, 1, 3, 4, 5, 6], [0, 1, 4, 5, 6, 7], [0, 1, 5, 6, 7, 8], [0, 1, 6, 7, 8, 9]],
 }
+#: N = M = 12, S = 5 (sinks 0, 1 and a window of 3 keys) under ``sliding:4``: the rule's keys that the window shows.
+#: Query 4 keeps 0..4 (the cache is not yet full), of which 1..4 are in its window; from query 5 on the window has
+#: passed both sinks, and the query reads its 3 recent keys alone.
+SLIDING4_S5_SINKS2 = [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [1, 2, 3, 4]] + [[n - 2, n - 1, n] for n in range(5, 12)]
 #: N = 3 queries (tokens 37, 38, 39) of M = 40, S = 8 with the paper's 4 sinks: the same under both masks
 DECODE_S8 = [[0, 1, 2, 3, 34, 35, 36, 37], [0, 1, 2, 3, 35, 36, 37, 38], [0, 1, 2, 3, 36, 37, 38, 39]]
 
@@ -66,6 +70,33 @@ def test_decode_keys_by_hand_and_output(mask):
         expected.append(weights @ v[keys] / weights.sum())
     assert_close(reference.estimate(q, k, v, draws, **kw)[0], np.array(expected), atol=1e-12, rtol=1e-12,
                  what=f"StreamingLLM decode output, mask={mask}:")
+
+
+def test_sliding_window_keys_by_hand():
+    """``sliding:4``: the sinks are tokens 0, 1 (not the window's first keys); a query whose window has passed them
+    reads its recent keys alone, and ``keys_used`` counts what it reads; a window over every key is causal."""
+    rng = np.random.default_rng(4)
+    q, k = rng.standard_normal((2, 12, 4))
+    draws = SPEC.draw(q.shape, k.shape, num_samples=5, sinks=2, mask="sliding:4")
+    assert np.array_equal(_kept(q, k, draws, {"sinks": 2}, "sliding:4"), _sets(SLIDING4_S5_SINKS2))
+    expected_used = [len(keys) for keys in SLIDING4_S5_SINKS2]
+    assert reference.keys_used(q, k, draws, sinks=2, mask="sliding:4")[0].tolist() == expected_used
+    used = batched.keys_used(torch.as_tensor(q), torch.as_tensor(k), draws.to_torch(), sinks=2, mask="sliding:4")
+    assert used[0].tolist() == expected_used
+    assert np.array_equal(_kept(q, k, draws, {"sinks": 2}, "sliding:12"), _kept(q, k, draws, {"sinks": 2}, "causal"))
+
+
+def test_a_window_needs_a_recent_window():
+    """S = sinks reads the sinks alone: under a window that has passed them a query would keep no key, refused in
+    ``draw`` and in every form; S = sinks + 1 is allowed."""
+    q, k, v = np.ones((6, 3)), np.ones((6, 3)), np.ones((6, 2))
+    with pytest.raises(ValueError, match=r"num_samples S=4 equals sinks=4 under mask='sliding:3'.*use S > 4"):
+        SPEC.draw(q.shape, k.shape, num_samples=4, mask="sliding:3")
+    draws = SPEC.draw(q.shape, k.shape, num_samples=4)  # a valid budget without a window
+    for form, args in ((reference.estimate, (q, k, v)), (batched.estimate, map(torch.as_tensor, (q, k, v)))):
+        with pytest.raises(ValueError, match="equals sinks=4 under mask='sliding:3'"):
+            form(*args, draws, mask="sliding:3")
+    SPEC.draw(q.shape, k.shape, num_samples=5, mask="sliding:3")
 
 
 def test_more_queries_than_keys_without_a_mask():

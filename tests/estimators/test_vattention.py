@@ -25,7 +25,8 @@ SMALL_ADAPTIVE = SPEC.variants["adaptive-small"]
 SMALL_OFFICIAL = SPEC.variants["official-code-small"]
 CONFIGS = {"default": {}, "fixed-small": SMALL_FIXED, "adaptive-small": SMALL_ADAPTIVE,
            "official-code-small": SMALL_OFFICIAL}
-MASKS = (None, "causal")
+#: sliding:6 over the literal loop's 9 keys: the sink (key 0) in view of the first queries, passed for later ones
+MASKS = (None, "causal", "sliding:6")
 
 
 # the defaults (exact attention at the kit's small sizes: 128 sinks), the fixed budget (whose "consistent" claim
@@ -76,7 +77,8 @@ def literal_vattention(q, k, v, draws, params, mask=None):
             for n in range(num_queries):
                 at = (*element, n)
                 own = n + num_keys - num_queries
-                visible = list(range(own + 1)) if mask == "causal" else list(range(num_keys))
+                width = int(mask.split(":")[1]) if mask and mask.startswith("sliding:") else num_keys
+                visible = [m for m in range(num_keys) if own - width < m <= own] if mask else list(range(num_keys))
 
                 def size(p, available=len(visible)):
                     return min(p, available) if isinstance(p, int) else math.floor(p * available)
@@ -123,7 +125,7 @@ def literal_vattention(q, k, v, draws, params, mask=None):
 
 
 # ------------------------------------------------------------------------------------------------ identities
-@pytest.mark.parametrize("mask", MASKS, ids=["none", "causal"])
+@pytest.mark.parametrize("mask", MASKS, ids=["none", "causal", "sliding:6"])
 @pytest.mark.parametrize("config", ["fixed-small", "adaptive-small", "official-code-small", "fixed-window-merge"])
 def test_reference_matches_a_literal_loop(config, mask):
     """Reference == the loop above on tiny inputs (N=5, M=9, batch 2): outputs, sample sizes and keys read."""
@@ -143,7 +145,7 @@ def test_reference_matches_a_literal_loop(config, mask):
                  what="reference log D_hat against the literal loop:")
 
 
-@pytest.mark.parametrize("mask", MASKS, ids=["none", "causal"])
+@pytest.mark.parametrize("mask", MASKS, ids=["none", "causal", "sliding:6"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_batched_matches_reference_in_decode(config, mask):
     """Decode (N=3 queries over M=40 keys, 2 heads): batched float64 == reference for the outputs, probabilities,
@@ -167,17 +169,22 @@ def test_batched_matches_reference_in_decode(config, mask):
                  what=f"{config} log D_hat:")
 
 
-@pytest.mark.parametrize("mask", MASKS, ids=["none", "causal"])
+@pytest.mark.parametrize("mask", MASKS, ids=["none", "causal", "sliding:6"])
 def test_heavy_set_covering_every_key_is_softmax(mask):
     """sinks = 1.0 (every visible key) or top_k = 1.0: softmax attention written out here, to 1e-10."""
     rng = np.random.default_rng(5)
     q, k, v = rng.normal(size=(3, 8)), rng.normal(size=(40, 8)), rng.normal(size=(40, 4))
     logits = q @ k.T / math.sqrt(8)
-    if mask == "causal":
-        logits = np.where(np.arange(40)[None, :] <= np.arange(3)[:, None] + 37, logits, -np.inf)
+    own, keys = np.arange(3)[:, None] + 37, np.arange(40)[None, :]
+    if mask is not None:
+        width = int(mask.split(":")[1]) if mask.startswith("sliding:") else 40
+        logits = np.where((keys <= own) & (keys > own - width), logits, -np.inf)
     weights = np.exp(logits - logits.max(-1, keepdims=True))
     exact = weights / weights.sum(-1, keepdims=True) @ v
-    for params in (_params(sinks=1.0), _params(budget="fixed", sinks=0, local=0, top_k=1.0)):
+    # sinks=1.0 is every visible key only where the visible keys start at key 0 (not under a window: the sinks
+    # are the sequence's first keys); local=1.0 is every visible key under every mask
+    heavy = [_params(budget="fixed", sinks=0, local=0, top_k=1.0), _params(local=1.0)]
+    for params in heavy if mask and mask.startswith("sliding:") else [_params(sinks=1.0), *heavy]:
         draws = _draws(q.shape, k.shape, params, mask=mask)
         assert_close(reference.estimate(q, k, v, draws, **params, **_masked(mask)), np.broadcast_to(exact, (3, 3, 4)),
                      atol=1e-10, rtol=1e-10, what="heavy set = every key:")
@@ -319,7 +326,7 @@ def test_keys_used_and_weights_by_hand():
 
 
 # ------------------------------------------------------------------------------------------------ numerics
-@pytest.mark.parametrize("mask", MASKS, ids=["none", "causal"])
+@pytest.mark.parametrize("mask", MASKS, ids=["none", "causal", "sliding:6"])
 def test_finite_at_large_norms(mask):
     """|q|, |k| in [100, 200] (logits spread over thousands): finite, batched float64 == reference; also with an
     empty heavy set, where the base sample's terms underflow and the bound is infinite (b = n_s)."""
@@ -413,14 +420,15 @@ def test_draws_of_the_other_budget_are_refused():
 
 def test_the_batched_position_sets_are_the_references_made_on_the_device():
     """The (N,) sizes by interval arithmetic and the (N, M) sets made from them with torch (no host N x M array
-    uploaded per call) equal the reference's numpy sets: both masks, N < M and N > M without a mask, counts and
+    uploaded per call) equal the reference's numpy sets: every mask kind (windows of 1 and 4 keys, where the sinks
+    pass out of view), N < M and N > M without a mask, counts and
     fractions for the sinks, the local window and the top-k, both places to sample from."""
     from randattn.estimators.vattention.rules import query_sets, query_sizes
 
     cases = 0
-    for mask in (None, "causal"):
+    for mask in (None, "causal", "sliding:1", "sliding:4"):
         for n, m in ((1, 1), (3, 3), (5, 9), (2, 17), (9, 4)):
-            if mask == "causal" and n > m:
+            if mask is not None and n > m:
                 continue
             for sinks, local, top_k in ((0, 0, 0), (1, 4, 2), (3, 1, 0.5), (0.25, 0.3, 0.1), (0.5, 1.0, 2)):
                 for sample_from in ("window", "residual"):
@@ -434,7 +442,7 @@ def test_the_batched_position_sets_are_the_references_made_on_the_device():
                     np.testing.assert_array_equal(fixed.numpy(), sets.sinks | sets.local)
                     np.testing.assert_array_equal(candidates.numpy(), sets.candidates)
                     cases += 1
-    assert cases == 90
+    assert cases == 170
 
 
 # ------------------------------------------------------------------------------ the batched selection's set helpers

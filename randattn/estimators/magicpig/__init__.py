@@ -26,8 +26,11 @@ Conventions (paper first; where the official code or sparse-attention-hub differ
   never sampled (paper sec. 5.1 "the initial 4 tokens and local 64 (for LongBench and RULER) or 24 (for
   lm-eval-harness) tokens"; sec. 4.4 "on-device cache"; official code ``num_sink_tokens=4``,
   ``num_local_tokens=64``). "Most recent" = the ``local`` keys ending at the last key the query sees,
-  :math:`t_n = n + M - N` under the causal mask and :math:`M - 1` without one. Under the causal mask every
+  :math:`t_n = n + M - N` under a causal or sliding mask and :math:`M - 1` without one. Under a mask every
   selection is among the visible keys; when sinks + local cover the keys a query sees, it is exact softmax.
+  Under ``mask="sliding:W"`` the sinks stay the sequence's first tokens: a query whose window has passed them
+  keeps its local keys exactly and samples the rest of its window (it reads no key the layer hides), so a window
+  needs ``local >= 1``.
 - **Centring** (``center``): the keys are centred before hashing, :math:`\bar k = k - \mu` (sec. 4.3 "data
   pre-processing"; sec. 5.3: without it accuracy collapses). ``"all-keys"`` (default): :math:`\mu_n` = the mean
   of every key query n sees (the paper's :math:`\frac1n\sum_i k_i` over the context; per query under the
@@ -66,7 +69,6 @@ from randattn.estimators.base import Draws, ExactLimit, family_spec, keyword_ent
 from randattn.estimators.magicpig import batched, reference
 from randattn.estimators.magicpig.reference import MagicpigOptions
 from randattn.estimators.masks import check_causal_shapes
-from randattn.estimators.sparse.selection import SLIDING_SINKS_NOTE
 
 __all__ = ["PARAMS", "SPEC", "draw"]
 
@@ -101,10 +103,16 @@ def _describe(params: Mapping[str, Any], defaults: Mapping[str, Any]) -> tuple[s
     return head, parts, {"hash_bits", "min_collisions", "sinks", "local", "center"}
 
 
+def _masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:
+    """A sliding window where the local keys keep every query's estimate non-empty (``local >= 1``)."""
+    return (None, "causal", "sliding") if params.get("local", 1) >= 1 else (None, "causal")
+
+
 SPEC = family_spec(
     MagicpigOptions, draw, reference, batched,
     name="magicpig",
-    mask_notes={"sliding": SLIDING_SINKS_NOTE},
+    mask_notes={"sliding": "with local=0 a query whose window has passed the sinks keeps no exact key (it may "
+                           "sample none); use local >= 1"},
     summary="MagicPIG: SimHash (K bits x L tables) samples keys, weighted by 1/P[collide in >= 2 tables], "
             "sinks + local window exact",
     source="Chen et al. 2024 (MagicPIG), arXiv 2410.16179 sec. 4.1-4.4, eqs. 9-11, Algorithm 1, app. E; "
@@ -130,7 +138,7 @@ SPEC = family_spec(
     cost="quadratic",
     selection="discrete",
     normalized=True,
-    masks=(None, "causal"),
+    masks=_masks,
     exact_limits=(
         ExactLimit("the local window holds every key: every key exact, softmax attention (paper sec. 4.4)",
                    params=lambda n, m: {"sinks": 0, "local": m}),

@@ -111,7 +111,7 @@ def exact_and_candidate_keys(num_queries: int, num_keys: int, sinks: int, local:
     :func:`~randattn.estimators.magicpig.reference.exact_and_candidate_keys`): a host array uploaded would move
     2 N M bytes per call."""
     keys = torch.arange(num_keys, device=device)
-    last = (torch.arange(num_queries, device=device) + num_keys - num_queries if mask == "causal"
+    last = (torch.arange(num_queries, device=device) + num_keys - num_queries if mask is not None
             else torch.full((num_queries,), num_keys - 1, device=device))  # t_n: the most recent key query n sees
     exact = (keys < sinks).unsqueeze(0) | (keys.unsqueeze(0) > (last - local).unsqueeze(1))
     visible = visible_keys(num_queries, num_keys, mask, device)

@@ -4,7 +4,9 @@ Every formula is the paper's (Chen et al. 2024, arXiv 2410.16179v4; the package 
 conventions). For query :math:`n` (at token :math:`t_n`, the last key it may see) and key :math:`m`:
 
 - the exact keys :math:`E_n`: the first ``sinks`` keys and the ``local`` most recent keys the query sees
-  (:math:`t_n - \mathrm{local} < m \le t_n`), weight 1 (sec. 4.4, "on-device cache");
+  (:math:`t_n - \mathrm{local} < m \le t_n`), weight 1 (sec. 4.4, "on-device cache"); under a sliding window
+  the sinks are still tokens :math:`0, \dots, \text{sinks} - 1`, so a query whose window has passed them keeps
+  its local keys alone exactly (it reads no key the layer hides);
 - the candidates :math:`C_n`: every other visible key, hashed and sampled;
 - centring (sec. 4.3, "data pre-processing"): :math:`\bar y_m = y_m - \mu_n`, with :math:`\mu_n` the mean of the
   keys the query sees (``center="all-keys"``), of its candidates (``"hashed-keys"``) or 0 (``"none"``);
@@ -36,7 +38,7 @@ from scipy.special import gammaln, logsumexp, xlog1py
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws, EstimatorOptions, keyword_entry, option
-from randattn.estimators.masks import check_causal_shapes
+from randattn.estimators.masks import DECLARABLE_MASKS, Mask, check_causal_shapes, check_mask_argument
 from randattn.estimators.sparse.reference import keys_used as count_keys_used
 from randattn.estimators.sparse.reference import masked_logits, visible_keys, weighted_attention
 
@@ -70,9 +72,9 @@ class MagicpigOptions(EstimatorOptions):
     """MagicPIG's keyword options, declared once: the spec's ``params``, ``draw``'s and every form's keywords.
 
     Made (and so checked) before any input is read: ``hash_bits, min_collisions >= 1``, ``sinks, local >= 0`` with
-    ``sinks + local >= 1``, ``center`` in :data:`CENTERINGS`, ``mask`` None or ``"causal"``; L = ``num_samples`` is
-    checked against them where it is known (:meth:`check_tables`, in ``draw``; :meth:`check_hyperplanes`, from the
-    draws, in every form).
+    ``sinks + local >= 1`` (``local >= 1`` under a sliding window), ``center`` in :data:`CENTERINGS`, ``mask``
+    None, ``"causal"`` or ``"sliding:W"``; L = ``num_samples`` is checked against them where it is known
+    (:meth:`check_tables`, in ``draw``; :meth:`check_hyperplanes`, from the draws, in every form).
     """
 
     hash_bits: int = option(10, "K, SimHash bits (hyperplanes) per table (paper: K = 8-10; headline (K, L) = (10, "
@@ -96,8 +98,11 @@ class MagicpigOptions(EstimatorOptions):
         if sinks + local < 1:
             raise ValueError(f"sinks + local must be >= 1 so that every query keeps an exact key (a query may sample "
                              f"no key at all), got sinks={sinks}, local={local}")
-        if self.mask is not None:
-            check_choice("mask", self.mask, ("causal",))
+        check_mask_argument(self.mask, DECLARABLE_MASKS)
+        if local < 1 and Mask.parse(self.mask).window is not None:
+            raise ValueError(f"local must be >= 1 under mask={self.mask!r}: the window passes the sink keys, and the "
+                             f"local keys are then the only exact keys a query keeps (it may sample none), got "
+                             f"local={local}")
 
     def check_tables(self, tables: Any) -> int:
         """L = ``num_samples``, the number of hash tables, as an int: at least ``min_collisions``."""
@@ -138,12 +143,12 @@ def exact_and_candidate_keys(num_queries: int, num_keys: int, sinks: int, local:
     """``(exact, candidates)``, each ``(N, M)`` boolean.
 
     ``exact``: the visible keys among the first ``sinks`` keys and the ``local`` most recent keys the query sees
-    (:math:`t_n - \\mathrm{local} < m \\le t_n`, :math:`t_n = n + M - N` under the causal mask, :math:`M - 1`
-    without one); ``candidates``: every other visible key (the ones MagicPIG hashes and samples).
+    (:math:`t_n - \\mathrm{local} < m \\le t_n`, :math:`t_n = n + M - N` under a causal or sliding mask,
+    :math:`M - 1` without one); ``candidates``: every other visible key (the ones MagicPIG hashes and samples).
     """
     visible = visible_keys(num_queries, num_keys, mask)
     keys = np.arange(num_keys)
-    last = (np.arange(num_queries) + num_keys - num_queries if mask == "causal"
+    last = (np.arange(num_queries) + num_keys - num_queries if mask is not None
             else np.full(num_queries, num_keys - 1))  # t_n: the most recent key query n sees
     exact = visible & ((keys[None, :] < sinks) | (keys[None, :] > last[:, None] - local))
     return exact, visible & ~exact

@@ -3,12 +3,12 @@
 The keys are split into pages of ``page_size`` consecutive keys from key 0; each query ranks the pages by the
 upper bound of Alg. 1 on its logits with the page's keys and attends exactly to the keys of the top pages
 (:mod:`randattn.estimators.quest.reference` states every convention: the query's own, partially filled page, its
-bound under the causal mask, and the ``current_page`` options).
+bound under the causal mask, the page a sliding window cuts, and the ``current_page`` options).
 
 Budget: **S = pages kept x page_size** (``num_samples``, Quest's "token budget"); S must be a multiple of
 ``page_size`` (ValueError otherwise). ``keys_used`` is the number of visible keys in the kept pages: S when every
-kept page is whole and visible, fewer with the partial last page, the query's own page under the causal mask, or a
-query that sees fewer than ``S / page_size`` pages (it keeps them all).
+kept page is whole and visible, fewer with the partial last page, the query's own page under the causal mask, the
+page a sliding window cuts, or a query that sees fewer than ``S / page_size`` pages (it keeps them all).
 
 Presets: ``official-code`` = ``current_page="keep"``, as Quest's kernels (the last page is always loaded, the
 others compete for the remaining slots). Not modelled: the accuracy-evaluation script's floor of 3 pages
@@ -36,7 +36,6 @@ def _page_limit(num_queries: int, num_keys: int) -> int:
 
 SPEC = kept_keys_spec(
     name="quest",
-    mask_notes={"sliding": "a window cuts the pages its bounds rank, and no rule for a page the window cuts is settled"},
     summary="Quest: exact softmax over the pages of largest min/max upper bound (S = pages kept x page_size)",
     source="Tang et al. 2024, Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference, arXiv 2406.10774, "
            "sec. 3.4, Alg. 1, sec. 3.5; mit-han-lab/Quest",

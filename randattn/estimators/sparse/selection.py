@@ -35,14 +35,8 @@ from randattn.estimators.masks import MASKS, check_mask_argument
 from randattn.estimators.sparse.reference import keys_used as count_keys_used
 from randattn.estimators.sparse.reference import masked_logits, weighted_attention
 
-__all__ = ["SLIDING_SINKS_NOTE", "KeptKeysOptions", "KeptKeysReference", "budget_draw", "budget_draws", "budget_of", "kept_keys_spec",
+__all__ = ["KeptKeysOptions", "KeptKeysReference", "budget_draw", "budget_draws", "budget_of", "kept_keys_spec",
            "log_weights_of", "top_ranked"]
-
-
-#: why the decode-time estimators with sink keys (StreamingLLM, MagicPIG, vAttention) declare no sliding window: the
-#: refusal's reason (their specs' ``mask_notes``)
-SLIDING_SINKS_NOTE = ("its sink keys are the first tokens, which a sliding window has passed for every later query, "
-                      "and no meaning for them under a window is settled (pinned, dropped, or the window's first keys)")
 
 
 @dataclass(frozen=True, kw_only=True)

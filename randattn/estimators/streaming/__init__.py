@@ -10,7 +10,9 @@ code (mit-han-lab/streaming-llm, ``StartRecentKVCache``) evicts the cache to ``s
 each step and then appends the new token, so it reads S = ``start_size + recent_size + 1`` keys: the same keys.
 Under ``mask="causal"`` "recent" means the window ending at the query's last visible key ``n + M - N``; without a
 mask the window ends at the same key (the query is token ``n + M - N`` of the cache), so for N <= M the masks differ
-only in the sinks and first-S keys a query sees after its own position.
+only in the sinks and first-S keys a query sees after its own position. Under ``mask="sliding:W"`` the sinks are
+still the sequence's first tokens: a query whose window has passed them reads its recent keys alone (the reference
+module's docstring), so ``keys_used`` falls to ``min(S - sinks, W)`` there.
 
 Not modelled: StreamingLLM assigns positions within the cache (rolling position ids, sec. 3.2) before RoPE; the
 captured q and k here are post-RoPE at their original positions. The keys are chosen by position alone
@@ -20,7 +22,7 @@ captured q and k here are post-RoPE at their original positions. The keys are ch
 from __future__ import annotations
 
 from randattn.estimators.base import ExactLimit
-from randattn.estimators.sparse.selection import SLIDING_SINKS_NOTE, budget_draw, kept_keys_spec
+from randattn.estimators.sparse.selection import budget_draw, kept_keys_spec
 from randattn.estimators.streaming import batched, reference
 from randattn.estimators.streaming.reference import StreamingOptions
 
@@ -32,7 +34,6 @@ draw = budget_draw(StreamingOptions)
 
 SPEC = kept_keys_spec(
     name="streaming",
-    mask_notes={"sliding": SLIDING_SINKS_NOTE},
     summary="StreamingLLM: exact softmax over the attention-sink keys and a window of recent keys (S = sinks + window)",
     source="Xiao et al. 2023, Efficient Streaming Language Models with Attention Sinks, arXiv 2309.17453, sec. 3.2, "
            "fig. 4; mit-han-lab/streaming-llm (StartRecentKVCache)",

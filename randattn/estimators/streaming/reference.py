@@ -12,17 +12,24 @@ is full: sinks and window are disjoint, S keys). Before that (:math:`t_n < S - 1
 token, :math:`K_n = \{0, \dots, \min(S, M) - 1\}`: under the causal mask those are all the keys the query sees;
 without a mask it also sees those first S keys after it (and a query before the first key, :math:`t_n < 0` when
 N > M, sees them too). So ``keys_used = min(S, visible keys)`` under both masks.
+
+Under ``mask="sliding:W"`` the rule is the same and the window hides what it hides from exact attention: the sinks
+are tokens :math:`0, \dots, \text{sinks} - 1` of the sequence, so a query whose window has passed them keeps the
+recent keys inside its window alone, :math:`\min(\text{window}, W)` keys. The estimator stays an estimate of the
+layer's own (windowed) attention, reading no key the layer hides; ``keys_used`` counts what is read. Such a query
+needs a recent window: S > sinks is required under a sliding mask (:meth:`StreamingOptions.check_budget`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from randattn._validation import check_positive_int
 from randattn.estimators.base import option
+from randattn.estimators.masks import DECLARABLE_MASKS, Mask
 from randattn.estimators.sparse.selection import KeptKeysOptions, KeptKeysReference, deprecated_check_params
 
 __all__ = ["StreamingOptions", "estimate", "keys_used", "kept_keys", "probabilities"]
@@ -32,8 +39,12 @@ __all__ = ["StreamingOptions", "estimate", "keys_used", "kept_keys", "probabilit
 class StreamingOptions(KeptKeysOptions):
     """StreamingLLM's keyword options, declared once: the spec's ``params``, ``draw``'s and every form's keywords.
 
-    ``sinks >= 0``, and S >= ``sinks`` (S = sinks + window, window >= 0; :meth:`check_budget`).
+    ``sinks >= 0``, and S >= ``sinks`` (S = sinks + window, window >= 0; :meth:`check_budget`), S > ``sinks``
+    under a sliding window.
     """
+
+    #: the rule reads positions only; a window hides the sinks it has passed (module docstring)
+    declared_masks: ClassVar[tuple[str | None, ...]] = DECLARABLE_MASKS
 
     sinks: int = option(4, "initial keys every query keeps (the attention sinks; 4 in the paper, sec. 3.2)", kind=int)
 
@@ -46,6 +57,10 @@ class StreamingOptions(KeptKeysOptions):
         if budget < self.sinks:
             raise ValueError(f"num_samples S={budget} must be >= sinks={self.sinks}: S = sinks + window counts the "
                              f"sink keys and the recent window (window >= 0); use S >= {self.sinks} or fewer sinks")
+        if budget == self.sinks and Mask.parse(self.mask).window is not None:
+            raise ValueError(f"num_samples S={budget} equals sinks={self.sinks} under mask={self.mask!r}: the window "
+                             "passes the sink keys, and with no recent window a later query would keep no key; use "
+                             f"S > {self.sinks} (S = sinks + window, window >= 1)")
         return budget
 
 

@@ -29,7 +29,10 @@ output, their ratio, is consistent (bias and variance :math:`O(1/b)`).
   for the base sample.
 
 With fewer visible keys than the heavy set asks for, the heavy set is every visible key and nothing is sampled
-(exact attention); under ``mask="causal"`` every set is among the visible keys ``m <= n + M - N``.
+(exact attention); under ``mask="causal"`` every set is among the visible keys ``m <= n + M - N``, and under
+``mask="sliding:W"`` among the last W of those. The sinks are the sequence's first keys (the official code's
+``SinkMasker``): a query whose window has passed them has none, and its heavy set is its local window and top-k
+(it reads no key the layer hides).
 
 **Defaults** (:data:`PARAMS`): the authors' published configuration (their post's vAttention config: 128 sinks,
 128 local, top-k 10% of the keys, base rate 5%, epsilon = delta = 0.05) with the paper's conventions. Sizes are
@@ -80,7 +83,6 @@ import numpy as np
 from randattn._validation import check_positive_int
 from randattn.estimators.base import Draws, ExactLimit, family_spec, keyword_entry
 from randattn.estimators.masks import check_causal_shapes
-from randattn.estimators.sparse.selection import SLIDING_SINKS_NOTE
 from randattn.estimators.vattention import batched, reference
 from randattn.estimators.vattention.rules import PARAMS, VattentionOptions, uniform_counts
 
@@ -104,7 +106,7 @@ def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, re
     The draws do not depend on the data or on ``mask`` (which is checked here, before any work), so ``estimate``
     is a pure function of them. ``num_samples`` must be a positive integer in both modes (adaptive ignores it).
     """
-    if options.mask == "causal":
+    if options.mask is not None:
         check_causal_shapes(q_shape[-2], k_shape[-2])
     num_samples = check_positive_int("num_samples", num_samples)
     main, base = uniform_counts(k_shape[-2], num_samples, options.parameters)
@@ -138,7 +140,6 @@ _SMALL_ADAPTIVE = {**_SMALL, "epsilon": 0.2, "delta": 0.2, "base_rate": 0.25}
 SPEC = family_spec(
     VattentionOptions, draw, reference, batched,
     name="vattention",
-    mask_notes={"sliding": SLIDING_SINKS_NOTE},
     summary="vAttention: sinks + local window + top-k exact, a uniform sample of the residual reweighted by "
             "n_residual / n_sampled; sample size from a CLT budget for (epsilon, delta) or fixed at S",
     source="Desai et al., vAttention: Verified Sparse Attention, ICLR 2026, arXiv 2510.05688 (estimator of N and D, "
@@ -156,7 +157,7 @@ SPEC = family_spec(
     display_name="vAttention",
     convergence=_convergence,
     cost="quadratic",
-    masks=(None, "causal"),
+    masks=(None, "causal", "sliding"),
     selection="discrete",
     normalized=True,
     exact_limits=(

@@ -23,7 +23,7 @@ from scipy.special import ndtri
 from randattn._validation import check_choice
 from randattn.estimators._prepare import check_draw_array
 from randattn.estimators.base import Draws, EstimatorOptions, option
-from randattn.estimators.masks import MASKS, causal_visible, check_causal_shapes
+from randattn.estimators.masks import DECLARABLE_MASKS, Mask, check_causal_shapes, check_mask_argument
 
 __all__ = [
     "BUDGETS", "DUPLICATES", "PARAMS", "QUANTILES", "ROUNDINGS", "SAMPLE_FROM", "QuerySets", "QuerySizes",
@@ -85,8 +85,7 @@ class VattentionOptions(EstimatorOptions):
                            choices=ROUNDINGS)
 
     def check(self) -> None:
-        if self.mask not in MASKS:
-            raise ValueError(f"unknown mask {self.mask!r}; allowed: None (bidirectional) or 'causal'")
+        check_mask_argument(self.mask, DECLARABLE_MASKS)
         # keep the checked values (a count as int, a fraction as float): the forms compute with them, as before
         for name, value in check_params(self.parameters).items():
             object.__setattr__(self, name, value)
@@ -195,9 +194,11 @@ class QuerySets:
     Attributes
     ----------
     visible : (N, M) bool
-        Keys the query sees (every key, or ``m <= n + M - N`` under the causal mask).
+        Keys the query sees (every key; ``m <= n + M - N`` under the causal mask; the last W of those under
+        ``"sliding:W"``).
     sinks : (N, M) bool
-        The first ``sinks`` visible keys.
+        The visible keys among the first ``sinks`` keys of the sequence (positions ``0 .. s - 1``, ``s`` the size
+        of ``sinks`` for the query's visible keys): a sliding window that has passed them leaves none.
     local : (N, M) bool
         The ``local`` keys ending at the query's own position ``t_n = n + M - N`` (keys ``t_n - l + 1 .. t_n``;
         under the causal mask its most recent visible keys).
@@ -229,10 +230,8 @@ class QuerySets:
 
 def query_sets(num_queries: int, num_keys: int, mask: str | None, params: Mapping[str, Any]) -> QuerySets:
     """The sets of :class:`QuerySets` for N = ``num_queries`` queries over M = ``num_keys`` keys."""
-    if mask == "causal":
-        check_causal_shapes(num_queries, num_keys)
-        visible = causal_visible(num_queries, num_keys)
-    else:
+    visible = Mask.parse(mask).visible(num_queries, num_keys)
+    if visible is None:
         visible = np.ones((num_queries, num_keys), dtype=bool)
     available = visible.sum(-1)
     position = np.arange(num_keys)[None, :]
@@ -259,7 +258,8 @@ class QuerySizes:
     own : (N,) int
         ``t_n = n + M - N``, the query's own position (its local window ends there).
     available, sinks, local : (N,) int
-        Visible keys (the prefix ``0 .. available - 1``), the sink count and the local window's length in keys.
+        Visible keys (the ``available`` keys ending at ``t_n`` under a mask, every key without one), the sink count
+        and the local window's length in keys.
     top_k, sampled_size, base_draws : (N,) int
         As in :class:`QuerySets`.
     """
@@ -276,20 +276,25 @@ class QuerySizes:
 def query_sizes(num_queries: int, num_keys: int, mask: str | None, params: Mapping[str, Any]) -> QuerySizes:
     """:class:`QuerySizes` by interval arithmetic, equal to :func:`query_sets`' counts.
 
-    The visible keys are the prefix ``[0, a_n)`` (``a_n = t_n + 1`` causal, ``M`` otherwise), the sinks
-    ``[0, s_n)`` with ``s_n <= a_n``, the local window ``[lo_n, t_n]`` with ``lo_n = max(0, t_n - l_n + 1)`` (empty
-    where ``t_n < 0``); the candidates are the visible keys in neither: ``a_n - s_n - |local| + |sinks & local|``.
+    The visible keys are ``[f_n, f_n + a_n)``: ``f_n = 0`` and ``a_n = M`` without a mask, ``a_n = t_n + 1`` causal,
+    ``f_n = max(0, t_n - W + 1)`` and ``a_n = t_n + 1 - f_n`` under ``"sliding:W"``. The sinks are ``[0, s_n)``
+    with ``s_n <= a_n``, the local window ``[lo_n, t_n]`` with ``lo_n = max(f_n, t_n - l_n + 1)`` (empty where
+    ``t_n < 0``), each cut to the visible keys; the candidates are the visible keys in neither:
+    ``a_n - |sinks| - |local| + |sinks & local|``.
     """
-    if mask == "causal":
+    mask = Mask.parse(mask)
+    if mask.masked:
         check_causal_shapes(num_queries, num_keys)
     own = np.arange(num_queries, dtype=np.int64) + (num_keys - num_queries)
-    available = own + 1 if mask == "causal" else np.full(num_queries, num_keys, dtype=np.int64)
+    available = mask.visible_counts(num_queries, num_keys)
+    first = own + 1 - available if mask.masked else np.zeros(num_queries, dtype=np.int64)
     sinks = np.asarray(size_of(params["sinks"], available), dtype=np.int64)
     local = np.asarray(size_of(params["local"], available), dtype=np.int64)
-    low = np.maximum(0, own - local + 1)
+    low = np.maximum(first, own - local + 1)
+    in_sinks = np.maximum(0, np.minimum(sinks, first + available) - first)
     in_local = np.maximum(0, own - low + 1) * (local > 0)
     overlap = np.maximum(0, np.minimum(sinks, own + 1) - low) * (local > 0)
-    candidates = available - sinks - in_local + overlap
+    candidates = available - in_sinks - in_local + overlap
     top_k = np.minimum(size_of(params["top_k"], available), candidates).astype(np.int64)
     sampled_size = candidates if params["sample_from"] == "window" else candidates - top_k
     base = np.array([base_uniform_count(params["base_rate"], n) for n in sampled_size], dtype=np.int64)
