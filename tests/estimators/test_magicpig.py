@@ -372,6 +372,24 @@ def test_bad_draws_and_masks():
                            **_params(), mask="causal")
 
 
+@pytest.mark.parametrize("center", CENTERS)
+def test_a_window_past_the_sinks_is_magicpig_on_its_keys_alone(center):
+    """Under ``sliding:W`` a query whose window has passed the sinks is unmasked MagicPIG over its W keys with no
+    sinks (the same hyperplanes; "all-keys" centres on the window's keys, "hashed-keys" on its candidates)."""
+    rng = np.random.default_rng(33)
+    num_queries, num_keys, width = 4, 40, 12
+    q, k, v = rng.normal(size=(2, num_queries, 5)), rng.normal(size=(2, num_keys, 5)), rng.normal(size=(2, num_keys, 3))
+    params = _params(hash_bits=2, sinks=3, local=2, center=center)
+    mask = f"sliding:{width}"
+    draws = _draw(q, k, 6, params, replicates=3, seed=34, mask=mask)
+    windowed = reference.estimate(q, k, v, draws, **params, mask=mask)
+    for n in range(num_queries):
+        last = n + num_keys - num_queries
+        keys = slice(last - width + 1, last + 1)
+        alone = reference.estimate(q[:, n:n + 1], k[:, keys], v[:, keys], draws, **{**params, "sinks": 0})
+        assert_close(windowed[..., n, :], alone[..., 0, :], atol=1e-14, rtol=1e-12, what=f"{center}, query {n}:")
+
+
 def test_a_window_needs_local_keys():
     """Under a sliding window the sinks pass out of view, so local=0 could leave a query no key: the spec declares
     no window for it (``randattn.estimate`` says why) and the options refuse it in every form."""

@@ -190,6 +190,31 @@ def test_heavy_set_covering_every_key_is_softmax(mask):
                      atol=1e-10, rtol=1e-10, what="heavy set = every key:")
 
 
+@pytest.mark.parametrize("config", ["fixed-small", "adaptive-small", "default"])
+def test_a_window_past_the_sinks_is_vattention_on_its_keys_alone(config):
+    """Under ``sliding:W`` a query whose window has passed the sinks is unmasked vAttention over its W keys with no
+    sinks (fractions taken of the same W visible keys), given the same uniforms: the first W of its adaptive
+    sample's and the first B(W) of its base sample's, as that sub-problem's own draw would make them."""
+    from randattn.estimators.vattention.rules import base_uniform_count
+
+    params = _params(**CONFIGS[config])
+    rng = np.random.default_rng(31)
+    num_queries, num_keys, width = 4, 60, 20
+    q, k, v = rng.normal(size=(2, num_queries, 6)), rng.normal(size=(2, num_keys, 6)), rng.normal(size=(2, num_keys, 3))
+    mask = f"sliding:{width}"
+    draws = _draws(q.shape, k.shape, params, samples=5, replicates=3, seed=32, mask=mask)
+    windowed = reference.estimate(q, k, v, draws, **params, mask=mask)
+    for n in range(num_queries):
+        last = n + num_keys - num_queries
+        keys = slice(last - width + 1, last + 1)
+        arrays = {name: a[:, :, n:n + 1] for name, a in draws.arrays.items()}
+        if params["budget"] == "adaptive":
+            arrays["residual_uniforms"] = arrays["residual_uniforms"][..., :width]
+            arrays["base_uniforms"] = arrays["base_uniforms"][..., :base_uniform_count(params["base_rate"], width)]
+        alone = reference.estimate(q[:, n:n + 1], k[:, keys], v[:, keys], Draws(arrays, 3), **{**params, "sinks": 0})
+        assert_close(windowed[..., n, :], alone[..., 0, :], atol=1e-14, rtol=1e-12, what=f"{config}, query {n}:")
+
+
 # ------------------------------------------------------------------------------------------------ statistics
 def _residual_sums(q, k, v, draws, params, mask, reweight=1.0):
     """``(estimated (R, K), exact (K,))`` residual denominators and numerators of every query, stacked.
