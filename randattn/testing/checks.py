@@ -60,7 +60,7 @@ Tolerances, and why:
   normalized positive combination moves by at most twice that times max|v|. This holds for signed weights computed
   in float64 too (LARA's), so signed configurations are not exempt here.
 - **the optional probability forms** of ``spec.forms`` (:class:`~randattn.estimators.base.BatchedForms`; each
-  skipped where the spec does not declare it; the messages name them ``batched_<form>``), over the odd shapes and
+  skipped where the spec does not declare it; the messages name them ``forms.<form>``), over the odd shapes and
   every declared mask (N < M where causal): ``probabilities`` equals the reference and ``batched`` with
   ``v = I_M`` to ``1e-10`` (float64; the same computation up to summation order);
   ``estimate_with_probabilities`` gives ``batched``'s output and ``probabilities``' probabilities **bit for
@@ -919,7 +919,7 @@ def check_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
     import torch
 
     if not spec.forms.has("probabilities"):
-        raise CheckSkipped("the spec declares no batched_probabilities")
+        raise CheckSkipped("the spec declares no forms.probabilities")
     probabilities = spec.forms.get("probabilities")
     atol, rtol = TOLERANCES["float64"]
     for mask, where, (q, k, _), draws in _optional_cases(spec, params, seed=160):
@@ -927,14 +927,14 @@ def check_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
         tq, tk, tdraws = _to_torch((q, k), draws, torch.float64)
         kwargs = {"mask": mask} if mask is not None else {}
         probs = _quiet(lambda: probabilities(tq, tk, tdraws, scale=None, **params, **kwargs))
-        _check_tensor(f"batched_probabilities on {where}", probs, (_REPLICATES, *q.shape[:-1], k.shape[-2]),
+        _check_tensor(f"forms.probabilities on {where}", probs, (_REPLICATES, *q.shape[:-1], k.shape[-2]),
                       torch.float64)
         ref = _quiet(lambda: _reference(spec, q, k, eye, draws, params, mask=mask))
         _close(probs, ref, atol=atol, rtol=rtol,
-               what=f"batched_probabilities against the reference with v = I_M, same draws, {where}:")
+               what=f"forms.probabilities against the reference with v = I_M, same draws, {where}:")
         bat = _quiet(lambda: _batched(spec, q, k, eye, draws, params, dtype=torch.float64, mask=mask))
         _close(probs, bat, atol=atol, rtol=rtol,
-               what=f"batched_probabilities against batched with v = I_M, same draws, {where}:")
+               what=f"forms.probabilities against batched with v = I_M, same draws, {where}:")
 
 
 def check_with_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
@@ -943,7 +943,7 @@ def check_with_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> 
     import torch
 
     if not spec.forms.has("estimate_with_probabilities"):
-        raise CheckSkipped("the spec declares no batched_with_probabilities")
+        raise CheckSkipped("the spec declares no forms.estimate_with_probabilities")
     with_probabilities = spec.forms.get("estimate_with_probabilities")
     for dtype in (torch.float64, torch.float32):
         for mask, where, (q, k, v), draws in _optional_cases(spec, params, seed=170):
@@ -954,20 +954,20 @@ def check_with_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) -> 
                 lambda: with_probabilities(tq, tk, tv, tdraws, scale=None, **params, **kwargs))
             alone_out, out_warnings = _recorded(lambda: spec.batched(tq, tk, tv, tdraws, scale=None, **params,
                                                                      **kwargs))
-            _bits_equal(f"batched_with_probabilities' output on {where}", out, alone_out)
+            _bits_equal(f"forms.estimate_with_probabilities' output on {where}", out, alone_out)
             if not spec.forms.has("probabilities"):
                 # no separate probability form: the probabilities are batched with v = I_M, to rounding
                 atol, rtol = TOLERANCES["float64" if dtype == torch.float64 else "float32"]
                 dense = _quiet(lambda: _dense_probabilities(spec, tq, tk, tdraws, params, mask))
                 _close(probs, dense, atol=atol, rtol=rtol,
-                       what=f"batched_with_probabilities' probabilities against batched with v = I_M, {where}:")
+                       what=f"forms.estimate_with_probabilities' probabilities against batched with v = I_M, {where}:")
                 continue
             alone_probs, probs_warnings = _recorded(
                 lambda: spec.forms.get("probabilities")(tq, tk, tdraws, scale=None, **params, **kwargs))
-            _bits_equal(f"batched_with_probabilities' probabilities on {where}", probs, alone_probs)
+            _bits_equal(f"forms.estimate_with_probabilities' probabilities on {where}", probs, alone_probs)
             if joint != sorted(out_warnings + probs_warnings):
-                raise CheckFailed(f"batched_with_probabilities on {where} warned {joint}, but batched and "
-                                  f"batched_probabilities warn {sorted(out_warnings + probs_warnings)}")
+                raise CheckFailed(f"forms.estimate_with_probabilities on {where} warned {joint}, but batched and "
+                                  f"forms.probabilities warn {sorted(out_warnings + probs_warnings)}")
 
 
 def _separate_calls(spec: EstimatorSpec) -> dict[str, Callable[..., Any]]:
@@ -989,7 +989,7 @@ _ONE_PASS_PARTS = {
                                                                   "log_denominator"),
 }
 #: the separate call each part comes from, as the kit's messages name it
-_SEPARATE_NAMES = {"output": "batched", "probabilities": "batched_with_probabilities", "keys_used": "keys_used",
+_SEPARATE_NAMES = {"output": "batched", "probabilities": "forms.estimate_with_probabilities", "keys_used": "keys_used",
                    "log_denominator": "log_denominator"}
 
 
@@ -998,7 +998,7 @@ def _check_one_pass(spec: EstimatorSpec, params: Mapping[str, Any], form: str, s
     warning nothing the separate calls do not, in float64 and float32, over odd shapes, under every declared mask."""
     import torch
 
-    name = "batched_" + form.removeprefix("estimate_")
+    name = f"forms.{form}"
     if not spec.forms.has(form):
         raise CheckSkipped(f"the spec declares no {name}")
     parts = _ONE_PASS_PARTS[form]
@@ -1047,7 +1047,7 @@ def check_float32_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) 
     import torch
 
     if not spec.forms.has("estimate_with_float32_probabilities"):
-        raise CheckSkipped("the spec declares no batched_with_float32_probabilities")
+        raise CheckSkipped("the spec declares no forms.estimate_with_float32_probabilities")
     with_float32_probabilities = spec.forms.get("estimate_with_float32_probabilities")
     products = 0
     for mask, where, (q, k, v), draws in _optional_cases(spec, params, seed=180):
@@ -1060,24 +1060,26 @@ def check_float32_probabilities(spec: EstimatorSpec, params: Mapping[str, Any]) 
         products += 1
         out, probs, bound = result
         rows = (_REPLICATES, *q.shape[:-1])
-        _bits_equal(f"batched_with_float32_probabilities' output on {where}", out,
+        _bits_equal(f"forms.estimate_with_float32_probabilities' output on {where}", out,
                     _quiet(lambda: spec.batched(tq, tk, tv, tdraws, scale=None, **params, **kwargs)))
-        _check_tensor(f"batched_with_float32_probabilities' probabilities on {where}", probs, (*rows, k.shape[-2]))
-        _check_tensor(f"batched_with_float32_probabilities' bound on {where}", bound, rows)
+        _check_tensor(f"forms.estimate_with_float32_probabilities' probabilities on {where}", probs,
+                      (*rows, k.shape[-2]))
+        _check_tensor(f"forms.estimate_with_float32_probabilities' bound on {where}", bound, rows)
         bound = to_numpy(bound)
         if np.isnan(bound).any() or (bound < 0).any():
-            raise CheckFailed(f"batched_with_float32_probabilities' bound on {where} has negative or NaN entries")
+            raise CheckFailed(f"forms.estimate_with_float32_probabilities' bound on {where} has negative or NaN "
+                              "entries")
         exact = to_numpy(_quiet(lambda: _dense_probabilities(spec, tq, tk, tdraws, params, mask)))
         distance = np.linalg.norm(to_numpy(probs) - exact, axis=-1)
         allowed = bound + 1e-12 * np.linalg.norm(exact, axis=-1)
         if not (distance <= allowed).all():  # NaN distances fail too
             at = plain_index(np.argwhere(~(distance <= allowed))[0])
-            raise CheckFailed(f"batched_with_float32_probabilities on {where}: row {at} of the float32 probabilities "
-                              f"is {distance[at]:.3e} from the float64 ones in the 2-norm, beyond its bound "
-                              f"{bound[at]:.3e}: the bound does not bound the rounding")
+            raise CheckFailed(f"forms.estimate_with_float32_probabilities on {where}: row {at} of the float32 "
+                              f"probabilities is {distance[at]:.3e} from the float64 ones in the 2-norm, beyond its "
+                              f"bound {bound[at]:.3e}: the bound does not bound the rounding")
     if not products:
-        raise CheckSkipped("batched_with_float32_probabilities returns None for this configuration (no float32 "
-                           "product)")
+        raise CheckSkipped("forms.estimate_with_float32_probabilities returns None for this configuration (no "
+                           "float32 product)")
 
 
 def check_probability_factors(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
@@ -1087,7 +1089,7 @@ def check_probability_factors(spec: EstimatorSpec, params: Mapping[str, Any]) ->
     import torch
 
     if not spec.forms.has("estimate_with_probability_factors"):
-        raise CheckSkipped("the spec declares no batched_with_probability_factors")
+        raise CheckSkipped("the spec declares no forms.estimate_with_probability_factors")
     with_probability_factors = spec.forms.get("estimate_with_probability_factors")
     factored = 0
     for dtype in (torch.float64, torch.float32):
@@ -1102,14 +1104,14 @@ def check_probability_factors(spec: EstimatorSpec, params: Mapping[str, Any]) ->
                 continue
             factored += 1
             out, left, right = result
-            _bits_equal(f"batched_with_probability_factors' output on {where}", out,
+            _bits_equal(f"forms.estimate_with_probability_factors' output on {where}", out,
                         _quiet(lambda: spec.batched(tq, tk, tv, tdraws, scale=None, **params, **kwargs)))
             rows = (_REPLICATES, *q.shape[:-1])
             if not (isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor) and left.dim() == right.dim()
                     and tuple(left.shape[:-1]) == rows and tuple(right.shape[:-2]) == rows[:-1]
                     and right.shape[-1] == k.shape[-2] and left.shape[-1] == right.shape[-2]):
                 left_shape, right_shape = tuple(getattr(left, "shape", ())), tuple(getattr(right, "shape", ()))
-                raise CheckFailed(f"batched_with_probability_factors on {where}: left {left_shape}"
+                raise CheckFailed(f"forms.estimate_with_probability_factors on {where}: left {left_shape}"
                                   f" and right {right_shape}; expected (R, ..., N, J) = "
                                   f"{(*rows, 'J')} and (R, ..., J, M) = {(*rows[:-1], 'J', k.shape[-2])}")
             # the sweep's rounding bound needs right in [0, 1] (a key softmax, or exponentials shifted to at most
@@ -1117,20 +1119,21 @@ def check_probability_factors(spec: EstimatorSpec, params: Mapping[str, Any]) ->
             outside = ~((right >= 0) & (right <= 1))
             if outside.any():
                 at = plain_index(torch.nonzero(outside)[0].tolist())
-                raise CheckFailed(f"batched_with_probability_factors on {where}: right factor entry {at} is "
+                raise CheckFailed(f"forms.estimate_with_probability_factors on {where}: right factor entry {at} is "
                                   f"{float(right[at])!r}, outside [0, 1]")
             dense = _quiet(lambda: _dense_probabilities(spec, tq, tk, tdraws, params, mask))
             _close(left.double() @ right.double(), dense, atol=atol, rtol=rtol,
-                   what=f"batched_with_probability_factors: left @ right against the probabilities, {where}:")
+                   what=f"forms.estimate_with_probability_factors: left @ right against the probabilities, {where}:")
             if spec.forms.has("estimate_with_probabilities"):
                 _, joint_warnings = _recorded(
                     lambda: spec.forms.get("estimate_with_probabilities")(tq, tk, tv, tdraws, scale=None, **params,
                                                                           **kwargs))
                 if factor_warnings != joint_warnings:
-                    raise CheckFailed(f"batched_with_probability_factors on {where} warned {factor_warnings}, but "
-                                      f"batched_with_probabilities warns {joint_warnings}")
+                    raise CheckFailed(f"forms.estimate_with_probability_factors on {where} warned "
+                                      f"{factor_warnings}, but forms.estimate_with_probabilities warns "
+                                      f"{joint_warnings}")
     if not factored:
-        raise CheckSkipped("batched_with_probability_factors returns None for this configuration (no factors)")
+        raise CheckSkipped("forms.estimate_with_probability_factors returns None for this configuration (no factors)")
 
 
 def _batched_peak(spec: EstimatorSpec, params: Mapping[str, Any], n: int) -> int:

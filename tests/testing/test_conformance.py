@@ -374,7 +374,7 @@ def test_the_optional_forms_are_skipped_where_not_declared():
     for check in ("probabilities", "with probabilities", "float32 probabilities", "probability factors",
                   "with keys used"):
         result = _only(bare, check)
-        assert result.status == "skipped" and "declares no batched_" in result.message, (check, result)
+        assert result.status == "skipped" and "declares no forms." in result.message, (check, result)
 
 
 def test_probabilities_transposed_where_square_fail():
@@ -440,7 +440,7 @@ def test_a_one_pass_form_that_drops_a_warning_fails():
                                                                estimate_with_probabilities=one_pass))
         result = _only(spec, "with probabilities")
         assert result.status == status, result
-    assert "warned [], but batched and batched_probabilities warn ['a normalizer is not positive']" in result.message
+    assert "warned [], but batched and forms.probabilities warn ['a normalizer is not positive']" in result.message
 
 
 def _magicpig_small():
@@ -483,7 +483,7 @@ def test_a_one_pass_form_whose_log_denominator_is_a_rounding_off_fails():
     spec = dataclasses.replace(vattention, name="vattention-rounded", forms=vattention.forms.replace(**{form: rounded}))
     result = _only(spec, "with log denominator", params)
     assert result.status == "failed", result
-    assert ("batched_with_probabilities_keys_used_and_log_denominator' log_denominator on" in result.message
+    assert ("forms.estimate_with_probabilities_keys_used_and_log_denominator' log_denominator on" in result.message
             and "not the same bits as the separate call" in result.message), result.message
     with pytest.raises(SpecError, match="estimate_with_probabilities_keys_used_and_log_denominator but the spec "
                                         "declares no keys_used or no log_denominator"):
