@@ -65,6 +65,7 @@ def writable_output(path, what: str = "--out", *, directory: bool = False):
     path that is itself a folder where a file is expected exits 2 with a message.
     Returns ``path`` as a :class:`pathlib.Path`.
     """
+    import errno
     import os
     import tempfile
     from pathlib import Path
@@ -86,6 +87,8 @@ def writable_output(path, what: str = "--out", *, directory: bool = False):
             pass
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
+        if exc.errno == errno.ENOENT and folder.is_dir():  # /proc, /sys: the folder is there, a file cannot be
+            reason = "the folder exists, but no file can be created in it"
         abort(f"{what} {str(path)!r}: cannot write to {str(folder)!r} ({reason})")
     if not directory and path.exists() and not os.access(path, os.W_OK):
         abort(f"{what} {str(path)!r} exists and is not writable")

@@ -491,6 +491,19 @@ def test_unwritable_out_exits_2_before_computing(acts, reference, tmp_path, case
     assert not (tmp_path / "ro" / "figures").exists()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc, where no file can be created")
+def test_a_folder_that_takes_no_files_is_named_as_such():
+    """/proc exists but refuses a new file with ENOENT: "No such file or directory" would send the user looking for
+    a missing folder."""
+    from randattn.cli._common import UserError, writable_output
+
+    with pytest.raises(UserError) as info:
+        writable_output("/proc/randattn-results.parquet")
+    assert str(info.value) == ("--out '/proc/randattn-results.parquet': cannot write to '/proc' (the folder exists, "
+                               "but no file can be created in it)")
+    assert info.value.exit_code == 2
+
+
 def test_error_messages_show_paths_literally(tmp_path):
     """A path holding '[...]' is not rich markup, and a long one is not wrapped."""
     missing = tmp_path / ("long-" * 40) / "[rfa] results [/].csv"
