@@ -69,9 +69,10 @@ def _draw(spec: EstimatorSpec, q_shape: Any, k_shape: Any, *, num_samples: int |
     q_shape, k_shape = _check_draw_shapes(q_shape, k_shape)
     masked = _mask_kwargs(spec, mask, q_shape[-2], k_shape[-2], resolved)
     replicates = check_positive_int("replicates", replicates)
-    if spec.needs_samples:
+    if spec.needs_samples_of(resolved):
         if num_samples is None:
-            raise ValueError(f"estimator {spec.name!r} needs num_samples (the number of random samples S)")
+            raise ValueError(f"estimator {spec.name!r} needs num_samples (S: its sample size, or its budget of keys "
+                             "for a selection)")
         num_samples = check_positive_int("num_samples", num_samples)
     return spec.draw(tuple(q_shape), tuple(k_shape), num_samples=num_samples, replicates=replicates,
                      rng=_normalize_rng(seed), **resolved, **masked)

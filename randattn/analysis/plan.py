@@ -133,7 +133,7 @@ def estimator_config(name: str, params: Mapping[str, Any] | None = None) -> Esti
         label=label,
         params_json=json.dumps(resolved, sort_keys=True, separators=(",", ":"), default=str),
         random=bool(spec.is_random(resolved)),
-        needs_samples=bool(spec.needs_samples),
+        needs_samples=spec.needs_samples_of(resolved),
     )
 
 

@@ -120,9 +120,9 @@ def print_summary(summary: Any, noun: str = "image") -> None:
     order = {label: i for i, label in enumerate(label_order(summary["label"]))}
     summary = summary.assign(_o=summary["label"].map(order)).sort_values(["tokens", "_o", "num_samples"],
                                                                          kind="stable")
-    # an estimator that takes no samples (its spec says so: softmax, local) is run once and reported at every S;
-    # show it once per token count
-    s_free = summary["estimator"].map(takes_no_samples).astype(bool)
+    # a configuration that takes no samples (its spec says so: softmax, local, adaptive vAttention) is run once and
+    # reported at every S; show it once per token count
+    s_free = summary["label"].map(takes_no_samples).astype(bool)
     summary = pd.concat([summary[s_free].drop_duplicates(["tokens", "label"]).assign(num_samples=-1),
                          summary[~s_free]])
     summary = summary.sort_values(["tokens", "_o", "num_samples"], kind="stable")
@@ -134,9 +134,12 @@ def print_summary(summary: Any, noun: str = "image") -> None:
     out_console.print(table)
 
 
-def takes_no_samples(name: str) -> bool:
-    """Whether estimator ``name``'s spec says S does not matter (False for one not registered here)."""
-    from randattn.reports.tables import estimator_spec
+def takes_no_samples(label: str) -> bool:
+    """Whether the configuration ``label`` (``"vattention:budget=fixed"``) takes no S, as its spec says for its
+    parameters; False for an estimator not registered here."""
+    from randattn.analysis.plan import estimator_config
 
-    spec = estimator_spec(name)
-    return spec is not None and not spec.needs_samples
+    try:
+        return not estimator_config(label).needs_samples
+    except (KeyError, TypeError, ValueError):
+        return False

@@ -560,8 +560,10 @@ class EstimatorSpec:
         ``batched_with_probabilities=``, ``batched_with_float32_probabilities=`` and
         ``batched_with_probability_factors=`` of earlier versions still build it, with a
         DeprecationWarning.
-    needs_samples : bool
-        Whether ``num_samples`` is required.
+    needs_samples : bool or callable
+        Whether ``num_samples`` is required, or ``needs_samples(params) -> bool`` where a configuration sets its own
+        sample size (vAttention's adaptive budget): such a configuration is drawn with ``num_samples=None`` and swept
+        once, not once per S (:meth:`needs_samples_of`).
     is_random : callable
         ``is_random(params) -> bool``: False for deterministic variants (softmax, ``sample="mean"``).
     variants : mapping of str to params
@@ -654,7 +656,7 @@ class EstimatorSpec:
     draw: Callable[..., Draws]
     reference: Callable[..., Any]
     forms: BatchedForms
-    needs_samples: bool = True
+    needs_samples: bool | Callable[[Mapping[str, Any]], bool] = True
     is_random: Callable[[Mapping[str, Any]], bool] = field(default=lambda params: True)
     variants: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -735,6 +737,12 @@ class EstimatorSpec:
     def promise_on_of(self, params: Mapping[str, Any]) -> str:
         """One of :data:`PROMISE_QUANTITIES`: what this configuration's promise bounds (see :attr:`promise_on`)."""
         return _fact(self.promise_on, params)
+
+    def needs_samples_of(self, params: Mapping[str, Any] | None = None) -> bool:
+        """Whether this configuration takes ``num_samples`` (the defaults', for ``params=None``)."""
+        if not callable(self.needs_samples):
+            return bool(self.needs_samples)
+        return bool(self.needs_samples(self.resolve_params(dict(params or {}))))
 
     def masks_of(self, params: Mapping[str, Any] | None = None) -> tuple[str | None, ...]:
         """The masks this configuration supports (the estimator's, for ``params=None``: any configuration's)."""
@@ -939,6 +947,14 @@ def validate_spec(spec: Any) -> EstimatorSpec:
             continue
         if not isinstance(is_random, (bool, np.bool_)):
             problems.append(f"is_random of the {label} returned {is_random!r}; it must return True or False")
+            continue
+        try:
+            needs_samples = spec.needs_samples(resolved) if callable(spec.needs_samples) else spec.needs_samples
+        except Exception as exc:
+            problems.append(f"needs_samples of the {label} raised {type(exc).__name__}: {exc}")
+            continue
+        if not isinstance(needs_samples, (bool, np.bool_)):
+            problems.append(f"needs_samples of the {label} is {needs_samples!r}; it must be True or False")
             continue
         if spec.convergence_of(resolved) == "exact" and is_random:
             problems.append(f"the {label} claim convergence 'exact' but is_random says they are random")

@@ -372,7 +372,7 @@ def catalogue() -> list[dict[str, Any]]:
                 "cost": spec.cost_of(defaults),
                 "convergence": spec.convergence_of(defaults),
                 "random": spec.is_random(defaults),
-                "needs_samples": spec.needs_samples,
+                "needs_samples": spec.needs_samples_of(defaults),
                 "signed_weights": spec.has_signed_weights(defaults),
                 "diagnostics": spec.diagnostics_apply(defaults),
                 "masks": ["none" if m is None else m for m in spec.masks_of(defaults)],

@@ -127,8 +127,9 @@ _TIE_SIZE = 16 * float(np.finfo(np.float32).eps)
 def _draw(spec: EstimatorSpec, q_shape, k_shape, params, *, samples=_SAMPLES, replicates=_REPLICATES, seed=0,
           mask=None):
     kwargs = {"mask": mask} if mask is not None else {}
-    return spec.draw(tuple(q_shape), tuple(k_shape), num_samples=samples if spec.needs_samples else None,
-                     replicates=replicates, rng=np.random.default_rng(seed), **params, **kwargs)
+    samples = samples if spec.needs_samples_of(params) else None
+    return spec.draw(tuple(q_shape), tuple(k_shape), num_samples=samples, replicates=replicates,
+                     rng=np.random.default_rng(seed), **params, **kwargs)
 
 
 def _reference(spec, q, k, v, draws, params, *, scale=None, mask=None) -> np.ndarray:
@@ -340,7 +341,7 @@ def check_stacked_draw(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
     for mask in _masks(spec, params):
         label, q_shape, k_shape, _ = CAUSAL_ODD_SHAPES[0]
         q_shape, k_shape = q_shape[-2:], k_shape[-2:]
-        kwargs = {"num_samples": _SAMPLES if spec.needs_samples else None, **params}
+        kwargs = {"num_samples": _SAMPLES if spec.needs_samples_of(params) else None, **params}
         kwargs.update({"mask": mask} if mask is not None else {})
         grid = StackedGenerators([[replicate_rng(seed, r) for seed in seeds] for r in reps])
         try:
@@ -365,7 +366,7 @@ def _estimate(spec: EstimatorSpec, params: Mapping[str, Any], q, k, v, **kwargs)
     """``randattn.estimate`` of the spec (the user's one call: seed -> draws -> estimate), as float64 numpy."""
     from randattn.api import estimate
 
-    samples = _SAMPLES if spec.needs_samples else None
+    samples = _SAMPLES if spec.needs_samples_of(params) else None
     return to_numpy(_quiet(lambda: estimate(spec, q, k, v, num_samples=samples, **kwargs, **params)))
 
 
@@ -1167,7 +1168,7 @@ def check_no_quadratic_memory(spec: EstimatorSpec, params: Mapping[str, Any]) ->
             f"{matrix / 2**20:.0f} MiB): it allocates an N x M array")
 
 
-def _bad_input_cases(spec: EstimatorSpec) -> list[tuple[str, Callable[[Any, Any, Any], tuple], dict, type, str]]:
+def _bad_input_cases(spec: EstimatorSpec, params: Mapping[str, Any]) -> list[tuple[str, Callable[[Any, Any, Any], tuple], dict, type, str]]:
     """(what, inputs from (q, k, v), extra keywords, error class, words the message must hold)."""
     nan_at_max = lambda a: np.where(a == a.max(), np.nan, a)  # noqa: E731
     inf_at_max = lambda a: np.where(a == a.max(), np.inf, a)  # noqa: E731
@@ -1196,7 +1197,7 @@ def _bad_input_cases(spec: EstimatorSpec) -> list[tuple[str, Callable[[Any, Any,
                           {pname: "__not_a_choice__"}, ValueError,
                           f"{pname}='__not_a_choice__' is not allowed; choose one of {param.choices[0]!r}"))
             break
-    if spec.needs_samples:
+    if spec.needs_samples_of(params):
         cases += [("no num_samples", lambda q, k, v: (q, k, v), {"num_samples": None}, ValueError, "needs num_samples"),
                   ("num_samples 0", lambda q, k, v: (q, k, v), {"num_samples": 0}, ValueError, ">= 1"),
                   ("a fractional num_samples", lambda q, k, v: (q, k, v), {"num_samples": 2.5}, TypeError, "integer")]
@@ -1211,9 +1212,10 @@ def check_bad_inputs(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
 
     rng = np.random.default_rng(140)
     q, k, v = rng.standard_normal((3, 6, 4))
-    for what, mutate, extra, error, words in _bad_input_cases(spec):
+    for what, mutate, extra, error, words in _bad_input_cases(spec, params):
         qq, kk, vv = mutate(q, k, v)
-        keywords = {"num_samples": _SAMPLES if spec.needs_samples else None, "seed": 0, **params, **extra}
+        samples = _SAMPLES if spec.needs_samples_of(params) else None
+        keywords = {"num_samples": samples, "seed": 0, **params, **extra}
         try:
             _quiet(lambda: estimate(spec, qq, kk, vv, **keywords))
         except (ValueError, TypeError) as exc:

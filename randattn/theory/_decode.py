@@ -46,7 +46,7 @@ def _limit_outputs(spec: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale
     for limit in spec.exact_limits:
         limit_params, samples = limit.resolve(len(q), len(k))
         params = spec.resolve_params(limit_params)
-        draws = spec.draw(q.shape, k.shape, num_samples=(samples or len(k)) if spec.needs_samples else None,
+        draws = spec.draw(q.shape, k.shape, num_samples=(samples or len(k)) if spec.needs_samples_of(params) else None,
                           replicates=2, rng=rng, **params, **kwargs)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -67,6 +67,27 @@ def test_table_schema_and_deterministic_rows(acts):
     assert set(table.image) == {"cat", "dog"} and set(table.layer) == {0, 5}
 
 
+def test_adaptive_vattention_is_measured_once_and_reported_at_every_s(acts):
+    """vAttention's adaptive budget sets its own sample size (its spec's needs_samples is a function of the
+    parameters): one unit per (layer, image), drawn with S = None, its rows the same at both S; the fixed budget is
+    measured at each S."""
+    small = "sinks=1,local=1,top_k=1"
+    adaptive, fixed = f"vattention:{small}", f"vattention:budget=fixed,{small}"
+    config = _config(estimators=parse_estimator_list(f"{adaptive};{fixed}"), num_samples=(2, 3))
+    units = plan(acts, config)
+    assert [u.num_samples for u in units if u.label == adaptive] == [None] * 4  # 2 layers x 2 images
+    assert sorted(u.num_samples for u in units if u.label == fixed) == [2, 2, 2, 2, 3, 3, 3, 3]
+    table = run_sweep(acts, config)
+    keys = ["layer", "image", "head"]
+    rows = table[table.label == adaptive].set_index(keys)
+    at_2, at_3 = rows[rows.num_samples == 2].sort_index(), rows[rows.num_samples == 3].sort_index()
+    assert len(at_2) == 8 and at_2["mse"].gt(0).all()
+    pd.testing.assert_series_equal(at_2["mse"], at_3["mse"])
+    fixed_rows = table[table.label == fixed].set_index(keys)
+    assert not np.array_equal(fixed_rows[fixed_rows.num_samples == 2].sort_index()["mse"],
+                              fixed_rows[fixed_rows.num_samples == 3].sort_index()["mse"])
+
+
 def _one_cell_replicate_budget(acts, config) -> int:
     """The budget that makes every block a single (cell, replicate) of the largest unit."""
     from randattn.analysis.execute import UnitRunner

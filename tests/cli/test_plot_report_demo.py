@@ -160,3 +160,5 @@ def test_demo_summary_shows_estimators_without_samples_once_by_their_spec():
     assert _takes_no_samples("softmax") and _takes_no_samples("local")
     assert not _takes_no_samples("rfa") and not _takes_no_samples("eva")
     assert not _takes_no_samples("not-installed")
+    # a configuration's own: vAttention's adaptive budget sets its sample size, a fixed one takes S
+    assert _takes_no_samples("vattention") and not _takes_no_samples("vattention:budget=fixed")

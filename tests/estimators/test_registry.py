@@ -124,6 +124,19 @@ def test_is_random_must_answer_true_or_false(answer):
         randattn.estimators.validate_spec(spec)
 
 
+@pytest.mark.parametrize("answer", ["yes", 1, None, lambda params: "no"])
+def test_needs_samples_must_be_true_or_false(answer):
+    """A bool, or a function of the parameters that returns one (vAttention's: its adaptive budget takes no S)."""
+    spec = dataclasses.replace(_copy("vague"), needs_samples=answer)
+    shown = answer("") if callable(answer) else answer
+    with pytest.raises(randattn.estimators.SpecError, match=f"needs_samples of the defaults is {shown!r}; it must be "
+                                                            "True or False"):
+        randattn.estimators.validate_spec(spec)
+    fine = dataclasses.replace(_copy("vague"), needs_samples=lambda params: False)
+    randattn.estimators.validate_spec(fine)
+    assert not fine.needs_samples_of() and not fine.needs_samples_of({})
+
+
 def test_the_reserved_names_cover_every_argument_of_estimate_and_draw_and_of_the_protocol_calls():
     """Any name ``randattn.estimate``/``draw`` take, or that ``draw``/``reference``/``batched`` get beside the
     parameters, is one a parameter would collide with."""

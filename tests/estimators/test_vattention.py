@@ -433,6 +433,20 @@ def test_bad_inputs_name_the_parameter(params, samples, error, words):
             assert words in str(caught.value)
 
 
+def test_the_adaptive_budget_takes_no_s_and_the_fixed_one_needs_it():
+    """The adaptive budget sets its own sample size: ``randattn.estimate`` needs no S, and an S given changes
+    nothing (bit for bit); the fixed budget's S is its sample size and must be given."""
+    rng = np.random.default_rng(35)
+    q, k, v = rng.normal(size=(3, 2, 24, 8))
+    assert not SPEC.needs_samples_of() and SPEC.needs_samples_of({"budget": "fixed"})
+    alone = randattn.estimate(SPEC, q, k, v, seed=3, mask="causal")
+    assert np.array_equal(alone, randattn.estimate(SPEC, q, k, v, num_samples=7, seed=3, mask="causal"))
+    with pytest.raises(ValueError, match="estimator 'vattention' needs num_samples"):
+        randattn.estimate(SPEC, q, k, v, seed=3, budget="fixed")
+    with pytest.raises(ValueError, match="num_samples must be >= 1"):
+        draw(q.shape, k.shape, num_samples=0, rng=np.random.default_rng(0))
+
+
 def test_draws_of_the_other_budget_are_refused():
     rng = np.random.default_rng(12)
     q, k, v = rng.normal(size=(3, 4)), rng.normal(size=(9, 4)), rng.normal(size=(9, 2))

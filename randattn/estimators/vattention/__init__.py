@@ -22,7 +22,8 @@ output, their ratio, is consistent (bias and variance :math:`O(1/b)`).
 - ``budget="fixed"``: S is the residual sample size :math:`b` (draws with replacement, so a query reads at most
   S distinct sampled keys); the heavy set is set by ``sinks``, ``local`` and ``top_k`` alone. ``keys_used`` =
   heavy set + distinct sampled keys.
-- ``budget="adaptive"`` (the default, the paper's method): S is **ignored** (it must still be a positive integer);
+- ``budget="adaptive"`` (the default, the paper's method): S plays no part, so the configuration takes none
+  (``num_samples=None``; a value given is checked and ignored) and a sweep measures it once, not once per S;
   :math:`b = \min(\max(b_0, \lceil b^* \rceil), n_s)` from the CLT bound :math:`b^*` for (epsilon, delta)
   (:func:`.reference.sample_size`), at most the :math:`n_s` keys sampled from (the official code's cap), so
   ``draw`` makes M uniforms per query for the sample and :math:`B = \max(2, \text{size}(\text{base\_rate}, M))`
@@ -93,7 +94,7 @@ OFFICIAL_CODE = {"quantile": "one-sided", "duplicates": "merge", "sample_from": 
 
 
 @keyword_entry(VattentionOptions, leave_out=("scale",))
-def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, replicates: int = 1,
+def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int | None, replicates: int = 1,
          rng: np.random.Generator, options: VattentionOptions) -> Draws:
     r"""Uniforms on [0, 1) for every draw a query may take, independent across replicates, batch elements and queries.
 
@@ -104,17 +105,24 @@ def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int, re
       (the largest base sample); query n uses the first :math:`b_0` of them.
 
     The draws do not depend on the data or on ``mask`` (which is checked here, before any work), so ``estimate``
-    is a pure function of them. ``num_samples`` must be a positive integer in both modes (adaptive ignores it).
+    is a pure function of them. ``num_samples`` is S with ``budget="fixed"``; the adaptive budget takes None (a
+    positive integer given is ignored).
     """
     if options.mask is not None:
         check_causal_shapes(q_shape[-2], k_shape[-2])
-    num_samples = check_positive_int("num_samples", num_samples)
+    if num_samples is not None or options.budget == "fixed":
+        num_samples = check_positive_int("num_samples", num_samples)
     main, base = uniform_counts(k_shape[-2], num_samples, options.parameters)
     lead = (replicates, *q_shape[:-2], q_shape[-2])
     arrays = {"residual_uniforms": rng.random((*lead, main))}
     if base:
         arrays["base_uniforms"] = rng.random((*lead, base))
     return Draws(arrays, replicates)
+
+
+def _fixed_budget(params: Mapping[str, Any]) -> bool:
+    """S is the sample size of the fixed budget; the adaptive one sets its own (module docstring)."""
+    return params["budget"] == "fixed"
 
 
 def _convergence(params: Mapping[str, Any]) -> str:
@@ -158,6 +166,7 @@ SPEC = family_spec(
     convergence=_convergence,
     cost="quadratic",
     masks=(None, "causal", "sliding"),
+    needs_samples=_fixed_budget,
     selection="discrete",
     normalized=True,
     exact_limits=(
