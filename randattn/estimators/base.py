@@ -796,9 +796,10 @@ class EstimatorSpec:
         unknown = sorted(set(params) - set(self.params))
         if unknown:
             allowed = ", ".join([*sorted(self.params), "preset"])
+            budget = "" if self.needs_samples is False else "; S, its sample size or key budget, is num_samples"
             raise ValueError(
                 f"unknown parameter(s) {', '.join(map(repr, unknown))} for estimator {self.name!r}; "
-                f"allowed: {allowed}"
+                f"allowed: {allowed}{budget}"
             )
         resolved = {}
         for name, param in self.params.items():

@@ -324,9 +324,9 @@ def parse_estimator(text: str) -> tuple[str, dict[str, Any]]:
             params[key] = raw.strip()
             continue
         if key not in spec.params:
-            raise ValueError(
-                f"unknown parameter {key!r} for estimator {name!r}; allowed: {', '.join([*sorted(spec.params), 'preset'])}"
-            )
+            allowed = ", ".join([*sorted(spec.params), "preset"])
+            budget = "" if spec.needs_samples is False else "; S, its sample size or key budget, is --samples"
+            raise ValueError(f"unknown parameter {key!r} for estimator {name!r}; allowed: {allowed}{budget}")
         params[key] = _convert(raw.strip(), spec.params[key].default, spec.params[key].kind)
     spec.resolve_params(params)
     return name, params

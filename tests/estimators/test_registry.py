@@ -13,6 +13,7 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -122,6 +123,21 @@ def test_is_random_must_answer_true_or_false(answer):
     with pytest.raises(randattn.estimators.SpecError, match=f"is_random of the defaults returned {answer!r}; it "
                                                             "must return True or False"):
         randattn.estimators.validate_spec(spec)
+
+
+@pytest.mark.parametrize(("name", "hint"), [("topk", True), ("vattention", True), ("softmax", False)])
+def test_an_unknown_parameter_of_an_estimator_that_takes_s_says_where_s_goes(name, hint):
+    """``topk:k=3`` or ``budget=3``: S is not a parameter; an estimator that may take S says it is num_samples
+    (``--samples`` on the command line); one that never takes S (softmax) does not."""
+    from randattn.estimators.registry import parse_estimator
+
+    q, k, v = np.ones((3, 4, 2))
+    with pytest.raises(ValueError, match="unknown parameter") as api:
+        randattn.estimate(name, q, k, v, num_samples=2, budget_keys=3)
+    assert ("S, its sample size or key budget, is num_samples" in str(api.value)) == hint
+    with pytest.raises(ValueError, match="unknown parameter 'k'") as cli:
+        parse_estimator(f"{name}:k=3")
+    assert ("S, its sample size or key budget, is --samples" in str(cli.value)) == hint
 
 
 @pytest.mark.parametrize("answer", ["yes", 1, None, lambda params: "no"])
