@@ -422,6 +422,7 @@ def error_vs_budget_figure(
     aggregated, exact, names, panels, styles = _drawable(table, value, confidence, seed, "the error-vs-budget figure")
     fig, axes = _new_figure(len(panels), sharey=True)
     handles: dict[str, Line2D] = {}
+    dashed = False
     for ax, (n, _, panel, title) in zip(axes, panels):
         budget = _budget_of(table[table["tokens"] == n])
         panel = panel.merge(budget, on=["label", "num_samples"], how="left")
@@ -431,6 +432,7 @@ def error_vs_budget_figure(
             x = rows["budget"].to_numpy(dtype=float)
             y = rows[value].to_numpy(dtype=float)
             counted = bool(rows["counted"].all())
+            dashed |= not counted
             (line,) = ax.plot(x, y, color=style["color"], marker=style["marker"], markersize=4, linewidth=1.6,
                               linestyle="-" if counted else "--",
                               label=names[label] if counted else f"{names[label]} (at S features)")
@@ -450,7 +452,8 @@ def error_vs_budget_figure(
         fig,
         f"{'MSE' if value == 'mse' else value} vs keys used per query: quality against budget",
         f"{describe_data(table, metadata)}\nmean over layers and heads per {noun}, then over {noun}s; "
-        f"{_band_text(aggregated, confidence, noun)}; dashed: no keys_used reported, placed at S{_exact_note(exact)}",
+        f"{_band_text(aggregated, confidence, noun)}"
+        f"{'; dashed: no keys_used reported, placed at S' if dashed else ''}{_exact_note(exact)}",
     )
     ordered = [handles[label] for label in label_order(handles)]
     _legend(fig, ordered, len(ordered))

@@ -257,6 +257,19 @@ def test_error_vs_budget_places_counted_estimators_at_their_mean_keys_used_and_t
     assert all(name.endswith("(at S features)") for name, line in lines.items() if line.get_linestyle() == "--")
 
 
+def test_error_vs_budget_explains_dashed_lines_only_when_it_draws_some(table):
+    """The subtitle's "dashed: no keys_used reported" is there when an estimator is placed at S, not otherwise."""
+    from randattn.reports.figures import error_vs_budget_figure
+
+    def said(fig):
+        return " ".join(text.get_text() for text in fig.texts)
+
+    assert "dashed: no keys_used reported, placed at S" in said(error_vs_budget_figure(_with_keys_used(table)))
+    only_counted = _with_keys_used(table)
+    only_counted = only_counted[only_counted["label"] == "ra"]
+    assert "dashed" not in said(error_vs_budget_figure(only_counted))
+
+
 def test_error_vs_budget_without_keys_used_says_which_estimators_have_it(table):
     from randattn.reports.figures import error_vs_budget_figure
 
