@@ -41,8 +41,13 @@ import numpy as np
 
 from randattn.results.schema import RELATIVE_ERROR_COLUMNS  # the table's columns that relative_error_columns fills
 
-__all__ = ["BUDGET_SUMMARY_COLUMNS", "RELATIVE_ERROR_COLUMNS", "broken_promises", "budget_summary", "check_epsilon",
-           "clopper_pearson", "denominator_relative_errors", "query_relative_errors", "relative_error_columns"]
+__all__ = ["BUDGET_SUMMARY_COLUMNS", "FALSE_FLAG_RATE", "RELATIVE_ERROR_COLUMNS", "broken_promises", "budget_summary",
+           "check_epsilon", "clopper_pearson", "denominator_relative_errors", "flags_by_chance",
+           "query_relative_errors", "relative_error_columns"]
+
+#: the most often a head whose every query keeps the promise is flagged anyway: the 95% Clopper-Pearson interval
+#: lies wholly above delta with probability at most 2.5 % when the violation probability is delta (its lower tail)
+FALSE_FLAG_RATE = 0.025
 
 
 #: what :func:`budget_summary` gives beside its keys
@@ -253,6 +258,12 @@ def budget_summary(table):
         record["promises_broken"] = int(group["promise_broken"].sum())
         records.append(record)
     return pd.DataFrame.from_records(records, columns=[*keys, *BUDGET_SUMMARY_COLUMNS])
+
+
+def flags_by_chance(heads: int) -> float:
+    """The most heads of ``heads`` checked that :data:`FALSE_FLAG_RATE` flags on average where every one keeps its
+    promise: a count of flags near it is no evidence that the promise fails (each head is checked alone)."""
+    return FALSE_FLAG_RATE * heads
 
 
 def broken_promises(table) -> list[dict[str, Any]]:

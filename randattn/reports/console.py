@@ -240,11 +240,14 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
     Columns: the keys read (mean, and as a fraction of the keys the queries see), the median and 95th percentile
     of the relative error, the epsilon checked with the mean violation rate (of the output, or of the quantity a
     promise bounds, named beside it: ``(denominator)``), and the promise (delta) with how many heads demonstrably
-    break it (red).
+    break it (red), beside the most that would be flagged by chance
+    (:func:`~randattn.analysis.relative_error.flags_by_chance`).
     """
     import math
 
     from rich.table import Table
+
+    from randattn.analysis.relative_error import flags_by_chance
 
     def finite(column: str) -> bool:
         return column in budget and any(math.isfinite(float(x)) for x in budget[column])
@@ -270,7 +273,8 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
             violation += f" ({quantity})"
         promise = ""
         if math.isfinite(row.delta):
-            promise = f"delta = {row.delta:g}: " + (f"[bold red]broken on {row.promises_broken} of {row.heads} heads[/]"
+            promise = f"delta = {row.delta:g}: " + (f"[bold red]broken on {row.promises_broken} of {row.heads} heads[/] "
+                                                   f"(<= {flags_by_chance(row.heads):.2g} by chance)"
                                                    if row.promises_broken else f"kept on all {row.heads} heads")
         table.add_row(str(row.label), str(row.num_samples), *([str(row.mask)] if several else []), keys,
                       number(row.rel_err_median, ".3g"),

@@ -507,6 +507,14 @@ def _counts_other_than_output(table: pd.DataFrame) -> bool:
     return bool((quantity.notna() & quantity.ne("output")).any())  # NaN: a table from before the column
 
 
+def _heads_broken(flags: pd.Series) -> str:
+    """``"2 of 54 (<= 1.4 by chance)"``: the heads flagged, and the most flagged on average where all keep it."""
+    from randattn.analysis.relative_error import flags_by_chance
+
+    broken = int(flags.fillna(False).astype(bool).sum())
+    return f"{broken} of {len(flags)}" + (f" (<= {flags_by_chance(len(flags)):.2g} by chance)" if broken else "")
+
+
 def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
     """Per ``(label, num_samples)``: the relative output error ``||y_hat_n - y_n|| / ||y_n||`` over heads (mean of the
     heads' means and medians, the largest 95th percentile) and, where measured, the violation rate ``P(error >
@@ -527,8 +535,7 @@ def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
             summary["violation of"] = groups["violation_of"].first()
     if "promise_broken" in table.columns:
         summary["delta"] = groups["delta"].first()
-        summary["heads broken"] = groups["promise_broken"].apply(lambda b: f"{int(b.fillna(False).astype(bool).sum())} "
-                                                                 f"of {len(b)}")
+        summary["heads broken"] = groups["promise_broken"].apply(_heads_broken)
     return summary.reset_index()
 
 

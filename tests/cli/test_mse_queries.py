@@ -76,6 +76,7 @@ def test_last_k_under_the_causal_mask_with_a_promise(acts_file, tmp_path):
     assert "on the last 3 queries" in text and "keys read and relative error" in text
     assert "measuring the last 3 queries of each head" in text
     assert text.count("promise broken:") == 2  # one line per head
+    assert "broken on 2 of 2 heads (<= 0.05 by chance)" in text  # 2.5 % of the heads checked
     assert f"promise broken: {PROMISING} S=3 layer 0 head 1 sequence" in text
 
 
