@@ -109,12 +109,12 @@ def large_norm_stability(rng: np.random.Generator, quick: bool, data, *,
             ref, b64, b32 = run_fn(name, params, q, k, v, scale, np.random.default_rng(rng.integers(2**63)))
         except Exception as exc:  # one estimator's error is its own failure, named; the others are still measured
             problems.append(f"{name}[{label}]: raised {type(exc).__name__}: {exc}")
-            worst = np.inf
+            worst, where = (worst, where) if worst == np.inf else (np.inf, f"{name}[{label}] raised")
             continue
         if not all(np.isfinite(a).all() for a in (ref, b64, b32)):
             bad = [dt for dt, a in (("reference", ref), ("float64", b64), ("float32", b32)) if not np.isfinite(a).all()]
             problems.append(f"{name}[{label}]: non-finite output ({', '.join(bad)})")
-            worst = np.inf
+            worst, where = (worst, where) if worst == np.inf else (np.inf, f"{name}[{label}] non-finite")
             continue
         ratios = {
             "batched float64 vs reference": np.abs(b64 - ref).max() / vmax / FLOAT64_TOL,

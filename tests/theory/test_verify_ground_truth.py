@@ -111,6 +111,7 @@ def test_stability_gives_a_plugin_torch_draws_and_names_one_that_raises():
     finally:
         unregister_estimator("raises-keys")
     assert not result.passed and "raises-keys[default]: raised RuntimeError: planted" in result.details
+    assert "worst: raises-keys[default] raised;" in result.details  # not the worst of those that ran
     problems = [part for part in result.details.split("; ") if "[default]:" in part]
     assert problems == ["raises-keys[default]: raised RuntimeError: planted"]  # the built-ins measured and passing
 
