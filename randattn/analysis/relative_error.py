@@ -269,10 +269,19 @@ def flags_by_chance(heads: int) -> float:
 def broken_promises(table) -> list[dict[str, Any]]:
     """One record per row of a sweep table whose configuration's promise demonstrably fails (``promise_broken``):
     its label, S, tokens, mask, query selection, image, layer and head, and epsilon, delta, the violation rate, its
-    Clopper-Pearson interval and what it counts (``violation_of``) (plain Python values), in the table's order."""
+    Clopper-Pearson interval and what it counts (``violation_of``) (plain Python values), in the table's order.
+    A configuration that takes no S (adaptive vAttention; :func:`~randattn.estimators.registry.takes_no_samples`), whose
+    one measurement the table repeats at each S, gives one record, its S None."""
     if "promise_broken" not in table.columns:
         return []
     broken = table[table["promise_broken"].eq(True)]
+    if len(broken):  # a configuration that takes no S: one measurement, repeated at every S
+        from randattn.estimators.registry import takes_no_samples
+
+        s_free = broken["label"].map(takes_no_samples).astype(bool)
+        cell = [c for c in ("label", "tokens", "mask", "queries", "image", "layer", "head") if c in broken]
+        broken = broken.assign(num_samples=broken["num_samples"].astype(object).where(~s_free, None))
+        broken = broken[~(s_free & broken.duplicated(cell))]
     fields = [f for f in _BROKEN_FIELDS if f in broken.columns]
     return [{f: (v.item() if isinstance(v, np.generic) else v) for f, v in zip(fields, row)}
             for row in broken[fields].itertuples(index=False, name=None)]

@@ -135,11 +135,7 @@ def print_summary(summary: Any, noun: str = "image") -> None:
 
 
 def takes_no_samples(label: str) -> bool:
-    """Whether the configuration ``label`` (``"vattention:budget=fixed"``) takes no S, as its spec says for its
-    parameters; False for an estimator not registered here."""
-    from randattn.analysis.plan import estimator_config
+    """:func:`randattn.estimators.registry.takes_no_samples` (the demo's summary asks it of each label)."""
+    from randattn.estimators.registry import takes_no_samples as configuration_takes_no_samples
 
-    try:
-        return not estimator_config(label).needs_samples
-    except (KeyError, TypeError, ValueError):
-        return False
+    return configuration_takes_no_samples(label)

@@ -42,6 +42,7 @@ __all__ = [
     "spec_origin",
     "session_specs",
     "ensure_registered",
+    "takes_no_samples",
 ]
 
 ENTRY_POINT_GROUP = "randattn.estimators"
@@ -301,6 +302,18 @@ def ensure_registered(specs: Iterable[EstimatorSpec]) -> None:
 def plugin_errors() -> list[PluginError]:
     """The plugins that could not be registered, each with its reason."""
     return _REGISTRY.errors()
+
+
+def takes_no_samples(label: str) -> bool:
+    """Whether the configuration ``label`` (a table's, e.g. ``"vattention:budget=fixed"``) takes no S, as its
+    spec says for its parameters (:meth:`~randattn.estimators.base.EstimatorSpec.needs_samples_of`): the sweep
+    measures it once and repeats its row at each S. False for an estimator not registered in this process (its
+    rows are kept as they are)."""
+    try:
+        name, params = parse_estimator(label)
+        return not get_spec(name).needs_samples_of(params)
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def parse_estimator(text: str) -> tuple[str, dict[str, Any]]:

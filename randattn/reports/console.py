@@ -295,7 +295,8 @@ def broken_promise_lines(broken: Sequence[Mapping[str, Any]], noun: str = "image
     (``P(denominator err > eps)``)."""
     from rich.markup import escape
 
-    return [f"[bold red]promise broken[/]: {escape(str(b['label']))} S={b['num_samples']} layer {b['layer']} head "
+    return [f"[bold red]promise broken[/]: {escape(str(b['label']))}"
+            f"{'' if b['num_samples'] is None else ' S=' + str(b['num_samples'])} layer {b['layer']} head "
             f"{b['head']} {noun} {escape(str(b['image']))}: P({_error_of(b)} > {b['epsilon']:g}) = "
             f"{b['violation_rate']:.3g} "
             f"[{b['violation_lo']:.3g}, {b['violation_hi']:.3g}] > delta = {b['delta']:g}"

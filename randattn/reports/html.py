@@ -558,12 +558,15 @@ def promise_section(table: pd.DataFrame) -> list[str]:
            "(vAttention's, whose budget rule sizes its sample for the denominator; the column <em>violation of</em> "
            "names it); the relative errors are always the output's.</p>"]
     if "promise_broken" in table.columns:
-        broken = table[table["promise_broken"].fillna(False).astype(bool)]
+        from randattn.analysis.relative_error import broken_promises
+
+        broken = pd.DataFrame.from_records(broken_promises(table))  # one record a measurement, at every S once
         if not broken.empty:
             shown = broken.sort_values("violation_lo", ascending=False).head(MAX_BROKEN_HEADS_SHOWN)
             rows = pd.DataFrame({
                 "estimator": [names.get(label, label) for label in shown["label"]],
-                "S": shown["num_samples"].astype(int), "layer": shown["layer"].astype(int),
+                "S": ["–" if s is None or s != s else str(int(s)) for s in shown["num_samples"]],
+                "layer": shown["layer"].astype(int),
                 "head": shown["head"].astype(int), "item": shown["image"],
                 "epsilon": shown["epsilon"].map(_format_number), "delta": shown["delta"].map(_format_number),
                 "violation rate": shown["violation_rate"].map(_format_number),

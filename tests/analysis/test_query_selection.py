@@ -347,3 +347,24 @@ def test_a_window_at_the_query_token_is_measured_on_its_last_rows_and_never_on_a
         np.testing.assert_allclose(row["mse"], np.mean(errors), rtol=1e-10)
     with pytest.raises(ValueError, match="its windows end at each query's own token"):
         plan(acts, _config("sample:3", None, label="streaming"))
+
+
+def test_a_broken_promise_of_a_configuration_without_s_is_one_record():
+    """Adaptive vAttention takes no S: the table repeats its one measurement at each S, and the broken promise is
+    one record with S None; the fixed budget's rows at two S are two measurements, two records."""
+    import pandas as pd
+
+    from randattn.analysis.relative_error import broken_promises
+    from randattn.reports.console import broken_promise_lines
+
+    rows = [{"label": label, "num_samples": s, "tokens": 64, "mask": "causal", "queries": "last:4", "image": "x",
+             "layer": 0, "head": 1, "epsilon": 0.05, "delta": 0.05, "violation_rate": 0.2, "violation_lo": 0.1,
+             "violation_hi": 0.3, "violation_of": "denominator", "promise_broken": True}
+            for label in ("vattention", "vattention:budget=fixed") for s in (8, 16)]
+    records = broken_promises(pd.DataFrame(rows))
+    assert [(r["label"], r["num_samples"]) for r in records] == [("vattention", None),
+                                                                 ("vattention:budget=fixed", 8),
+                                                                 ("vattention:budget=fixed", 16)]
+    lines = broken_promise_lines(records)
+    assert "vattention layer 0 head 1" in lines[0] and "S=" not in lines[0]
+    assert "vattention:budget=fixed S=8 layer 0 head 1" in lines[1]
