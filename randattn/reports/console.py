@@ -188,12 +188,28 @@ def summary_table(summary, noun: str = "image", queries: str | None = None):
                  "CI over"):
         table.add_column(name, justify="left" if name in ("estimator", "mask", "CI over") else "right",
                          no_wrap=name in ("estimator", "MSE [CI]"))
-    for row in summary.itertuples(index=False):
+    for row in _once_without_s(summary).itertuples(index=False):
         ci = "" if row.mse_lo != row.mse_lo else f" [{row.mse_lo:.3g}, {row.mse_hi:.3g}]"
-        table.add_row(row.label, str(row.num_samples), str(row.tokens), *([str(row.mask)] if several else []),
+        table.add_row(row.label, _s_text(row), str(row.tokens), *([str(row.mask)] if several else []),
                       f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}", f"{row.variance:.3g}",
                       f"{_over(row.ci_over, noun)} ({row.units})")
     return table
+
+
+def _once_without_s(frame):
+    """``frame`` with the rows of a configuration that takes no S (softmax, local, adaptive vAttention: one
+    measurement the table repeats at each S) kept once per token count and mask, marked in a column ``s_free``."""
+    from randattn.estimators.registry import takes_no_samples
+
+    s_free = frame["label"].map(takes_no_samples).astype(bool)
+    keys = [column for column in ("label", "tokens", "mask") if column in frame]
+    keep = ~(s_free & frame.duplicated(keys))
+    return frame.assign(s_free=s_free)[keep]
+
+
+def _s_text(row) -> str:
+    """A row's S, or "–" for a configuration that takes none (:func:`_once_without_s`)."""
+    return "–" if row.s_free else str(row.num_samples)
 
 
 def _several_masks(frame) -> bool:
@@ -227,9 +243,13 @@ def positions_table(positions, seed: int, noun: str = "image"):
         table.add_column("mask")
     for lo, hi in buckets:
         table.add_column(f"p {bucket_text(lo, hi)}", justify="right")
+    from randattn.estimators.registry import takes_no_samples
+
     for key, group in means.groupby(["label", "num_samples", *(["mask"] if several else [])], sort=False):
         values = {(lo, hi): mse for lo, hi, mse in zip(group["position_lo"], group["position_hi"], group["mse"])}
-        table.add_row(*(str(part) for part in key), *(f"{values[b]:.3g}" if b in values else "" for b in buckets))
+        label, samples, *mask = (str(part) for part in key)
+        table.add_row(label, "–" if takes_no_samples(label) else samples, *mask,
+                      *(f"{values[b]:.3g}" if b in values else "" for b in buckets))
     return table
 
 
@@ -265,7 +285,7 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
     def number(value: float, spec: str) -> str:
         return "" if not math.isfinite(float(value)) else format(float(value), spec)
 
-    for row in budget.itertuples(index=False):
+    for row in _once_without_s(budget).itertuples(index=False):
         keys = "" if not math.isfinite(row.keys_used) else f"{row.keys_used:.4g} ({row.keys_fraction:.2%})"
         violation = "" if not math.isfinite(row.epsilon) else f"{row.violation_rate:.3g} at eps = {row.epsilon:g}"
         quantity = getattr(row, "violation_of", "output")
@@ -276,7 +296,7 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
             promise = f"delta = {row.delta:g}: " + (f"[bold red]broken on {row.promises_broken} of {row.heads} heads[/] "
                                                    f"(<= {flags_by_chance(row.heads):.2g} by chance)"
                                                    if row.promises_broken else f"kept on all {row.heads} heads")
-        table.add_row(str(row.label), str(row.num_samples), *([str(row.mask)] if several else []), keys,
+        table.add_row(str(row.label), _s_text(row), *([str(row.mask)] if several else []), keys,
                       number(row.rel_err_median, ".3g"),
                       number(row.rel_err_p95, ".3g"), violation, promise)
     return table

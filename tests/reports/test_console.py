@@ -1,0 +1,34 @@
+"""The terminal's tables (randattn.reports.console): a configuration that takes no S is one row, its S "–"."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+
+
+def _text(table) -> str:
+    console = Console(width=200, record=True)
+    console.print(table)
+    return console.export_text()
+
+
+def _rows(text: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("│ ").split("│")] for line in text.splitlines() if line.startswith("│")]
+
+
+def test_a_configuration_without_s_is_one_row_in_the_mse_and_budget_tables():
+    """softmax and adaptive vAttention take no S: the sweep repeats their one measurement at S = 8 and 16, the
+    terminal shows it once with S "–"; top-k and vAttention's fixed budget take S: a row per S."""
+    from randattn.reports.console import budget_table, summary_table
+
+    labels = ["softmax", "vattention", "vattention:budget=fixed", "topk"]
+    frame = pd.DataFrame([{"label": label, "num_samples": s, "tokens": 64, "mse": 0.5, "mse_lo": 0.4, "mse_hi": 0.6,
+                           "bias_sq": 0.1, "variance": 0.4, "ci_over": "heads", "units": 2, "keys_used": 3.0,
+                           "keys_fraction": 0.1, "rel_err_median": 0.2, "rel_err_p95": 0.3, "epsilon": np.nan,
+                           "violation_rate": np.nan, "delta": np.nan, "heads": 2, "promises_broken": 0}
+                          for label in labels for s in (8, 16)])
+    for table in (summary_table(frame), budget_table(frame)):
+        shown = [(row[0], row[1]) for row in _rows(_text(table))]
+        assert shown == [("softmax", "–"), ("vattention", "–"), ("vattention:budget=fixed", "8"),
+                         ("vattention:budget=fixed", "16"), ("topk", "8"), ("topk", "16")]
