@@ -864,6 +864,20 @@ def _declared_form(mask: Any) -> str | None:
         return None
 
 
+def _yes_or_no(fact: str, declared: Any, params: Mapping[str, Any], label: str, problems: list[str]) -> bool | None:
+    """A declared yes/no fact (a bool, or a function of the parameters returning one) for ``params``; None, with
+    the problem added to ``problems``, where it raises or answers anything but True or False."""
+    try:
+        value = declared(params) if callable(declared) else declared
+    except Exception as exc:
+        problems.append(f"{fact} of the {label} raised {type(exc).__name__}: {exc}")
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        problems.append(f"{fact} of the {label} is {value!r}; it must be True or False")
+        return None
+    return bool(value)
+
+
 def validate_spec(spec: Any) -> EstimatorSpec:
     """Check that ``spec`` satisfies the estimator protocol; return it.
 
@@ -941,21 +955,8 @@ def validate_spec(spec: Any) -> EstimatorSpec:
                 continue
             if value not in allowed:
                 problems.append(f"{fact} of the {label} is {value!r}; allowed: {', '.join(allowed)}")
-        try:
-            is_random = spec.is_random(resolved)
-        except Exception as exc:
-            problems.append(f"is_random of the {label} raised {type(exc).__name__}: {exc}")
-            continue
-        if not isinstance(is_random, (bool, np.bool_)):
-            problems.append(f"is_random of the {label} returned {is_random!r}; it must return True or False")
-            continue
-        try:
-            needs_samples = spec.needs_samples(resolved) if callable(spec.needs_samples) else spec.needs_samples
-        except Exception as exc:
-            problems.append(f"needs_samples of the {label} raised {type(exc).__name__}: {exc}")
-            continue
-        if not isinstance(needs_samples, (bool, np.bool_)):
-            problems.append(f"needs_samples of the {label} is {needs_samples!r}; it must be True or False")
+        is_random = _yes_or_no("is_random", spec.is_random, resolved, label, problems)
+        if is_random is None or _yes_or_no("needs_samples", spec.needs_samples, resolved, label, problems) is None:
             continue
         if spec.convergence_of(resolved) == "exact" and is_random:
             problems.append(f"the {label} claim convergence 'exact' but is_random says they are random")

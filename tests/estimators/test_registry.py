@@ -120,8 +120,8 @@ def test_a_parameter_name_that_is_no_keyword_argument_is_refused(name):
 @pytest.mark.parametrize("answer", ["yes", 1, None])
 def test_is_random_must_answer_true_or_false(answer):
     spec = dataclasses.replace(_copy("vague"), is_random=lambda params: answer)
-    with pytest.raises(randattn.estimators.SpecError, match=f"is_random of the defaults returned {answer!r}; it "
-                                                            "must return True or False"):
+    with pytest.raises(randattn.estimators.SpecError, match=f"is_random of the defaults is {answer!r}; it must be "
+                                                            "True or False"):
         randattn.estimators.validate_spec(spec)
 
 
