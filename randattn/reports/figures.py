@@ -423,8 +423,9 @@ def error_vs_budget_figure(
     fig, axes = _new_figure(len(panels), sharey=True)
     handles: dict[str, Line2D] = {}
     dashed = False
-    for ax, (n, _, panel, title) in zip(axes, panels):
-        budget = _budget_of(table[table["tokens"] == n])
+    for ax, (n, mask, panel, title) in zip(axes, panels):
+        rows_of_panel = (table["tokens"] == n) & ((table["mask"].astype(str) == mask) if mask is not None else True)
+        budget = _budget_of(table[rows_of_panel])  # a panel per mask: its own layers' keys, not the run's mean
         panel = panel.merge(budget, on=["label", "num_samples"], how="left")
         for label in label_order(panel["label"]):
             rows = panel[panel["label"] == label].sort_values("budget")

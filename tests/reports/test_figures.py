@@ -257,6 +257,19 @@ def test_error_vs_budget_places_counted_estimators_at_their_mean_keys_used_and_t
     assert all(name.endswith("(at S features)") for name, line in lines.items() if line.get_linestyle() == "--")
 
 
+def test_error_vs_budget_places_each_mask_panel_at_its_own_layers_keys_used():
+    """A file with a window layer and a causal layer: each panel's points are the mean keys used of its own mask's
+    rows (here 2 S + head under the window, 10 S + head under the causal mask), not the mean over both."""
+    from randattn.reports.figures import error_vs_budget_figure
+
+    table = make_results_table(tokens=(64,), samples=(16, 32), heads=2, layers=(0, 1), labels=["ra"])
+    table["mask"] = np.where(table["layer"] == 0, "sliding:512", "causal")
+    table["keys_used"] = np.where(table["layer"] == 0, 2, 10) * table["num_samples"] + table["head"]
+    fig = error_vs_budget_figure(table)
+    xs = {ax.get_title(): [list(line.get_xdata()) for line in _data_lines(ax)] for ax in fig.axes if ax.get_title()}
+    assert sorted(xs.values()) == [[[32.5, 64.5]], [[160.5, 320.5]]], xs  # heads 0 and 1: + 0.5
+
+
 def test_error_vs_budget_explains_dashed_lines_only_when_it_draws_some(table):
     """The subtitle's "dashed: no keys_used reported" is there when an estimator is placed at S, not otherwise."""
     from randattn.reports.figures import error_vs_budget_figure
