@@ -447,7 +447,8 @@ def positions_section(positions: pd.DataFrame, metadata: Mapping[str, Any] | Non
     names = display_names(positions)
     noun = item_noun(metadata)
     out = [f'<h2 id="positions">{esc(title)}</h2>',
-           "<p>Under a causal mask query n sees the p = n + M − N + 1 keys up to itself, so its estimate averages "
+           "<p>Under a causal mask query n sees the p = n + M − N + 1 keys up to itself (under a sliding window "
+           "of W keys, the last min(p, W) of them), so its estimate averages "
            "fewer values the earlier it stands, and one MSE over all queries hides where the error lies. Here "
            "each query's errors are grouped by its position p in buckets 1, 2–3, 4–7, … and aggregated like the "
            f"rest of the report (per layer, head and {noun}; mean over heads and layers per {noun}, then over "
@@ -463,7 +464,8 @@ def positions_section(positions: pd.DataFrame, metadata: Mapping[str, Any] | Non
                 f"position (log-log axes; bands: bootstrap over {noun}s, or heads for a single {noun}).</figcaption>"
                 "</figure>"]
     pivot = position_pivot(positions, num_samples=s).rename(columns=str).map(_format_number)
-    pivot.index = [names.get(label, label) for label in pivot.index]
+    pivot.index = [names.get(key, key) if isinstance(key, str) else f"{names.get(key[0], key[0])}, {key[1]}"
+                   for key in pivot.index]  # (label, mask) where the layers were measured under several masks
     pivot.index.name = "estimator"
     out += [f"<h3>Mean MSE by position bucket, S = {s}</h3>", _label_tooltips(_table_html(pivot, index=True), names)]
     return out
@@ -511,18 +513,20 @@ def _heads_broken(flags: pd.Series) -> str:
     """``"2 of 54 (<= 1.4 by chance)"``: the heads flagged, and the most flagged on average where all keep it."""
     from randattn.analysis.relative_error import flags_by_chance
 
-    broken = int(flags.fillna(False).astype(bool).sum())
+    broken = int(flags.eq(True).sum())  # NaN (no promise checked) is not a flag
     return f"{broken} of {len(flags)}" + (f" (<= {flags_by_chance(len(flags)):.2g} by chance)" if broken else "")
 
 
 def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
-    """Per ``(label, num_samples)``: the relative output error ``||y_hat_n - y_n|| / ||y_n||`` over heads (mean of the
+    """Per ``(label, num_samples)`` (and ``mask`` where the layers were measured under several; a configuration
+    without S once, its S "–"): the relative output error ``||y_hat_n - y_n|| / ||y_n||`` over heads (mean of the
     heads' means and medians, the largest 95th percentile) and, where measured, the violation rate ``P(error >
     epsilon)`` (mean over heads; with ``violation of`` where some promise bounds another quantity than the output)
     and how many heads break a promise; None when the table has no such columns."""
     if not set(_RELATIVE_COLUMNS) <= set(table.columns) or table["rel_err_mean"].isna().all():
         return None
-    groups = table.groupby(["label", "num_samples"], sort=False)
+    masks = "mask" in table and table["mask"].astype(str).nunique() > 1  # a window layer beside a causal one
+    groups = table.groupby(["label", "num_samples", *(["mask"] if masks else [])], sort=False)
     summary = pd.DataFrame({
         "mean rel. error": groups["rel_err_mean"].mean(),
         "median rel. error": groups["rel_err_median"].mean(),
@@ -536,7 +540,14 @@ def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
     if "promise_broken" in table.columns:
         summary["delta"] = groups["delta"].first()
         summary["heads broken"] = groups["promise_broken"].apply(_heads_broken)
-    return summary.reset_index()
+    summary = summary.reset_index()
+    # a configuration without S: one measurement the table repeats at each S, shown once, its S "–"
+    from randattn.estimators.registry import takes_no_samples
+
+    s_free = summary["label"].map(takes_no_samples).astype(bool)
+    summary = summary[~(s_free & summary.duplicated(["label", *(["mask"] if masks else [])]))]
+    return summary.assign(num_samples=[("–" if free else s) for free, s in zip(s_free[summary.index],
+                                                                               summary["num_samples"])])
 
 
 def promise_section(table: pd.DataFrame) -> list[str]:

@@ -374,8 +374,9 @@ def position_pivot(positions: pd.DataFrame, *, num_samples: int | None = None, s
     Returns
     -------
     pandas.DataFrame
-        Index: estimator label in display order; columns: the buckets as text (``"1"``, ``"2-3"``, ...), in order;
-        with a single token count (else the columns are ``(tokens, bucket)``).
+        Index: estimator label in display order (``(estimator, mask)`` where the rows were measured under several
+        masks: a window layer beside a causal one); columns: the buckets as text (``"1"``, ``"2-3"``, ...), in
+        order; with a single token count (else the columns are ``(tokens, bucket)``).
     """
     from randattn.analysis.positions import bucket_text
 
@@ -389,10 +390,16 @@ def position_pivot(positions: pd.DataFrame, *, num_samples: int | None = None, s
     means = means.assign(bucket=[bucket_text(lo, hi) for lo, hi in zip(means["position_lo"], means["position_hi"])])
     several = means["tokens"].nunique() > 1
     columns = ["tokens", "position_lo", "bucket"] if several else ["position_lo", "bucket"]
-    pivot = means.pivot_table(index="label", columns=columns, values="mse", aggfunc="first")
+    masks = "mask" in means and means["mask"].astype(str).nunique() > 1  # a window layer beside a causal one
+    pivot = means.pivot_table(index=["label", "mask"] if masks else "label", columns=columns, values="mse",
+                              aggfunc="first")
     pivot = pivot.droplevel("position_lo", axis=1)
-    pivot = pivot.reindex(label_order(pivot.index))
-    pivot.index.name = "estimator"
+    order = {label: i for i, label in enumerate(label_order(pivot.index.get_level_values("label").unique()))}
+    pivot = pivot.iloc[sorted(range(len(pivot)), key=lambda i: order[pivot.index.get_level_values("label")[i]])]
+    if masks:
+        pivot.index = pivot.index.set_names(["estimator", "mask"])
+    else:
+        pivot.index.name = "estimator"
     return pivot
 
 

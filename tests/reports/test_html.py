@@ -215,8 +215,10 @@ def test_the_report_lists_a_broken_promise_and_summarises_the_relative_error():
     summary = promise_summary(table)
     assert list(summary.columns) == ["label", "num_samples", "mean rel. error", "median rel. error",
                                      "largest 95th pct", "epsilon", "violation rate", "delta", "heads broken"]
-    assert list(zip(summary["label"], summary["num_samples"])) == list(dict.fromkeys(  # the table's order
-        zip(table["label"], table["num_samples"])))
+    # the table's order; softmax takes no S: its one measurement once, its S "–"
+    expected = dict.fromkeys((label, "–" if label == "softmax" else s)
+                             for label, s in zip(table["label"], table["num_samples"]))
+    assert list(zip(summary["label"], summary["num_samples"])) == list(expected)
     assert set(summary["largest 95th pct"]) == {1.3}
     assert set(summary["mean rel. error"]) == {0.1} and set(summary["median rel. error"]) == {0.08}
     assert set(summary["epsilon"]) == {0.05} and set(summary["delta"]) == {0.1}
@@ -257,3 +259,18 @@ def test_the_report_names_a_promise_on_the_denominator():
     page = build_report(table, environment={}, figures=[])
     assert page.count("<td>denominator</td>") == 1 + int(((table["violation_of"] == "denominator")
                                                           & table["promise_broken"]).sum())
+
+
+def test_the_promise_summary_gives_a_row_per_mask_when_layers_differ():
+    """A window layer beside a causal one: the relative-error summary keeps the masks apart, each row the mean of
+    its own layer's heads, not the mean over both."""
+    from randattn.reports.html import promise_summary
+    from randattn.reports.testing import make_results_table
+
+    table = make_results_table(tokens=(64,), samples=(8,), heads=2, layers=(0, 5), labels=["ra"])
+    table["mask"] = np.where(table["layer"] == 0, "sliding:4", "causal")
+    table["rel_err_mean"] = np.where(table["layer"] == 0, 0.3, 0.1)
+    table["rel_err_median"], table["rel_err_p95"] = 0.05, 0.5
+    summary = promise_summary(table)
+    assert list(zip(summary["label"], summary["mask"], summary["mean rel. error"])) == [("ra", "sliding:4", 0.3),
+                                                                                         ("ra", "causal", 0.1)]

@@ -70,3 +70,21 @@ def test_the_report_shows_the_positions_section_only_with_positions(tables):
     page = build_report(tables.table, positions=tables.positions, figures=[], environment={}, dpi=40)
     assert '<h2 id="positions">Causal attention: error by position</h2>' in page
     assert "<h3>Mean MSE by position bucket, S = 4</h3>" in page
+
+
+def test_the_bucket_table_gives_a_row_per_mask_when_layers_differ():
+    """A window layer beside a causal one (a Gemma file): the report's bucket table keeps both masks' rows, each
+    the aggregate of its own layer, instead of one of them."""
+    rng = np.random.default_rng(5)
+    arrays = {layer: tuple(0.8 * rng.normal(size=(1, 2, 10, 4)) for _ in range(3)) for layer in (0, 3)}
+    acts = make_activations(arrays, {"scale": 0.5, "model": "synthetic", "images": ["a"]})
+    config = SweepConfig(estimators=parse_estimator_list("ra"), num_samples=(2,), replicates=3, seed=1,
+                         backend="reference", diagnostics=False, mask={0: "sliding:3", 3: "causal"})
+    positions = run_sweep_tables(acts, config).positions
+    pivot = position_pivot(positions)
+    assert list(pivot.index) == [("ra", "causal"), ("ra", "sliding:3")]
+    for mask, layer in (("causal", 3), ("sliding:3", 0)):
+        cells = positions[(positions.layer == layer) & (positions.position_lo == 4)]
+        assert pivot.loc[("ra", mask), "4-7"] == pytest.approx(cells.mse.mean(), rel=1e-12)  # one image: over heads
+    page = build_report(run_sweep_tables(acts, config).table, environment={}, figures=[], positions=positions)
+    assert "<th>RA (unbiased), causal</th>" in page and "<th>RA (unbiased), sliding:3</th>" in page
