@@ -405,9 +405,10 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
         err_console.print(reference_check_line(check), highlight=False)
     keys = [c for c in ("estimator", "label", "num_samples", "tokens", "mask") if c in summary.columns]
     records = table_records(summary.merge(budget, on=keys, how="left"))
-    group = ("label", "num_samples", "tokens", "mask")
-    for record in records:
-        record["broken_promises"] = [b for b in broken if all(b.get(c) == record.get(c) for c in group)]
+    group = ("label", "tokens", "mask")
+    for record in records:  # a configuration without S (its S None) breaks its promise at each S the record repeats
+        record["broken_promises"] = [b for b in broken if all(b.get(c) == record.get(c) for c in group)
+                                     and b.get("num_samples") in (None, record.get("num_samples"))]
     queries = str(config.queries)
     if show == "json":
         click.echo(json.dumps(records, indent=2))

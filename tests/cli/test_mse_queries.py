@@ -92,6 +92,28 @@ def test_json_names_the_heads_whose_promise_breaks(acts_file):
     assert records["softmax"]["broken_promises"] == [] and records["softmax"]["keys_used"] is None
 
 
+def test_json_gives_a_configuration_without_s_its_broken_promise_at_every_s(acts_file):
+    """A configuration that takes no S (as adaptive vAttention) is measured once and its record repeated at each S:
+    each record lists the broken head, once, with S None."""
+    from dataclasses import replace
+
+    def draw_without_s(q_shape, k_shape, *, num_samples=None, **kwargs):
+        return SPEC.draw(q_shape, k_shape, num_samples=2, **kwargs)  # its own sample size, whatever S says
+
+    register_estimator(replace(SPEC, name="own-size", draw=draw_without_s, needs_samples=False))
+    try:
+        result = _invoke(acts_file, "--mask", "causal", "--queries", "last:3", "-e", "own-size:eps=0.01,delta=0.001",
+                         "--samples", "3,4", "--replicates", "4", "--json", "--threads", "1")
+    finally:
+        unregister_estimator("own-size")
+    assert result.exit_code == 0, result.output
+    records = [r for r in json.loads(result.stdout) if r["label"].startswith("own-size")]
+    assert [r["num_samples"] for r in records] == [3, 4]
+    for record in records:
+        assert record["promises_broken"] == 2
+        assert [(b["head"], b["num_samples"]) for b in record["broken_promises"]] == [(0, None), (1, None)]
+
+
 def test_a_promise_on_the_denominator_is_named_where_it_is_reported(acts_file, tmp_path):
     """The terminal's summary and broken-promise lines, the --json records and the table say that the violation
     rate counts the denominator's error for a promise on it (and stay as they were for a promise on the output)."""
