@@ -142,10 +142,11 @@ def estimate(
         torch backend only; default float32.
     device : str or torch.device, optional
         torch backend only; default CPU.
-    mask : {None, "causal"}
+    mask : {None, "causal", "sliding:W"}
         None: every query sees every key. ``"causal"``: key m is visible to query n iff
-        ``m <= n + M - N`` (:mod:`randattn.estimators.masks`); the estimator must declare it
-        supports it (its spec's ``masks``), else ValueError naming the estimator.
+        ``m <= n + M - N``; ``"sliding:W"``: also ``m > n + M - N - W``, the last W of those
+        (:mod:`randattn.estimators.masks`). The estimator must declare it supports it (its spec's
+        ``masks``), else ValueError naming the estimator.
     **params
         Estimator options (see ``randattn estimators``); unknown names raise ValueError. No option is named
         like an argument above: specs are refused with such names

@@ -43,7 +43,8 @@ def check_causal_shapes(num_queries: int, num_keys: int) -> None:
     """Raise ValueError when N queries cannot be causal over M keys (M < N leaves rows with no key)."""
     if num_keys < num_queries:
         raise ValueError(
-            f"a causal mask needs at least as many keys as queries (the queries are the last N of M tokens); "
+            f"a causal or sliding-window mask needs at least as many keys as queries (the queries are the last N "
+            f"of M tokens); "
             f"got N={num_queries} queries and M={num_keys} keys"
         )
 
