@@ -293,9 +293,9 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
             violation += f" ({quantity})"
         promise = ""
         if math.isfinite(row.delta):
-            promise = f"delta = {row.delta:g}: " + (f"[bold red]broken on {row.promises_broken} of {row.heads} heads[/] "
-                                                   f"(<= {flags_by_chance(row.heads):.2g} by chance)"
-                                                   if row.promises_broken else f"kept on all {row.heads} heads")
+            broken = (f"[bold red]broken on {row.promises_broken} of {row.heads} heads[/] "
+                      f"(<= {flags_by_chance(row.heads):.2g} by chance)")
+            promise = f"delta = {row.delta:g}: " + (broken if row.promises_broken else f"kept on all {row.heads} heads")
         table.add_row(str(row.label), _s_text(row), *([str(row.mask)] if several else []), keys,
                       number(row.rel_err_median, ".3g"),
                       number(row.rel_err_p95, ".3g"), violation, promise)

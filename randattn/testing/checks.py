@@ -1168,7 +1168,8 @@ def check_no_quadratic_memory(spec: EstimatorSpec, params: Mapping[str, Any]) ->
             f"{matrix / 2**20:.0f} MiB): it allocates an N x M array")
 
 
-def _bad_input_cases(spec: EstimatorSpec, params: Mapping[str, Any]) -> list[tuple[str, Callable[[Any, Any, Any], tuple], dict, type, str]]:
+def _bad_input_cases(spec: EstimatorSpec,
+                     params: Mapping[str, Any]) -> list[tuple[str, Callable[[Any, Any, Any], tuple], dict, type, str]]:
     """(what, inputs from (q, k, v), extra keywords, error class, words the message must hold)."""
     nan_at_max = lambda a: np.where(a == a.max(), np.nan, a)  # noqa: E731
     inf_at_max = lambda a: np.where(a == a.max(), np.inf, a)  # noqa: E731

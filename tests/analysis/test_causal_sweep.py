@@ -241,8 +241,8 @@ def test_a_sliding_window_layer_is_measured_against_its_own_window(acts):
         assert bucket["mse"] == pytest.approx(((top2[queries] - truth[queries]) ** 2).mean(), rel=1e-9, abs=1e-30)
     with pytest.raises(ValueError, match="layer 5 has mask 'sliding:3': estimator 'streaming:sinks=2': "
                                          "num_samples S=2 equals sinks=2 under mask='sliding:3'"):
-        plan(acts, _config(mask={0: "causal", 5: "sliding:3"}, estimators=parse_estimator_list("topk;streaming:sinks=2"),
-                           num_samples=(2,)))
+        plan(acts, _config(mask={0: "causal", 5: "sliding:3"},
+                           estimators=parse_estimator_list("topk;streaming:sinks=2"), num_samples=(2,)))
 
 
 def test_bucket_metrics_weighted_by_their_queries_give_the_cell(acts):

@@ -76,8 +76,8 @@ def test_page_bounds_match_explicit_loops(mask, num_queries, num_keys, page_size
 @pytest.mark.parametrize("seed", range(4))
 def test_bound_is_at_least_every_visible_score_in_its_page(seed):
     """Quest's upper-bound property, U_np >= x_n . y_m for every key m of page p that query n sees, on random inputs
-    of growing size (entries up to ~50), every mask kind and both forms. Each term max(x_i m_i, x_i M_i) >= x_i y_mi holds in
-    floating point too (rounding is monotone); only the order of the sums differs, hence the allowance of
+    of growing size (entries up to ~50), every mask kind and both forms. Each term max(x_i m_i, x_i M_i) >= x_i y_mi
+    holds in floating point too (rounding is monotone); only the order of the sums differs, hence the allowance of
     1e-12 sum_i |x_i y_mi|."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((6, 7)) * 10**seed / 20

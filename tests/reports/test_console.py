@@ -14,7 +14,8 @@ def _text(table) -> str:
 
 
 def _rows(text: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip("│ ").split("│")] for line in text.splitlines() if line.startswith("│")]
+    return [[cell.strip() for cell in line.strip("│ ").split("│")]
+            for line in text.splitlines() if line.startswith("│")]
 
 
 def test_a_configuration_without_s_is_one_row_in_the_mse_and_budget_tables():
