@@ -67,9 +67,10 @@ def reference_check_summary(table) -> dict | None:
     """The largest |batched - reference| over the checked units, per dtype, with its ratio to the cell's RMSE.
 
     The ratio says how far the run's rounding can move a measured MSE; it is taken over the estimators whose
-    spec does not declare them exact (``convergence == "exact"``, e.g. softmax): an exact estimator's RMSE is
-    rounding itself, so any deviation is many times it and says nothing about the table. Its deviation still
-    enters ``max_abs_dev``.
+    spec does not declare them exact (``convergence == "exact"``, e.g. softmax) and over the cells where a
+    deterministic selection reads every key its queries see (``keys_fraction`` 1: top-k, StreamingLLM or Quest with
+    S >= the visible keys is softmax there): an exact estimate's RMSE is rounding itself, so any deviation is many
+    times it and says nothing about the table. Its deviation still enters ``max_abs_dev``.
 
     Parameters
     ----------
@@ -105,8 +106,11 @@ def reference_check_summary(table) -> dict | None:
         # a form gave NaN or inf where the other did not: no deviation to state (null in the metadata's JSON), and
         # the estimator that did it named
         return {**summary, "max_abs_dev": None, "non_finite": True}
-    inexact = checked[[not _declared_exact(name, params) for name, params in zip(checked["estimator"],
-                                                                                  checked["params"])]]
+    declared_exact = np.array([_declared_exact(name, params)
+                               for name, params in zip(checked["estimator"], checked["params"])], dtype=bool)
+    reads_every_key = (checked["keys_fraction"].ge(1.0) & ~checked["random"].astype(bool)).to_numpy(dtype=bool) \
+        if {"keys_fraction", "random"} <= set(checked.columns) else np.zeros(len(checked), dtype=bool)
+    inexact = checked[~declared_exact & ~reads_every_key]
     if len(inexact):
         # an MSE that is NaN (the estimate was) makes the ratio as large as it gets, not a NaN that idxmax skips
         ratio = (inexact["ref_max_abs_dev"] / np.sqrt(inexact["mse"].clip(lower=1e-300))).fillna(np.inf)

@@ -582,6 +582,22 @@ def test_the_reference_check_ratio_leaves_out_exact_estimators():
     assert plugin["max_dev_over_rmse"] == pytest.approx(1e-7 / 1e-15, rel=1e-12)
 
 
+def test_the_reference_check_ratio_leaves_out_a_selection_that_reads_every_key():
+    """Top-k at S >= the visible keys is softmax in that cell: its MSE is float32 rounding (1e-14 here), so its
+    deviation over RMSE (1e-6 / 1e-7 = 10) would ask for float64 for nothing. A deterministic selection reading
+    every key is left out of the ratio; one reading half the keys, and a random estimator reading every key, stay."""
+    from randattn.analysis.records import reference_check_summary
+
+    columns = ("estimator", "params", "label", "dtype", "mse", "ref_max_abs_dev", "keys_fraction", "random")
+    rows = [("topk", "{}", "topk", "float32", 1e-14, 1e-6, 1.0, False),
+            ("topk", "{}", "topk", "float32", 1e-2, 1e-6, 0.5, False)]
+    check = reference_check_summary(pd.DataFrame([dict(zip(columns, row)) for row in rows]))
+    assert check["max_dev_over_rmse"] == pytest.approx(1e-6 / 1e-1, rel=1e-12)  # the half-budget row's alone
+    random = [("vattention", "{}", "vattention", "float32", 1e-14, 1e-6, 1.0, True)]
+    check = reference_check_summary(pd.DataFrame([dict(zip(columns, row)) for row in random]))
+    assert check["max_dev_over_rmse"] == pytest.approx(1e-6 / 1e-7, rel=1e-12)
+
+
 def test_a_reference_check_of_exact_estimators_only_gives_no_ratio_and_no_advice():
     from randattn.analysis.records import reference_check_summary
     from randattn.reports.console import reference_check_line
