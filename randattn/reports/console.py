@@ -197,14 +197,10 @@ def summary_table(summary, noun: str = "image", queries: str | None = None):
 
 
 def _once_without_s(frame):
-    """``frame`` with the rows of a configuration that takes no S (softmax, local, adaptive vAttention: one
-    measurement the table repeats at each S) kept once per token count and mask, marked in a column ``s_free``."""
-    from randattn.estimators.registry import takes_no_samples
+    """:func:`randattn.reports.tables.once_without_s` (imported where used: the terminal starts fast)."""
+    from randattn.reports.tables import once_without_s
 
-    s_free = frame["label"].map(takes_no_samples).astype(bool)
-    keys = [column for column in ("label", "tokens", "mask") if column in frame]
-    keep = ~(s_free & frame.duplicated(keys))
-    return frame.assign(s_free=s_free)[keep]
+    return once_without_s(frame)
 
 
 def _s_text(row) -> str:

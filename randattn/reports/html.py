@@ -44,6 +44,7 @@ from randattn.reports.tables import (
     item_noun,
     label_order,
     mse_pivot,
+    once_without_s,
     position_pivot,
     require_columns,
     row_params,
@@ -540,14 +541,9 @@ def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
     if "promise_broken" in table.columns:
         summary["delta"] = groups["delta"].first()
         summary["heads broken"] = groups["promise_broken"].apply(_heads_broken)
-    summary = summary.reset_index()
-    # a configuration without S: one measurement the table repeats at each S, shown once, its S "–"
-    from randattn.estimators.registry import takes_no_samples
-
-    s_free = summary["label"].map(takes_no_samples).astype(bool)
-    summary = summary[~(s_free & summary.duplicated(["label", *(["mask"] if masks else [])]))]
-    return summary.assign(num_samples=[("–" if free else s) for free, s in zip(s_free[summary.index],
-                                                                               summary["num_samples"])])
+    shown = once_without_s(summary.reset_index())  # a configuration without S once, its S "–"
+    shown["num_samples"] = ["–" if free else s for free, s in zip(shown["s_free"], shown["num_samples"])]
+    return shown.drop(columns="s_free")
 
 
 def promise_section(table: pd.DataFrame) -> list[str]:

@@ -35,6 +35,7 @@ __all__ = [
     "AGGREGATED_VALUES",
     "aggregate_over_images",
     "aggregate_positions",
+    "once_without_s",
     "position_pivot",
     "table_masks",
     "approximate_labels",
@@ -360,6 +361,17 @@ def aggregate_positions(
     return result.drop(columns="_order").reset_index(drop=True)
 
 
+def once_without_s(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` (rows per label and S) with a configuration that takes no S (softmax, local, adaptive vAttention:
+    one measurement a table repeats at each S) kept once per token count and mask, marked in a column ``s_free``
+    (:func:`randattn.estimators.registry.takes_no_samples`): what a reader is shown, "–" for its S."""
+    from randattn.estimators.registry import takes_no_samples
+
+    s_free = frame["label"].map(takes_no_samples).astype(bool)
+    keys = [column for column in ("label", "tokens", "mask") if column in frame]
+    return frame.assign(s_free=s_free)[~(s_free & frame.duplicated(keys))]
+
+
 def position_pivot(positions: pd.DataFrame, *, num_samples: int | None = None, seed: int = 0) -> pd.DataFrame:
     """Mean MSE over images (after heads and layers) as an estimator x position-bucket grid, at one S.
 
@@ -394,8 +406,8 @@ def position_pivot(positions: pd.DataFrame, *, num_samples: int | None = None, s
     pivot = means.pivot_table(index=["label", "mask"] if masks else "label", columns=columns, values="mse",
                               aggfunc="first")
     pivot = pivot.droplevel("position_lo", axis=1)
-    order = {label: i for i, label in enumerate(label_order(pivot.index.get_level_values("label").unique()))}
-    pivot = pivot.iloc[sorted(range(len(pivot)), key=lambda i: order[pivot.index.get_level_values("label")[i]])]
+    labels = label_order(pivot.index.get_level_values("label").unique())
+    pivot = pivot.reindex(labels, level="label") if masks else pivot.reindex(labels)
     if masks:
         pivot.index = pivot.index.set_names(["estimator", "mask"])
     else:
