@@ -18,7 +18,7 @@ from randattn.estimators._prepare import check_draw_array, prepare_batched, to_t
 from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.sparse.batched import keys_used as count_keys_used
 from randattn.estimators.sparse.batched import masked_logits, weighted_attention
-from randattn.estimators.sparse.selection import KeptKeysOptions, budget_of
+from randattn.estimators.sparse.selection import KeptKeysForms, KeptKeysOptions, budget_of
 
 __all__ = ["KeptKeysBatched", "log_weights_of", "top_ranked"]
 
@@ -44,12 +44,13 @@ def _replicated(tensor: torch.Tensor, replicates: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class KeptKeysBatched:
-    """The torch forms of a deterministic selection estimator (``options_type`` and ``select`` as in
-    :class:`~randattn.estimators.sparse.selection.KeptKeysReference`, ``select`` on tensors, S a 0-d tensor)."""
+class KeptKeysBatched(KeptKeysForms):
+    """The torch forms of a deterministic selection estimator (:class:`~randattn.estimators.sparse.selection.
+    KeptKeysForms`, ``select`` on tensors, S a 0-d tensor)."""
 
-    options_type: type[KeptKeysOptions]
-    select: Callable[..., torch.Tensor]
+    _attend = staticmethod(weighted_attention)
+    _count = staticmethod(count_keys_used)
+    _replicated = staticmethod(_replicated)
 
     def forms(self) -> tuple[Callable[..., Any], ...]:
         """``(estimate, estimate_with_probabilities, probabilities, keys_used,
@@ -59,7 +60,8 @@ class KeptKeysBatched:
         return (entry(self.estimate), entry(self.estimate_with_probabilities), entry(self.probabilities),
                 entry(self.keys_used), entry(self.estimate_with_probabilities_and_keys_used))
 
-    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions):
+    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, y, v, _, batch = prepare_batched(q, k, v, options.scale)
         draws = to_torch_draws(draws, like=x)
         budget = check_draw_array(draws, "budget", batch, ())
@@ -68,34 +70,3 @@ class KeptKeysBatched:
         logits = masked_logits(x, y, options.mask)
         keep = self.select(x, y, logits, budget.reshape(-1)[0], options)
         return logits, log_weights_of(keep, logits), v
-
-    def estimate_with_probabilities(self, q: Any, k: Any, v: Any, draws: Draws,
-                                    options: KeptKeysOptions) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))`` from one selection."""
-        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
-        out, probabilities = weighted_attention(logits, log_weights, v)
-        return _replicated(out, draws.replicates), _replicated(probabilities, draws.replicates)
-
-    def estimate_with_probabilities_and_keys_used(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
-                                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(out, probabilities, keys_used)`` from one selection, the same bits as the three forms."""
-        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
-        out, probabilities = weighted_attention(logits, log_weights, v)
-        return (_replicated(out, draws.replicates), _replicated(probabilities, draws.replicates),
-                _replicated(count_keys_used(log_weights, logits), draws.replicates))
-
-    def estimate(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions) -> torch.Tensor:
-        """``(R, ..., N, Dv)``: softmax attention over each query's kept visible keys (same in every replicate)."""
-        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
-        out, _ = weighted_attention(logits, log_weights, v)
-        return _replicated(out, draws.replicates)
-
-    def probabilities(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> torch.Tensor:
-        """``(R, ..., N, M)``: the implied attention probabilities (zero off the kept visible keys)."""
-        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, options)
-        return _replicated(torch.softmax(logits + log_weights, dim=-1), draws.replicates)
-
-    def keys_used(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> torch.Tensor:
-        """``(R, ..., N)`` float64: the kept keys each query may see, i.e. the keys its estimate reads."""
-        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, options)
-        return _replicated(count_keys_used(log_weights, logits), draws.replicates)

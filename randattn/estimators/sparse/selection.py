@@ -35,7 +35,7 @@ from randattn.estimators.masks import MASKS, check_mask_argument
 from randattn.estimators.sparse.reference import keys_used as count_keys_used
 from randattn.estimators.sparse.reference import masked_logits, weighted_attention
 
-__all__ = ["KeptKeysOptions", "KeptKeysReference", "budget_draw", "budget_draws", "budget_of", "kept_keys_spec",
+__all__ = ["KeptKeysForms", "KeptKeysOptions", "KeptKeysReference", "budget_draw", "budget_draws", "budget_of", "kept_keys_spec",
            "log_weights_of", "top_ranked"]
 
 
@@ -125,8 +125,13 @@ def _replicated(array: np.ndarray, replicates: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class KeptKeysReference:
-    """The numpy float64 forms of a deterministic selection estimator.
+class KeptKeysForms:
+    """The forms of a deterministic selection estimator, written once for both backends.
+
+    Every form is the weighted attention over one selection, repeated over the replicates; a backend supplies how
+    the selection's log weights are made (``_log_weights``) and its array operations (``_attend``, ``_count``,
+    ``_replicated``): :class:`KeptKeysReference` in numpy float64,
+    :class:`~randattn.estimators.sparse.batched_selection.KeptKeysBatched` in torch.
 
     Attributes
     ----------
@@ -140,7 +145,53 @@ class KeptKeysReference:
     """
 
     options_type: type[KeptKeysOptions]
-    select: Callable[..., np.ndarray]
+    select: Callable[..., Any]
+
+    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions) -> tuple[Any, Any, Any]:
+        """``(logits, log_weights, v)`` of the backend: the masked logits, the selection's log weights, the values."""
+        raise NotImplementedError
+
+    def estimate_with_probabilities(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
+                                    ) -> tuple[Any, Any]:
+        """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))`` from one selection."""
+        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
+        out, probabilities = self._attend(logits, log_weights, v)
+        return self._replicated(out, draws.replicates), self._replicated(probabilities, draws.replicates)
+
+    def estimate_with_probabilities_and_keys_used(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
+                                                  ) -> tuple[Any, Any, Any]:
+        """``(out, probabilities, keys_used)`` from one selection, the same bits as the three forms."""
+        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
+        out, probabilities = self._attend(logits, log_weights, v)
+        return (self._replicated(out, draws.replicates), self._replicated(probabilities, draws.replicates),
+                self._replicated(self._count(log_weights, logits), draws.replicates))
+
+    def estimate(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions) -> Any:
+        """``(R, ..., N, Dv)``: softmax attention over each query's kept visible keys (same in every replicate)."""
+        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
+        out, _ = self._attend(logits, log_weights, v)
+        return self._replicated(out, draws.replicates)
+
+    def probabilities(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> Any:
+        """``(R, ..., N, M)``: the implied attention probabilities (zero off the kept visible keys)."""
+        logits, log_weights, v = self._log_weights(q, k, k[..., :1], draws, options)
+        _, probabilities = self._attend(logits, log_weights, v)
+        return self._replicated(probabilities, draws.replicates)
+
+    def keys_used(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> Any:
+        """``(R, ..., N)`` float64: the kept keys each query may see, i.e. the keys its estimate reads."""
+        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, options)
+        return self._replicated(self._count(log_weights, logits), draws.replicates)
+
+
+@dataclass(frozen=True)
+class KeptKeysReference(KeptKeysForms):
+    """The numpy float64 forms of a deterministic selection estimator (:class:`KeptKeysForms`, ``select`` on
+    arrays)."""
+
+    _attend = staticmethod(weighted_attention)
+    _count = staticmethod(count_keys_used)
+    _replicated = staticmethod(_replicated)
 
     def forms(self) -> tuple[Callable[..., np.ndarray], ...]:
         """``(estimate, probabilities, keys_used)``, the module-level functions of an estimator's reference, each
@@ -148,28 +199,12 @@ class KeptKeysReference:
         entry = keyword_entry(self.options_type)
         return entry(self.estimate), entry(self.probabilities), entry(self.keys_used)
 
-    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions):
+    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         x, y, v, _, batch = prepare_reference(q, k, v, options.scale)
         budget = options.check_budget(budget_of(draws, batch))
         logits = masked_logits(x, y, options.mask)
         return logits, log_weights_of(self.select(x, y, logits, budget, options)), v
-
-    def estimate(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions) -> np.ndarray:
-        """``(R, ..., N, Dv)``: softmax attention over each query's kept visible keys (same in every replicate)."""
-        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
-        out, _ = weighted_attention(logits, log_weights, v)
-        return _replicated(out, draws.replicates)
-
-    def probabilities(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> np.ndarray:
-        """``(R, ..., N, M)``: the implied attention probabilities (zero off the kept visible keys)."""
-        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, options)
-        _, probabilities = weighted_attention(logits, log_weights, np.zeros((logits.shape[-1], 0)))  # no values
-        return _replicated(probabilities, draws.replicates)
-
-    def keys_used(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> np.ndarray:
-        """``(R, ..., N)`` float64: the kept keys each query may see, i.e. the keys its estimate reads."""
-        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, options)
-        return _replicated(count_keys_used(log_weights, logits), draws.replicates)
 
 
 def kept_keys_spec(*, options_type: type[KeptKeysOptions], reference: Any, batched: Any,
