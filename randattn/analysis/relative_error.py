@@ -21,6 +21,14 @@ that head (``promise_broken``). Replicates are independent; the queries of one r
 interval, which treats the :math:`R K` indicators as independent trials, is exact for R independent draws of one
 query and approximate across queries (the rate itself is unbiased either way).
 
+Each head is checked alone, so among many heads that all keep the promise some are flagged by chance (a head
+exactly at delta with probability up to :data:`FALSE_FLAG_RATE`). The family-wise decision holds a configuration's
+heads to one error rate instead: each head's one-sided exact binomial p-value :math:`P(X \ge x)`,
+:math:`X \sim \mathrm{Bin}(n, \delta)` (:func:`violation_p_values`; below :data:`FALSE_FLAG_RATE` exactly where
+the head is flagged), goes through Holm's step-down procedure at :data:`FALSE_FLAG_RATE`
+(:func:`holm_rejections`), which flags any head of a family whose heads all keep the promise with probability
+at most that rate (:func:`familywise_broken`).
+
 A query whose exact output is 0 has no relative error: :math:`e_{rn}` is inf where the estimate is not 0 too
 (counted as a violation) and NaN where it is (left out of the trials, and the mean and quantiles are NaN, as
 ``rel_error`` is).
@@ -31,6 +39,10 @@ Clopper, C. J. & Pearson, E. S. (1934), The use of confidence or fiducial limits
 binomial, Biometrika 26(4): the interval :math:`[B(\alpha/2; x, n - x + 1),\ B(1 - \alpha/2; x + 1, n - x)]`
 of beta quantiles.
 Desai et al. (2025), vAttention: verified sparse attention, arXiv 2510.05688 (the (epsilon, delta) guarantee).
+Holm, S. (1979), A simple sequentially rejective multiple test procedure, Scandinavian Journal of Statistics 6(2):
+reject the hypotheses of the ordered p-values :math:`p_{(1)} \le \dots \le p_{(H)}` while
+:math:`p_{(i)} \le \alpha / (H - i + 1)`; the family-wise error rate is at most :math:`\alpha` whatever the
+dependence between the tests.
 """
 
 from __future__ import annotations
@@ -42,8 +54,8 @@ import numpy as np
 from randattn.results.schema import RELATIVE_ERROR_COLUMNS  # the table's columns that relative_error_columns fills
 
 __all__ = ["BUDGET_SUMMARY_COLUMNS", "FALSE_FLAG_RATE", "RELATIVE_ERROR_COLUMNS", "broken_promises", "budget_summary",
-           "check_epsilon", "clopper_pearson", "denominator_relative_errors", "flags_by_chance",
-           "query_relative_errors", "relative_error_columns"]
+           "check_epsilon", "clopper_pearson", "denominator_relative_errors", "familywise_broken", "flags_by_chance",
+           "holm_rejections", "query_relative_errors", "relative_error_columns", "violation_p_values"]
 
 #: the most often a head whose every query keeps the promise is flagged anyway: the 95% Clopper-Pearson interval
 #: lies wholly above delta with probability at most 2.5 % when the violation probability is delta (its lower tail)
@@ -52,10 +64,13 @@ FALSE_FLAG_RATE = 0.025
 
 #: what :func:`budget_summary` gives beside its keys
 BUDGET_SUMMARY_COLUMNS = ("keys_used", "keys_fraction", "rel_err_median", "rel_err_p95", "epsilon", "delta",
-                          "violation_rate", "violation_of", "heads", "promises_broken")
+                          "violation_rate", "violation_of", "heads", "promises_broken", "promises_broken_familywise")
 #: a broken promise's record (:func:`broken_promises`)
 _BROKEN_FIELDS = ("label", "num_samples", "tokens", "mask", "queries", "image", "layer", "head", "epsilon", "delta",
-                  "violation_rate", "violation_lo", "violation_hi", "violation_of")
+                  "violation_rate", "violation_lo", "violation_hi", "violation_of", "familywise")
+#: the columns that name a configuration's family of heads (those the table has): one measurement of each head is
+#: one test of the family; the heads are the rows of a group, over images, layers and heads
+_FAMILY_KEYS = ("estimator", "label", "num_samples", "tokens", "mask", "queries")
 
 
 def check_epsilon(value: Any) -> float:
@@ -174,8 +189,10 @@ def relative_error_columns(errors: np.ndarray, epsilon: float | None, promise: t
         :data:`RELATIVE_ERROR_COLUMNS`: the mean, median and 95th percentile (numpy's linear interpolation) of
         :math:`e_{rn}` over the R x N values of each cell; ``epsilon`` used (NaN without one), the violation rate
         and its Clopper-Pearson 95% interval (NaN without an epsilon); ``delta`` (NaN without a promise),
-        ``promise_broken`` (bool: ``violation_lo > delta``; False without a promise) and ``violation_of``, the
-        quantity whose relative error the violation columns count (``"output"``, or the promise's).
+        ``promise_broken`` (bool: ``violation_lo > delta``; False without a promise), ``violation_of``, the
+        quantity whose relative error the violation columns count (``"output"``, or the promise's), and the counts
+        behind the rate, ``violations`` and ``trials`` (float64 integers; NaN without an epsilon), which
+        :func:`familywise_broken` tests.
 
     Raises
     ------
@@ -197,7 +214,8 @@ def relative_error_columns(errors: np.ndarray, epsilon: float | None, promise: t
     columns["violation_of"] = quantity
     tolerance = promise[0] if promise is not None else epsilon
     if tolerance is None:
-        columns.update(epsilon=nan, violation_rate=nan.copy(), violation_lo=nan.copy(), violation_hi=nan.copy())
+        columns.update(epsilon=nan, violation_rate=nan.copy(), violation_lo=nan.copy(), violation_hi=nan.copy(),
+                       violations=nan.copy(), trials=nan.copy())
     else:
         defined = ~np.isnan(per_cell)  # 0 / 0 has no relative error: not a trial
         trials = defined.sum(axis=1)
@@ -206,7 +224,7 @@ def relative_error_columns(errors: np.ndarray, epsilon: float | None, promise: t
         with np.errstate(invalid="ignore", divide="ignore"):
             rate = np.where(trials > 0, violations / np.maximum(trials, 1), np.nan)
         columns.update(epsilon=np.full(cells, float(tolerance)), violation_rate=rate, violation_lo=lo,
-                       violation_hi=hi)
+                       violation_hi=hi, violations=violations.astype(np.float64), trials=trials.astype(np.float64))
     if promise is None:
         columns.update(delta=nan.copy(), promise_broken=np.zeros(cells, dtype=bool))
     else:
@@ -214,6 +232,87 @@ def relative_error_columns(errors: np.ndarray, epsilon: float | None, promise: t
         broken = np.asarray(columns["violation_lo"] > delta) & np.isfinite(columns["violation_lo"])
         columns.update(delta=np.full(cells, delta), promise_broken=broken)
     return columns
+
+
+def violation_p_values(violations: Any, trials: Any, delta: Any) -> np.ndarray:
+    r"""Each head's one-sided exact binomial p-value against its promise,
+    :math:`P(X \ge x),\ X \sim \mathrm{Bin}(n, \delta)`, elementwise (scipy's survival function at x - 1).
+
+    Small where x violations in n trials are unlikely for a head whose violation probability is delta (or less:
+    the tail grows with the probability). It is below :data:`FALSE_FLAG_RATE` exactly where the 95% Clopper-Pearson
+    interval lies wholly above delta (``promise_broken``): the interval's lower end is the probability at which
+    this tail is 2.5 %. NaN where n or delta is NaN, 1 at x = 0, NaN at n = 0.
+    """
+    from scipy.stats import binom
+
+    x = np.asarray(violations, dtype=np.float64)
+    n = np.asarray(trials, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        return np.where(n > 0, binom.sf(x - 1, n, np.asarray(delta, dtype=np.float64)), np.nan)
+
+
+def holm_rejections(p_values: Any, level: float = FALSE_FLAG_RATE) -> np.ndarray:
+    r"""Holm's step-down procedure: which of the H hypotheses to reject, family-wise error rate at most ``level``.
+
+    With the p-values in ascending order :math:`p_{(1)} \le \dots \le p_{(H)}`, reject :math:`(1), \dots, (k)`
+    for the largest k with :math:`p_{(i)} < \text{level} / (H - i + 1)` for every :math:`i \le k` (Holm 1979; the
+    strict inequality of the per-head flag, so that one head alone is flagged exactly as it is alone). A NaN
+    p-value (no test) is never rejected and does not count in H.
+
+    Parameters
+    ----------
+    p_values : (H,) array_like of float
+    level : float in (0, 1)
+
+    Returns
+    -------
+    (H,) bool ndarray
+    """
+    if not 0.0 < float(level) < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    p = np.asarray(p_values, dtype=np.float64).ravel()
+    tested = np.flatnonzero(~np.isnan(p))
+    order = tested[np.argsort(p[tested], kind="stable")]
+    below = p[order] < float(level) / (len(order) - np.arange(len(order)))
+    stop = len(order) if below.all() else int(np.argmin(below))  # the first ordered p-value above its bound
+    rejected = np.zeros(p.shape, dtype=bool)
+    rejected[order[:stop]] = True
+    return rejected
+
+
+def familywise_broken(table):
+    """Per row of a sweep table: whether its head's promise fails family-wise -- Holm's procedure at
+    :data:`FALSE_FLAG_RATE` (:func:`holm_rejections`) over the one-sided p-values (:func:`violation_p_values`) of
+    every head of its configuration (the rows that share estimator, label, S, tokens, mask and query selection:
+    each image, layer and head one test).
+
+    Where every head keeps its promise, any head of a configuration is flagged with probability at most 2.5 %,
+    however many heads it has; each head checked alone (``promise_broken``) is flagged with up to that probability.
+    A head flagged family-wise is flagged alone too.
+
+    Returns
+    -------
+    pandas.Series
+        Aligned with ``table``'s index, dtype object: True or False; False for a configuration without a promise;
+        None where the table lacks the counts (``violations``, ``trials``: a table written before them).
+    """
+    import pandas as pd
+
+    result = pd.Series(False, index=table.index, dtype=object)
+    if "delta" not in table.columns:
+        return result
+    promised = table["delta"].notna()
+    if not {"violations", "trials"} <= set(table.columns):
+        result[promised] = None
+        return result
+    keys = [c for c in _FAMILY_KEYS if c in table.columns]
+    for _, family in table[promised].groupby(keys, sort=False, dropna=False):
+        if family[["violations", "trials"]].isna().any(axis=None):  # rows written before the counts
+            result[family.index] = None
+            continue
+        p_values = violation_p_values(family["violations"], family["trials"], family["delta"])
+        result[family.index] = holm_rejections(p_values).tolist()
+    return result
 
 
 def _summary_keys(table) -> list[str]:
@@ -237,8 +336,11 @@ def budget_summary(table):
         the same heads, so the mean over heads, then layers, then images) of ``keys_used``, ``keys_fraction``,
         ``rel_err_median``, ``rel_err_p95`` and ``violation_rate``; ``epsilon`` and ``delta`` (the group's, NaN
         where it has none); ``violation_of``: what the violation rate counts (``"output"``, or the quantity the
-        configuration's promise bounds, e.g. ``"denominator"``); ``heads``: the group's rows; ``promises_broken``: its rows whose ``promise_broken`` is
-        true (each a head of an image and layer whose promise demonstrably fails, :func:`broken_promises`).
+        configuration's promise bounds, e.g. ``"denominator"``); ``heads``: the group's rows;
+        ``promises_broken``: its rows whose ``promise_broken`` is true (each a head of an image and layer whose
+        promise demonstrably fails, :func:`broken_promises`); ``promises_broken_familywise``: those flagged by
+        :func:`familywise_broken` (NaN where the table lacks the counts it tests, or where the group has no
+        promise).
     """
     import pandas as pd
 
@@ -247,6 +349,7 @@ def budget_summary(table):
     frame = table.reindex(columns=list(dict.fromkeys([*keys, *means, "promise_broken", "violation_of"]))).copy()
     frame["promise_broken"] = frame["promise_broken"].eq(True)  # absent (NaN): no promise checked
     frame["violation_of"] = frame["violation_of"].where(frame["violation_of"].notna(), "output")  # a table before it
+    frame["familywise"] = familywise_broken(table)
     records = []
     for key, group in frame.groupby(keys, sort=False):
         record = dict(zip(keys, key))
@@ -256,6 +359,9 @@ def budget_summary(table):
         record["violation_of"] = str(group["violation_of"].iloc[0])  # one configuration: one quantity
         record["heads"] = int(len(group))
         record["promises_broken"] = int(group["promise_broken"].sum())
+        familywise = group["familywise"]
+        known = group["delta"].notna().any() and familywise.notna().all()
+        record["promises_broken_familywise"] = int(familywise.eq(True).sum()) if known else np.nan
         records.append(record)
     return pd.DataFrame.from_records(records, columns=[*keys, *BUDGET_SUMMARY_COLUMNS])
 
@@ -269,12 +375,15 @@ def flags_by_chance(heads: int) -> float:
 def broken_promises(table) -> list[dict[str, Any]]:
     """One record per row of a sweep table whose configuration's promise demonstrably fails (``promise_broken``):
     its label, S, tokens, mask, query selection, image, layer and head, and epsilon, delta, the violation rate, its
-    Clopper-Pearson interval and what it counts (``violation_of``) (plain Python values), in the table's order.
+    Clopper-Pearson interval, what it counts (``violation_of``) and ``familywise``, whether the head is flagged
+    family-wise too (:func:`familywise_broken`; None for a table without the counts) (plain Python values), in the
+    table's order.
     A configuration that takes no S (adaptive vAttention; :func:`~randattn.estimators.registry.takes_no_samples`), whose
     one measurement the table repeats at each S, gives one record, its S None."""
     if "promise_broken" not in table.columns:
         return []
-    broken = table[table["promise_broken"].eq(True)]
+    flagged = table["promise_broken"].eq(True)
+    broken = table[flagged].assign(familywise=familywise_broken(table)[flagged])
     if len(broken):  # a configuration that takes no S: one measurement, repeated at every S
         from randattn.estimators.registry import takes_no_samples
 

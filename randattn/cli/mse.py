@@ -83,9 +83,10 @@ from randattn.analysis.masking import MASK_CHOICES
 @click.option("--epsilon", "epsilon", default=None, type=float, metavar="E",
               help="Also report the violation rate P(||y_hat_n - y_n|| / ||y_n|| > E), E in (0, 1), over the "
                    "queries and replicates of each head, with its Clopper-Pearson 95% interval (columns epsilon, "
-                   "violation_rate, violation_lo, violation_hi). An estimator that promises (epsilon, delta) is "
-                   "checked against its own epsilon, with or without this option, on the quantity its promise "
-                   "bounds (vAttention's: the softmax denominator; column violation_of).")
+                   "violation_rate, violation_lo, violation_hi, and the counts violations, trials). An estimator "
+                   "that promises (epsilon, delta) is checked against its own epsilon, with or without this "
+                   "option, on the quantity its promise bounds (vAttention's: the softmax denominator; column "
+                   "violation_of), per head and family-wise over its heads (Holm).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def command(acts, out, resume, force, dry_run, scheduler, as_json, **options) -> None:
     """Measure bias, variance and MSE of estimators on the activations in ACTS.

@@ -257,7 +257,8 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
     of the relative error, the epsilon checked with the mean violation rate (of the output, or of the quantity a
     promise bounds, named beside it: ``(denominator)``), and the promise (delta) with how many heads demonstrably
     break it (red), beside the most that would be flagged by chance
-    (:func:`~randattn.analysis.relative_error.flags_by_chance`).
+    (:func:`~randattn.analysis.relative_error.flags_by_chance`) and how many are flagged family-wise
+    (:func:`~randattn.analysis.relative_error.familywise_broken`; left out for a table without its counts).
     """
     import math
 
@@ -289,8 +290,10 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
             violation += f" ({quantity})"
         promise = ""
         if math.isfinite(row.delta):
+            familywise = getattr(row, "promises_broken_familywise", math.nan)
+            familywise = "" if not math.isfinite(familywise) else f"; family-wise: {int(familywise)}"
             broken = (f"[bold red]broken on {row.promises_broken} of {row.heads} heads[/] "
-                      f"(<= {flags_by_chance(row.heads):.2g} by chance)")
+                      f"(<= {flags_by_chance(row.heads):.2g} by chance{familywise})")
             promise = f"delta = {row.delta:g}: " + (broken if row.promises_broken else f"kept on all {row.heads} heads")
         table.add_row(str(row.label), _s_text(row), *([str(row.mask)] if several else []), keys,
                       number(row.rel_err_median, ".3g"),
@@ -308,12 +311,17 @@ def broken_promise_lines(broken: Sequence[Mapping[str, Any]], noun: str = "image
     """A red line (rich markup) per head whose configuration's (epsilon, delta) promise demonstrably fails
     (:func:`~randattn.analysis.relative_error.broken_promises`): the whole 95% interval of its violation rate is
     above delta. The error is the output's (``P(err > eps)``) unless the promise bounds another quantity
-    (``P(denominator err > eps)``)."""
+    (``P(denominator err > eps)``). Each line ends with whether the head is flagged family-wise too
+    (``family-wise: yes``; nothing for a table without the counts it tests)."""
     from rich.markup import escape
+
+    def familywise(flag: Any) -> str:
+        return "" if flag is None else f"; family-wise: {'yes' if flag else 'no'}"
 
     return [f"[bold red]promise broken[/]: {escape(str(b['label']))}"
             f"{'' if b['num_samples'] is None else ' S=' + str(b['num_samples'])} layer {b['layer']} head "
             f"{b['head']} {noun} {escape(str(b['image']))}: P({_error_of(b)} > {b['epsilon']:g}) = "
             f"{b['violation_rate']:.3g} "
             f"[{b['violation_lo']:.3g}, {b['violation_hi']:.3g}] > delta = {b['delta']:g}"
+            f"{familywise(b.get('familywise'))}"
             for b in broken]

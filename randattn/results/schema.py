@@ -31,7 +31,8 @@ KEYS_USED_COLUMNS: tuple[str, ...] = ("keys_used", "keys_used_se", "keys_used_ma
 #: the per-query relative error and promise columns (:func:`randattn.analysis.relative_error.relative_error_columns`),
 #: in the sweep table's order
 RELATIVE_ERROR_COLUMNS = ("rel_err_mean", "rel_err_median", "rel_err_p95", "epsilon", "violation_rate",
-                          "violation_lo", "violation_hi", "delta", "promise_broken", "violation_of")
+                          "violation_lo", "violation_hi", "delta", "promise_broken", "violation_of", "violations",
+                          "trials")
 
 #: the sweep table's columns, in order (plotting code relies on these names); the columns after ``sink_mass`` were
 #: appended later, so that a table's earlier columns keep their places

@@ -199,6 +199,7 @@ def test_a_promise_on_the_denominator_counts_the_denominators_error(spec, acts, 
         assert 0 < violations < errors.size
         ci = binomtest(violations, errors.size).proportion_ci(0.95, method="exact")
         assert row["violation_rate"] == pytest.approx(violations / errors.size, rel=1e-12)
+        assert (row["violations"], row["trials"]) == (violations, errors.size)
         assert (row["violation_lo"], row["violation_hi"]) == pytest.approx((ci.low, ci.high), rel=1e-10)
         assert row["promise_broken"] == (ci.low > 0.2)
         output = _expected_cell(q[head], k[head], v[head], rows, int(row.seed), True, 0.7)
@@ -211,7 +212,7 @@ def test_a_promise_on_the_denominator_counts_the_denominators_error(spec, acts, 
 def test_estimators_without_keys_used_or_epsilon_get_nan(acts):
     table = run_sweep_tables(acts, _config("all", None, label="softmax")).table
     assert table[["keys_used", "keys_used_se", "keys_used_max", "keys_fraction", "epsilon", "violation_rate",
-                  "violation_lo", "violation_hi", "delta"]].isna().all().all()
+                  "violation_lo", "violation_hi", "delta", "violations", "trials"]].isna().all().all()
     assert not table["promise_broken"].any() and (table["rel_err_p95"] < 1e-12).all()
 
 

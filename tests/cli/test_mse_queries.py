@@ -68,6 +68,7 @@ def test_last_k_under_the_causal_mask_with_a_promise(acts_file, tmp_path):
     promising, exact = table[table.estimator == NAME], table[table.estimator == "softmax"]
     assert (promising["epsilon"] == 0.01).all() and (promising["delta"] == 0.001).all()
     assert promising["promise_broken"].all() and (promising["keys_used"] > 0).all()
+    assert (promising["trials"] == 12).all() and (promising["violations"] >= 10).all()  # R x K, and nearly all
     assert (exact["epsilon"] == 0.2).all() and (exact["violation_rate"] == 0).all() and exact["keys_used"].isna().all()
     meta = json.loads(out.with_name("decode.parquet.meta.json").read_text())
     assert meta["queries"] == {"selection": "last:3", "of": TOKENS, "rows": [5, 6, 7], "sample_seed": None}
@@ -76,8 +77,11 @@ def test_last_k_under_the_causal_mask_with_a_promise(acts_file, tmp_path):
     assert "on the last 3 queries" in text and "keys read and relative error" in text
     assert "measuring the last 3 queries of each head" in text
     assert text.count("promise broken:") == 2  # one line per head
-    assert "broken on 2 of 2 heads (<= 0.05 by chance)" in text  # 2.5 % of the heads checked
+    # 2.5 % of the heads checked; both heads' tails at delta (at least 10 of 12 trials violated: P <= 7e-29)
+    # are far below Holm's 2.5 % / 2
+    assert "broken on 2 of 2 heads (<= 0.05 by chance; family-wise: 2)" in text
     assert f"promise broken: {PROMISING} S=3 layer 0 head 1 sequence" in text
+    assert text.count("; family-wise: yes") == 2
 
 
 def test_json_names_the_heads_whose_promise_breaks(acts_file):
@@ -88,7 +92,10 @@ def test_json_names_the_heads_whose_promise_breaks(acts_file):
     broken = records[PROMISING]["broken_promises"]
     assert [(b["layer"], b["head"]) for b in broken] == [(0, 0), (0, 1)]
     assert all(b["violation_lo"] > b["delta"] == 0.001 and b["queries"] == "last:3" for b in broken)
+    assert all(b["familywise"] is True for b in broken)
     assert records[PROMISING]["promises_broken"] == 2 and records[PROMISING]["heads"] == 2
+    assert records[PROMISING]["promises_broken_familywise"] == 2
+    assert records["softmax"]["promises_broken_familywise"] is None  # no promise: nothing decided
     assert records["softmax"]["broken_promises"] == [] and records["softmax"]["keys_used"] is None
 
 

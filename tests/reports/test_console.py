@@ -33,3 +33,23 @@ def test_a_configuration_without_s_is_one_row_in_the_mse_and_budget_tables():
         shown = [(row[0], row[1]) for row in _rows(_text(table))]
         assert shown == [("softmax", "–"), ("vattention", "–"), ("vattention:budget=fixed", "8"),
                          ("vattention:budget=fixed", "16"), ("topk", "8"), ("topk", "16")]
+
+
+def test_the_budget_table_and_the_red_lines_give_the_family_wise_decision():
+    """``family-wise: N`` beside the heads broken where the summary has the count, nothing where it is NaN (a table
+    without the counts); each red line says whether its head is flagged family-wise too (nothing for None)."""
+    from randattn.reports.console import broken_promise_lines, budget_table
+
+    row = {"label": "vattention", "num_samples": 8, "tokens": 64, "keys_used": 3.0, "keys_fraction": 0.1,
+           "rel_err_median": 0.2, "rel_err_p95": 0.3, "epsilon": 0.05, "violation_rate": 0.2, "delta": 0.05,
+           "heads": 54, "promises_broken": 2}
+    counted = _text(budget_table(pd.DataFrame([{**row, "promises_broken_familywise": 1}])))
+    assert "broken on 2 of 54 heads (<= 1.4 by chance; family-wise: 1)" in " ".join(counted.split())
+    uncounted = _text(budget_table(pd.DataFrame([{**row, "promises_broken_familywise": np.nan}])))
+    assert "(<= 1.4 by chance)" in " ".join(uncounted.split()) and "family-wise" not in uncounted
+    record = {"label": "vattention", "num_samples": 8, "layer": 0, "head": 3, "image": "text", "epsilon": 0.05,
+              "delta": 0.05, "violation_rate": 0.5, "violation_lo": 0.4, "violation_hi": 0.6}
+    yes, no, unknown = broken_promise_lines([{**record, "familywise": True}, {**record, "familywise": False},
+                                             {**record, "familywise": None}])
+    assert yes.endswith("> delta = 0.05; family-wise: yes") and no.endswith("> delta = 0.05; family-wise: no")
+    assert unknown.endswith("> delta = 0.05")

@@ -243,6 +243,32 @@ def test_the_report_lists_a_broken_promise_and_summarises_the_relative_error():
         assert "<th>violation of</th>" not in build_report(labelled, environment={}, figures=[])
 
 
+def test_the_report_gives_the_family_wise_decision_where_the_table_has_the_counts():
+    """With ``violations`` and ``trials`` in the table, the *heads broken* column adds how many heads Holm's procedure
+    flags over each configuration's heads, and the broken heads' list says which. Head 1 of each item: 52 of 100
+    trials above epsilon against delta = 0.1, a binomial tail below 1e-20 (far under 2.5 % over the 2 x items
+    heads); head 0: 2 of 100, a tail near 1, flagged neither way."""
+    from randattn.reports.html import build_report, promise_summary
+    from randattn.reports.testing import make_results_table
+
+    table = make_results_table(tokens=(64,), samples=(8,), heads=2, layers=(0,), labels=["ra"])
+    table["rel_err_mean"], table["rel_err_median"], table["rel_err_p95"] = 0.1, 0.08, 0.3
+    table["epsilon"], table["delta"], table["trials"] = 0.05, 0.1, 100.0
+    table["violations"] = np.where(table["head"] == 1, 52.0, 2.0)
+    table["violation_rate"] = table["violations"] / table["trials"]
+    table["violation_lo"], table["violation_hi"] = table["violation_rate"] - 0.01, table["violation_rate"] + 0.01
+    table["promise_broken"] = table["head"] == 1
+    items = table["image"].nunique()
+    summary = promise_summary(table)
+    assert list(summary["heads broken"]) == [f"{items} of {2 * items} (<= {0.025 * 2 * items:.2g} by chance; "
+                                             f"family-wise: {items})"]
+    page = build_report(table, environment={}, figures=[])
+    assert "<th>family-wise</th>" in page and page.count("<td>yes</td>") == items and "<td>no</td>" not in page
+    assert "Holm's procedure" in page
+    before = build_report(table.drop(columns=["violations", "trials"]), environment={}, figures=[])
+    assert "<th>family-wise</th>" not in before and "Holm's procedure" not in before
+
+
 def test_the_report_names_a_promise_on_the_denominator():
     """Where a promise bounds the denominator, the summary and the broken heads say what the violation rate counts."""
     from randattn.reports.html import build_report, promise_summary
