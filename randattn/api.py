@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -56,7 +57,8 @@ def draw(
 ) -> Draws:
     """Make the random variables of estimator ``name`` (or of a spec object) for inputs of these shapes.
 
-    Returns float64 numpy draws; ``mask`` (None or ``"causal"``) must be one the estimator supports.
+    Returns float64 numpy draws; ``mask`` (None, ``"causal"`` or ``"sliding:W"``) must be one the estimator
+    supports.
     """
     return _draw(_spec_of(name), q_shape, k_shape, num_samples=num_samples, seed=seed, replicates=replicates,
                  mask=mask, **params)
@@ -98,11 +100,52 @@ def _check_draw_shapes(q_shape: Any, k_shape: Any) -> tuple[tuple[int, ...], tup
     return q_shape, k_shape
 
 
+class _NotGiven:
+    """name, q, k or v not given by position (a keyword call, deprecated: :func:`_by_position`)."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+_NOT_GIVEN: Any = _NotGiven()
+
+
+def _by_position(name: Any, q: Any, k: Any, v: Any, params: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """name, q, k and v, taken from ``params`` (with a DeprecationWarning) where a caller named them as keywords.
+
+    They are positional-only, so that an estimator's option reads as an option: ``k=4`` on top-k is an unknown
+    option (whose message names S), not a second value for the keys.
+    """
+    given = {"name": name, "q": q, "k": k, "v": v}
+    by_keyword = [key for key, value in given.items() if value is _NOT_GIVEN and key in params]
+    if by_keyword:
+        import warnings
+
+        warnings.warn(f"randattn.estimate: passing {', '.join(by_keyword)} by keyword is deprecated; pass them by "
+                      "position, estimate(name, q, k, v, ...): from randattn 0.3 they are positional-only",
+                      DeprecationWarning, stacklevel=3)
+        given.update({key: params.pop(key) for key in by_keyword})
+    missing = [key for key, value in given.items() if value is _NOT_GIVEN]
+    if missing:
+        raise TypeError(f"estimate() missing {', '.join(missing)}: call estimate(name, q, k, v, ...)")
+    return given["name"], given["q"], given["k"], given["v"]
+
+
+def _without_not_given(function: Any) -> inspect.Signature:
+    """``function``'s signature as callers should read it: name, q, k and v required and positional-only (their
+    default is only the deprecated keyword call's)."""
+    signature = inspect.signature(function)
+    return signature.replace(parameters=[
+        parameter.replace(default=inspect.Parameter.empty) if parameter.default is _NOT_GIVEN else parameter
+        for parameter in signature.parameters.values()])
+
+
 def estimate(
-    name: str | EstimatorSpec,
-    q: Any,
-    k: Any,
-    v: Any,
+    name: str | EstimatorSpec = _NOT_GIVEN,
+    q: Any = _NOT_GIVEN,
+    k: Any = _NOT_GIVEN,
+    v: Any = _NOT_GIVEN,
+    /,
     *,
     num_samples: int | None = None,
     seed: Any = None,
@@ -124,6 +167,9 @@ def estimate(
     q : (..., N, D) array or tensor
     k : (..., M, D) array or tensor
     v : (..., M, Dv) array or tensor
+        By position, as ``name``: an estimator's option is never taken for them (``k=4`` is an option, and top-k
+        has none by that name: its budget is ``num_samples``). Naming them as keywords still works, with a
+        DeprecationWarning, until randattn 0.3.
     num_samples : int, optional
         S, the number of random samples (features, proposals' samples); required by
         random-feature estimators.
@@ -164,6 +210,7 @@ def estimate(
     >>> randattn.estimate("rfa", q, k, v, num_samples=64, seed=1).shape
     (2, 16, 8)
     """
+    name, q, k, v = _by_position(name, q, k, v, params)
     check_choice("backend", backend, BACKENDS)
     spec = _spec_of(name)
     resolved = spec.resolve_params(params)
@@ -191,3 +238,6 @@ def estimate(
             out = spec.batched(to(q), to(k), to(v), draws.to_torch(device=device, dtype=dtype), scale=scale,
                                **resolved, **masked)
     return out[0] if replicates is None else out
+
+
+estimate.__signature__ = _without_not_given(estimate)

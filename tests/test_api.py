@@ -69,3 +69,33 @@ def test_catalogue_lists_every_estimator_with_parameters():
     assert {"softmax", "rfa", "ra"} <= set(records)
     assert records["rfa"]["parameters"]["feature_map"]["choices"] == ["positive", "hyperbolic", "trigonometric", "regularized", "oprf", "sderf"]
     assert records["softmax"]["random"] is False and records["rfa"]["random"] is True
+
+
+def test_an_option_named_k_is_an_option_not_the_keys(qkv):
+    """q, k and v are positional-only: ``k=4`` on top-k reaches the options and is refused as one, naming S, where
+    Python used to say 'got multiple values for argument k'."""
+    q, k, v = qkv
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) 'k' for estimator 'topk'.*is num_samples"):
+        randattn.estimate("topk", q, k, v, k=4)
+
+
+def test_naming_q_k_v_as_keywords_is_deprecated_and_gives_the_same_numbers(qkv):
+    q, k, v = qkv
+    expected = randattn.estimate("rfa", q, k, v, num_samples=8, seed=3)
+    with pytest.warns(DeprecationWarning, match=r"passing name, q, k, v by keyword is deprecated") as caught:
+        got = randattn.estimate(name="rfa", q=q, k=k, v=v, num_samples=8, seed=3)
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    np.testing.assert_array_equal(got, expected)
+    with pytest.warns(DeprecationWarning, match=r"passing v by keyword"):
+        np.testing.assert_array_equal(randattn.estimate("rfa", q, k, v=v, num_samples=8, seed=3), expected)
+
+
+def test_a_missing_argument_is_named_and_the_signature_reads_positional_only(qkv):
+    import inspect
+
+    q, k, _ = qkv
+    with pytest.raises(TypeError, match=r"estimate\(\) missing v: call estimate\(name, q, k, v, \.\.\.\)"):
+        randattn.estimate("rfa", q, k, num_samples=8)
+    parameters = list(inspect.signature(randattn.estimate).parameters.values())[:4]
+    assert [(p.name, p.kind, p.default) for p in parameters] == [
+        (name, inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.empty) for name in ("name", "q", "k", "v")]
