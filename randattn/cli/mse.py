@@ -14,6 +14,20 @@ import click
 from randattn.analysis.masking import MASK_CHOICES
 
 
+def _mask_option(context: click.Context, parameter: click.Parameter, value: str) -> str:
+    """``--mask``: one of :data:`~randattn.analysis.masking.MASK_CHOICES`, or ``sliding:W`` with W a positive
+    integer; anything else exits 2 naming what is accepted."""
+    from randattn.estimators.masks import Mask
+
+    if value in MASK_CHOICES:
+        return value
+    try:
+        Mask.parse(value, "the mask")
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc}, or file (the activation file's own masks)") from None
+    return value
+
+
 @click.command("mse")
 @click.argument("acts", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--estimators", "estimator_list", default=None, metavar="SPECS",
@@ -64,11 +78,13 @@ from randattn.analysis.masking import MASK_CHOICES
               help="Where units run: local (this process), processes:N (a local Dask cluster of N worker "
                    "processes) or tcp://HOST:PORT (a running Dask scheduler; ACTS must be readable by every worker). "
                    "The table is the same whatever the scheduler.")
-@click.option("--mask", "mask_choice", type=click.Choice(MASK_CHOICES), default="file", show_default=True,
+@click.option("--mask", "mask_choice", default="file", show_default=True, callback=_mask_option,
+              metavar=f"{'|'.join(MASK_CHOICES)}|sliding:W",
               help="Attention mask of every layer: none (bidirectional), causal (key m visible to query n iff "
-                   "m <= n + M - N), or file: the activation file's own per-layer 'mask' metadata (a language-model "
-                   "capture records it; a file without it is bidirectional). Estimators, the exact softmax and the "
-                   "probabilities all apply it; an estimator that does not support it is refused by name.")
+                   "m <= n + M - N), sliding:W (causal, and the last W of those keys), or file: the activation "
+                   "file's own per-layer 'mask' metadata (a language-model capture records it; a file without it "
+                   "is bidirectional). Estimators, the exact softmax and the probabilities all apply it; an "
+                   "estimator that does not support it is refused by name.")
 @click.option("--position-buckets", "position_buckets", default=None, metavar="log2|none|EDGES",
               help="Per-position metrics, by the query's position p = n + M - N + 1 (under the causal mask, the "
                    "number of keys it sees): log2 (1, 2-3, 4-7, ...), none, or lower edges such as 1,2,4,8,64. "

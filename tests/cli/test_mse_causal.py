@@ -195,3 +195,24 @@ def test_a_file_with_sliding_window_and_causal_layers_gets_a_row_and_a_panel_per
     figure = position_figure(pd.read_parquet(tmp_path / "mixed.positions.parquet"))
     assert sorted(ax.get_title() for ax in figure.axes if ax.get_title()) == ["S = 2, causal mask",
                                                                               "S = 2, sliding:4 mask"]
+
+
+def test_mask_sliding_w_on_the_command_line_is_the_files_own_window(files, tmp_path):
+    """``--mask sliding:4`` on a file without masks gives the table that the same arrays give when the file records
+    ``sliding:4`` for every layer and ``--mask file`` reads it (a path through the metadata, not the option), the
+    seconds aside; a window that is no window is refused with exit 2 before any work."""
+    meta = {"scale": 0.5, "model": "synthetic", "layout": "sequence", "mask": "sliding:4"}
+    windowed = save_activations(make_activations(_arrays(), meta), tmp_path / "windowed.safetensors")
+    tables = []
+    for path, mask in ((files[0], "sliding:4"), (windowed, "file")):
+        out = tmp_path / f"{mask.replace(':', '')}.parquet"
+        result = _invoke(path, "--mask", mask, "-e", "topk", "-e", "ra", "--samples", "3", "--replicates", "2",
+                         "--out", out)
+        assert result.exit_code == 0, result.output
+        tables.append(pd.read_parquet(out).drop(columns="seconds"))
+    assert set(tables[0]["mask"]) == {"sliding:4"}
+    pd.testing.assert_frame_equal(tables[0], tables[1], check_exact=True)
+    for bad in ("sliding:0", "sliding", "window:4"):
+        result = _invoke(files[0], "--mask", bad, "-e", "topk", "--out", tmp_path / "bad.parquet")
+        assert result.exit_code == 2 and "'sliding:W' (W a positive integer), or file" in " ".join(result.output.split())
+        assert not (tmp_path / "bad.parquet").exists()
