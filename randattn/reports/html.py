@@ -443,7 +443,8 @@ def positions_section(positions: pd.DataFrame, metadata: Mapping[str, Any] | Non
     esc = html.escape
     metadata = dict(metadata or {})
     masks = table_masks(positions)
-    title = "Causal attention: error by position" if "causal" in masks else "Error by query position"
+    kinds = " and ".join(sorted({"sliding-window" if kind.startswith("sliding") else kind for kind in masks}))
+    title = f"{kinds.capitalize()} attention: error by position" if kinds else "Error by query position"
     s = int(positions["num_samples"].max())
     names = display_names(positions)
     noun = item_noun(metadata)

@@ -88,3 +88,8 @@ def test_the_bucket_table_gives_a_row_per_mask_when_layers_differ():
         assert pivot.loc[("ra", mask), "4-7"] == pytest.approx(cells.mse.mean(), rel=1e-12)  # one image: over heads
     page = build_report(run_sweep_tables(acts, config).table, environment={}, figures=[], positions=positions)
     assert "<th>RA (unbiased), causal</th>" in page and "<th>RA (unbiased), sliding:3</th>" in page
+    assert '<h2 id="positions">Causal and sliding-window attention: error by position</h2>' in page
+    window = positions[positions.layer == 0]
+    page = build_report(run_sweep_tables(acts, config).table.query("layer == 0"), environment={}, figures=[],
+                        positions=window)
+    assert '<h2 id="positions">Sliding-window attention: error by position</h2>' in page
