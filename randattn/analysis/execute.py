@@ -85,7 +85,7 @@ from randattn.estimators.base import Draws
 from randattn.estimators.masks import NO_MASK, Mask
 
 __all__ = ["COLUMNS", "PHASES", "DiagnosticsSkippedWarning", "MemoryBudgetError", "ProbabilitiesSkippedWarning",
-           "UnitResult", "UnitRunner", "exact_under_mask", "format_bytes", "run_recording"]
+           "ReferenceCheck", "UnitResult", "UnitRunner", "exact_under_mask", "format_bytes", "run_recording"]
 
 #: the parts of a unit's wall time that :meth:`UnitRunner.run_timed` reports: the exact attention (the first unit of
 #: an image-layer computes it), the draws, the estimates with their probability error, the importance-sampling
@@ -175,6 +175,26 @@ def max_abs_deviation(reference: np.ndarray, batched: np.ndarray) -> float:
     with np.errstate(invalid="ignore"):
         deviation = np.where(same, 0.0, np.abs(reference - batched))
     return float(np.nan_to_num(deviation, nan=np.inf, posinf=np.inf).max(initial=0.0))
+
+
+class ReferenceCheck(NamedTuple):
+    """The spot check of one unit's first cell and replicate against the float64 reference (same draws, same mask).
+
+    ``deviation``: ``max |batched - reference|`` (:func:`max_abs_deviation`); ``reference_error``: the reference's
+    own ``max |reference - exact| / max |exact|`` against exact softmax, at or below 1e-10 where the estimator is
+    exact in that cell (its RMSE is then rounding, and no ratio to it means anything); NaN where nothing was
+    checked."""
+
+    deviation: float = np.nan
+    reference_error: float = np.nan
+
+
+def relative_max_error(estimate: np.ndarray, exact: np.ndarray) -> float:
+    """``max |estimate - exact| / max |exact|``: inf where the estimate is not finite, NaN where exact is all 0."""
+    scale = float(np.abs(exact).max(initial=0.0))
+    if not np.isfinite(estimate).all():
+        return float("inf")
+    return float(np.abs(estimate - exact).max(initial=0.0)) / scale if scale > 0 else float("nan")
 
 
 def _lap(seconds: dict[str, float], phase: str, mark: float, clock: Callable[[], float]) -> float:
@@ -423,20 +443,23 @@ class UnitRunner:
                                  mask=mask.kind)
 
     def _reference_deviation(self, spec, est: EstimatorConfig, q, k, v, draws: Draws, batched_first,
-                             mask: Mask = NO_MASK) -> float:
-        """max |batched - reference| on the unit's first cell and replicate (same draws, same mask).
+                             mask: Mask = NO_MASK) -> ReferenceCheck:
+        """The :class:`ReferenceCheck` of the unit's first cell and replicate (same draws, same mask).
 
         ``batched_first (N, Dv)``: the batched estimate of that cell and replicate, a tensor in the run's dtype.
         """
+        from randattn.estimators.softmax import reference as softmax
+
         # the reference is float64 numpy: the torch backend's inputs are in the file's dtype
         q1, k1, v1 = (np.asarray(a[:1], dtype=np.float64) for a in (q, k, v))
-        ref = spec.reference(q1, k1, v1, _slice_draws(draws, slice(0, 1), slice(0, 1)), scale=self.scale,
-                             **est.params, **mask.estimator_kwargs)
+        ref = np.asarray(spec.reference(q1, k1, v1, _slice_draws(draws, slice(0, 1), slice(0, 1)), scale=self.scale,
+                                        **est.params, **mask.estimator_kwargs), dtype=np.float64)[0, 0]
         batched = batched_first.to("cpu", self.torch.float64).numpy()
-        return max_abs_deviation(np.asarray(ref, dtype=np.float64)[0, 0], batched)
+        exact = softmax.estimate(q1, k1, v1, None, scale=self.scale, **mask.estimator_kwargs)[0]
+        return ReferenceCheck(max_abs_deviation(ref, batched), relative_max_error(ref, exact))
 
     def _sliced_reference_deviation(self, spec, est: EstimatorConfig, unit: Unit, q, k, v,
-                                    mask: Mask = NO_MASK) -> float:
+                                    mask: Mask = NO_MASK) -> ReferenceCheck:
         """:meth:`_reference_deviation` of a tiled unit, on its first cell's first
         :data:`~randattn.analysis.cell_memory.REFERENCE_CHECK_TOKENS` keys (and as many of its queries, the first
         or the last as in :meth:`_sliced_calibration`), with replicate 0's draws for that shape: the batched form
@@ -525,7 +548,7 @@ class UnitRunner:
         if skipped is not None:
             warnings.warn(skipped, DiagnosticsSkippedWarning, stacklevel=2)  # NaN with its reason, once per unit
             diagnose = False
-        ref_dev = np.nan
+        ref_check = ReferenceCheck()
         for cs, rs in blocks:
             mark = clock()
             draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], unit.seeds[cs], range(rs.start, rs.stop),
@@ -571,9 +594,9 @@ class UnitRunner:
             mark = _lap(seconds, "diagnostics", mark, clock)
             if unit.check_reference and rs.start == 0 and cs.start == 0 and self.torch is not None:
                 if tiled:  # the reference at full length is a per-query loop (hours at 32k tokens): a slice of it
-                    ref_dev = self._sliced_reference_deviation(spec, est, unit, q[cs], k[cs], v[cs], mask=mask)
+                    ref_check = self._sliced_reference_deviation(spec, est, unit, q[cs], k[cs], v[cs], mask=mask)
                 else:
-                    ref_dev = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out[0, 0],
+                    ref_check = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out[0, 0],
                                                         mask=mask)
             _lap(seconds, "reference_check", mark, clock)
         mark = clock()
@@ -599,7 +622,7 @@ class UnitRunner:
         tokens = self.num_queries  # the sequence's, whichever of its queries are measured (the queries column says)
         rows = table_rows(unit, est, samples, model=model, tokens=tokens, mask=label, dtype=dtype, metrics=metrics,
                           rel=rel, prob_mse=prob_mse if config.probabilities else None, ess_mean=ess_mean,
-                          delta_ratio=delta_ratio, khat=khat, ref_dev=ref_dev, seconds=per_cell,
+                          delta_ratio=delta_ratio, khat=khat, ref_check=ref_check, seconds=per_cell,
                           sink=cache.sink_mass(unit), queries=config.queries, keys_used=keys_used, relative=relative)
         positions = None if per_bucket is None else position_rows(unit, est, samples, model=model, tokens=tokens,
                                                                   mask=label, per_bucket=per_bucket)

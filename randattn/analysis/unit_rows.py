@@ -109,7 +109,7 @@ def _identity(model: str, unit: Unit, est: EstimatorConfig, head, tokens: int, m
 
 
 def table_rows(unit: Unit, est: EstimatorConfig, row_samples: Sequence[int], *, model: str, tokens: int, mask: str,
-               dtype: str, metrics, rel, prob_mse, ess_mean, delta_ratio, khat, ref_dev: float, seconds: float,
+               dtype: str, metrics, rel, prob_mse, ess_mean, delta_ratio, khat, ref_check, seconds: float,
                sink, queries: str = "all", keys_used: dict | None = None,
                relative: dict | None = None) -> list[dict[str, Any]]:
     """The unit's rows (:data:`COLUMNS`), one per head and reported S, in head order.
@@ -130,8 +130,9 @@ def table_rows(unit: Unit, est: EstimatorConfig, row_samples: Sequence[int], *, 
         None: the run measured no probabilities (NaN in the table).
     ess_mean, delta_ratio, khat : (C,) ndarrays
         The IS diagnostics' columns.
-    ref_dev : float
-        The reference check's deviation, reported on the first head only.
+    ref_check : ReferenceCheck
+        The reference check (:class:`~randattn.analysis.execute.ReferenceCheck`): its deviation and the reference's
+        own error against exact softmax, reported on the first head only.
     seconds : float
         The unit's wall time per cell.
     sink : (C,) ndarray
@@ -159,7 +160,8 @@ def table_rows(unit: Unit, est: EstimatorConfig, row_samples: Sequence[int], *, 
          "bias_sq_se": metrics.bias_sq_se[j], "rel_error": rel[j],
          "prob_mse": prob_mse[j] if prob_mse is not None else np.nan,
          "ess_mean": ess_mean[j], "delta_var_ratio": delta_ratio[j], "pareto_khat": khat[j],
-         "dtype": dtype, "ref_max_abs_dev": ref_dev if j == 0 else np.nan,
+         "dtype": dtype, "ref_max_abs_dev": ref_check.deviation if j == 0 else np.nan,
+         "ref_max_rel_err": ref_check.reference_error if j == 0 else np.nan,
          "seconds": seconds, "seed": int(unit.seeds[j]), "sink_mass": float(sink[j]), "queries": queries,
          **cell(keys_used, j), **cell(relative, j)}
         for j, h in enumerate(unit.heads) for s in row_samples

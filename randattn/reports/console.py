@@ -122,8 +122,8 @@ def reference_check_line(check: Mapping[str, Any]) -> str:
     colour = "yellow" if flag else "green"
     measured = (f"[{colour}]reference check[/]: {count(check['units_checked'], 'unit')} re-run on the float64 "
                 f"reference; largest |batched - reference| = {check['max_abs_dev']:.2e} ({check['max_abs_dev_label']})")
-    if ratio is None:  # only exact estimators were checked: their RMSE is rounding, no ratio to give
-        return measured + " (exact estimators only)"
+    if ratio is None:  # only exact cells were checked: their RMSE is rounding, no ratio to give
+        return measured + " (exact estimators or cells only)"
     measured += (f", at most {ratio:.1e} of a cell's RMSE ({check['max_dev_over_rmse_label']}, "
                  f"{check['max_dev_over_rmse_dtype']})")
     if not flag:

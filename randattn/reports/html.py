@@ -928,13 +928,13 @@ def reference_check_html(metadata: Mapping[str, Any] | None, names: Mapping[str,
         return [f'<div class="warning"><b>Reference check</b>: for <span title="{esc(label)}">{who}</span> one form '
                 "(batched or reference) gave a non-finite value where the other did not, so its rows say nothing; "
                 f"<code>randattn check {esc(label.split(':')[0])}</code> compares the two.</div>"]
-    if check.get("max_dev_over_rmse", 0.0) is None:  # only exact estimators checked: their RMSE is rounding
+    if check.get("max_dev_over_rmse", 0.0) is None:  # only exact cells checked: their RMSE is rounding
         try:
             units, deviation = int(check.get("units_checked", 0)), float(check["max_abs_dev"])
         except (KeyError, TypeError, ValueError):
             return []
         return [f'<p class="ok">Reference check: {units} unit(s) were re-run on the float64 reference; the batched '
-                f"result deviates from it by at most {deviation:.2g} (exact estimators only: their RMSE is "
+                f"result deviates from it by at most {deviation:.2g} (exact estimators or cells only: their RMSE is "
                 "rounding, so no ratio to it is given).</p>"]
     try:
         ratio, tolerance = float(check["max_dev_over_rmse"]), float(check["tolerance_dev_over_rmse"])

@@ -598,6 +598,61 @@ def test_the_reference_check_ratio_leaves_out_a_selection_that_reads_every_key()
     assert check["max_dev_over_rmse"] == pytest.approx(1e-6 / 1e-7, rel=1e-12)
 
 
+def test_the_reference_check_ratio_leaves_out_a_cell_whose_reference_is_exact_softmax():
+    """A random estimator reading every key (vAttention whose sinks and local keys cover them) is softmax in that
+    cell: its float64 reference equals exact softmax to 1e-16 (``ref_max_rel_err``), its MSE is rounding, and the
+    cell is left out of the ratio. A reference 1e-8 from softmax (an estimator with a real but small error) keeps its
+    ratio, 1e-6 / 1e-7; so does a row without the column (a table written before it)."""
+    from randattn.analysis.records import reference_check_summary
+
+    columns = ("estimator", "params", "label", "dtype", "mse", "ref_max_abs_dev", "keys_fraction", "random",
+               "ref_max_rel_err")
+    exact = ("vattention", "{}", "vattention", "float64", 1e-34, 5e-17, 1.0, True, 1e-16)
+    check = reference_check_summary(pd.DataFrame([dict(zip(columns, exact))]))
+    assert check["max_dev_over_rmse"] is None and check["max_abs_dev"] == 5e-17
+    close = ("vattention", "{}", "vattention", "float32", 1e-14, 1e-6, 1.0, True, 1e-8)
+    check = reference_check_summary(pd.DataFrame([dict(zip(columns, row)) for row in (exact, close)]))
+    assert check["max_dev_over_rmse"] == pytest.approx(1e-6 / 1e-7, rel=1e-12)
+    before = pd.DataFrame([dict(zip(columns[:-1], exact[:-1]))])
+    assert reference_check_summary(before)["max_dev_over_rmse"] == pytest.approx(5e-17 / 1e-17, rel=1e-12)
+
+
+def test_the_reference_error_is_the_largest_entry_error_over_the_largest_exact_entry():
+    from randattn.analysis.execute import relative_max_error
+
+    exact = np.array([[1.0, -4.0], [2.0, 0.5]])
+    assert relative_max_error(exact + np.array([[0.0, 0.2], [-0.1, 0.0]]), exact) == pytest.approx(0.2 / 4.0)
+    assert relative_max_error(exact, exact) == 0.0
+    assert relative_max_error(np.array([np.nan, 1.0]), np.array([1.0, 1.0])) == float("inf")
+    assert np.isnan(relative_max_error(np.zeros(2), np.zeros(2)))
+
+
+def test_an_exact_cell_of_a_random_estimator_gets_no_advice_end_to_end(tmp_path):
+    """MagicPIG with sinks + local covering every key it sees is softmax (its declared exact limit): in float64 the
+    line no longer says the batched form departs from its reference, and in float32 it no longer asks for float64.
+    The table records the reference's own error (at most 1e-10), and MagicPIG with a sample keeps a finite one
+    above it (its estimate is not softmax)."""
+    rng = np.random.default_rng(11)
+    arrays = {0: tuple(rng.normal(size=(1, 2, 16, 8)) for _ in range(3))}
+    path = save_activations(make_activations(arrays, {"scale": 0.35, "model": "synthetic", "layout": "sequence"}),
+                            tmp_path / "acts.safetensors")
+    for dtype in ("float64", "float32"):
+        out = tmp_path / f"{dtype}.parquet"
+        result = CliRunner().invoke(main, ["mse", str(path), "--mask", "causal", "-e", "magicpig:sinks=4,local=12",
+                                           "--samples", "2", "--replicates", "3", "--dtype", dtype, "--out", str(out)],
+                                    catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        text = " ".join(result.output.split())
+        assert "(exact estimators or cells only)" in text and "departs" not in text and "rerun" not in text
+        checked = pd.read_parquet(out).dropna(subset=["ref_max_abs_dev"])
+        assert len(checked) == 1 and checked["ref_max_rel_err"].iloc[0] <= 1e-10
+    sampled = tmp_path / "sampled.parquet"
+    assert CliRunner().invoke(main, ["mse", str(path), "--mask", "causal", "-e", "magicpig:sinks=1,local=1,hash_bits=1",
+                                     "--samples", "2", "--replicates", "3", "--dtype", "float64", "--out",
+                                     str(sampled)]).exit_code == 0
+    assert pd.read_parquet(sampled).dropna(subset=["ref_max_abs_dev"])["ref_max_rel_err"].iloc[0] > 1e-10
+
+
 def test_a_reference_check_of_exact_estimators_only_gives_no_ratio_and_no_advice():
     from randattn.analysis.records import reference_check_summary
     from randattn.reports.console import reference_check_line
@@ -608,9 +663,9 @@ def test_a_reference_check_of_exact_estimators_only_gives_no_ratio_and_no_advice
                      "max_dev_over_rmse": None, "max_dev_over_rmse_label": None, "max_dev_over_rmse_dtype": None,
                      "tolerance_dev_over_rmse": 0.01}
     line = reference_check_line(check)
-    assert line.endswith("largest |batched - reference| = 2.50e-07 (softmax) (exact estimators only)"), line
+    assert line.endswith("largest |batched - reference| = 2.50e-07 (softmax) (exact estimators or cells only)"), line
     (html,) = reference_check_html({"reference_check": check})
-    assert "deviates from it by at most 2.5e-07 (exact estimators only" in html and "--dtype" not in html
+    assert "deviates from it by at most 2.5e-07 (exact estimators or cells only" in html and "--dtype" not in html
 
 
 def test_a_form_that_gives_nan_fails_the_reference_check_by_name():
