@@ -171,8 +171,8 @@ def estimate(
         has none by that name: its budget is ``num_samples``). Naming them as keywords still works, with a
         DeprecationWarning, until randattn 0.3.
     num_samples : int, optional
-        S, the number of random samples (features, proposals' samples); required by
-        random-feature estimators.
+        S, the number of random samples (features, proposals' samples) or the key budget of a decode-time
+        estimator (top-k's kept keys, MagicPIG's hash tables); required by the estimators that take one.
     seed : int or numpy.random.Generator, optional
         The draws are made once, in float64 numpy, from this seed and then moved to the
         backend: the same seed gives the same draws whichever backend, dtype or device

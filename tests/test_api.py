@@ -75,8 +75,11 @@ def test_an_option_named_k_is_an_option_not_the_keys(qkv):
     """q, k and v are positional-only: ``k=4`` on top-k reaches the options and is refused as one, naming S, where
     Python used to say 'got multiple values for argument k'."""
     q, k, v = qkv
-    with pytest.raises(ValueError, match=r"unknown parameter\(s\) 'k' for estimator 'topk'.*is num_samples"):
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) 'k' for estimator 'topk'.*is num_samples; "
+                                         r"q, k and v are the input arrays, given by position$"):
         randattn.estimate("topk", q, k, v, k=4)
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) 'v' for estimator 'softmax'.*q, k and v are the input"):
+        randattn.estimate("softmax", q, k, v, v=v)  # given twice: the keyword is read as an option
 
 
 def test_naming_q_k_v_as_keywords_is_deprecated_and_gives_the_same_numbers(qkv):

@@ -334,13 +334,13 @@ def budget_summary(table):
     pandas.DataFrame
         The keys and :data:`BUDGET_SUMMARY_COLUMNS`: the mean over the group's rows (every (image, layer) holds
         the same heads, so the mean over heads, then layers, then images) of ``keys_used``, ``keys_fraction``,
-        ``rel_err_median``, ``rel_err_p95`` and ``violation_rate``; ``epsilon`` and ``delta`` (the group's, NaN
-        where it has none); ``violation_of``: what the violation rate counts (``"output"``, or the quantity the
+        ``rel_err_median``, ``rel_err_p95`` and ``violation_rate``; ``epsilon`` and ``delta`` (the group's own
+        values, NaN where it has none); ``violation_of``: what the violation rate counts (``"output"``, or the quantity the
         configuration's promise bounds, e.g. ``"denominator"``); ``heads``: the group's rows;
         ``promises_broken``: its rows whose ``promise_broken`` is true (each a head of an image and layer whose
         promise demonstrably fails, :func:`broken_promises`); ``promises_broken_familywise``: those flagged by
-        :func:`familywise_broken` (NaN where the table lacks the counts it tests, or where the group has no
-        promise).
+        :func:`familywise_broken`, 0 without a promise as ``promises_broken`` (a nullable integer: ``<NA>`` where
+        the table lacks the counts it tests).
     """
     import pandas as pd
 
@@ -355,15 +355,19 @@ def budget_summary(table):
         record = dict(zip(keys, key))
         for column in means:
             values = group[column].to_numpy(dtype=np.float64)
-            record[column] = float(values.mean()) if np.isfinite(values).any() else np.nan
+            finite = values[np.isfinite(values)]
+            if column in ("epsilon", "delta"):  # one configuration's: the value itself, not a mean that rounds it
+                record[column] = float(finite[0]) if finite.size else np.nan
+            else:
+                record[column] = float(values.mean()) if finite.size else np.nan
         record["violation_of"] = str(group["violation_of"].iloc[0])  # one configuration: one quantity
         record["heads"] = int(len(group))
         record["promises_broken"] = int(group["promise_broken"].sum())
-        familywise = group["familywise"]
-        known = group["delta"].notna().any() and familywise.notna().all()
-        record["promises_broken_familywise"] = int(familywise.eq(True).sum()) if known else np.nan
+        familywise = group["familywise"]  # None: a head with a promise in a table without the counts
+        record["promises_broken_familywise"] = int(familywise.eq(True).sum()) if familywise.notna().all() else None
         records.append(record)
-    return pd.DataFrame.from_records(records, columns=[*keys, *BUDGET_SUMMARY_COLUMNS])
+    summary = pd.DataFrame.from_records(records, columns=[*keys, *BUDGET_SUMMARY_COLUMNS])
+    return summary.astype({"promises_broken_familywise": "Int64"})  # a count, or <NA> where it cannot be made
 
 
 def flags_by_chance(heads: int) -> float:

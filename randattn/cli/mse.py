@@ -24,7 +24,8 @@ def _mask_option(context: click.Context, parameter: click.Parameter, value: str)
     try:
         Mask.parse(value, "the mask")
     except ValueError as exc:
-        raise click.BadParameter(f"{exc}, or file (the activation file's own masks)") from None
+        other = "" if value.startswith("sliding:") else ", or file (the activation file's own masks)"
+        raise click.BadParameter(f"{exc}{other}") from None
     return value
 
 

@@ -797,9 +797,11 @@ class EstimatorSpec:
         if unknown:
             allowed = ", ".join([*sorted(self.params), "preset"])
             budget = "" if self.needs_samples is False else "; S, its sample size or key budget, is num_samples"
+            # a keyword meant as an input array (or top-k's "k" meant as its budget)
+            inputs = "; q, k and v are the input arrays, given by position" if {"q", "k", "v"} & set(unknown) else ""
             raise ValueError(
                 f"unknown parameter(s) {', '.join(map(repr, unknown))} for estimator {self.name!r}; "
-                f"allowed: {allowed}{budget}"
+                f"allowed: {allowed}{budget}{inputs}"
             )
         resolved = {}
         for name, param in self.params.items():

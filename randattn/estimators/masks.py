@@ -133,7 +133,10 @@ class Mask:
             match = _SLIDING.match(value)
             if match is not None:
                 return cls("sliding", int(match.group(1)))
-        raise ValueError(f"{where} {value!r} is not a mask kind; use none (bidirectional), 'causal' or 'sliding:W' "
+            if value.startswith("sliding:"):  # the kind, with a window that is none
+                raise ValueError(f"{where} {value!r}: the window W of 'sliding:W' must be a positive integer written "
+                                 "without sign or leading zeros, as sliding:4096")
+        raise ValueError(f"{where} {value!r} is not a mask kind; use 'none' (bidirectional), 'causal' or 'sliding:W' "
                          "(W a positive integer)")
 
     @property

@@ -290,15 +290,22 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
             violation += f" ({quantity})"
         promise = ""
         if math.isfinite(row.delta):
-            familywise = getattr(row, "promises_broken_familywise", math.nan)
-            familywise = "" if not math.isfinite(familywise) else f"; family-wise: {int(familywise)}"
+            familywise = _count_or_none(getattr(row, "promises_broken_familywise", None))
+            familywise = "" if familywise is None else f"; family-wise: {familywise}"
             broken = (f"[bold red]broken on {row.promises_broken} of {row.heads} heads[/] "
-                      f"(<= {flags_by_chance(row.heads):.2g} by chance{familywise})")
+                      f"(<= {flags_by_chance(row.heads):.2g} expected by chance{familywise})")
             promise = f"delta = {row.delta:g}: " + (broken if row.promises_broken else f"kept on all {row.heads} heads")
         table.add_row(str(row.label), _s_text(row), *([str(row.mask)] if several else []), keys,
                       number(row.rel_err_median, ".3g"),
                       number(row.rel_err_p95, ".3g"), violation, promise)
     return table
+
+
+def _count_or_none(value: Any) -> int | None:
+    """A count of a summary as an int; None where it is missing (None, NaN or a nullable column's ``<NA>``)."""
+    import pandas as pd
+
+    return None if value is None or pd.isna(value) else int(value)
 
 
 def _error_of(broken: Mapping[str, Any]) -> str:
@@ -307,21 +314,33 @@ def _error_of(broken: Mapping[str, Any]) -> str:
     return "err" if quantity == "output" else f"{quantity} err"
 
 
-def broken_promise_lines(broken: Sequence[Mapping[str, Any]], noun: str = "image") -> list[str]:
+def broken_promise_lines(broken: Sequence[Mapping[str, Any]], noun: str = "image",
+                         most: int | None = None) -> list[str]:
     """A red line (rich markup) per head whose configuration's (epsilon, delta) promise demonstrably fails
     (:func:`~randattn.analysis.relative_error.broken_promises`): the whole 95% interval of its violation rate is
     above delta. The error is the output's (``P(err > eps)``) unless the promise bounds another quantity
-    (``P(denominator err > eps)``). Each line ends with whether the head is flagged family-wise too
-    (``family-wise: yes``; nothing for a table without the counts it tests)."""
+    (``P(denominator err > eps)``). Each line ends with whether the head is flagged family-wise too (nothing for a
+    table without the counts that decision tests).
+
+    At most ``most`` heads (default :data:`~randattn.reports.tables.MAX_BROKEN_HEADS_SHOWN`, as the report), those
+    with the highest lower bound, in the given order; a last line counts the others."""
     from rich.markup import escape
 
-    def familywise(flag: Any) -> str:
-        return "" if flag is None else f"; family-wise: {'yes' if flag else 'no'}"
+    from randattn.reports.tables import MAX_BROKEN_HEADS_SHOWN
 
-    return [f"[bold red]promise broken[/]: {escape(str(b['label']))}"
-            f"{'' if b['num_samples'] is None else ' S=' + str(b['num_samples'])} layer {b['layer']} head "
-            f"{b['head']} {noun} {escape(str(b['image']))}: P({_error_of(b)} > {b['epsilon']:g}) = "
-            f"{b['violation_rate']:.3g} "
-            f"[{b['violation_lo']:.3g}, {b['violation_hi']:.3g}] > delta = {b['delta']:g}"
-            f"{familywise(b.get('familywise'))}"
-            for b in broken]
+    def familywise(flag: Any) -> str:
+        return "" if flag is None else "; flagged family-wise too" if flag else "; not flagged family-wise"
+
+    most = MAX_BROKEN_HEADS_SHOWN if most is None else most
+    strongest = sorted(range(len(broken)), key=lambda i: -broken[i]["violation_lo"])[:most]
+    lines = [f"[bold red]promise broken[/]: {escape(str(b['label']))}"
+             f"{'' if b['num_samples'] is None else ' S=' + str(b['num_samples'])} layer {b['layer']} head "
+             f"{b['head']} {noun} {escape(str(b['image']))}: P({_error_of(b)} > {b['epsilon']:g}) = "
+             f"{b['violation_rate']:.3g} "
+             f"[{b['violation_lo']:.3g}, {b['violation_hi']:.3g}] > delta = {b['delta']:g}"
+             f"{familywise(b.get('familywise'))}"
+             for b in (broken[i] for i in sorted(strongest))]
+    if len(broken) > len(lines):
+        lines.append(f"[bold red]{len(broken) - len(lines)} more heads with a broken promise[/] not listed "
+                     "(--json lists every one)")
+    return lines

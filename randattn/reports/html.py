@@ -35,6 +35,7 @@ from randattn.reports.figures import (
     position_figure,
 )
 from randattn.reports.tables import (
+    MAX_BROKEN_HEADS_SHOWN,
     PLOT_COLUMNS,
     ResultsError,
     approximate_labels,
@@ -499,8 +500,6 @@ def sink_by_layer(table: pd.DataFrame) -> pd.DataFrame | None:
 
 #: the relative-error and promise columns :func:`promise_section` reads (``randattn mse`` writes them)
 _RELATIVE_COLUMNS = ("rel_err_mean", "rel_err_median", "rel_err_p95")
-#: heads with a broken promise listed in the report at most (the rest are counted)
-MAX_BROKEN_HEADS_SHOWN = 40
 
 
 def _counts_other_than_output(table: pd.DataFrame) -> bool:
@@ -512,7 +511,7 @@ def _counts_other_than_output(table: pd.DataFrame) -> bool:
 
 
 def _heads_broken(flags: pd.DataFrame) -> str:
-    """``"2 of 54 (<= 1.4 by chance; family-wise: 0)"``: the heads flagged (``promise_broken``), the most flagged on
+    """``"2 of 54 (<= 1.4 expected by chance; family-wise: 0)"``: the heads flagged (``promise_broken``), the most flagged on
     average where all keep it, and those flagged family-wise (``familywise``; left out where a table lacks the
     counts)."""
     from randattn.analysis.relative_error import flags_by_chance
@@ -522,7 +521,7 @@ def _heads_broken(flags: pd.DataFrame) -> str:
         return f"0 of {len(flags)}"
     familywise = flags["familywise"]
     familywise = f"; family-wise: {int(familywise.eq(True).sum())}" if familywise.notna().all() else ""
-    return f"{broken} of {len(flags)} (<= {flags_by_chance(len(flags)):.2g} by chance{familywise})"
+    return f"{broken} of {len(flags)} (<= {flags_by_chance(len(flags)):.2g} expected by chance{familywise})"
 
 
 def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:

@@ -36,6 +36,7 @@ __all__ = [
     "aggregate_over_images",
     "aggregate_positions",
     "once_without_s",
+    "MAX_BROKEN_HEADS_SHOWN",
     "position_pivot",
     "table_masks",
     "approximate_labels",
@@ -359,6 +360,11 @@ def aggregate_positions(
     result = result.assign(_order=result["label"].map(order)).sort_values(
         ["tokens", "_order", "num_samples", "position_lo"])
     return result.drop(columns="_order").reset_index(drop=True)
+
+
+#: heads with a broken promise listed at most, in the terminal and in the report (the rest are counted; ``--json``
+#: lists every one)
+MAX_BROKEN_HEADS_SHOWN = 40
 
 
 def once_without_s(frame: pd.DataFrame) -> pd.DataFrame:

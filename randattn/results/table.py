@@ -77,12 +77,17 @@ class SweepTables:
 
 # ------------------------------------------------------------------------------------------------------------ write
 def table_records(table) -> list[dict[str, Any]]:
-    """Rows as JSON-ready dicts: numpy scalars become Python ones, NaN and inf become None (exact floats)."""
+    """Rows as JSON-ready dicts: numpy scalars become Python ones, NaN, inf and a nullable column's ``<NA>`` become
+    None (exact floats)."""
+    import pandas as pd
+
     records = []
     for record in table.to_dict(orient="records"):
         clean = {}
         for key, value in record.items():
-            if isinstance(value, np.generic):
+            if value is pd.NA:
+                value = None
+            elif isinstance(value, np.generic):
                 value = value.item()
             if isinstance(value, float) and not math.isfinite(value):
                 value = None

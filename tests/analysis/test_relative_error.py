@@ -134,13 +134,13 @@ def test_a_configuration_is_one_family_and_each_family_its_own_holm():
     assert table["promise_broken"].tolist()[:6] == [True, True, False, True, False, False]
     summary = budget_summary(table)
     assert summary["promises_broken"].tolist() == [2, 1, 0]
-    assert summary["promises_broken_familywise"].tolist()[:2] == [2, 0]
-    assert np.isnan(summary["promises_broken_familywise"].iloc[2])  # no promise: nothing to decide
+    assert summary["promises_broken_familywise"].tolist() == [2, 0, 0]  # no promise: 0, as promises_broken
+    assert summary["epsilon"].tolist()[:2] == [0.1, 0.1]  # the configuration's own, not a mean that rounds it
     assert [(b["num_samples"], b["head"], b["familywise"]) for b in broken_promises(table)] == [
         (8, 0, True), (8, 1, True), (16, 0, False)]
     before = table.drop(columns=["violations", "trials"])  # a table written before the counts
     assert familywise_broken(before).tolist()[:8] == [None] * 8
-    assert np.isnan(budget_summary(before)["promises_broken_familywise"].iloc[0])
+    assert budget_summary(before)["promises_broken_familywise"].tolist() == [pd.NA, pd.NA, 0]
     assert {b["familywise"] for b in broken_promises(before)} == {None}
 
 

@@ -133,13 +133,21 @@ def test_the_cli_offers_the_estimator_masks_and_the_file():
     assert MASK_CHOICES == ("none", "causal", "file")
 
 
-@pytest.mark.parametrize("bad", ["diagonal", "causal ", "sliding", "sliding:0", "sliding:-2", "sliding:2.5",
-                                 "sliding:02", "Causal", "", 3, True, ("causal",)], ids=repr)
+@pytest.mark.parametrize("bad", ["diagonal", "causal ", "sliding", "Causal", "", 3, True, ("causal",)], ids=repr)
 def test_bad_strings_are_refused_naming_the_choices(bad):
     with pytest.raises(ValueError) as info:
         Mask.parse(bad, where="mask of layer 3")
-    assert str(info.value) == (f"mask of layer 3 {bad!r} is not a mask kind; use none (bidirectional), 'causal' or "
+    assert str(info.value) == (f"mask of layer 3 {bad!r} is not a mask kind; use 'none' (bidirectional), 'causal' or "
                                "'sliding:W' (W a positive integer)")
+
+
+@pytest.mark.parametrize("bad", ["sliding:0", "sliding:-2", "sliding:2.5", "sliding:02", "sliding:+4", "sliding:",
+                                 "sliding:abc"])
+def test_a_sliding_mask_without_a_window_is_refused_naming_the_window(bad):
+    with pytest.raises(ValueError) as info:
+        Mask.parse(bad, where="--mask")
+    assert str(info.value) == (f"--mask {bad!r}: the window W of 'sliding:W' must be a positive integer written "
+                               "without sign or leading zeros, as sliding:4096")
 
 
 def test_bad_fields_are_refused_naming_the_field():

@@ -44,12 +44,27 @@ def test_the_budget_table_and_the_red_lines_give_the_family_wise_decision():
            "rel_err_median": 0.2, "rel_err_p95": 0.3, "epsilon": 0.05, "violation_rate": 0.2, "delta": 0.05,
            "heads": 54, "promises_broken": 2}
     counted = _text(budget_table(pd.DataFrame([{**row, "promises_broken_familywise": 1}])))
-    assert "broken on 2 of 54 heads (<= 1.4 by chance; family-wise: 1)" in " ".join(counted.split())
+    assert "broken on 2 of 54 heads (<= 1.4 expected by chance; family-wise: 1)" in " ".join(counted.split())
     uncounted = _text(budget_table(pd.DataFrame([{**row, "promises_broken_familywise": np.nan}])))
-    assert "(<= 1.4 by chance)" in " ".join(uncounted.split()) and "family-wise" not in uncounted
+    assert "(<= 1.4 expected by chance)" in " ".join(uncounted.split()) and "family-wise" not in uncounted
     record = {"label": "vattention", "num_samples": 8, "layer": 0, "head": 3, "image": "text", "epsilon": 0.05,
               "delta": 0.05, "violation_rate": 0.5, "violation_lo": 0.4, "violation_hi": 0.6}
     yes, no, unknown = broken_promise_lines([{**record, "familywise": True}, {**record, "familywise": False},
                                              {**record, "familywise": None}])
-    assert yes.endswith("> delta = 0.05; family-wise: yes") and no.endswith("> delta = 0.05; family-wise: no")
-    assert unknown.endswith("> delta = 0.05")
+    assert yes.endswith("> delta = 0.05; flagged family-wise too")
+    assert no.endswith("> delta = 0.05; not flagged family-wise") and unknown.endswith("> delta = 0.05")
+
+
+def test_the_red_lines_stop_at_the_most_shown_and_count_the_rest():
+    """45 broken heads: the 40 with the highest lower bounds (heads 5 to 44 here), in the table's order, then one
+    line counting the 5 others."""
+    from randattn.reports.console import broken_promise_lines
+
+    record = {"label": "vattention", "num_samples": 8, "layer": 0, "image": "text", "epsilon": 0.05, "delta": 0.05,
+              "violation_rate": 0.5, "violation_hi": 0.6}
+    broken = [{**record, "head": h, "violation_lo": 0.1 + 0.001 * h} for h in range(45)]
+    lines = broken_promise_lines(broken, noun="sequence")
+    assert len(lines) == 41 and lines[-1] == ("[bold red]5 more heads with a broken promise[/] not listed "
+                                              "(--json lists every one)")
+    assert [int(line.split(" head ")[1].split()[0]) for line in lines[:-1]] == list(range(5, 45))
+    assert len(broken_promise_lines(broken[:3])) == 3 and len(broken_promise_lines(broken, most=2)) == 3

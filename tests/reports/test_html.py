@@ -226,7 +226,7 @@ def test_the_report_lists_a_broken_promise_and_summarises_the_relative_error():
     assert promise_summary(table.assign(rel_err_mean=np.nan)) is None  # a table from before the relative error
     items = table["image"].nunique()
     # head 1 of each item, beside the most a 95% interval flags by chance: 2.5 % of the heads checked
-    assert set(summary["heads broken"]) == {f"{items} of {2 * items} (<= {0.025 * 2 * items:.2g} by chance)"}
+    assert set(summary["heads broken"]) == {f"{items} of {2 * items} (<= {0.025 * 2 * items:.2g} expected by chance)"}
     unbroken = promise_summary(table.assign(promise_broken=False))
     assert set(unbroken["heads broken"]) == {f"0 of {2 * items}"}
     page = build_report(table, environment={}, figures=[])  # the figures are tested elsewhere
@@ -260,7 +260,7 @@ def test_the_report_gives_the_family_wise_decision_where_the_table_has_the_count
     table["promise_broken"] = table["head"] == 1
     items = table["image"].nunique()
     summary = promise_summary(table)
-    assert list(summary["heads broken"]) == [f"{items} of {2 * items} (<= {0.025 * 2 * items:.2g} by chance; "
+    assert list(summary["heads broken"]) == [f"{items} of {2 * items} (<= {0.025 * 2 * items:.2g} expected by chance; "
                                              f"family-wise: {items})"]
     page = build_report(table, environment={}, figures=[])
     assert "<th>family-wise</th>" in page and page.count("<td>yes</td>") == items and "<td>no</td>" not in page
