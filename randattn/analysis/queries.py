@@ -212,8 +212,9 @@ def check_query_selection(selection: str, num_queries: int, layer_kinds: Mapping
         layer = masked[0]
         raise ValueError(
             f"queries={selection!r} cannot be measured on layer {layer} under mask {layer_kinds[layer]!r}: the mask "
-            "places the N queries at the last N of the M tokens (key m visible to query n iff m <= n + M - N), which "
-            "a non-contiguous sample of rows cannot express; use last:K (the decode regime) or a bidirectional run"
+            "places the N queries at the last N of the M tokens (key m visible to query n iff m <= n + M - N"
+            f"{', and the last W of those' if str(layer_kinds[layer]).startswith('sliding') else ''}), which a "
+            "non-contiguous sample of rows cannot express; use last:K (the decode regime) or a bidirectional run"
         )
     bidirectional = sorted(layer for layer, mask in layer_kinds.items() if mask is None)
     if not bidirectional:

@@ -98,14 +98,25 @@ def parse_epsilon(value: float | None) -> float | None:
 
 
 def resolve_mask(choice: str, activations: Any):
-    """``--mask`` (one of :data:`~randattn.analysis.masking.MASK_CHOICES`): the kind of the mask it names for every
-    layer (None, ``"causal"``), or (``file``) the activation file's recorded masks (canonical form)."""
+    """``--mask`` (one of :data:`~randattn.analysis.masking.MASK_CHOICES`, or ``sliding:W``): the kind of the mask it
+    names for every layer (None, ``"causal"``, ``"sliding:W"``), or (``file``) the activation file's recorded masks
+    (canonical form).
+
+    A window that holds every key of the file's sequences is the causal mask, and is measured and recorded as such
+    (as a capture no longer than a layer's window records it), with a note on stderr."""
     from randattn.analysis.masking import masks_of_activations
-    from randattn.cli._common import abort
+    from randattn.cli._common import abort, err_console
     from randattn.estimators.masks import Mask
 
     if choice != "file":
-        return Mask.parse(choice, "--mask").kind
+        mask = Mask.parse(choice, "--mask")
+        tokens = int(activations.shape[2])
+        if mask.name == "sliding" and mask.window >= tokens:
+            err_console.print(f"--mask {choice}: a window of {mask.window} keys holds every key of these "
+                              f"{tokens}-token sequences, so it is the causal mask: measured and recorded as causal",
+                              highlight=False)
+            return "causal"
+        return mask.kind
     try:
         return masks_of_activations(activations)
     except ValueError as exc:
@@ -180,7 +191,7 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
     except (ValueError, TypeError) as exc:
         message = said(exc)
         if mask_choice == "file" and mask is not None and "mask" in message:
-            message += (" (the mask is the activation file's own metadata 'mask'; --mask none or --mask causal "
-                        "overrides it)")
+            message += (" (the mask is the activation file's own metadata 'mask'; --mask none, causal or "
+                        "sliding:W overrides it)")
         abort(message)
     return config, activations

@@ -125,8 +125,11 @@ def test_malformed_selections_are_refused(text):
 def test_refusals_before_any_work(spec, acts):
     with pytest.raises(ValueError, match="asks for 10 queries but the activations hold 9"):
         plan(acts, _config("last:10", None))
-    with pytest.raises(ValueError, match="non-contiguous sample of rows cannot express; use last:K"):
+    with pytest.raises(ValueError, match=r"\(key m visible to query n iff m <= n \+ M - N\), which a non-contiguous "
+                                         "sample of rows cannot express; use last:K"):
         plan(acts, _config("sample:3", "causal"))
+    with pytest.raises(ValueError, match=r"m <= n \+ M - N, and the last W of those\), which a non-contiguous"):
+        plan(acts, _config("sample:3", "sliding:4"))
     with pytest.raises(ValueError, match="estimator 'local' cannot be measured on 3 of 9 queries without a mask"):
         plan(acts, _config("last:3", None, label="local"))
     plan(acts, _config("last:3", "causal", label="local"))  # the decode regime keeps each query at its own token

@@ -218,3 +218,26 @@ def test_mask_sliding_w_on_the_command_line_is_the_files_own_window(files, tmp_p
         result = _invoke(files[0], "--mask", bad, "-e", "topk", "--out", tmp_path / "bad.parquet")
         assert result.exit_code == 2 and says in " ".join(result.output.split())
         assert not (tmp_path / "bad.parquet").exists()
+
+
+def test_a_window_that_holds_every_key_is_measured_as_the_causal_mask(files, tmp_path):
+    """``--mask sliding:11`` and wider on 11-token sequences see what ``--mask causal`` sees: the run says so, records
+    ``causal`` and gives ``--mask causal``'s table (seconds aside), so that an estimator declaring the causal mask
+    alone (RFA) is measured, not refused; ``sliding:10`` stays a window."""
+    tables = {}
+    for mask in ("causal", f"sliding:{TOKENS}", "sliding:99999"):
+        out = tmp_path / f"{mask.replace(':', '')}.parquet"
+        result = _invoke(files[0], "--mask", mask, "-e", "ra", "--samples", "3", "--replicates", "2", "--out", out)
+        assert result.exit_code == 0, result.output
+        tables[mask] = pd.read_parquet(out).drop(columns="seconds")
+        if mask != "causal":
+            assert f"holds every key of these {TOKENS}-token sequences, so it is the causal mask" in \
+                " ".join(result.output.split())
+            pd.testing.assert_frame_equal(tables[mask], tables["causal"], check_exact=True)
+    if "causal" in get_spec("rfa").masks_of({}) and "sliding" not in get_spec("rfa").masks_of({}):
+        assert _invoke(files[0], "--mask", "sliding:99999", "-e", "rfa", "--samples", "3", "--replicates", "2",
+                       "--out", tmp_path / "rfa.parquet").exit_code == 0
+    window = tmp_path / "window.parquet"
+    assert _invoke(files[0], "--mask", f"sliding:{TOKENS - 1}", "-e", "ra", "--samples", "3", "--replicates", "2",
+                   "--out", window).exit_code == 0
+    assert set(pd.read_parquet(window)["mask"]) == {f"sliding:{TOKENS - 1}"}
