@@ -875,7 +875,10 @@ def _diagnostics_html(table: pd.DataFrame, metadata: Mapping[str, Any], names: M
             settings = "; ".join(f"N = {t}, S = {s}" for t, s in zip(rows["tokens"], rows["S"]))
             out.append(f'<p class="warning"><b title="{esc(label)}">{esc(names.get(label, label))}</b>: '
                        f'{"; ".join(reasons)} (settings: {esc(settings)}).</p>')
-    overview = diagnostics_overview(table, metadata)
+    # a configuration without S (softmax, adaptive vAttention) once, its S "-", as the other tables show it
+    overview = once_without_s(diagnostics_overview(table, metadata).rename(columns={"S": "num_samples"}))
+    overview.insert(2, "S", ["–" if free else s for free, s in zip(overview["s_free"], overview["num_samples"])])
+    overview = overview.drop(columns=["num_samples", "s_free"])
     out.append('<h3>Per estimator and S</h3><div class="scroll"><table class="dataframe results diagnostics">'
                "<thead><tr><th>estimator</th><th>S</th><th>cells</th><th>Pareto k-hat</th>"
                "<th>delta-method / replicate variance</th><th>ESS</th></tr></thead><tbody>")

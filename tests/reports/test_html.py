@@ -195,7 +195,10 @@ def test_diagnostics_say_why_they_were_not_computed(nan_table):
         f"{outside} of {len(ratios)} cells outside [0.5, 2] (median {ratios.median():.2f})")
     page = build_report(nan_table, environment=ENV, figures=[])
     section = page[page.index('id="diagnostics"'):page.index('id="provenance"')]
-    assert section.count('<th title="') == len(overview)  # every estimator and S has a row, spec in a tooltip
+    # every estimator and S has a row, spec in a tooltip; softmax takes no S: one row, its S "-"
+    softmax_rows = int((overview.reset_index()["label"] == "softmax").sum())
+    assert softmax_rows > 1 and section.count('<th title="') == len(overview) - softmax_rows + 1
+    assert '<th title="softmax">Softmax (exact)</th><td>–</td>' in section
     # a NaN k-hat is never reported as a clean count
     khat_cells = re.findall(r"<td[^>]*>(\d+) of (\d+) cells &gt; 0.7", section)
     assert len(khat_cells) == 1  # rfa at S = 64 only
