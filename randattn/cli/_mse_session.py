@@ -406,10 +406,11 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
     keys = [c for c in ("estimator", "label", "num_samples", "tokens", "mask") if c in summary.columns]
     records = table_records(summary.merge(budget, on=keys, how="left"))
     group = ("label", "tokens", "mask")
+    queries = str(config.queries)
     for record in records:  # a configuration without S (its S None) breaks its promise at each S the record repeats
+        record["queries"] = queries  # the run's query selection, as each broken head's record names it
         record["broken_promises"] = [b for b in broken if all(b.get(c) == record.get(c) for c in group)
                                      and b.get("num_samples") in (None, record.get("num_samples"))]
-    queries = str(config.queries)
     if show == "json":
         click.echo(json.dumps(records, indent=2))
     elif show == "table":

@@ -98,6 +98,7 @@ def test_json_names_the_heads_whose_promise_breaks(acts_file):
     assert all(b["familywise"] is True for b in broken)
     assert records[PROMISING]["promises_broken"] == 2 and records[PROMISING]["heads"] == 2
     assert records[PROMISING]["promises_broken_familywise"] == 2
+    assert {r["queries"] for r in records.values()} == {"last:3"}  # the run's selection, on every record
     # no promise: 0 heads flagged, as promises_broken; an integer either way
     assert records["softmax"]["promises_broken_familywise"] == 0
     assert all(type(r["promises_broken_familywise"]) is int for r in records.values())
