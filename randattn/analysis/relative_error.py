@@ -311,7 +311,10 @@ def familywise_broken(table):
             result[family.index] = None
             continue
         p_values = violation_p_values(family["violations"], family["trials"], family["delta"])
-        result[family.index] = holm_rejections(p_values).tolist()
+        # the per-head flag is the same test at 2.5 % (an interval's end against a tail): the and keeps the two in
+        # step where a p-value lies on the bound to rounding
+        flagged = family["promise_broken"].eq(True).to_numpy() if "promise_broken" in family else True
+        result[family.index] = (holm_rejections(p_values) & flagged).tolist()
     return result
 
 
