@@ -61,7 +61,8 @@ def command(target: str, param_items: tuple[str, ...], check_names: tuple[str, .
         abort(str(exc))
     if as_json:
         click.echo(json.dumps({"estimator": report.estimator, "params": dict(report.params), "passed": report.passed,
-                               "results": [r.__dict__ for r in report.results]}, indent=2, default=str))
+                               "results": [{k: v for k, v in r.__dict__.items() if k != "error"}
+                                           for r in report.results]}, indent=2, default=str))
     else:
         table = Table(title=f"randattn check {escape(spec.name)}", show_lines=False)
         table.add_column("check", style="bold")

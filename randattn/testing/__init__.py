@@ -63,12 +63,16 @@ STATUSES = ("passed", "failed", "skipped")
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One check on one configuration: ``status`` is ``passed``, ``failed`` or ``skipped``; ``message`` says why."""
+    """One check on one configuration: ``status`` is ``passed``, ``failed`` or ``skipped``; ``message`` says why.
+
+    ``error``: the exception an estimator raised inside the check (its message then says where it was raised), kept
+    so that a test can chain it and show its traceback; None otherwise."""
 
     check: str
     status: str
     message: str = ""
     seconds: float = 0.0
+    error: BaseException | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -224,9 +228,34 @@ def _run_check(name: str, spec: EstimatorSpec, params: Mapping[str, Any]) -> Che
         return CheckResult(name, "skipped", str(exc), time.perf_counter() - start)
     except CheckFailed as exc:
         return CheckResult(name, "failed", str(exc), time.perf_counter() - start)
-    except Exception as exc:  # an estimator that crashes fails the check it crashed in, with the reason
-        return CheckResult(name, "failed", f"raised {type(exc).__name__}: {exc}", time.perf_counter() - start)
+    except Exception as exc:  # an estimator that crashes fails the check it crashed in, with the reason and where
+        return CheckResult(name, "failed", f"raised {type(exc).__name__}: {exc} ({_raised_at(exc)})",
+                           time.perf_counter() - start, error=exc)
     return CheckResult(name, "passed", "", time.perf_counter() - start)
+
+
+#: the packages whose frames are not where an estimator's fault lies: the kit itself and the array libraries an
+#: estimator calls (a shape error surfaces inside numpy or torch, but the line to change is the caller's)
+_LIBRARY_PARTS = (("randattn", "testing"), ("numpy",), ("torch",), ("scipy",))
+
+
+def _raised_at(exc: BaseException) -> str:
+    """``"at FILE:LINE in FUNCTION"``: the innermost frame of ``exc``'s traceback outside the kit and the array
+    libraries (the innermost frame of all where every frame is theirs)."""
+    import traceback
+    from pathlib import PurePath
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "at an unknown place"
+
+    def in_library(frame: traceback.FrameSummary) -> bool:
+        parts = PurePath(frame.filename).parts
+        return any(parts[i:i + len(lib)] == lib for lib in _LIBRARY_PARTS for i in range(len(parts)))
+
+    outside = [frame for frame in frames if not in_library(frame)]
+    frame = (outside or frames)[-1]
+    return f"at {frame.filename}:{frame.lineno} in {frame.name}"
 
 
 def check_estimator(
@@ -285,8 +314,8 @@ class _Check:
         result = _run_check(self.name, spec, spec.resolve_params(self.params))
         if result.status == "skipped":
             pytest.skip(result.message)
-        if result.status == "failed":
-            raise AssertionError(f"{spec.name}: check {self.name!r} failed: {result.message}")
+        if result.status == "failed":  # chained to what the estimator raised, whose traceback pytest then shows
+            raise AssertionError(f"{spec.name}: check {self.name!r} failed: {result.message}") from result.error
 
     def __repr__(self) -> str:
         return f"check[{self.name}]"

@@ -228,6 +228,29 @@ def test_a_biased_estimator_declared_consistent_fails_the_convergence_check():
     assert "does not approach exact softmax" in failed["declared convergence"]
 
 
+def test_a_key_budget_with_a_constant_bias_declared_consistent_fails_the_convergence_check():
+    """Exact softmax plus 0.2 wherever the budget S leaves keys out (S < M), S in the draws as top-k's: a constant
+    bias at every S below M. The check compares S = 4 with S = 32 on M = 128 keys, so that the larger budget does not
+    cover every key (where the estimate is exact and any bias below M would pass unseen)."""
+    softmax, topk = randattn.get_spec("softmax"), randattn.get_spec("topk")
+
+    def offset(out, k, draws):
+        budget = draws["budget"]
+        budget = float(np.asarray(budget.cpu() if hasattr(budget, "cpu") else budget).ravel()[0])
+        return out + 0.2 * (budget < k.shape[-2])
+
+    def reference(q, k, v, draws, *, scale=None, mask=None):
+        return offset(softmax.reference(q, k, v, draws, scale=scale, mask=mask), k, draws)
+
+    def batched(q, k, v, draws, *, scale=None, mask=None):
+        return offset(softmax.batched(q, k, v, draws, scale=scale, mask=mask), k, draws)
+
+    spec = dataclasses.replace(softmax, name="budget-offset", draw=topk.draw, needs_samples=True, reference=reference,
+                               forms=BatchedForms(estimate=batched), convergence="consistent")
+    report = check_estimator(spec, checks=["declared convergence"], raise_on_failure=False)
+    assert report.results[0].status == "failed" and "does not approach exact softmax" in report.results[0].message
+
+
 def test_an_n_by_m_allocation_declared_linear_fails_the_memory_check():
     rfa = randattn.get_spec("rfa")
 
@@ -734,3 +757,29 @@ def test_a_spec_declaring_an_unknown_mask_is_invalid():
                                         "got \\(None, 'sliding:4'\\)"):
         randattn.estimators.validate_spec(dataclasses.replace(_causal_softmax_spec("bad-masks", 0),
                                                               masks=(None, "sliding:4")))
+
+
+# ------------------------------------------------------------------------------------------------ a crash, located
+def _reference_with_a_shape_error(q, k, v, draws, *, scale=None, mask=None):
+    return np.einsum("...nd,...dm->...nm", q, k)  # k not transposed: the line a plugin author must change
+
+
+def test_a_crash_inside_an_estimator_names_the_line_that_raised_and_chains_its_traceback():
+    """A reference whose shape error numpy raises (its innermost Python frame numpy's einsum): each check it crashes
+    names the file, line and function of the estimator's frame, not numpy's nor the kit's, and the pytest form of
+    the check raises an AssertionError whose cause is the estimator's exception, so that pytest shows its
+    traceback."""
+    import inspect
+
+    from randattn.testing import _Check
+
+    spec = dataclasses.replace(_causal_softmax_spec("crashes", 0), reference=_reference_with_a_shape_error)
+    line = inspect.getsourcelines(_reference_with_a_shape_error)[1] + 1
+    failed = _failures(spec)
+    where = f"at {__file__}:{line} in _reference_with_a_shape_error"
+    crashed = {check: message for check, message in failed.items() if message.startswith("raised ValueError: ")}
+    assert "reference == batched (float64)" in crashed  # (with one key the einsum runs, to a shape the kit refuses)
+    assert all(message.endswith(f"({where})") for message in crashed.values()), crashed
+    with pytest.raises(AssertionError, match=r"check 'reference == batched \(float64\)' failed") as raised:
+        _Check("reference == batched (float64)", {})(spec)
+    assert isinstance(raised.value.__cause__, ValueError)
