@@ -26,6 +26,7 @@ from randattn.analysis.store import (
     PartsExistError,
     SweepLockedError,
 )
+from randattn.estimators.base import UnknownParameterError
 from randattn.results.parts import stored_unit_ids
 
 __all__ = ["kept_message", "option_of", "out_of_memory", "resume_command", "said"]
@@ -41,6 +42,13 @@ def said(exc: BaseException) -> str:
 def _(exc: ParameterError) -> str:
     option = option_of(exc.parameter)
     return str(exc) if option is None else exc.naming(option, " ")
+
+
+@said.register
+def _(exc: UnknownParameterError) -> str:
+    # the running command's option for S (mse's --samples); a command without one (check: each check picks its S)
+    # gives no hint where S goes
+    return exc.naming(option_of("samples"))
 
 
 def option_of(parameter: str) -> str | None:

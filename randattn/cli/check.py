@@ -21,6 +21,7 @@ def command(target: str, param_items: tuple[str, ...], check_names: tuple[str, .
     from rich.table import Table
 
     from randattn.cli._common import abort, out_console
+    from randattn.cli._errors import said
     from randattn.estimators.registry import parse_estimator
     from randattn.testing import CHECKS, SPEC_TARGETS, SpecTargetError, check_estimator, load_spec
 
@@ -51,7 +52,7 @@ def command(target: str, param_items: tuple[str, ...], check_names: tuple[str, .
             else:
                 _, params = parse_estimator(f"{spec.name}:{text}")
         except (TypeError, ValueError) as exc:  # a word for a number is a TypeError of the parameter's check
-            abort(str(exc))
+            abort(said(exc))
     unknown = [c for c in check_names if c not in CHECKS]
     if unknown:
         abort(f"unknown check(s) {', '.join(map(repr, unknown))}; the checks are: {', '.join(CHECKS)}")

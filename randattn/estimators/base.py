@@ -47,6 +47,7 @@ __all__ = [
     "never_random",
     "EstimatorSpec",
     "SpecError",
+    "UnknownParameterError",
     "validate_spec",
 ]
 
@@ -93,6 +94,26 @@ OPTIONAL_FORMS: tuple[str, ...] = get_args(BatchedForm)
 
 class SpecError(ValueError):
     """An estimator spec that does not satisfy the protocol; the message lists every problem."""
+
+
+class UnknownParameterError(ValueError):
+    """Options an estimator does not have, with what it has, and whether it takes S (``num_samples``): the facts a
+    caller words its own way (:meth:`naming`; the command line names its own option for S, or none)."""
+
+    def __init__(self, estimator: str, unknown: Sequence[str], allowed: Sequence[str], takes_samples: bool) -> None:
+        self.estimator, self.unknown, self.allowed = estimator, tuple(unknown), tuple(allowed)
+        self.takes_samples = takes_samples
+        super().__init__(self.naming("num_samples", arrays=True))
+
+    def naming(self, samples: str | None, *, arrays: bool = False) -> str:
+        """The message, with ``samples`` the caller's name for S (None: no hint where S goes) and, with ``arrays``,
+        a hint where an unknown option is named like an input array (a keyword meant as ``q``, ``k`` or ``v``, or
+        top-k's ``k`` meant as its budget)."""
+        budget = f"; S, its sample size or key budget, is {samples}" if self.takes_samples and samples else ""
+        inputs = ("; q, k and v are the input arrays, given by position"
+                  if arrays and {"q", "k", "v"} & set(self.unknown) else "")
+        return (f"unknown parameter(s) {', '.join(map(repr, self.unknown))} for estimator {self.estimator!r}; "
+                f"allowed: {', '.join(self.allowed)}{budget}{inputs}")
 
 
 @dataclass(frozen=True)
@@ -795,14 +816,8 @@ class EstimatorSpec:
         params = self.expand_preset(params)
         unknown = sorted(set(params) - set(self.params))
         if unknown:
-            allowed = ", ".join([*sorted(self.params), "preset"])
-            budget = "" if self.needs_samples is False else "; S, its sample size or key budget, is num_samples"
-            # a keyword meant as an input array (or top-k's "k" meant as its budget)
-            inputs = "; q, k and v are the input arrays, given by position" if {"q", "k", "v"} & set(unknown) else ""
-            raise ValueError(
-                f"unknown parameter(s) {', '.join(map(repr, unknown))} for estimator {self.name!r}; "
-                f"allowed: {allowed}{budget}{inputs}"
-            )
+            raise UnknownParameterError(self.name, unknown, [*sorted(self.params), "preset"],
+                                        self.needs_samples is not False)
         resolved = {}
         for name, param in self.params.items():
             value = params.get(name, param.default)

@@ -26,7 +26,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from randattn.estimators.base import EstimatorSpec, SpecError, validate_spec
+from randattn.estimators.base import EstimatorSpec, SpecError, UnknownParameterError, validate_spec
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -337,9 +337,7 @@ def parse_estimator(text: str) -> tuple[str, dict[str, Any]]:
             params[key] = raw.strip()
             continue
         if key not in spec.params:
-            allowed = ", ".join([*sorted(spec.params), "preset"])
-            budget = "" if spec.needs_samples is False else "; S, its sample size or key budget, is --samples"
-            raise ValueError(f"unknown parameter {key!r} for estimator {name!r}; allowed: {allowed}{budget}")
+            raise UnknownParameterError(name, [key], [*sorted(spec.params), "preset"], spec.needs_samples is not False)
         params[key] = _convert(raw.strip(), spec.params[key].default, spec.params[key].kind)
     spec.resolve_params(params)
     return name, params

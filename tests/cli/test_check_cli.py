@@ -79,3 +79,12 @@ def test_a_parameter_of_the_wrong_type_is_bad_usage_named(target, param, said):
     result = CliRunner().invoke(main, ["check", target, "-p", param])
     assert result.exit_code == 2, result.output
     assert said in result.output and "Traceback" not in result.output
+
+
+def test_an_unknown_option_says_no_command_line_option_for_s():
+    """check has no --samples (each check picks its own S): an unknown option of an estimator that takes S is
+    refused without the hint mse gives."""
+    result = _check("topk", "-p", "sink=1")
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "unknown parameter(s) 'sink' for estimator 'topk'; allowed: preset" in text and "--samples" not in text

@@ -74,7 +74,9 @@ def test_mse_resume_continues_with_same_out(acts_file, tmp_path):
         (lambda f, t: [t / "missing.safetensors"], "cannot read activations: activation file not found"),
         (lambda f, t: [_corrupt(t)], "cannot read activations:"),
         (lambda f, t: [f, "--estimators", "rfa;nope"], "unknown estimator 'nope'; known estimators: softmax, rfa"),
-        (lambda f, t: [f, "-e", "rfa:bogus=1"], "unknown parameter 'bogus' for estimator 'rfa'"),
+        (lambda f, t: [f, "-e", "rfa:bogus=1"], "unknown parameter(s) 'bogus' for estimator 'rfa'"),
+        (lambda f, t: [f, "-e", "topk:k=4"], "'k' for estimator 'topk'; allowed: preset; S, its sample size or key "
+                                             "budget, is --samples"),
         (lambda f, t: [f, "-e", "rfa:coupling=weird"], "coupling='weird' is not allowed"),
         (lambda f, t: [f, "--samples", "4,x"], "--samples: cannot read 'x'"),
         (lambda f, t: [f, "--layers", "7"], "layers [7] not in the activations; available: [0, 1]"),
@@ -83,8 +85,8 @@ def test_mse_resume_continues_with_same_out(acts_file, tmp_path):
         (lambda f, t: [f, "--replicates", "1"], "--replicates 1: random estimators need at least 2 replicates"),
         (lambda f, t: [f, "--out", t / "r.xlsx"], "unknown suffix '.xlsx'"),
     ],
-    ids=["missing-file", "corrupt-file", "unknown-estimator", "unknown-param", "bad-value", "bad-samples",
-         "bad-layer", "bad-memory", "resume-without-out", "one-replicate", "bad-out"],
+    ids=["missing-file", "corrupt-file", "unknown-estimator", "unknown-param", "s-as-param", "bad-value",
+         "bad-samples", "bad-layer", "bad-memory", "resume-without-out", "one-replicate", "bad-out"],
 )
 def test_mse_user_errors_exit_2(acts_file, tmp_path, make_args, message):
     result = _invoke(*make_args(acts_file, tmp_path))

@@ -128,16 +128,20 @@ def test_is_random_must_answer_true_or_false(answer):
 @pytest.mark.parametrize(("name", "hint"), [("topk", True), ("vattention", True), ("softmax", False)])
 def test_an_unknown_parameter_of_an_estimator_that_takes_s_says_where_s_goes(name, hint):
     """``topk:k=3`` or ``budget=3``: S is not a parameter; an estimator that may take S says it is num_samples
-    (``--samples`` on the command line); one that never takes S (softmax) does not."""
+    (``--samples`` on the command line, tests/cli); one that never takes S (softmax) does not. The error carries the
+    facts (:class:`UnknownParameterError`) for a caller to word."""
+    from randattn.estimators.base import UnknownParameterError
     from randattn.estimators.registry import parse_estimator
 
     q, k, v = np.ones((3, 4, 2))
-    with pytest.raises(ValueError, match="unknown parameter") as api:
+    with pytest.raises(UnknownParameterError, match="unknown parameter") as api:
         randattn.estimate(name, q, k, v, num_samples=2, budget_keys=3)
     assert ("S, its sample size or key budget, is num_samples" in str(api.value)) == hint
-    with pytest.raises(ValueError, match="unknown parameter 'k'") as cli:
+    with pytest.raises(UnknownParameterError, match=r"unknown parameter\(s\) 'k'") as parsed:
         parse_estimator(f"{name}:k=3")
-    assert ("S, its sample size or key budget, is --samples" in str(cli.value)) == hint
+    assert (parsed.value.estimator, parsed.value.unknown, parsed.value.takes_samples) == (name, ("k",), hint)
+    assert ("S, its sample size or key budget, is --samples" in parsed.value.naming("--samples")) == hint
+    assert "S, its sample size" not in parsed.value.naming(None)
 
 
 @pytest.mark.parametrize("answer", ["yes", 1, None, lambda params: "no"])
