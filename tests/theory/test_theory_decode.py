@@ -36,8 +36,12 @@ def test_an_exact_limit_that_leaves_a_key_out_fails():
     spec = get_spec("magicpig")
     short = ExactLimit("one key short", params=lambda n, m: {"sinks": 0, "local": m - 1, "hash_bits": 30})
     broken = dataclasses.replace(spec, exact_limits=(short,))
-    result = _decode.budget_covers_every_key(theory.check_rng(0, "x"), True, estimators=[("magicpig", broken)])
+    result = _decode.budget_covers_every_key(theory.check_rng(0, "x"), True,
+                                             estimators=[("topk", get_spec("topk")), ("my-magicpig", broken)])
     assert not result.passed and result.measured > 1e-3
+    # the estimator that fails is named (a plugin's failure must not read as a built-in's)
+    assert "estimators (topk, my-magicpig)" in result.details
+    assert "worst: my-magicpig " in result.details and "(one key short)" in result.details
 
 
 def test_the_collision_check_rejects_a_wrong_exponent():
