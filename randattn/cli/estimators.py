@@ -49,6 +49,13 @@ def command(as_json: bool) -> None:
         ]
         if record["signed_weights"]:
             facts.append("signed weights")
+        if record["keys_used"]:
+            facts.append("reports keys used")
+        if record["promise"]:
+            promise = record["promise"]
+            facts.append(f"promise: P(err > {promise['epsilon']:g}) <= {promise['delta']:g} ({promise['on']})")
+        if record["exact_limits"]:
+            facts.append(f"exact limits: {len(record['exact_limits'])} (--json lists them)")
         origin = "" if record["origin"].startswith("entry point") and " of package randattn " in record["origin"] \
             else f"\n[dim]from {escape(record['origin'])}[/]"
         table.add_row(

@@ -367,8 +367,10 @@ def _convert(raw: str, default: Any, kind: Any = None) -> Any:
 
 def catalogue() -> list[dict[str, Any]]:
     """One record per estimator: name, display name, summary, parameters (default and choices), complexity,
-    randomness, the declared facts of its default configuration, where it comes from, and presets
-    (name -> the parameters it sets; ``paper`` = the defaults)."""
+    randomness, every declared fact of its default configuration (cost, convergence, S, signed weights,
+    diagnostics, masks, normalization, selection, query placement, whether it reports the keys it reads and its
+    log-denominator, its promise, exact limits, optional batched forms, stacked draw, memory), where it comes
+    from, and presets (name -> the parameters it sets; ``paper`` = the defaults)."""
     records = []
     for name in list_estimators():
         spec = get_spec(name)
@@ -387,6 +389,16 @@ def catalogue() -> list[dict[str, Any]]:
                 "signed_weights": spec.has_signed_weights(defaults),
                 "diagnostics": spec.diagnostics_apply(defaults),
                 "masks": ["none" if m is None else m for m in spec.masks_of(defaults)],
+                "normalized": spec.normalized,
+                "selection": spec.selection_of(defaults),
+                "query_placement": spec.query_placement_of(defaults),
+                "keys_used": spec.keys_used is not None,
+                "log_denominator": spec.log_denominator is not None,
+                "promise": None if (promise := spec.promise_of(defaults)) is None else
+                dict(zip(("epsilon", "delta"), promise), on=spec.promise_on_of(defaults)),
+                "exact_limits": [limit.description for limit in spec.exact_limits],
+                "forms": list(spec.forms.declared),
+                "stacked_draw": spec.stacked_draw,
                 "memory": spec.memory_hint,
                 "origin": spec_origin(name),
                 "parameters": {

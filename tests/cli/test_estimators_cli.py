@@ -27,6 +27,21 @@ def test_estimators_json_is_machine_readable():
     assert rfa["complexity"].startswith("O(")
 
 
+def test_the_json_catalogue_gives_every_declared_fact():
+    """README: the catalogue prints every declared fact of each estimator's defaults, each read from its spec."""
+    from randattn.estimators.registry import get_spec
+
+    records = {r["name"]: r for r in json.loads(CliRunner().invoke(main, ["estimators", "--json"]).output)}
+    vattention, topk, rfa = records["vattention"], records["topk"], records["rfa"]
+    assert vattention["promise"] == {"epsilon": 0.05, "delta": 0.05, "on": "denominator"} and rfa["promise"] is None
+    assert vattention["keys_used"] and vattention["log_denominator"] and not rfa["keys_used"]
+    assert (topk["selection"], rfa["selection"]) == ("discrete", "continuous")
+    assert vattention["query_placement"] == "last-n-of-m" and topk["normalized"] is True
+    spec = get_spec("vattention")
+    assert vattention["exact_limits"] == [limit.description for limit in spec.exact_limits]
+    assert vattention["forms"] == list(spec.forms.declared) and vattention["stacked_draw"] is spec.stacked_draw
+
+
 def test_unknown_command_is_a_usage_error():
     result = CliRunner().invoke(main, ["frobnicate"])
     assert result.exit_code == 2
