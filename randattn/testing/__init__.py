@@ -177,7 +177,12 @@ def load_spec(target: str | EstimatorSpec) -> EstimatorSpec:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:
-        raise ValueError(f"cannot import module {module_name!r} of {target!r}: {type(exc).__name__}: {exc}") from None
+        # a module not found is most often a folder not on the path: say which path Python searched first
+        hint = (" (the randattn command does not search the current folder: run it there with PYTHONPATH=., "
+                "or install the module's package)"
+                if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0] else "")
+        raise ValueError(f"cannot import module {module_name!r} of {target!r}: {type(exc).__name__}: {exc}{hint}"
+                         ) from None
     for part in filter(None, attr.split(".")):
         if not hasattr(obj, part):
             raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {target!r})")
@@ -199,7 +204,8 @@ def load_spec(target: str | EstimatorSpec) -> EstimatorSpec:
             raise SpecTargetError(target, f"a function, {name}, that returned a {type(made).__name__}, not an "
                                           "EstimatorSpec")
         return made
-    what = "a module" if isinstance(obj, type(importlib)) else f"a {type(obj).__name__}"
+    kind = type(obj).__name__
+    what = "a module" if isinstance(obj, type(importlib)) else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
     raise SpecTargetError(target, f"{what}, not an EstimatorSpec")
 
 

@@ -88,3 +88,16 @@ def test_an_unknown_option_says_no_command_line_option_for_s():
     assert result.exit_code == 2
     text = " ".join(result.output.split())
     assert "unknown parameter(s) 'sink' for estimator 'topk'; allowed: preset" in text and "--samples" not in text
+
+
+def test_a_module_not_on_the_path_is_refused_with_the_way_to_put_it_there(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = _check("not_a_module_here:SPEC")
+    assert result.exit_code == 2
+    assert ("No module named 'not_a_module_here' (the randattn command does not search the current folder: run it "
+            "there with PYTHONPATH=., or install the module's package)") in " ".join(result.output.split())
+
+
+def test_an_object_of_a_type_that_starts_with_a_vowel_reads_as_an():
+    result = _check("os:EX_OK")
+    assert result.exit_code == 2 and "'os:EX_OK' is an int, not an EstimatorSpec" in " ".join(result.output.split())
