@@ -142,6 +142,8 @@ def test_an_unknown_parameter_of_an_estimator_that_takes_s_says_where_s_goes(nam
     assert (parsed.value.estimator, parsed.value.unknown, parsed.value.takes_samples) == (name, ("k",), hint)
     assert ("S, its sample size or key budget, is --samples" in parsed.value.naming("--samples")) == hint
     assert "S, its sample size" not in parsed.value.naming(None)
+    # the hint that q, k and v are arrays given by position is Python's, not the command line's
+    assert "input arrays" not in parsed.value.naming("--samples") and "input arrays" in str(parsed.value)
 
 
 @pytest.mark.parametrize("answer", ["yes", 1, None, lambda params: "no"])
