@@ -182,11 +182,29 @@ class ReferenceCheck(NamedTuple):
 
     ``deviation``: ``max |batched - reference|`` (:func:`max_abs_deviation`); ``reference_error``: the reference's
     own ``max |reference - exact| / max |exact|`` against exact softmax, at or below 1e-10 where the estimator is
-    exact in that cell (its RMSE is then rounding, and no ratio to it means anything); NaN where nothing was
-    checked."""
+    exact in that cell (its RMSE is then rounding, and no ratio to it means anything); ``rms_deviation``: the root
+    mean square of ``batched - reference`` over the cell's entries (:func:`rms_deviation`), what moves the cell's
+    MSE; NaN where nothing was checked."""
 
     deviation: float = np.nan
     reference_error: float = np.nan
+    rms_deviation: float = np.nan
+
+
+def rms_deviation(reference: np.ndarray, batched: np.ndarray) -> float:
+    r"""``sqrt(mean((batched - reference)^2))`` over every entry; inf where an entry is non-finite in one form and
+    not the same in the other (as :func:`max_abs_deviation`).
+
+    A rounding difference :math:`d` moves a squared error :math:`|e|^2` averaged over the same entries by at most
+    :math:`2\,\mathrm{rms}(d)\,\mathrm{rms}(e) + \mathrm{rms}(d)^2` (Cauchy-Schwarz), so this over the RMSE bounds
+    the relative move of the MSE; the largest entry alone would bound it only as well as one entry stands for all.
+    """
+    same = (reference == batched) | (np.isnan(reference) & np.isnan(batched))
+    with np.errstate(invalid="ignore"):
+        difference = np.where(same, 0.0, reference - batched)
+    if not np.isfinite(difference).all():
+        return float("inf")
+    return float(np.sqrt(np.mean(difference * difference))) if difference.size else 0.0
 
 
 def relative_max_error(estimate: np.ndarray, exact: np.ndarray) -> float:
@@ -456,7 +474,8 @@ class UnitRunner:
                                         **est.params, **mask.estimator_kwargs), dtype=np.float64)[0, 0]
         batched = batched_first.to("cpu", self.torch.float64).numpy()
         exact = softmax.estimate(q1, k1, v1, None, scale=self.scale, **mask.estimator_kwargs)[0]
-        return ReferenceCheck(max_abs_deviation(ref, batched), relative_max_error(ref, exact))
+        return ReferenceCheck(max_abs_deviation(ref, batched), relative_max_error(ref, exact),
+                              rms_deviation(ref, batched))
 
     def _sliced_reference_deviation(self, spec, est: EstimatorConfig, unit: Unit, q, k, v,
                                     mask: Mask = NO_MASK) -> ReferenceCheck:

@@ -69,9 +69,14 @@ def resume_command(argv: Sequence[str]) -> str:
 
 
 def reference_check_summary(table) -> dict | None:
-    """The largest |batched - reference| over the checked units, per dtype, with its ratio to the cell's RMSE.
+    """The largest |batched - reference| over the checked units, per dtype, and the largest ratio of a checked cell's
+    deviation to its RMSE.
 
-    The ratio says how far the run's rounding can move a measured MSE; it leaves out the cells whose estimate is
+    The ratio says how far the run's rounding can move a measured MSE: the root mean square of the cell's deviation
+    (``ref_rms_dev``) over its RMSE, r, moves the MSE by at most ``2 r + r^2`` relative (Cauchy-Schwarz;
+    :func:`~randattn.analysis.execute.rms_deviation`); a table written before that column gives its largest entry
+    (``ref_max_abs_dev``), a bound as loose as one entry is unlike the rest (``dev_over_rmse_of`` says which). It
+    leaves out the cells whose estimate is
     exact, whose RMSE is rounding itself, so that any deviation is many times it and says nothing about the table:
     those of an estimator whose spec declares it exact (``convergence == "exact"``, e.g. softmax), those where the
     float64 reference itself equals exact softmax to :data:`EXACT_CELL_RTOL` (``ref_max_rel_err``: MagicPIG or
@@ -95,6 +100,7 @@ def reference_check_summary(table) -> dict | None:
         value; ``max_abs_dev_label`` names its estimator.
     """
     import numpy as np
+    import pandas as pd
 
     # NaN: not checked; inf: checked, and a form gave a non-finite value where the other did not
     checked = table[table["ref_max_abs_dev"].notna()] if "ref_max_abs_dev" in table else table.iloc[:0]
@@ -122,11 +128,14 @@ def reference_check_summary(table) -> dict | None:
                   else np.zeros(len(checked), dtype=bool))
     inexact = checked[~declared_exact & ~reads_every_key & ~exact_cell]
     if len(inexact):
+        rms = inexact["ref_rms_dev"] if "ref_rms_dev" in inexact else pd.Series(np.nan, index=inexact.index)
+        deviation = rms.where(rms.notna(), inexact["ref_max_abs_dev"])
         # an MSE that is NaN (the estimate was) makes the ratio as large as it gets, not a NaN that idxmax skips
-        ratio = (inexact["ref_max_abs_dev"] / np.sqrt(inexact["mse"].clip(lower=1e-300))).fillna(np.inf)
+        ratio = (deviation / np.sqrt(inexact["mse"].clip(lower=1e-300))).fillna(np.inf)
         worst_ratio = inexact.loc[ratio.idxmax()]
         summary.update(max_dev_over_rmse=float(ratio.max()), max_dev_over_rmse_label=str(worst_ratio["label"]),
                        max_dev_over_rmse_dtype=str(worst_ratio["dtype"]),
+                       dev_over_rmse_of="rms" if pd.notna(rms[ratio.idxmax()]) else "max",
                        # which dtypes ran the units above the tolerance: --dtype float64 can only help the others
                        above_tolerance_dtypes=sorted(set(map(str, inexact["dtype"][ratio > REFERENCE_TOLERANCE]))))
     return summary

@@ -162,6 +162,7 @@ def table_rows(unit: Unit, est: EstimatorConfig, row_samples: Sequence[int], *, 
          "ess_mean": ess_mean[j], "delta_var_ratio": delta_ratio[j], "pareto_khat": khat[j],
          "dtype": dtype, "ref_max_abs_dev": ref_check.deviation if j == 0 else np.nan,
          "ref_max_rel_err": ref_check.reference_error if j == 0 else np.nan,
+         "ref_rms_dev": ref_check.rms_deviation if j == 0 else np.nan,
          "seconds": seconds, "seed": int(unit.seeds[j]), "sink_mass": float(sink[j]), "queries": queries,
          **cell(keys_used, j), **cell(relative, j)}
         for j, h in enumerate(unit.heads) for s in row_samples

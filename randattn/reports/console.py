@@ -124,7 +124,8 @@ def reference_check_line(check: Mapping[str, Any]) -> str:
                 f"reference; largest |batched - reference| = {check['max_abs_dev']:.2e} ({check['max_abs_dev_label']})")
     if ratio is None:  # only exact cells were checked: their RMSE is rounding, no ratio to give
         return measured + " (exact estimators or cells only)"
-    measured += (f", at most {ratio:.1e} of a cell's RMSE ({check['max_dev_over_rmse_label']}, "
+    of = "its root mean square " if check.get("dev_over_rmse_of") == "rms" else ""  # older metadata: the largest
+    measured += (f", {of}at most {ratio:.1e} of a cell's RMSE ({check['max_dev_over_rmse_label']}, "
                  f"{check['max_dev_over_rmse_dtype']})")
     if not flag:
         return measured

@@ -946,7 +946,8 @@ def reference_check_html(metadata: Mapping[str, Any] | None, names: Mapping[str,
     label = str(check.get("max_dev_over_rmse_label", ""))
     who = esc((names or {}).get(label, label))
     dtype = esc(str(check.get("max_dev_over_rmse_dtype", "")))
-    measured = (f"{units} unit(s) were re-run on the float64 reference; the batched result deviates from it by "
+    of = "in root mean square " if check.get("dev_over_rmse_of") == "rms" else ""  # older metadata: the largest
+    measured = (f"{units} unit(s) were re-run on the float64 reference; the batched result deviates from it {of}by "
                 f"at most {ratio:.2g} of a cell's RMSE (<span title=\"{esc(label)}\">{who}</span>, {dtype})")
     if not ratio > tolerance:
         return [f'<p class="ok">Reference check: {measured}, within the tolerance {tolerance:g}.</p>']
@@ -956,7 +957,8 @@ def reference_check_html(metadata: Mapping[str, Any] | None, names: Mapping[str,
                 "computed in float64, so not float32 rounding: the batched form departs from its reference "
                 "(<code>randattn check NAME</code> compares the two).</div>"]
     return [f'<div class="warning"><b>Reference check</b>: {measured}, above the tolerance {tolerance:g}: '
-            f"{dtype} rounding can move the measured MSE by up to about {200 * ratio:.2g}% (twice that fraction). "
+            f"{dtype} rounding can move the measured MSE by up to about {100 * ratio * (2 + ratio):.2g}% "
+            "(2r + r<sup>2</sup> of that fraction r). "
             "Rerun with <code>--dtype float64</code>.</div>"]
 
 

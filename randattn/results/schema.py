@@ -40,7 +40,7 @@ COLUMNS: tuple[str, ...] = (
     "model", "image", "layer", "head", "tokens", "mask", "estimator", "params", "label", "num_samples", "replicates",
     "random", "mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
     "ess_mean", "delta_var_ratio", "pareto_khat", "dtype", "ref_max_abs_dev", "seconds", "seed", "sink_mass",
-    "queries", *KEYS_USED_COLUMNS, *RELATIVE_ERROR_COLUMNS, "ref_max_rel_err",
+    "queries", *KEYS_USED_COLUMNS, *RELATIVE_ERROR_COLUMNS, "ref_max_rel_err", "ref_rms_dev",
 )
 
 #: the per-position table's columns, in order: the cell's identity, the bucket, the bucket's metrics

@@ -367,7 +367,7 @@ def _normalise_types(table: pd.DataFrame) -> pd.DataFrame:
 #: the measured columns: numbers, NaN where a value was not computed
 _NUMBER_COLUMNS = ("mse", "mse_se", "variance", "bias_sq", "bias_sq_naive", "bias_sq_se", "rel_error", "prob_mse",
                    "ess_mean", "delta_var_ratio", "pareto_khat", "ref_max_abs_dev", "seconds", "sink_mass",
-                   "ref_max_rel_err")
+                   "ref_max_rel_err", "ref_rms_dev")
 #: the columns that are aggregated and drawn: finite as well (or NaN)
 _FINITE_COLUMNS = ("mse", "variance", "bias_sq")
 #: text that reads as a missing number

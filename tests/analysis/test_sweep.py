@@ -111,7 +111,7 @@ def test_rows_are_bitwise_independent_of_the_memory_budget(acts, backend):
     tiny = run_sweep(acts, _config(**common, images=(1,), max_memory=_one_cell_replicate_budget(acts, config)))
     big = big[big.image == "dog"].reset_index(drop=True)
     numeric = [c for c in big.columns if big[c].dtype == np.float64
-               and c not in ("seconds", "ref_max_abs_dev", "ref_max_rel_err")]  # the checked cell moves with the split
+               and c not in ("seconds", "ref_max_abs_dev", "ref_max_rel_err", "ref_rms_dev")]  # the checked cell moves
     rtol = 1e-9 if backend == "reference" else 1e-5
     np.testing.assert_allclose(tiny[numeric].to_numpy(), big[numeric].to_numpy(), rtol=rtol, atol=1e-12)
     other = run_sweep(acts, _config(seed=12))

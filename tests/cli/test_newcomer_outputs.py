@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import resource
@@ -651,6 +652,40 @@ def test_an_exact_cell_of_a_random_estimator_gets_no_advice_end_to_end(tmp_path)
                                      "--samples", "2", "--replicates", "3", "--dtype", "float64", "--out",
                                      str(sampled)]).exit_code == 0
     assert pd.read_parquet(sampled).dropna(subset=["ref_max_abs_dev"])["ref_max_rel_err"].iloc[0] > 1e-10
+
+
+def test_the_rms_deviation_bounds_how_far_rounding_moves_an_mse():
+    """rms(d) / rms(e) = r bounds |mean((e + d)^2) - mean(e^2)| / mean(e^2) by 2 r + r^2 (Cauchy-Schwarz): checked on
+    random errors and rounding differences, including a difference aligned with the error (the bound's equality);
+    rms_deviation itself by hand."""
+    from randattn.analysis.execute import rms_deviation
+
+    assert rms_deviation(np.array([1.0, 2.0, 3.0]), np.array([1.0, 2.0, 5.0])) == pytest.approx(math.sqrt(4 / 3))
+    assert rms_deviation(np.array([np.nan, 1.0]), np.array([np.nan, 1.0])) == 0.0
+    assert rms_deviation(np.array([np.nan, 1.0]), np.array([0.0, 1.0])) == float("inf")
+    rng = np.random.default_rng(3)
+    for scale in (1e-3, 0.1, 1.0):
+        error = rng.normal(size=500)
+        for difference in (scale * rng.normal(size=500), scale * error):  # random, and aligned: the worst case
+            r = rms_deviation(error + difference, error) / math.sqrt(np.mean(error**2))
+            moved = abs(np.mean((error + difference) ** 2) - np.mean(error**2)) / np.mean(error**2)
+            assert moved <= (2 * r + r * r) * (1 + 1e-12)
+
+
+def test_the_reference_check_ratio_is_the_rms_deviations_where_the_table_has_it():
+    """1e-6 at the worst entry but 1e-8 in root mean square over a cell of RMSE 0.1: the ratio is 1e-7 (and says it
+    is the root mean square's); a table without the column keeps the largest entry's, 1e-5."""
+    from randattn.analysis.records import reference_check_summary
+    from randattn.reports.console import reference_check_line
+
+    columns = ("estimator", "params", "label", "dtype", "mse", "ref_max_abs_dev", "ref_rms_dev")
+    row = ("rfa", "{}", "rfa", "float32", 1e-2, 1e-6, 1e-8)
+    check = reference_check_summary(pd.DataFrame([dict(zip(columns, row))]))
+    assert check["max_dev_over_rmse"] == pytest.approx(1e-7) and check["dev_over_rmse_of"] == "rms"
+    assert "its root mean square at most 1.0e-07 of a cell's RMSE (rfa, float32)" in reference_check_line(check)
+    older = reference_check_summary(pd.DataFrame([dict(zip(columns[:-1], row[:-1]))]))
+    assert older["max_dev_over_rmse"] == pytest.approx(1e-5) and older["dev_over_rmse_of"] == "max"
+    assert "root mean square" not in reference_check_line(older)
 
 
 def test_a_reference_check_of_exact_estimators_only_gives_no_ratio_and_no_advice():
