@@ -34,10 +34,11 @@ Where each job lives
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 import warnings
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -175,6 +176,20 @@ def max_abs_deviation(reference: np.ndarray, batched: np.ndarray) -> float:
     with np.errstate(invalid="ignore"):
         deviation = np.where(same, 0.0, np.abs(reference - batched))
     return float(np.nan_to_num(deviation, nan=np.inf, posinf=np.inf).max(initial=0.0))
+
+
+@contextlib.contextmanager
+def raised_while(what: str, unit: Unit) -> Iterator[None]:
+    """Adds a note to any exception raised inside -- ``randattn: raised while <what> (S = ..., layer ..., heads ...,
+    image ...)`` -- so that a traceback from a plugin's code says which configuration and unit it came from. The
+    exception itself, its type and its message are unchanged (a typed error is still worded by its type)."""
+    try:
+        yield
+    except Exception as exc:
+        if not any(note.startswith("randattn: raised while") for note in getattr(exc, "__notes__", ())):  # innermost
+            exc.add_note(f"randattn: raised while {what} (S = {unit.num_samples}, layer {unit.layer}, heads "
+                         f"{list(unit.heads)}, image {unit.image_name})")
+        raise
 
 
 class ReferenceCheck(NamedTuple):
@@ -319,6 +334,10 @@ class UnitRunner:
 
     def _calibration(self, unit: Unit) -> tuple[int, int]:
         """``(a, b)`` of :meth:`block_bytes` for ``unit``'s configuration, S and shape (measured once)."""
+        with raised_while(f"calibrating the memory of {self.config.estimators[unit.est_index].label}", unit):
+            return self._measured_calibration(unit)
+
+    def _measured_calibration(self, unit: Unit) -> tuple[int, int]:
         est = self.config.estimators[unit.est_index]
         mask = self.mask(unit)
         key = (est.label, unit.num_samples, self.acts.shape[2:], mask)  # a masked estimator may take another path
@@ -526,6 +545,10 @@ class UnitRunner:
             self.torch.set_num_threads(before)
 
     def _run(self, unit: Unit) -> UnitResult:
+        with raised_while(f"measuring {self.config.estimators[unit.est_index].label}", unit):
+            return self._measured_run(unit)
+
+    def _measured_run(self, unit: Unit) -> UnitResult:
         """Blocks -> exact attention -> per block: draws, estimates, diagnostics, reference check -> metrics -> rows."""
         clock = time.perf_counter
         start = clock()

@@ -578,3 +578,30 @@ def test_factored_errors_too_small_for_float32_are_taken_in_float64(rng, monkeyp
     assert (second_try.prob_mse != dense.prob_mse).all()
     pd.testing.assert_frame_equal(second_try.drop(columns="prob_mse"), dense.drop(columns="prob_mse"),
                                   check_exact=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_an_estimator_that_raises_is_named_in_a_note_of_its_exception(acts, backend):
+    """A plugin whose forms raise: the sweep re-raises its exception unchanged (type and message) with a note naming
+    the configuration and the unit, so that the traceback says where in the sweep it came from."""
+    import dataclasses
+
+    import randattn
+    from randattn.estimators.base import BatchedForms
+    from randattn.estimators.registry import register_estimator, unregister_estimator
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    softmax = randattn.get_spec("softmax")
+    register_estimator(dataclasses.replace(softmax, name="crashes", reference=raising,
+                                           forms=BatchedForms(estimate=raising)))
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            run_sweep(acts, _config(estimators=parse_estimator_list("crashes"), backend=backend))
+    finally:
+        unregister_estimator("crashes")
+    assert str(raised.value) == "planted"  # the message unchanged: the note stands beside it
+    notes = getattr(raised.value, "__notes__", [])
+    assert len(notes) == 1 and notes[0].startswith("randattn: raised while ") and "crashes (S = " in notes[0]
+    assert ", layer " in notes[0] and ", heads [" in notes[0] and ", image " in notes[0]
