@@ -514,7 +514,10 @@ class UnitRunner:
         with torch.no_grad():
             batched = spec.batched(tq, tk, tv, draws.to_torch(device=self.device, dtype=dt), scale=self.scale,
                                    **est.params, **mask.estimator_kwargs)
-        return self._reference_deviation(spec, est, qs, ks, vs, draws, batched[0, 0], mask=mask)
+        checked = self._reference_deviation(spec, est, qs, ks, vs, draws, batched[0, 0], mask=mask)
+        # a slice exact under the estimator (vAttention's default sinks and local keys cover 256 keys) says nothing
+        # of the whole cell's exactness: no reference error, so the cell keeps its ratio
+        return checked._replace(reference_error=np.nan)
 
     # ------------------------------------------------------------------------------------------------ a unit
     def run(self, unit: Unit) -> list[dict[str, Any]]:

@@ -102,10 +102,14 @@ def reference_check_summary(table) -> dict | None:
     import numpy as np
     import pandas as pd
 
+    from randattn.analysis.relative_error import MEASUREMENT_KEYS, s_free_repeats
+
     # NaN: not checked; inf: checked, and a form gave a non-finite value where the other did not
     checked = table[table["ref_max_abs_dev"].notna()] if "ref_max_abs_dev" in table else table.iloc[:0]
     if not len(checked):
         return None
+    # a configuration without S: one check, its row repeated at each S
+    checked = checked[~s_free_repeats(checked, MEASUREMENT_KEYS)[1]]
     worst = checked.loc[checked["ref_max_abs_dev"].idxmax()]
     summary = {
         "units_checked": int(len(checked)),

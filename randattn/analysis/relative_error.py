@@ -47,7 +47,7 @@ dependence between the tests.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -55,7 +55,8 @@ from randattn.results.schema import RELATIVE_ERROR_COLUMNS  # the table's column
 
 __all__ = ["BUDGET_SUMMARY_COLUMNS", "FALSE_FLAG_RATE", "RELATIVE_ERROR_COLUMNS", "broken_promises", "budget_summary",
            "check_epsilon", "clopper_pearson", "denominator_relative_errors", "familywise_broken", "flags_by_chance",
-           "holm_rejections", "query_relative_errors", "relative_error_columns", "violation_p_values"]
+           "holm_rejections", "query_relative_errors", "relative_error_columns", "s_free_repeats",
+           "violation_p_values"]
 
 #: the most often a head whose every query keeps the promise is flagged anyway: the 95% Clopper-Pearson interval
 #: lies wholly above delta with probability at most 2.5 % when the violation probability is delta (its lower tail)
@@ -379,6 +380,22 @@ def flags_by_chance(heads: int) -> float:
     return FALSE_FLAG_RATE * heads
 
 
+#: the columns that name one measurement of a head (those a table has): its row is repeated at every S where its
+#: configuration takes no S
+MEASUREMENT_KEYS = ("label", "tokens", "mask", "queries", "image", "layer", "head")
+
+
+def s_free_repeats(frame, keys: Sequence[str]):
+    """``(s_free, repeated)``, boolean Series over ``frame``'s rows: whether the row's configuration takes no S
+    (softmax, local, adaptive vAttention; :func:`~randattn.estimators.registry.takes_no_samples`), whose one
+    measurement a table repeats at each S, and whether the row repeats an earlier one of the same ``keys`` (those
+    ``frame`` has): the rows a reader is shown once."""
+    from randattn.estimators.registry import takes_no_samples
+
+    s_free = frame["label"].map(takes_no_samples).astype(bool)
+    return s_free, s_free & frame.duplicated([key for key in keys if key in frame])
+
+
 def broken_promises(table) -> list[dict[str, Any]]:
     """One record per row of a sweep table whose configuration's promise demonstrably fails (``promise_broken``):
     its label, S, tokens, mask, query selection, image, layer and head, and epsilon, delta, the violation rate, its
@@ -392,12 +409,8 @@ def broken_promises(table) -> list[dict[str, Any]]:
     flagged = table["promise_broken"].eq(True)
     broken = table[flagged].assign(familywise=familywise_broken(table)[flagged])
     if len(broken):  # a configuration that takes no S: one measurement, repeated at every S
-        from randattn.estimators.registry import takes_no_samples
-
-        s_free = broken["label"].map(takes_no_samples).astype(bool)
-        cell = [c for c in ("label", "tokens", "mask", "queries", "image", "layer", "head") if c in broken]
-        broken = broken.assign(num_samples=broken["num_samples"].astype(object).where(~s_free, None))
-        broken = broken[~(s_free & broken.duplicated(cell))]
+        s_free, repeated = s_free_repeats(broken, MEASUREMENT_KEYS)
+        broken = broken.assign(num_samples=broken["num_samples"].astype(object).where(~s_free, None))[~repeated]
     fields = [f for f in _BROKEN_FIELDS if f in broken.columns]
     return [{f: (v.item() if isinstance(v, np.generic) else v) for f, v in zip(fields, row)}
             for row in broken[fields].itertuples(index=False, name=None)]

@@ -370,12 +370,11 @@ MAX_BROKEN_HEADS_SHOWN = 40
 def once_without_s(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` (rows per label and S) with a configuration that takes no S (softmax, local, adaptive vAttention:
     one measurement a table repeats at each S) kept once per token count and mask, marked in a column ``s_free``
-    (:func:`randattn.estimators.registry.takes_no_samples`): what a reader is shown, "–" for its S."""
-    from randattn.estimators.registry import takes_no_samples
+    (:func:`randattn.analysis.relative_error.s_free_repeats`): what a reader is shown, "–" for its S."""
+    from randattn.analysis.relative_error import s_free_repeats
 
-    s_free = frame["label"].map(takes_no_samples).astype(bool)
-    keys = [column for column in ("label", "tokens", "mask") if column in frame]
-    return frame.assign(s_free=s_free)[~(s_free & frame.duplicated(keys))]
+    s_free, repeated = s_free_repeats(frame, ("label", "tokens", "mask"))
+    return frame.assign(s_free=s_free)[~repeated]
 
 
 def position_pivot(positions: pd.DataFrame, *, num_samples: int | None = None, seed: int = 0) -> pd.DataFrame:

@@ -607,14 +607,14 @@ def test_the_reference_check_ratio_leaves_out_a_cell_whose_reference_is_exact_so
     from randattn.analysis.records import reference_check_summary
 
     columns = ("estimator", "params", "label", "dtype", "mse", "ref_max_abs_dev", "keys_fraction", "random",
-               "ref_max_rel_err")
-    exact = ("vattention", "{}", "vattention", "float64", 1e-34, 5e-17, 1.0, True, 1e-16)
+               "ref_max_rel_err", "head")
+    exact = ("vattention", "{}", "vattention", "float64", 1e-34, 5e-17, 1.0, True, 1e-16, 0)
     check = reference_check_summary(pd.DataFrame([dict(zip(columns, exact))]))
     assert check["max_dev_over_rmse"] is None and check["max_abs_dev"] == 5e-17
-    close = ("vattention", "{}", "vattention", "float32", 1e-14, 1e-6, 1.0, True, 1e-8)
+    close = ("vattention", "{}", "vattention", "float32", 1e-14, 1e-6, 1.0, True, 1e-8, 1)
     check = reference_check_summary(pd.DataFrame([dict(zip(columns, row)) for row in (exact, close)]))
     assert check["max_dev_over_rmse"] == pytest.approx(1e-6 / 1e-7, rel=1e-12)
-    before = pd.DataFrame([dict(zip(columns[:-1], exact[:-1]))])
+    before = pd.DataFrame([{c: v for c, v in zip(columns, exact) if c != "ref_max_rel_err"}])
     assert reference_check_summary(before)["max_dev_over_rmse"] == pytest.approx(5e-17 / 1e-17, rel=1e-12)
 
 
@@ -790,3 +790,15 @@ def test_the_reference_check_advises_float64_only_where_a_unit_above_the_toleran
     assert reference_check_line(mixed).endswith("-- above 0.01: rerun with --dtype float64")
     (html,) = reference_check_html({"reference_check": mixed})
     assert "Rerun with <code>--dtype float64</code>" in html
+
+
+def test_the_reference_check_counts_a_configuration_without_s_once():
+    """softmax's one check of head 0 stands in its rows at S = 16 and 32 (a configuration without S: one
+    measurement, repeated); rfa's two rows are two checks, one per S. Three units were checked, not four."""
+    from randattn.analysis.records import reference_check_summary
+
+    columns = ("estimator", "params", "label", "num_samples", "dtype", "mse", "ref_max_abs_dev", "image", "layer",
+               "head")
+    rows = [("softmax", "{}", "softmax", s, "float32", 1e-30, 2e-7, "a", 0, 0) for s in (16, 32)]
+    rows += [("rfa", "{}", "rfa", s, "float32", 1e-2, 1e-7, "a", 0, 0) for s in (16, 32)]
+    assert reference_check_summary(pd.DataFrame([dict(zip(columns, row)) for row in rows]))["units_checked"] == 3
