@@ -339,8 +339,8 @@ def budget_summary(table):
         The keys and :data:`BUDGET_SUMMARY_COLUMNS`: the mean over the group's rows (every (image, layer) holds
         the same heads, so the mean over heads, then layers, then images) of ``keys_used``, ``keys_fraction``,
         ``rel_err_median``, ``rel_err_p95`` and ``violation_rate``; ``epsilon`` and ``delta`` (the group's own
-        values, NaN where it has none); ``violation_of``: what the violation rate counts (``"output"``, or the quantity the
-        configuration's promise bounds, e.g. ``"denominator"``); ``heads``: the group's rows;
+        values, NaN where it has none); ``violation_of``: what the violation rate counts (``"output"``, or the
+        quantity the configuration's promise bounds, e.g. ``"denominator"``); ``heads``: the group's rows;
         ``promises_broken``: its rows whose ``promise_broken`` is true (each a head of an image and layer whose
         promise demonstrably fails, :func:`broken_promises`); ``promises_broken_familywise``: those flagged by
         :func:`familywise_broken`, 0 without a promise as ``promises_broken`` (a nullable integer: ``<NA>`` where

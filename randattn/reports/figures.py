@@ -635,10 +635,19 @@ def heatmap_figure(
     shown = display_names(table).get(label, label)
     _titles(
         fig,
-        f"MSE per layer and head: {shown}, S = {num_samples}" + (f" [{label}]" if shown != label else ""),
+        f"MSE per layer and head: {shown}{samples_text(label, num_samples)}"
+        + (f" [{label}]" if shown != label else ""),
         f"{describe_data(table, metadata)}\nmean over {item_noun(metadata)}s; darker is more accurate",
     )
     return fig
+
+
+def samples_text(label: str, num_samples: int) -> str:
+    """``", S = 64"`` in a title; nothing for a configuration that takes no S (softmax, adaptive vAttention), whose
+    one measurement a table repeats at each S (:func:`randattn.estimators.registry.takes_no_samples`)."""
+    from randattn.estimators.registry import takes_no_samples
+
+    return "" if takes_no_samples(label) else f", S = {num_samples}"
 
 
 #: the parameters the features figure compares (Performer Fig. 4): an estimator whose spec has both is drawn

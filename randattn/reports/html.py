@@ -33,6 +33,7 @@ from randattn.reports.figures import (
     heatmap_figure,
     mse_vs_samples_figure,
     position_figure,
+    samples_text,
 )
 from randattn.reports.tables import (
     MAX_BROKEN_HEADS_SHOWN,
@@ -511,9 +512,9 @@ def _counts_other_than_output(table: pd.DataFrame) -> bool:
 
 
 def _heads_broken(flags: pd.DataFrame) -> str:
-    """``"2 of 54 (<= 1.4 expected by chance; family-wise: 0)"``: the heads flagged (``promise_broken``), the most flagged on
-    average where all keep it, and those flagged family-wise (``familywise``; left out where a table lacks the
-    counts)."""
+    """``"2 of 54 (<= 1.4 expected by chance; family-wise: 0)"``: the heads flagged (``promise_broken``), the most
+    flagged on average where all keep it, and those flagged family-wise (``familywise``; left out where a table lacks
+    the counts)."""
     from randattn.analysis.relative_error import flags_by_chance
 
     broken = int(flags["promise_broken"].eq(True).sum())  # NaN (no promise checked) is not a flag
@@ -706,7 +707,8 @@ def default_figures(table: pd.DataFrame, metadata: Mapping[str, Any] | None = No
     for label in approximate_labels(table):
         s = int(table.loc[table["label"] == label, "num_samples"].max())
         figures.append(ReportFigure(
-            f"heatmap-{_safe_name(label)}", f"MSE per layer and head: {names.get(label, label)}, S = {s}",
+            f"heatmap-{_safe_name(label)}",
+            f"MSE per layer and head: {names.get(label, label)}{samples_text(label, s)}",
             f"Which layers and heads are hard for this estimator (mean over {noun}s; log colour scale).",
             heatmap_figure(table, label=label, num_samples=s, metadata=metadata),
         ))

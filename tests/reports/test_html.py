@@ -303,3 +303,11 @@ def test_the_promise_summary_gives_a_row_per_mask_when_layers_differ():
     summary = promise_summary(table)
     assert list(zip(summary["label"], summary["mask"], summary["mean rel. error"])) == [("ra", "sliding:4", 0.3),
                                                                                          ("ra", "causal", 0.1)]
+
+
+def test_a_configuration_without_s_has_no_s_in_its_heatmap_title():
+    """softmax and adaptive vAttention take no S: their heatmaps say none; rfa's says its S."""
+    from randattn.reports.figures import samples_text
+
+    assert samples_text("vattention", 256) == "" and samples_text("softmax", 16) == ""
+    assert samples_text("rfa", 64) == ", S = 64" and samples_text("vattention:budget=fixed", 64) == ", S = 64"

@@ -101,7 +101,8 @@ def test_figures_draw_the_plugins(table):
     assert not any(text.startswith("My exact") for text in legend)  # exact: noted, not drawn
     assert "My exact (exact) (mse 0)" in " ".join(fig.get_suptitle().split())
     heatmap = heatmap_figure(table, label="mylocal", num_samples=16)
-    assert "My local (exact 49-token window), S = 16 [mylocal]" in " ".join(heatmap.get_suptitle().split())
+    # a local window takes no S: its one measurement, repeated at each S, is titled without one
+    assert "My local (exact 49-token window) [mylocal]" in " ".join(heatmap.get_suptitle().split())
 
 
 def test_the_features_figure_compares_every_estimator_with_feature_map_and_coupling(table):

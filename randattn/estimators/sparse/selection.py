@@ -35,8 +35,8 @@ from randattn.estimators.masks import MASKS, check_mask_argument
 from randattn.estimators.sparse.reference import keys_used as count_keys_used
 from randattn.estimators.sparse.reference import masked_logits, weighted_attention
 
-__all__ = ["KeptKeysForms", "KeptKeysOptions", "KeptKeysReference", "budget_draw", "budget_draws", "budget_of", "kept_keys_spec",
-           "log_weights_of", "top_ranked"]
+__all__ = ["KeptKeysForms", "KeptKeysOptions", "KeptKeysReference", "budget_draw", "budget_draws", "budget_of",
+           "kept_keys_spec", "log_weights_of", "top_ranked"]
 
 
 @dataclass(frozen=True, kw_only=True)
