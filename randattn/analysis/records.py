@@ -76,9 +76,8 @@ def reference_check_summary(table) -> dict | None:
     (``ref_rms_dev``) over its RMSE, r, moves the MSE by at most ``2 r + r^2`` relative (Cauchy-Schwarz;
     :func:`~randattn.analysis.execute.rms_deviation`); a table written before that column gives its largest entry
     (``ref_max_abs_dev``), a bound as loose as one entry is unlike the rest (``dev_over_rmse_of`` says which). It
-    leaves out the cells whose estimate is
-    exact, whose RMSE is rounding itself, so that any deviation is many times it and says nothing about the table:
-    those of an estimator whose spec declares it exact (``convergence == "exact"``, e.g. softmax), those where the
+    leaves out the cells whose estimate is exact, whose RMSE is rounding itself, so that any deviation is many times
+    it and says nothing about the table: those of an estimator whose spec declares it exact (``convergence == "exact"``, e.g. softmax), those where the
     float64 reference itself equals exact softmax to :data:`EXACT_CELL_RTOL` (``ref_max_rel_err``: MagicPIG or
     vAttention whose sinks and local keys cover every key, any estimator under a window of one key), and, in a table
     written before that column, those where a deterministic selection reads every key its queries see

@@ -108,10 +108,9 @@ def print_warnings(caught: Sequence[warnings.WarningMessage]) -> None:
 def print_summary(summary: Any, noun: str = "image") -> None:
     """The demo's summary: MSE with its CI, bias² and variance per (tokens, estimator, S); ``noun`` (image or
     sequence) names what the activations hold."""
-    import pandas as pd
     from rich.table import Table
 
-    from randattn.reports.tables import label_order
+    from randattn.reports.tables import label_order, once_without_s
 
     table = Table(title=f"attention MSE vs exact softmax (mean over heads, layers, {noun}s; 95% bootstrap CI)")
     for name in ("tokens", "estimator", "S", "MSE [95% CI]", "bias²", "variance", "CI over"):
@@ -122,20 +121,9 @@ def print_summary(summary: Any, noun: str = "image") -> None:
                                                                          kind="stable")
     # a configuration that takes no samples (its spec says so: softmax, local, adaptive vAttention) is run once and
     # reported at every S; show it once per token count
-    s_free = summary["label"].map(takes_no_samples).astype(bool)
-    summary = pd.concat([summary[s_free].drop_duplicates(["tokens", "label"]).assign(num_samples=-1),
-                         summary[~s_free]])
-    summary = summary.sort_values(["tokens", "_o", "num_samples"], kind="stable")
-    for row in summary.itertuples(index=False):
+    for row in once_without_s(summary).itertuples(index=False):
         ci = "" if row.mse_lo != row.mse_lo else f" [{row.mse_lo:.3g}, {row.mse_hi:.3g}]"
-        table.add_row(str(row.tokens), row.label, "–" if row.num_samples < 0 else str(row.num_samples),
+        table.add_row(str(row.tokens), row.label, "–" if row.s_free else str(row.num_samples),
                       f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}", f"{row.variance:.3g}",
                       f"{noun + 's' if row.ci_over == 'images' else row.ci_over} ({row.units})")
     out_console.print(table)
-
-
-def takes_no_samples(label: str) -> bool:
-    """:func:`randattn.estimators.registry.takes_no_samples` (the demo's summary asks it of each label)."""
-    from randattn.estimators.registry import takes_no_samples as configuration_takes_no_samples
-
-    return configuration_takes_no_samples(label)
