@@ -162,3 +162,19 @@ def test_demo_summary_shows_estimators_without_samples_once_by_their_spec():
     assert not _takes_no_samples("not-installed")
     # a configuration's own: vAttention's adaptive budget sets its sample size, a fixed one takes S
     assert _takes_no_samples("vattention") and not _takes_no_samples("vattention:budget=fixed")
+
+
+def test_the_demo_summary_prints_a_configuration_without_s_once_with_s_dashed(capsys):
+    """softmax at S = 4 and 8 (one measurement, repeated): one row, its S "–"; rfa: a row per S."""
+    import pandas as pd
+
+    from randattn.cli._demo_session import print_summary
+
+    rows = [dict(tokens=16, label=label, estimator=label.split(":")[0], num_samples=s, mse=0.1, mse_lo=0.05,
+                 mse_hi=0.2, bias_sq=0.01, variance=0.09, ci_over="images", units=2)
+            for label in ("softmax", "rfa") for s in (4, 8)]
+    capsys.readouterr()
+    print_summary(pd.DataFrame(rows))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    cells = [[cell.strip() for cell in line.strip("│ ").split("│")] for line in lines]
+    assert [(c[1], c[2]) for c in cells] == [("softmax", "–"), ("rfa", "4"), ("rfa", "8")]
