@@ -67,6 +67,8 @@ from randattn.analysis.estimate_block import (
 )
 from randattn.analysis.exact_cache import ExactCache, exact_under_mask
 from randattn.analysis.masking import diagnostics_skip_reason
+from randattn.analysis.query_blocks import QueryBlock, blocks_queries
+from randattn.analysis.query_blocks import query_blocks as split_queries
 from randattn.analysis.plan import (
     EstimatorConfig,
     StackedDrawError,
@@ -116,8 +118,9 @@ class UnitResult(NamedTuple):
 
 
 def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[int], reps: range, num_samples,
-               mask: Mask = NO_MASK) -> Draws:
-    """Draws ``(len(reps), C, ...)`` for the cells with these seeds; replicate r of a cell from ``replicate_rng(seed, r)``.
+               mask: Mask = NO_MASK, query_block: int | None = None) -> Draws:
+    """Draws ``(len(reps), C, ...)`` for the cells with these seeds; replicate r of a cell from ``replicate_rng(seed, r)``
+    (``replicate_rng(seed, r, query_block)`` for a block of its queries, :mod:`~randattn.analysis.query_blocks`).
 
     Where the spec declares ``stacked_draw``, one ``draw`` call for the whole block, on a (replicates,
     cells) grid of generators (:class:`~randattn.analysis.plan.StackedGenerators`): the same bits as one
@@ -127,8 +130,8 @@ def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[
     no mask).
     """
     if not spec.stacked_draw:
-        return per_cell_draws(spec, config, q_shape, k_shape, seeds, reps, num_samples, mask)
-    generators = StackedGenerators([[replicate_rng(seed, r) for seed in seeds] for r in reps])
+        return per_cell_draws(spec, config, q_shape, k_shape, seeds, reps, num_samples, mask, query_block)
+    generators = StackedGenerators([[replicate_rng(seed, r, query_block) for seed in seeds] for r in reps])
     cells = len(seeds)
     try:
         return spec.draw((cells, *q_shape), (cells, *k_shape), num_samples=num_samples, replicates=len(reps),
@@ -138,7 +141,7 @@ def cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[
 
 
 def per_cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Sequence[int], reps: range, num_samples,
-                   mask: Mask = NO_MASK) -> Draws:
+                   mask: Mask = NO_MASK, query_block: int | None = None) -> Draws:
     """:func:`cell_draws` made one ``draw(q_shape, k_shape, replicates=1, rng=replicate_rng(seed, r))`` call per
     cell and replicate, the arrays stacked to ``(len(reps), C, ...)``.
 
@@ -148,8 +151,9 @@ def per_cell_draws(spec, config: EstimatorConfig, q_shape, k_shape, seeds: Seque
         Naming the estimator, where the calls' arrays do not stack: an array without the leading replicate dim
         of 1, or with another name or shape than the first call's.
     """
-    calls = [[spec.draw(q_shape, k_shape, num_samples=num_samples, replicates=1, rng=replicate_rng(seed, r),
-                        **config.params, **mask.estimator_kwargs) for seed in seeds] for r in reps]
+    calls = [[spec.draw(q_shape, k_shape, num_samples=num_samples, replicates=1,
+                        rng=replicate_rng(seed, r, query_block), **config.params, **mask.estimator_kwargs)
+              for seed in seeds] for r in reps]
     first = {key: np.shape(a) for key, a in calls[0][0].arrays.items()}
     for key, shape in first.items():
         if shape[:1] != (1,):
@@ -402,7 +406,7 @@ class UnitRunner:
         (:func:`~randattn.analysis.estimate_block.columns_skip_reason`), or None."""
         est = self.config.estimators[unit.est_index]
         itemsize = 8 if self._dtype_name(est) == "float64" else 4
-        return columns_skip_reason(est.label, self.mask(unit), self.measured_queries, self.num_keys, itemsize,
+        return columns_skip_reason(est.label, self.mask(unit), self.call_queries(unit), self.num_keys, itemsize,
                                    self.config.max_memory)
 
     @property
@@ -444,8 +448,9 @@ class UnitRunner:
 
             accepts = self._accepts(est, qs.shape[1:], ks.shape[1:], mask)
             points.append((queries, keys, fit_cell_model(peak_at, unit.num_samples, est.random, accepts)))
-        a = extrapolate_peak([(kq, km, ab[0]) for kq, km, ab in points], n, m)
-        b = extrapolate_peak([(kq, km, ab[1]) for kq, km, ab in points], n, m)
+        widest = self.call_queries(unit)  # a query-blocked unit's calls hold a block's queries, its last every key
+        a = extrapolate_peak([(kq, km, ab[0]) for kq, km, ab in points], widest, m)
+        b = extrapolate_peak([(kq, km, ab[1]) for kq, km, ab in points], widest, m)
         return with_margin(a, b, queries=self.measured_queries, value_dim=v.shape[-1], key_dim=self.acts.shape[3],
                            num_samples=unit.num_samples)
 
@@ -469,6 +474,21 @@ class UnitRunner:
         check_fits(per_cell, per_rep, self.config.max_memory, label=est.label, num_samples=unit.num_samples,
                    tokens=self.acts.shape[2], stored=stored, replicates=self.replicates(est), heads=len(unit.heads))
         return split_blocks(len(unit.heads), self.replicates(est), self.config.max_memory - stored, per_cell, per_rep)
+
+    def query_blocks(self, unit: Unit) -> list[QueryBlock] | None:
+        """The blocks of ``unit``'s measured queries, each estimated by one call with the keys it sees
+        (:mod:`~randattn.analysis.query_blocks`); None where the unit is estimated in one call."""
+        est = self.config.estimators[unit.est_index]
+        spec, mask = self.specs[est.name], self.mask(unit)
+        if not self.exact_cache.tiled(unit) or not blocks_queries(spec, spec.resolve_params(est.params), mask,
+                                                                  self.measured_queries, self.num_keys):
+            return None  # a block's truth is the tiled truth's rows: a dense truth is one K x M array already
+        return split_queries(self.measured_queries, self.num_keys, mask)
+
+    def call_queries(self, unit: Unit) -> int:
+        """The most queries one estimator call of ``unit`` holds: a query block's rows, else every measured query."""
+        blocks = self.query_blocks(unit)
+        return self.measured_queries if blocks is None else blocks[0].rows.stop
 
     def replicates(self, est: EstimatorConfig) -> int:
         return self.config.replicates if est.random else 1
@@ -600,45 +620,59 @@ class UnitRunner:
             warnings.warn(skipped, DiagnosticsSkippedWarning, stacklevel=2)  # NaN with its reason, once per unit
             diagnose = False
         ref_check = ReferenceCheck()
+        query_blocks = self.query_blocks(unit)  # None: one call over every measured query
+        if query_blocks is not None and diagnose:
+            warnings.warn(f"IS diagnostics (ESS, delta-method variance, k-hat) not computed for {est.label}: its "
+                          f"{n} queries are estimated in blocks of {query_blocks[0].rows.stop}, each with draws of "
+                          "its own, and the diagnostics describe one call's", DiagnosticsSkippedWarning, stacklevel=2)
+            diagnose = False
+        parts = query_blocks or [QueryBlock(None, slice(None), m)]
         for cs, rs in blocks:
-            mark = clock()
-            draws = cell_draws(spec, est, q.shape[1:], k.shape[1:], unit.seeds[cs], range(rs.start, rs.stop),
-                               unit.num_samples, mask)
-            mark = _lap(seconds, "draws", mark, clock)
-            if tiled:
-                block_out, block_prob, facts = estimator.tiled_estimate(spec, est, q[cs], k[cs], v[cs], draws,
-                                                                         log_normaliser[cs], mask=mask,
-                                                                         columns=columns_reason is None)
-                if block_prob is None and config.probabilities and not probabilities_skipped:
-                    # NaN with its reason, once per unit (the run's warning records count it)
-                    warnings.warn(columns_reason, ProbabilitiesSkippedWarning, stacklevel=2)
-                    probabilities_skipped = True
-            else:
-                block_out, block_prob, facts = estimator.estimate(
-                    spec, est, q[cs], k[cs], v[cs], draws, exact_probs[cs] if config.probabilities else None,
-                    None if exact32 is None else exact32[cs], rank=unit.num_samples,
-                    exact_sq_norms=None if sq_norms is None else sq_norms[cs],
-                    exact64=lambda cs=cs: cache.get(unit, "float64")[3][cs], mask=mask)
-            if self.torch is None:
-                out[rs, cs] = block_out
-            else:
-                # in float64 (a float32 estimate converts exactly): the value numpy's float64(est) - exact gave
-                self.torch.sub(block_out, exact_out[cs], out=out[rs, cs])
-            if block_prob is not None:
-                prob_sq[rs, cs] = block_prob
+            part_probs = []
+            block_counts = np.empty((rs.stop - rs.start, cs.stop - cs.start, n)) if counts_declared else None
+            for part in parts:
+                mark = clock()
+                qp, kp, vp = q[cs, part.rows], k[cs, :part.keys], v[cs, :part.keys]
+                draws = cell_draws(spec, est, qp.shape[1:], kp.shape[1:], unit.seeds[cs], range(rs.start, rs.stop),
+                                   unit.num_samples, mask, part.index)
+                mark = _lap(seconds, "draws", mark, clock)
+                if tiled:
+                    part_out, part_prob, facts = estimator.tiled_estimate(spec, est, qp, kp, vp, draws,
+                                                                          log_normaliser[cs, part.rows], mask=mask,
+                                                                          columns=columns_reason is None)
+                    if part_prob is None and config.probabilities and not probabilities_skipped:
+                        # NaN with its reason, once per unit (the run's warning records count it)
+                        warnings.warn(columns_reason, ProbabilitiesSkippedWarning, stacklevel=2)
+                        probabilities_skipped = True
+                else:
+                    part_out, part_prob, facts = estimator.estimate(
+                        spec, est, qp, kp, vp, draws, exact_probs[cs] if config.probabilities else None,
+                        None if exact32 is None else exact32[cs], rank=unit.num_samples,
+                        exact_sq_norms=None if sq_norms is None else sq_norms[cs],
+                        exact64=lambda cs=cs: cache.get(unit, "float64")[3][cs], mask=mask)
+                if self.torch is None:
+                    out[rs, cs, part.rows] = part_out
+                else:
+                    # in float64 (a float32 estimate converts exactly): the value numpy's float64(est) - exact gave
+                    self.torch.sub(part_out, exact_out[cs, part.rows], out=out[rs, cs, part.rows])
+                part_probs.append(part_prob)
+                if counts_declared:
+                    counts = facts.keys_used
+                    if counts is None:  # not given by the estimate's own selection
+                        counts = estimator.keys_used(spec, est, qp, kp, draws, mask=mask)
+                    block_counts[..., part.rows] = counts
+                if log_denominators is not None:
+                    logs = facts.log_denominator
+                    if logs is None:  # likewise
+                        logs = estimator.log_denominator(spec, est, qp, kp, draws, mask=mask)
+                    log_denominators[rs, cs, part.rows] = logs
+                mark = _lap(seconds, "estimate", mark, clock)
+            if all(part_prob is not None for part_prob in part_probs):  # summed over the query blocks
+                prob_sq[rs, cs] = np.sum(part_probs, axis=0)
             if counts_declared:
-                counts = facts.keys_used
-                if counts is None:  # not given by the estimate's own selection
-                    counts = estimator.keys_used(spec, est, q[cs], k[cs], draws, mask=mask)
-                keys_mean[rs, cs], keys_max[rs, cs] = counts.mean(-1), counts.max(-1)
-            if log_denominators is not None:
-                logs = facts.log_denominator
-                if logs is None:  # likewise
-                    logs = estimator.log_denominator(spec, est, q[cs], k[cs], draws, mask=mask)
-                log_denominators[rs, cs] = logs
-            mark = _lap(seconds, "estimate", mark, clock)
+                keys_mean[rs, cs], keys_max[rs, cs] = block_counts.mean(-1), block_counts.max(-1)
             used = diagnostics.wanted(rs) if diagnose else None
-            if used is not None:
+            if used is not None:  # one call over every query (query_blocks is None): its draws are the block's
                 diagnostics.add(used, cs, self._diagnostics_block(
                     est, q[cs], k[cs], v[cs], _slice_draws(draws, slice(0, used.stop - used.start), slice(None)),
                     rs.start == 0, mask=mask))
@@ -647,7 +681,7 @@ class UnitRunner:
                 if tiled:  # the reference at full length is a per-query loop (hours at 32k tokens): a slice of it
                     ref_check = self._sliced_reference_deviation(spec, est, unit, q[cs], k[cs], v[cs], mask=mask)
                 else:
-                    ref_check = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, block_out[0, 0],
+                    ref_check = self._reference_deviation(spec, est, q[cs], k[cs], v[cs], draws, part_out[0, 0],
                                                         mask=mask)
             _lap(seconds, "reference_check", mark, clock)
         mark = clock()

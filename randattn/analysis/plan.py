@@ -447,13 +447,20 @@ def cell_seed(master_seed: int, image: str, layer: int, head: int, label_params_
     return (int(state[0]) << 31) | (int(state[1]) >> 1)
 
 
-def replicate_rng(seed: int, replicate: int) -> np.random.Generator:
-    """The generator of replicate ``replicate`` of the cell with this ``seed``.
+#: the word that sets a query block's streams apart (:func:`replicate_rng`): a spawn key of three words, which no
+#: replicate's one word and no query sample's two (:func:`randattn.analysis.queries.query_sample_seed`) can equal
+_QUERY_BLOCK_WORD = 0x0B10C
+
+
+def replicate_rng(seed: int, replicate: int, query_block: int | None = None) -> np.random.Generator:
+    """The generator of replicate ``replicate`` of the cell with this ``seed``; with ``query_block``, of that block
+    of the cell's queries (:mod:`randattn.analysis.query_blocks`), a stream of its own.
 
     ``Generator(PCG64(...))`` is what ``default_rng`` builds from a SeedSequence (the same bits), without its
     argument dispatch: a third of the cost, paid R x cells times per unit.
     """
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed), spawn_key=(int(replicate),))))
+    key = (int(replicate),) if query_block is None else (int(replicate), _QUERY_BLOCK_WORD, int(query_block))
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed), spawn_key=key)))
 
 
 class StackedDrawError(ValueError):

@@ -158,6 +158,8 @@ class SweepPlan:
         Estimated wall seconds of computing ``todo`` in this process (``timing=True``), else None.
     timed_heads : tuple of int
         The head counts that were timed for ``seconds``: one, and two where a unit has more heads.
+    query_blocked : int
+        Units of ``todo`` estimated a block of queries at a time (:mod:`~randattn.analysis.query_blocks`).
     """
 
     config: SweepConfig
@@ -173,6 +175,7 @@ class SweepPlan:
     seconds: float | None = None
     timed_heads: tuple = ()
     runner: Any = field(default=None, repr=False, compare=False)  # calibrated; run_sweep reuses it
+    query_blocked: int = 0
 
     @property
     def cells(self) -> int:
@@ -260,10 +263,12 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
             canonical = (cells.stop - cells.start == len(unit.heads)
                          and reps.stop - reps.start == runner.replicates(config.estimators[unit.est_index]))
             layout[key] = (runner.block_bytes(unit, cells.stop - cells.start, reps.stop - reps.start), canonical)
+    blocked = 0
     for unit in todo:
         bytes_, canonical = layout.get((unit.label, unit.num_samples, config.mask_of(unit.layer)), (0, True))
         peak = max(peak, bytes_)
         split += not canonical
+        blocked += runner.query_blocks(unit) is not None
     seconds, timed = None, ()
     if timing and refused is None and todo:
         seconds, timed = 0.0, (1, 2) if len(todo[0].heads) > 1 else (1,)
@@ -287,4 +292,5 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
     heads = select("heads", config.heads, range(acts.shape[1]))
     images = tuple(acts.images[i] for i in select("images", config.images, range(len(acts.images))))
     return SweepPlan(config, tuple(units), todo, tuple(str(p) for p in unreadable), tuple(acts_layers),
-                     tuple(heads), images, int(peak), int(split), refused, seconds, timed, runner)
+                     tuple(heads), images, int(peak), int(split), refused, seconds, timed, runner,
+                     query_blocked=blocked)

@@ -86,12 +86,15 @@ def _memory_line(plan) -> str:
         return "[bold]memory[/]: nothing left to compute"
     memory = (f"[bold]memory[/]: the estimator work peaks at about {format_bytes(plan.peak_bytes)} "
               f"(memory model, calibrated here; --max-memory {budget}); ")
+    blocked = plan.query_blocked
+    queries = (f"; {blocked} of {len(plan.todo)} units estimate their queries a block at a time, each block with "
+               "the keys it sees (the sweeps guide, Long contexts)" if blocked else "")
     if plan.split_units:
         from randattn.analysis.cell_memory import SPLIT_ROUNDING
 
         return memory + (f"{plan.split_units} of {len(plan.todo)} units are split into smaller blocks to fit it "
-                         f"({SPLIT_ROUNDING})")
-    return memory + "every unit runs in its canonical blocks"
+                         f"({SPLIT_ROUNDING})") + queries
+    return memory + "every unit runs in its canonical blocks" + queries
 
 
 def warning_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
