@@ -27,7 +27,8 @@ def command(pattern: str | None, quick: bool, seed: int, activations: str | None
     """Check the papers' propositions numerically; exit 1 when a check fails.
 
     Identities hold to float64 rounding; Monte Carlo checks use z-scores against the replicate
-    standard error (4.5 SE, <= 1% family-wise false alarm over all Monte Carlo checks).
+    standard error (4.5 SE: a family-wise false alarm of at most 1% over all Monte Carlo checks; the
+    summary line gives the bound for the checks this run makes, with the estimators registered).
 
     The checks over every registered estimator (causal.prefix-invariance, decode.budget-covers-every-key,
     numerics.large-norm-stability) include installed plugins, and name the estimator that fails.
