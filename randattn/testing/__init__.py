@@ -23,6 +23,8 @@ The comparison helpers of randattn's own tests (:func:`assert_close`, :data:`TOL
 
 from __future__ import annotations
 
+import re
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -52,6 +54,7 @@ __all__ = [
     "assert_close",
     "assert_close_to_rounding",
     "check_estimator",
+    "check_id",
     "load_spec",
     "parametrize_with_checks",
     "to_numpy",
@@ -360,8 +363,21 @@ def parametrize_with_checks(
         unknown = sorted(set(known) - set(CHECKS))
         if unknown:
             raise ValueError(f"expected_failures names unknown check(s) {unknown}; the checks are: {', '.join(CHECKS)}")
-        suffix = "" if not params else "[" + ",".join(f"{k}={v}" for k, v in params.items()) + "]"
+        suffix = "" if not params else "[" + "+".join(f"{k}:{v}" for k, v in params.items()) + "]"
         for name in names:
             marks = [pytest.mark.xfail(strict=True, reason=known[name])] if name in known else []
-            cases.append(pytest.param(spec, _Check(name, params), id=f"{spec.name}{suffix}-{name}", marks=marks))
+            cases.append(pytest.param(spec, _Check(name, params), id=check_id(f"{spec.name}{suffix}", name),
+                                      marks=marks))
     return pytest.mark.parametrize(("estimator", "check"), cases)
+
+
+def check_id(configuration: str, check: str) -> str:
+    """The pytest id of a check of a configuration, ``<configuration>-<check>``, written only with what ``pytest -k``
+    reads as a name (letters, digits, ``_ - . : + [ ]``), so that any part of it selects: ``==`` reads ``eq``, and
+    every other run of other characters (a space, parentheses, ``=``, ``,``) one ``_``.
+
+    >>> check_id("rfa[coupling:orthogonal]", "reference == batched (float64)")
+    'rfa[coupling:orthogonal]-reference_eq_batched_float64'
+    """
+    words = re.sub(r"[^\w.:+\[\]-]+", "_", f"{configuration}-{check.replace('==', 'eq')}")
+    return words.strip("_")

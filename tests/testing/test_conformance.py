@@ -783,3 +783,22 @@ def test_a_crash_inside_an_estimator_names_the_line_that_raised_and_chains_its_t
     with pytest.raises(AssertionError, match=r"check 'reference == batched \(float64\)' failed") as raised:
         _Check("reference == batched (float64)", {})(spec)
     assert isinstance(raised.value.__cause__, ValueError)
+
+
+def test_every_check_id_selects_itself_with_pytest_k():
+    """Each id of the kit over every variant parses as a ``pytest -k`` expression, selects its own test and no
+    other (pytest's own expression grammar and matcher; the check names hold spaces, ``==`` and parentheses, and
+    the configurations ``=`` and ``,``, none of which ``-k`` reads)."""
+    from _pytest.mark.expression import Expression
+
+    from randattn.testing import all_variants
+
+    configurations = {(name, tuple(params.items())): (name, params) for name, _, params in all_variants()}
+    ids = [param.id for param in parametrize_with_checks(configurations.values()).args[1]]
+    assert len(set(ids)) == len(ids)
+    assert "softmax-reference_eq_batched_float64" in ids
+    for one in ids:
+        # one name to pytest (its matcher is then asked for the whole id), which as -k selects the tests whose
+        # names hold it: its own alone
+        assert Expression.compile(one).evaluate(lambda word, one=one: word == one), one
+        assert [other for other in ids if one in other] == [one]
