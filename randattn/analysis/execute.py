@@ -88,13 +88,30 @@ from randattn.estimators.base import Draws
 from randattn.estimators.masks import NO_MASK, Mask
 
 __all__ = ["COLUMNS", "PHASES", "DiagnosticsSkippedWarning", "MemoryBudgetError", "ProbabilitiesSkippedWarning",
-           "ReferenceCheck", "UnitResult", "UnitRunner", "exact_under_mask", "format_bytes", "run_recording"]
+           "ReferenceCheck", "SeedIgnoredWarning", "UnitResult", "UnitRunner", "exact_under_mask", "format_bytes",
+           "run_recording", "seed_ignored"]
 
 #: the parts of a unit's wall time that :meth:`UnitRunner.run_timed` reports: the exact attention (the first unit of
 #: an image-layer computes it), the draws, the estimates with their probability error, the importance-sampling
 #: diagnostics, the float64-reference spot check, and the metrics with the rows; on a GPU each phase ends at the host
 #: transfer of its small results, so its time includes the device work queued before it
 PHASES: tuple[str, ...] = ("exact", "draws", "estimate", "diagnostics", "reference_check", "metrics")
+
+
+class SeedIgnoredWarning(UserWarning):
+    """A configuration declared random drew the same random variables for two replicates of one cell: its ``draw``
+    ignores the generator it is given, so its rows measure one draw R times (variance 0, the MSE a single draw's
+    error); ``randattn check`` names the fault (its seeded-reproducibility check)."""
+
+
+def seed_ignored(draws: Draws) -> bool:
+    """Whether replicates 0 and 1 of ``draws`` are the same, bit for bit, in every array (False for fewer than two
+    replicates or no arrays): each replicate is drawn from a generator of its own (:func:`replicate_rng`), so two
+    equal draws of non-empty arrays mean a ``draw`` that does not read its ``rng``."""
+    arrays = [np.asarray(a) for a in draws.arrays.values()]
+    if draws.replicates < 2 or not arrays or not any(a[0].size for a in arrays):
+        return False
+    return all(np.array_equal(a[0], a[1]) for a in arrays)
 
 
 class UnitResult(NamedTuple):
@@ -635,6 +652,11 @@ class UnitRunner:
                 qp, kp, vp = q[cs, part.rows], k[cs, :part.keys], v[cs, :part.keys]
                 draws = cell_draws(spec, est, qp.shape[1:], kp.shape[1:], unit.seeds[cs], range(rs.start, rs.stop),
                                    unit.num_samples, mask, part.index)
+                if est.random and rs.start == 0 and cs.start == 0 and part.index in (None, 0) and seed_ignored(draws):
+                    warnings.warn(f"{est.label} is declared random, but its draw gave replicates 0 and 1 the same "
+                                  "random variables from different generators: it ignores its rng, and its rows "
+                                  "measure one draw (variance 0); run `randattn check` on it",
+                                  SeedIgnoredWarning, stacklevel=2)
                 mark = _lap(seconds, "draws", mark, clock)
                 if tiled:
                     part_out, part_prob, facts = estimator.tiled_estimate(spec, est, qp, kp, vp, draws,
