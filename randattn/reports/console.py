@@ -296,9 +296,12 @@ def budget_table(budget, noun: str = "image", queries: str | None = None):
         if math.isfinite(row.delta):
             familywise = _count_or_none(getattr(row, "promises_broken_familywise", None))
             familywise = "" if familywise is None else f"; family-wise: {familywise}"
-            broken = (f"[bold red]broken on {row.promises_broken} of {row.heads} heads[/] "
+            broken = (f"[bold red]broken on {row.promises_broken} of {count(row.heads, 'head')}[/] "
                       f"(<= {flags_by_chance(row.heads):.2g} expected by chance{familywise})")
-            promise = f"delta = {row.delta:g}: " + (broken if row.promises_broken else f"kept on all {row.heads} heads")
+            # "kept" would claim more than a test that fails to reject: a rate above delta whose interval reaches
+            # delta is not shown broken, and not shown kept either
+            kept = f"no head shown to break it ({count(row.heads, 'head')})"
+            promise = f"delta = {row.delta:g}: " + (broken if row.promises_broken else kept)
         table.add_row(str(row.label), _s_text(row), *([str(row.mask)] if several else []), keys,
                       number(row.rel_err_median, ".3g"),
                       number(row.rel_err_p95, ".3g"), violation, promise)

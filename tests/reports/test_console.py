@@ -55,6 +55,20 @@ def test_the_budget_table_and_the_red_lines_give_the_family_wise_decision():
     assert no.endswith("> delta = 0.05; not flagged family-wise") and unknown.endswith("> delta = 0.05")
 
 
+def test_a_promise_not_shown_broken_is_not_called_kept():
+    """A rate of 0.078 above delta = 0.05 whose interval reaches below it: the test does not reject, which says the
+    head is not shown to break the promise, not that it keeps it; one head is "1 head"."""
+    from randattn.reports.console import budget_table
+
+    row = {"label": "vattention", "num_samples": 8, "tokens": 64, "keys_used": 3.0, "keys_fraction": 0.1,
+           "rel_err_median": 0.2, "rel_err_p95": 0.3, "epsilon": 0.05, "violation_rate": 0.078, "delta": 0.05,
+           "heads": 1, "promises_broken": 0, "promises_broken_familywise": 0}
+    text = " ".join(_text(budget_table(pd.DataFrame([row]))).split())
+    assert "delta = 0.05: no head shown to break it (1 head)" in text and "kept" not in text
+    broken = " ".join(_text(budget_table(pd.DataFrame([{**row, "promises_broken": 1}]))).split())
+    assert "broken on 1 of 1 head (<= 0.025 expected by chance; family-wise: 0)" in broken
+
+
 def test_the_red_lines_stop_at_the_most_shown_and_count_the_rest():
     """45 broken heads: the 40 with the highest lower bounds (heads 5 to 44 here), in the table's order, then one
     line counting the 5 others."""
