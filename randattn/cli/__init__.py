@@ -4,8 +4,9 @@ Each command lives in its own module (``randattn/cli/<command>.py``) and exposes
 click command named ``command``; heavy imports happen inside the command body so
 that ``randattn --help`` stays fast. Only this package prints (through rich).
 Exit codes: 0 ok; 1 a check failed or an unexpected error; 2 bad usage or input, or no space left to write
-an output (the message names the file and the cause); 130 interrupted by Ctrl-C (SIGINT), 143 stopped by
-SIGTERM. A command that keeps partial work (mse) says where it is and how to continue.
+an output (the message names the file and the cause); 130 interrupted by Ctrl-C (SIGINT), 141 its output's reader
+left (a closed pipe, ``| head``), 143 stopped by SIGTERM. A command that keeps partial work (mse) says where it is
+and how to continue.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class _LazyGroup(click.Group):
             except KeyboardInterrupt as exc:
                 err_console.print("[bold red]interrupted[/]", highlight=False)
                 raise SystemExit(interrupt_exit_code(exc)) from None
+            except BrokenPipeError:
+                # the reader of stdout or stderr left (`| head`): nothing more can be said to it, so, as a Unix
+                # tool stopped by SIGPIPE, exit 128 + 13 without a word; mse keeps its finished units for --resume
+                _silence_standard_streams()
+                raise SystemExit(141) from None
             except OSError as exc:
                 message = no_space_message(exc)
                 if message is None:
@@ -72,6 +78,20 @@ class _LazyGroup(click.Group):
                 return None
             raise
         return module.command
+
+
+def _silence_standard_streams() -> None:
+    """Point stdout and stderr at the null device, so that the interpreter's flush at exit does not raise again on a
+    closed pipe (the Python documentation's note on SIGPIPE)."""
+    import os
+    import sys
+
+    null = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(null, stream.fileno())
+        except (OSError, ValueError):  # a stream without a file descriptor (a test's capture): nothing to flush
+            pass
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -17,8 +17,19 @@ from rich.console import Console
 #: stream is not a terminal (CI logs, pipes) rich would fall back to 80 columns and elide
 #: the numbers, so a non-terminal gets a width that fits the summary tables.
 _PIPE_WIDTH = 200
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else _PIPE_WIDTH)
-out_console = Console(width=None if sys.stdout.isatty() else _PIPE_WIDTH)
+
+
+class _Console(Console):
+    """rich's Console, but a closed pipe raises :class:`BrokenPipeError` (rich exits with 1 itself), so that the
+    command line ends every such case the same way: exit 141, mse's finished units kept (``randattn.cli``)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "the reader of randattn's output left")
+
+
+err_console = _Console(stderr=True, width=None if sys.stderr.isatty() else _PIPE_WIDTH)
+out_console = _Console(width=None if sys.stdout.isatty() else _PIPE_WIDTH)
 
 
 class UserError(click.ClickException):

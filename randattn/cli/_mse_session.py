@@ -172,7 +172,7 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                 parts = None if job.out is None else parts_path(job.out)
                 try:
                     tables = _run(job, parts, resume, where, client, several)
-                    summaries[str(job.source)] = _finish(tables, job, job.out, show)
+                    summaries[str(job.source)] = _finish(tables, job, job.out, show, parts=parts)
                 except UserError:
                     if parts is not None:
                         store.drop_empty_parts(parts)  # refused before any unit finished (memory): leave nothing
@@ -184,7 +184,6 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                         raise
                     abort(no_space_message(exc) + kept_message(parts, _resume(), then="once there is space"))
                 if parts is not None:
-                    shutil.rmtree(parts, ignore_errors=True)
                     written.append(job.out)
                 job.plan = job.activations = None  # its memory calibration and activations are not needed again
             if as_json and several:
@@ -366,10 +365,11 @@ def _finish_stored(job: Job, show: str) -> list[dict[str, Any]]:
     return _finish(SweepTables(coerce(read_results(job.out).table)), job, None, show)
 
 
-def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any]]:
-    """Write the table (with ``out``), then show the reference check and the summary on stdout (``show``: "table",
-    "json", or "none" where the caller prints the records of several files as one JSON object); the summary's
-    records.
+def _finish(tables, job: Job, out: Path | None, show: str, *, parts: Path | None = None) -> list[dict[str, Any]]:
+    """Write the table (with ``out``) and remove the run's ``parts`` (its finished units, in the table now), then
+    show the reference check and the summary on stdout (``show``: "table", "json", or "none" where the caller
+    prints the records of several files as one JSON object); the summary's records. The table is complete before
+    anything is shown, so a reader that stops reading (``| head``) leaves no unfinished run behind.
 
     Each record also carries the keys read, the relative error and the promise checks of its group
     (:func:`~randattn.analysis.relative_error.budget_summary`) and ``broken_promises``: a record per head whose
@@ -394,6 +394,8 @@ def _finish(tables, job: Job, out: Path | None, show: str) -> list[dict[str, Any
     summary = aggregate(table, seed=config.seed)
     if out is not None:
         write_tables(tables, out, table_metadata(config, activations, out, table))
+        if parts is not None:
+            shutil.rmtree(parts, ignore_errors=True)
         err_console.print(f"wrote {len(table)} rows to [bold]{out}[/] (metadata: {out.name}.meta.json)", highlight=False)
         if tables.positions is not None:
             err_console.print(f"wrote {len(tables.positions)} per-position rows to [bold]{positions_path(out)}[/]",

@@ -425,6 +425,20 @@ def test_sigint_to_any_command_exits_130_without_a_traceback(reference, tmp_path
     assert "interrupted" in result.stderr and "Traceback" not in result.stderr and "Aborted!" not in result.stderr
 
 
+def test_a_reader_that_leaves_ends_the_run_with_141_and_its_table_complete(acts, tmp_path):
+    """`randattn mse ... --out T | head -1`, the reader gone before the summary: the table is written before anything
+    is shown, so the run ends with 128 + SIGPIPE, without a traceback, its table whole and no unfinished run left
+    (rich's own handling exited 1 with the parts still there, and a rerun was told of an unfinished run)."""
+    out = tmp_path / "piped.parquet"
+    child = _spawn("mse", acts, "-e", "rfa", "--samples", "4", "--replicates", "2", "--layers", "0", "--out", out)
+    child.stdout.close()  # the reader leaves at once: the first line on stdout (the summary) meets a closed pipe
+    child.stdout = None
+    result = finish(child)
+    assert result.returncode == 141, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "wrote 4 rows" in _said(result)
+    assert len(pd.read_parquet(out)) == HEADS and not _parts(out).exists()
+
+
 # ------------------------------------------------------------------------------------------------------ 4. output paths
 _PR_CAPBSET_DROP, _CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 24, 1, 2
 
