@@ -11,9 +11,10 @@ Position
     it sees; with M == N its index + 1.
 Buckets
     ``"log2"`` (the default under a mask): :math:`[1, 1], [2, 3], [4, 7], [8, 15], \dots`, the last
-    one cut at M. Explicit lower edges :math:`e_0 < e_1 < \dots` give :math:`[e_i, e_{i+1} - 1]` and a
-    last bucket :math:`[e_{last}, M]`; positions below :math:`e_0` are in no bucket. Buckets holding
-    no query are left out.
+    one cut at M. Explicit lower edges :math:`1 = e_0 < e_1 < \dots` give :math:`[e_i, e_{i+1} - 1]` and
+    a last bucket :math:`[e_{last}, M]`, so every query falls in a bucket; the first edge must be 1
+    (edges ``8161`` would leave positions 1 to 8160 out, and ``100000`` every position of a shorter
+    run). Edges above M give no bucket, and buckets holding no measured query are left out.
 Metrics
     Those of :func:`randattn.analysis.metrics.replicate_metrics` (MSE, its SE, variance, debiased
     and naive bias², the jackknife SE of the bias²) over the bucket's queries and the value dims,
@@ -47,13 +48,22 @@ __all__ = [
 BUCKET_CHOICES = ("auto", "none", "log2")
 
 
-def parse_position_buckets(value: Any) -> str | tuple[int, ...]:
-    """``"auto"``, ``"none"``, ``"log2"`` or strictly increasing positive lower edges (``"1,2,4,8,64"`` or ints).
+def parse_position_buckets(value: Any, name: str = "position buckets") -> str | tuple[int, ...]:
+    """``"auto"``, ``"none"``, ``"log2"`` or strictly increasing lower edges starting at 1 (``"1,2,4,8,64"`` or ints).
+
+    The first edge is 1 so that every query (positions start at 1) falls in a bucket; the last bucket is
+    open-ended (it ends at M), so then every query does.
+
+    Parameters
+    ----------
+    value : str or sequence of int
+    name : str
+        What the messages call ``value`` (``"--position-buckets"`` on the command line).
 
     Raises
     ------
     ValueError
-        Anything else, saying what is allowed.
+        Anything else, saying what is allowed; edges whose first is not 1, naming them and the edges with 1 added.
     """
     if isinstance(value, str):
         text = value.strip().lower()
@@ -72,8 +82,12 @@ def parse_position_buckets(value: Any) -> str | tuple[int, ...]:
             edges = []
             break
     if not edges or edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
-        raise ValueError(f"position buckets {value!r}: use log2, none, auto or strictly increasing positive lower "
+        raise ValueError(f"{name} {value!r}: use log2, none, auto or strictly increasing positive lower "
                          "edges such as 1,2,4,8,64")
+    if edges[0] != 1:
+        raise ValueError(f"{name} {value!r}: the first lower edge must be 1, so that every query falls in a bucket "
+                         f"(positions start at 1, and those below the first edge would be in none); use "
+                         f"{','.join(map(str, [1, *edges]))}")
     return tuple(edges)
 
 
@@ -99,7 +113,7 @@ def position_buckets(scheme: str | Sequence[int], max_position: int) -> tuple[tu
             raise ValueError(f"position_buckets: {scheme!r} is not a bucketing; use log2 or lower edges")
         edges = [1 << i for i in range(max(int(max_position), 1).bit_length())]
     else:
-        edges = [int(e) for e in scheme]
+        edges = list(parse_position_buckets(tuple(scheme)))  # the edges' rule, said once
     buckets = []
     for i, lo in enumerate(edges):
         if lo > max_position:

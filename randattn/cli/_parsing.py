@@ -59,16 +59,12 @@ def parse_int_list(name: str, text: str | None, example: str = "0,2,5-7") -> tup
 
 def parse_position_buckets(text: str | None):
     """``--position-buckets``: ``"auto"`` for None (the default), else what
-    :func:`randattn.analysis.positions.parse_position_buckets` accepts."""
+    :func:`randattn.analysis.positions.parse_position_buckets` accepts; its ValueError names the option."""
     from randattn.analysis.positions import parse_position_buckets as parse
 
     if text is None:
         return "auto"
-    try:
-        return parse(text)
-    except ValueError:
-        raise ValueError(f"--position-buckets {text!r}: use log2, none or strictly increasing positive lower edges "
-                         "such as 1,2,4,8,64") from None
+    return parse(text, name="--position-buckets")
 
 
 def parse_queries(text: str | None) -> str:

@@ -30,7 +30,9 @@ __all__ = [
     "SweepTables",
     "Results",
     "ResultsError",
+    "PositionsTableError",
     "MetadataConflictWarning",
+    "is_positions_table",
     "positions_path",
     "sidecar_path",
     "table_records",
@@ -55,6 +57,35 @@ class MetadataConflictWarning(UserWarning):
 
 class ResultsError(ValueError):
     """A results file that cannot be read, or a table without the columns a figure or report needs."""
+
+
+#: the columns only a per-position table has (:data:`~randattn.results.schema.POSITION_COLUMNS`): its bucket
+POSITION_BUCKET_COLUMNS = ("position_lo", "position_hi")
+
+
+class PositionsTableError(ResultsError):
+    """A run's per-position table given where its main table is expected (:func:`read_results` with
+    ``main_table``).
+
+    Its rows are (head, S, position bucket) rather than cells, so averaging them as cells weighs every bucket like a
+    head: the reports' and figures' numbers would be wrong. The main table brings it along
+    (:attr:`Results.positions`).
+
+    Attributes
+    ----------
+    path : pathlib.Path
+        The per-position table that was given.
+    main_path : pathlib.Path or None
+        The run's main table it belongs to: the name its metadata records (``positions_of``), else ``path``
+        without ``.positions`` (``mse.positions.parquet`` -> ``mse.parquet``); None when neither says.
+    """
+
+    def __init__(self, path: Path, main_path: Path | None) -> None:
+        self.path = Path(path)
+        self.main_path = main_path
+        main = f"the main table, {str(main_path)!r}" if main_path is not None else "the run's main table"
+        super().__init__(f"results {str(self.path)!r} are a run's per-position table (one row per head, S and "
+                         f"query-position bucket), not its main table; read {main}, which brings this one along")
 
 
 @dataclass(frozen=True)
@@ -221,7 +252,7 @@ class Results:
     positions: pd.DataFrame | None = None
 
 
-def read_results(path: str | os.PathLike) -> Results:
+def read_results(path: str | os.PathLike, *, main_table: bool = False) -> Results:
     """Read a results table (CSV, Parquet or JSON) and the metadata stored with it.
 
     Parameters
@@ -231,6 +262,10 @@ def read_results(path: str | os.PathLike) -> Results:
         ``orient="table"`` / ``"split"`` document, or an object ``{"metadata": {...}, "rows" | "results" |
         "data": [...]}``. Parquet metadata is read from the schema key ``randattn``; a sidecar
         ``<stem>.meta.json`` beside any format is read too.
+    main_table : bool
+        Accept only a run's main table: a per-position table (:func:`is_positions_table`) raises
+        :class:`PositionsTableError`. What reports and figures ask, since they average the rows as cells and a
+        per-position table's rows are buckets. Without it a per-position table reads as any table.
 
     Returns
     -------
@@ -243,11 +278,33 @@ def read_results(path: str | os.PathLike) -> Results:
         The file does not exist, has an unknown suffix, cannot be parsed, or holds no rows; a measured column
         (``mse``, ``variance``, ...) holds text that is not a number, or an error column (``mse``, ``variance``,
         ``bias_sq``) an infinite value; or its per-position table cannot be read.
+    PositionsTableError
+        With ``main_table``: ``path`` is a run's per-position table (it has the bucket columns ``position_lo`` and
+        ``position_hi``, or its metadata names the table it belongs to); read that main table instead.
     """
     table, metadata, path = _read_one(path)
+    if main_table and is_positions_table(table, metadata):
+        raise PositionsTableError(path, _main_table_of(path, metadata))
     beside = positions_path(path)
     positions = _read_one(beside)[0] if beside.is_file() and beside != path else None
     return Results(table=table, metadata=metadata, path=path, positions=positions)
+
+
+def is_positions_table(table: pd.DataFrame, metadata: Mapping[str, Any]) -> bool:
+    """Whether ``table`` (read with ``metadata``) is a per-position table: by its bucket columns
+    (:data:`POSITION_BUCKET_COLUMNS`), which a table renamed or stripped of its metadata keeps, or by the
+    ``positions_of`` entry :func:`write_tables` gives its metadata."""
+    return set(POSITION_BUCKET_COLUMNS) <= set(table.columns) or "positions_of" in metadata
+
+
+def _main_table_of(path: Path, metadata: Mapping[str, Any]) -> Path | None:
+    """The main table the per-position table at ``path`` belongs to (:attr:`PositionsTableError.main_path`)."""
+    named = metadata.get("positions_of")
+    if isinstance(named, str) and named.strip():
+        return path.with_name(Path(named).name)
+    if path.stem.endswith(".positions"):
+        return path.with_name(path.stem[: -len(".positions")] + path.suffix)
+    return None
 
 
 def _read_one(path: str | os.PathLike) -> tuple[pd.DataFrame, dict[str, Any], Path]:
