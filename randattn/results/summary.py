@@ -43,7 +43,10 @@ def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0, 
     n_boot : int
         Bootstrap resamples.
     seed : int
-        Seed of the bootstrap (each group gets ``SeedSequence(seed, spawn_key=(group index,))``).
+        Seed of the bootstrap: the groups that differ only in ``num_samples`` share one stream,
+        ``SeedSequence(seed, spawn_key=(index,))`` with ``index`` their rank among the other keys in order of first
+        appearance, so that a configuration without S, whose one measurement the table repeats at each S, gets the
+        same interval at each (and the S of one configuration are resampled alike).
     by : sequence of str
         More grouping columns (e.g. ``("position_lo", "position_hi")`` for a per-position table).
 
@@ -67,8 +70,10 @@ def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0, 
     if missing:
         raise ValueError(f"table lacks column(s) {missing}; expected a sweep table")
     records = []
-    for gi, (key, frame) in enumerate(table.groupby(keys, sort=False)):
-        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(gi,)))
+    streams: dict[tuple, int] = {}
+    for key, frame in table.groupby(keys, sort=False):
+        stream = streams.setdefault(tuple(v for k, v in zip(keys, key) if k != "num_samples"), len(streams))
+        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(stream,)))
         per_layer = frame.groupby(["image", "layer"], sort=False)[metrics].mean()  # mean over heads
         per_image = per_layer.groupby(level="image", sort=False).mean()  # mean over layers
         if len(per_image) > 1:

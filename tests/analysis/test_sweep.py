@@ -426,6 +426,25 @@ def test_aggregate_follows_lara_h1():
     assert single.iloc[0].ci_over == "heads" and single.iloc[0].mse == pytest.approx(4.0)
 
 
+def test_a_configuration_without_s_gets_one_interval_at_every_s():
+    """Adaptive vAttention's one measurement, repeated at S = 16 and 32, beside top-k's two: its two summary rows are
+    the same, intervals included (each S had a bootstrap stream of its own, so the same data read as two
+    intervals); the stream is the configuration's, placed after top-k's, whichever S comes first."""
+    rows = []
+    for label, repeated in (("topk", False), ("vattention", True)):
+        for s in (16, 32):
+            for head, mse in enumerate((1.0, 2.0, 4.0, 8.0, 3.0)):
+                value = mse if repeated else mse * s
+                rows.append(dict(estimator=label, label=label, num_samples=s, tokens=64, image="x", layer=0,
+                                 head=head, mse=value, bias_sq=0.0, variance=value))
+    summary = aggregate(pd.DataFrame(rows), n_boot=200, seed=3).set_index(["label", "num_samples"])
+    columns = ["mse", "mse_lo", "mse_hi", "variance_lo", "variance_hi"]
+    assert summary.loc[("vattention", 16), columns].tolist() == summary.loc[("vattention", 32), columns].tolist()
+    assert summary.loc[("vattention", 16), "mse_lo"] < summary.loc[("vattention", 16), "mse_hi"]
+    # top-k's two S resample the same heads alike: its interval scales with the data (mse * S)
+    assert summary.loc[("topk", 32), "mse_lo"] == pytest.approx(2 * summary.loc[("topk", 16), "mse_lo"])
+
+
 def test_write_table_keeps_metadata(acts, tmp_path):
     table = run_sweep(acts, _config(layers=(0,), estimators=parse_estimator_list("rfa"), num_samples=(4,)))
     meta = {"seed": 11, "command_line": "randattn mse x.safetensors"}
