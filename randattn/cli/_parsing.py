@@ -110,13 +110,44 @@ def resolve_mask(choice: str, activations: Any):
         if mask.name == "sliding" and mask.window >= tokens:
             err_console.print(f"--mask {choice}: a window of {mask.window} keys holds every key of these "
                               f"{tokens}-token sequences, so it is the causal mask: measured and recorded as causal",
-                              highlight=False)
-            return "causal"
+                              highlight=False, markup=False, emoji=False)
+            mask = Mask.parse("causal")
+        replaced = _replaced_masks(activations, mask.kind)
+        if replaced:
+            err_console.print(f"--mask {choice} replaces the mask the file records for {replaced} (--mask file, the "
+                              "default, measures each layer under its own)", highlight=False, markup=False, emoji=False,
+                              soft_wrap=True)
         return mask.kind
     try:
         return masks_of_activations(activations)
     except ValueError as exc:
         abort(f"--mask file: {exc}")
+
+
+def _replaced_masks(activations: Any, kind: str | None) -> str:
+    """The layers whose recorded mask (the file's metadata 'mask') differs from ``kind``, in words (``"layer 0
+    (sliding:512)"``, ``"layers 0, 2 (sliding:512) and 5 (none)"``, ``"every layer (causal)"``); empty where none
+    does, or the file records none or records it unreadably (``--mask file`` says why then)."""
+    from randattn.analysis.masking import masks_of_activations
+
+    try:
+        recorded = masks_of_activations(activations)
+    except ValueError:
+        return ""
+    if recorded is None:
+        return ""
+    recorded = dict(recorded) if isinstance(recorded, tuple) else {layer: recorded for layer in activations.layers}
+    differing: dict[str, list[int]] = {}
+    for layer, own in recorded.items():
+        if own != kind:
+            differing.setdefault("none" if own is None else str(own), []).append(int(layer))
+    parts = [f"{', '.join(map(str, layers))} ({own})" for own, layers in differing.items()]
+    if not parts:
+        return ""
+    if len(differing) == 1 and len(recorded) > 1 and len(next(iter(differing.values()))) == len(recorded):
+        return f"every layer ({next(iter(differing))})"
+    noun = "layer" if sum(len(layers) for layers in differing.values()) == 1 else "layers"
+    return f"{noun} " + (parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1])
 
 
 def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, layers, heads, images, seed, backend,

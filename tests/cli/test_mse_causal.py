@@ -241,3 +241,25 @@ def test_a_window_that_holds_every_key_is_measured_as_the_causal_mask(files, tmp
     assert _invoke(files[0], "--mask", f"sliding:{TOKENS - 1}", "-e", "ra", "--samples", "3", "--replicates", "2",
                    "--out", window).exit_code == 0
     assert set(pd.read_parquet(window)["mask"]) == {f"sliding:{TOKENS - 1}"}
+
+
+def test_a_mask_option_that_replaces_the_files_own_masks_says_so(files, tmp_path):
+    """A file recording ``{0: sliding:4, 1: causal}``: ``--mask causal`` replaces layer 0's window, ``--mask none``
+    both, a mask the file records for every layer nothing (no note); a file that records no mask gets none either
+    (it is bidirectional by default, not by record)."""
+    meta = {"scale": 0.5, "model": "synthetic", "layout": "sequence", "mask": {"0": "sliding:4", "1": "causal"}}
+    mixed = save_activations(make_activations(_arrays(), meta), tmp_path / "mixed.safetensors")
+    said = {}
+    for path, mask in ((mixed, "causal"), (mixed, "none"), (mixed, "file"), (files[1], "none"),
+                       (files[1], "causal"), (files[0], "causal")):
+        result = _invoke(path, "--mask", mask, "-e", "ra", "--samples", "3", "--replicates", "2", "--dry-run")
+        assert result.exit_code == 0, result.output
+        notes = [line for line in result.output.splitlines() if "replaces the mask the file records" in line]
+        said[(path.stem, mask)] = notes
+    tail = " (--mask file, the default, measures each layer under its own)"
+    assert said[("mixed", "causal")] == ["--mask causal replaces the mask the file records for layer 0 (sliding:4)"
+                                         + tail]
+    assert said[("mixed", "none")] == ["--mask none replaces the mask the file records for layers 0 (sliding:4) and "
+                                       "1 (causal)" + tail]
+    assert said[("lm", "none")] == ["--mask none replaces the mask the file records for every layer (causal)" + tail]
+    assert said[("mixed", "file")] == said[("lm", "causal")] == said[("plain", "causal")] == []
