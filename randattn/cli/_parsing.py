@@ -221,4 +221,32 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
             message += (" (the mask is the activation file's own metadata 'mask'; --mask none, causal or "
                         "sliding:W overrides it)")
         abort(message)
+    note = _own_epsilons_note(config)
+    if note is not None:
+        from randattn.cli._common import err_console
+
+        err_console.print(note, highlight=False, markup=False, emoji=False, soft_wrap=True)
     return config, activations
+
+
+def _own_epsilons_note(config) -> str | None:
+    """With ``--epsilon``, where some estimators promise (epsilon, delta) of their own: those are checked at their
+    own epsilon on the quantity their promise bounds, so the option does not reach them; None where it reaches
+    every estimator (or is not given)."""
+    from randattn.estimators.registry import get_spec
+
+    if config.epsilon is None:
+        return None
+    own = {}
+    for est in config.estimators:
+        spec = get_spec(est.name)
+        promise = spec.promise_of(spec.resolve_params(est.params))
+        if promise is not None:
+            own[est.label] = promise[0]
+    if not own:
+        return None
+    theirs = "; ".join(f"{label}: {epsilon:g}" for label, epsilon in own.items())
+    reach = ("applies to none of the estimators" if len(own) == len(config.estimators)
+             else "applies to the estimators without a promise of their own")
+    return (f"--epsilon {config.epsilon:g} {reach}: an estimator that promises (epsilon, delta) is checked at its "
+            f"own epsilon, on the quantity its promise bounds ({theirs})")

@@ -183,3 +183,21 @@ def test_refused_before_any_work(acts_file, tmp_path, args, message):
     assert result.exit_code == 2, result.output
     assert message in _words(result)
     assert not out.exists() and not out.with_name("r.parquet.parts").exists()
+
+
+def test_epsilon_says_which_estimators_it_does_not_reach(acts_file):
+    """``--epsilon 0.2`` beside estimators that promise their own (epsilon, delta): the run says it does not reach
+    them and names their own epsilon; beside none it says nothing. The table's rows carry each one's own epsilon."""
+    def note(*estimators):
+        args = [a for e in estimators for a in ("-e", e)]
+        result = _invoke(acts_file, "--mask", "causal", "--queries", "last:3", *args, "--samples", "3",
+                         "--replicates", "2", "--epsilon", "0.2", "--dry-run", "--threads", "1")
+        assert result.exit_code == 0, result.output
+        return [line for line in result.output.splitlines() if line.startswith("--epsilon")]
+
+    rule = ("an estimator that promises (epsilon, delta) is checked at its own epsilon, on the quantity its promise "
+            "bounds")
+    assert note(PROMISING, "topk") == [f"--epsilon 0.2 applies to the estimators without a promise of their own: "
+                                       f"{rule} ({PROMISING}: 0.01)"]
+    assert note(PROMISING) == [f"--epsilon 0.2 applies to none of the estimators: {rule} ({PROMISING}: 0.01)"]
+    assert note("topk") == []
