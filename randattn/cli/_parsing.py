@@ -37,11 +37,17 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_int_list(name: str, text: str | None, example: str = "0,2,5-7") -> tuple[int, ...] | None:
-    """``"0,2,5-7"`` -> ``(0, 2, 5, 6, 7)``; None stays None (all). ``example`` is the hint an unreadable item gets."""
+    """``"0,2,5-7"`` -> ``(0, 2, 5, 6, 7)``; None stays None (all). ``example`` is the hint an unreadable item gets.
+
+    An empty item (``"64,,256"``, ``"16,"``) is refused: a number left out by mistake would otherwise go unseen."""
     if text is None:
         return None
     values: list[int] = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
+    items = [part.strip() for part in text.split(",")]
+    if "" in items and any(items):
+        raise ValueError(f"{name}: an empty item in {text!r} (two commas in a row, or one at an end); use integers "
+                         f"and ranges like {example}")
+    for item in filter(None, items):
         try:
             if re.fullmatch(r"\d+-\d+", item):
                 lo, hi = map(int, item.split("-"))
@@ -51,7 +57,8 @@ def parse_int_list(name: str, text: str | None, example: str = "0,2,5-7") -> tup
             else:
                 values.append(int(item))
         except ValueError:
-            raise ValueError(f"{name}: cannot read {item!r} in {text!r}; use integers and ranges like {example}") from None
+            raise ValueError(f"{name}: cannot read {item!r} in {text!r}; use integers and ranges like "
+                             f"{example}") from None
     if not values:
         raise ValueError(f"{name}: no values in {text!r}")
     return tuple(dict.fromkeys(values))
