@@ -714,9 +714,12 @@ def _load_iv(path: Any) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"activation file not found: {str(path)!r}")
     if not path.is_file():
-        raise ValueError(f"path: {str(path)!r} is not a file")
+        raise ValueError(f"activation file {str(path)!r} is not a file")
     if path.suffix.lower() not in FORMATS:
-        raise ValueError(f"path: unknown suffix {path.suffix!r} in {str(path)!r}; use one of {sorted(FORMATS)}")
+        results = (" (a results table: randattn report and randattn plot read it)"
+                   if path.suffix.lower() in (".parquet", ".csv", ".json") else "")
+        raise ValueError(f"activation file {str(path)!r}: unknown suffix {path.suffix!r}{results}; activations are "
+                         f"one of {sorted(FORMATS)}")
     return path
 
 

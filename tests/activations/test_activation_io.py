@@ -183,3 +183,16 @@ def test_pt_with_pickled_code_is_refused_in_one_clean_line(tmp_path):
     message = str(info.value)
     assert "evil.pt" in message and "weights_only=True" in message
     assert "\n" not in message and "\x1b" not in message  # one line, no ANSI escapes
+
+
+def test_a_results_table_given_as_activations_is_named_as_such(tmp_path):
+    """``randattn mse d1.parquet`` (a results table) said "path: unknown suffix": the message names the activation
+    file, what activations are, and where a results table goes; another suffix gets no such hint."""
+    for name, hint in (("d1.parquet", True), ("acts.h5", False)):
+        (tmp_path / name).write_bytes(b"x")
+        with pytest.raises(ValueError) as info:
+            load_activations(tmp_path / name)
+        message = str(info.value)
+        assert message.startswith(f"activation file {str(tmp_path / name)!r}: unknown suffix ")
+        assert ("a results table: randattn report and randattn plot read it" in message) is hint
+        assert "activations are one of [" in message and "path:" not in message
