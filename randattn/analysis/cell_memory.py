@@ -138,7 +138,8 @@ class MemoryBudgetError(ValueError):
     replicates, heads : int
         The unit's replicates and heads (their store is what did not fit when ``store`` is True).
     store : bool
-        False: one replicate of one head alone exceeds the budget (fewer samples or a larger budget help);
+        False: one replicate of one head alone exceeds the budget (a larger budget, fewer samples or fewer
+        queries help);
         True: the estimates of all replicates and heads, kept until their metrics, exceed it.
     """
 
@@ -161,7 +162,9 @@ class MemoryBudgetError(ValueError):
 
     def __str__(self) -> str:
         if not self.store:
-            return f"{self.what}; raise max_memory or use fewer samples"
+            helps = ["raise max_memory", *(["use fewer samples"] if self.num_samples is not None else []),
+                     "measure fewer queries (queries='last:K')"]
+            return f"{self.what}; " + ", ".join(helps[:-1]) + " or " + helps[-1]
         return f"{self.what}; use fewer replicates, select fewer heads, or raise max_memory"
 
 

@@ -109,7 +109,9 @@ def _(exc: SchedulerError) -> str:
 def _(exc: MemoryBudgetError) -> str:
     if exc.store:
         return f"{exc.what}; use fewer --replicates, select fewer --heads, or raise --max-memory"
-    return f"{exc.what}; raise --max-memory or use fewer --samples"
+    helps = ["raise --max-memory", *(["use fewer --samples"] if exc.num_samples is not None else []),
+             "measure fewer queries (--queries last:K)"]
+    return f"{exc.what}; " + ", ".join(helps[:-1]) + " or " + helps[-1]
 
 
 def out_of_memory(what: str, budget: str) -> str:
