@@ -77,6 +77,19 @@ def command(out_dir, max_tokens, layers, samples, single_sample, replicates, see
         _run(config, folder)
 
 
+def _single_sample_text(config) -> str:
+    """``"ra at S = [1, 2]"``; an estimator that takes no S (adaptive vAttention sizes its own sample) is named
+    apart, without one."""
+    from randattn.analysis.plan import parse_estimator_list
+
+    parsed = parse_estimator_list(list(config.ra)) if config.ra else []
+    with_s = [e.label for e in parsed if e.needs_samples]
+    without = [e.label for e in parsed if not e.needs_samples]
+    parts = ([f"{', '.join(with_s)} at S = {list(config.single_sample)}"] if with_s else []) + (
+        [f"{', '.join(without)} (no S: {'its' if len(without) == 1 else 'their'} own sample size)"] if without else [])
+    return ", ".join(parts)
+
+
 def _run(config, out_dir) -> None:
     from randattn._process import retain_freed_memory
     from randattn.cli._demo_session import command_line, run_steps
@@ -87,8 +100,8 @@ def _run(config, out_dir) -> None:
     err_console.print(
         f"[bold]randattn demo-lm[/]: {config.model} on {config.text}{' packed' if config.pack else ''} "
         f"({config.max_tokens} tokens) x layers {list(config.layers)}, causal mask, {what}; "
-        f"{', '.join(config.estimators)} at S = {list(config.samples)}, "
-        f"{', '.join(config.ra)} at S = {list(config.single_sample)}; R = {config.replicates}",
+        f"{', '.join(config.estimators)} at S = {list(config.samples)}, {_single_sample_text(config)}; "
+        f"R = {config.replicates}",
         highlight=False,
     )
     run_steps(lambda progress: run_demo_lm(config, out_dir, command=command_line(), progress=progress),

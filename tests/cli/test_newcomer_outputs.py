@@ -802,3 +802,13 @@ def test_the_reference_check_counts_a_configuration_without_s_once():
     rows = [("softmax", "{}", "softmax", s, "float32", 1e-30, 2e-7, "a", 0, 0) for s in (16, 32)]
     rows += [("rfa", "{}", "rfa", s, "float32", 1e-2, 1e-7, "a", 0, 0) for s in (16, 32)]
     assert reference_check_summary(pd.DataFrame([dict(zip(columns, row)) for row in rows]))["units_checked"] == 3
+
+
+def test_demo_lm_names_an_estimator_without_s_apart():
+    """``demo-lm --decode`` said "magicpig, vattention at S = [150]", though adaptive vAttention sizes its own
+    sample; the header names it apart."""
+    from randattn.cli.demo_lm import _single_sample_text
+    from randattn.workflows.demo_lm import LM_DECODE, LMDemoConfig
+
+    assert _single_sample_text(LM_DECODE) == "magicpig at S = [150], vattention (no S: its own sample size)"
+    assert _single_sample_text(LMDemoConfig()) == "ra at S = [1, 2]"
