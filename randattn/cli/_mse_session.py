@@ -365,6 +365,21 @@ def _finish_stored(job: Job, show: str) -> list[dict[str, Any]]:
     return _finish(SweepTables(coerce(read_results(job.out).table)), job, None, show)
 
 
+def _rows_text(table) -> str:
+    """``"20 rows"``, and where configurations without S repeat their one measurement at each S, how many rows that
+    is and how many measurements (the cells the plan counted): ``"20 rows (18 measurements: a configuration without
+    S repeats its row at each S)"``."""
+    from randattn.analysis.relative_error import MEASUREMENT_KEYS, s_free_repeats
+    from randattn.reports.console import count
+
+    repeated = int(s_free_repeats(table, MEASUREMENT_KEYS)[1].sum()) if len(table) else 0
+    text = count(len(table), "row")
+    if repeated:
+        text += (f" ({count(len(table) - repeated, 'measurement')}: a configuration without S repeats its row at "
+                 "each S)")
+    return text
+
+
 def _finish(tables, job: Job, out: Path | None, show: str, *, parts: Path | None = None) -> list[dict[str, Any]]:
     """Write the table (with ``out``) and remove the run's ``parts`` (its finished units, in the table now), then
     show the reference check and the summary on stdout (``show``: "table", "json", or "none" where the caller
@@ -396,7 +411,8 @@ def _finish(tables, job: Job, out: Path | None, show: str, *, parts: Path | None
         write_tables(tables, out, table_metadata(config, activations, out, table))
         if parts is not None:
             shutil.rmtree(parts, ignore_errors=True)
-        err_console.print(f"wrote {len(table)} rows to [bold]{out}[/] (metadata: {out.name}.meta.json)", highlight=False)
+        err_console.print(f"wrote {_rows_text(table)} to [bold]{out}[/] (metadata: {out.name}.meta.json)",
+                          highlight=False)
         if tables.positions is not None:
             err_console.print(f"wrote {len(tables.positions)} per-position rows to [bold]{positions_path(out)}[/]",
                               highlight=False)

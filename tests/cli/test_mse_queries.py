@@ -201,3 +201,16 @@ def test_epsilon_says_which_estimators_it_does_not_reach(acts_file):
                                        f"{rule} ({PROMISING}: 0.01)"]
     assert note(PROMISING) == [f"--epsilon 0.2 applies to none of the estimators: {rule} ({PROMISING}: 0.01)"]
     assert note("topk") == []
+
+
+def test_the_rows_written_count_the_measurements_of_a_configuration_without_s_once(acts_file, tmp_path):
+    """Softmax takes no S: at S = 2 and 3 its one measurement per head is written twice. The run said "wrote 8
+    rows" after planning 6 cells; it says how many measurements the rows hold, and one row is "1 row"."""
+    result = _invoke(acts_file, "--mask", "causal", "-e", "softmax", "-e", "topk", "--samples", "2,3",
+                     "--out", tmp_path / "t.csv", "--threads", "1")
+    assert result.exit_code == 0, result.output
+    assert "plan: 6 cells" in _words(result)
+    assert "wrote 8 rows (6 measurements: a configuration without S repeats its row at each S) to" in _words(result)
+    single = _invoke(acts_file, "--mask", "causal", "-e", "topk", "--samples", "2", "--heads", "0",
+                     "--out", tmp_path / "one.csv", "--threads", "1")
+    assert "wrote 1 row to" in _words(single)
