@@ -17,15 +17,16 @@ from randattn.analysis.masking import MASK_CHOICES
 def _mask_option(context: click.Context, parameter: click.Parameter, value: str) -> str:
     """``--mask``: one of :data:`~randattn.analysis.masking.MASK_CHOICES`, or ``sliding:W`` with W a positive
     integer; anything else exits 2 naming what is accepted."""
+    from randattn.cli._common import abort
     from randattn.estimators.masks import Mask
 
     if value in MASK_CHOICES:
         return value
     try:
-        Mask.parse(value, "the mask")
-    except ValueError as exc:
+        Mask.parse(value, "--mask")
+    except ValueError as exc:  # worded as every other refused value of mse ("error: ..."), not as click's usage
         other = "" if value.startswith("sliding:") else ", or file (the activation file's own masks)"
-        raise click.BadParameter(f"{exc}{other}") from None
+        abort(f"{exc}{other}")
     return value
 
 

@@ -217,6 +217,8 @@ def test_mask_sliding_w_on_the_command_line_is_the_files_own_window(files, tmp_p
                       ("window:4", "'sliding:W' (W a positive integer), or file")):
         result = _invoke(files[0], "--mask", bad, "-e", "topk", "--out", tmp_path / "bad.parquet")
         assert result.exit_code == 2 and says in " ".join(result.output.split())
+        # worded as mse's other refused values (--queries, --samples), not as click's usage error
+        assert result.output.startswith(f"error: --mask '{bad}'") and "Usage:" not in result.output
         assert not (tmp_path / "bad.parquet").exists()
 
 
