@@ -514,9 +514,11 @@ def _counts_other_than_output(table: pd.DataFrame) -> bool:
 def _heads_broken(flags: pd.DataFrame) -> str:
     """``"2 of 54 (<= 1.4 expected by chance; family-wise: 0)"``: the heads flagged (``promise_broken``), the most
     flagged on average where all keep it, and those flagged family-wise (``familywise``; left out where a table lacks
-    the counts)."""
+    the counts); empty for a configuration without a promise."""
     from randattn.analysis.relative_error import flags_by_chance
 
+    if flags["promise_broken"].isna().all():  # no promise checked: nothing to count (as the delta column is blank)
+        return ""
     broken = int(flags["promise_broken"].eq(True).sum())  # NaN (no promise checked) is not a flag
     if not broken:
         return f"0 of {len(flags)}"

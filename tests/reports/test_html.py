@@ -232,6 +232,11 @@ def test_the_report_lists_a_broken_promise_and_summarises_the_relative_error():
     assert set(summary["heads broken"]) == {f"{items} of {2 * items} (<= {0.025 * 2 * items:.2g} expected by chance)"}
     unbroken = promise_summary(table.assign(promise_broken=False))
     assert set(unbroken["heads broken"]) == {f"0 of {2 * items}"}
+    # a configuration without a promise has no heads to count: blank, as its delta (it said "0 of 2")
+    unpromised = promise_summary(table.assign(promise_broken=np.where(table["label"] == "softmax", np.nan, False),
+                                              delta=np.where(table["label"] == "softmax", np.nan, 0.1)))
+    assert (set(unpromised.loc[unpromised["label"] == "softmax", "heads broken"]) == {""}
+            and set(unpromised.loc[unpromised["label"] != "softmax", "heads broken"]) == {f"0 of {2 * items}"})
     page = build_report(table, environment={}, figures=[])  # the figures are tested elsewhere
     assert '<h2 id="promise">Relative error and promises</h2>' in page and 'href="#promise"' in page
     # softmax takes no S: its one measurement per head, repeated at both S, is listed once
