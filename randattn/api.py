@@ -172,7 +172,9 @@ def estimate(
         DeprecationWarning, until randattn 0.3.
     num_samples : int, optional
         S, the number of random samples (features, proposals' samples) or the key budget of a decode-time
-        estimator (top-k's kept keys, MagicPIG's hash tables); required by the estimators that take one.
+        estimator (top-k's kept keys, MagicPIG's hash tables); required by the estimators that take one, and
+        ignored by those that take none (softmax, local attention, adaptive vAttention, which sizes its own
+        sample: ``randattn estimators`` lists which), so that one S can be given to every estimator in a loop.
     seed : int or numpy.random.Generator, optional
         The draws are made once, in float64 numpy, from this seed and then moved to the
         backend: the same seed gives the same draws whichever backend, dtype or device
