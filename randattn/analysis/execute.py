@@ -638,10 +638,11 @@ class UnitRunner:
             diagnose = False
         ref_check = ReferenceCheck()
         query_blocks = self.query_blocks(unit)  # None: one call over every measured query
-        if query_blocks is not None and diagnose:
+        if query_blocks is not None and diagnose and spec.diagnostics_apply(spec.resolve_params(est.params)):
             warnings.warn(f"IS diagnostics (ESS, delta-method variance, k-hat) not computed for {est.label}: its "
                           f"{n} queries are estimated in blocks of {query_blocks[0].rows.stop}, each with draws of "
                           "its own, and the diagnostics describe one call's", DiagnosticsSkippedWarning, stacklevel=2)
+        if query_blocks is not None:
             diagnose = False
         parts = query_blocks or [QueryBlock(None, slice(None), m)]
         for cs, rs in blocks:

@@ -237,6 +237,15 @@ def test_a_blocked_unit_leaves_the_is_diagnostics_nan_and_says_why(monkeypatch):
     assert [message for category, message in caught if category == "DiagnosticsSkippedWarning"] == [
         "IS diagnostics (ESS, delta-method variance, k-hat) not computed for rfa: its 16 queries are estimated in "
         "blocks of 4, each with draws of its own, and the diagnostics describe one call's"]
+    # an estimator without importance weights (MagicPIG) has no diagnostics to skip: a blocked unit says nothing
+    pig = SweepConfig(estimators=parse_estimator_list("magicpig:hash_bits=2"), num_samples=(4,), replicates=4,
+                      threads=1, dtype="float64", diagnostics=True, check_reference=0.0, mask="causal")
+    with monkeypatch.context() as patch:
+        _blocked(patch, 4, 16)
+        runner = UnitRunner(acts, pig)
+        assert runner.query_blocks(plan(acts, pig)[0]) is not None
+        _, caught, _, _ = run_recording(runner, plan(acts, pig)[0])
+    assert [category for category, _ in caught if category == "DiagnosticsSkippedWarning"] == []
 
 
 def test_the_plan_counts_the_blocked_units_and_says_so(monkeypatch):
