@@ -237,6 +237,9 @@ def test_the_report_lists_a_broken_promise_and_summarises_the_relative_error():
                                               delta=np.where(table["label"] == "softmax", np.nan, 0.1)))
     assert (set(unpromised.loc[unpromised["label"] == "softmax", "heads broken"]) == {""}
             and set(unpromised.loc[unpromised["label"] != "softmax", "heads broken"]) == {f"0 of {2 * items}"})
+    # a head left unchecked (NaN) beside checked ones is no flag, and the others are still counted
+    partly = promise_summary(table.assign(promise_broken=np.where(table["head"] == 0, np.nan, 1.0)))
+    assert set(partly["heads broken"]) == {f"{items} of {2 * items} (<= {0.025 * 2 * items:.2g} expected by chance)"}
     page = build_report(table, environment={}, figures=[])  # the figures are tested elsewhere
     assert '<h2 id="promise">Relative error and promises</h2>' in page and 'href="#promise"' in page
     # softmax takes no S: its one measurement per head, repeated at both S, is listed once
