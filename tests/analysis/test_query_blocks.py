@@ -102,6 +102,11 @@ def test_a_query_blocks_stream_is_its_own():
     assert len(set(firsts.values())) == len(firsts)
     reference = np.random.default_rng(np.random.SeedSequence(11, spawn_key=(1,))).random()
     assert firsts[(1, None)] == reference
+    # nor the query sample's stream (two words under the master seed), whatever the replicate and block numbers
+    from randattn.analysis.queries import query_sample_seed
+
+    sample = np.random.default_rng(query_sample_seed(11)).random()
+    assert replicate_rng(11, 0x51, 0x5E).random() != sample
 
 
 # ------------------------------------------------------------------------------------------------ the rows
