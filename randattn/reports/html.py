@@ -514,10 +514,11 @@ def _counts_other_than_output(table: pd.DataFrame) -> bool:
 def _heads_broken(flags: pd.DataFrame) -> str:
     """``"2 of 54 (<= 1.4 expected by chance; family-wise: 0)"``: the heads flagged (``promise_broken``), the most
     flagged on average where all keep it, and those flagged family-wise (``familywise``; left out where a table lacks
-    the counts); empty for a configuration without a promise."""
+    the counts); empty for a configuration without a promise (its ``delta`` NaN: the table writes its
+    ``promise_broken`` False)."""
     from randattn.analysis.relative_error import flags_by_chance
 
-    if flags["promise_broken"].isna().all():  # no promise checked: nothing to count (as the delta column is blank)
+    if flags["promise_broken"].isna().all() or flags["delta"].isna().all():  # no promise: nothing to count
         return ""
     broken = int(flags["promise_broken"].eq(True).sum())  # NaN (no promise checked) is not a flag
     if not broken:
@@ -553,7 +554,7 @@ def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
             summary["violation of"] = groups["violation_of"].first()
     if "promise_broken" in table.columns:
         summary["delta"] = groups["delta"].first()
-        summary["heads broken"] = groups[["promise_broken", "familywise"]].apply(_heads_broken)
+        summary["heads broken"] = groups[["promise_broken", "familywise", "delta"]].apply(_heads_broken)
     shown = once_without_s(summary.reset_index())  # a configuration without S once, its S "–"
     shown["num_samples"] = ["–" if free else s for free, s in zip(shown["s_free"], shown["num_samples"])]
     return shown.drop(columns="s_free")

@@ -232,7 +232,11 @@ def test_the_report_lists_a_broken_promise_and_summarises_the_relative_error():
     assert set(summary["heads broken"]) == {f"{items} of {2 * items} (<= {0.025 * 2 * items:.2g} expected by chance)"}
     unbroken = promise_summary(table.assign(promise_broken=False))
     assert set(unbroken["heads broken"]) == {f"0 of {2 * items}"}
-    # a configuration without a promise has no heads to count: blank, as its delta (it said "0 of 2")
+    # a configuration without a promise has no heads to count: blank, as its delta (it said "0 of 2"); a sweep writes
+    # its promise_broken False (the table's schema), an older table NaN
+    unpromised = promise_summary(table.assign(promise_broken=False,
+                                              delta=np.where(table["label"] == "softmax", np.nan, 0.1)))
+    assert set(unpromised.loc[unpromised["label"] == "softmax", "heads broken"]) == {""}
     unpromised = promise_summary(table.assign(promise_broken=np.where(table["label"] == "softmax", np.nan, False),
                                               delta=np.where(table["label"] == "softmax", np.nan, 0.1)))
     assert (set(unpromised.loc[unpromised["label"] == "softmax", "heads broken"]) == {""}
@@ -319,3 +323,21 @@ def test_a_configuration_without_s_has_no_s_in_its_heatmap_title():
 
     assert samples_text("vattention", 256) == "" and samples_text("softmax", 16) == ""
     assert samples_text("rfa", 64) == ", S = 64" and samples_text("vattention:budget=fixed", 64) == ", S = 64"
+
+
+def test_a_real_table_leaves_heads_broken_blank_without_a_promise():
+    """On a sweep's own table (not a hand-made one: the sweep writes promise_broken False where nothing is promised)
+    top-k's cell is blank and vAttention's counts its heads."""
+    from randattn.activations import make_activations
+    from randattn.analysis.plan import SweepConfig, parse_estimator_list
+    from randattn.analysis.sweep import run_sweep
+    from randattn.reports.html import promise_summary
+
+    rng = np.random.default_rng(2)
+    acts = make_activations({0: tuple(rng.normal(size=(1, 2, 24, 4)) for _ in range(3))},
+                            {"scale": 0.5, "layout": "sequence"})
+    config = SweepConfig(estimators=parse_estimator_list("topk;vattention:sinks=1,local=2,top_k=2"), num_samples=(4,),
+                         replicates=2, threads=1, mask="causal", diagnostics=False, check_reference=0.0)
+    summary = promise_summary(run_sweep(acts, config)).set_index("label")
+    assert summary.loc["topk", "heads broken"] == ""
+    assert " of 2" in summary.loc["vattention:sinks=1,local=2,top_k=2", "heads broken"]
