@@ -162,9 +162,9 @@ class MemoryBudgetError(ValueError):
 
     def __str__(self) -> str:
         if not self.store:
-            helps = ["raise max_memory", *(["use fewer samples"] if self.num_samples is not None else []),
-                     "measure fewer queries (queries='last:K')"]
-            return f"{self.what}; " + ", ".join(helps[:-1]) + " or " + helps[-1]
+            samples = (" (fewer samples help only where the estimator's memory grows with S)" if self.num_samples
+                       else "")
+            return f"{self.what}; raise max_memory or measure fewer queries (queries='last:K'){samples}"
         return f"{self.what}; use fewer replicates, select fewer heads, or raise max_memory"
 
 

@@ -109,9 +109,8 @@ def _(exc: SchedulerError) -> str:
 def _(exc: MemoryBudgetError) -> str:
     if exc.store:
         return f"{exc.what}; use fewer --replicates, select fewer --heads, or raise --max-memory"
-    helps = ["raise --max-memory", *(["use fewer --samples"] if exc.num_samples is not None else []),
-             "measure fewer queries (--queries last:K)"]
-    return f"{exc.what}; " + ", ".join(helps[:-1]) + " or " + helps[-1]
+    samples = " (fewer --samples helps only where the estimator's memory grows with S)" if exc.num_samples else ""
+    return f"{exc.what}; raise --max-memory or measure fewer queries (--queries last:K){samples}"
 
 
 def out_of_memory(what: str, budget: str) -> str:

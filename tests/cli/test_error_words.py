@@ -160,7 +160,8 @@ def test_a_query_placement_error_is_worded_with_queries_and_mask(selection, esti
 
 
 @pytest.mark.parametrize(("stored", "cli"), [
-    (0, "raise --max-memory, use fewer --samples or measure fewer queries (--queries last:K)"),
+    (0, "raise --max-memory or measure fewer queries (--queries last:K) (fewer --samples helps only where the "
+        "estimator's memory grows with S)"),
     (10**9, "use fewer --replicates, select fewer --heads, or raise --max-memory"),
 ], ids=["one-replicate", "store"])
 def test_a_unit_over_the_budget_is_worded_with_max_memory(stored, cli):
@@ -225,8 +226,9 @@ def test_the_library_wordings_of_a_stopped_run_are_deprecated_for_the_command_li
 
 
 def test_a_configuration_without_s_over_the_budget_is_not_told_to_use_fewer_samples():
-    """Top-k's memory is its K x M scores, and adaptive vAttention takes no S: a configuration without S (None) is
-    told of the budget and the queries only, in the command line's words and in Python's."""
+    """Adaptive vAttention takes no S: a configuration without S (None) is told of the budget and the queries only,
+    in the command line's words and in Python's (one with S is told that fewer samples help only where memory
+    grows with S: top-k's K x M scores do not)."""
     exc = _raised(lambda: check_fits(100, 50, 100, label="vattention", num_samples=None, tokens=5))
     assert said(exc) == f"{exc.what}; raise --max-memory or measure fewer queries (--queries last:K)"
     assert str(exc) == f"{exc.what}; raise max_memory or measure fewer queries (queries='last:K')"
