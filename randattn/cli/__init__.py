@@ -33,6 +33,15 @@ COMMANDS: dict[str, str] = {
 class _LazyGroup(click.Group):
     """A click group that imports a command's module only when it is used."""
 
+    def make_context(self, *args, **kwargs) -> click.Context:
+        # the group's own --help and --version print while it parses its arguments, before invoke: a closed pipe
+        # there ends as in a command (click's own handling exits 1)
+        try:
+            return super().make_context(*args, **kwargs)
+        except BrokenPipeError:
+            _silence_standard_streams()
+            raise SystemExit(141) from None
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return [name for name in COMMANDS if self._load(name) is not None]
 

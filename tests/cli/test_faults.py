@@ -439,6 +439,19 @@ def test_a_reader_that_leaves_ends_the_run_with_141_and_its_table_complete(acts,
     assert len(pd.read_parquet(out)) == HEADS and not _parts(out).exists()
 
 
+@pytest.mark.parametrize("args", [("--help",), ("--version",), ("estimators",), ("mse", "--help")],
+                         ids=["group-help", "version", "estimators", "command-help"])
+def test_a_closed_pipe_ends_any_output_with_141(args):
+    """The group's own --help and --version print before any command runs (click's handling exited 1 there); a
+    command's output and its --help go through the command line's own ending: 141, no traceback, either way."""
+    child = _spawn(*args)
+    child.stdout.close()
+    child.stdout = None
+    result = finish(child)
+    assert result.returncode == 141, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
 # ------------------------------------------------------------------------------------------------------ 4. output paths
 _PR_CAPBSET_DROP, _CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 24, 1, 2
 
