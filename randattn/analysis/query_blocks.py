@@ -23,8 +23,8 @@ and Scatterbrain's landmarks pool the queries present) would be another estimato
 forms no K x M array (causal RFA would sum its prefixes again for every block): both run whole, as before.
 
 Whether and how a unit is blocked depends on its shape, mask and configuration alone, never on the memory budget,
-so a table's rows are the same whatever ``--max-memory``; a unit at or below :data:`QUERY_BLOCKED_ABOVE` (8,192
-every-query tokens) runs in one call, the same bits as before blocks existed.
+so a table's rows are the same whatever ``--max-memory``; a unit of at most :data:`QUERY_BLOCKED_ABOVE` query-key
+pairs (every query of 8,192 tokens) runs in one call.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = ["QUERY_BLOCKED_ABOVE", "QUERY_BLOCK_PAIRS", "QueryBlock", "blocks_que
            "query_blocks"]
 
 #: a unit is estimated in query blocks where its measured queries times keys exceed this (8,192 x 8,192: one
-#: float64 K x M array is 512 MiB). At or below it every earlier table keeps its bits
+#: float64 K x M array is 512 MiB). At or below it a unit runs in one call, as the tables of shorter contexts were made
 QUERY_BLOCKED_ABOVE = 2**26
 #: the query-key pairs of a block's widest call (its last, which sees every key): 1,024 queries at 32,768 keys,
 #: 256 at 131,072; one float64 array of them is 256 MiB
