@@ -70,7 +70,7 @@ def plan_lines(plan, timing: bool, dask: bool = False, noun: str = "image") -> l
         shared = "; the Dask workers share it" if dask else ""
         lines.append(f"[bold]wall time[/]: about {duration(plan.seconds)} of computing in this process{shared} "
                      f"(estimated by computing {heads} head{'s' if plan.timed_heads[-1] > 1 else ''} of each "
-                     f"estimator and S here, timed, and extrapolated linearly to {n_heads} heads per unit; start-up "
+                     f"estimator and S here, timed, and extrapolated linearly to {count(n_heads, 'head')} per unit; start-up "
                      "and writing not included)")
     return lines
 
@@ -87,8 +87,8 @@ def _memory_line(plan) -> str:
     memory = (f"[bold]memory[/]: the estimator work peaks at about {format_bytes(plan.peak_bytes)} "
               f"(memory model, calibrated here; --max-memory {budget}); ")
     blocked = plan.query_blocked
-    queries = (f"; {blocked} of {len(plan.todo)} units estimate their queries a block at a time, each block with "
-               "the keys it sees (the sweeps guide, Long contexts)" if blocked else "")
+    queries = (f"; query blocks: {blocked} of {count(len(plan.todo), 'unit')} estimated a block of queries at a time, "
+               "each with the keys it sees (the sweeps guide, Long contexts)" if blocked else "")
     if plan.split_units:
         from randattn.analysis.cell_memory import SPLIT_ROUNDING
 

@@ -266,5 +266,6 @@ def test_the_plan_counts_the_blocked_units_and_says_so(monkeypatch):
         _blocked(patch, 4, 16)
         swept = plan_sweep(acts, config)
     assert swept.query_blocked == 1
-    assert plan_lines(swept, timing=False)[1].endswith("; 1 of 2 units estimate their queries a block at a time, each block with "
-                                         "the keys it sees (the sweeps guide, Long contexts)")
+    assert plan_lines(swept, timing=False)[1].endswith("; query blocks: 1 of 2 units estimated a block of queries at "
+                                                       "a time, each with the keys it sees (the sweeps guide, Long "
+                                                       "contexts)")
