@@ -167,6 +167,11 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
     sizes = torch.where(sampling, sizes, torch.zeros_like(sizes))
     bounds = torch.where(sampling, bounds, torch.full_like(bounds, float("nan")))
 
+    if base is not None:
+        # adaptive: no query samples more keys than its pool holds, so the uniforms past the largest pool are never
+        # read (a window of W keys reads W of M: 1/64 of them at 32,768 tokens); the same bits, the scatter below
+        # adding no 0 it would have added
+        main = main[..., : max(int(np.max(per_query.sampled_size, initial=0)), 1)]
     in_sample = torch.arange(main.shape[-1], device=device) < sizes[..., None]
     counts = torch.zeros((*shape, num_keys), dtype=logits.dtype, device=device)
     counts.scatter_add_(-1, _pick(pool_order, pool_sizes, main), in_sample.to(logits.dtype))
