@@ -87,10 +87,11 @@ def _mask_option(context: click.Context, parameter: click.Parameter, value: str)
                    "file's own per-layer 'mask' metadata (a language-model capture records it; a file without it "
                    "is bidirectional). Estimators, the exact softmax and the probabilities all apply it; an "
                    "estimator that does not support it is refused by name.")
-@click.option("--position-buckets", "position_buckets", default=None, metavar="log2|none|EDGES",
+@click.option("--position-buckets", "position_buckets", default=None, metavar="auto|log2|none|EDGES",
               help="Per-position metrics, by the query's position p = n + M - N + 1 (under the causal mask, the "
-                   "number of keys it sees): log2 (1, 2-3, 4-7, ...), none, or lower edges such as 1,2,4,8,64. "
-                   "Default: log2 on masked layers, none otherwise. Written to <out stem>.positions<suffix>.")
+                   "number of keys it sees): log2 (1, 2-3, 4-7, ...), none, or lower edges starting at 1 such as "
+                   "1,2,4,8,64 (the last bucket runs to M). auto (the default): log2 on masked layers, none "
+                   "otherwise. Written to <out stem>.positions<suffix>.")
 @click.option("--queries", "queries", default="all", show_default=True, metavar="all|last:K|sample:K",
               help="Which query rows to measure, against every key they see: all; last:K, the last K rows (under "
                    "the causal mask the decode regime: the estimator gets q[..., -K:, :] and the full k, v, and the "
