@@ -216,10 +216,11 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
         With ``resume``: the parts folder whose finished units are not computed again (read only).
     resume : bool
     timing : bool
-        Estimate the wall time: for each (configuration, S, mask) still to compute, one head of its
-        first unit is computed (and two heads, where units have more), timed, and the time of a unit
-        taken as linear in its heads; one head is computed untimed first (first calls, lazy imports).
-        Those results are dropped. Costs about 4 / (heads x layers x images) of the sweep.
+        Estimate the wall time: for each (configuration, S, mask) still to compute, one and two heads
+        of its first unit are computed, timed, and the time of a unit taken as linear in its heads (a unit
+        of one or two heads is computed whole, timed); one head is computed untimed first (first calls,
+        lazy imports). Those results are dropped. Costs about 4 / (heads x layers x images) of the sweep,
+        about one unit per configuration and S where units hold one or two heads.
 
     Returns
     -------
@@ -271,7 +272,10 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
         blocked += runner.query_blocks(unit) is not None
     seconds, timed = None, ()
     if timing and refused is None and todo:
-        seconds, timed = 0.0, (1, 2) if len(todo[0].heads) > 1 else (1,)
+        heads = len(todo[0].heads)  # every unit holds the selected heads
+        # one and two heads give the per-head slope; a unit of one or two heads is timed whole (timing it with one
+        # head first made the dry run of a small selection cost more than the run)
+        seconds, timed = 0.0, (1, 2) if heads > 2 else (heads,)
         per_unit = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run reports warnings; a timing run says nothing
@@ -284,8 +288,10 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
                     start = time.perf_counter()
                     runner.run(sub)
                     times.append(time.perf_counter() - start)
-                slope = max(times[-1] - times[0], 0.0) if len(times) > 1 else times[0]
-                per_unit[key] = times[0] + slope * (len(unit.heads) - 1)
+                if len(times) > 1:
+                    per_unit[key] = times[0] + max(times[-1] - times[0], 0.0) * (len(unit.heads) - 1)
+                else:
+                    per_unit[key] = times[0] * len(unit.heads) / timed[0]
         for unit in todo:
             seconds += per_unit[(unit.label, unit.num_samples, config.mask_of(unit.layer))]
     acts_layers = select("layers", config.layers, list(acts.layers))

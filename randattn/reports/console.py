@@ -66,12 +66,14 @@ def plan_lines(plan, timing: bool, dask: bool = False, noun: str = "image") -> l
                   "computed again)")
     lines = [first, _memory_line(plan)]
     if timing and plan.seconds is not None:
-        heads = " and ".join(map(str, plan.timed_heads))
         shared = "; the Dask workers share it" if dask else ""
+        if len(plan.timed_heads) > 1:
+            how = (f"computing {' and '.join(map(str, plan.timed_heads))} heads of each estimator and S here, timed, "
+                   f"and extrapolated linearly to {count(n_heads, 'head')} per unit")
+        else:  # a unit of one or two heads, timed whole
+            how = f"computing one unit ({count(plan.timed_heads[0], 'head')}) of each estimator and S here, timed"
         lines.append(f"[bold]wall time[/]: about {duration(plan.seconds)} of computing in this process{shared} "
-                     f"(estimated by computing {heads} head{'s' if plan.timed_heads[-1] > 1 else ''} of each "
-                     f"estimator and S here, timed, and extrapolated linearly to {count(n_heads, 'head')} per unit; start-up "
-                     "and writing not included)")
+                     f"(estimated by {how}; start-up and writing not included)")
     return lines
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pandas as pd
@@ -624,3 +625,29 @@ def test_an_estimator_that_raises_is_named_in_a_note_of_its_exception(acts, back
     notes = getattr(raised.value, "__notes__", [])
     assert len(notes) == 1 and notes[0].startswith("randattn: raised while ") and "crashes (S = " in notes[0]
     assert ", layer " in notes[0] and ", heads [" in notes[0] and ", image " in notes[0]
+
+
+@pytest.mark.parametrize(("heads", "timed", "computed"), [((0,), (1,), [1, 1]), ((0, 1), (2,), [1, 2]),
+                                                          ((0, 1, 2), (1, 2), [1, 1, 2])])
+def test_the_dry_runs_timing_computes_a_unit_of_one_or_two_heads_whole(heads, timed, computed, monkeypatch):
+    """The wall-time estimate computes one head untimed, then per configuration and S one and two heads; a unit of
+    one or two heads is timed whole instead (computing it with one head first made a small selection's dry run
+    cost more than its run), and its time is the unit's, not extrapolated."""
+    from randattn.analysis.execute import UnitRunner
+    from randattn.analysis.sweep_plan import plan_sweep
+
+    rng = np.random.default_rng(0)
+    acts = make_activations({0: tuple(rng.normal(size=(1, 3, 9, 4)) for _ in range(3))}, {"scale": 0.5})
+    seen = []
+    original = UnitRunner.run
+
+    def counting(self, unit):  # 0.2 s a head on top of the (ms) computation: the estimate must be about 0.2 s a head
+        seen.append(len(unit.heads))
+        time.sleep(0.2 * len(unit.heads))
+        return original(self, unit)
+
+    monkeypatch.setattr(UnitRunner, "run", counting)
+    swept = plan_sweep(acts, _config(estimators=parse_estimator_list("rfa"), num_samples=(4,), heads=heads),
+                       timing=True)
+    assert swept.timed_heads == timed and seen == computed
+    assert 0.2 * len(heads) <= swept.seconds < 0.2 * len(heads) + 0.15, swept.seconds  # one unit, not extrapolated
