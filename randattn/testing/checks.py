@@ -850,6 +850,76 @@ def check_sliding_window(spec: EstimatorSpec, params: Mapping[str, Any]) -> None
                    what=f"sliding:1 (N={n}, M={m}): each query sees its own key only and must return its value:")
 
 
+def _aligned_draws(full, block, rows: slice, keys: int, num_queries: int, num_keys: int):
+    """``full``'s arrays cut to ``block``'s shapes: an axis of N queries where the block has its rows (``rows``), any
+    other shorter axis to its first entries (M keys to the block's ``keys``; vAttention's per-query uniforms, read
+    in order); None where an axis is longer in the block or an array is missing (the check then cannot give the
+    block the rows' own random variables)."""
+    from randattn.estimators.base import Draws
+
+    arrays = {}
+    for name, whole in full.arrays.items():
+        want = np.shape(block.arrays.get(name))
+        whole = np.asarray(whole)
+        if name not in block.arrays or len(want) != whole.ndim:
+            return None
+        index = []
+        for size, target in zip(whole.shape, want):
+            if size == target:
+                index.append(slice(None))
+            elif size == num_queries and target == rows.stop - rows.start:
+                index.append(rows)
+            elif target < size:
+                index.append(slice(0, target))
+            else:
+                return None
+        arrays[name] = whole[tuple(index)]
+    return None if set(arrays) != set(block.arrays) else Draws(arrays, full.replicates)
+
+
+def check_query_blocks(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
+    """Where ``randattn mse`` may estimate every query of a long layer a block of queries at a time (a quadratic
+    cost; ``query_placement`` ``independent``, or ``last-n-of-m`` under a mask; :mod:`randattn.analysis.query_blocks`):
+    queries 4..8 of 12 estimated alone, with the keys they see (under a mask the first 9 + M - N, every key
+    without), give those rows of one call over every query, given the same random variables (the full draws, cut
+    to the block's shapes: the rows' own along the query axis, the first entries along any other, :func:`_aligned_draws`):
+    to 1e-12 in both forms. An estimate that pools the queries present (landmarks from the queries) fails: its
+    placement is ``proportional``."""
+    import torch
+
+    resolved = spec.resolve_params(params)
+    placement = spec.query_placement_of(resolved)
+    if spec.cost_of(resolved) != "quadratic" or placement == "proportional":
+        raise CheckSkipped(f"not estimated in query blocks (cost {spec.cost_of(resolved)!r}, query placement "
+                           f"{placement!r})")
+    masks = [mask for mask in _masks(spec, params) if mask is not None or placement == "independent"]
+    if not masks:
+        raise CheckSkipped("query placement 'last-n-of-m' and no mask declared: never estimated in query blocks")
+    n = m = 12
+    rows = slice(4, 9)
+    q, k, v = _inputs(((2, n, 5), (2, m, 5), (2, m, 3)), seed=140)
+    for mask in masks:
+        keys = rows.stop + m - n if mask is not None else m
+        qb, kb, vb = q[..., rows, :], k[..., :keys, :], v[..., :keys, :]
+        full = _draw(spec, q.shape, k.shape, params, seed=141, mask=mask)
+        draws = _aligned_draws(full, _draw(spec, qb.shape, kb.shape, params, seed=141, mask=mask), rows, keys, n, m)
+        if draws is None:
+            raise CheckSkipped("the draws of a block of queries do not cut from those of every query (an axis longer "
+                               f"or an array missing: { {key: np.shape(a) for key, a in full.arrays.items()} })")
+        where = f"queries {rows.start}..{rows.stop - 1} of {n} with the first {keys} keys{_mask_words(mask)}"
+        whole = _quiet(lambda: _reference(spec, q, k, v, full, params, mask=mask))[..., rows, :]
+        alone = _quiet(lambda: _reference(spec, qb, kb, vb, draws, params, mask=mask))
+        if not np.allclose(alone, whole, atol=1e-12, rtol=1e-12, equal_nan=True):
+            diff = np.nanmax(np.abs(alone - whole))
+            raise CheckFailed(f"{where}: estimated alone they differ from those rows of one call over every query "
+                              f"(max {diff:.3g}, reference): the estimate of a query depends on the others present, "
+                              f"which query_placement={placement!r} denies; randattn mse estimates every query of a "
+                              "long layer in blocks (declare 'proportional' if the queries are pooled)")
+        _close(_quiet(lambda: _batched(spec, qb, kb, vb, draws, params, dtype=torch.float64, mask=mask)),
+               _quiet(lambda: _batched(spec, q, k, v, full, params, dtype=torch.float64, mask=mask))[..., rows, :],
+               atol=1e-12, rtol=1e-12, what=f"{where}, batched, against those rows of one call:")
+
+
 # ---------------------------------------------------------------------------------------------------- optional forms
 def _to_torch(arrays, draws, dtype):
     import torch
@@ -1260,6 +1330,7 @@ CHECKS: dict[str, Callable[[EstimatorSpec, Mapping[str, Any]], None]] = {
     "one key": check_single_key,
     "causal prefix invariance": check_causal_prefix_invariance,
     "sliding window": check_sliding_window,
+    "query blocks": check_query_blocks,
     "no N x M memory": check_no_quadratic_memory,
     "bad inputs": check_bad_inputs,
 }

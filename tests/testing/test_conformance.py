@@ -802,3 +802,26 @@ def test_every_check_id_selects_itself_with_pytest_k():
         # names hold it: its own alone
         assert Expression.compile(one).evaluate(lambda word, one=one: word == one), one
         assert [other for other in ids if one in other] == [one]
+
+
+def test_an_estimate_that_pools_the_queries_fails_the_query_blocks_check():
+    """Softmax of the queries centred on their mean: each row depends on the others present, so queries 4..8
+    estimated alone differ from those rows of one call; declared 'independent' (the default) it fails the check
+    that randattn mse's query blocks rest on, declared 'proportional' it is skipped (never blocked)."""
+    softmax = randattn.get_spec("softmax")
+
+    def centred(q, k, v, draws, **params):
+        return softmax.reference(q - np.mean(q, axis=-2, keepdims=True), k, v, draws, **params)
+
+    def centred_batched(q, k, v, draws, **params):
+        return softmax.batched(q - q.mean(dim=-2, keepdim=True), k, v, draws, **params)
+
+    pooled = _wrap(softmax, "centred", reference=centred, batched=centred_batched, exact_limits=(),
+                   convergence="none")
+    result = _only(pooled, "query blocks")
+    assert result.status == "failed", result
+    assert result.message.startswith("queries 4..8 of 12 with the first 12 keys: estimated alone they differ from "
+                                     "those rows of one call over every query (max ")
+    assert "query_placement='independent' denies" in result.message
+    assert _only(dataclasses.replace(pooled, query_placement="proportional"), "query blocks").status == "skipped"
+    assert _only(softmax, "query blocks").status == "passed"
