@@ -59,6 +59,9 @@ SPEC = EstimatorSpec(
     display_name="Nyströmformer",
     convergence="none",
     cost="linear",
+    # the landmarks are segment means of the queries present: a subset of the queries is another estimator, so
+    # randattn mse refuses --queries last:K or sample:K without a mask
+    query_placement="proportional",
     # F A^+ B 1 = F A^+ 1 = 1 only when A is invertible and A^+ exact; the iterate Z* has no such property
     normalized=False,
     signed_weights=True,  # A^+ has negative entries: the implied weights F A^+ B can be negative

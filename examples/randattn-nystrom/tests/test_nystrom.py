@@ -57,6 +57,28 @@ def test_spec_is_valid():
     assert not SPEC.is_random(SPEC.resolve_params({})) and SPEC.cost_of({}) == "linear"
 
 
+def test_the_landmarks_pool_the_queries_present():
+    """Segment means of the queries: the last 3 queries alone give other outputs than those rows of every query, so
+    the spec declares the placement 'proportional', and a subset of the queries is refused by mse."""
+    from randattn.analysis.queries import QueryPlacementError, check_query_selection
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(3, 12, 4))
+    whole = randattn.estimate(SPEC, q, k, v, num_samples=3)[-3:]
+    alone = randattn.estimate(SPEC, q[-3:], k, v, num_samples=3)
+    assert np.abs(whole - alone).max() > 1e-3
+    assert SPEC.query_placement_of({}) == "proportional"
+    registered = "nystrom" in randattn.list_estimators()  # installed, its entry point names it
+    if not registered:
+        randattn.register_estimator(SPEC)
+    try:
+        with pytest.raises(QueryPlacementError):
+            check_query_selection("last:3", 12, {0: None}, [parse_estimator_list("nystrom")[0]])
+    finally:
+        if not registered:
+            randattn.unregister_estimator(SPEC.name)
+
+
 def test_the_earlier_protocol_still_declares_this_plugin():
     """``batched=batched.estimate``, as this plugin was written before ``forms=BatchedForms(...)``: the same spec,
     with a DeprecationWarning naming the new way; it passes the kit's checks of its forms and runs in a sweep."""
