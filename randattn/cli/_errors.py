@@ -28,6 +28,7 @@ from randattn.analysis.store import (
 )
 from randattn.estimators.base import UnknownParameterError
 from randattn.results.parts import stored_unit_ids
+from randattn.results.table import PositionsTableError
 
 __all__ = ["kept_message", "option_of", "out_of_memory", "resume_command", "said"]
 
@@ -42,6 +43,19 @@ def said(exc: BaseException) -> str:
 def _(exc: ParameterError) -> str:
     option = option_of(exc.parameter)
     return str(exc) if option is None else exc.naming(option, " ")
+
+
+@said.register
+def _(exc: PositionsTableError) -> str:
+    # the running command (report, plot) takes the run's main table, which brings the per-position table along
+    context = click.get_current_context(silent=True)
+    command = "randattn" + ("" if context is None else f" {context.info_name}")
+    main = "the run's main table"
+    if exc.main_path is not None:
+        found = "" if exc.main_path.is_file() else " (not found there)"
+        main += f", {str(exc.main_path)!r}{found}"
+    return (f"{str(exc.path)!r} is the per-position table of a run (one row per head, S and query-position bucket), "
+            f"not a results table; {command} takes {main}, and reads the per-position table beside it")
 
 
 @said.register

@@ -69,16 +69,14 @@ def command(results, kinds, out_dir, formats, label, num_samples, dpi, force):
 def _draw(results, kinds, chosen, out_dir, fmt, label, num_samples, dpi) -> None:
     from pathlib import Path
 
-    from randattn.cli.report import positions_table_message
+    from randattn.cli._errors import said
     from randattn.reports.figures import feature_variants_left_out, make_figure, save_figure
-    from randattn.results.table import PositionsTableError, ResultsError, read_results
+    from randattn.results.table import ResultsError, read_results
 
     try:
         loaded = read_results(results, main_table=True)
-    except PositionsTableError as exc:
-        abort(positions_table_message(exc, "plot"))
-    except ResultsError as exc:
-        abort(str(exc))
+    except ResultsError as exc:  # a per-position table among them, in this command's words
+        abort(said(exc))
     written = []
     for kind in chosen:
         options = {"metadata": loaded.metadata}

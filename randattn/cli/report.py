@@ -37,29 +37,17 @@ def command(results, out_dir, name, dpi, force):
     click.echo(str(path))
 
 
-def positions_table_message(exc, command: str) -> str:
-    """What ``randattn COMMAND`` says when given a run's per-position table
-    (:class:`~randattn.results.table.PositionsTableError`) where it takes the run's main table."""
-    main = "the run's main table"
-    if exc.main_path is not None:
-        found = "" if exc.main_path.is_file() else " (not found there)"
-        main += f", {str(exc.main_path)!r}{found}"
-    return (f"{str(exc.path)!r} is the per-position table of a run (one row per head, S and query-position bucket), "
-            f"not a results table; randattn {command} takes {main}, and reads the per-position table beside it")
-
-
 def _write(results, out_dir, name: str, dpi: int):
     import sys
 
     from randattn.reports.html import write_report
-    from randattn.results.table import PositionsTableError, ResultsError, read_results
+    from randattn.cli._errors import said
+    from randattn.results.table import ResultsError, read_results
 
     try:
         loaded = read_results(results, main_table=True)
-    except PositionsTableError as exc:
-        abort(positions_table_message(exc, "report"))
-    except ResultsError as exc:
-        abort(str(exc))
+    except ResultsError as exc:  # a per-position table among them, in this command's words
+        abort(said(exc))
     with err_console.status("rendering figures"):
         try:
             return write_report(loaded.table, out_dir, metadata={**loaded.metadata,
