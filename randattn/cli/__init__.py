@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from typing import NoReturn
 
 import click
 
@@ -39,8 +40,7 @@ class _LazyGroup(click.Group):
         try:
             return super().make_context(*args, **kwargs)
         except BrokenPipeError:
-            _silence_standard_streams()
-            raise SystemExit(141) from None
+            _reader_left()
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return [name for name in COMMANDS if self._load(name) is not None]
@@ -59,11 +59,8 @@ class _LazyGroup(click.Group):
             except KeyboardInterrupt as exc:
                 err_console.print("[bold red]interrupted[/]", highlight=False)
                 raise SystemExit(interrupt_exit_code(exc)) from None
-            except BrokenPipeError:
-                # the reader of stdout or stderr left (`| head`): nothing more can be said to it, so, as a Unix
-                # tool stopped by SIGPIPE, exit 128 + 13 without a word; mse keeps its finished units for --resume
-                _silence_standard_streams()
-                raise SystemExit(141) from None
+            except BrokenPipeError:  # mse keeps its finished units for --resume, as after an interrupt
+                _reader_left()
             except OSError as exc:
                 message = no_space_message(exc)
                 if message is None:
@@ -89,9 +86,11 @@ class _LazyGroup(click.Group):
         return module.command
 
 
-def _silence_standard_streams() -> None:
-    """Point stdout and stderr at the null device, so that the interpreter's flush at exit does not raise again on a
-    closed pipe (the Python documentation's note on SIGPIPE)."""
+def _reader_left() -> NoReturn:
+    """The reader of stdout or stderr left (``| head``): nothing more can be said to it, so, as a Unix tool stopped by
+    SIGPIPE, exit 128 + 13 without a word, stdout and stderr pointed at the null device first, so that the
+    interpreter's flush at exit does not raise again on the closed pipe (the Python documentation's note on
+    SIGPIPE)."""
     import os
     import sys
 
@@ -101,6 +100,7 @@ def _silence_standard_streams() -> None:
             os.dup2(null, stream.fileno())
         except (OSError, ValueError):  # a stream without a file descriptor (a test's capture): nothing to flush
             pass
+    raise SystemExit(141) from None
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
