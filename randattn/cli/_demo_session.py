@@ -110,9 +110,10 @@ def print_summary(summary: Any, noun: str = "image") -> None:
     sequence) names what the activations hold."""
     from rich.table import Table
 
-    from randattn.reports.tables import label_order, once_without_s
+    from randattn.reports.tables import few_units_note, label_order, once_without_s
 
-    table = Table(title=f"attention MSE vs exact softmax (mean over heads, layers, {noun}s; 95% bootstrap CI)")
+    table = Table(title=f"attention MSE vs exact softmax (mean over heads, layers, {noun}s; 95% bootstrap CI)",
+                  caption=few_units_note(summary, noun=noun) or None)
     for name in ("tokens", "estimator", "S", "MSE [95% CI]", "bias²", "variance", "CI over"):
         table.add_column(name, justify="left" if name in ("estimator", "CI over") else "right",
                          no_wrap=name in ("estimator", "MSE [95% CI]"))

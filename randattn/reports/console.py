@@ -189,7 +189,7 @@ def summary_table(summary, noun: str = "image", queries: str | None = None):
     several = _several_masks(summary)
     under = (f" under the {' and '.join(masks)} mask{'s' if len(masks) > 1 else ''}" if masks else "")
     table = Table(title=f"attention MSE{under}{_queries_text(queries)} (mean over heads, layers, {noun}s; 95% "
-                        "bootstrap CI)")
+                        "bootstrap CI)", caption=_few_units_note(summary, noun) or None)
     for name in ("estimator", "S", "tokens", *(["mask"] if several else []), "MSE [CI]", "bias^2", "variance",
                  "CI over"):
         table.add_column(name, justify="left" if name in ("estimator", "mask", "CI over") else "right",
@@ -200,6 +200,13 @@ def summary_table(summary, noun: str = "image", queries: str | None = None):
                       f"{row.mse:.4g}{ci}", f"{row.bias_sq:.3g}", f"{row.variance:.3g}",
                       f"{_over(row.ci_over, noun)} ({row.units})")
     return table
+
+
+def _few_units_note(summary, noun: str) -> str:
+    """:func:`randattn.reports.tables.few_units_note` (imported where used: the terminal starts fast)."""
+    from randattn.reports.tables import few_units_note
+
+    return few_units_note(summary, noun=noun)
 
 
 def _once_without_s(frame):

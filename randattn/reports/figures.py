@@ -32,6 +32,7 @@ from randattn.reports.tables import (
     POSITION_PLOT_COLUMNS,
     ResultsError,
     aggregate_over_images,
+    few_units_note,
     aggregate_positions,
     approximate_labels,
     describe_data,
@@ -217,7 +218,9 @@ def _band_text(aggregated: pd.DataFrame, confidence: float, noun: str = "image")
     over = str(aggregated["ci_over"].iloc[0]) if "ci_over" in aggregated and len(aggregated) else "images"
     over = f"{noun}s" if over == "images" else over
     units = int(aggregated["units"].max()) if "units" in aggregated and len(aggregated) else 0
-    return f"bands: {round(confidence * 100)}% percentile bootstrap CI over {units} {over}"
+    few = few_units_note(aggregated, confidence=confidence, noun=noun)
+    bands = f"bands: {round(confidence * 100)}% percentile bootstrap CI over {units} {over}"
+    return f"{bands}; {few}" if few else bands
 
 
 def _drop_exact(aggregated: pd.DataFrame, value: str, names: dict[str, str] | None = None,

@@ -41,8 +41,10 @@ from randattn.reports.tables import (
     ResultsError,
     approximate_labels,
     describe_data,
+    aggregate_over_images,
     display_names,
     estimator_spec,
+    few_units_note,
     item_noun,
     label_order,
     mse_pivot,
@@ -730,6 +732,12 @@ def _format_number(value: Any) -> str:
     return str(value)
 
 
+def _few_units_paragraph(table: pd.DataFrame, noun: str) -> list[str]:
+    """A warning under the summary where its intervals rest on too few units (:func:`few_units_note`)."""
+    note = few_units_note(aggregate_over_images(table, ["mse"], n_boot=2), noun=noun)
+    return [f'<p class="warning">Intervals: {html.escape(note)}.</p>'] if note else []
+
+
 def _table_html(frame: pd.DataFrame, *, index: bool = False) -> str:
     body = frame.to_html(index=index, border=0, na_rep="–", float_format=lambda v: _format_number(v),
                          classes="results", escape=True)
@@ -806,6 +814,7 @@ def build_report(
         _label_tooltips(_table_html(pivot, index=True), names),
         "<h3>MSE with bootstrap interval, variance and debiased bias²</h3>",
         _label_tooltips(_table_html(summary_table(table, noun=noun)), names),
+        *_few_units_paragraph(table, noun),
         '<h2 id="figures">Figures</h2>',
     ]
     for item in figures:

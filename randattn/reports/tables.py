@@ -34,6 +34,7 @@ __all__ = [
     "require_columns",
     "AGGREGATED_VALUES",
     "aggregate_over_images",
+    "few_units_note",
     "aggregate_positions",
     "once_without_s",
     "MAX_BROKEN_HEADS_SHOWN",
@@ -301,8 +302,9 @@ def aggregate_over_images(
 
     Notes
     -----
-    With few images (two in the default demo) the percentile interval over images is narrow and is a
-    spread rather than a calibrated interval.
+    With few images (two in the default demo) the percentile interval over images is a spread rather than a
+    calibrated interval: it lies within their range (:func:`few_units_note` says when that falls short of
+    ``confidence``).
     """
     from randattn.results.summary import aggregate
 
@@ -325,6 +327,38 @@ def aggregate_over_images(
     order = {label: i for i, label in enumerate(label_order(result["label"]))}
     result = result.assign(_order=result["label"].map(order)).sort_values(["tokens", "_order", "num_samples"])
     return result.drop(columns="_order").reset_index(drop=True)
+
+
+def few_units_note(summary: pd.DataFrame, *, confidence: float = 0.95, noun: str = "image") -> str:
+    """What an interval over too few units is: ``""`` unless some row's percentile interval cannot reach
+    ``confidence`` (:func:`randattn.results.summary.range_coverage`), else a sentence for the fewest units.
+
+    Parameters
+    ----------
+    summary : pandas.DataFrame
+        An aggregate (:func:`aggregate_over_images`, :func:`randattn.results.summary.aggregate`) with ``units``
+        and ``ci_over``.
+    confidence : float
+        The level the intervals were computed at.
+    noun : str
+        What the table's entries are (:func:`item_noun`).
+    """
+    from randattn.results.summary import range_coverage
+
+    if "units" not in summary:
+        return ""
+    rows = summary[summary["units"] > 1]  # one unit has no interval at all
+    if rows.empty:
+        return ""
+    fewest = rows.loc[rows["units"].idxmin()]
+    units = int(fewest["units"])
+    coverage = range_coverage(units)
+    if coverage >= confidence:
+        return ""
+    over = f"{noun}s" if fewest.get("ci_over", "images") == "images" else "heads"
+    return (f"with {units} {over}, a percentile interval lies within their range, which holds the median of "
+            f"their distribution with probability {coverage * 100:g}% (1 - 2^(1 - n)), below the "
+            f"{confidence * 100:g}% stated: read such an interval as the {over}' spread")
 
 
 def aggregate_positions(

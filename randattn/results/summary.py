@@ -13,7 +13,22 @@ import numpy as np
 
 from randattn._validation import check_positive_int
 
-__all__ = ["aggregate"]
+__all__ = ["aggregate", "range_coverage"]
+
+
+def range_coverage(units: int) -> float:
+    r"""The probability that the range of ``units`` independent draws of a continuous distribution holds its median.
+
+    .. math:: P(\min_i X_i \le m \le \max_i X_i) = 1 - 2 \cdot 2^{-n} = 1 - 2^{1-n},
+
+    since each draw falls below the median :math:`m` with probability 1/2 and the range misses it only when all
+    :math:`n` fall on one side. A percentile bootstrap interval of the mean lies within the units' range (every
+    resampled mean does), so at a level above this it cannot cover as stated: at 95 %, with 5 units or fewer
+    (50 % with 2, 75 % with 3, 87.5 % with 4, 93.75 % with 5); the same holds for the mean where the units'
+    distribution is symmetric.
+    """
+    check_positive_int("units", units)
+    return 1.0 - 2.0 ** (1 - units)
 
 
 def _bootstrap_mean_ci(values: np.ndarray, rng: np.random.Generator, n_boot: int, level: float) -> tuple[float, float]:
