@@ -202,6 +202,21 @@ class Mask:
         visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril_(offset)
         return visible if self.window is None else visible.triu_(offset - self.window + 1)
 
+    def first_visible_key(self, num_queries: int, num_keys: int) -> int:
+        r"""The first key that some query sees: :math:`\max(0, M - N - W + 1)` under a window of W (the first
+        query's window starts there and every later one's after it), else 0 (key 0 is every query's under
+        ``causal``, and every key is visible without a mask).
+
+        Raises
+        ------
+        ValueError
+            Under a mask, M < N (:func:`check_causal_shapes`).
+        """
+        if not self.masked:
+            return 0
+        check_causal_shapes(num_queries, num_keys)
+        return 0 if self.window is None else max(0, num_keys - num_queries - self.window + 1)
+
     def visible_counts(self, num_queries: int, num_keys: int) -> np.ndarray:
         r"""``(N,)`` int64: how many keys each query sees, without forming the ``(N, M)`` mask.
 

@@ -16,6 +16,7 @@ from randattn.analysis.probability_error import (
     factored_rounding_negligible,
     factored_sq_errors,
 )
+from randattn.estimators.masks import Mask
 
 
 def _softmax(a: np.ndarray) -> np.ndarray:
@@ -187,3 +188,43 @@ def test_an_estimator_without_a_probability_form_is_measured_by_one_hot_tiles_ab
     assert np.isfinite(tiles.prob_mse).all()
     np.testing.assert_allclose(tiles.prob_mse, identity.prob_mse, rtol=1e-10, atol=0)
     np.testing.assert_array_equal(tiles.mse, identity.mse)  # the estimates are the same calls
+
+
+@pytest.mark.parametrize("faulty", [True, False], ids=["weight-on-hidden-keys", "weight-on-visible-keys"])
+@pytest.mark.parametrize(("mask", "formed"), [("sliding:6", [3, 4]), ("sliding:9", [3, 4]),
+                                              ("causal", [0, 1, 2, 3, 4]), (None, [0, 1, 2, 3, 4])])
+def test_tiles_before_every_window_are_not_formed_and_their_estimates_still_count(monkeypatch, mask, formed, faulty):
+    """8 queries, the last of 40 tokens, tiles of 8 keys: under sliding:6 the first query's window starts at key
+    40 - 8 - 6 + 1 = 27, so tiles 0-2 (keys 0-23) hold exact zeros and are not formed; under sliding:9 the first
+    visible key, 24, starts tile 3; causal and no mask form every tile (the last query sees every key). The sum
+    equals the dense numpy sum of (P_hat - P)^2 over every key: where P_hat puts weight on hidden keys (a faulty
+    estimator) those squares count; where it gives them none, the hidden tiles add nothing and are not summed."""
+    from randattn.analysis import probability_error
+    from randattn.estimators.softmax import tiled
+
+    rng = np.random.default_rng(4)
+    n, m, d, reps = 8, 40, 4, 2
+    q, k = torch.as_tensor(rng.normal(size=(1, n, d)) * 3), torch.as_tensor(rng.normal(size=(1, m, d)) * 3)
+    logits = (q @ k.transpose(-1, -2)).numpy() * d ** -0.5
+    visible = np.ones((n, m), bool) if mask is None else Mask.parse(mask).visible(n, m)
+    exact = np.where(visible, np.exp(logits - logits.max(-1, keepdims=True)), 0.0)
+    exact /= exact.sum(-1, keepdims=True)
+    estimate = rng.dirichlet(np.ones(m), size=(reps, 1, n))
+    if not faulty:
+        estimate = np.where(visible, estimate, 0.0)
+    expected = ((estimate - exact) ** 2).sum((-2, -1))
+    log_z = torch.as_tensor(np.log(np.where(visible, np.exp(logits), 0.0).sum(-1)))
+    formed_tiles, summed = [], []
+    original, vecdot = tiled.tiled_probabilities, torch.linalg.vecdot
+
+    def counted(*args, key_slice, **kwargs):
+        formed_tiles.append(key_slice.start // 8)
+        return original(*args, key_slice=key_slice, **kwargs)
+
+    monkeypatch.setattr(tiled, "tiled_probabilities", counted)
+    monkeypatch.setattr(torch.linalg, "vecdot", lambda *a, **kw: summed.append(1) or vecdot(*a, **kw))
+    got = probability_error.tiled_sq_errors(lambda k0, k1: torch.as_tensor(estimate[..., k0:k1]), q, k, log_z,
+                                            scale=d ** -0.5, mask=mask, key_tile=8)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0)
+    assert formed_tiles == formed
+    assert len(summed) == (5 if faulty or not str(mask).startswith("sliding") else 2)

@@ -85,6 +85,7 @@ def test_visibility_and_counts_match_a_loop(text, n, m):
         assert tensor.dtype == torch.bool and np.array_equal(tensor.numpy(), expected)
     else:
         assert tensor is None
+    assert mask.first_visible_key(n, m) == int(np.flatnonzero(expected.any(axis=0))[0])
 
 
 @pytest.mark.parametrize(("mask", "declared", "allowed"), [
