@@ -80,9 +80,12 @@ def _check_masks(acts, config: SweepConfig) -> None:
 
     Beyond the spec's declared masks, each configuration draws once for one head under each mask
     (a few arrays, no estimate): a parameter with no masked form (e.g. a feature map fitted from
-    every key) is refused there, by the estimator's own message.
+    every key) is refused there, by the estimator's own message. A configuration that the run estimates a block of
+    queries at a time (:mod:`~randattn.analysis.query_blocks`) draws for the widest block, as the run does: its draws
+    for every query at once may hold a K x M array (vAttention's uniforms: 8 GiB at 32,768 tokens).
     """
     from randattn.analysis.masking import check_estimator_masks
+    from randattn.analysis.query_blocks import blocks_queries, query_block_rows
     from randattn.estimators.masks import Mask
     from randattn.estimators.registry import get_spec
 
@@ -97,8 +100,11 @@ def _check_masks(acts, config: SweepConfig) -> None:
         samples = min(config.num_samples) if est.needs_samples else None  # the smallest draw says as much
 
         def probe(kind: str, spec=spec, est=est, samples=samples) -> None:
-            spec.draw((1, queries, d), (1, n, d), num_samples=samples, replicates=1, rng=np.random.default_rng(0),
-                      **est.params, **Mask.parse(kind).estimator_kwargs)
+            mask = Mask.parse(kind)
+            blocked = blocks_queries(spec, spec.resolve_params(est.params), mask, queries, n)
+            rows = query_block_rows(n) if blocked else queries
+            spec.draw((1, rows, d), (1, n, d), num_samples=samples, replicates=1, rng=np.random.default_rng(0),
+                      **est.params, **mask.estimator_kwargs)
 
         check_estimator_masks(spec, est.label, kinds, isinstance(config.mask, tuple), probe)
 

@@ -269,3 +269,34 @@ def test_the_plan_counts_the_blocked_units_and_says_so(monkeypatch):
     assert plan_lines(swept, timing=False)[1].endswith("; query blocks: 1 of 2 units estimated a block of queries at "
                                                        "a time, each with the keys it sees (the sweeps guide, Long "
                                                        "contexts)")
+
+
+def test_the_plans_mask_probe_draws_for_a_query_block_as_the_run_does(monkeypatch):
+    """The plan draws once per configuration and mask to refuse parameters with no masked form. vAttention's draws
+    hold M uniforms per query: for every query of a 32,768-token layer that probe alone took 8 GiB, while the run
+    draws a block of 1,024 at a time. Here (40 tokens, blocks of 8 rows) vAttention, a blocked configuration, is
+    probed with 8 queries and RFA (linear cost, one call) with all 40, each against every key."""
+    from randattn.estimators import registry
+
+    drawn = []
+    real = registry.get_spec
+
+    class Spy:
+        def __init__(self, spec):
+            self._spec = spec
+
+        def __getattr__(self, name):
+            return getattr(self._spec, name)
+
+        def draw(self, q_shape, k_shape, **kwargs):
+            drawn.append((self._spec.name, q_shape, k_shape))
+            return self._spec.draw(q_shape, k_shape, **kwargs)
+
+    acts = _acts(40, heads=1, d=4)
+    config = SweepConfig(estimators=parse_estimator_list("vattention;rfa"), num_samples=(4,), replicates=2, threads=1,
+                         dtype="float64", mask="causal", diagnostics=False, check_reference=0.0)
+    with monkeypatch.context() as patch:
+        _blocked(patch, 8, 40)
+        patch.setattr(registry, "get_spec", lambda name: Spy(real(name)))
+        plan(acts, config)
+    assert drawn == [("vattention", (1, 8, 4), (1, 40, 4)), ("rfa", (1, 40, 4), (1, 40, 4))]
