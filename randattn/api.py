@@ -236,8 +236,12 @@ def estimate(
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch dtype, got {dtype!r}")
         device = check_device(device)
-        to = lambda a: torch.as_tensor(np.asarray(a) if not isinstance(a, torch.Tensor) else a).to(device=device, dtype=dtype)  # noqa: E731
         from randattn._precision import full_precision_matmul
+        from randattn._tensors import input_tensor
+
+        def to(array: Any) -> Any:  # a read-only array (Activations.qkv gives them) is shared without torch's warning
+            return input_tensor(array if isinstance(array, torch.Tensor) else np.asarray(array), device=device,
+                                dtype=dtype)
 
         with full_precision_matmul():  # no TF32 / bfloat16 products; the caller's settings come back after
             out = spec.batched(to(q), to(k), to(v), draws.to_torch(device=device, dtype=dtype), scale=scale,

@@ -102,3 +102,19 @@ def test_a_missing_argument_is_named_and_the_signature_reads_positional_only(qkv
     parameters = list(inspect.signature(randattn.estimate).parameters.values())[:4]
     assert [(p.name, p.kind, p.default) for p in parameters] == [
         (name, inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.empty) for name in ("name", "q", "k", "v")]
+
+
+def test_read_only_arrays_from_the_loader_give_no_torch_warning(tmp_path):
+    """Activations.qkv gives read-only arrays; the torch backend shares them (the estimators never write their
+    inputs) without torch's "not writable" warning, and gives what writable copies give."""
+    import warnings
+
+    q, k, v = (np.random.default_rng(3).normal(size=(2, 6, 4)) for _ in range(3))
+    frozen = [a.copy() for a in (q, k, v)]
+    for a in frozen:
+        a.setflags(write=False)
+    expected = randattn.estimate("softmax", q, k, v, backend="torch", mask="causal")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = randattn.estimate("softmax", *frozen, backend="torch", mask="causal")
+    assert torch.equal(got, expected)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from scipy.special import logsumexp
 
-from randattn.analysis._tensors import input_tensor
+from randattn._tensors import input_tensor
 from randattn.estimators.registry import get_spec
 
 __all__ = [

@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from randattn.analysis._tensors import input_tensor
+from randattn._tensors import input_tensor
 from randattn.analysis.plan import EstimatorConfig
 from randattn.analysis.probability_error import (
     factored_pays,

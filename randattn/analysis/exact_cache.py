@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from randattn.analysis._tensors import input_tensor
+from randattn._tensors import input_tensor
 from randattn.analysis.plan import Unit
 from randattn.estimators.masks import Mask
 

@@ -44,7 +44,7 @@ import numpy as np
 
 # MemoryBudgetError, format_bytes, exact_under_mask, COLUMNS and the two warnings are also this module's public names
 # (__all__): what a caller of the unit runner meets, importable beside it
-from randattn.analysis._tensors import input_tensor
+from randattn._tensors import input_tensor
 from randattn.analysis.cell_memory import (
     REFERENCE_CHECK_TOKENS,
     MemoryBudgetError,

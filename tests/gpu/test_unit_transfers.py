@@ -44,12 +44,12 @@ _CREATORS = ("as_tensor", "tensor", "empty", "zeros", "ones", "full", "eye", "ar
 
 def _site() -> str:
     """``module.function`` of the innermost randattn function on the stack (the test's own frames, comprehensions
-    and ``analysis._tensors``, the one conversion of a unit's inputs, whose caller is the site, skipped)."""
+    and ``randattn._tensors``, the one conversion of a unit's inputs, whose caller is the site, skipped)."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
         if (path.startswith(PACKAGE) and not frame.f_code.co_name.startswith("<")
-                and not path.endswith(f"analysis{os.sep}_tensors.py")):
+                and path != os.path.join(PACKAGE, "_tensors.py")):
             module = Path(path).relative_to(PACKAGE).with_suffix("").as_posix().replace("/", ".")
             return f"{module}.{frame.f_code.co_name}"
         frame = frame.f_back

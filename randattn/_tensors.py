@@ -1,7 +1,8 @@
-"""The one conversion of a unit's input arrays (q, k, v) to torch tensors.
+"""The one conversion of input arrays (q, k, v) to torch tensors: a unit's, and those given to ``randattn.estimate``.
 
 On the torch backend a unit's inputs are read-only views of the activation file's arrays
-(:meth:`~randattn.analysis.exact_cache.ExactCache.inputs`: no copy of a long context's keys and values). torch has
+(:meth:`~randattn.analysis.exact_cache.ExactCache.inputs`: no copy of a long context's keys and values), and
+:meth:`~randattn.activations.io.Activations.qkv` gives a user read-only arrays too. torch has
 no read-only tensors and warns, once per process, when it shares the memory of a read-only array; the engine
 never writes its inputs, so that warning says nothing a user can act on and is silenced here, for these
 conversions only.
