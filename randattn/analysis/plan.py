@@ -114,10 +114,15 @@ def estimator_config(name: str, params: Mapping[str, Any] | None = None) -> Esti
     """
     from randattn.estimators.registry import get_spec, parse_estimator
 
-    parsed_name, parsed = parse_estimator(name)
-    given = {**parsed, **dict(params or {})}
-    spec = get_spec(parsed_name)
-    resolved = spec.resolve_params(given)
+    try:
+        parsed_name, parsed = parse_estimator(name)
+        given = {**parsed, **dict(params or {})}
+        spec = get_spec(parsed_name)
+        resolved = spec.resolve_params(given)
+    except (TypeError, ValueError) as exc:
+        if type(exc) not in (TypeError, ValueError) or str(name).split(":")[0].strip() in str(exc):
+            raise  # a typed error keeps its fields; a message naming the estimator says where already
+        raise type(exc)(f"estimator {name!r}: {exc}") from None
     preset = given.get("preset")
     if preset is not None and preset != "paper":
         # a preset names its parameters in one word: keep the word, plus what was set beside it

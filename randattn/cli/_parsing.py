@@ -170,6 +170,7 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
     from randattn.analysis.memory import default_max_memory
     from randattn.analysis.plan import with_threads
     from randattn.analysis.plan import SweepConfig, parse_estimator_list
+    from randattn._validation import check_positive_int
     from randattn.analysis.sweep_plan import count_cells
     from randattn.cli._common import abort
     from randattn.cli._errors import said
@@ -203,6 +204,9 @@ def prepare(acts: Path, estimator_list, estimator_items, samples, replicates, la
             raise ValueError(f"--device {device} needs --backend torch (the reference runs on the CPU)")
         if memory is None:  # once the device is known to exist
             memory = default_max_memory(device)
+        check_positive_int("--replicates", replicates)
+        if threads is not None:
+            check_positive_int("--threads", threads)
         estimators = parse_estimator_list(texts)
         if replicates < 2 and any(e.random for e in estimators):
             raise ValueError(f"--replicates {replicates}: random estimators need at least 2 replicates for a variance")

@@ -41,3 +41,29 @@ def test_the_command_exits_2_on_an_empty_item(tmp_path):
                                              {"scale": 0.5, "layout": "sequence"}), tmp_path / "acts.safetensors")
     result = CliRunner().invoke(main, ["mse", str(acts), "--samples", "64,,256", "--out", str(tmp_path / "t.csv")])
     assert result.exit_code == 2 and "an empty item in '64,,256'" in result.output
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--replicates", "0"], "error: --replicates must be >= 1, got 0"),
+    (["--threads", "0"], "error: --threads must be >= 1, got 0"),
+    (["-e", "vattention:epsilon=abc"], "error: estimator 'vattention:epsilon=abc': epsilon must be int/float, got str "
+                                       "'abc'"),
+    (["-e", "rfa:coupling=foo"], "error: estimator 'rfa:coupling=foo': coupling='foo' is not allowed"),
+    (["-e", "rfa:foo=1"], "error: unknown parameter(s) 'foo' for estimator 'rfa'"),
+    (["-e", "foo"], "error: unknown estimator 'foo'; known estimators:"),
+])
+def test_a_refused_count_or_parameter_value_names_its_option_or_estimator(tmp_path, args, says):
+    """Each refusal says which of the command's options or estimators it is about (the messages named neither), and
+    one that named its estimator already is not prefixed again."""
+    import numpy as np
+    from click.testing import CliRunner
+
+    from randattn.activations import make_activations, save_activations
+    from randattn.cli import main
+
+    rng = np.random.default_rng(0)
+    acts = save_activations(make_activations({0: tuple(rng.normal(size=(1, 1, 6, 4)) for _ in range(3))},
+                                             {"scale": 0.5, "layout": "sequence"}), tmp_path / "acts.safetensors")
+    result = CliRunner().invoke(main, ["mse", str(acts), "--samples", "4", *args, "--out", str(tmp_path / "t.csv")])
+    assert result.exit_code == 2
+    assert " ".join(result.output.split()).startswith(says), result.output
