@@ -282,7 +282,8 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
         # one and two heads give the per-head slope; a unit of one or two heads is timed whole (timing it with one
         # head first made the dry run of a small selection cost more than the run)
         seconds, timed = 0.0, (1, 2) if heads > 2 else (heads,)
-        per_unit = {}
+        per_unit, reference = {}, {}
+        checked = {(u.label, u.num_samples, config.mask_of(u.layer)) for u in todo if u.check_reference}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run reports warnings; a timing run says nothing
             first = todo[0]  # untimed: what a run does once (lazy imports, first calls) is not a unit's time
@@ -290,16 +291,21 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
             for key, unit in first_of.items():
                 times = []
                 for h in timed:
-                    sub = replace(unit, heads=unit.heads[:h], seeds=unit.seeds[:h], check_reference=False)
+                    # the float64 reference spot check of a checked unit runs on its first head only (a per-query
+                    # loop on a slice of a tiled one): timed once, with the first timing, as its own phase
+                    sub = replace(unit, heads=unit.heads[:h], seeds=unit.seeds[:h],
+                                  check_reference=key in checked and h == timed[0])
                     start = time.perf_counter()
-                    runner.run(sub)
-                    times.append(time.perf_counter() - start)
+                    phases = runner.run_timed(sub).seconds
+                    times.append(time.perf_counter() - start - phases["reference_check"])
+                    reference.setdefault(key, phases["reference_check"])
                 if len(times) > 1:
                     per_unit[key] = times[0] + max(times[-1] - times[0], 0.0) * (len(unit.heads) - 1)
                 else:
                     per_unit[key] = times[0] * len(unit.heads) / timed[0]
         for unit in todo:
-            seconds += per_unit[(unit.label, unit.num_samples, config.mask_of(unit.layer))]
+            key = (unit.label, unit.num_samples, config.mask_of(unit.layer))
+            seconds += per_unit[key] + (reference[key] if unit.check_reference else 0.0)
     acts_layers = select("layers", config.layers, list(acts.layers))
     heads = select("heads", config.heads, range(acts.shape[1]))
     images = tuple(acts.images[i] for i in select("images", config.images, range(len(acts.images))))

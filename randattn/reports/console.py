@@ -72,8 +72,10 @@ def plan_lines(plan, timing: bool, dask: bool = False, noun: str = "image") -> l
                    f"and extrapolated linearly to {count(n_heads, 'head')} per unit")
         else:  # a unit of one or two heads, timed whole
             how = f"computing one unit ({count(plan.timed_heads[0], 'head')}) of each estimator and S here, timed"
+        checks = ", plus the float64 reference spot checks (--check-reference), timed once" if any(
+            unit.check_reference for unit in plan.todo) else ""
         lines.append(f"[bold]wall time[/]: about {duration(plan.seconds)} of computing in this process{shared} "
-                     f"(estimated by {how}; start-up and writing not included)")
+                     f"(estimated by {how}{checks}; start-up and writing not included)")
     return lines
 
 

@@ -639,15 +639,49 @@ def test_the_dry_runs_timing_computes_a_unit_of_one_or_two_heads_whole(heads, ti
     rng = np.random.default_rng(0)
     acts = make_activations({0: tuple(rng.normal(size=(1, 3, 9, 4)) for _ in range(3))}, {"scale": 0.5})
     seen = []
-    original = UnitRunner.run
+    original = UnitRunner.run_timed
 
     def counting(self, unit):  # 0.2 s a head on top of the (ms) computation: the estimate must be about 0.2 s a head
         seen.append(len(unit.heads))
         time.sleep(0.2 * len(unit.heads))
         return original(self, unit)
 
-    monkeypatch.setattr(UnitRunner, "run", counting)
+    monkeypatch.setattr(UnitRunner, "run_timed", counting)
     swept = plan_sweep(acts, _config(estimators=parse_estimator_list("rfa"), num_samples=(4,), heads=heads),
                        timing=True)
     assert swept.timed_heads == timed and seen == computed
     assert 0.2 * len(heads) <= swept.seconds < 0.2 * len(heads) + 0.15, swept.seconds  # one unit, not extrapolated
+
+
+def test_the_dry_runs_timing_counts_the_reference_check_once_per_checked_unit(monkeypatch):
+    """The float64 reference spot check runs once per checked unit, on its first head, whatever the unit's heads
+    (MagicPIG's took longer than its estimates): the estimate adds its time per checked unit, and does not
+    extrapolate it over the heads. Here it is made to take 0.3 s; with every unit checked (2 units: two layers),
+    the estimate is 0.6 s above the unchecked one, not 0.3 s (left out) nor 1.2 s (taken per head), and the dry run
+    runs the check once."""
+    from randattn.analysis.execute import UnitRunner
+    from randattn.analysis.sweep_plan import plan_sweep
+    from randattn.reports.console import plan_lines
+
+    rng = np.random.default_rng(0)
+    acts = make_activations({layer: tuple(rng.normal(size=(1, 3, 9, 4)) for _ in range(3)) for layer in (0, 1)},
+                            {"scale": 0.5})
+    original = UnitRunner._reference_deviation
+    calls = []
+
+    def slow(self, *args, **kwargs):
+        calls.append(1)
+        time.sleep(0.3)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(UnitRunner, "_reference_deviation", slow)
+    estimate = {}
+    for fraction in (0.0, 1.0):
+        config = _config(estimators=parse_estimator_list("rfa"), num_samples=(4,), backend="torch", threads=1,
+                         check_reference=fraction)
+        swept = plan_sweep(acts, config, timing=True)
+        estimate[fraction] = swept.seconds
+        said = ", plus the float64 reference spot checks (--check-reference), timed once; start-up"
+        assert (said in plan_lines(swept, timing=True)[2]) is (fraction == 1.0)
+    assert 0.5 < estimate[1.0] - estimate[0.0] < 0.75, estimate
+    assert len(calls) == 1  # timed once for the one (estimator, S), not for each timed head count
