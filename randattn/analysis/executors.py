@@ -167,7 +167,7 @@ def _run_unit_in_worker(path: str, config, config_key: str, unit, parts_dir: str
     except (ValueError, TypeError) as exc:  # deterministic: report, do not retry
         return unit.uid, exc, [], {}, None
     if parts_dir is not None:
-        write_part(parts_dir, unit.uid, rows, positions, caught)  # its warnings live with its rows
+        write_part(parts_dir, unit.uid, rows, positions, caught, seconds)  # its warnings and times live with its rows
     return unit.uid, rows, caught, seconds, positions
 
 

@@ -23,6 +23,7 @@ from randattn.analysis.store import prepare_parts_dir, sweep_lock
 from randattn.analysis.sweep_plan import SweepPlan, as_activations, bind_layout, plan
 from randattn.results import schema as _schema
 from randattn.results.parts import (
+    read_part_phases,
     read_part_warnings,
     read_parts,
     read_position_parts,
@@ -63,12 +64,9 @@ def _manifest(acts, config: SweepConfig) -> dict[str, Any]:
     return {"config": config.identity(), "activations": _fingerprint(acts)}
 
 
-def _phase_totals(totals: dict[tuple, dict[str, float]], unit: Unit, rows: list[dict[str, Any]],
-                  seconds: dict[str, float]) -> None:
+def _phase_totals(totals: dict[tuple, dict[str, float]], unit: Unit, tokens: int, seconds: dict[str, float]) -> None:
     """Adds a unit's phase seconds to ``totals``, keyed by (label, S, tokens), with its unit and cell counts."""
-    if not rows:
-        return
-    key = (unit.label, unit.num_samples, int(rows[0]["tokens"]))
+    key = (unit.label, unit.num_samples, int(tokens))
     total = totals.setdefault(key, {"units": 0, "cells": 0, **dict.fromkeys(PHASES, 0.0)})
     total["units"] += 1
     total["cells"] += len(unit.heads)
@@ -126,6 +124,24 @@ def _run_warnings(raised: dict[str, tuple[str, list[tuple[str, str]]]], units: S
         for uid, stored in read_part_warnings(parts, earlier).items():
             raised[uid] = (by_uid[uid].label, stored or [])  # a part of an older randattn: its warnings unknown
     return summarize_warnings((uid, c, m, label) for uid, (label, caught) in raised.items() for c, m in caught)
+
+
+def _earlier_phases(phases: dict[tuple, dict[str, float]], computed: Iterable[str], units: Sequence[Unit],
+                    parts: Path | None, tokens: int) -> int:
+    """Adds to ``phases`` the phase seconds stored with the parts of units an earlier process computed (not in
+    ``computed``, this call's), so that a resumed run's ``timing`` is the whole run's; returns how many were
+    added (a part of an older randattn, without them, is not)."""
+    if parts is None:
+        return 0
+    by_uid = {u.uid: u for u in units}
+    computed = set(computed)
+    earlier = sorted(uid for uid in stored_unit_ids(parts) if uid in by_uid and uid not in computed)
+    added = 0
+    for uid, seconds in read_part_phases(parts, earlier).items():
+        if seconds is not None:
+            _phase_totals(phases, by_uid[uid], tokens, seconds)
+            added += 1
+    return added
 
 
 def _check_memory(runner: UnitRunner, units: list[Unit]) -> None:
@@ -198,7 +214,8 @@ def run_sweep(
         took (``execute_s``: computing and storing them, not start-up or memory calibration),
         and ``phases``: per (label, num_samples, tokens), the units and cells run and the
         seconds of each phase of :data:`~randattn.analysis.execute.PHASES`, summed (on Dask, as
-        each worker measured them). With ``with_positions``, :class:`SweepTables` whose
+        each worker measured them) over every unit of the table: a resumed run's include those an
+        earlier process computed, as their parts stored them (``earlier_units`` of them). With ``with_positions``, :class:`SweepTables` whose
         ``positions`` is the per-position table of the layers that get one, else None; read back
         from the parts folder like the table, so a resumed run's is the same too.
         ``table.attrs["set_aside"]``: the stored parts that could not be read, each
@@ -303,7 +320,8 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
                  seconds: dict[str, float], positions: list[dict[str, Any]] | None = None) -> None:
             new_rows.extend(rows)
             new_positions.extend(positions or ())
-            _phase_totals(phases, unit, rows, seconds)
+            if rows:
+                _phase_totals(phases, unit, rows[0]["tokens"], seconds)
             raised[unit.uid] = (unit.label, list(unit_warnings))  # a unit computed again replaces its first run's
             state["finished"] += len(unit.heads)
             if progress is not None:
@@ -335,10 +353,12 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
     table = consolidate(table, config, acts)
     any_positions = any(config.positions_of(layer) is not None for layer in {u.layer for u in units})
     positions = consolidate_positions(positions, config, acts) if any_positions else None
+    earlier = _earlier_phases(phases, raised, units, parts, int(acts.shape[2]))  # before raised takes their uids
     table.attrs["warnings"] = _run_warnings(raised, units, parts)
     # wall time of running the units (writing their parts included), apart from start-up and memory calibration;
     # and where it went, per (configuration, S, tokens): the seconds of each phase of execute.PHASES, summed
-    table.attrs["timing"] = {"units": len(todo), "execute_s": round(executed_s, 3), "phases": _phase_records(phases)}
+    table.attrs["timing"] = {"units": len(todo), "execute_s": round(executed_s, 3), "earlier_units": earlier,
+                             "phases": _phase_records(phases)}
     table.attrs["set_aside"] = set_aside
     for record in table.attrs["warnings"]:
         reissued = _warning_category(record["category"])(warning_text(record))
@@ -372,7 +392,7 @@ def _execute(runner: UnitRunner, units: list[Unit], parts: Path | None, activati
         for unit in units:
             rows, unit_warnings, seconds, positions = run_recording(runner, unit)
             if parts is not None:
-                write_part(parts, unit.uid, rows, positions, unit_warnings)
+                write_part(parts, unit.uid, rows, positions, unit_warnings, seconds)
             done(unit, rows, unit_warnings, seconds, positions)
         return
     if not isinstance(activations, (str, os.PathLike)):

@@ -35,12 +35,14 @@ from randattn.results.schema import (
 __all__ = [
     "CORRUPT_DIR",
     "PART_WARNINGS_KEY",
+    "PART_PHASES_KEY",
     "CorruptPartWarning",
     "parts_path",
     "stored_unit_ids",
     "unit_id_of",
     "write_part",
     "read_part_warnings",
+    "read_part_phases",
     "read_parts",
     "read_position_parts",
     "unreadable_parts",
@@ -54,6 +56,9 @@ _POSITIONS_PREFIX = "positions-"
 #: the key of a part's Parquet schema metadata under which the warnings its unit raised are stored (JSON: a list of
 #: ``[category, message]``, one per time raised)
 PART_WARNINGS_KEY = b"randattn_warnings"
+#: the key under which a part keeps the wall seconds of each phase of its unit (JSON: phase -> seconds), so that a
+#: resumed run's ``timing`` counts the units an earlier process computed
+PART_PHASES_KEY = b"randattn_phases"
 
 
 class CorruptPartWarning(UserWarning):
@@ -83,7 +88,7 @@ def stored_unit_ids(parts_dir: str | os.PathLike) -> set[str]:
 
 def write_part(parts_dir: str | os.PathLike, uid: str, rows: Sequence[Mapping[str, Any]],
                positions: Sequence[Mapping[str, Any]] | None = None,
-               unit_warnings: Sequence[tuple[str, str]] = ()) -> Path:
+               unit_warnings: Sequence[tuple[str, str]] = (), seconds: Mapping[str, float] | None = None) -> Path:
     """Write one unit's rows as ``part-<uid>.parquet``, atomically; its per-position rows first, if any.
 
     By pyarrow directly: pandas' ``to_parquet`` took 4.6 ms a part against 1.5 ms (W1 writes
@@ -105,10 +110,14 @@ def write_part(parts_dir: str | os.PathLike, uid: str, rows: Sequence[Mapping[st
     unit_warnings : sequence of (category, message)
         Every warning the unit raised, one pair per time it was raised
         (:func:`~randattn.analysis.execute.run_recording`).
+    seconds : mapping of str to float, optional
+        The wall seconds of each phase of the unit (:data:`PART_PHASES_KEY`, :func:`read_part_phases`).
     """
     if positions is not None:
         _write_rows(Path(parts_dir) / f"{_POSITIONS_PREFIX}{uid}{_PART_SUFFIX}", positions, POSITION_COLUMNS)
     metadata = {PART_WARNINGS_KEY: json.dumps([list(w) for w in unit_warnings]).encode()}
+    if seconds is not None:
+        metadata[PART_PHASES_KEY] = json.dumps({str(k): float(v) for k, v in seconds.items()}).encode()
     return _write_rows(Path(parts_dir) / f"{_PART_PREFIX}{uid}{_PART_SUFFIX}", rows, COLUMNS, metadata)
 
 
@@ -123,14 +132,23 @@ def read_part_warnings(parts_dir: str | os.PathLike, uids: Iterable[str]) -> dic
         unit id -> its ``(category, message)`` pairs, one per time raised; None for a part written
         before parts recorded their warnings (what it raised is not known).
     """
+    return {uid: None if text is None else [(str(c), str(m)) for c, m in json.loads(text)]
+            for uid, text in _part_metadata(parts_dir, uids, PART_WARNINGS_KEY).items()}
+
+
+def read_part_phases(parts_dir: str | os.PathLike, uids: Iterable[str]) -> dict[str, dict[str, float] | None]:
+    """The phase seconds stored with each of the units ``uids`` of ``parts_dir`` (:func:`write_part`): unit id ->
+    phase -> seconds; None for a part written without them (by an older randattn)."""
+    return {uid: None if text is None else {str(k): float(v) for k, v in json.loads(text).items()}
+            for uid, text in _part_metadata(parts_dir, uids, PART_PHASES_KEY).items()}
+
+
+def _part_metadata(parts_dir: str | os.PathLike, uids: Iterable[str], key: bytes) -> dict[str, bytes | None]:
+    """``key`` of each part's schema metadata (its footer alone is read), None where it has none."""
     import pyarrow.parquet as pq
 
-    found: dict[str, list[tuple[str, str]] | None] = {}
-    for uid in uids:
-        metadata = pq.read_schema(Path(parts_dir) / f"{_PART_PREFIX}{uid}{_PART_SUFFIX}").metadata or {}
-        text = metadata.get(PART_WARNINGS_KEY)
-        found[uid] = None if text is None else [(str(c), str(m)) for c, m in json.loads(text)]
-    return found
+    return {uid: (pq.read_schema(Path(parts_dir) / f"{_PART_PREFIX}{uid}{_PART_SUFFIX}").metadata or {}).get(key)
+            for uid in uids}
 
 
 def _write_rows(path: Path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str],

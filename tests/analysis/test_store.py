@@ -254,3 +254,40 @@ def test_a_part_damaged_past_its_footer_is_found_at_the_end_and_its_unit_compute
     assert (parts / "corrupt" / damaged.name).exists() and damaged.exists()
     pd.testing.assert_frame_equal(again.drop(columns="seconds"), whole.drop(columns="seconds"), check_exact=True)
     assert np.array_equal(again["mse"].to_numpy().view(np.int64), whole["mse"].to_numpy().view(np.int64))
+
+
+def test_a_resumed_runs_timing_counts_the_phases_of_the_units_an_earlier_process_computed(rng, tmp_path):
+    """Each part keeps its unit's phase seconds: a resume that finds 3 of 4 units stored and computes 1 reports the
+    phases of all 4 (the same seconds, per configuration, as the first run measured them), with earlier_units 3 and
+    units 1; a part written without them (an older randattn) is left out and not counted."""
+    import pyarrow.parquet as pq
+
+    from randattn.activations import make_activations
+    from randattn.analysis.sweep import SweepConfig, parse_estimator_list, run_sweep
+    from randattn.results.parts import PART_PHASES_KEY
+
+    arrays = {layer: tuple(0.8 * rng.normal(size=(1, 2, 9, 4)) for _ in range(3)) for layer in (0, 1)}
+    acts = make_activations(arrays, {"scale": 0.5, "model": "synthetic"})
+    config = SweepConfig(estimators=parse_estimator_list("rfa;ra"), num_samples=(4,), replicates=3, seed=11,
+                         diagnostics=False, backend="reference")
+    parts = tmp_path / "x.parts"
+    first = run_sweep(acts, config, parts_dir=parts).attrs["timing"]
+    assert (first["units"], first["earlier_units"]) == (4, 0)
+    stored = sorted(parts.glob("part-*.parquet"))
+    stored[0].unlink()
+    again = run_sweep(acts, config, parts_dir=parts, resume=True).attrs["timing"]
+    assert (again["units"], again["earlier_units"]) == (1, 3)
+    assert sum(record["units"] for record in again["phases"]) == 4
+    by_label = {r["label"]: r for r in first["phases"]}
+    recomputed = {r["label"]: r for r in again["phases"]}
+    for label, record in by_label.items():
+        assert recomputed[label]["units"] == record["units"] and recomputed[label]["cells"] == record["cells"]
+    # the three stored units' seconds are the first run's, as written: compare one part's own record
+    one = json.loads(pq.read_schema(stored[1]).metadata[PART_PHASES_KEY])
+    assert set(one) == {"exact", "draws", "estimate", "diagnostics", "reference_check", "metrics"}
+    table = pq.read_table(stored[1])
+    pq.write_table(table.replace_schema_metadata({k: v for k, v in table.schema.metadata.items()
+                                                  if k != PART_PHASES_KEY}), stored[1])
+    older = run_sweep(acts, config, parts_dir=parts, resume=True).attrs["timing"]
+    assert (older["units"], older["earlier_units"]) == (0, 3)
+    assert sum(record["units"] for record in older["phases"]) == 3
