@@ -215,7 +215,8 @@ def run_sweep(
         and ``phases``: per (label, num_samples, tokens), the units and cells run and the
         seconds of each phase of :data:`~randattn.analysis.execute.PHASES`, summed (on Dask, as
         each worker measured them) over every unit of the table: a resumed run's include those an
-        earlier process computed, as their parts stored them (``earlier_units`` of them). With ``with_positions``, :class:`SweepTables` whose
+        earlier process computed, as their parts stored them (``earlier_units`` of them). With
+        ``with_positions``, :class:`SweepTables` whose
         ``positions`` is the per-position table of the layers that get one, else None; read back
         from the parts folder like the table, so a resumed run's is the same too.
         ``table.attrs["set_aside"]``: the stored parts that could not be read, each
