@@ -147,9 +147,14 @@ def bucket_query_slices(scheme: str | Sequence[int], num_queries: int, num_keys:
     return out
 
 
-def bucket_text(lo: int, hi: int) -> str:
-    """``"1"``, ``"2-3"``: how a bucket is labelled in figures and reports."""
-    return str(int(lo)) if int(lo) == int(hi) else f"{int(lo)}-{int(hi)}"
+def bucket_text(lo: int, hi: int, measured: int | None = None) -> str:
+    """``"1"``, ``"2-3"``: how a bucket is labelled in figures and reports; with ``measured``, the queries of it that
+    were measured, where fewer than its positions (``"4096-8191 (63 measured)"``, the last 64 queries of 8,192:
+    their error is not the bucket's average)."""
+    text = str(int(lo)) if int(lo) == int(hi) else f"{int(lo)}-{int(hi)}"
+    if measured is not None and int(measured) < int(hi) - int(lo) + 1:
+        text += f" ({int(measured)} measured)"
+    return text
 
 
 def bucket_metrics(out: Any, exact: Any, buckets: Sequence[tuple[int, int, slice]], *, random: bool,

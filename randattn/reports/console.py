@@ -204,6 +204,13 @@ def summary_table(summary, noun: str = "image", queries: str | None = None):
     return table
 
 
+def _measured_per_bucket(positions) -> dict:
+    """:func:`randattn.reports.tables.measured_per_bucket` (imported where used: the terminal starts fast)."""
+    from randattn.reports.tables import measured_per_bucket
+
+    return measured_per_bucket(positions)
+
+
 def _few_units_note(summary, noun: str) -> str:
     """:func:`randattn.reports.tables.few_units_note` (imported where used: the terminal starts fast)."""
     from randattn.reports.tables import few_units_note
@@ -252,8 +259,9 @@ def positions_table(positions, seed: int, noun: str = "image"):
     table.add_column("S", justify="right")
     if several:
         table.add_column("mask")
+    measured = _measured_per_bucket(positions)
     for lo, hi in buckets:
-        table.add_column(f"p {bucket_text(lo, hi)}", justify="right")
+        table.add_column(f"p {bucket_text(lo, hi, measured.get((int(lo), int(hi))))}", justify="right")
     from randattn.estimators.registry import takes_no_samples
 
     for key, group in means.groupby(["label", "num_samples", *(["mask"] if several else [])], sort=False):

@@ -33,6 +33,7 @@ from randattn.reports.tables import (
     ResultsError,
     aggregate_over_images,
     few_units_note,
+    measured_per_bucket,
     aggregate_positions,
     approximate_labels,
     describe_data,
@@ -939,6 +940,7 @@ def position_figure(
         raise ResultsError("the error-by-position figure has nothing to draw: every row is a query that sees a single "
                            "key, where a normalized estimator is exact")
     aggregated = aggregate_positions(positions, confidence=confidence, seed=seed)
+    measured = measured_per_bucket(positions)
     names = display_names(positions)
     every = aggregated
     aggregated, exact = _drop_exact(aggregated, "mse", names, exact_labels(positions))
@@ -977,7 +979,7 @@ def position_figure(
                 ax.fill_between(x, np.where(band, low, np.nan), np.where(band, high, np.nan), color=style["color"],
                                 alpha=0.18, linewidth=0)
             handles.setdefault(label, line)
-            ticks.update({float(c): bucket_text(a, b) for c, a, b in zip(x, lo, hi)})
+            ticks.update({float(c): bucket_text(a, b, measured.get((int(a), int(b)))) for c, a, b in zip(x, lo, hi)})
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         centres = sorted(ticks)

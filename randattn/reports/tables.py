@@ -35,6 +35,7 @@ __all__ = [
     "AGGREGATED_VALUES",
     "aggregate_over_images",
     "few_units_note",
+    "measured_per_bucket",
     "aggregate_positions",
     "once_without_s",
     "MAX_BROKEN_HEADS_SHOWN",
@@ -411,6 +412,15 @@ def once_without_s(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(s_free=s_free)[~repeated]
 
 
+def measured_per_bucket(positions: pd.DataFrame) -> dict[tuple[int, int], int]:
+    """``(position_lo, position_hi) -> queries`` of a per-position table: how many of a bucket's queries each of its
+    cells measured (the most, where cells differ), for :func:`~randattn.analysis.positions.bucket_text`."""
+    if "queries" not in positions or positions.empty:
+        return {}
+    counts = positions.groupby(["position_lo", "position_hi"])["queries"].max()
+    return {(int(lo), int(hi)): int(count) for (lo, hi), count in counts.items()}
+
+
 def position_pivot(positions: pd.DataFrame, *, num_samples: int | None = None, seed: int = 0) -> pd.DataFrame:
     """Mean MSE over images (after heads and layers) as an estimator x position-bucket grid, at one S.
 
@@ -438,7 +448,9 @@ def position_pivot(positions: pd.DataFrame, *, num_samples: int | None = None, s
         raise ResultsError(f"the per-position table has no rows at S = {s}; it has S = "
                            f"{', '.join(str(int(x)) for x in sorted(positions['num_samples'].unique()))}")
     means = aggregate_positions(rows, n_boot=1, seed=seed)
-    means = means.assign(bucket=[bucket_text(lo, hi) for lo, hi in zip(means["position_lo"], means["position_hi"])])
+    measured = measured_per_bucket(rows)
+    means = means.assign(bucket=[bucket_text(lo, hi, measured.get((int(lo), int(hi))))
+                                 for lo, hi in zip(means["position_lo"], means["position_hi"])])
     several = means["tokens"].nunique() > 1
     columns = ["tokens", "position_lo", "bucket"] if several else ["position_lo", "bucket"]
     masks = "mask" in means and means["mask"].astype(str).nunique() > 1  # a window layer beside a causal one

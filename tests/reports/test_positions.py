@@ -93,3 +93,31 @@ def test_the_bucket_table_gives_a_row_per_mask_when_layers_differ():
     page = build_report(run_sweep_tables(acts, config).table.query("layer == 0"), environment={}, figures=[],
                         positions=window)
     assert '<h2 id="positions">Sliding-window attention: error by position</h2>' in page
+
+
+def test_a_bucket_measured_in_part_says_how_many_of_its_queries_were_measured():
+    """The last 6 of 16 causal queries are positions 11-16: bucket 8-15 holds 5 of them, bucket 16 its one. The
+    terminal table, the pivot and the figure's ticks say "8-15 (5 measured)", not the bucket alone, whose error it
+    is not; a bucket measured whole keeps its plain label."""
+    from rich.console import Console
+
+    from randattn.analysis.positions import bucket_text
+    from randattn.reports.console import positions_table
+
+    assert bucket_text(8, 15) == "8-15" and bucket_text(8, 15, 8) == "8-15" and bucket_text(16, 16, 1) == "16"
+    assert bucket_text(8, 15, 7) == "8-15 (7 measured)"
+    rng = np.random.default_rng(5)
+    acts = make_activations({0: tuple(0.8 * rng.normal(size=(1, 2, 16, 4)) for _ in range(3))},
+                            {"scale": 0.5, "model": "synthetic", "layout": "sequence"})
+    config = SweepConfig(estimators=parse_estimator_list("ra"), num_samples=(2,), replicates=3, seed=1,
+                         backend="reference", diagnostics=False, mask="causal", queries="last:6")
+    positions = run_sweep_tables(acts, config).positions
+    assert sorted(zip(positions["position_lo"], positions["position_hi"], positions["queries"]))[0] == (8, 15, 5)
+    console = Console(width=300, record=True)
+    console.print(positions_table(positions, seed=0))
+    header = " ".join(console.export_text().split())
+    assert "p 8-15 (5 measured)" in header and "p 16 " in header
+    assert list(position_pivot(positions).columns) == ["8-15 (5 measured)", "16"]
+    figure = position_figure(positions)
+    ticks = [t.get_text() for t in figure.axes[0].get_xticklabels()]
+    assert ticks == ["8-15 (5 measured)", "16"]
