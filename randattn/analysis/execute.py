@@ -67,7 +67,7 @@ from randattn.analysis.estimate_block import (
 )
 from randattn.analysis.exact_cache import ExactCache, exact_under_mask
 from randattn.analysis.masking import diagnostics_skip_reason
-from randattn.analysis.query_blocks import QueryBlock, blocks_queries
+from randattn.analysis.query_blocks import QueryBlock, blocks_queries, timed_block_indices
 from randattn.analysis.query_blocks import query_blocks as split_queries
 from randattn.analysis.plan import (
     EstimatorConfig,
@@ -572,29 +572,34 @@ class UnitRunner:
         """
         return self.run_timed(unit).rows
 
-    def run_timed(self, unit: Unit) -> UnitResult:
+    def run_timed(self, unit: Unit, *, query_blocks_timed: int | None = None) -> UnitResult:
         """:class:`UnitResult`: ``run(unit)``, the wall seconds of each of the unit's :data:`PHASES`, and its
-        per-position rows (None when the unit's layer gets none)."""
+        per-position rows (None when the unit's layer gets none).
+
+        ``query_blocks_timed``: for timing alone (the dry run), a unit estimated in more query blocks than this
+        computes only that many, evenly spaced (:func:`~randattn.analysis.query_blocks.timed_block_indices`); the
+        other rows are left at zero error, so the rows are not the unit's.
+        """
         if self.torch is None:
-            return self._run(unit)
+            return self._run(unit, query_blocks_timed)
         from randattn._precision import full_precision_matmul
 
         if self.config.threads is None:
             with full_precision_matmul():
-                return self._run(unit)
+                return self._run(unit, query_blocks_timed)
         before = self.torch.get_num_threads()
         self.torch.set_num_threads(self.config.threads)
         try:
             with full_precision_matmul():
-                return self._run(unit)
+                return self._run(unit, query_blocks_timed)
         finally:
             self.torch.set_num_threads(before)
 
-    def _run(self, unit: Unit) -> UnitResult:
+    def _run(self, unit: Unit, query_blocks_timed: int | None = None) -> UnitResult:
         with raised_while(f"measuring {self.config.estimators[unit.est_index].label}", unit):
-            return self._measured_run(unit)
+            return self._measured_run(unit, query_blocks_timed)
 
-    def _measured_run(self, unit: Unit) -> UnitResult:
+    def _measured_run(self, unit: Unit, query_blocks_timed: int | None = None) -> UnitResult:
         """Blocks -> exact attention -> per block: draws, estimates, diagnostics, reference check -> metrics -> rows."""
         clock = time.perf_counter
         start = clock()
@@ -617,12 +622,18 @@ class UnitRunner:
         seconds["exact"] = clock() - start  # the exact attention, computed by the first unit of an image-layer
         cells, reps = len(unit.heads), self.replicates(est)
         n, m, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+        query_blocks = self.query_blocks(unit)  # None: one call over every measured query
+        timed_only = (query_blocks is not None and query_blocks_timed is not None
+                      and len(query_blocks) > query_blocks_timed)
+        if timed_only:  # the dry run's timing: a few blocks, the other rows left at zero error
+            query_blocks = [query_blocks[i] for i in timed_block_indices(len(query_blocks), query_blocks_timed)]
         if self.torch is None:
-            out = np.empty((reps, cells, n, dv))  # the reference's float64 estimates
+            out = (np.zeros if timed_only else np.empty)((reps, cells, n, dv))  # the reference's float64 estimates
         else:
             # estimate - exact in float64 on the device: the estimates never cross to the host (issue 9, GPU-ready)
             exact_out = cache.output(unit)
-            out = self.torch.empty((reps, cells, n, dv), dtype=self.torch.float64, device=self.device)
+            out = (self.torch.zeros if timed_only else self.torch.empty)((reps, cells, n, dv), dtype=self.torch.float64,
+                                                                        device=self.device)
         prob_sq = np.full((reps, cells), np.nan)
         # per (replicate, cell): the mean and the largest over the queries of the keys each reads (spec.keys_used)
         counts_declared = spec.keys_used is not None
@@ -637,7 +648,6 @@ class UnitRunner:
             warnings.warn(skipped, DiagnosticsSkippedWarning, stacklevel=2)  # NaN with its reason, once per unit
             diagnose = False
         ref_check = ReferenceCheck()
-        query_blocks = self.query_blocks(unit)  # None: one call over every measured query
         if query_blocks is not None and diagnose and spec.diagnostics_apply(spec.resolve_params(est.params)):
             warnings.warn(f"IS diagnostics (ESS, delta-method variance, k-hat) not computed for {est.label}: its "
                           f"{n} queries are estimated in blocks of {query_blocks[0].rows.stop}, each with draws of "
@@ -647,7 +657,8 @@ class UnitRunner:
         parts = query_blocks or [QueryBlock(None, slice(None), m)]
         for cs, rs in blocks:
             part_probs = []
-            block_counts = np.empty((rs.stop - rs.start, cs.stop - cs.start, n)) if counts_declared else None
+            block_counts = ((np.zeros if timed_only else np.empty)((rs.stop - rs.start, cs.stop - cs.start, n))
+                            if counts_declared else None)
             for part in parts:
                 mark = clock()
                 qp, kp, vp = q[cs, part.rows], k[cs, :part.keys], v[cs, :part.keys]

@@ -33,8 +33,8 @@ from typing import Any, Mapping, NamedTuple
 
 from randattn.estimators.masks import Mask
 
-__all__ = ["QUERY_BLOCKED_ABOVE", "QUERY_BLOCK_PAIRS", "QueryBlock", "blocks_queries", "query_block_rows",
-           "query_blocks"]
+__all__ = ["QUERY_BLOCKED_ABOVE", "QUERY_BLOCK_PAIRS", "QUERY_BLOCKS_TIMED", "QueryBlock", "blocks_queries",
+           "query_block_rows", "query_blocks", "timed_block_indices"]
 
 #: a unit is estimated in query blocks where its measured queries times keys exceed this (8,192 x 8,192: one
 #: float64 K x M array is 512 MiB). At or below it a unit runs in one call, as the tables of shorter contexts were made
@@ -42,6 +42,11 @@ QUERY_BLOCKED_ABOVE = 2**26
 #: the query-key pairs of a block's widest call (its last, which sees every key): 1,024 queries at 32,768 keys,
 #: 256 at 131,072; one float64 array of them is 256 MiB
 QUERY_BLOCK_PAIRS = 2**25
+
+
+#: the query blocks of a unit that the dry run computes to time it (evenly spaced, :func:`timed_block_indices`):
+#: 4 of the 32 of every query of 32,768 tokens
+QUERY_BLOCKS_TIMED = 4
 
 
 class QueryBlock(NamedTuple):
@@ -80,3 +85,14 @@ def query_blocks(queries: int, keys: int, mask: Mask) -> list[QueryBlock]:
         stop = min(start + step, queries)
         blocks.append(QueryBlock(index, slice(start, stop), stop + keys - queries if mask.masked else keys))
     return blocks
+
+
+def timed_block_indices(blocks: int, timed: int) -> list[int]:
+    """``timed`` indices of ``blocks`` query blocks, evenly spaced from the first to the last (all where there are
+    no more): under a mask a block's keys, and so its cost, grow linearly with its index, and the mean cost of
+    evenly spaced blocks from first to last is the mean of all of them."""
+    if timed >= blocks:
+        return list(range(blocks))
+    if timed < 2:
+        return [blocks - 1]  # the widest block: an upper bound
+    return sorted({round(i * (blocks - 1) / (timed - 1)) for i in range(timed)})

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from randattn.analysis.execute import MemoryBudgetError, UnitRunner
+from randattn.analysis.query_blocks import QUERY_BLOCKS_TIMED, timed_block_indices
 from randattn.analysis.plan import (
     SweepConfig,
     Unit,
@@ -287,7 +288,8 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run reports warnings; a timing run says nothing
             first = todo[0]  # untimed: what a run does once (lazy imports, first calls) is not a unit's time
-            runner.run(replace(first, heads=first.heads[:1], seeds=first.seeds[:1], check_reference=False))
+            runner.run_timed(replace(first, heads=first.heads[:1], seeds=first.seeds[:1], check_reference=False),
+                             query_blocks_timed=1)  # one query block warms what the rest would
             for key, unit in first_of.items():
                 times = []
                 for h in timed:
@@ -296,8 +298,15 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
                     sub = replace(unit, heads=unit.heads[:h], seeds=unit.seeds[:h],
                                   check_reference=key in checked and h == timed[0])
                     start = time.perf_counter()
-                    phases = runner.run_timed(sub).seconds
-                    times.append(time.perf_counter() - start - phases["reference_check"])
+                    phases = runner.run_timed(sub, query_blocks_timed=QUERY_BLOCKS_TIMED).seconds
+                    elapsed = time.perf_counter() - start - phases["reference_check"]
+                    # a unit in many query blocks is timed on a few, evenly spaced: their draws and estimates
+                    # stand for all of them (the truth and the metrics are the whole unit's already)
+                    blocks = runner.query_blocks(sub)
+                    if blocks is not None and len(blocks) > QUERY_BLOCKS_TIMED:
+                        computed = len(timed_block_indices(len(blocks), QUERY_BLOCKS_TIMED))
+                        elapsed += (phases["draws"] + phases["estimate"]) * (len(blocks) / computed - 1)
+                    times.append(elapsed)
                     reference.setdefault(key, phases["reference_check"])
                 if len(times) > 1:
                     per_unit[key] = times[0] + max(times[-1] - times[0], 0.0) * (len(unit.heads) - 1)

@@ -19,7 +19,7 @@ from randattn.activations import make_activations
 from randattn.analysis.estimate_block import BlockEstimator
 from randattn.analysis.execute import UnitRunner
 from randattn.analysis.plan import SweepConfig, parse_estimator_list, replicate_rng
-from randattn.analysis.query_blocks import QueryBlock, blocks_queries, query_block_rows, query_blocks
+from randattn.analysis.query_blocks import QueryBlock, blocks_queries, query_block_rows, query_blocks, timed_block_indices
 from randattn.analysis.sweep import plan, run_sweep
 from randattn.estimators.masks import NO_MASK, Mask
 
@@ -300,3 +300,41 @@ def test_the_plans_mask_probe_draws_for_a_query_block_as_the_run_does(monkeypatc
         patch.setattr(registry, "get_spec", lambda name: Spy(real(name)))
         plan(acts, config)
     assert drawn == [("vattention", (1, 8, 4), (1, 40, 4)), ("rfa", (1, 40, 4), (1, 40, 4))]
+
+
+def test_timed_blocks_are_evenly_spaced_from_the_first_to_the_last():
+    assert timed_block_indices(32, 4) == [0, 10, 21, 31]
+    assert timed_block_indices(3, 4) == [0, 1, 2]
+    assert timed_block_indices(5, 2) == [0, 4]
+    assert timed_block_indices(5, 1) == [4]
+
+
+def test_the_dry_run_times_a_unit_in_many_query_blocks_on_a_few(monkeypatch):
+    """A unit of 40 causal queries in blocks of 4 rows is 10 blocks; each block's estimate is made to take 0.05 s
+    more. The dry run computes 4 of them (0, 3, 6, 9) and scales their draws and estimates to the 10: about 0.5 s,
+    not the 0.2 s of the 4 it ran; its untimed warm-up computes one; the run itself computes all 10."""
+    import time as clock
+
+    from randattn.analysis.sweep import plan_sweep
+
+    calls = []
+    original = BlockEstimator.tiled_estimate
+
+    def slow(self, spec, est, q, *args, **kwargs):
+        calls.append(q.shape[-2])
+        clock.sleep(0.05)
+        return original(self, spec, est, q, *args, **kwargs)
+
+    acts = _acts(40, heads=1, d=4)
+    config = SweepConfig(estimators=parse_estimator_list("topk"), num_samples=(4,), replicates=2, threads=1,
+                         dtype="float64", mask="causal", diagnostics=False, check_reference=0.0)
+    with monkeypatch.context() as patch:
+        _blocked(patch, 4, 40)
+        patch.setattr(BlockEstimator, "tiled_estimate", slow)
+        swept = plan_sweep(acts, config, timing=True)
+        timed = calls.count(4)  # calls of a block's 4 rows (the memory calibration's are of all 40)
+        calls.clear()
+        run_sweep(acts, config)
+    assert timed == 1 + 4  # the untimed warm-up's one, then the 4 timed
+    assert 0.5 <= swept.seconds < 0.5 + 0.15, swept.seconds
+    assert calls.count(4) == 10

@@ -470,9 +470,9 @@ def test_units_run_with_the_recorded_thread_count(acts, monkeypatch):
     seen = []
     original = execute.UnitRunner._run
 
-    def spy(self, unit):
+    def spy(self, unit, *args):
         seen.append(torch.get_num_threads())
-        return original(self, unit)
+        return original(self, unit, *args)
 
     monkeypatch.setattr(execute.UnitRunner, "_run", spy)
     before = torch.get_num_threads()
@@ -641,10 +641,10 @@ def test_the_dry_runs_timing_computes_a_unit_of_one_or_two_heads_whole(heads, ti
     seen = []
     original = UnitRunner.run_timed
 
-    def counting(self, unit):  # 0.2 s a head on top of the (ms) computation: the estimate must be about 0.2 s a head
+    def counting(self, unit, **kwargs):  # 0.2 s a head on top of the (ms) computation: about 0.2 s a head estimated
         seen.append(len(unit.heads))
         time.sleep(0.2 * len(unit.heads))
-        return original(self, unit)
+        return original(self, unit, **kwargs)
 
     monkeypatch.setattr(UnitRunner, "run_timed", counting)
     swept = plan_sweep(acts, _config(estimators=parse_estimator_list("rfa"), num_samples=(4,), heads=heads),

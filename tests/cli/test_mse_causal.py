@@ -115,11 +115,11 @@ def test_an_interrupted_causal_run_resumes_to_the_same_positions(files, tmp_path
     assert _invoke(*args, "--out", tmp_path / "full.parquet").exit_code == 0
     original, calls = execute.UnitRunner.run_timed, []
 
-    def interrupt_after_three(self, unit):
+    def interrupt_after_three(self, unit, **kwargs):
         calls.append(unit)
         if len(calls) == 4:
             raise KeyboardInterrupt
-        return original(self, unit)
+        return original(self, unit, **kwargs)
 
     monkeypatch.setattr(execute.UnitRunner, "run_timed", interrupt_after_three)
     out = tmp_path / "cut.parquet"
