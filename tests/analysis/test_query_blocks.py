@@ -19,7 +19,13 @@ from randattn.activations import make_activations
 from randattn.analysis.estimate_block import BlockEstimator
 from randattn.analysis.execute import UnitRunner
 from randattn.analysis.plan import SweepConfig, parse_estimator_list, replicate_rng
-from randattn.analysis.query_blocks import QueryBlock, blocks_queries, query_block_rows, query_blocks, timed_block_indices
+from randattn.analysis.query_blocks import (
+    QueryBlock,
+    blocks_queries,
+    query_block_rows,
+    query_blocks,
+    timed_block_indices,
+)
 from randattn.analysis.sweep import plan, run_sweep
 from randattn.estimators.masks import NO_MASK, Mask
 
