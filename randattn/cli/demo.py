@@ -57,6 +57,7 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
     from pathlib import Path
 
     from randattn._process import retain_freed_memory
+    from randattn.analysis.plan import parse_estimator_list
     from randattn.cli._errors import said
     from randattn.cli._outputs import output_folder, refuse_to_replace, space_errors
     from randattn.workflows.demo import QUICK, DemoConfig, demo_outputs
@@ -76,7 +77,11 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
     }
     try:
         config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
-    except ValueError as exc:
+        # the estimators are parsed by the sweep, after the capture: a value refused there must stop the demo here
+        for texts in (config.estimators, config.single_sample):
+            if texts:
+                parse_estimator_list(list(texts))
+    except (ValueError, TypeError) as exc:
         abort(said(exc))  # in the options' words: --sizes, --single-sample
     # the capture and the sweep take minutes: a folder that cannot be written, or holds an earlier run, must stop
     # the demo before them; a folder the demo made is taken back if it fails (a missing extra included)

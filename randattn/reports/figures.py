@@ -219,6 +219,8 @@ def _band_text(aggregated: pd.DataFrame, confidence: float, noun: str = "image")
     over = str(aggregated["ci_over"].iloc[0]) if "ci_over" in aggregated and len(aggregated) else "images"
     over = f"{noun}s" if over == "images" else over
     units = int(aggregated["units"].max()) if "units" in aggregated and len(aggregated) else 0
+    if units < 2:  # one unit has no interval
+        return f"no bands: a single {over[:-1]}"
     few = few_units_note(aggregated, confidence=confidence, noun=noun)
     bands = f"bands: {round(confidence * 100)}% percentile bootstrap CI over {units} {over}"
     return f"{bands}; {few}" if few else bands

@@ -132,6 +132,12 @@ def test_demo_rejects_bad_options_before_doing_work(tmp_path):
         assert result.exit_code == 2 and said in error_text(result), result.output  # the option, as typed
     result = invoke("demo", "--quick", "--out", str(tmp_path), "--layers", "x")
     assert result.exit_code == 2 and "--layers: expected comma-separated integers, got 'x'" in error_text(result)
+    # an estimator's value, parsed by the sweep after the capture, is refused before it (it was a traceback, exit 1)
+    for option, value, said in (("--estimators", "vattention:epsilon=abc",
+                                 "estimator 'vattention:epsilon=abc': epsilon must be int/float, got str 'abc'"),
+                                ("--single-sample", "ra:foo=1", "unknown parameter(s) 'foo' for estimator 'ra'")):
+        result = invoke("demo", "--quick", "--out", str(tmp_path), option, value)
+        assert result.exit_code == 2 and said in error_text(result), result.output
     assert not any(tmp_path.iterdir())
 
 

@@ -106,3 +106,13 @@ def test_the_figure_weighs_the_units_against_its_own_level():
         figure = mse_vs_samples_figure(table, confidence=confidence)
         text = " ".join(" ".join([figure.get_suptitle(), *(t.get_text() for t in figure.texts)]).split())
         assert ("with 5 images, a percentile interval lies within their range" in text) is expected
+
+
+def test_a_figure_over_a_single_unit_says_it_has_no_band():
+    """One image and one head: no interval exists, and "bands: ... over 1 heads" said one did."""
+    from randattn.reports.figures import mse_vs_samples_figure
+
+    table = make_results_table(images=("a",), tokens=(197,), samples=(16, 32), heads=1, layers=(0,))
+    figure = mse_vs_samples_figure(table)
+    text = " ".join(" ".join([figure.get_suptitle(), *(t.get_text() for t in figure.texts)]).split())
+    assert "no bands: a single head" in text and "bands: 95%" not in text
