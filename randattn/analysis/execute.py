@@ -578,7 +578,7 @@ class UnitRunner:
 
         ``query_blocks_timed``: for timing alone (the dry run), a unit estimated in more query blocks than this
         computes only that many, evenly spaced (:func:`~randattn.analysis.query_blocks.timed_block_indices`); the
-        other rows are left at zero error, so the rows are not the unit's.
+        other queries' entries are left at zero, so the rows are not the unit's.
         """
         if self.torch is None:
             return self._run(unit, query_blocks_timed)
@@ -625,7 +625,7 @@ class UnitRunner:
         query_blocks = self.query_blocks(unit)  # None: one call over every measured query
         timed_only = (query_blocks is not None and query_blocks_timed is not None
                       and len(query_blocks) > query_blocks_timed)
-        if timed_only:  # the dry run's timing: a few blocks, the other rows left at zero error
+        if timed_only:  # the dry run's timing: a few blocks, the other queries' entries left at zero
             query_blocks = [query_blocks[i] for i in timed_block_indices(len(query_blocks), query_blocks_timed)]
         if self.torch is None:
             out = (np.zeros if timed_only else np.empty)((reps, cells, n, dv))  # the reference's float64 estimates
