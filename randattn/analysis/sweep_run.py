@@ -113,33 +113,36 @@ def warning_text(record: Mapping[str, Any]) -> str:
             f"{times} time{'s' * (times != 1)} in all)")
 
 
-def _run_warnings(raised: dict[str, tuple[str, list[tuple[str, str]]]], units: Sequence[Unit],
+def _earlier_units(computed: Iterable[str], units: Sequence[Unit], parts: Path | None) -> dict[str, Unit]:
+    """The units of ``units`` whose parts an earlier process wrote (stored, and not ``computed`` by this call),
+    by unit id in order; none without a parts folder."""
+    if parts is None:
+        return {}
+    by_uid = {u.uid: u for u in units}
+    computed = set(computed)
+    return {uid: by_uid[uid] for uid in sorted(stored_unit_ids(parts)) if uid in by_uid and uid not in computed}
+
+
+def _run_warnings(raised: dict[str, tuple[str, list[tuple[str, str]]]], earlier: Mapping[str, Unit],
                   parts: Path | None) -> list[dict[str, Any]]:
     """The warnings of the whole run: those of the units this call computed (``raised``: unit id -> (label,
-    its warnings)) and, with a parts folder, those stored with the parts of units an earlier process computed
-    (:func:`~randattn.results.read_part_warnings`), so a resumed run reports what its first part raised."""
-    if parts is not None:
-        by_uid = {u.uid: u for u in units}
-        earlier = sorted(uid for uid in stored_unit_ids(parts) if uid in by_uid and uid not in raised)
+    its warnings)) and those stored with the parts of the ``earlier`` units (:func:`_earlier_units`,
+    :func:`~randattn.results.read_part_warnings`), so a resumed run reports what its first part raised."""
+    if earlier:
         for uid, stored in read_part_warnings(parts, earlier).items():
-            raised[uid] = (by_uid[uid].label, stored or [])  # a part of an older randattn: its warnings unknown
+            raised[uid] = (earlier[uid].label, stored or [])  # a part of an older randattn: its warnings unknown
     return summarize_warnings((uid, c, m, label) for uid, (label, caught) in raised.items() for c, m in caught)
 
 
-def _earlier_phases(phases: dict[tuple, dict[str, float]], computed: Iterable[str], units: Sequence[Unit],
-                    parts: Path | None, tokens: int) -> int:
-    """Adds to ``phases`` the phase seconds stored with the parts of units an earlier process computed (not in
-    ``computed``, this call's), so that a resumed run's ``timing`` is the whole run's; returns how many were
-    added (a part of an older randattn, without them, is not)."""
-    if parts is None:
-        return 0
-    by_uid = {u.uid: u for u in units}
-    computed = set(computed)
-    earlier = sorted(uid for uid in stored_unit_ids(parts) if uid in by_uid and uid not in computed)
+def _earlier_phases(phases: dict[tuple, dict[str, float]], earlier: Mapping[str, Unit], parts: Path | None,
+                    tokens: int) -> int:
+    """Adds to ``phases`` the phase seconds stored with the parts of the ``earlier`` units (:func:`_earlier_units`),
+    so that a resumed run's ``timing`` is the whole run's; returns how many were added (a part of an older
+    randattn, without them, is not)."""
     added = 0
-    for uid, seconds in read_part_phases(parts, earlier).items():
+    for uid, seconds in (read_part_phases(parts, earlier).items() if earlier else ()):
         if seconds is not None:
-            _phase_totals(phases, by_uid[uid], tokens, seconds)
+            _phase_totals(phases, earlier[uid], tokens, seconds)
             added += 1
     return added
 
@@ -354,11 +357,12 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
     table = consolidate(table, config, acts)
     any_positions = any(config.positions_of(layer) is not None for layer in {u.layer for u in units})
     positions = consolidate_positions(positions, config, acts) if any_positions else None
-    earlier = _earlier_phases(phases, raised, units, parts, int(acts.shape[2]))  # before raised takes their uids
-    table.attrs["warnings"] = _run_warnings(raised, units, parts)
+    earlier = _earlier_units(raised, units, parts)
+    table.attrs["warnings"] = _run_warnings(raised, earlier, parts)
     # wall time of running the units (writing their parts included), apart from start-up and memory calibration;
     # and where it went, per (configuration, S, tokens): the seconds of each phase of execute.PHASES, summed
-    table.attrs["timing"] = {"units": len(todo), "execute_s": round(executed_s, 3), "earlier_units": earlier,
+    table.attrs["timing"] = {"units": len(todo), "execute_s": round(executed_s, 3),
+                             "earlier_units": _earlier_phases(phases, earlier, parts, int(acts.shape[2])),
                              "phases": _phase_records(phases)}
     table.attrs["set_aside"] = set_aside
     for record in table.attrs["warnings"]:
