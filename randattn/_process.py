@@ -6,8 +6,10 @@ its mmap threshold (at most 32 MiB) with a fresh ``mmap`` and returns it on ``fr
 block is page-faulted in and zeroed by the kernel again: on the 2-core benchmark machine that
 was 33 s of system time in a 47 s sweep (W1, one 785-token image-layer). Keeping freed memory
 in the heap makes the next block reuse the same pages (1 s of system time, 22 s wall). The
-peak resident size is unchanged (it is the peak working set); the process simply does not
-shrink between blocks.
+process does not shrink between blocks, and its resident peak is the peak working set only where
+no block is larger than those before it: a larger one does not fit the pages the smaller ones
+freed, and the heap grows past them. Blocks of growing size are therefore computed largest first
+(a unit's query blocks: :func:`randattn.analysis.query_blocks.largest_first`).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ from randattn.analysis.estimate_block import (
 )
 from randattn.analysis.exact_cache import ExactCache, exact_under_mask
 from randattn.analysis.masking import diagnostics_skip_reason
-from randattn.analysis.query_blocks import QueryBlock, blocks_queries, timed_block_indices
+from randattn.analysis.query_blocks import QueryBlock, blocks_queries, largest_first, timed_block_indices
 from randattn.analysis.query_blocks import query_blocks as split_queries
 from randattn.analysis.plan import (
     EstimatorConfig,
@@ -655,11 +655,13 @@ class UnitRunner:
         if query_blocks is not None:
             diagnose = False
         parts = query_blocks or [QueryBlock(None, slice(None), m)]
+        order = largest_first(query_blocks) if query_blocks else [0]  # widest first: later blocks reuse its pages
         for cs, rs in blocks:
-            part_probs = []
+            part_probs: list = [None] * len(parts)
             block_counts = ((np.zeros if timed_only else np.empty)((rs.stop - rs.start, cs.stop - cs.start, n))
                             if counts_declared else None)
-            for part in parts:
+            for at in order:
+                part = parts[at]
                 mark = clock()
                 qp, kp, vp = q[cs, part.rows], k[cs, :part.keys], v[cs, :part.keys]
                 draws = cell_draws(spec, est, qp.shape[1:], kp.shape[1:], unit.seeds[cs], range(rs.start, rs.stop),
@@ -689,7 +691,7 @@ class UnitRunner:
                 else:
                     # in float64 (a float32 estimate converts exactly): the value numpy's float64(est) - exact gave
                     self.torch.sub(part_out, exact_out[cs, part.rows], out=out[rs, cs, part.rows])
-                part_probs.append(part_prob)
+                part_probs[at] = part_prob
                 if counts_declared:
                     counts = facts.keys_used
                     if counts is None:  # not given by the estimate's own selection

@@ -34,7 +34,7 @@ from typing import Any, Mapping, NamedTuple
 from randattn.estimators.masks import Mask
 
 __all__ = ["QUERY_BLOCKED_ABOVE", "QUERY_BLOCK_PAIRS", "QUERY_BLOCKS_TIMED", "QueryBlock", "blocks_queries",
-           "query_block_rows", "query_blocks", "timed_block_indices"]
+           "largest_first", "query_block_rows", "query_blocks", "timed_block_indices"]
 
 #: a unit is estimated in query blocks where its measured queries times keys exceed this (8,192 x 8,192: one
 #: float64 K x M array is 512 MiB). At or below it a unit runs in one call, as the tables of shorter contexts were made
@@ -85,6 +85,20 @@ def query_blocks(queries: int, keys: int, mask: Mask) -> list[QueryBlock]:
         stop = min(start + step, queries)
         blocks.append(QueryBlock(index, slice(start, stop), stop + keys - queries if mask.masked else keys))
     return blocks
+
+
+def largest_first(blocks: list[QueryBlock]) -> list[int]:
+    """The order in which a unit computes its query blocks: indices of ``blocks``, the most query-key pairs first
+    (ties in their order).
+
+    Under a mask the blocks' keys grow with their index. A computing process keeps freed memory in its heap
+    (:func:`randattn._process.retain_freed_memory`), where a block's arrays fit in the pages that a larger block
+    freed but not in a smaller one's: computed first to last, each block grew the heap past the last, and every
+    query of a 32,768-token window head (vAttention, R = 4) held 9.0 GiB for a widest block of 5.1 GiB. Widest
+    first, later blocks reuse its pages. The results do not depend on the order: each block has its own draws
+    and rows, and what is summed over the blocks is summed in index order.
+    """
+    return sorted(range(len(blocks)), key=lambda i: -(blocks[i].rows.stop - blocks[i].rows.start) * blocks[i].keys)
 
 
 def timed_block_indices(blocks: int, timed: int) -> list[int]:

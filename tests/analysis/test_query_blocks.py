@@ -22,6 +22,7 @@ from randattn.analysis.plan import SweepConfig, parse_estimator_list, replicate_
 from randattn.analysis.query_blocks import (
     QueryBlock,
     blocks_queries,
+    largest_first,
     query_block_rows,
     query_blocks,
     timed_block_indices,
@@ -141,7 +142,8 @@ def test_deterministic_rows_in_blocks_equal_one_calls(monkeypatch, mask):
 
 def test_the_runner_blocks_and_calls_each_block_with_its_keys(monkeypatch):
     """The unit's estimator calls: rows [0, 8), [8, 16), [16, 20) of the last 20 of 24 tokens (causal), with the
-    first 12, 20 and 24 keys."""
+    first 12, 20 and 24 keys, made widest first: 8 x 20 = 160 pairs, then 8 x 12 = 96 and 4 x 24 = 96 in their
+    order (:func:`largest_first`)."""
     acts = _acts(24, heads=1)
     config = SweepConfig(estimators=parse_estimator_list("topk"), num_samples=(2,), replicates=1, threads=1,
                          dtype="float64", mask="causal", queries="last:20", diagnostics=False, check_reference=0.0,
@@ -163,8 +165,16 @@ def test_the_runner_blocks_and_calls_each_block_with_its_keys(monkeypatch):
         runner.blocks(unit)  # the memory calibration's calls, on the unit's own shape here
         calls.clear()
         runner.run(unit)
-    assert [call[:2] for call in calls] == [(8, 12), (8, 20), (4, 24)]
+    assert [call[:2] for call in calls] == [(8, 20), (8, 12), (4, 24)]
     assert [call[3] for call in calls] == [(1, 8), (1, 8), (1, 4)]  # each block's rows of the log-normaliser
+
+
+def test_blocks_are_computed_widest_first_ties_in_their_order():
+    blocks = [QueryBlock(0, slice(0, 4), 10), QueryBlock(1, slice(4, 8), 14), QueryBlock(2, slice(8, 12), 18),
+              QueryBlock(3, slice(12, 14), 20)]  # pairs 40, 56, 72, 40
+    assert largest_first(blocks) == [2, 1, 0, 3]
+    same = [QueryBlock(i, slice(4 * i, 4 * i + 4), 9) for i in range(3)]  # no mask: every block sees every key
+    assert largest_first(same) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("label", ["magicpig:hash_bits=2,sinks=1,local=2",
