@@ -837,14 +837,19 @@ def check_sliding_window(spec: EstimatorSpec, params: Mapping[str, Any]) -> None
             bat2 = _quiet(lambda: _batched(spec, q, k2, v2, draws, params, dtype=torch.float64, mask=mask))
             _close(bat2[..., query, :], bat[..., query, :], atol=1e-12, rtol=1e-12,
                    what=f"{mask} (N={n}, M={m}), batched, query {query} after junk outside its window:")
-        whole = _quiet(lambda: _reference(spec, q, k, v, draws, params, mask=f"sliding:{m}"))
-        causal = _quiet(lambda: _reference(spec, q, k, v, draws, params, mask="causal")) \
-            if spec.supports_mask("causal", params) else None
-        if causal is not None:
+        # each mask's draws are made under it, as a run makes them (a draw may depend on the mask: vAttention's
+        # adaptive uniforms are as many as a window's keys); a window over every key is compared with the causal
+        # mask on the causal draws, the same random variables for both
+        with_causal = spec.supports_mask("causal", params)
+        wide = _draw(spec, q.shape, k.shape, params, seed=131, mask="causal" if with_causal else f"sliding:{m}")
+        whole = _quiet(lambda: _reference(spec, q, k, v, wide, params, mask=f"sliding:{m}"))
+        if with_causal:
+            causal = _quiet(lambda: _reference(spec, q, k, v, wide, params, mask="causal"))
             _close(whole, causal, atol=1e-12, rtol=1e-12,
                    what=f"sliding:{m} (N={n}, M={m}): a window over every key is the causal mask:")
         if spec.normalized:
-            own = _quiet(lambda: _reference(spec, q, k, v, draws, params, mask="sliding:1"))
+            single = _draw(spec, q.shape, k.shape, params, seed=131, mask="sliding:1")
+            own = _quiet(lambda: _reference(spec, q, k, v, single, params, mask="sliding:1"))
             expected = np.broadcast_to(v[..., m - n:, :], own.shape)
             _close(own, expected, atol=0.0, rtol=1e-12,
                    what=f"sliding:1 (N={n}, M={m}): each query sees its own key only and must return its value:")

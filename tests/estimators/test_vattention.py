@@ -215,6 +215,26 @@ def test_a_window_past_the_sinks_is_vattention_on_its_keys_alone(config):
         assert_close(windowed[..., n, :], alone[..., 0, :], atol=1e-14, rtol=1e-12, what=f"{config}, query {n}:")
 
 
+@pytest.mark.parametrize("mask, main, base", [(None, 60, 3), ("causal", 60, 3), ("sliding:20", 20, 2),
+                                              ("sliding:100", 60, 3)])
+def test_adaptive_draws_hold_as_many_uniforms_as_a_query_sees_at_most(mask, main, base):
+    """4 queries over 60 keys: every query sees 60 without a mask, the last one 60 under ``causal``, at most 20 under
+    ``sliding:20`` and 60 under a window wider than the keys. The default base rate 0.05 gives floor(0.05 V) base
+    draws, at least 2: 3 of 60, 2 of 20 (floor(1.0) = 1)."""
+    draws = draw((2, 4, 6), (2, 60, 6), num_samples=None, replicates=3, rng=np.random.default_rng(0), mask=mask)
+    assert draws["residual_uniforms"].shape == (3, 2, 4, main)
+    assert draws["base_uniforms"].shape == (3, 2, 4, base)
+
+
+def test_adaptive_draws_made_under_another_mask_are_refused_naming_it():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(2, 4, 6)), rng.normal(size=(2, 60, 6)), rng.normal(size=(2, 60, 3))
+    causal = draw(q.shape, k.shape, num_samples=None, replicates=3, rng=rng, mask="causal")
+    for form in (reference.estimate, batched.estimate):
+        with pytest.raises(ValueError, match=r"the 20 keys that a query sees at most under mask='sliding:20'"):
+            form(q, k, v, causal, mask="sliding:20")
+
+
 # ------------------------------------------------------------------------------------------------ statistics
 def _residual_sums(q, k, v, draws, params, mask, reweight=1.0):
     """``(estimated (R, K), exact (K,))`` residual denominators and numerators of every query, stacked.

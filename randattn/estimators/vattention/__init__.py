@@ -26,8 +26,8 @@ output, their ratio, is consistent (bias and variance :math:`O(1/b)`).
   (``num_samples=None``; a value given is checked and ignored) and a sweep measures it once, not once per S;
   :math:`b = \min(\max(b_0, \lceil b^* \rceil), n_s)` from the CLT bound :math:`b^*` for (epsilon, delta)
   (:func:`.reference.sample_size`), at most the :math:`n_s` keys sampled from (the official code's cap), so
-  ``draw`` makes M uniforms per query for the sample and :math:`B = \max(2, \text{size}(\text{base\_rate}, M))`
-  for the base sample.
+  ``draw`` makes V uniforms per query for the sample and :math:`B = \max(2, \text{size}(\text{base\_rate}, V))`
+  for the base sample, V the most keys a query sees (M; W under a window of W keys).
 
 With fewer visible keys than the heavy set asks for, the heavy set is every visible key and nothing is sampled
 (exact attention); under ``mask="causal"`` every set is among the visible keys ``m <= n + M - N``, and under
@@ -85,7 +85,7 @@ from randattn._validation import check_positive_int
 from randattn.estimators.base import Draws, ExactLimit, family_spec, keyword_entry
 from randattn.estimators.masks import check_causal_shapes
 from randattn.estimators.vattention import batched, reference
-from randattn.estimators.vattention.rules import PARAMS, VattentionOptions, uniform_counts
+from randattn.estimators.vattention.rules import PARAMS, VattentionOptions, most_visible_keys, uniform_counts
 
 __all__ = ["OFFICIAL_CODE", "PARAMS", "SPEC", "draw"]
 
@@ -98,13 +98,14 @@ def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int | N
          rng: np.random.Generator, options: VattentionOptions) -> Draws:
     r"""Uniforms on [0, 1) for every draw a query may take, independent across replicates, batch elements and queries.
 
-    - ``residual_uniforms : (R, ..., N, S)`` (``budget="fixed"``) or ``(R, ..., N, M)`` (``"adaptive"``: the
-      largest sample the budget allows, :math:`b \le n_s \le M`); query n's draw i picks the
+    - ``residual_uniforms : (R, ..., N, S)`` (``budget="fixed"``) or ``(R, ..., N, V)`` (``"adaptive"``: the
+      largest sample the budget allows, :math:`b \le n_s \le V`, with V the most keys a query sees: M without a
+      mask and under ``causal``, ``min(W, M)`` under ``sliding:W``); query n's draw i picks the
       :math:`\lfloor u_i n_s \rfloor`-th key of the set it samples from (ascending key order).
-    - ``base_uniforms : (R, ..., N, B)`` (adaptive only): the base sample, ``B = max(2, size(base_rate, M))``
+    - ``base_uniforms : (R, ..., N, B)`` (adaptive only): the base sample, ``B = max(2, size(base_rate, V))``
       (the largest base sample); query n uses the first :math:`b_0` of them.
 
-    The draws do not depend on the data or on ``mask`` (which is checked here, before any work), so ``estimate``
+    The draws do not depend on the data; ``mask`` is checked here, before any work, and sets V. So ``estimate``
     is a pure function of them. ``num_samples`` is S with ``budget="fixed"``; the adaptive budget takes None (a
     positive integer given is ignored).
     """
@@ -112,7 +113,8 @@ def draw(q_shape: Sequence[int], k_shape: Sequence[int], *, num_samples: int | N
         check_causal_shapes(q_shape[-2], k_shape[-2])
     if num_samples is not None or options.budget == "fixed":
         num_samples = check_positive_int("num_samples", num_samples)
-    main, base = uniform_counts(k_shape[-2], num_samples, options.parameters)
+    main, base = uniform_counts(most_visible_keys(q_shape[-2], k_shape[-2], options.mask), num_samples,
+                                options.parameters)
     lead = (replicates, *q_shape[:-2], q_shape[-2])
     arrays = {"residual_uniforms": rng.random((*lead, main))}
     if base:

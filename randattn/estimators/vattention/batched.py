@@ -143,7 +143,7 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
     num_queries, num_keys = x.shape[-2], y.shape[-2]
     replicates, device = draws.replicates, x.device
     per_query = query_sizes(num_queries, num_keys, mask, params)
-    main, base = checked_uniforms(draws, batch, num_queries, num_keys, params)
+    main, base = checked_uniforms(draws, batch, num_queries, num_keys, params, mask)
     as_tensor = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
     visible, fixed, candidates = _position_sets(per_query, num_keys, mask, device)
     pool_sizes = as_tensor(per_query.sampled_size)
@@ -169,8 +169,8 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
 
     if base is not None:
         # adaptive: no query samples more keys than its pool holds, so the uniforms past the largest pool are never
-        # read (a window of W keys reads W of M: 1/64 of them at 32,768 tokens); the same bits, the scatter below
-        # adding no 0 it would have added
+        # read (the heavy set leaves fewer than the V drawn); the same bits, the scatter below adding no 0 it would
+        # have added
         main = main[..., : max(int(np.max(per_query.sampled_size, initial=0)), 1)]
     in_sample = torch.arange(main.shape[-1], device=device) < sizes[..., None]
     counts = torch.zeros((*shape, num_keys), dtype=logits.dtype, device=device)

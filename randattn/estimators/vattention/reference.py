@@ -195,7 +195,8 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
         Queries (..., N, D), keys (..., M, D).
     draws : Draws
         From :func:`randattn.estimators.vattention.draw` with the same parameters: ``residual_uniforms``
-        ``(R, ..., N, S)`` (fixed) or ``(R, ..., N, M)`` and ``base_uniforms`` ``(R, ..., N, B)`` (adaptive).
+        ``(R, ..., N, S)`` (fixed) or ``(R, ..., N, V)`` and ``base_uniforms`` ``(R, ..., N, B)`` (adaptive; V the
+        most keys a query sees).
     scale, mask, budget, sinks, local, top_k, epsilon, delta, base_rate, quantile, duplicates, sample_from, rounding
         The fields of :class:`~randattn.estimators.vattention.rules.VattentionOptions`.
     """
@@ -203,7 +204,7 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
     x, y, _, _, batch = prepare_reference(q, k, np.zeros((*np.shape(k)[:-1], 1)), options.scale)
     num_queries, num_keys = x.shape[-2], y.shape[-2]
     sets = query_sets(num_queries, num_keys, options.mask, params)
-    main, base = checked_uniforms(draws, batch, num_queries, num_keys, params)
+    main, base = checked_uniforms(draws, batch, num_queries, num_keys, params, options.mask)
     main, base = _float64(main), None if base is None else _float64(base)
     logits = masked_logits(x, y, options.mask)
     replicates = draws.replicates

@@ -28,7 +28,7 @@ from randattn.estimators.masks import DECLARABLE_MASKS, Mask, check_causal_shape
 __all__ = [
     "BUDGETS", "DUPLICATES", "PARAMS", "QUANTILES", "ROUNDINGS", "SAMPLE_FROM", "QuerySets", "QuerySizes",
     "VattentionOptions", "base_uniform_count", "check_params", "checked_uniforms", "normal_quantile", "query_sets",
-    "query_sizes", "size_of", "uniform_counts",
+    "most_visible_keys", "query_sizes", "size_of", "uniform_counts",
 ]
 
 #: ``adaptive``: the sample size from the CLT budget for (epsilon, delta) (the paper); ``fixed``: S draws
@@ -301,27 +301,40 @@ def query_sizes(num_queries: int, num_keys: int, mask: str | None, params: Mappi
     return QuerySizes(own, available, sinks, local, top_k, sampled_size.astype(np.int64), base)
 
 
-def uniform_counts(num_keys: int, num_samples: int, params: Mapping[str, Any]) -> tuple[int, int]:
-    """``(main, base)`` uniforms per query that ``draw`` makes: ``(S, 0)`` for a fixed budget; ``(M, largest base
-    sample)`` for the adaptive one, whose sample size is capped at the keys sampled from (at most M)."""
+def most_visible_keys(num_queries: int, num_keys: int, mask: str | None) -> int:
+    """The most keys any of N queries sees over M: M without a mask and under ``causal`` (the last query),
+    ``min(W, M)`` under ``sliding:W``."""
+    return int(Mask.parse(mask).visible_counts(num_queries, num_keys).max(initial=0))
+
+
+def uniform_counts(visible: int, num_samples: int, params: Mapping[str, Any]) -> tuple[int, int]:
+    """``(main, base)`` uniforms per query that ``draw`` makes: ``(S, 0)`` for a fixed budget; ``(V, largest base
+    sample)`` for the adaptive one, whose sample size is capped at the keys sampled from, which are among the
+    query's visible keys: at most ``visible``, the most any query sees (:func:`most_visible_keys`)."""
     if params["budget"] == "fixed":
         return num_samples, 0
-    return num_keys, base_uniform_count(params["base_rate"], num_keys)
+    return visible, base_uniform_count(params["base_rate"], visible)
 
 
 def checked_uniforms(draws: Draws, batch: tuple[int, ...], num_queries: int, num_keys: int,
-                     params: Mapping[str, Any]) -> tuple[Any, Any]:
+                     params: Mapping[str, Any], mask: str | None) -> tuple[Any, Any]:
     """``(residual_uniforms, base_uniforms or None)`` of the draws, as they are (numpy or torch), after checking their
-    layout against the inputs and the budget: the checks of both forms, with the same messages."""
+    layout against the inputs, the budget and the mask: the checks of both forms, with the same messages."""
     main = check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (None,))
     if params["budget"] == "fixed":
         return main, None
     if "base_uniforms" not in draws:
         raise ValueError("budget='adaptive' needs the draws' 'base_uniforms'; these draws were made for "
                          "budget='fixed' (pass the same parameters to draw() and estimate())")
-    want_main, want_base = uniform_counts(num_keys, 1, params)
-    check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (want_main,))
-    return main, check_draw_array(draws, "base_uniforms", (*batch, num_queries), (want_base,))
+    visible = most_visible_keys(num_queries, num_keys, mask)
+    want_main, want_base = uniform_counts(visible, 1, params)
+    try:
+        check_draw_array(draws, "residual_uniforms", (*batch, num_queries), (want_main,))
+        return main, check_draw_array(draws, "base_uniforms", (*batch, num_queries), (want_base,))
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or under another mask: budget='adaptive' draws uniforms for the {visible} keys "
+                         f"that a query sees at most under mask={mask!r}; pass the same mask to draw() and "
+                         "estimate())") from None
 
 
 def ceil_or_floor(value: float, rounding: str) -> float:
