@@ -277,6 +277,14 @@ class BlockEstimator:
 
                 def columns_of(k0: int, k1: int):
                     return probs[..., k0:k1]
+            elif spec.forms.has("probabilities"):
+                # two estimator passes, the estimate and the probability form, where one-hot tiles would make
+                # M / key_tile of them (128 at 32,768 keys): the same (R_b, C_b, K, M) as the one-pass form
+                out, facts = self._estimate_alone(spec, est, tq, tk, tv, tdraws, mask)
+                form_probs = spec.forms.get("probabilities")(tq, tk, tdraws, scale=self.scale, **est.params, **masked)
+
+                def columns_of(k0: int, k1: int):
+                    return form_probs[..., k0:k1]
             else:
                 out = spec.batched(tq, tk, tv, tdraws, scale=self.scale, **est.params, **masked)
 

@@ -277,3 +277,44 @@ def test_a_tiled_units_reference_check_leaves_the_exactness_of_its_slice_unsaid(
         assert reference_check_summary(table)["max_dev_over_rmse"] is not None
     assert dense.dropna(subset=["ref_max_abs_dev"])["ref_max_rel_err"].iloc[0] > 1e-10
     assert tiled.dropna(subset=["ref_max_abs_dev"])["ref_max_rel_err"].isna().all()
+
+
+def test_a_tiled_unit_of_a_spec_with_a_probability_form_alone_takes_its_columns_from_it(monkeypatch):
+    """A plugin that declares ``forms.probabilities`` and no one-pass form: a tiled unit measures prob_mse from one
+    call of that form per block, where one-hot key tiles ran the whole estimate again for every tile of 256 keys
+    (twice more at 300 keys, 128 times at 32,768). Top-k's own forms, declared as such a plugin would: its rows are
+    the dense rows (float64, 1e-10), the estimate called once per block as densely."""
+    import dataclasses
+
+    from randattn.estimators import topk
+    from randattn.estimators.base import BatchedForms
+    from randattn.estimators.registry import register_estimator, unregister_estimator
+
+    calls = []
+
+    def estimate(*args, **kwargs):
+        calls.append("estimate")
+        return topk.batched.estimate(*args, **kwargs)
+
+    def probabilities(*args, **kwargs):
+        calls.append("probabilities")
+        return topk.batched.probabilities(*args, **kwargs)
+
+    name = "topk-probability-form-alone"
+    spec = dataclasses.replace(topk.SPEC, name=name, keys_used=None,
+                               forms=BatchedForms(estimate=estimate, probabilities=probabilities))
+    register_estimator(spec)
+    try:
+        acts = _acts(300, heads=1)
+        config = SweepConfig(estimators=parse_estimator_list(name), num_samples=(4,), replicates=1, threads=1,
+                             dtype="float64", mask="causal", diagnostics=False, check_reference=0.0)
+        dense = run_sweep(acts, config)
+        dense_calls, calls[:] = list(calls), []
+        with monkeypatch.context() as patch:
+            patch.setattr(exact_cache, "TILED_ABOVE", 0)  # every unit tiled
+            tiled = run_sweep(acts, config)
+    finally:
+        unregister_estimator(name)
+    assert calls.count("estimate") == dense_calls.count("estimate") and calls.count("probabilities") > 0
+    _assert_close(dense, tiled, {name})
+    assert np.isfinite(tiled.prob_mse).all() and (tiled.prob_mse > 0).all()
