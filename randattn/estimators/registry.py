@@ -14,9 +14,10 @@ reach the registry by one of two public paths:
   specs to its workers).
 
 Discovery is lazy: the first lookup loads every entry point of the group. A plugin that fails to
-import, whose spec fails :func:`~randattn.estimators.base.validate_spec`, or whose name another plugin
-already took is left out with a :class:`PluginError` that names it (:func:`plugin_errors`); the
-others work as usual, and asking for the broken one by name raises its error.
+import, whose spec fails :func:`~randattn.estimators.base.validate_spec`, or that claims a built-in's name
+is left out with a :class:`PluginError` that names it (:func:`plugin_errors`); a name that two installed
+plugins claim is given to neither (which one won would depend on the order of discovery), with one error
+that names both. The others work as usual, and asking for a name left out raises its error.
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ class EstimatorRegistry:
         if self._discovered:
             return
         self._discovered = True
+        contested: dict[str, list[str]] = {}  # a name two plugins claim -> their origins: neither is registered
+        builtin: set[str] = set()  # names of randattn's own entry points: reserved
         for ep in self._entry_points():
             origin = getattr(ep, "origin", repr(ep))
             try:
@@ -178,14 +181,29 @@ class EstimatorRegistry:
                 self._errors.append(PluginError(
                     ep.name, origin, f"the entry point is named {ep.name!r} but its spec is named {spec.name!r}"))
                 continue
+            if spec.name in contested:
+                contested[spec.name].append(origin)
+                continue
             if spec.name in self._specs:
                 if self._specs[spec.name] is spec:
+                    continue
+                if spec.name not in builtin:
+                    # which of two plugins is used would depend on the order of discovery: neither is
+                    contested[spec.name] = [self._origins.pop(spec.name), origin]
+                    del self._specs[spec.name]
                     continue
                 self._errors.append(PluginError(
                     ep.name, origin, f"the name {spec.name!r} is taken by {self._origins[spec.name]}"))
                 continue
             self._specs[spec.name] = spec
             self._origins[spec.name] = origin
+            if str(getattr(ep, "dist", "")).split(" ")[0] == _BUILTIN_DIST:
+                builtin.add(spec.name)
+        for name, origins in contested.items():
+            claims = "; ".join(origins)
+            self._errors.append(PluginError(
+                name, origins[0], f"the name {name!r} is claimed by {len(origins)} installed plugins ({claims}), "
+                "so none of them is used: uninstall all but one"))
 
     # ------------------------------------------------------------------------------------------------ session
     def register(self, spec: EstimatorSpec, *, replace: bool = False, origin: str = "register_estimator()") -> EstimatorSpec:

@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeEntryPoint:
-    def __init__(self, name, load, origin=None):
-        self.name, self._load, self.origin = name, load, origin or f"fake entry point {name}"
+    def __init__(self, name, load, origin=None, dist="fakeplug 1.0"):
+        self.name, self._load, self.origin, self.dist = name, load, origin or f"fake entry point {name}", dist
 
     def load(self):
         return self._load()
@@ -58,17 +58,35 @@ def test_a_broken_plugin_is_reported_by_name_and_the_others_still_work():
         FakeEntryPoint("good", lambda: _copy("good"), "entry point 'good = clash:SPEC' of package clash 2.0"),
         FakeEntryPoint("factory", lambda: (lambda: _copy("factory"))),
     ])
-    assert registry.names() == ["good", "factory"]
+    assert registry.names() == ["factory"]  # two plugins claim "good": neither is used
     errors = {(e.name, e.origin): e.message for e in registry.errors()}
     assert "ImportError: No module named 'missing_dependency'" in errors[
         ("crashes", "entry point 'crashes = crashplug:SPEC' of package crashplug 1.0")]
     assert "cost of the defaults is 'cheap'" in errors[("invalid", "fake entry point invalid")]
     assert "its spec is named 'other-name'" in errors[("misnamed", "fake entry point misnamed")]
-    assert "taken by fake entry point good" in errors[("good", "entry point 'good = clash:SPEC' of package clash 2.0")]
+    assert errors[("good", "fake entry point good")] == (
+        "the name 'good' is claimed by 2 installed plugins (fake entry point good; entry point 'good = clash:SPEC' "
+        "of package clash 2.0), so none of them is used: uninstall all but one")
+    with pytest.raises(ValueError, match="'good' is claimed by 2 installed plugins"):
+        registry.get("good")
     with pytest.raises(ValueError, match="estimator plugin 'crashes' .*crashplug 1.0.* could not be registered"):
         registry.get("crashes")
-    with pytest.raises(ValueError, match="unknown estimator 'nope'; known estimators: good, factory"):
+    with pytest.raises(ValueError, match="unknown estimator 'nope'; known estimators: factory"):
         registry.get("nope")
+
+
+def test_a_plugin_that_claims_a_builtin_name_is_left_out_and_three_claimants_are_all_named():
+    local = randattn.get_spec("local")
+    registry = EstimatorRegistry(lambda: [
+        FakeEntryPoint("local", lambda: local, "randattn's own", dist="randattn 0.2.0"),
+        FakeEntryPoint("local", lambda: _copy("local"), "impostor's"),
+        *(FakeEntryPoint("twice", lambda: _copy("twice"), f"plugin {i}") for i in range(3)),
+    ])
+    assert registry.names() == ["local"] and registry.get("local") is local
+    errors = {(e.name, e.origin): e.message for e in registry.errors()}
+    assert errors[("local", "impostor's")] == "the name 'local' is taken by randattn's own"
+    assert errors[("twice", "plugin 0")] == ("the name 'twice' is claimed by 3 installed plugins (plugin 0; plugin 1; "
+                                             "plugin 2), so none of them is used: uninstall all but one")
 
 
 def test_register_estimator_refuses_a_taken_name_and_an_invalid_spec():
@@ -223,6 +241,31 @@ def test_randattn_estimators_lists_plugins_and_names_the_broken_one(tmp_path):
     assert checked.returncode == 0, checked.stdout + checked.stderr
     broken = _randattn(["check", "broken"], site, tmp_path)
     assert broken.returncode == 2 and "brokenplug needs a GPU driver" in broken.stderr
+
+
+@pytest.mark.slow  # three randattn processes (~12 s on the 2-core machine)
+def test_a_name_two_installed_plugins_claim_is_refused_by_every_command(tmp_path):
+    """Which of two plugins kept the name depended on the packages' names (the first by name was used, silently, by
+    check and mse); now neither: each command that asks for the name exits 2 naming both packages."""
+    site = _plugin_path(tmp_path)
+    (site / "otherplug.py").write_text("import dataclasses\nfrom randattn.estimators.ra import SPEC as _RA\n"
+                                       "SPEC = dataclasses.replace(_RA, name='goodrfa')\n")
+    info = site / "aaaplug-0.1.dist-info"  # sorts before goodplug
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: aaaplug\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[randattn.estimators]\ngoodrfa = otherplug:SPEC\n")
+    from randattn.activations import make_activations, save_activations
+
+    rng = np.random.default_rng(0)
+    acts = save_activations(make_activations({0: tuple(rng.normal(size=(1, 1, 8, 4)) for _ in range(3))},
+                                             {"scale": 0.5}), tmp_path / "acts.safetensors")
+    for args in (["check", "goodrfa"], ["mse", acts, "-e", "goodrfa", "--samples", "4", "--replicates", "2",
+                                        "--out", tmp_path / "x.parquet"]):
+        done = _randattn(args, site, tmp_path)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "'goodrfa' is claimed by 2 installed plugins" in done.stderr
+        assert "package aaaplug 0.1" in done.stderr and "package goodplug 0.1" in done.stderr
+    assert not (tmp_path / "x.parquet").exists()
 
 
 @pytest.mark.slow  # two Dask worker processes (~16 s); CI also runs it through examples/randattn-nystrom/run-example.sh
