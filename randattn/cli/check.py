@@ -24,6 +24,7 @@ def command(target: str, param_items: tuple[str, ...], check_names: tuple[str, .
     from randattn.cli._errors import said
     from randattn.estimators.registry import parse_estimator
     from randattn.testing import CHECKS, SPEC_TARGETS, SpecTargetError, check_estimator, load_spec
+    from randattn.testing.checks import configuration_refusal
 
     try:
         spec = load_spec(target)
@@ -48,9 +49,12 @@ def command(target: str, param_items: tuple[str, ...], check_names: tuple[str, .
                     if not sep or key.strip() not in spec.params:
                         abort(f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(spec.params)}")
                     params[key.strip()] = _convert(raw.strip(), spec.params[key.strip()].default)
-                spec.resolve_params(params)  # each value against its parameter's check, as parse_estimator does
             else:
                 _, params = parse_estimator(f"{spec.name}:{text}")
+            spec.resolve_params(params)  # each value against its parameter's check, as mse's -e is: exit 2
+            refused = configuration_refusal(spec, params)  # and against the estimator's own rules
+            if refused is not None:
+                abort(f"estimator {spec.name!r} with {text}: {refused}")
         except (TypeError, ValueError) as exc:  # a word for a number is a TypeError of the parameter's check
             abort(said(exc))
     unknown = [c for c in check_names if c not in CHECKS]

@@ -94,7 +94,7 @@ import numpy as np
 from randattn.estimators.base import Draws, EstimatorSpec, validate_spec
 from randattn.testing._assert import TOLERANCES, assert_close, plain_index, to_numpy
 
-__all__ = ["CHECKS", "CheckFailed", "CheckSkipped"]
+__all__ = ["CHECKS", "CheckFailed", "CheckSkipped", "configuration_refusal"]
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -134,6 +134,26 @@ def _draw(spec: EstimatorSpec, q_shape, k_shape, params, *, samples=_SAMPLES, re
     samples = samples if spec.needs_samples_of(params) else None
     return spec.draw(tuple(q_shape), tuple(k_shape), num_samples=samples, replicates=replicates,
                      rng=np.random.default_rng(seed), **params, **kwargs)
+
+
+def configuration_refusal(spec: EstimatorSpec, params: Mapping[str, Any]) -> str | None:
+    """Why ``spec``'s ``draw`` refuses the configuration ``params`` on the checks' inputs where it takes the
+    defaults, or None.
+
+    A value that the estimator's own rules refuse (``sinks=-1``, a rule between parameters) is the user's input,
+    not a failed check: ``randattn check`` says so and exits 2, as ``randattn mse -e`` does, where every check
+    would fail on it. Where the defaults are refused too the estimator is at fault, and the checks say how.
+    """
+    shape = (2, 10, 5)
+    try:
+        _draw(spec, shape, shape, spec.resolve_params({}))
+    except (TypeError, ValueError):
+        return None
+    try:
+        _draw(spec, shape, shape, spec.resolve_params(params))
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return None
 
 
 def _reference(spec, q, k, v, draws, params, *, scale=None, mask=None) -> np.ndarray:

@@ -81,6 +81,20 @@ def test_a_parameter_of_the_wrong_type_is_bad_usage_named(target, param, said):
     assert said in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize(("target", "param", "said"), [
+    ("streaming", "sinks=-1", "estimator 'streaming' with sinks=-1: sinks must be >= 0, got -1"),
+    ("vattention", "epsilon=2", "estimator 'vattention' with epsilon=2: epsilon must be in (0, 1)"),
+    ("randattn.estimators.streaming:SPEC", "sinks=-1", "sinks must be >= 0, got -1"),
+])
+def test_a_value_the_estimators_rules_refuse_is_bad_usage_not_failed_checks(target, param, said):
+    """``sinks=-1`` passes the parameter's type but not streaming's own rule: every check failed on it (exit 1,
+    "18 failed"), where ``randattn mse -e streaming:sinks=-1`` refuses it (exit 2). Now check refuses it too,
+    with the estimator's message, before any check runs."""
+    result = CliRunner().invoke(main, ["check", target, "-p", param])
+    assert result.exit_code == 2, result.output
+    assert said in " ".join(result.output.split()) and "failed" not in result.output
+
+
 def test_an_unknown_option_says_no_command_line_option_for_s():
     """check has no --samples (each check picks its own S): an unknown option of an estimator that takes S is
     refused without the hint mse gives."""
@@ -101,3 +115,20 @@ def test_a_module_not_on_the_path_is_refused_with_the_way_to_put_it_there(tmp_pa
 def test_an_object_of_a_type_that_starts_with_a_vowel_reads_as_an():
     result = _check("os:EX_OK")
     assert result.exit_code == 2 and "'os:EX_OK' is an int, not an EstimatorSpec" in " ".join(result.output.split())
+
+
+def test_a_configuration_refusal_is_said_only_where_the_defaults_are_taken():
+    """Where the draw refuses the defaults too, the estimator is at fault and the checks must say how: no refusal."""
+    import dataclasses
+
+    import randattn
+    from randattn.testing.checks import configuration_refusal
+
+    streaming = randattn.get_spec("streaming")
+    assert configuration_refusal(streaming, {"sinks": -1}) == "sinks must be >= 0, got -1"
+    assert configuration_refusal(streaming, {"sinks": 2}) is None
+
+    def refuses(*args, **kwargs):
+        raise ValueError("this draw refuses everything")
+
+    assert configuration_refusal(dataclasses.replace(streaming, draw=refuses), {"sinks": -1}) is None
