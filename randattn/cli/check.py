@@ -67,7 +67,8 @@ def command(target: str, param_items: tuple[str, ...], check_names: tuple[str, .
     if as_json:
         click.echo(json.dumps({"estimator": report.estimator, "params": dict(report.params), "passed": report.passed,
                                "results": [{k: v for k, v in r.__dict__.items() if k != "error"}
-                                           for r in report.results]}, indent=2, default=str))
+                                           for r in report.results], "notes": list(report.notes)},
+                              indent=2, default=str))
     else:
         table = Table(title=f"randattn check {escape(spec.name)}", show_lines=False)
         table.add_column("check", style="bold")
@@ -82,5 +83,7 @@ def command(target: str, param_items: tuple[str, ...], check_names: tuple[str, .
         skipped = sum(r.status == "skipped" for r in report.results)
         verdict = f"[bold red]{failed} failed[/]" if failed else "[green]all checks passed[/]"
         out_console.print(f"{verdict} ({skipped} not applicable)")
+        for note in report.notes:
+            out_console.print(f"[yellow]note[/]: {escape(note)}", soft_wrap=True)
     if not report.passed:
         raise SystemExit(1)

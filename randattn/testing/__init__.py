@@ -39,12 +39,13 @@ from randattn.testing._assert import (
     to_numpy,
     variant_id,
 )
-from randattn.testing.checks import CHECKS, CheckFailed, CheckSkipped
+from randattn.testing.checks import CHECKS, CheckFailed, CheckSkipped, exact_on_check_inputs
 
 __all__ = [
     "CHECKS",
     "CheckResult",
     "ConformanceReport",
+    "EXACT_HERE_NOTE",
     "EstimatorCheckError",
     "ROUNDING_FLOOR",
     "SPEC_TARGETS",
@@ -85,6 +86,8 @@ class ConformanceReport:
     estimator: str
     params: Mapping[str, Any]
     results: tuple[CheckResult, ...] = field(default_factory=tuple)
+    #: what the results do not show: a configuration exact on every input of the checks (:data:`EXACT_HERE_NOTE`)
+    notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def passed(self) -> bool:
@@ -100,6 +103,7 @@ class ConformanceReport:
         lines = [f"randattn conformance of {self.estimator!r} with {dict(self.params)}:"]
         for r in self.results:
             lines.append(f"  {r.status.upper():7s} {r.check}" + (f": {r.message}" if r.message else ""))
+        lines.extend(f"  NOTE    {note}" for note in self.notes)
         return "\n".join(lines)
 
 
@@ -110,6 +114,12 @@ class EstimatorCheckError(AssertionError):
         self.report = report
         failed = ", ".join(r.check for r in report.failures)
         super().__init__(f"{len(report.failures)} check(s) failed ({failed})\n{report.summary()}")
+
+
+#: the note of a configuration that returns exact softmax attention on every input of the checks
+EXACT_HERE_NOTE = ("on the checks' inputs (64 keys at most) this configuration returns exact softmax attention "
+                   "(1e-12): they did not exercise its approximation; check also a configuration whose budget "
+                   "(sinks, window, top-k, samples) is below 64 keys")
 
 
 #: what :func:`load_spec` accepts, for its messages
@@ -303,7 +313,9 @@ def check_estimator(
         resolved = dict(params or {})
     else:
         results = tuple(_run_check(name, spec, resolved) for name in names)
-    report = ConformanceReport(spec.name, resolved, results)
+    valid = all(r.status != "failed" for r in results if r.check == "spec is valid")
+    notes = (EXACT_HERE_NOTE,) if valid and exact_on_check_inputs(spec, resolved) else ()
+    report = ConformanceReport(spec.name, resolved, results, notes)
     if raise_on_failure and not report.passed:
         raise EstimatorCheckError(report)
     return report

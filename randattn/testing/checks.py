@@ -94,7 +94,7 @@ import numpy as np
 from randattn.estimators.base import Draws, EstimatorSpec, validate_spec
 from randattn.testing._assert import TOLERANCES, assert_close, plain_index, to_numpy
 
-__all__ = ["CHECKS", "CheckFailed", "CheckSkipped", "configuration_refusal"]
+__all__ = ["CHECKS", "CheckFailed", "CheckSkipped", "configuration_refusal", "exact_on_check_inputs"]
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -398,6 +398,21 @@ def _seed_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """N = M = 64, D = 4, Dv = 3, no batch dims (the odd shapes cover those): longer than the default local windows
     of the built-ins (EVA's 49), which would otherwise make them exact."""
     return _inputs(((64, 4), (64, 4), (64, 3)), seed=55)
+
+
+def exact_on_check_inputs(spec: EstimatorSpec, params: Mapping[str, Any]) -> bool:
+    """Whether a configuration that is not softmax attention returns it (to 1e-12) on the checks' longest inputs,
+    64 keys (:func:`_seed_inputs`): a budget (sinks, a window, top-k) that covers every key of them leaves the checks
+    of its approximation -- the masks, the query blocks, the convergence -- nothing to hold, and the report says so.
+    False where the configuration declares itself exact or its estimate raises (a check reports that)."""
+    if spec.convergence_of(params) == "exact":
+        return False
+    q, k, v = _seed_inputs()
+    try:
+        once = _quiet(lambda: _reference(spec, q, k, v, _draw(spec, q.shape, k.shape, params, seed=7), params))
+    except Exception:  # noqa: BLE001 - a check already reports what the estimate raised
+        return False
+    return bool(np.allclose(once, _softmax_attention(q, k, v), rtol=1e-12, atol=1e-12))
 
 
 def _random_here(spec: EstimatorSpec, params: Mapping[str, Any], q, k, v, once: np.ndarray) -> bool:

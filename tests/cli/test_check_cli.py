@@ -132,3 +132,15 @@ def test_a_configuration_refusal_is_said_only_where_the_defaults_are_taken():
         raise ValueError("this draw refuses everything")
 
     assert configuration_refusal(dataclasses.replace(streaming, draw=refuses), {"sinks": -1}) is None
+
+
+def test_check_prints_the_note_of_a_configuration_exact_on_every_check_input():
+    import json
+
+    result = _check("vattention", "--check", "spec is valid")
+    assert result.exit_code == 0, result.output
+    assert "note: on the checks' inputs (64 keys at most) this configuration returns exact softmax attention" in (
+        " ".join(result.output.split()))
+    small = _check("vattention", "-p", "sinks=1", "-p", "local=2", "-p", "top_k=2", "--check", "spec is valid",
+                   "--json")
+    assert small.exit_code == 0 and json.loads(small.output)["notes"] == []

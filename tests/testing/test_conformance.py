@@ -825,3 +825,22 @@ def test_an_estimate_that_pools_the_queries_fails_the_query_blocks_check():
     assert "query_placement='independent' denies" in result.message
     assert _only(dataclasses.replace(pooled, query_placement="proportional"), "query blocks").status == "skipped"
     assert _only(softmax, "query blocks").status == "passed"
+
+
+@pytest.mark.parametrize(("name", "params", "noted"), [
+    ("vattention", {}, True),  # 128 sinks and 128 local keys cover the checks' 64
+    ("vattention", {"sinks": 1, "local": 2, "top_k": 2, "epsilon": 0.2, "delta": 0.2, "base_rate": 0.25}, False),
+    ("topk", {}, False),  # S = 16 of 64 keys
+    ("softmax", {}, False),  # declared exact: nothing to note
+])
+def test_a_configuration_exact_on_every_check_input_is_noted(name, params, noted):
+    """An H2O-like plugin whose default window of 64 keys read every key of every check's input passed every check
+    with its approximation never run (the masks, the query blocks and the convergence saw softmax). The report now
+    says so in a note; the checks' verdict is unchanged."""
+    from randattn.testing import EXACT_HERE_NOTE
+
+    checks = ["spec is valid", "reference == batched (float64)"]
+    report = check_estimator(name, params, checks=checks, raise_on_failure=False)
+    assert report.passed
+    assert report.notes == ((EXACT_HERE_NOTE,) if noted else ())
+    assert ("NOTE    on the checks' inputs" in report.summary()) == noted
