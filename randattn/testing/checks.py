@@ -55,7 +55,8 @@ Tolerances, and why:
   key): the same seed gives the same bits on both backends, which agree to ``1e-10``; another seed gives other bits
   exactly when the estimate is random *here* -- declared random and not exact softmax to ``1e-12`` on these inputs
   (a deterministic part, e.g. sink and local keys, may cover every key of a short input), else the same bits;
-  ``replicates=None`` drops the replicate dim, and random replicates differ.
+  the reference keeps the replicate dim of draws of one replicate, ``replicates=None`` drops it, and random
+  replicates differ.
 - **ViT-like norms** (queries up to 30, keys up to 40 with a CLS-like key at 150, D = 64, scale 1/8): every form
   finite and float64 batched == reference to ``1e-10 max|v|``; with a shared direction (inputs and draws rounded to
   float32 first, so both forms see the same numbers), float32 within :math:`8 L \epsilon_{32} \max|v|`, :math:`L =`
@@ -452,9 +453,15 @@ def _check_seeds_through_estimate(spec: EstimatorSpec, params: Mapping[str, Any]
 
 
 def check_replicates(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
-    """Through ``randattn.estimate``: ``replicates=None`` gives ``(..., N, Dv)`` (no replicate dim), ``replicates=4``
-    gives ``(4, ..., N, Dv)``, and where the estimate is random (:func:`_random_here`) replicates 0 and 1 differ."""
+    """The reference keeps the replicate dim of draws of one replicate, ``(1, ..., N, Dv)``; through
+    ``randattn.estimate``, ``replicates=None`` gives ``(..., N, Dv)`` (no replicate dim), ``replicates=4`` gives
+    ``(4, ..., N, Dv)``, and where the estimate is random (:func:`_random_here`) replicates 0 and 1 differ."""
     q, k, v = _seed_inputs()  # no batch dims: the squeezed output is (N, Dv)
+    one = _quiet(lambda: _reference(spec, q, k, v, _draw(spec, q.shape, k.shape, params, replicates=1), params))
+    if np.shape(one) != (1, q.shape[0], v.shape[-1]):
+        raise CheckFailed(f"the reference with draws of one replicate returned shape {np.shape(one)}; expected (R, N, "
+                          f"Dv) = {(1, q.shape[0], v.shape[-1])}: the replicate dim stays when R = 1 (randattn "
+                          "removes it for replicates=None)")
     single = _estimate(spec, params, q, k, v, seed=0, replicates=None)
     if single.shape != (q.shape[0], v.shape[-1]):
         raise CheckFailed(f"randattn.estimate with replicates=None returned shape {single.shape}; expected (N, Dv) = "

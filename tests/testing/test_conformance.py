@@ -844,3 +844,20 @@ def test_a_configuration_exact_on_every_check_input_is_noted(name, params, noted
     assert report.passed
     assert report.notes == ((EXACT_HERE_NOTE,) if noted else ())
     assert ("NOTE    on the checks' inputs" in report.summary()) == noted
+
+
+def test_an_estimator_that_drops_the_replicate_dim_of_one_replicate_is_told_so():
+    """A reference that squeezes R = 1 passed every shape check (they draw 3 replicates) and failed only through
+    ``randattn.estimate(replicates=None)``, whose message did not point at the dropped dim."""
+    topk = randattn.get_spec("topk")
+
+    def squeezing(q, k, v, draws, **params):
+        out = topk.reference(q, k, v, draws, **params)
+        return out[0] if out.shape[0] == 1 else out
+
+    report = check_estimator(dataclasses.replace(topk, name="squeezes", reference=squeezing), {},
+                             checks=["replicates"], raise_on_failure=False)
+    [result] = report.failures
+    assert result.message == ("the reference with draws of one replicate returned shape (64, 3); expected (R, N, Dv) "
+                              "= (1, 64, 3): the replicate dim stays when R = 1 (randattn removes it for "
+                              "replicates=None)")
