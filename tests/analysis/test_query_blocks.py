@@ -354,3 +354,26 @@ def test_the_dry_run_times_a_unit_in_many_query_blocks_on_a_few(monkeypatch):
     assert timed == 1 + 4  # the untimed warm-up's one, then the 4 timed
     assert 0.5 <= swept.seconds < 0.5 + 0.15, swept.seconds
     assert calls.count(4) == 10
+
+
+def test_the_probability_error_is_summed_over_the_blocks_in_their_order_whatever_the_order_computed(monkeypatch):
+    """Blocks of 8 of 32 causal queries see 8, 16, 24 and 32 keys and are computed widest first (3, 2, 1, 0); each
+    block's squared probability error is replaced by a value whose float64 sum depends on the order of addition:
+    in block order ((1e16 + 3) - 1e16) + 0.5 = 4.5, where the order computed gives another number. The unit's
+    prob_mse is that sum over N M = 1,024 entries: the same bits as before the blocks were reordered."""
+    acts = _acts(32, heads=1)
+    config = SweepConfig(estimators=parse_estimator_list("topk"), num_samples=(2,), replicates=1, threads=1,
+                         dtype="float64", mask="causal", diagnostics=False, check_reference=0.0)
+    crafted = {8: 1e16, 16: 3.0, 24: -1e16, 32: 0.5}  # by a block's keys
+    original = BlockEstimator.tiled_estimate
+
+    def replaced(self, spec, est, q, k, v, draws, log_normaliser, **kwargs):
+        out, sq, facts = original(self, spec, est, q, k, v, draws, log_normaliser, **kwargs)
+        return out, np.full(np.shape(sq), crafted[k.shape[-2]]), facts
+
+    with monkeypatch.context() as patch:
+        _blocked(patch, 8, 32)
+        patch.setattr(BlockEstimator, "tiled_estimate", replaced)
+        table = run_sweep(acts, config)
+    assert ((1e16 + 3.0) - 1e16) + 0.5 == 4.5 and ((0.5 - 1e16) + 3.0) + 1e16 != 4.5
+    assert table.prob_mse.iloc[0] == 4.5 / (32 * 32)
