@@ -861,3 +861,16 @@ def test_an_estimator_that_drops_the_replicate_dim_of_one_replicate_is_told_so()
     assert result.message == ("the reference with draws of one replicate returned shape (64, 3); expected (R, N, Dv) "
                               "= (1, 64, 3): the replicate dim stays when R = 1 (randattn removes it for "
                               "replicates=None)")
+
+
+def test_an_estimate_a_millionth_from_softmax_is_not_noted_exact():
+    """The note's test is softmax to 1e-12: an estimate 1e-6 away from it on every entry approximates."""
+    from randattn.testing.checks import exact_on_check_inputs
+
+    softmax = randattn.get_spec("softmax")
+
+    def near(q, k, v, draws, **params):
+        return softmax.reference(q, k, v, draws, **params) + 1e-6
+
+    assert exact_on_check_inputs(dataclasses.replace(softmax, convergence="none"), {})
+    assert not exact_on_check_inputs(dataclasses.replace(softmax, convergence="none", reference=near), {})
