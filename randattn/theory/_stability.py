@@ -41,6 +41,15 @@ def _large_norm_inputs(rng: np.random.Generator, n: int = 12, d: int = 16, dv: i
     return q, k, rng.standard_normal((n, dv)), d**-0.5
 
 
+def _tokens(params: dict, default: int = 12) -> int:
+    """N = M of the inputs a configuration runs on: ``default``, or ``prefix_tokens + h w`` for a patch-grid variant
+    (``grid="HxW"``), whose layout holds that many tokens and refuses others."""
+    from randattn.estimators.grid import parse_grid
+
+    grid = parse_grid(params.get("grid"))
+    return default if grid is None else int(params.get("prefix_tokens", 0)) + grid[0] * grid[1]
+
+
 def _registered() -> list[tuple[str, str, dict]]:
     """(estimator, variant label, params) for every registered estimator and variant."""
     from randattn.estimators.registry import get_spec, list_estimators
@@ -97,14 +106,17 @@ def large_norm_stability(rng: np.random.Generator, quick: bool, data, *,
     ``quick`` runs the default parameters of each estimator only; a full run adds every
     registered variant. Measured: the worst deviation divided by its tolerance (<= 1 passes).
     """
-    q, k, v, scale = _large_norm_inputs(rng)
-    vmax = float(np.abs(v).max())
-    truth = exact_attention(q, k, v, scale)
     entries = estimators if estimators is not None else _registered()
     if quick:
         entries = [e for e in entries if e[1] == "default"]
+    # 12 tokens, and a grid variant's own count (its layout refuses others): made in this order, 12 first
+    sizes = sorted({_tokens(params) for _, _, params in entries} | {12}, key=lambda n: (n != 12, n))
+    inputs = {n: _large_norm_inputs(rng, n) for n in sizes}
     worst, where, problems = 0.0, "", []
     for name, label, params in entries:
+        q, k, v, scale = inputs[_tokens(params)]
+        vmax = float(np.abs(v).max())
+        truth = exact_attention(q, k, v, scale)
         try:
             ref, b64, b32 = run_fn(name, params, q, k, v, scale, np.random.default_rng(rng.integers(2**63)))
         except Exception as exc:  # one estimator's error is its own failure, named; the others are still measured
@@ -128,7 +140,10 @@ def large_norm_stability(rng: np.random.Generator, quick: bool, data, *,
                 worst, where = float(ratio), f"{name}[{label}] {what}"
             if ratio > 1.0:
                 problems.append(f"{name}[{label}]: {what} off by {ratio:.3g} x tolerance")
-    details = (f"{len(entries)} estimator configurations, N = M = 12, D = 16, key norms 150..160, query norms "
+    grids = ", ".join(str(n) for n in sizes if n != 12)
+    details = (f"{len(entries)} estimator configurations, N = M = 12" + (f" ({grids} for the patch-grid variants)"
+                                                                          if grids else "")
+               + ", D = 16, key norms 150..160, query norms "
                f"100..150, scale D^-1/2; tolerances {FLOAT64_TOL:g} (float64) and {FLOAT32_TOL:g} (float32) of max|v|; "
                f"worst: {where or 'none'}" + ("; " + "; ".join(problems[:5]) if problems else ""))
     return CheckResult("numerics.large-norm-stability", worst, 1.0, worst <= 1.0 and not problems, details,

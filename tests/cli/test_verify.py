@@ -96,7 +96,7 @@ def test_json_of_a_check_that_errored_is_strict_json(monkeypatch):
     reader parses (``NaN`` is not JSON: ``parse_constant`` refuses it here, as JavaScript's parser does)."""
     from randattn.theory import _stability
 
-    def broken(rng):
+    def broken(rng, n=12):
         raise RuntimeError("planted")
 
     monkeypatch.setattr(_stability, "_large_norm_inputs", broken)

@@ -80,6 +80,19 @@ def test_stability_check_passes_and_covers_every_registered_estimator():
     assert result.tested == len(list_estimators())
 
 
+def test_the_full_stability_check_runs_every_variant_on_the_tokens_its_layout_holds():
+    """Without ``--quick`` every registered variant runs too: the patch-grid ones (``grid="3x4"`` and one prefix
+    token: 13 tokens; ``"3x5"``: 15; ``"2x2"`` and five: 9; ``"8x8"``: 64) refuse the 12 tokens of the others, and
+    the full ``randattn verify`` failed on a fresh clone. Each runs on as many tokens as its layout holds, and the
+    check passes."""
+    from randattn.estimators.registry import get_spec, list_estimators
+
+    (result,) = theory.run_checks(theory.select_checks(CHECKS, "numerics.large-norm-stability"), seed=0, quick=False)
+    assert result.passed, result.details
+    assert result.tested == sum(len({"default": {}, **get_spec(name).variants}) for name in list_estimators())
+    assert "N = M = 12 (9, 13, 15, 64 for the patch-grid variants)" in result.details
+
+
 def test_stability_gives_a_plugin_torch_draws_and_names_one_that_raises():
     """A registered plugin whose torch form reads its draws as tensors (``.to``) is measured as the kit measures it
     (the draws converted, as ``randattn.check`` and ``randattn.estimate`` give them); one that raises fails the check
