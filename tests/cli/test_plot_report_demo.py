@@ -184,3 +184,12 @@ def test_the_demo_summary_prints_a_configuration_without_s_once_with_s_dashed(ca
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
     cells = [[cell.strip() for cell in line.strip("│ ").split("│")] for line in lines]
     assert [(c[1], c[2]) for c in cells] == [("softmax", "–"), ("rfa", "4"), ("rfa", "8")]
+
+
+def test_demo_help_gives_the_default_estimators_the_demo_runs():
+    """The help said the default was softmax, rfa, lara, lara with balance weights and eva, while the demo also ran
+    lara:preset=official-code: a user who passed the help's default got another run."""
+    from randattn.workflows.demo import DEFAULT_ESTIMATORS
+
+    text = "".join(CliRunner().invoke(main, ["demo", "--help"]).output.split())  # click wraps inside the list
+    assert f'(default"{";".join(DEFAULT_ESTIMATORS)}")' in text
