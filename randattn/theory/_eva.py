@@ -255,14 +255,20 @@ def package_chunk_coefficients_mc(rng: np.random.Generator, quick: bool, closed_
     eq. 10's :math:`\beta_c^* = \mathbb E \hat N_c / \mathbb E \hat W_c`, and
     :math:`\mathbb E[\hat W_c] = \sum_{P_c} e^{x_n^\top y_m}`.
 
-    ``closed_form(x_n, y, v, chunks) -> (C, Dv)``. Synthetic N = M = 8, D = 3, Dv = 2, norms ~0.4
-    (light tails), E = keys 0..3, chunks {4, 5} and {6, 7}; returns ``samples (R, 24)``,
-    ``targets (24,)`` and a description.
+    ``closed_form(x_n, y, v, chunks) -> (C, Dv)``. Synthetic N = M = 8, D = 3, Dv = 2, norms ~0.4, E = keys
+    0..3, chunks {4, 5} and {6, 7}; returns ``samples (R, 24)``, ``targets (24,)`` and a description.
+
+    The scale is 2, so that the official code's noise :math:`\sigma = \sqrt{\text{scale}} = 1.41` is wider than
+    the random features' :math:`N(0, I)`: the importance weights are then bounded and the z-test's normal
+    approximation holds (sample kurtosis at most about 8; 1 of 1,000 quick runs over |z| = 4.5, none of 300 full
+    runs). At the ViT temperature :math:`D^{-1/2}` the proposal is narrower (:math:`\sigma^2 = 0.58`), the
+    weights' fourth moment is infinite (sample kurtosis about 2,000), and the 4.5-SE test failed 5 % of quick runs
+    and 3 % of full ones on an estimator that is unbiased.
     """
     reps = 1000 if quick else 4000
     n, d, dv = 8, 3, 2
     q, k = 0.4 * rng.standard_normal((n, d)), 0.4 * rng.standard_normal((n, d))
-    v, scale = rng.standard_normal((n, dv)), d**-0.5
+    v, scale = rng.standard_normal((n, dv)), 2.0
     x, y = q * np.sqrt(scale), k * np.sqrt(scale)
     exact, chunks = np.arange(4), [np.arange(4, 6), np.arange(6, 8)]
     e_logits = x[:4] @ y[exact].T  # (4, |E|)
