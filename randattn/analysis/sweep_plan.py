@@ -13,7 +13,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -211,7 +211,8 @@ def _pinned_threads(runner: UnitRunner):
 
 
 def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.PathLike | None = None,
-               resume: bool = False, timing: bool = False) -> SweepPlan:
+               resume: bool = False, timing: bool = False,
+               before_timing: Callable[[int], Any] | None = None) -> SweepPlan:
     """Plan a sweep without running it or writing anything: its units, memory and (``timing``) wall time.
 
     Parameters
@@ -228,6 +229,10 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
         of one or two heads is computed whole, timed); one head is computed untimed first (first calls,
         lazy imports). Those results are dropped. Costs about 4 / (heads x layers x images) of the sweep,
         about one unit per configuration and S where units hold one or two heads.
+    before_timing : callable, optional
+        Called with the number of units split to fit the budget, once the memory is planned and before anything
+        is timed: the CLI sets its process's allocator policy there, so that the timing runs under the run's
+        (:func:`randattn._process.retain_freed_memory`).
 
     Returns
     -------
@@ -277,6 +282,8 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
         peak = max(peak, bytes_)
         split += not canonical
         blocked += runner.query_blocks(unit) is not None
+    if before_timing is not None:
+        before_timing(split)
     seconds, timed = None, ()
     if timing and refused is None and todo:
         heads = len(todo[0].heads)  # every unit holds the selected heads

@@ -226,6 +226,7 @@ def _resume() -> str:
 def _plan(job: Job, resume: bool, where: Any, *, timing: bool = False):
     """Plan the sweep (:func:`~randattn.analysis.sweep.plan_sweep`), print it, and refuse (exit 2) one that cannot
     fit the memory budget. Writes nothing."""
+    from randattn._process import retain_freed_memory
     from randattn.analysis import sweep
     from randattn.cli._common import abort, err_console
     from randattn.cli._errors import said
@@ -235,7 +236,11 @@ def _plan(job: Job, resume: bool, where: Any, *, timing: bool = False):
 
     parts = None if job.out is None else parts_path(job.out)
     try:
-        plan = sweep.plan_sweep(job.activations, job.config, parts_dir=parts, resume=resume, timing=timing)
+        # a unit split to fit the budget runs without kept memory, which could hold twice its forecast
+        # (randattn._process): set before the dry run times anything, so that it times the run's policy
+        policy = (lambda split: retain_freed_memory(split == 0)) if where.kind == "local" else None
+        plan = sweep.plan_sweep(job.activations, job.config, parts_dir=parts, resume=resume, timing=timing,
+                                before_timing=policy)
     except ValueError as exc:
         abort(said(exc))
     local = where.kind == "local"
