@@ -608,9 +608,12 @@ def promise_section(table: pd.DataFrame) -> list[str]:
                        "whether Holm's procedure over all the configuration's heads flags it too (a false flag "
                        "among them at most 2.5 % of the time)." if "family-wise" in rows else "") + "</p>",
                     _table_html(rows)]
-        else:
+        elif "delta" in table.columns and table["delta"].notna().any():
             out.append("<p>No head breaks a promise: every promised estimator's violation interval reaches down to "
                        "its delta or below.</p>")
+        else:
+            out.append("<p>No estimator of this table makes a promise (an (epsilon, delta) of its own, as "
+                       "vAttention's): the rates above are against <code>--epsilon</code> alone.</p>")
     shown = summary.assign(label=[names.get(label, label) for label in summary["label"]])
     shown = shown.rename(columns={"label": "estimator", "num_samples": "S"})
     for column in shown.columns:

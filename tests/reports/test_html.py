@@ -251,6 +251,11 @@ def test_the_report_lists_a_broken_promise_and_summarises_the_relative_error():
     heads = int(flagged.sum()) - int((flagged & (table["label"] == "softmax")).sum()) // 2
     assert f"Broken promise</strong> in {heads} head(s)" in page
     assert "[0.51, 0.53]" in page
+    assert "No head breaks a promise" in build_report(table.assign(promise_broken=False), environment={}, figures=[])
+    # no estimator with a promise of its own (an --epsilon run of estimators without one): not "no head breaks one"
+    unpromised_page = build_report(table.assign(promise_broken=False, delta=np.nan), environment={}, figures=[])
+    assert "No head breaks a promise" not in unpromised_page
+    assert "No estimator of this table makes a promise" in unpromised_page
     assert "violation of" not in summary.columns and "<th>violation of</th>" not in page  # every rate the output's
     # the same when the column says so (a table of this version) and when it is absent (read without coerce)
     for labelled in (table.assign(violation_of="output"), table.drop(columns="violation_of", errors="ignore")):
