@@ -40,6 +40,7 @@ def command(pattern: str | None, quick: bool, seed: int, activations: str | None
         MC_K_SE,
         data_from_activations,
         family_wise_false_alarm,
+        mc_tested_total,
         registry,
         run_checks,
         select_checks,
@@ -78,8 +79,9 @@ def command(pattern: str | None, quick: bool, seed: int, activations: str | None
     summary = (f"{len(results) - len(failed)} of {len(results)} checks passed"
                + (f" ({len(skipped)} skipped: {', '.join(r.name for r in skipped)})" if skipped else "")
                + (f"; failed: {', '.join(r.name for r in failed)}" if failed else "")
-               + f" (seed {seed}{', quick' if quick else ''}; Monte Carlo at {MC_K_SE:g} SE, "
-               f"family-wise false alarm <= {family_wise_false_alarm(registry()):.2%})")
+               + f" (seed {seed}{', quick' if quick else ''}"
+               + (f"; Monte Carlo at {MC_K_SE:g} SE, family-wise false alarm <= {family_wise_false_alarm(checks):.2%}"
+                  if mc_tested_total(checks) else "; no Monte Carlo check") + ")")
     if as_json:
         records = []
         for check, result in zip(checks, results):

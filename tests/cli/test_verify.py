@@ -108,3 +108,17 @@ def test_json_of_a_check_that_errored_is_strict_json(monkeypatch):
 
     [record] = json.loads(result.stdout, parse_constant=refuse)["results"]
     assert record["passed"] is False and record["tolerance"] is None
+
+
+def test_the_summary_bounds_the_false_alarms_of_the_checks_this_run_makes():
+    """The bound is 2 sf(4.5) per Monte Carlo element tested: 24 declared by the lemma's check alone, 0.016 %;
+    every check, 0.20 %; a run of no Monte Carlo check says so (it gave the whole registry's 0.20 % whatever ran)."""
+    from scipy.stats import norm
+
+    from randattn.theory import registry, select_checks
+
+    [lemma] = select_checks(registry(), "eva.lemma3.partition")
+    expected = lemma.max_tested * 2 * norm.sf(4.5)
+    one = _invoke("--quick", "--only", "eva.lemma3.partition")
+    assert f"family-wise false alarm <= {expected:.2%})" in one.output
+    assert "no Monte Carlo check)" in _invoke("--quick", "--only", "numerics").output
