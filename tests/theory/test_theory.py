@@ -299,3 +299,18 @@ def test_data_dependent_checks_pass_on_user_data(rng):
     failed = [(r.name, r.details) for r in results if not r.passed]
     assert not failed, failed
     assert all("user data" in r.details for r in results), [r.details for r in results]
+
+
+def test_a_closed_form_that_holds_beside_a_package_that_does_not_shows_the_monte_carlo_failure():
+    """eva.lemma3.partition checks the lemma's closed form (to 1e-12) and the package's EVA by Monte Carlo (4.5 SE).
+    Where only the second failed, the row showed the closed form's 4e-16 <= 1e-12 beside "NO": it now shows the
+    failing part, max |z| against 4.5. A package EVA biased by 5 % on every chunk estimate is such a case."""
+    def biased(q, k, v, scale, replicates, rng):
+        return 1.05 * _eva.eva_rfa_chunk(q, k, v, scale, replicates, rng)
+
+    result = _run(_eva.lemma3_partition, "eva.lemma3.partition", mc={"eva_estimate": biased})
+    assert not result.passed
+    assert result.tolerance == 4.5 and result.measured > 4.5
+    assert "max relative violation" in result.details and "(ok); Monte Carlo" in result.details
+    fine = _run(_eva.lemma3_partition, "eva.lemma3.partition")
+    assert fine.passed and fine.tolerance == 1e-12
