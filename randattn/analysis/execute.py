@@ -492,6 +492,13 @@ class UnitRunner:
                    tokens=self.acts.shape[2], stored=stored, replicates=self.replicates(est), heads=len(unit.heads))
         return split_blocks(len(unit.heads), self.replicates(est), self.config.max_memory - stored, per_cell, per_rep)
 
+    def canonical(self, unit: Unit) -> bool:
+        """Whether ``unit`` runs in its canonical block, every head and every replicate in one estimator call
+        (:meth:`blocks`), rather than split to fit ``max_memory``."""
+        cells, reps = self.blocks(unit)[0]
+        return (cells.stop - cells.start == len(unit.heads)
+                and reps.stop - reps.start == self.replicates(self.config.estimators[unit.est_index]))
+
     def query_blocks(self, unit: Unit) -> list[QueryBlock] | None:
         """The blocks of ``unit``'s measured queries, each estimated by one call with the keys it sees
         (:mod:`~randattn.analysis.query_blocks`); None where the unit is estimated in one call."""

@@ -137,11 +137,9 @@ def dask_client(scheduler: Scheduler, *, threads: int | None = None, device: str
 @functools.lru_cache(maxsize=4)
 def _worker_runner(path: str, mtime_ns: int, config_key: str, config):
     """One UnitRunner per (file, configuration) per worker process: the file is read once, not per unit."""
-    from randattn._process import retain_freed_memory
     from randattn.activations import load_activations
     from randattn.analysis.execute import UnitRunner
 
-    retain_freed_memory()  # a worker process is ours to configure, as the CLI's is (randattn._process)
     with warnings.catch_warnings():
         # the client read the same file to plan and said its warnings once, in its own words; a worker that said
         # them again would print them in Python's format (file, line, source) once per process
@@ -156,6 +154,7 @@ def _run_unit_in_worker(path: str, config, config_key: str, unit, parts_dir: str
     ``specs``: estimators the client registered for its session only (entry-point plugins the worker
     discovers itself, as the client did).
     """
+    from randattn._process import retain_freed_memory
     from randattn.results.parts import write_part
     from randattn.analysis.execute import run_recording
     from randattn.estimators.registry import ensure_registered
@@ -163,6 +162,9 @@ def _run_unit_in_worker(path: str, config, config_key: str, unit, parts_dir: str
     try:
         ensure_registered(specs)
         runner = _worker_runner(path, os.stat(path).st_mtime_ns, config_key, config)
+        # a worker process is ours to configure, as the CLI's is: freed memory kept for a unit that runs whole, given
+        # back for one split to fit max_memory, whose budget it would exceed (randattn._process)
+        retain_freed_memory(runner.canonical(unit))
         rows, caught, seconds, positions = run_recording(runner, unit)
     except (ValueError, TypeError) as exc:  # deterministic: report, do not retry
         return unit.uid, exc, [], {}, None

@@ -273,9 +273,8 @@ def plan_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
                 peak = max(peak, runner.cell_bytes(unit))
                 continue
             cells, reps = blocks[0]
-            canonical = (cells.stop - cells.start == len(unit.heads)
-                         and reps.stop - reps.start == runner.replicates(config.estimators[unit.est_index]))
-            layout[key] = (runner.block_bytes(unit, cells.stop - cells.start, reps.stop - reps.start), canonical)
+            layout[key] = (runner.block_bytes(unit, cells.stop - cells.start, reps.stop - reps.start),
+                           runner.canonical(unit))
     blocked = 0
     for unit in todo:
         bytes_, canonical = layout.get((unit.label, unit.num_samples, config.mask_of(unit.layer)), (0, True))

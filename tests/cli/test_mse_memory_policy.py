@@ -61,3 +61,21 @@ def test_a_split_run_stays_within_its_budget(tmp_path):
     assert "split into smaller blocks" in done.stderr
     peak = int(done.stderr.rsplit("HWM", 1)[1].split()[0])
     assert peak <= 3 * 2**30 + 0.6 * 2**30, peak / 2**30
+
+
+@pytest.mark.parametrize(("budget", "kept"), [(2**30, True), (150 * 2**10, False)])
+def test_a_dask_worker_keeps_freed_memory_only_for_a_unit_that_runs_whole(tmp_path, monkeypatch, budget, kept):
+    """A worker process sets the policy per unit, as the CLI does per run: it kept freed memory for every unit."""
+    from randattn.analysis import executors
+    from randattn.analysis.plan import SweepConfig, parse_estimator_list
+    from randattn.analysis.sweep import plan
+
+    calls = []
+    monkeypatch.setattr(process, "retain_freed_memory", lambda keep=True: calls.append(keep) or True)
+    acts = _acts(tmp_path, heads=2, tokens=32, d=8)
+    config = SweepConfig(estimators=parse_estimator_list("ra"), num_samples=(4,), replicates=8, threads=1,
+                         check_reference=0.0, max_memory=budget)
+    [unit] = plan(str(acts), config)
+    uid, rows, *_ = executors._run_unit_in_worker(str(acts), config, f"policy-{budget}", unit, None)
+    assert uid == unit.uid and len(rows) == 2
+    assert calls == [kept]
