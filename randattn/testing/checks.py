@@ -413,7 +413,12 @@ def exact_on_check_inputs(spec: EstimatorSpec, params: Mapping[str, Any]) -> boo
         once = _quiet(lambda: _reference(spec, q, k, v, _draw(spec, q.shape, k.shape, params, seed=7), params))
     except Exception:  # noqa: BLE001 - a check already reports what the estimate raised
         return False
-    return bool(np.allclose(once, _softmax_attention(q, k, v), rtol=1e-12, atol=1e-12))
+    return _is_softmax(once, q, k, v)
+
+
+def _is_softmax(out: np.ndarray, q, k, v) -> bool:
+    """Whether ``out`` is exact softmax attention of ``q, k, v`` to 1e-12, the checks' test of an exact estimate."""
+    return bool(np.allclose(out, _softmax_attention(q, k, v), rtol=1e-12, atol=1e-12))
 
 
 def _random_here(spec: EstimatorSpec, params: Mapping[str, Any], q, k, v, once: np.ndarray) -> bool:
@@ -423,7 +428,7 @@ def _random_here(spec: EstimatorSpec, params: Mapping[str, Any], q, k, v, once: 
     bits."""
     if not spec.is_random(params):
         return False
-    return not np.allclose(once, _softmax_attention(q, k, v), rtol=1e-12, atol=1e-12)
+    return not _is_softmax(once, q, k, v)
 
 
 def _check_seeds_through_estimate(spec: EstimatorSpec, params: Mapping[str, Any]) -> None:
