@@ -169,10 +169,13 @@ class MemoryBudgetError(ValueError):
 
 
 def format_bytes(n: float) -> str:
-    """``1536 -> '1.5 KiB'``."""
+    """``1536 -> '1.5 KiB'``, three significant digits in the largest unit that keeps the number below 1,000
+    (``1000 * 1024 -> '0.977 MiB'``, where three digits of KiB would read ``1e+03``); bytes whole."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        if unit == "B" and abs(n) < 1024:
+            return f"{int(n)} B"
+        if unit not in ("B", "TiB") and abs(float(f"{n:.3g}")) < 1000 or unit == "TiB":
+            return f"{n:.3g} {unit}"
         n /= 1024
     return f"{n:.3g} TiB"  # pragma: no cover
 

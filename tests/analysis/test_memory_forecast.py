@@ -325,3 +325,14 @@ def test_mse_measures_settings_whose_s_rules_refuse_16(tmp_path, estimator, samp
                                        "--queries", "last:4", "--mask", "causal", "--out",
                                        str(tmp_path / "t.csv")])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(("n", "said"), [(1023, "1023 B"), (1536, "1.5 KiB"), (999 * 1024, "999 KiB"),
+                                         (1000 * 1024, "0.977 MiB"), (1023.9 * 1024, "1 MiB"),
+                                         (3.32 * 2**20, "3.32 MiB"), (1000 * 2**30, "0.977 TiB")])
+def test_sizes_are_said_in_three_digits_below_1000_of_their_unit(n, said):
+    """1,000 KiB is 1000 / 1024 = 0.9765625 MiB: the plan said "about 1e+03 KiB" for it (three significant digits of
+    a number that rounds to 1,000)."""
+    from randattn.analysis.cell_memory import format_bytes
+
+    assert format_bytes(n) == said
