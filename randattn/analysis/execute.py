@@ -214,9 +214,18 @@ def raised_while(what: str, unit: Unit) -> Iterator[None]:
         yield
     except Exception as exc:
         if not any(note.startswith("randattn: raised while") for note in getattr(exc, "__notes__", ())):  # innermost
-            exc.add_note(f"randattn: raised while {what} (S = {unit.num_samples}, layer {unit.layer}, heads "
-                         f"{list(unit.heads)}, image {unit.image_name})")
+            _add_note(exc, f"randattn: raised while {what} (S = {unit.num_samples}, layer {unit.layer}, heads "
+                           f"{list(unit.heads)}, image {unit.image_name})")
         raise
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (PEP 678, Python 3.11); on Python 3.10, which has no ``add_note``, the note is kept in
+    ``__notes__`` all the same (its tracebacks do not print it): an ``AttributeError`` there replaced the error."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
 
 
 class ReferenceCheck(NamedTuple):

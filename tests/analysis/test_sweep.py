@@ -626,6 +626,25 @@ def test_an_estimator_that_raises_is_named_in_a_note_of_its_exception(acts, back
     assert ", layer " in notes[0] and ", heads [" in notes[0] and ", image " in notes[0]
 
 
+def test_the_note_is_kept_where_exceptions_have_no_add_note():
+    """Python 3.10 has no ``BaseException.add_note`` (PEP 678 came with 3.11): the note goes to ``__notes__`` as 3.11
+    would put it, and the estimator's own exception is raised, where an AttributeError from the missing method
+    replaced it. An exception class that hides ``add_note`` stands for 3.10's."""
+    from randattn.analysis.execute import raised_while
+    from randattn.analysis.plan import Unit
+
+    class WithoutAddNote(RuntimeError):
+        def __getattribute__(self, name):
+            if name == "add_note":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    unit = Unit(layer=3, est_index=0, num_samples=8, image=0, image_name="img", heads=(0, 1), label="ra", seeds=(1, 2))
+    with pytest.raises(WithoutAddNote) as raised, raised_while("measuring ra", unit):
+        raise WithoutAddNote("planted")
+    assert raised.value.__notes__ == ["randattn: raised while measuring ra (S = 8, layer 3, heads [0, 1], image img)"]
+
+
 class _VirtualClock:
     """A clock that moves only when a test says so: the planner's timings are then exact, where sleeping on the wall
     clock left them to the noise of the machine (a loaded CI run read 0.58 s for a planted 0.6 s)."""

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,11 @@ from randattn.estimators.registry import (
     register_estimator,
     unregister_estimator,
 )
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 has no tomllib; pytest itself depends on tomli there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
