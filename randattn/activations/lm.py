@@ -41,6 +41,7 @@ import hashlib
 import importlib.util
 import mmap
 import os
+import pickle
 import struct
 import warnings
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+from safetensors import SafetensorError
 
 from randattn.activations._capture import run_per_image
 from randattn.activations.dinov2 import parse_layers
@@ -221,9 +223,14 @@ def _transformers():
 
 
 def _split_gguf(name_or_path: str | os.PathLike, gguf_file: str | None) -> tuple[str, str | None]:
+    """``(folder or hub name, GGUF file name or None)``; ValueError for a file that is not a GGUF file (its config
+    would load from a ``config.json`` path, and the weights then be read from that same file)."""
     where = os.fspath(name_or_path)
     if gguf_file is None and where.lower().endswith(".gguf") and Path(where).is_file():
         return str(Path(where).parent), Path(where).name
+    if gguf_file is None and Path(where).expanduser().is_file():
+        raise ValueError(f"{where!r} is a file: a transformers checkpoint is read from its save_pretrained folder "
+                         f"(config.json beside the weights), here {str(Path(where).parent)!r}, or from a .gguf file")
     return where, gguf_file
 
 
@@ -514,10 +521,13 @@ def load_lm(name_or_path: str | os.PathLike, *, gguf_file: str | None = None, lo
     with _gguf_parsed_once() if gguf_file is not None else contextlib.nullcontext():
         config = _checked_config(transformers, folder, where, local_files_only, **extra)
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                folder, config=config, local_files_only=local_files_only, dtype=torch.float32, **extra)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot load transformers model {where!r}: {exc}") from exc
+            model, loading = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, config=config, local_files_only=local_files_only, dtype=torch.float32,
+                output_loading_info=True, **extra)
+        except (OSError, ValueError, RuntimeError, pickle.UnpicklingError, SafetensorError) as exc:
+            # a weights file cut short or not a weights file: safetensors' own error, torch.load's unpickling
+            raise ValueError(f"cannot load transformers model {where!r}: {type(exc).__name__}: {exc}") from exc
+        _check_weights_present(model, loading.get("missing_keys", ()), where)
         tokenizer = None
         if _has_tokenizer(folder, gguf_file):
             try:
@@ -531,6 +541,19 @@ def load_lm(name_or_path: str | os.PathLike, *, gguf_file: str | None = None, lo
         weights = (f"dequantised from the GGUF file {gguf_file}: the dequantised float32 weights are the model "
                    "captured") if gguf_file else "as stored in the checkpoint, run in float32"
     return LoadedLM(model=model.eval(), tokenizer=tokenizer, name=name or f"hf:{where}", weights=weights)
+
+
+def _check_weights_present(model: Any, missing: Iterable[str], where: str) -> None:
+    """Raises ValueError naming the weights the checkpoint lacks: transformers fills them at random (and says so in a
+    log line), so the queries and keys of a layer that reads them would not be the model's. The output head alone
+    may be missing, as it comes after every attention layer."""
+    head = model.get_output_embeddings()
+    head_name = next((name for name, module in model.named_modules() if module is head), None) if head else None
+    needed = sorted(key for key in missing if head_name is None or not key.startswith(f"{head_name}."))
+    if needed:
+        shown = ", ".join(needed[:6]) + (f", ... ({len(needed)} in all)" if len(needed) > 6 else "")
+        raise ValueError(f"checkpoint {where!r} lacks weights the model needs ({shown}); transformers would fill them "
+                         "at random, so the captured queries and keys would not be the model's")
 
 
 def load_bundled_lm(name: str) -> LoadedLM:

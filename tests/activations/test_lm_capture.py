@@ -663,6 +663,74 @@ def test_cli_names_a_missing_path_as_one(tmp_path, where):
     assert f"--hf {where!r}: no such folder or file" in said and "Repo id" not in said
 
 
+def _damaged(folder, damage: str) -> None:
+    """The checkpoint in ``folder`` without layer 1's attention weights (``missing``), cut to half its bytes
+    (``truncated``), or with text for weights (``not-weights``)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    if damage == "missing":
+        kept = {k: t for k, t in load_file(weights).items() if ".layers.1.self_attn." not in k}
+        save_file(kept, weights, metadata={"format": "pt"})
+    elif damage == "truncated":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    else:
+        weights.write_text("not weights", encoding="utf-8")
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("missing", "lacks weights the model needs (model.layers.1.self_attn.k_proj.weight, "
+                "model.layers.1.self_attn.o_proj.weight, model.layers.1.self_attn.q_proj.weight, "
+                "model.layers.1.self_attn.v_proj.weight); transformers would fill them at random"),
+    ("truncated", "cannot load transformers model"),
+    ("not-weights", "cannot load transformers model"),
+])
+def test_cli_refuses_a_checkpoint_whose_weights_are_missing_or_damaged(tmp_path, damage, message):
+    """Weights missing from the file were filled at random by transformers, which only logs it: the capture wrote
+    those layers' queries and keys, exit 0, as the checkpoint's. A weights file cut short (or not one) ended in
+    safetensors' own traceback, exit 1. Each is now refused, exit 2, and nothing is written."""
+    folder = _save("llama", tmp_path / "llama")
+    _damaged(folder, damage)
+    np.save(tmp_path / "ids.npy", _token_ids(1))
+    result = CliRunner().invoke(main, ["capture", "--hf", str(folder), "--token-ids", str(tmp_path / "ids.npy"),
+                                       "--out", str(tmp_path / "a.safetensors")])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.stderr.split())
+    assert not (tmp_path / "a.safetensors").exists()
+
+
+def test_the_output_head_alone_may_be_missing(tmp_path):
+    """The output head comes after every attention layer, so a checkpoint without it (a base model's weights) still
+    gives the model's queries and keys: captured, the same arrays as with the head."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _save("llama", tmp_path / "llama", tie_word_embeddings=False)
+    ids = _token_ids(1)
+    whole = capture_lm(load_lm(folder, local_files_only=True), ids, "all")
+    weights = folder / "model.safetensors"
+    save_file({k: t for k, t in load_file(weights).items() if not k.startswith("lm_head.")}, weights,
+              metadata={"format": "pt"})
+    headless = capture_lm(load_lm(folder, local_files_only=True), ids, "all")
+    for layer in whole.layers:
+        for a, b in zip(whole.qkv(layer), headless.qkv(layer)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_cli_says_that_hf_takes_the_checkpoints_folder_not_a_file_in_it(tmp_path, name):
+    """``--hf <folder>/config.json`` loaded the config from the file, then handed the JSON to torch.load as weights:
+    an UnpicklingError traceback, exit 1."""
+    folder = _save("llama", tmp_path / "llama")
+    np.save(tmp_path / "ids.npy", _token_ids(1))
+    result = CliRunner().invoke(main, ["capture", "--hf", str(folder / name), "--token-ids",
+                                       str(tmp_path / "ids.npy"), "--out", str(tmp_path / "a.safetensors")])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.stderr.split())
+    assert f"{str(folder / name)!r} is a file: a transformers checkpoint is read from its save_pretrained folder" in said
+    assert not (tmp_path / "a.safetensors").exists()
+
+
 def test_cli_says_why_an_unreadable_hub_name_cannot_be_read(tmp_path, monkeypatch):
     """With language-model options, a hub name that is neither cached nor reachable was called a vision model."""
     import huggingface_hub.constants
