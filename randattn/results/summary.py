@@ -31,15 +31,22 @@ def range_coverage(units: int) -> float:
     return 1.0 - 2.0 ** (1 - units)
 
 
-def _bootstrap_mean_ci(values: np.ndarray, rng: np.random.Generator, n_boot: int, level: float) -> tuple[float, float]:
-    values = values[np.isfinite(values)]
-    if values.size < 2:
+def _bootstrap_mean_ci(values: np.ndarray, idx: np.ndarray, level: float) -> tuple[float, float]:
+    """Percentile interval of the mean of ``values`` over the resamples ``idx (n_boot, units)``; NaN with fewer than
+    two units, or where a unit is not finite (a NaN or inf cell has no interval, and is not dropped from one)."""
+    if values.size < 2 or not np.isfinite(values).all():
         return math.nan, math.nan
-    idx = rng.integers(0, values.size, size=(n_boot, values.size))
     means = values[idx].mean(1)
     alpha = 0.5 * (1.0 - level)
     lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
     return float(lo), float(hi)
+
+
+def _mean_keeping_nan(values, by):
+    """Group means of ``values`` by ``by`` that are NaN wherever a member is (pandas' own skip NaN): a cell that was
+    not measured must not drop out of its mean, which would weigh the other cells more without a word."""
+    grouped = values.groupby(by, sort=False)
+    return grouped.mean().mask(values.isna().groupby(by, sort=False).any())
 
 
 def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0, by: Sequence[str] = ()):
@@ -89,17 +96,20 @@ def aggregate(table, *, level: float = 0.95, n_boot: int = 2000, seed: int = 0, 
     for key, frame in table.groupby(keys, sort=False):
         stream = streams.setdefault(tuple(v for k, v in zip(keys, key) if k != "num_samples"), len(streams))
         rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(stream,)))
-        per_layer = frame.groupby(["image", "layer"], sort=False)[metrics].mean()  # mean over heads
-        per_image = per_layer.groupby(level="image", sort=False).mean()  # mean over layers
+        per_layer = _mean_keeping_nan(frame[metrics], [frame["image"], frame["layer"]])  # mean over heads
+        per_image = _mean_keeping_nan(per_layer, per_layer.index.get_level_values("image"))  # mean over layers
         if len(per_image) > 1:
             units, over = per_image, "images"
         else:
-            units = frame.groupby("head", sort=False)[metrics].mean()  # per head, mean over layers
+            units = _mean_keeping_nan(frame[metrics], frame["head"])  # per head, mean over layers
             over = "heads"
         record = dict(zip(keys, key))
+        # one set of resamples for every metric: equal columns (MSE and bias^2 of an exact estimator) get equal
+        # intervals, where a stream drawn on from metric to metric gave them two
+        idx = rng.integers(0, len(units), size=(n_boot, len(units)))
         for metric in metrics:
-            record[metric] = float(per_image[metric].mean())
-            lo, hi = _bootstrap_mean_ci(units[metric].to_numpy(dtype=np.float64), rng, n_boot, level)
+            record[metric] = float(per_image[metric].to_numpy(dtype=np.float64).mean())
+            lo, hi = _bootstrap_mean_ci(units[metric].to_numpy(dtype=np.float64), idx, level)
             record[f"{metric}_lo"], record[f"{metric}_hi"] = lo, hi
         record["units"] = int(len(units))
         record["ci_over"] = over
