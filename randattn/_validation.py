@@ -192,7 +192,13 @@ def check_qkv_shapes(q: Any, k: Any, v: Any, *, values: bool = True) -> tuple[tu
     if ks[-2] != vs[-2]:
         raise ValueError(f"k and v must have the same number of tokens M: k {ks}, v {vs}")
     if not (qs[:-2] == ks[:-2] == vs[:-2]):
-        raise ValueError(f"q, k and v must have the same batch dims: q {qs}, k {ks}, v {vs}")
+        hint = ""
+        if (len(qs) >= 3 and len(qs) == len(ks) and qs[:-3] == ks[:-3] and ks[-3] and qs[-3] % ks[-3] == 0
+                and qs[-3] > ks[-3]):
+            # a capture's stored key/value heads, which grouped-query attention shares among the query heads
+            hint = (f"; {qs[-3]} query heads over {ks[-3]} key/value heads looks like grouped-query attention: give "
+                    "each query head its key/value head (Activations.qkv(layer) does, through head_map)")
+        raise ValueError(f"q, k and v must have the same batch dims: q {qs}, k {ks}, v {vs}{hint}")
     return qs[:-2], qs[-2], ks[-2], qs[-1], vs[-1]
 
 

@@ -118,3 +118,15 @@ def test_read_only_arrays_from_the_loader_give_no_torch_warning(tmp_path):
         warnings.simplefilter("error")
         got = randattn.estimate("softmax", *frozen, backend="torch", mask="causal")
     assert torch.equal(got, expected)
+
+
+def test_stored_grouped_query_heads_are_named_as_such():
+    """A capture of a grouped-query model stores 2 key/value heads for 8 query heads; passing them as they are said
+    only that the batch dims differ. The message now says what the shapes look like and where the gathered k, v
+    come from; other mismatches (3 query heads over 2) are not called grouped."""
+    q, kv = np.zeros((1, 8, 5, 4)), np.zeros((1, 2, 5, 4))
+    with pytest.raises(ValueError, match=r"8 query heads over 2 key/value heads looks like grouped-query attention"
+                                         r".*Activations\.qkv\(layer\)"):
+        randattn.estimate("softmax", q, kv, kv)
+    with pytest.raises(ValueError, match=r"same batch dims: q \(1, 3, 5, 4\), k \(1, 2, 5, 4\), v \(1, 2, 5, 4\)$"):
+        randattn.estimate("softmax", np.zeros((1, 3, 5, 4)), kv, kv)

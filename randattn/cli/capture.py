@@ -40,7 +40,8 @@ def abort(message: str):
               help="Local weights for --timm (no hub access).")
 @click.option("--hf", "hf_name", default=None, metavar="PATH_OR_NAME",
               help="A Hugging Face transformers model: a ViT (ViT, DeiT, DINOv2, CLIP/SigLIP vision) run on images, "
-                   "or a decoder LM (Llama, Mistral, Qwen2/3, Gemma 1-3, GPT-2) run on text. A save_pretrained "
+                   "or a decoder LM (Llama, Mistral, Qwen2/3, Gemma 1-3 (Gemma 2 without logit soft-capping), GPT-2) "
+                   "run on text. A save_pretrained "
                    "folder, a .gguf file, or a hub name such as facebook/dinov2-small where it is cached or the hub "
                    "is reachable.")
 @click.option("--images", "images_spec", default="skimage:astronaut,coffee", show_default=True,
