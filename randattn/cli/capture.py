@@ -322,9 +322,11 @@ def _capture_lm(model_name, hf_name, text_specs, pack, token_ids_path, max_token
             if texts is not None:
                 if lm.tokenizer is None:
                     abort(f"{lm.name} has no tokenizer; give token ids with --token-ids FILE")
-                ids, _ = tokenize_texts(lm.tokenizer, [text for _, text in texts],
-                                        max_tokens=256 if max_tokens is None else max_tokens, add_bos=add_bos)
+                ids, lengths = tokenize_texts(lm.tokenizer, [text for _, text in texts],
+                                              max_tokens=256 if max_tokens is None else max_tokens, add_bos=add_bos)
                 names = [name for name, _ in texts]
+                if max_tokens is not None and ids.shape[1] < max_tokens:
+                    _say_fewer_tokens(max_tokens, names, lengths, ids.shape[1], pack)
             _check_capture_fits(lm, len(chosen), ids.shape)
             progress.update(task, total=len(ids), completed=0, description="capturing")
 
@@ -338,6 +340,21 @@ def _capture_lm(model_name, hf_name, text_specs, pack, token_ids_path, max_token
             abort(str(exc))
         except (ValueError, FileNotFoundError) as exc:
             abort(str(exc))
+
+
+def _say_fewer_tokens(asked: int, names: list[str], lengths: list[int], kept: int, pack: bool) -> None:
+    """Warn that the texts hold fewer tokens than ``--max-tokens`` asked: the file's token count is the shortest
+    text's, which the one line that reports the written shape leaves easy to miss."""
+    shortest = min(range(len(lengths)), key=lengths.__getitem__)
+    if pack:
+        why = f"the packed texts hold {kept:,} tokens"
+    elif len(names) == 1:
+        why = f"{names[0]} holds {kept:,} tokens"
+    else:
+        why = (f"the shortest text, {names[shortest]}, holds {kept:,} tokens, and every sequence is cut to it (one "
+               "token count per file; --pack joins the texts into one sequence)")
+    err_console.print(f"[yellow]warning[/]: --max-tokens {asked:,} asked for more tokens than the capture has: "
+                      f"{why}", highlight=False, soft_wrap=True)
 
 
 def _check_capture_fits(lm, layers: int, shape: tuple[int, int]) -> None:

@@ -596,6 +596,25 @@ def test_cli_captures_an_lm_from_text_and_token_ids(tmp_path, tokenizer_files):
     np.testing.assert_array_equal(load_activations(again).stored_qkv(1)[0], acts.stored_qkv(1)[0])
 
 
+def test_cli_warns_when_the_texts_hold_fewer_tokens_than_max_tokens_asks(tmp_path, tokenizer_files):
+    """A 60,000-token text beside a 12-token one, with --max-tokens 1024, was captured at 12 tokens without a word
+    beyond the shape in the last line. Without --max-tokens (the default 256) nothing is said."""
+    folder = _save("llama", tmp_path / "llama", tokenizer_files)
+    short, long = tmp_path / "short.txt", tmp_path / "long.txt"
+    short.write_text("def f(x):\n    return x + 1\n", encoding="utf-8")
+    long.write_text(read_texts(["pydoc:for"])[0][1], encoding="utf-8")
+    tokens = len(transformers.AutoTokenizer.from_pretrained(folder)(short.read_text(encoding="utf-8"))["input_ids"])
+    result = _cli("--hf", str(folder), "--text", str(long), "--text", str(short), "--max-tokens", "1024",
+                  "--out", str(tmp_path / "a.safetensors"))
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert (f"warning: --max-tokens 1,024 asked for more tokens than the capture has: the shortest text, short.txt, "
+            f"holds {tokens} tokens, and every sequence is cut to it") in said
+    assert f"x {tokens} tokens x" in said
+    result = _cli("--hf", str(folder), "--text", str(short), "--out", str(tmp_path / "b.safetensors"))
+    assert result.exit_code == 0 and "warning" not in result.stderr, result.output
+
+
 def test_cli_packs_texts_into_one_long_sequence(tmp_path, tokenizer_files):
     """--pack: one sequence longer than any of its texts, whose tokens are the joined text's (tokenized here)."""
     folder = _save("mistral", tmp_path / "mistral", tokenizer_files)
