@@ -21,6 +21,12 @@ The SE estimate itself is random; with ``R >= 1000`` replicates and light tails 
 inputs are chosen so that every estimator has moderate higher moments, e.g.
 ``|x + y|^2 <= 1`` for kernel estimates whose k-th moment grows like ``exp(k^2 |x+y|^2 / 2)``)
 its relative error is a few percent, which moves the effective threshold by < 0.2 SE.
+Squared deviations (the variance and MSE checks) are the exception: skewed to the right, their
+studentized mean has a heavy lower tail (a run without the rare large squares has a small mean and
+a small SE), so those checks take :func:`second_moment_z_scores`, Hall's skewness-corrected z.
+Measured over 10,000 correct ``--quick`` runs of the five such checks (``performer.lemma2.*``,
+``oprf.variance-closed-form``, ``sderf.variance-closed-form``): 5 failed, against 2.2 for normal
+z-scores and 17 before the correction.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ __all__ = [
     "HeadData",
     "VerifyData",
     "exact_attention",
+    "second_moment_z_scores",
     "z_scores",
     "mc_unbiased_result",
     "rare_component_se_floor",
@@ -252,6 +259,41 @@ def z_scores(samples: np.ndarray, target: np.ndarray, *, floor: float = 1e-12,
     return (samples.mean(0) - target) / se_eff, se
 
 
+def second_moment_z_scores(squares: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    r"""z-scores of the replicate mean of squared deviations (a variance or an MSE) against its closed form, with
+    Hall's correction for their skewness, and the plain standard errors.
+
+    Squared deviations are skewed to the right, and so the plain :func:`z_scores` is not normal in its tails: a run
+    without the rare large squares has a small mean *and* a small SE, and its z reached -4.5 several times as often
+    as a normal z does. Hall's (1992) transformation of the studentized mean,
+
+    .. math::
+        z_H = T + rac{\hat\gamma}{3\sqrt R} T^2 + rac{\hat\gamma^2}{27 R} T^3 + rac{\hat\gamma}{6\sqrt R},
+        \qquad T = rac{ar y - t}{s / \sqrt R},\quad \hat\gamma = rac{rac1R\sum (y - ar y)^3}{s^3},
+
+    removes the skewness term of its distribution (Johnson 1978, with the cubic term that makes it monotone in T):
+    the z of a correct check is normal to second order. P. Hall, "On the removal of skewness by transformation",
+    J. R. Stat. Soc. B 54 (1992) 221-228; N. J. Johnson, J. Am. Stat. Assoc. 73 (1978) 536-544.
+
+    Parameters
+    ----------
+    squares : (R, ...)
+        Independent replicates of a squared deviation.
+    target : (...)
+        Its exact expectation.
+    """
+    r = squares.shape[0]
+    mean = squares.mean(0)
+    centred = squares - mean
+    sd = np.sqrt((centred**2).sum(0) / (r - 1))
+    se = sd / np.sqrt(r)
+    # the floor of z_scores: squares without spread are compared to rounding, not divided by zero
+    t = (mean - target) / np.sqrt(se**2 + (1e-12 * np.maximum(1.0, np.abs(target))) ** 2)
+    gamma = (centred**3).mean(0) / np.where(sd > 0, sd, np.inf) ** 3
+    lam = gamma / np.sqrt(r)
+    return t + lam * t**2 / 3.0 + lam**2 * t**3 / 27.0 + lam / 6.0, se
+
+
 def rare_component_se_floor(pi: np.ndarray, v: np.ndarray, draws: int, *, min_expected: float = 30.0) -> np.ndarray:
     r"""SE floor of a mean of ``draws`` values ``f(omega)``, ``omega`` from a mixture with rare components.
 
@@ -287,13 +329,16 @@ def rare_component_se_floor(pi: np.ndarray, v: np.ndarray, draws: int, *, min_ex
 
 
 def mc_unbiased_result(name: str, samples: np.ndarray, target: np.ndarray, what: str,
-                       se_floor: np.ndarray | float = 0.0) -> CheckResult:
+                       se_floor: np.ndarray | float = 0.0, *, squares: bool = False) -> CheckResult:
     """Pass when every element's |z| <= MC_K_SE; report the detectable bias at 90% power.
 
     ``se_floor`` (same shape as ``target``, or scalar) is added to the sample SE in quadrature
-    (:func:`z_scores`).
+    (:func:`z_scores`). ``squares``: the samples are squared deviations, whose skewness
+    :func:`second_moment_z_scores` corrects (no ``se_floor``).
     """
-    z, se = z_scores(samples, target, se_floor=se_floor)
+    if squares and np.any(se_floor):
+        raise ValueError("squares takes no se_floor")
+    z, se = second_moment_z_scores(samples, target) if squares else z_scores(samples, target, se_floor=se_floor)
     worst = float(np.abs(z).max())
     se = np.sqrt(se**2 + np.square(se_floor))
     detect = (MC_K_SE + 1.28) * float(se.max())
