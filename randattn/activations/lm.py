@@ -976,6 +976,24 @@ def capture_lm_attention(
     return {**recorder.captured, "logits": logits}
 
 
+def _check_one_scale(layers: Sequence[int], scales: Sequence[float]) -> None:
+    """ValueError unless every layer in ``layers`` has the same scale (one activation file holds one)."""
+    if len(set(scales)) > 1:
+        raise ValueError(f"layers {list(layers)} use different scales {sorted(set(scales))}; capture them separately "
+                         "(one activation file holds one scale)")
+
+
+def _check_one_declared_scale(model: Any, layers: str | int | Iterable[int] | None) -> None:
+    """:func:`_check_one_scale` on the scales the chosen layers' attention modules declare (``scaling``), before the
+    forward pass: a refusal that came after it cost the whole pass. The scales the kernel receives are checked
+    again after it; a module without the attribute is left to that check."""
+    modules = lm_attention_modules(model)
+    chosen = parse_layers(layers, num_layers=len(modules))
+    declared = [getattr(modules[layer], "scaling", None) for layer in chosen]
+    if all(isinstance(scale, (int, float)) for scale in declared):
+        _check_one_scale(chosen, [float(scale) for scale in declared])
+
+
 def _stacked(per_seq: list[dict], layer: int, role: str) -> np.ndarray:
     """One role of one layer over the sequences, each sequence's array let go as it is copied in (one sequence's
     is taken as it is): the capture then holds its arrays once, not twice, at the end."""
@@ -1052,12 +1070,11 @@ def capture_lm(
                       "(config.max_position_embeddings): the positions past it are ones the model was not trained "
                       "on, and their queries and keys need not look like its own", BeyondContextWarning,
                       stacklevel=2)
+    _check_one_declared_scale(model, layers)
     per_seq = run_per_image(list(ids), lambda row: capture_lm_attention(model, row[None], layers), progress)
     chosen = sorted(k for k in per_seq[0] if isinstance(k, int))
-    scales = {per_seq[0][layer]["scale"] for layer in chosen}
-    if len(scales) != 1:
-        raise ValueError(f"layers {chosen} use different scales {sorted(scales)}; capture them separately "
-                         "(one activation file holds one scale)")
+    scales = [per_seq[0][layer]["scale"] for layer in chosen]
+    _check_one_scale(chosen, scales)
     arrays = {layer: tuple(_stacked(per_seq, layer, role) for role in "qkv") for layer in chosen}
     heads, kv_heads = arrays[chosen[0]][0].shape[1], arrays[chosen[0]][1].shape[1]
     tokenizer = lm.tokenizer
@@ -1072,7 +1089,7 @@ def capture_lm(
                   "the rotary embedding and any q/k norm, v, scale and mask as the attention kernel receives them",
         "weights": lm.weights,
         "layout": "sequence",
-        "scale": scales.pop(),
+        "scale": scales[0],
         "images": names,
         "input_size": None,
         "layers": chosen,

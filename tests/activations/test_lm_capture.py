@@ -390,9 +390,16 @@ def test_soft_capping_and_unknown_architectures_are_refused(tmp_path):
         load_lm(tmp_path / "bloom", local_files_only=True)
 
 
-def test_per_layer_scales_need_separate_files(tmp_path):
+def test_per_layer_scales_need_separate_files(tmp_path, monkeypatch):
+    """Refused from the scales the attention modules declare, before the forward pass (which a refusal after it
+    cost in full), and from the scales the kernel receives where a module declares none."""
     folder = _save("gpt2", tmp_path / "gpt2", scale_attn_by_inverse_layer_idx=True)
     lm = load_lm(folder, local_files_only=True)
+    with monkeypatch.context() as patched:
+        patched.setattr(lm_mod, "capture_lm_attention", lambda *a, **k: pytest.fail("the forward pass ran"))
+        with pytest.raises(ValueError, match=r"layers \[0, 1\] use different scales"):
+            capture_lm(lm, _token_ids(1), "all")
+    monkeypatch.setattr(lm_mod, "_check_one_declared_scale", lambda *a: None)  # as for a module without `scaling`
     with pytest.raises(ValueError, match=r"layers \[0, 1\] use different scales"):
         capture_lm(lm, _token_ids(1), "all")
     assert capture_lm(lm, _token_ids(1), "1").scale == pytest.approx(8**-0.5 / 2)
