@@ -268,8 +268,8 @@ def second_moment_z_scores(squares: np.ndarray, target: np.ndarray) -> tuple[np.
     as a normal z does. Hall's (1992) transformation of the studentized mean,
 
     .. math::
-        z_H = T + rac{\hat\gamma}{3\sqrt R} T^2 + rac{\hat\gamma^2}{27 R} T^3 + rac{\hat\gamma}{6\sqrt R},
-        \qquad T = rac{ar y - t}{s / \sqrt R},\quad \hat\gamma = rac{rac1R\sum (y - ar y)^3}{s^3},
+        z_H = T + \frac{\hat\gamma}{3\sqrt R} T^2 + \frac{\hat\gamma^2}{27 R} T^3 + \frac{\hat\gamma}{6\sqrt R},
+        \qquad T = \frac{\bar y - t}{s / \sqrt R},\quad \hat\gamma = \frac{\frac1R\sum (y - \bar y)^3}{s^3},
 
     removes the skewness term of its distribution (Johnson 1978, with the cubic term that makes it monotone in T):
     the z of a correct check is normal to second order. P. Hall, "On the removal of skewness by transformation",
