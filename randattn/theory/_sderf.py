@@ -57,8 +57,8 @@ def _random_params(rng: np.random.Generator, dim: int) -> SderfParams:
 
     Negative definite, so that the product of two features, an exponential of
     :math:`2\omega^\top A \omega` plus a linear term, is bounded in omega and every moment is finite.
-    With eigenvalues up to 0.03 (the eighth moment barely finite) the variance check's z went beyond
-    4.5 SE in 10 of 3,000 correct quick runs of this part, where a normal z does 0.12 times.
+    With eigenvalues up to 0.03 (the eighth moment barely finite) 10 of this part's z-scores went
+    beyond 4.5 SE in 3,000 correct quick runs of the variance check, where normal ones would 0.12 times.
     """
     basis = np.linalg.qr(rng.standard_normal((dim, dim)))[0]
     return SderfParams(basis, rng.uniform(-0.3, -0.05, dim))
