@@ -193,8 +193,8 @@ def check_qkv_shapes(q: Any, k: Any, v: Any, *, values: bool = True) -> tuple[tu
         raise ValueError(f"k and v must have the same number of tokens M: k {ks}, v {vs}")
     if not (qs[:-2] == ks[:-2] == vs[:-2]):
         hint = ""
-        if (len(qs) >= 3 and len(qs) == len(ks) and qs[:-3] == ks[:-3] and ks[-3] and qs[-3] % ks[-3] == 0
-                and qs[-3] > ks[-3]):
+        if (len(qs) >= 3 and len(qs) == len(ks) and ks[:-2] == vs[:-2] and qs[:-3] == ks[:-3] and ks[-3]
+                and qs[-3] % ks[-3] == 0 and qs[-3] > ks[-3]):
             # a capture's stored key/value heads, which grouped-query attention shares among the query heads
             hint = (f"; {qs[-3]} query heads over {ks[-3]} key/value heads looks like grouped-query attention: give "
                     "each query head its key/value head (Activations.qkv(layer) does, through head_map)")

@@ -130,3 +130,9 @@ def test_stored_grouped_query_heads_are_named_as_such():
         randattn.estimate("softmax", q, kv, kv)
     with pytest.raises(ValueError, match=r"same batch dims: q \(1, 3, 5, 4\), k \(1, 2, 5, 4\), v \(1, 2, 5, 4\)$"):
         randattn.estimate("softmax", np.zeros((1, 3, 5, 4)), kv, kv)
+    with pytest.raises(ValueError, match=r"same batch dims: q \(1, 8, 5, 4\), k \(1, 8, 5, 4\), v \(1, 2, 5, 4\)$"):
+        randattn.estimate("softmax", q, q, kv)  # v alone differs: not a grouping of the query heads
+    with pytest.raises(ValueError, match=r"v \(1, 4, 5, 4\)$"):
+        randattn.estimate("softmax", q, kv, np.zeros((1, 4, 5, 4)))  # k and v disagree with each other
+    with pytest.raises(ValueError, match=r"v \(1, 2, 5, 4\)$"):
+        randattn.estimate("softmax", np.zeros((1, 0, 5, 4)), kv, kv)  # no query heads to group
