@@ -1,7 +1,8 @@
 """randattn: softmax attention and its randomized estimators, twice (float64 reference and
 batched torch), and measured against exact softmax."""
 
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _installed_version  # not randattn.version: __version__ is the version
 
 from randattn.api import draw, estimate
 from randattn.estimators.base import BatchedForms, EstimatorSpec, ExactLimit, ImportanceWeights, Param
@@ -14,7 +15,7 @@ from randattn.estimators.registry import (
 )
 
 try:
-    __version__ = version("randattn")
+    __version__ = _installed_version("randattn")
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+unknown"
 

@@ -79,6 +79,8 @@ def check_scale(scale: Any, head_dim: int) -> float:
     """Return the attention temperature: ``scale`` or ``D ** -0.5`` when it is None."""
     if scale is None:
         return default_scale(head_dim)
+    if isinstance(scale, (str, bytes, bool)):  # float("0.1") would pass a text as a number
+        raise TypeError(f"scale must be a positive real number, got {scale!r}")
     try:
         value = float(scale)
     except (TypeError, ValueError):

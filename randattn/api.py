@@ -20,6 +20,8 @@ BACKENDS = ("reference", "torch")
 def _normalize_rng(seed: Any) -> np.random.Generator:
     if isinstance(seed, np.random.Generator):
         return seed
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and seed < 0:
+        raise ValueError(f"seed must be a non-negative int (or None, or a numpy Generator), got {seed}")
     if seed is None or isinstance(seed, (int, np.integer, np.random.SeedSequence)) and not isinstance(seed, bool):
         return np.random.default_rng(seed)
     raise TypeError(f"seed must be None, an int or a numpy Generator, got {type(seed).__name__}")
@@ -34,7 +36,9 @@ def _spec_of(name: str | EstimatorSpec) -> EstimatorSpec:
 
 def _mask_kwargs(spec: EstimatorSpec, mask: str | None, num_queries: int, num_keys: int,
                  params: dict[str, Any]) -> dict[str, Any]:
-    """``{"mask": mask}`` for a supported non-default mask, ``{}`` for none; ValueError naming the estimator else."""
+    """``{"mask": mask}`` for a supported non-default mask, ``{}`` for none (None, or ``"none"`` as the command line
+    and the messages spell it); ValueError naming the estimator else."""
+    mask = None if mask == "none" else mask
     spec.check_mask(mask, params)
     if mask is None:
         return {}
@@ -180,7 +184,9 @@ def estimate(
         backend: the same seed gives the same draws whichever backend, dtype or device
         runs, so a GPU run can be checked against the float64 reference by its seed.
     replicates : int, optional
-        R independent replicates; the result then has a leading dim R.
+        R independent replicates; the result then has a leading dim R. They come from one generator, so
+        replicate 0 of R need not equal the call without ``replicates`` (RA draws every replicate's
+        uniforms before its noise): compare runs of the same R, or seed each replicate yourself.
     scale : float, optional
         Temperature; default ``D ** -0.5``.
     backend : {"reference", "torch"}
@@ -190,10 +196,11 @@ def estimate(
         takes 9.1 s on the reference and 0.48 s on torch (2-core CPU), and the reference's time grows
         with the square of the tokens or faster.
     dtype : torch dtype, optional
-        torch backend only; default float32.
+        torch backend only: float32 (the default) or float64. Half precision is refused: its 11-bit
+        significand cannot hold the draws' integers (top-k's budget of 2,049 becomes 2,048).
     device : str or torch.device, optional
         torch backend only; default CPU.
-    mask : {None, "causal", "sliding:W"}
+    mask : {None, "none", "causal", "sliding:W"}
         None: every query sees every key. ``"causal"``: key m is visible to query n iff
         ``m <= n + M - N``; ``"sliding:W"``: also ``m > n + M - N - W``, the last W of those
         (:mod:`randattn.estimators.masks`). The estimator must declare it supports it (its spec's
@@ -235,6 +242,10 @@ def estimate(
         dtype = torch.float32 if dtype is None else dtype
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch dtype, got {dtype!r}")
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}: half precision cannot hold "
+                             "the draws (a budget of 2,049 keys is 2,048 in float16, and bfloat16 is refused by the "
+                             "selection)")
         device = check_device(device)
         from randattn._precision import full_precision_matmul
         from randattn._tensors import input_tensor

@@ -136,3 +136,37 @@ def test_stored_grouped_query_heads_are_named_as_such():
         randattn.estimate("softmax", q, kv, np.zeros((1, 4, 5, 4)))  # k and v disagree with each other
     with pytest.raises(ValueError, match=r"v \(1, 2, 5, 4\)$"):
         randattn.estimate("softmax", np.zeros((1, 0, 5, 4)), kv, kv)  # no query heads to group
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_is_refused_by_name(qkv, dtype):
+    """bfloat16 reached top-k's selection and failed inside torch (``Got unsupported ScalarType``); float16 ran,
+    with a budget of 2,049 keys rounded to 2,048 (its significand has 11 bits). Both are refused before anything
+    runs; float32 and float64 are what the docs promise."""
+    import torch
+
+    q, k, v = qkv
+    with pytest.raises(ValueError, match=rf"dtype must be torch.float32 or torch.float64, got torch.{dtype}"):
+        randattn.estimate("topk", q, k, v, num_samples=4, backend="torch", dtype=getattr(torch, dtype))
+
+
+def test_a_negative_seed_and_a_text_scale_are_named():
+    """numpy's own 'expected non-negative integer' came from twelve frames down, naming no argument; a scale given as
+    text passed as a number."""
+    q, k, v = np.random.default_rng(2).normal(size=(3, 2, 16, 8))
+    for call in (lambda: randattn.estimate("softmax", q, k, v, seed=-1),
+                 lambda: randattn.draw("rfa", (2, 16, 8), (2, 16, 8), num_samples=4, seed=-1)):
+        with pytest.raises(ValueError, match=r"seed must be a non-negative int .* got -1"):
+            call()
+    with pytest.raises(TypeError, match=r"scale must be a positive real number, got '0.1'"):
+        randattn.estimate("softmax", q, k, v, scale="0.1")
+
+
+def test_mask_none_is_no_mask_as_the_messages_spell_it():
+    """A refusal lists what an estimator supports as ``none, 'causal'`` (the command line's spelling), but
+    ``mask="none"`` was an unknown mask."""
+    q, k, v = np.random.default_rng(2).normal(size=(3, 2, 16, 8))
+    np.testing.assert_array_equal(randattn.estimate("softmax", q, k, v, mask="none"),
+                                  randattn.estimate("softmax", q, k, v))
+    with pytest.raises(ValueError, match=r"\(it supports: none, 'causal'\)"):
+        randattn.estimate("rfa", q, k, v, num_samples=8, mask="sliding:8")

@@ -217,9 +217,9 @@ def replicate_metrics(estimates: Any, exact: Any, *, random: bool = True) -> Rep
     >>> import numpy as np
     >>> from randattn.analysis.metrics import replicate_metrics
     >>> y = np.zeros((1, 1))
-    >>> m = replicate_metrics(np.array([[[1.0]], [[3.0]]]), y)
+    >>> m = replicate_metrics(np.array([[[0.0]], [[3.0]], [[6.0]]]), y)  # R = 3: the jackknife SE needs 3
     >>> float(m.mse), float(m.variance), float(m.bias_sq_naive), float(m.bias_sq)
-    (5.0, 2.0, 4.0, 3.0)
+    (15.0, 9.0, 9.0, 6.0)
     """
     return _replicate_metrics(estimates, exact, random, with_relative_error=False)[0]
 
