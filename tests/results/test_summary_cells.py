@@ -21,7 +21,7 @@ def _cells(values, *, images="abc", heads=2) -> pd.DataFrame:
 
 def test_equal_columns_get_equal_intervals():
     """An exact estimator's MSE is its bias^2 in every cell: the summary printed two intervals for the one number
-    (0.0135-0.0323 against 0.0127-0.0321 in a walkthrough), its bootstrap stream drawn on from metric to metric."""
+    (0.0135-0.0323 against 0.0127-0.0321 on a DINOv2 table), its bootstrap stream drawn on from metric to metric."""
     values = np.random.default_rng(3).exponential(size=16)
     row = aggregate(_cells(values, images="abcdefgh"), n_boot=500, seed=1).iloc[0]
     assert (row["mse"], row["mse_lo"], row["mse_hi"]) == (row["bias_sq"], row["bias_sq_lo"], row["bias_sq_hi"])
