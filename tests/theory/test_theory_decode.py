@@ -67,3 +67,22 @@ def test_the_budget_check_measures_the_packages_denominator(monkeypatch):
     monkeypatch.setattr(batched, "log_denominator", lambda *a, **kw: honest(*a, **kw) + math.log(1.02))
     result = _decode.vattention_clt_budget(theory.check_rng(0, "x"), True)
     assert not result.passed and result.measured > theory.MC_K_SE
+
+
+def test_the_collision_check_false_alarms_as_its_exact_binomial_test_says():
+    """The SimHash agreement counts are binomial, and at 2.8 rad a quick run expects 6.4 of 5,000: with the replicate
+    SE, a run that saw 1 agreement was z = -5.4, a failure in 1.2 % of correct runs (and |z| > 3 in about 6 %).
+    Tested exactly, 400 quick runs must go past 3.0 no more often than normal z-scores would: 6 x 2 P(|Z| > 3)
+    per run, 6.5 expected (the exact test's discreteness only lowers it); 16 or more has Poisson probability
+    0.1 %. Measured: 7."""
+    from scipy.stats import norm, poisson
+
+    from randattn import theory
+    from randattn.theory import _decode
+
+    runs, threshold = 400, 3.0
+    expected = runs * len(_decode.SIMHASH_ANGLES) * 2 * norm.sf(threshold)
+    over = sum(_decode.magicpig_collision_probability(theory.check_rng(seed, "decode.magicpig-collision-probability"),
+                                                      True).measured > threshold for seed in range(runs))
+    assert poisson.sf(15, expected) < 0.002
+    assert over <= 15, (over, expected)
