@@ -314,3 +314,23 @@ def test_a_closed_form_that_holds_beside_a_package_that_does_not_shows_the_monte
     assert "max relative violation" in result.details and "(ok); Monte Carlo" in result.details
     fine = _run(_eva.lemma3_partition, "eva.lemma3.partition")
     assert fine.passed and fine.tolerance == 1e-12
+
+
+@pytest.mark.slow  # 200 quick runs of LARA at C = 2 and 16 and 400 of the MIS check: about 25 s
+def test_lara_quick_checks_keep_their_power_and_their_false_alarm():
+    """``lara.eq10.consistent`` passes when its z reaches 4.5: with 200 quick replicates the z of a correct LARA
+    (mean 10.3, spread 3.2) fell short in 5 of 200 seeds; with 1,000 none of 200 may. ``lara.appF.mis-unbiased``
+    at a spread of 0.5 went past 4.5 SE in 2 of 300 correct quick runs (normal: 0.07); at 0.3, 400 runs past 4.0
+    are held to what normal z-scores give, 36 x 2 P(|Z| > 4) a run, 0.91 expected: 6 or more has Poisson
+    probability 0.03 %."""
+    from scipy.stats import norm, poisson
+
+    short = [seed for seed in range(200)
+             if _lara.eq10_consistent(theory.check_rng(seed, "lara.eq10.consistent"), True, None).measured < MC_K_SE]
+    assert short == []
+    runs, threshold = 400, 4.0
+    expected = runs * 36 * 2 * norm.sf(threshold)
+    over = sum(_lara.appf_mis_unbiased(theory.check_rng(seed, "lara.appF.mis-unbiased"), True, None).measured
+               > threshold for seed in range(runs))
+    assert poisson.sf(5, expected) < 0.002
+    assert over <= 5, (over, expected)
