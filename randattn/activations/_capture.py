@@ -36,5 +36,6 @@ def hooked_layers_and_scale(per_image: Sequence[dict]) -> tuple[list[int], float
     chosen = sorted(k for k in per_image[0] if k != "scale")
     scales = set(per_image[0]["scale"].values())
     if len(scales) != 1:
-        raise ValueError(f"layers {chosen} use different scales {sorted(scales)}; capture them separately")
+        each = ", ".join(f"layer {layer}: {per_image[0]['scale'][layer]:.6g}" for layer in chosen)
+        raise ValueError(f"layers {chosen} use different scales ({each}); capture them separately")
     return chosen, scales.pop()

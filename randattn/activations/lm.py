@@ -979,8 +979,9 @@ def capture_lm_attention(
 def _check_one_scale(layers: Sequence[int], scales: Sequence[float]) -> None:
     """ValueError unless every layer in ``layers`` has the same scale (one activation file holds one)."""
     if len(set(scales)) > 1:
-        raise ValueError(f"layers {list(layers)} use different scales {sorted(set(scales))}; capture them separately "
-                         "(one activation file holds one scale)")
+        each = ", ".join(f"layer {layer}: {scale:.6g}" for layer, scale in zip(layers, scales))
+        raise ValueError(f"layers {list(layers)} use different scales ({each}); capture them separately (one "
+                         "activation file holds one scale)")
 
 
 def _check_one_declared_scale(model: Any, layers: str | int | Iterable[int] | None) -> None:
