@@ -6,7 +6,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["run_per_image", "join_images", "hooked_layers_and_scale"]
+__all__ = ["run_per_image", "join_images", "hooked_layers_and_scale", "check_one_scale"]
 
 
 def run_per_image(images: Sequence[Any], forward: Callable[[Any], dict], progress: Callable[[int, int], None] | None
@@ -34,8 +34,15 @@ def hooked_layers_and_scale(per_image: Sequence[dict]) -> tuple[list[int], float
         The layers use different scales (one activation file holds one scale).
     """
     chosen = sorted(k for k in per_image[0] if k != "scale")
-    scales = set(per_image[0]["scale"].values())
-    if len(scales) != 1:
-        each = ", ".join(f"layer {layer}: {per_image[0]['scale'][layer]:.6g}" for layer in chosen)
-        raise ValueError(f"layers {chosen} use different scales ({each}); capture them separately")
-    return chosen, scales.pop()
+    scales = [per_image[0]["scale"][layer] for layer in chosen]
+    check_one_scale(chosen, scales)
+    return chosen, scales[0]
+
+
+def check_one_scale(layers: Sequence[int], scales: Sequence[float]) -> None:
+    """ValueError unless every layer in ``layers`` has the same scale, naming each layer's (one activation file holds
+    one scale)."""
+    if len(set(scales)) > 1:
+        each = ", ".join(f"layer {layer}: {scale:.6g}" for layer, scale in zip(layers, scales))
+        raise ValueError(f"layers {list(layers)} use different scales ({each}); capture them separately (one "
+                         "activation file holds one scale)")

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 from safetensors import SafetensorError
 
-from randattn.activations._capture import run_per_image
+from randattn.activations._capture import check_one_scale, run_per_image
 from randattn.activations.dinov2 import parse_layers
 from randattn.activations.io import Activations, _version, make_activations
 from randattn.activations.lm_masks import MaskRefused, WindowRows, attention_in_query_blocks, capture_mask, mask_kind
@@ -976,23 +976,15 @@ def capture_lm_attention(
     return {**recorder.captured, "logits": logits}
 
 
-def _check_one_scale(layers: Sequence[int], scales: Sequence[float]) -> None:
-    """ValueError unless every layer in ``layers`` has the same scale (one activation file holds one)."""
-    if len(set(scales)) > 1:
-        each = ", ".join(f"layer {layer}: {scale:.6g}" for layer, scale in zip(layers, scales))
-        raise ValueError(f"layers {list(layers)} use different scales ({each}); capture them separately (one "
-                         "activation file holds one scale)")
-
-
 def _check_one_declared_scale(model: Any, layers: str | int | Iterable[int] | None) -> None:
-    """:func:`_check_one_scale` on the scales the chosen layers' attention modules declare (``scaling``), before the
-    forward pass: a refusal that came after it cost the whole pass. The scales the kernel receives are checked
-    again after it; a module without the attribute is left to that check."""
+    """:func:`~randattn.activations._capture.check_one_scale` on the scales the chosen layers' attention modules
+    declare (``scaling``), before the forward pass: a refusal that came after it cost the whole pass. The scales the
+    kernel receives are checked again after it; a module without the attribute is left to that check."""
     modules = lm_attention_modules(model)
     chosen = parse_layers(layers, num_layers=len(modules))
     declared = [getattr(modules[layer], "scaling", None) for layer in chosen]
     if all(isinstance(scale, (int, float)) for scale in declared):
-        _check_one_scale(chosen, [float(scale) for scale in declared])
+        check_one_scale(chosen, [float(scale) for scale in declared])
 
 
 def _stacked(per_seq: list[dict], layer: int, role: str) -> np.ndarray:
@@ -1075,7 +1067,7 @@ def capture_lm(
     per_seq = run_per_image(list(ids), lambda row: capture_lm_attention(model, row[None], layers), progress)
     chosen = sorted(k for k in per_seq[0] if isinstance(k, int))
     scales = [per_seq[0][layer]["scale"] for layer in chosen]
-    _check_one_scale(chosen, scales)
+    check_one_scale(chosen, scales)
     arrays = {layer: tuple(_stacked(per_seq, layer, role) for role in "qkv") for layer in chosen}
     heads, kv_heads = arrays[chosen[0]][0].shape[1], arrays[chosen[0]][1].shape[1]
     tokenizer = lm.tokenizer
