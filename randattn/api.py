@@ -10,6 +10,7 @@ import numpy as np
 from randattn._validation import (check_choice, check_device, check_finite_on_device, check_positive_int,
                                   check_qkv_shapes, check_scale)
 from randattn.estimators.base import Draws, EstimatorSpec, validate_spec
+from randattn.estimators.masks import Mask, check_causal_shapes
 from randattn.estimators.registry import get_spec
 
 __all__ = ["estimate", "draw"]
@@ -38,12 +39,12 @@ def _mask_kwargs(spec: EstimatorSpec, mask: str | None, num_queries: int, num_ke
                  params: dict[str, Any]) -> dict[str, Any]:
     """``{"mask": mask}`` for a supported non-default mask, ``{}`` for none (None, or ``"none"`` as the command line
     and the messages spell it); ValueError naming the estimator else."""
+    # Parsed here, not by the spec, so that a value naming no mask is told the API's spellings, 'none' among them
+    Mask.parse(mask)
     mask = None if mask == "none" else mask
     spec.check_mask(mask, params)
     if mask is None:
         return {}
-    from randattn.estimators.masks import check_causal_shapes
-
     check_causal_shapes(num_queries, num_keys)
     return {"mask": mask}
 

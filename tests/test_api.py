@@ -170,3 +170,14 @@ def test_mask_none_is_no_mask_as_the_messages_spell_it():
                                   randattn.estimate("softmax", q, k, v))
     with pytest.raises(ValueError, match=r"\(it supports: none, 'causal'\)"):
         randattn.estimate("rfa", q, k, v, num_samples=8, mask="sliding:8")
+
+
+@pytest.mark.parametrize("mask", ["sideways", 3, b"causal"])
+def test_a_mask_naming_nothing_is_told_the_api_spellings_none_among_them(mask):
+    """``mask="none"`` is accepted, so the refusal of a value that names no mask lists it; the spec's own check
+    said ``None (bidirectional)`` only."""
+    q, k, v = np.random.default_rng(2).normal(size=(3, 2, 16, 8))
+    for call in (lambda: randattn.estimate("softmax", q, k, v, mask=mask),
+                 lambda: randattn.draw("rfa", q.shape, k.shape, num_samples=4, mask=mask)):
+        with pytest.raises(ValueError, match=r"is not a mask kind; use 'none' \(bidirectional\), 'causal' or "):
+            call()
