@@ -373,6 +373,7 @@ def _check_capture_fits(lm, layers: int, shape: tuple[int, int]) -> None:
 
 def _write(acts, out_path, dtype, lm: bool) -> None:
     from randattn.activations.io import save_activations
+    from randattn.analysis.cell_memory import format_bytes
 
     from randattn.cli._common import no_space_message
 
@@ -383,7 +384,7 @@ def _write(acts, out_path, dtype, lm: bool) -> None:
     except ValueError as exc:
         abort(f"writing {out_path!r}: {exc}")
     b, h, n, d = acts.shape
-    size_mb = written.stat().st_size / 2**20
+    size = format_bytes(written.stat().st_size)
     if lm:
         masks = sorted({str(acts.mask(layer)) for layer in acts.layers})
         shape = (f"{b} sequence(s) x {h} query heads ({acts.kv_heads} key/value heads) x {n} tokens x {d} head_dim, "
@@ -392,7 +393,7 @@ def _write(acts, out_path, dtype, lm: bool) -> None:
         shape = f"{b} image(s) x {h} heads x {n} tokens x {d} head_dim"
     err_console.print(
         f"wrote [bold]{written}[/]: {acts.metadata['model']}, layers {list(acts.layers)}, {shape}, {dtype}, "
-        f"scale {acts.scale:g}, {size_mb:.1f} MiB",
+        f"scale {acts.scale:g}, {size}",
         highlight=False,
     )
     out_console.print(str(written), highlight=False, soft_wrap=True)

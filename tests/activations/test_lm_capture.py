@@ -1003,3 +1003,16 @@ def test_cli_refuses_smollm2_input_before_loading_it(tmp_path, monkeypatch, smol
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.stderr.split())
     assert not (tmp_path / "a.safetensors").exists()
+
+
+def test_cli_reports_a_small_capture_file_in_a_unit_that_shows_its_size(tmp_path):
+    """A capture of a few KiB was reported as "0.0 MiB"; the size now reads in KiB, to three digits."""
+    folder = _save("llama", tmp_path / "llama")
+    np.save(tmp_path / "ids.npy", _token_ids(1))
+    out = tmp_path / "a.safetensors"
+    result = _cli("--hf", str(folder), "--token-ids", str(tmp_path / "ids.npy"), "--out", str(out))
+    assert result.exit_code == 0, result.output
+    said = re.search(r"scale [0-9.e+-]+, ([0-9.]+) KiB", " ".join(result.stderr.split()))
+    assert said is not None, result.stderr
+    kib = out.stat().st_size / 1024
+    assert 1 < kib < 1000 and abs(float(said.group(1)) - kib) <= 0.005 * kib, (said.group(0), kib)
