@@ -102,6 +102,8 @@ def command(ctx, model_name, timm_name, checkpoint, hf_name, images_spec, size, 
         abort("--timm needs --checkpoint PATH (a local weights file; there is no hub access)")
     if size is not None and size <= 0:
         abort(f"--size must be positive, got {size}")
+    if hf_name is not None:
+        _say_when_asking_the_hub(hf_name)
 
     # the folders writable_output and the lock make for --out are taken back when the capture fails
     with taken_back_on_failure(Path(out_path).parent), _output_lock(Path(out_path)):
@@ -340,6 +342,27 @@ def _capture_lm(model_name, hf_name, text_specs, pack, token_ids_path, max_token
             abort(str(exc))
         except (ValueError, FileNotFoundError) as exc:
             abort(str(exc))
+
+
+def _say_when_asking_the_hub(hf_name: str) -> None:
+    """Say that a name found neither on disk nor in the hub cache is asked of huggingface.co, before transformers
+    does so in silence: without a network its retries take about 25 s before the refusal."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+        from huggingface_hub.errors import HFValidationError
+    except ModuleNotFoundError:  # the capture's own message names the extra to install
+        return
+
+    if Path(hf_name).expanduser().exists() or constants.HF_HUB_OFFLINE:
+        return
+    try:
+        cached = try_to_load_from_cache(hf_name, "config.json")
+    except HFValidationError:  # no hub name either: transformers' refusal follows at once
+        return
+    if not isinstance(cached, str):
+        err_console.print(f"{hf_name!r} is not a local path, nor in the hub cache "
+                          f"({constants.HF_HUB_CACHE}): asking huggingface.co for it (without a "
+                          "network the refusal takes about 25 s; HF_HUB_OFFLINE=1 does not ask)", highlight=False)
 
 
 def _say_fewer_tokens(asked: int, names: list[str], lengths: list[int], kept: int, pack: bool) -> None:

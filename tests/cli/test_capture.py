@@ -160,3 +160,42 @@ def test_capture_refused_while_another_process_holds_the_outputs_lock(tmp_path, 
             said = " ".join(result.stderr.split())
             assert f"{str(out)!r} is being written by another randattn process (pid " in said
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def _hub_cache_with_config(cache, repo_id: str) -> None:
+    """The hub cache's layout for one file (huggingface_hub's documented ``models--{ns}--{name}`` tree)."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    revision = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    (repo / "snapshots" / revision).mkdir(parents=True)
+    (repo / "snapshots" / revision / "config.json").write_text("{}")
+
+
+def test_a_hub_name_neither_local_nor_cached_is_said_to_be_asked_of_the_hub(tmp_path, monkeypatch):
+    """Without a network, transformers' retries took about 25 s before the refusal, in silence. A name that is no
+    local path and not in the hub cache is now said to be asked of huggingface.co first; a cached name, a local
+    folder of that name and HF_HUB_OFFLINE=1 are not."""
+    pytest.importorskip("huggingface_hub")
+    import huggingface_hub.constants as hub_constants
+
+    import randattn.cli.capture as capture_cli
+
+    cache = tmp_path / "hub"
+    _hub_cache_with_config(cache, "someone/cached-model")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(capture_cli, "_capture", lambda *args: None)  # no model is loaded, no network asked
+    (tmp_path / "someone" / "local-model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+
+    def said(name: str) -> str:
+        result = CliRunner().invoke(main, ["capture", "--hf", name, "--out", str(tmp_path / "a.safetensors")])
+        assert result.exit_code == 0, result.output
+        return " ".join(result.stderr.split())
+
+    assert ("'someone/not-a-model' is not a local path, nor in the hub cache (" + str(cache) + "): asking "
+            "huggingface.co for it") in said("someone/not-a-model")
+    assert said("someone/cached-model") == "" and said("someone/local-model") == ""
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    assert said("someone/not-a-model") == ""
