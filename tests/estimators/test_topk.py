@@ -81,6 +81,28 @@ def test_ties_go_to_the_lower_key_index_in_both_forms():
         assert np.array_equal(probs.numpy() > 0, expected), dtype
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_integer_inputs_with_exact_products_break_ties_by_key_index_in_both_forms(scale):
+    """Entries in {-1, 0, 1} tie often. Where ``sqrt(scale)`` keeps the products exact (1 and 1/2), the kept keys
+    are those of a sort by (-integer dot product, key index) over the visible keys, in both forms; at
+    ``scale = 1/2`` the products round, and the forms may order such ties differently (the package docstring)."""
+    rng = np.random.default_rng(9)
+    q = rng.integers(-1, 2, (3, 4)).astype(float)
+    k = rng.integers(-1, 2, (20, 4)).astype(float)
+    budget = 4
+    draws = SPEC.draw(q.shape, k.shape, num_samples=budget)
+    expected = np.zeros((3, 20), dtype=bool)
+    dots = q.astype(int) @ k.astype(int).T
+    for n in range(3):
+        visible = range(n + 20 - 3 + 1)
+        expected[n, sorted(visible, key=lambda m: (-dots[n, m], m))[:budget]] = True
+    assert len({tuple(row) for row in dots}) == 3 and any(len(set(row)) < 20 for row in dots)  # ties there are
+    kept_reference = reference.probabilities(q, k, draws, mask="causal", scale=scale)[0] > 0
+    kept_batched = batched.probabilities(torch.as_tensor(q), torch.as_tensor(k), draws.to_torch(), mask="causal",
+                                         scale=scale)[0].numpy() > 0
+    assert np.array_equal(kept_reference, expected) and np.array_equal(kept_batched, expected)
+
+
 @pytest.mark.parametrize(("num_samples", "error", "words"), [
     (0, ValueError, "num_samples must be >= 1"),
     (2.5, TypeError, "num_samples must be an integer"),

@@ -5,9 +5,13 @@ it reads every logit to choose, so it saves nothing, but it shows the error of t
 
 Budget: **S = keys kept per query** (``num_samples``); a query that sees fewer than S keys keeps all of them, so
 ``keys_used = min(S, visible keys)``. Ties between equal logits go to the lower key index (a stable sort of the
-negated logits, in both forms). Under a mask the S keys are chosen among the visible keys only: ``m <= n + M - N``
-under ``mask="causal"``, the last W of those under ``mask="sliding:W"`` (a sliding-window layer), so that
-``keys_used = min(S, W)`` once W keys precede the query. Deterministic: the draws carry S alone.
+negated logits, in both forms). Equal means equal as computed: a logit is the product of ``q sqrt(scale)`` and
+``k sqrt(scale)``, which rounds, and numpy and torch sum it in different orders, so logits equal in exact
+arithmetic (integer-valued test inputs, say) may differ in their last bit and be ordered differently by the two
+forms, whose outputs then differ by that choice; inputs whose products are exact (``scale=1``, or ``scale=1/4``
+with small integers) keep such ties, and the forms agree. Under a mask the S keys are chosen among the visible keys
+only: ``m <= n + M - N`` under ``mask="causal"``, the last W of those under ``mask="sliding:W"`` (a sliding-window
+layer), so that ``keys_used = min(S, W)`` once W keys precede the query. Deterministic: the draws carry S alone.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Each query :math:`n` keeps the :math:`S` visible keys with the largest logits an
     K_n = \operatorname{top}_S \{\, x_n^\top y_m : m \text{ visible to } n \,\}, \qquad
     \hat y_n = \sum_{m \in K_n} \frac{e^{x_n^\top y_m}}{\sum_{m' \in K_n} e^{x_n^\top y_{m'}}} v_m .
 
-Ties between equal logits go to the lower key index; a query that sees at most :math:`S` keys keeps them all.
+Ties between equal computed logits go to the lower key index (:mod:`randattn.estimators.topk` says when logits
+equal in exact arithmetic are not); a query that sees at most :math:`S` keys keeps them all.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ For query :math:`n` (logits :math:`s_m = x_n^\top y_m`, visible keys :math:`V_n`
 1. **Heavy set** :math:`I_f = I_s \cup I_l \cup I_t`, computed exactly: the visible keys among the first
    ``sinks`` keys :math:`I_s` (none once a sliding window has passed them), the ``local`` keys ending at the
    query's own position :math:`I_l`, and the ``top_k`` keys of largest logit among the other visible keys
-   :math:`I_t` (ties: the lower key index first).
+   :math:`I_t` (ties: the lower key index first, among equal computed logits, as in :mod:`randattn.estimators.topk`).
 2. **Residual** :math:`I_r = V_n \setminus I_f`, of size :math:`n_s` (``sample_from="window"``: the keys between
    the sinks and the local window instead, top-k keys included, as the official code).
 3. **Sample size** :math:`b`: ``S`` (``budget="fixed"``), or the CLT budget (``budget="adaptive"``,
