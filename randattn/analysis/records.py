@@ -16,6 +16,7 @@ __all__ = [
     "ACTIVATION_FIELDS",
     "EXACT_CELL_RTOL",
     "REFERENCE_TOLERANCE",
+    "activations_fingerprint",
     "command_line",
     "reference_check_summary",
     "query_record",
@@ -190,6 +191,7 @@ def table_metadata(config, activations, out: str | Path, table, argv: Sequence[s
         "config": config.to_json(),
         "activations": {k: activations.metadata.get(k) for k in ACTIVATION_FIELDS},
         "config_identity": config.identity(),
+        "activations_fingerprint": activations_fingerprint(activations),
         # the mask every layer was measured under (None: bidirectional; {"<layer>": kind} when they differ)
         "mask": config.mask_json(),
         "queries": query_record(config, activations),
@@ -201,6 +203,14 @@ def table_metadata(config, activations, out: str | Path, table, argv: Sequence[s
         "timing": table.attrs.get("timing"),
         "compute": compute_record(config, table),
     }
+
+
+def activations_fingerprint(acts) -> dict[str, Any]:
+    """What identifies the activations a run measures: shape, layers, images, model, scale and the arrays' SHA-256
+    (:attr:`~randattn.activations.io.Activations.digest`), so that a capture changed in its numbers alone is not
+    resumed as the same run (its parts' manifest and its table's metadata hold it)."""
+    return {"shape": list(acts.shape), "layers": list(acts.layers), "images": list(acts.images),
+            "model": acts.metadata.get("model"), "scale": acts.scale, "digest": acts.digest}
 
 
 def query_record(config, activations) -> dict[str, Any]:

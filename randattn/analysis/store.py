@@ -54,6 +54,7 @@ __all__ = [
     "check_output_path",
     "check_output",
     "check_manifest",
+    "compare_manifest",
     "drop_empty_parts",
     "kept_message",
     "SweepLockedError",
@@ -156,15 +157,20 @@ class FinishedRunMismatchError(ResumeMismatchError):
     ----------
     out : Path
         The finished table.
+    activations : tuple of str
+        The activations' fingerprint keys that differ (empty: the settings differ).
     """
 
-    def __init__(self, out: str | os.PathLike) -> None:
+    def __init__(self, out: str | os.PathLike, activations: Sequence[str] = ()) -> None:
         super().__init__(out)
-        self.out = Path(out)
+        self.out, self.activations = Path(out), tuple(activations)
 
     @property
     def what(self) -> str:
         """The fact, without what to do about it."""
+        if self.activations:
+            return (f"{str(self.out)!r} holds a finished run of other activations (their "
+                    f"{', '.join(self.activations)})")
         return f"{str(self.out)!r} holds a finished run with different settings"
 
     def __str__(self) -> str:
@@ -405,18 +411,34 @@ def prepare_parts_dir(parts_dir: str | os.PathLike, manifest: Mapping[str, Any],
     if _stored_unit_ids(parts_dir):
         if not resume:
             raise PartsExistError(parts_dir, resume_hint)
-        old = read_manifest(parts_dir)
-        new = json.loads(json.dumps(manifest, default=str))  # the same JSON normal form as the stored one
-        changed = {part: sorted(key for key in set(old[part]) | set(new.get(part, {}))
-                                if old[part].get(key) != new.get(part, {}).get(key))
-                   for part in ("config", "activations")}
-        if changed["config"] or changed["activations"]:
-            raise SettingsChangedError(parts_dir, changed["config"], changed["activations"])
+        compare_manifest(parts_dir, manifest)
         return
     with named_write_errors(parts_dir):
         parts_dir.mkdir(parents=True, exist_ok=True)
     with named_write_errors(path):
         atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True, default=str))
+
+
+def _changed_keys(old: Mapping[str, Any], new: Mapping[str, Any], part: str) -> list[str]:
+    """The keys of ``part`` whose values differ; an activations ``digest`` counts only where both record one (parts
+    and tables of a version without it stay resumable, unchecked in their numbers)."""
+    stored, given = old.get(part) or {}, new.get(part) or {}
+    keys = set(stored) | set(given)
+    if part == "activations" and not ("digest" in stored and "digest" in given):
+        keys.discard("digest")
+    return sorted(key for key in keys if stored.get(key) != given.get(key))
+
+
+def compare_manifest(parts_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> None:
+    """Raise :class:`SettingsChangedError` naming what differs between the stored manifest of ``parts_dir`` and
+    ``manifest`` (the configuration's keys, the activations' fingerprint keys; a part given as None is not
+    compared); ManifestError where it is damaged."""
+    old = read_manifest(parts_dir)
+    new = json.loads(json.dumps(manifest, default=str))  # the same JSON normal form as the stored one
+    changed = {part: _changed_keys(old, new, part) if new.get(part) is not None else []
+               for part in ("config", "activations")}
+    if changed["config"] or changed["activations"]:
+        raise SettingsChangedError(parts_dir, changed["config"], changed["activations"])
 
 
 def read_manifest(parts_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
@@ -487,16 +509,20 @@ def check_manifest(parts: str | os.PathLike) -> None:
         read_manifest(parts)
 
 
-def _stored_identity(out: Path):
-    sidecar = sidecar_path(out)
+def _stored_manifest(out: Path) -> dict[str, Any]:
+    """The finished table's run as its sidecar records it: ``{"config": identity, "activations": fingerprint}``
+    (either None where the sidecar is unreadable or predates it)."""
     try:
-        return json.loads(sidecar.read_text())["config_identity"]
-    except (OSError, ValueError, KeyError):
-        return None
+        stored = json.loads(sidecar_path(out).read_text())
+    except (OSError, ValueError):
+        return {"config": None, "activations": None}
+    if not isinstance(stored, dict):
+        return {"config": None, "activations": None}
+    return {"config": stored.get("config_identity"), "activations": stored.get("activations_fingerprint")}
 
 
 def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume: bool, force: bool,
-                 dry_run: bool = False) -> bool:
+                 dry_run: bool = False, activations: Mapping[str, Any] | None = None) -> bool:
     """Apply the rules for an existing output ``out`` (and its :func:`parts_path`) before a run writes it.
 
     Nothing finished is replaced without ``force``: an existing table refuses a plain run; ``resume`` on a
@@ -510,8 +536,12 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
     out : path
         The table.
     identity : mapping
-        The run's ``SweepConfig.identity()``, compared with the one stored beside a finished table.
+        The run's ``SweepConfig.identity()``, compared with the one stored beside a finished table and, when
+        resuming, with the parts' manifest (so that a refusal comes before anything is computed).
     resume, force, dry_run : bool
+    activations : mapping, optional
+        The activations' fingerprint (:func:`~randattn.analysis.sweep_run.activations_fingerprint`), compared
+        likewise where given.
 
     Returns
     -------
@@ -523,7 +553,9 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
     OutputExistsError
         ``out`` or an unfinished run of it exists, and neither ``resume`` nor ``force`` is set.
     FinishedRunMismatchError
-        ``resume`` on a finished table of other settings.
+        ``resume`` on a finished table of other settings or other activations.
+    SettingsChangedError
+        ``resume`` on parts started with other settings or other activations.
     ManifestError
         ``resume`` on parts whose manifest is damaged.
     """
@@ -538,14 +570,19 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
     if _stored_unit_ids(parts):
         if not resume:
             raise OutputExistsError(out, parts, unfinished=True)
-        check_manifest(parts)
+        compare_manifest(parts, {"config": identity, "activations": activations})
     if out.exists():
         if not resume:
             raise OutputExistsError(out, out, unfinished=False)
         if parts.exists():
             return False  # a finished table beside an unfinished rerun: the parts decide
-        if _stored_identity(out) != json.loads(json.dumps(identity)):
+        stored = _stored_manifest(out)
+        if stored["config"] != json.loads(json.dumps(identity)):
             raise FinishedRunMismatchError(out)
+        given = json.loads(json.dumps({"activations": activations}, default=str))
+        changed = _changed_keys(stored, given, "activations") if None not in (stored["activations"], activations) else []
+        if changed:
+            raise FinishedRunMismatchError(out, changed)
         return True
     return False
 

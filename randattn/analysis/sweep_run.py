@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from randattn._callers import outside_stacklevel
 from randattn.analysis.execute import COLUMNS, PHASES, UnitRunner, run_recording
 from randattn.analysis.plan import SweepConfig, SweepProgress, Unit, total_cells, with_threads
+from randattn.analysis.records import activations_fingerprint
 from randattn.analysis.store import prepare_parts_dir, sweep_lock
 from randattn.analysis.sweep_plan import SweepPlan, as_activations, bind_layout, plan
 from randattn.results import schema as _schema
@@ -37,6 +38,7 @@ from randattn.results.table import SweepTables
 __all__ = [
     "consolidate",
     "consolidate_positions",
+    "run_manifest",
     "run_sweep",
     "run_sweep_tables",
     "summarize_warnings",
@@ -55,13 +57,11 @@ def consolidate_positions(positions, config: SweepConfig, acts=None):
                                         acts.images if acts is not None else ())
 
 
-def _fingerprint(acts) -> dict[str, Any]:
-    return {"shape": list(acts.shape), "layers": list(acts.layers), "images": list(acts.images),
-            "model": acts.metadata.get("model"), "scale": acts.scale}
-
-
-def _manifest(acts, config: SweepConfig) -> dict[str, Any]:
-    return {"config": config.identity(), "activations": _fingerprint(acts)}
+def run_manifest(acts, config: SweepConfig) -> dict[str, Any]:
+    """A run's manifest: ``{"config": config.identity(), "activations":``
+    :func:`~randattn.analysis.records.activations_fingerprint` ``(acts)}``, stored in its parts folder and compared
+    when it resumes (:func:`~randattn.analysis.store.check_output`)."""
+    return {"config": config.identity(), "activations": activations_fingerprint(acts)}
 
 
 def _phase_totals(totals: dict[tuple, dict[str, float]], unit: Unit, tokens: int, seconds: dict[str, float]) -> None:
@@ -306,7 +306,7 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
         stored: set[str] = set()
         set_aside: list[dict[str, str]] = []
         if parts is not None:
-            prepare_parts_dir(parts, _manifest(acts, config), resume, resume_hint)
+            prepare_parts_dir(parts, run_manifest(acts, config), resume, resume_hint)
             if resume:
                 set_aside = set_aside_unreadable(parts)  # warns CorruptPartWarning for each
             stored = stored_unit_ids(parts)

@@ -117,6 +117,7 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
     Every output is checked, locked and its rules applied, and every sweep planned (refused where it cannot fit
     the memory budget), before the first unit is computed; then the jobs run in order."""
     from randattn.analysis import store
+    from randattn.analysis.records import activations_fingerprint
     from randattn.cli._common import UserError, abort, err_console, no_space_message, writable_output
     from randattn.results.parts import parts_path
     from randattn.cli._errors import kept_message, said
@@ -133,9 +134,10 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                 for job in jobs:  # every output's lock for the whole run: none of them changes under it
                     if job.out is not None:
                         held.enter_context(store.sweep_lock(job.out))
-            for job in jobs:
-                job.done = job.out is not None and store.check_output(job.out, job.config.identity(), resume=resume,
-                                                                      force=force, dry_run=dry_run)
+            for job in jobs:  # a resume of other settings or activations is refused here, before any unit runs
+                job.done = job.out is not None and store.check_output(
+                    job.out, job.config.identity(), resume=resume, force=force, dry_run=dry_run,
+                    activations=activations_fingerprint(job.activations))
             if dry_run:  # the plans with their wall time; nothing computed for the tables, nothing written
                 for job in jobs:
                     _header(job, several)

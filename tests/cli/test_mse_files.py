@@ -191,3 +191,77 @@ def test_an_interrupted_run_resumes_skipping_finished_files_to_the_single_file_t
     assert "resuming: 28 cells left to compute" in said
     assert done_a.stat().st_mtime_ns == before
     _assert_bitwise_equal(pd.read_parquet(done_b), pd.read_parquet(tmp_path / "alone" / "b.parquet"))
+
+
+def _interrupt_after(monkeypatch, units: int):
+    """Make the run raise KeyboardInterrupt while writing its unit number ``units + 1``; returns the undo."""
+    from randattn.analysis import sweep_run as sweep
+
+    write_part, calls = sweep.write_part, []
+
+    def interrupted_write(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == units + 1:
+            raise KeyboardInterrupt
+        return write_part(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "write_part", interrupted_write)
+    return lambda: monkeypatch.setattr(sweep, "write_part", write_part)
+
+
+def _same_shapes_other_numbers(source, target):
+    """``source``'s capture with its queries doubled: shapes, layers, images, model and scale as they were."""
+    import warnings
+
+    from randattn.activations import load_activations
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fixture's files have no grid: said by the runs themselves
+        acts = load_activations(source)
+    arrays = {layer: (2 * acts.q(layer), acts.k(layer), acts.v(layer)) for layer in acts.layers}
+    return save_activations(make_activations(arrays, dict(acts.metadata)), target)
+
+
+def test_a_resume_on_activations_changed_in_their_numbers_alone_is_refused_before_any_unit(files, tmp_path,
+                                                                                         monkeypatch):
+    """The manifest compared shape, layers, images, model and scale: a capture changed in its numbers alone was
+    resumed, and the table mixed units of both files (exit 0); a finished table said "complete". Now the arrays'
+    SHA-256 is compared too, for parts and for a finished table, before any unit is computed; so is a changed
+    setting, which the dry run had passed and the run refused only after planning."""
+    import shutil
+
+    a, _ = files
+    changed = _same_shapes_other_numbers(a, tmp_path / "in2" / "a.safetensors")
+    out = tmp_path / "o" / "a.parquet"
+    undo = _interrupt_after(monkeypatch, 3)
+    assert _invoke(a, *SWEEP, "--out", out).exit_code == 130
+    undo()
+    kept = sorted(p.name for p in (tmp_path / "o" / "a.parquet.parts").iterdir())
+    for extra in ((), ("--dry-run",)):
+        refused = _invoke(changed, *SWEEP, "--out", out, "--resume", *extra)
+        assert refused.exit_code == 2, refused.output
+        assert "it was started with other activations (their digest)" in _said(refused)
+        seed = _invoke(a, *("6" if word == "5" else word for word in SWEEP), "--out", out, "--resume", *extra)
+        assert seed.exit_code == 2 and "it was started with different settings (seed)" in _said(seed), seed.output
+        assert sorted(p.name for p in (tmp_path / "o" / "a.parquet.parts").iterdir()) == kept  # nothing computed
+    resumed = _invoke(a, *SWEEP, "--out", out, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    again = _invoke(changed, *SWEEP, "--out", out, "--resume")
+    assert again.exit_code == 2, again.output
+    assert f"'{out}' holds a finished run of other activations (their digest); use --force" in _said(again)
+    assert "already holds this run" in _said(_invoke(a, *SWEEP, "--out", out, "--resume"))
+    # parts and tables written before the digest was recorded stay resumable: their numbers cannot be compared
+    sidecar = out.with_name(out.name + ".meta.json")
+    meta = json.loads(sidecar.read_text())
+    del meta["activations_fingerprint"]
+    sidecar.write_text(json.dumps(meta))
+    assert "already holds this run" in _said(_invoke(changed, *SWEEP, "--out", out, "--resume"))
+    shutil.rmtree(tmp_path / "o")
+    undo = _interrupt_after(monkeypatch, 3)
+    assert _invoke(a, *SWEEP, "--out", out).exit_code == 130
+    undo()
+    manifest = tmp_path / "o" / "a.parquet.parts" / "manifest.json"
+    stored = json.loads(manifest.read_text())
+    del stored["activations"]["digest"]
+    manifest.write_text(json.dumps(stored))
+    assert _invoke(a, *SWEEP, "--out", out, "--resume").exit_code == 0
