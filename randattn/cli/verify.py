@@ -19,7 +19,8 @@ def _fmt(value: float) -> str:
 @click.option("--only", "pattern", default=None, metavar="PATTERN",
               help="Run the checks whose name matches this glob (a plain word matches as a substring).")
 @click.option("--quick", is_flag=True, help="Fewer Monte Carlo draws (same thresholds, larger standard errors).")
-@click.option("--seed", default=0, show_default=True, type=int, help="Run seed; each check derives its own generator.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Run seed (>= 0); each check derives its own generator.")
 @click.option("--activations", "activations", default=None, metavar="FILE",
               help="Run the data-dependent checks on a few heads of this activation file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON on stdout.")

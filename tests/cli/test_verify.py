@@ -122,3 +122,12 @@ def test_the_summary_bounds_the_false_alarms_of_the_checks_this_run_makes():
     one = _invoke("--quick", "--only", "eva.lemma3.partition")
     assert f"family-wise false alarm <= {expected:.2%})" in one.output
     assert "no Monte Carlo check)" in _invoke("--quick", "--only", "numerics").output
+
+
+def test_a_negative_seed_is_a_usage_error_not_failed_checks():
+    """``--seed -1`` ran every check into numpy's refusal and printed them as errors, exit 1 ("a check failed");
+    mse and demo refuse it with exit 2."""
+    result = _invoke("--quick", "--seed", "-1", "--only", "snis*")
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--seed': -1 is not in the range x>=0" in " ".join(result.output.split())
+    assert "error: ValueError" not in result.output
