@@ -138,6 +138,8 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                 job.done = job.out is not None and store.check_output(
                     job.out, job.config.identity(), resume=resume, force=force, dry_run=dry_run,
                     activations=activations_fingerprint(job.activations))
+                if job.done:
+                    _check_finished_table_reads(job.out)
             if dry_run:  # the plans with their wall time; nothing computed for the tables, nothing written
                 for job in jobs:
                     _header(job, several)
@@ -230,8 +232,10 @@ def _plan(job: Job, resume: bool, where: Any, *, timing: bool = False):
     fit the memory budget. Writes nothing."""
     from randattn._process import retain_freed_memory
     from randattn.analysis import sweep
+    from randattn.analysis.cell_memory import format_bytes
+    from randattn.analysis.memory import allocation_failure
     from randattn.cli._common import abort, err_console
-    from randattn.cli._errors import said
+    from randattn.cli._errors import out_of_memory, said
     from randattn.reports.console import plan_lines
     from randattn.reports.tables import item_noun
     from randattn.results.parts import parts_path
@@ -245,6 +249,11 @@ def _plan(job: Job, resume: bool, where: Any, *, timing: bool = False):
                                 before_timing=policy)
     except ValueError as exc:
         abort(said(exc))
+    except (MemoryError, RuntimeError) as exc:  # the calibration (and a dry run's timing) runs units: as _run says
+        what = allocation_failure(exc)
+        if what is None:
+            raise
+        abort(out_of_memory(what, format_bytes(job.config.max_memory)))
     local = where.kind == "local"
     for line in plan_lines(plan, timing, dask=not local, noun=item_noun(job.activations.metadata)):
         err_console.print(line, highlight=False, soft_wrap=True)
@@ -301,7 +310,7 @@ def _run(job: Job, parts: Path | None, resume: bool, where: Any, client: Any, se
             what = allocation_failure(exc)  # numpy's "Unable to allocate 66.4 GiB for an array with shape ..."
             if what is None:
                 raise
-            abort(out_of_memory(what, budget) + kept_message(parts, _resume()))
+            abort(out_of_memory(what, budget) + kept_message(parts, _resume(), then="with a lower --max-memory"))
     for line in warning_lines(tables.table.attrs.get("warnings", [])):
         err_console.print(line, highlight=False, markup=True)
     return tables
@@ -361,6 +370,18 @@ def _interrupted(exc: BaseException, parts, plan, written: Sequence[Path] = (),
     if written and not stored:
         err_console.print(f"continue with:\n  {escape(_resume())}", highlight=False, soft_wrap=True)
     raise SystemExit(interrupt_exit_code(exc)) from None
+
+
+def _check_finished_table_reads(out: Path) -> None:
+    """Exit 2 naming ``out`` where the finished table that ``--resume`` would show cannot be read (a truncated or
+    damaged file), before any other file's run."""
+    from randattn.cli._common import abort
+    from randattn.results.table import ResultsError, read_results
+
+    try:
+        read_results(out)
+    except ResultsError as exc:
+        abort(f"{str(exc).rstrip('.')}; --force computes it again")
 
 
 def _finish_stored(job: Job, show: str) -> list[dict[str, Any]]:

@@ -128,8 +128,9 @@ def command(acts, out, resume, force, dry_run, scheduler, as_json, **options) ->
       randattn mse acts196.safetensors acts336.safetensors --out 'w1-{stem}.parquet'
     \b
     Exit codes: 0 ok; 1 an unexpected error; 2 bad usage or input (refused before
-    computing), or no space left to write an output (the message names the file);
-    130 interrupted by Ctrl-C (SIGINT), 143 stopped by SIGTERM. After 2 (no space),
+    computing), no space left to write an output (the message names the file), or
+    memory that ran out (it names the allocation and --max-memory); 130 interrupted
+    by Ctrl-C (SIGINT), 143 stopped by SIGTERM. After 2 (no space or no memory),
     130 or 143, finished units are kept beside --out and the message gives the
     --resume command that continues the run.
     """

@@ -593,6 +593,52 @@ def test_memory_error_exits_2_naming_what_did_not_fit(acts, tmp_path, monkeypatc
     assert re.search(r"lower --max-memory \(now [0-9.]+ [KMGT]?i?B\)", said), said  # the default: half the free memory
 
 
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+def test_memory_error_while_planning_exits_2_naming_what_did_not_fit(acts, tmp_path, monkeypatch, dry_run):
+    """In process: the plan measures units (the memory calibration, a dry run's timing); torch's CPU allocator
+    failing there ended in a traceback (exit 1), where the same failure in the run exits 2 with advice."""
+    from click.testing import CliRunner
+
+    import randattn.analysis.sweep
+    from randattn.cli import main
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 327680000 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(randattn.analysis.sweep, "plan_sweep", out_of_memory)
+    out = tmp_path / "x.parquet"
+    args = ["mse", str(acts), "-e", "ra", "--samples", "4", "--out", str(out), *(["--dry-run"] if dry_run else [])]
+    result = CliRunner().invoke(main, args)
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 2, result.output
+    assert "out of memory ([enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator" in said, said
+    assert re.search(r"lower --max-memory \(now [0-9.]+ [KMGT]?i?B\)", said), said
+    assert not _parts(out).exists() and not out.exists()
+
+
+@pytest.mark.slow  # the same under a real limit, in a real process
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+def test_memory_error_while_planning_under_an_address_space_limit_exits_2(tmp_path, dry_run):
+    """RFA at S = 20,000 over 1,024 tokens of head dim 64 asks torch for 328 MB at once while the plan calibrates,
+    beyond a 1.5 GB address space that holds the interpreter with torch: exit 2, no traceback."""
+    rng = np.random.default_rng(0)
+    arrays = {0: tuple(rng.standard_normal((1, 2, 1024, 64)).astype(np.float32) for _ in range(3))}
+    source = save_activations(make_activations(arrays, {"model": "synthetic", "scale": 0.125, "images": ["x"],
+                                                        "layout": "sequence"}), tmp_path / "big.safetensors")
+    limit = 1500 * 2**20
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    out = tmp_path / "x.parquet"
+    result = _cli("mse", source, "-e", "rfa", "--samples", "20000", "--replicates", "4", "--out", out,
+                  *(["--dry-run"] if dry_run else []), preexec_fn=limit_memory)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "out of memory (" in _said(result), _said(result)
+    assert not _parts(out).exists() and not out.exists()
+
+
 @pytest.mark.slow  # the same under a real limit, in a real process
 def test_memory_error_under_an_address_space_limit_exits_2(acts, tmp_path):
     limit = 3 * 2**30  # far above the interpreter with torch (< 1 GiB), below one RA array at S = 3e7 (7 GiB)

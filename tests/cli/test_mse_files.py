@@ -193,8 +193,8 @@ def test_an_interrupted_run_resumes_skipping_finished_files_to_the_single_file_t
     _assert_bitwise_equal(pd.read_parquet(done_b), pd.read_parquet(tmp_path / "alone" / "b.parquet"))
 
 
-def _interrupt_after(monkeypatch, units: int):
-    """Make the run raise KeyboardInterrupt while writing its unit number ``units + 1``; returns the undo."""
+def _interrupt_after(monkeypatch, units: int, error: BaseException = KeyboardInterrupt()):
+    """Make the run raise ``error`` while writing its unit number ``units + 1``; returns the undo."""
     from randattn.analysis import sweep_run as sweep
 
     write_part, calls = sweep.write_part, []
@@ -202,7 +202,7 @@ def _interrupt_after(monkeypatch, units: int):
     def interrupted_write(*args, **kwargs):
         calls.append(args[1])
         if len(calls) == units + 1:
-            raise KeyboardInterrupt
+            raise error
         return write_part(*args, **kwargs)
 
     monkeypatch.setattr(sweep, "write_part", interrupted_write)
@@ -265,3 +265,34 @@ def test_a_resume_on_activations_changed_in_their_numbers_alone_is_refused_befor
     del stored["activations"]["digest"]
     manifest.write_text(json.dumps(stored))
     assert _invoke(a, *SWEEP, "--out", out, "--resume").exit_code == 0
+
+
+def test_a_resume_finding_its_finished_table_damaged_exits_2_naming_it_before_any_file_runs(files, tmp_path):
+    """A finished table cut short was found "complete" by --resume, which then died reading it (a traceback, exit
+    1), after the other files' runs. It is now read when found, and refused naming it and --force (exit 2)."""
+    a, b = files
+    out = tmp_path / "o" / "{stem}.parquet"
+    assert _invoke(a, *SWEEP, "--out", out).exit_code == 0
+    done_a = tmp_path / "o" / "a.parquet"
+    with open(done_a, "r+b") as table:
+        table.truncate(500)
+    resumed = _invoke(a, b, *SWEEP, "--out", out, "--resume")
+    assert resumed.exit_code == 2, resumed.output
+    assert f"cannot read results '{done_a}' as parquet" in _said(resumed)
+    assert _said(resumed).endswith("; --force computes it again")
+    assert not (tmp_path / "o" / "b.parquet").exists() and not (tmp_path / "o" / "b.parquet.parts").exists()
+
+
+def test_memory_that_runs_out_after_some_units_says_how_to_continue(files, tmp_path, monkeypatch):
+    """A full disk and an interruption print the --resume command; memory that ran out said only "kept for
+    --resume". It now says to continue with a lower --max-memory, and the command."""
+    a, _ = files
+    out = tmp_path / "o" / "a.parquet"
+    _interrupt_after(monkeypatch, 3, MemoryError("Unable to allocate 7.15 GiB for an array with shape (3, 10**9)"))
+    result = _invoke(a, *SWEEP, "--out", out)
+    assert result.exit_code == 2, result.output
+    said = _said(result)
+    assert "out of memory (Unable to allocate 7.15 GiB" in said, said
+    # in process the command is pytest's argv; test_faults.py runs real processes
+    assert f"finished units are kept in {out}.parts for --resume; with a lower --max-memory, continue with: " \
+           "randattn " in said and said.endswith("--resume"), said
