@@ -129,6 +129,8 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                 store.check_output_path(job.out, look_only=dry_run)
                 if not dry_run:
                     writable_output(job.out)
+                    if resume and parts_path(job.out).is_dir():  # its units are written there
+                        writable_output(parts_path(job.out), "the parts folder of --resume", directory=True)
         with contextlib.ExitStack() as held:
             if not dry_run:
                 for job in jobs:  # every output's lock for the whole run: none of them changes under it
@@ -184,9 +186,13 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
                 except KeyboardInterrupt as exc:
                     _interrupted(exc, parts, job.plan, written, closing=held.close)
                 except OSError as exc:
-                    if parts is None or no_space_message(exc) is None:
+                    if parts is not None and no_space_message(exc) is not None:
+                        abort(no_space_message(exc) + kept_message(parts, _resume(), then="once there is space"))
+                    if exc.filename is None:
                         raise
-                    abort(no_space_message(exc) + kept_message(parts, _resume(), then="once there is space"))
+                    # a folder made read-only, a file taken away while the run wrote beside it
+                    abort(f"cannot write {str(exc.filename)!r} ({exc.strerror or type(exc).__name__})"
+                          + ("" if parts is None else kept_message(parts, _resume())))
                 if parts is not None:
                     written.append(job.out)
                 job.plan = job.activations = None  # its memory calibration and activations are not needed again

@@ -518,6 +518,50 @@ def test_unwritable_out_exits_2_before_computing(acts, reference, tmp_path, case
     assert not (tmp_path / "ro" / "figures").exists()
 
 
+@pytest.mark.parametrize("when", ["before the run", "while it runs"])
+def test_a_parts_folder_that_cannot_be_written_exits_2_naming_it(acts, tmp_path, monkeypatch, when):
+    """A resumed run whose parts folder was made read-only died with a PermissionError traceback (exit 1) after it
+    had computed a unit. It is now refused before computing (exit 2, in a real process that permissions bind); a
+    write that fails during the run for another reason than space names its file."""
+    from click.testing import CliRunner
+
+    from randattn.analysis import sweep_run
+    from randattn.cli import main
+
+    os.chmod(tmp_path, 0o755)
+    out = tmp_path / "x.parquet"
+    write_part, calls = sweep_run.write_part, []
+
+    def failing_write(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 3:
+            raise (KeyboardInterrupt() if when == "before the run"
+                   else PermissionError(13, "Permission denied", str(_parts(out) / "part-x.parquet")))
+        return write_part(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_run, "write_part", failing_write)
+    stopped = CliRunner().invoke(main, ["mse", str(acts), *SWEEP, "--out", str(out)])
+    said = " ".join(stopped.stderr.split())
+    if when == "while it runs":
+        assert stopped.exit_code == 2, stopped.output
+        assert f"cannot write '{_parts(out) / 'part-x.parquet'}' (Permission denied); finished units are kept in " \
+               f"{_parts(out)} for --resume" in said, said
+        return
+    assert stopped.exit_code == 130, stopped.output
+    kept = sorted(p.name for p in _parts(out).iterdir())
+    os.chmod(_parts(out), 0o555)
+    try:
+        result = _cli("mse", acts, *SWEEP, "--out", out, "--resume",
+                      hook={"forbid": ["randattn.analysis.sweep:run_sweep"]}, preexec_fn=_unprivileged())
+    finally:
+        os.chmod(_parts(out), 0o755)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert f"the parts folder of --resume '{_parts(out)}': cannot write to '{_parts(out)}' (Permission denied)" \
+        in _said(result), _said(result)
+    assert sorted(p.name for p in _parts(out).iterdir()) == kept
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc, where no file can be created")
 def test_a_folder_that_takes_no_files_is_named_as_such():
     """/proc exists but refuses a new file with ENOENT: "No such file or directory" would send the user looking for
