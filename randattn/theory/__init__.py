@@ -202,6 +202,12 @@ def registry() -> tuple[Check, ...]:
               "MagicPIG sec. 4.3 eq. 10", _MC, _decode.magicpig_wrong_exponent_detected,
               max_tested=len(_decode.SIMHASH_ANGLES),
               synthetic_note="synthetic (chosen angles)"),
+        Check("decode.magicpig-inclusion-probability",
+              "the package's sampler includes a hashed key with u = P[Bin(L, (1 - theta/pi)^K) >= c] (Monte Carlo, "
+              "exact binomial test) and weighs it by -log u (to 1e-10)",
+              "MagicPIG sec. 4.3 eq. 9-10", _MC, _decode.magicpig_inclusion_probability,
+              max_tested=len(_decode.INCLUSION_ANGLES),
+              synthetic_note="synthetic (one decode query, chosen angles, uncentred)"),
         Check("decode.vattention-residual-unbiased",
               "E[n_s/b sum of b uniform residual draws] = the residual's numerator and denominator sums",
               "vAttention (the sampled residual; arXiv 2510.05688)", _MC, _decode.vattention_residual_unbiased,

@@ -3,6 +3,8 @@ r"""The decode-time sparse and sampling estimators (ARCHITECTURE sec. 14): their
 - :func:`budget_covers_every_key`: every registered estimator that reports the keys it reads (``keys_used``)
   equals causal softmax attention, written out as a loop here, when its budget covers every visible key (its
   declared exact limits), in the decode regime (the last N of M tokens) and in self-attention.
+- :func:`magicpig_inclusion_probability`: MagicPIG's own sampler and weights (``reference.select``) against the
+  binomial tail of eq. 10 written out here: the weights exactly, the inclusion rate by Monte Carlo.
 - :func:`vattention_clt_budget`: vAttention's budget theorem for the denominator holds to its Berry-Esseen bound
   with the package's sampler; :func:`vattention_one_sided_quantile_detected`: the official code's one-sided
   quantile does not.
@@ -14,10 +16,11 @@ Expected values come from formulas written here, never from the code under test.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from randattn.estimators.magicpig import reference as magicpig_reference
 from randattn.theory._base import MC_K_SE, CheckResult, exact_result
 from randattn.theory._causal import loop_causal_softmax
 
@@ -145,6 +148,84 @@ def magicpig_wrong_exponent_detected(rng: np.random.Generator, quick: bool, data
     return CheckResult("decode.magicpig-wrong-exponent-detected", result.measured, MC_K_SE,
                        result.measured >= MC_K_SE, f"exponent K + 1 against the hash; {result.details}",
                        comparison=">=", tested=result.tested)
+
+
+#: one decode query over M keys: key 0 is the sink and key M - 1 the local window (exact), the ten between are
+#: hashed at these angles to the query, so that u = P[Bin(L, p^K) >= c] runs from 0.95 down to 0.05
+INCLUSION_ANGLES = (1.0, 1.2, 1.4, 1.6, 1.75, 1.9, 2.05, 2.2, 2.35, 2.45)
+INCLUSION_PARAMS = {"hash_bits": 2, "min_collisions": 2, "sinks": 1, "local": 1, "center": "none"}
+INCLUSION_TABLES, INCLUSION_REPLICATES = 8, 20_000
+#: the package's weights are -log u from the same formula: equal to a few roundings
+INCLUSION_RTOL = 1e-10
+
+
+def _inclusion_case(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``(x (1, D), y (M, D))``: a random query direction and the keys at :data:`INCLUSION_ANGLES` to it, each in a
+    random plane through the query and of random norm (the sample must depend on the angle alone)."""
+    x = rng.standard_normal((1, D))
+    unit = x[0] / np.linalg.norm(x[0])
+    y = rng.standard_normal((len(INCLUSION_ANGLES) + 2, D))  # rows 0 and M - 1 (sink, local) stay random
+    for i, theta in enumerate(INCLUSION_ANGLES, start=1):
+        other = rng.standard_normal(D)
+        other -= (other @ unit) * unit
+        y[i] = rng.uniform(0.5, 2.0) * (np.cos(theta) * unit + np.sin(theta) * other / np.linalg.norm(other))
+    return x, y
+
+
+def magicpig_inclusion_probability(rng: np.random.Generator, quick: bool, data: Any = None, *,
+                                   select: Callable = magicpig_reference.select) -> CheckResult:
+    r"""MagicPIG's sampler includes each hashed key with probability :math:`u` and weighs it by :math:`-\log u`
+    (sec. 4.3 eq. 9-10, the binomial tail for c tables):
+
+    .. math::
+        u = P[\mathrm{Bin}(L, P) \ge c] = \sum_{j=c}^{L} \binom{L}{j} P^j (1 - P)^{L-j}, \qquad
+        P = (1 - \theta / \pi)^K, \qquad \theta = \arccos\frac{x^\top y}{|x|\,|y|}.
+
+    ``select`` (the package's ``reference.select``, on hyperplanes from ``magicpig.draw``; ``center="none"`` so
+    that theta is the raw query-key angle) is compared with u from ``scipy.stats.binom.sf(c - 1, L, P)``, written
+    out here. Closed form: every sampled key's ``log_weights`` equals :math:`-\log u` to 1e-10 (relative), the
+    sink and local key weigh 1 (log 0) and an unsampled key is left out (-inf). Monte Carlo: the number of
+    replicates in which each hashed key is ``sampled`` is Bin(R, u), tested exactly (z is the normal quantile of
+    the two-sided binomial p-value, as in :func:`magicpig_collision_probability`). Passes when both hold.
+    """
+    from scipy.stats import binom, binomtest, norm
+
+    from randattn.estimators.magicpig import draw
+    from randattn.theory._eva import _closed_form_and_mc
+
+    name = "decode.magicpig-inclusion-probability"
+    k, tables, c = INCLUSION_PARAMS["hash_bits"], INCLUSION_TABLES, INCLUSION_PARAMS["min_collisions"]
+    x, y = _inclusion_case(rng)
+    replicates = INCLUSION_REPLICATES // (4 if quick else 1)
+    hyperplanes = draw(x.shape, y.shape, num_samples=tables, replicates=replicates, rng=rng,
+                       **INCLUSION_PARAMS)["hyperplanes"]  # (R, L, K, D)
+    chosen = select(x, y, hyperplanes, **{key: v for key, v in INCLUSION_PARAMS.items() if key != "hash_bits"})
+    hashed = slice(1, len(INCLUSION_ANGLES) + 1)
+    cosine = (y[hashed] @ x[0]) / (np.linalg.norm(y[hashed], axis=-1) * np.linalg.norm(x[0]))
+    theta = np.arccos(np.clip(cosine, -1.0, 1.0))
+    u = binom.sf(c - 1, tables, (1.0 - theta / np.pi) ** k)  # P[Bin(L, P) >= c]
+    # closed form: the weight of every sampled key against -log u, and the exact and left-out keys' weights
+    log_weights, sampled = np.asarray(chosen.log_weights)[:, 0], np.asarray(chosen.sampled)[:, 0]  # (R, M)
+    structure_ok = (np.all(log_weights[:, [0, -1]] == 0.0) and not sampled[:, [0, -1]].any()
+                    and np.all(np.isneginf(log_weights[:, hashed][~sampled[:, hashed]])))
+    expected = np.broadcast_to(-np.log(u), sampled[:, hashed].shape)[sampled[:, hashed]]
+    with np.errstate(invalid="ignore"):
+        gaps = np.abs(log_weights[:, hashed][sampled[:, hashed]] - expected) / np.abs(expected)
+    worst = float(np.nan_to_num(gaps, nan=np.inf).max(initial=0.0)) if structure_ok else float("inf")
+    # Monte Carlo: the inclusion counts are binomial, tested exactly (at u = 0.054 a quick run expects 270)
+    counts = sampled[:, hashed].sum(0).astype(int)
+    p_values = np.array([binomtest(int(n), replicates, float(p)).pvalue for n, p in zip(counts, u)])
+    z = np.sign(counts / replicates - u) * norm.isf(p_values / 2.0)
+    mc_worst = float(np.abs(z).max())
+    mc = CheckResult(name, mc_worst, MC_K_SE, mc_worst <= MC_K_SE,
+                     f"sampled {', '.join(map(str, counts))} of R = {replicates} against "
+                     f"{', '.join(f'{replicates * p:.0f}' for p in u)} expected; exact binomial test",
+                     tested=len(u))
+    others = "exact keys 0 and unsampled -inf" if structure_ok else "WRONG weights of exact or unsampled keys"
+    return _closed_form_and_mc(name, worst, INCLUSION_RTOL, mc,
+                               f"K = {k}, L = {tables}, c = {c}, angles {', '.join(map(str, INCLUSION_ANGLES))} rad "
+                               f"(u {u.min():.3f}..{u.max():.3f}); {expected.size} sampled weights vs -log u, "
+                               f"{others}; max relative gap")
 
 
 # ---------------------------------------------------------------------------------------------- vAttention

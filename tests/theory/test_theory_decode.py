@@ -2,7 +2,8 @@
 
 Every check of :mod:`randattn.theory._decode` passes with the package's estimators and fails with a broken
 one injected through its keyword parameter: an exact limit that leaves a key out, the collision probability with
-the exponent K + 1. The two negative controls of the registry (wrong exponent, reweighting off by one) must detect.
+the exponent K + 1, a MagicPIG ``select`` weighted for one collision less or sampling on one table less. The two
+negative controls of the registry (wrong exponent, reweighting off by one) must detect.
 """
 
 from __future__ import annotations
@@ -86,3 +87,90 @@ def test_the_collision_check_false_alarms_as_its_exact_binomial_test_says():
                                                       True).measured > threshold for seed in range(runs))
     assert poisson.sf(15, expected) < 0.002
     assert over <= 15, (over, expected)
+
+
+# ------------------------------------------------------------------- MagicPIG: the package's sampler and weights
+INCLUSION = "decode.magicpig-inclusion-probability"
+
+
+def _weights_off_by_one(x, y, hyperplanes, *, min_collisions, **kw):
+    """The package's sample, weighted by -log P[Bin(L, P) >= c - 1]: the reviewer's break of the weights."""
+    import numpy as np
+
+    from randattn.estimators.magicpig.reference import select
+
+    honest = select(x, y, hyperplanes, min_collisions=min_collisions, **kw)
+    loose = select(x, y, hyperplanes, min_collisions=min_collisions - 1, **kw)
+    return dataclasses.replace(honest, log_weights=np.where(honest.sampled, -loose.log_inclusion, honest.log_weights),
+                               log_inclusion=loose.log_inclusion)
+
+
+def _samples_on_one_table_less(x, y, hyperplanes, **kw):
+    """Collisions counted over the first L - 1 tables, weights -log u of all L: right weights, wrong sample."""
+    import numpy as np
+
+    from randattn.estimators.magicpig.reference import select
+
+    honest = select(x, y, hyperplanes, **kw)
+    short = select(x, y, hyperplanes[..., :-1, :, :], **kw)
+    log_weights = np.where(honest.exact, 0.0, np.where(short.sampled, -honest.log_inclusion, -np.inf))
+    return dataclasses.replace(honest, sampled=short.sampled, collisions=short.collisions, log_weights=log_weights)
+
+
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_inclusion_check_passes_for_the_package(seed, quick):
+    result = _decode.magicpig_inclusion_probability(theory.check_rng(seed, INCLUSION), quick)
+    assert result.passed and result.tested == 10, result.details
+    assert result.measured <= 1e-13  # the weights agree to roundings; the row shows the closed form's gap
+    assert "exact keys 0 and unsampled -inf" in result.details
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_inclusion_check_rejects_weights_for_one_collision_less(seed):
+    """-log P[Bin >= 1] for -log P[Bin >= 2]: the weights of every key are off by far more than 1e-10."""
+    result = _decode.magicpig_inclusion_probability(theory.check_rng(seed, INCLUSION), True,
+                                                    select=_weights_off_by_one)
+    assert not result.passed and result.measured > 0.1, result.details
+    assert "(FAILED); Monte Carlo vs the package" in result.details and "(ok;" in result.details
+
+
+def test_the_inclusion_check_reads_the_packages_log_inclusion_probability(monkeypatch):
+    """The default select is the package's, whose weights come from log_inclusion_probability: the same break made
+    there (min_collisions off by one) fails the check."""
+    from randattn.estimators.magicpig import reference
+
+    honest = reference.log_inclusion_probability
+    monkeypatch.setattr(reference, "log_inclusion_probability", lambda log_p, tables, c: honest(log_p, tables, c - 1))
+    result = _decode.magicpig_inclusion_probability(theory.check_rng(0, INCLUSION), True)
+    assert not result.passed and result.measured > 0.1, result.details
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_inclusion_check_rejects_a_sample_on_one_table_less(seed):
+    """Right weights, collisions over L - 1 = 7 tables: u falls by up to 0.08 (0.61 -> 0.53 at 1.6 rad), up to 12
+    binomial SEs of a quick run; the closed form holds, the Monte Carlo part fails and its |z| is the row's value."""
+    result = _decode.magicpig_inclusion_probability(theory.check_rng(seed, INCLUSION), True,
+                                                    select=_samples_on_one_table_less)
+    assert not result.passed and result.measured > theory.MC_K_SE, result.details
+    assert "(ok); Monte Carlo vs the package" in result.details and "(FAILED;" in result.details
+
+
+@pytest.mark.slow  # 300 quick runs: about 6 s on two cores
+def test_the_inclusion_check_false_alarms_as_its_exact_binomial_test_says():
+    """300 quick runs of the correct package test 10 binomial counts each: |z| > 3 should come up about
+    300 x 10 x 2 P(|Z| > 3) = 8.1 times (fewer: the exact test is discrete); 18 or more has Poisson probability
+    0.1 %. No run fails (|z| > 4.5). Measured: 4 over 3, none failed, max |z| = 3.3."""
+    import re
+
+    from scipy.stats import norm, poisson
+
+    runs, threshold = 300, 3.0
+    expected = runs * len(_decode.INCLUSION_ANGLES) * 2 * norm.sf(threshold)
+    over = failed = 0
+    for seed in range(runs):
+        result = _decode.magicpig_inclusion_probability(theory.check_rng(seed, INCLUSION), True)
+        failed += not result.passed
+        over += float(re.search(r"max \|z\| = ([0-9.e+-]+)", result.details).group(1)) > threshold
+    assert poisson.sf(17, expected) < 0.002
+    assert failed == 0 and over <= 17, (failed, over, expected)
