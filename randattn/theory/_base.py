@@ -58,6 +58,7 @@ __all__ = [
     "data_from_activations",
     "heads_or_synthetic",
     "check_rng",
+    "closed_form_and_mc",
     "select_checks",
 ]
 
@@ -348,6 +349,19 @@ def mc_unbiased_result(name: str, samples: np.ndarray, target: np.ndarray, what:
         f"a bias >= {detect:.3g} (5.8 SE) would be caught with 90% power"
     )
     return CheckResult(name, worst, MC_K_SE, worst <= MC_K_SE, details, tested=int(z.size))
+
+
+def closed_form_and_mc(name: str, worst: float, tolerance: float, mc: CheckResult, what: str) -> CheckResult:
+    """A check of a closed form (``worst`` against ``tolerance``) and of the package by Monte Carlo (``mc``): passes
+    when both do. Its measured value and tolerance are the closed form's, or the Monte Carlo's max |z| against
+    ``MC_K_SE`` where that part alone fails, so that the row shows what failed."""
+    closed_ok = worst <= tolerance
+    details = (f"{what}: {worst:.3g} <= {tolerance:g} ({'ok' if closed_ok else 'FAILED'}); Monte Carlo vs the "
+               f"package: max |z| = {mc.measured:.3g} <= {MC_K_SE:g} ({'ok' if mc.passed else 'FAILED'}; "
+               f"{mc.details})")
+    if closed_ok and not mc.passed:
+        return CheckResult(name, mc.measured, MC_K_SE, False, details, tested=mc.tested)
+    return CheckResult(name, worst, tolerance, closed_ok and mc.passed, details, tested=mc.tested)
 
 
 def exact_result(name: str, actual: Any, expected: Any, what: str, rtol: float = EXACT_RTOL) -> CheckResult:

@@ -20,8 +20,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from randattn.estimators.magicpig import reference as magicpig_reference
-from randattn.theory._base import MC_K_SE, CheckResult, exact_result
+from randattn.theory._base import MC_K_SE, CheckResult, closed_form_and_mc, exact_result
 from randattn.theory._causal import loop_causal_softmax
 
 #: (N queries, M keys): the decode regime (a few last queries of a longer cache) and self-attention
@@ -173,7 +172,7 @@ def _inclusion_case(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
 
 
 def magicpig_inclusion_probability(rng: np.random.Generator, quick: bool, data: Any = None, *,
-                                   select: Callable = magicpig_reference.select) -> CheckResult:
+                                   select: Callable | None = None) -> CheckResult:
     r"""MagicPIG's sampler includes each hashed key with probability :math:`u` and weighs it by :math:`-\log u`
     (sec. 4.3 eq. 9-10, the binomial tail for c tables):
 
@@ -181,7 +180,7 @@ def magicpig_inclusion_probability(rng: np.random.Generator, quick: bool, data: 
         u = P[\mathrm{Bin}(L, P) \ge c] = \sum_{j=c}^{L} \binom{L}{j} P^j (1 - P)^{L-j}, \qquad
         P = (1 - \theta / \pi)^K, \qquad \theta = \arccos\frac{x^\top y}{|x|\,|y|}.
 
-    ``select`` (the package's ``reference.select``, on hyperplanes from ``magicpig.draw``; ``center="none"`` so
+    ``select`` (default: the package's ``reference.select``, on hyperplanes from ``magicpig.draw``; ``center="none"`` so
     that theta is the raw query-key angle) is compared with u from ``scipy.stats.binom.sf(c - 1, L, P)``, written
     out here. Closed form: every sampled key's ``log_weights`` equals :math:`-\log u` to 1e-10 (relative), the
     sink and local key weigh 1 (log 0) and an unsampled key is left out (-inf). Monte Carlo: the number of
@@ -190,8 +189,9 @@ def magicpig_inclusion_probability(rng: np.random.Generator, quick: bool, data: 
     """
     from scipy.stats import binom, binomtest, norm
 
-    from randattn.estimators.magicpig import draw
-    from randattn.theory._eva import _closed_form_and_mc
+    from randattn.estimators.magicpig import draw, reference
+
+    select = reference.select if select is None else select
 
     name = "decode.magicpig-inclusion-probability"
     k, tables, c = INCLUSION_PARAMS["hash_bits"], INCLUSION_TABLES, INCLUSION_PARAMS["min_collisions"]
@@ -222,7 +222,7 @@ def magicpig_inclusion_probability(rng: np.random.Generator, quick: bool, data: 
                      f"{', '.join(f'{replicates * p:.0f}' for p in u)} expected; exact binomial test",
                      tested=len(u))
     others = "exact keys 0 and unsampled -inf" if structure_ok else "WRONG weights of exact or unsampled keys"
-    return _closed_form_and_mc(name, worst, INCLUSION_RTOL, mc,
+    return closed_form_and_mc(name, worst, INCLUSION_RTOL, mc,
                                f"K = {k}, L = {tables}, c = {c}, angles {', '.join(map(str, INCLUSION_ANGLES))} rad "
                                f"(u {u.min():.3f}..{u.max():.3f}); {expected.size} sampled weights vs -log u, "
                                f"{others}; max relative gap")

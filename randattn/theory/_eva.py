@@ -13,10 +13,10 @@ from scipy import optimize
 from scipy.special import logsumexp, softmax
 
 from randattn.theory._base import (
-    MC_K_SE,
     CheckResult,
     HeadData,
     VerifyData,
+    closed_form_and_mc,
     exact_attention,
     exact_result,
     heads_or_synthetic,
@@ -333,19 +333,6 @@ def _chunks(m: int, num_chunks: int) -> list[np.ndarray]:
     return [np.arange(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _closed_form_and_mc(name: str, worst: float, tolerance: float, mc: CheckResult, what: str) -> CheckResult:
-    """A check of a closed form (``worst`` against ``tolerance``) and of the package by Monte Carlo (``mc``): passes
-    when both do. Its measured value and tolerance are the closed form's, or the Monte Carlo's max |z| against
-    ``MC_K_SE`` where that part alone fails, so that the row shows what failed."""
-    closed_ok = worst <= tolerance
-    details = (f"{what}: {worst:.3g} <= {tolerance:g} ({'ok' if closed_ok else 'FAILED'}); Monte Carlo vs the "
-               f"package: max |z| = {mc.measured:.3g} <= {MC_K_SE:g} ({'ok' if mc.passed else 'FAILED'}; "
-               f"{mc.details})")
-    if closed_ok and not mc.passed:
-        return CheckResult(name, mc.measured, MC_K_SE, False, details, tested=mc.tested)
-    return CheckResult(name, worst, tolerance, closed_ok and mc.passed, details, tested=mc.tested)
-
-
 def lemma3_partition(rng: np.random.Generator, quick: bool, data: VerifyData | None, *,
                      coefficient_fn: Callable = weighted_chunk_means, mc: dict | None = None) -> CheckResult:
     r"""EVA Lemma 3 (app. B.5): partitioned :math:`\beta_c^*` (alpha-weighted chunk means) attain a
@@ -376,7 +363,7 @@ def lemma3_partition(rng: np.random.Generator, quick: bool, data: VerifyData | N
         j_shared = _weighted_mse(np.broadcast_to(beta, betas.shape), alpha, beta_star, chunks)
         decomposition = j_part + sum(alpha[c].sum() * ((beta - betas[i]) ** 2).sum() for i, c in enumerate(chunks))
         worst = max(worst, (j_part - j_shared) / j_shared, abs(decomposition - j_shared) / j_shared)
-    return _closed_form_and_mc("eva.lemma3.partition", worst, 1e-12, mc_res,
+    return closed_form_and_mc("eva.lemma3.partition", worst, 1e-12, mc_res,
                                f"J(partitioned) = {j_part:.4g}; {len(shared)} shared coefficients; max relative "
                                "violation")
 
@@ -424,6 +411,6 @@ def prop2_eq10_minimizer(rng: np.random.Generator, quick: bool, data: VerifyData
             worst = max(worst, dist, (j_star - res.fun) / max(res.fun, 1e-300), excess_shared)
     mc_samples, mc_targets, mc_what = package_chunk_coefficients_mc(rng, quick, coefficient_fn, **(mc or {}))
     mc_res = mc_unbiased_result("eva.prop2.eq10-minimizer", mc_samples, mc_targets, mc_what)
-    return _closed_form_and_mc("eva.prop2.eq10-minimizer", worst, 1e-6, mc_res,
+    return closed_form_and_mc("eva.prop2.eq10-minimizer", worst, 1e-6, mc_res,
                                f"|beta* - beta_numerical| <= {dist_max:.1e} (relative); J(beta*) <= J(numerical), "
                                f"J(shared) ({where})")
