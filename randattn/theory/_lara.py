@@ -206,6 +206,10 @@ def ra_reference_code_noise(q, k, v, scale, num_samples, replicates, rng) -> np.
     return ra_ref.estimate(q, k, v, draws, scale=scale, noise="reference-code")
 
 
+#: the seed of :func:`prop32_reference_code_biased`'s fixed inputs
+PROP32_INPUT_SEED = 0
+
+
 def prop32_reference_code_biased(rng: np.random.Generator, quick: bool, data: VerifyData | None, *,
                                  ra_estimate: Callable = ra_reference_code_noise) -> CheckResult:
     r"""ARCHITECTURE sec. 10 / LARA Prop. 3.2: RA with the official code's noise is *not* unbiased.
@@ -214,9 +218,14 @@ def prop32_reference_code_biased(rng: np.random.Generator, quick: bool, data: Ve
     N(0, scale I) instead of the N(0, I) components of p_n. Passes when the bias is
     *detected*: some element's |z| >= ``MC_K_SE`` (inputs of size 1.5, where the bias is large
     next to the SE; synthetic only, so that a pass always means the same thing).
+
+    The inputs are fixed (the synthetic generator at seed :data:`PROP32_INPUT_SEED`), and only the draws follow the
+    run seed: the largest quick z is then about 31 with a spread of 1.3 (least 26 over 3,000 quick runs). Inputs
+    redrawn each run made the detection depend on them (largest quick z from 2.0 to over 30), and the bias fell
+    short of 4.5 SE in 29 of 10,146 quick runs (0.29 %), a check failing although the package is right.
     """
     reps = 8000 if quick else 32000  # the bias is ~0.04 with SE ~0.1 / sqrt(R): >= 10 SE in quick mode
-    heads, where = heads_or_synthetic(None, lambda: _ra_synthetic(rng, 1.5))
+    heads, where = heads_or_synthetic(None, lambda: _ra_synthetic(np.random.default_rng(PROP32_INPUT_SEED), 1.5))
     head = heads[0]
     out = ra_estimate(head.q, head.k, head.v, head.scale, 2, reps, rng)
     exact = exact_attention(head.q, head.k, head.v, head.scale)
