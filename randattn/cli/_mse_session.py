@@ -115,7 +115,18 @@ def measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_r
     :func:`~randattn.cli._common.abort` on a refusal.
 
     Every output is checked, locked and its rules applied, and every sweep planned (refused where it cannot fit
-    the memory budget), before the first unit is computed; then the jobs run in order."""
+    the memory budget), before the first unit is computed; then the jobs run in order. The folders made for the
+    outputs are taken back when the command fails and they hold nothing."""
+    from randattn.cli._outputs import taken_back_on_failure
+
+    with contextlib.ExitStack() as made:
+        for job in jobs:
+            if job.out is not None and not dry_run:
+                made.enter_context(taken_back_on_failure(Path(job.out).parent))
+        _measure(jobs, where, resume=resume, force=force, dry_run=dry_run, as_json=as_json)
+
+
+def _measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_run: bool, as_json: bool) -> None:
     from randattn.analysis import store
     from randattn.analysis.records import activations_fingerprint
     from randattn.cli._common import UserError, abort, err_console, no_space_message, writable_output

@@ -296,3 +296,16 @@ def test_memory_that_runs_out_after_some_units_says_how_to_continue(files, tmp_p
     # in process the command is pytest's argv; test_faults.py runs real processes
     assert f"finished units are kept in {out}.parts for --resume; with a lower --max-memory, continue with: " \
            "randattn " in said and said.endswith("--resume"), said
+
+
+def test_a_refused_run_takes_back_the_folders_it_made_for_out(files, tmp_path):
+    """A bad-input refusal left nothing, but a run refused by its memory budget (after --out's folders were made)
+    left them behind, empty; a folder that existed, or holds anything, stays."""
+    a, _ = files
+    out = tmp_path / "new" / "sub" / "r.parquet"
+    refused = _invoke(a, "-e", "ra", "--samples", "4", "--replicates", "2", "--max-memory", "16KiB", "--out", out)
+    assert refused.exit_code == 2 and "more than the memory budget of 16 KiB" in _said(refused), refused.output
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "new").mkdir()
+    assert _invoke(a, "-e", "ra", "--samples", "4", "--max-memory", "16KiB", "--out", out).exit_code == 2
+    assert list(tmp_path.glob("new/**")) == [tmp_path / "new"]
