@@ -48,7 +48,7 @@ def test_pattern_matching_nothing_is_a_usage_error():
     from randattn.theory import registry
 
     assert f"the {len(registry())} checks are named family.result, e.g. 'lara.prop3.1.mixture'" in said
-    assert "lara (10)" in said and "decode (7)" in said and "numerics (1)" in said and "--help" not in said
+    assert "lara (10)" in said and "decode (8)" in said and "numerics (1)" in said and "--help" not in said
 
 
 def test_unreadable_activation_file_is_a_usage_error(tmp_path):
