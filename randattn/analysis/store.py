@@ -38,7 +38,7 @@ from randattn._files import atomic_write_text, named_write_errors
 from randattn.results.parts import parts_path  # the output's parts folder: the rules below act on it
 from randattn.results.parts import stored_unit_ids as _stored_unit_ids
 from randattn.results.table import OUTPUT_FORMATS as _OUTPUT_FORMATS
-from randattn.results.table import sidecar_path
+from randattn.results.table import positions_path, sidecar_path
 
 __all__ = [
     "MANIFEST",
@@ -525,7 +525,8 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
                  dry_run: bool = False, activations: Mapping[str, Any] | None = None) -> bool:
     """Apply the rules for an existing output ``out`` (and its :func:`parts_path`) before a run writes it.
 
-    Nothing finished is replaced without ``force``: an existing table refuses a plain run; ``resume`` on a
+    Nothing finished is replaced without ``force``: an existing table refuses a plain run, as do the files a run
+    writes beside it (its metadata, the per-position table and its metadata) found without it; ``resume`` on a
     finished table of the same settings does nothing, of other settings refuses; ``resume`` with an
     unreadable manifest refuses, naming it. A parts folder without a finished unit (a run stopped before its
     first) is removed, and with ``force`` (not in a dry run) the parts folder is removed: the run starts afresh.
@@ -571,6 +572,12 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
         if not resume:
             raise OutputExistsError(out, parts, unfinished=True)
         compare_manifest(parts, {"config": identity, "activations": activations})
+    if not out.exists() and not resume:
+        # the files a run writes beside its table: a plain run would replace them without a word
+        beside = (sidecar_path(out), positions_path(out), sidecar_path(positions_path(out)))
+        for companion in beside:
+            if companion.exists():
+                raise OutputExistsError(out, companion, unfinished=False)
     if out.exists():
         if not resume:
             raise OutputExistsError(out, out, unfinished=False)

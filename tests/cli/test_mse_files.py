@@ -309,3 +309,19 @@ def test_a_refused_run_takes_back_the_folders_it_made_for_out(files, tmp_path):
     (tmp_path / "new").mkdir()
     assert _invoke(a, "-e", "ra", "--samples", "4", "--max-memory", "16KiB", "--out", out).exit_code == 2
     assert list(tmp_path.glob("new/**")) == [tmp_path / "new"]
+
+
+@pytest.mark.parametrize("companion", ["a.positions.parquet", "a.positions.parquet.meta.json", "a.parquet.meta.json"])
+def test_a_file_the_run_writes_beside_its_table_is_not_replaced_without_force(files, tmp_path, companion):
+    """No command replaces an output without --force, but a masked run replaced a per-position table (and any
+    metadata file) found without its table."""
+    a, _ = files
+    out = tmp_path / "a.parquet"
+    (tmp_path / companion).write_text("precious")
+    refused = _invoke(a, *SWEEP, "--mask", "causal", "--out", out)
+    assert refused.exit_code == 2, refused.output
+    assert f"'{tmp_path / companion}' exists; pass --force to replace it" in _said(refused)
+    assert (tmp_path / companion).read_text() == "precious" and not out.exists()
+    forced = _invoke(a, *SWEEP, "--mask", "causal", "--out", out, "--force")
+    assert forced.exit_code == 0, forced.output
+    assert (tmp_path / companion).read_bytes() != b"precious"
