@@ -362,6 +362,10 @@ def lara_balance(q, k, v, scale, num_proposals, replicates, rng) -> np.ndarray:
         return lara_ref.estimate(q, k, v, draws, scale=scale, weighting="balance")
 
 
+#: the seed of :func:`eq10_consistent`'s fixed input
+EQ10_INPUT_SEED = 0
+
+
 def eq10_consistent(rng: np.random.Generator, quick: bool, data: VerifyData | None, *,
                     lara_estimate: Callable = lara_balance) -> CheckResult:
     r"""LARA eq. 10: the self-normalized MIS estimate is consistent: its error falls as C grows.
@@ -372,12 +376,16 @@ def eq10_consistent(rng: np.random.Generator, quick: bool, data: VerifyData | No
     that at C = 2 by more than ``MC_K_SE`` combined standard errors (one-sided). Synthetic only:
     with landmark proposals the proposals change with C, so only a fixed input says something.
     R = 1,000 quick (2,000 full): with 200 the quick z, mean 10.3 and spread 3.2 over 200 seeds, fell short of
-    4.5 in 5 of them, a power failure of a correct check; at 1,000 its least over 200 seeds was 8.4.
+    4.5 in 5 of them, a power failure of a correct check. The input is fixed (the generator at seed
+    :data:`EQ10_INPUT_SEED`), as this docstring always said, and only the proposals follow the run seed: drawn from
+    the run seed, the input made the quick z's least 4.6 over 1,147 seeds; fixed, its median is 28 with a spread
+    of 3.3 (least 18 over 400 seeds).
     """
     reps = 1000 if quick else 2000
-    q = 0.8 * rng.standard_normal((32, 4))
-    k = 0.8 * rng.standard_normal((32, 4))
-    v = rng.standard_normal((32, 3))
+    inputs = np.random.default_rng(EQ10_INPUT_SEED)  # the one fixed input; the run seed drives the proposals alone
+    q = 0.8 * inputs.standard_normal((32, 4))
+    k = 0.8 * inputs.standard_normal((32, 4))
+    v = inputs.standard_normal((32, 3))
     exact = exact_attention(q, k, v, 0.5)
     stats = {}
     for c in (2, 16):
