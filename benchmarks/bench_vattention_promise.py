@@ -23,6 +23,7 @@ regime, causal), or on synthetic Gaussian queries and keys (``--synthetic``) at 
     python benchmarks/bench_vattention_promise.py ACTS.safetensors [--layers 0,15] [--heads 0,4,8]
                                                   [--queries 64] [--replicates 100] [--seed 0]
     python benchmarks/bench_vattention_promise.py --synthetic [--replicates 2000]
+    python benchmarks/bench_vattention_promise.py --base-sample [--replicates 2000]
 """
 
 from __future__ import annotations
@@ -110,23 +111,39 @@ def _synthetic(seed: int) -> Iterator[tuple[str, np.ndarray, np.ndarray, np.ndar
         yield f"synthetic, q and k entries N(0, {scale}^2)", q * 16**-0.5, k, rng.standard_normal((4000, 16)), params
 
 
+def _base_sample(seed: int) -> Iterator[tuple[str, np.ndarray, np.ndarray, np.ndarray, dict]]:
+    """4 decode queries over 600 keys (D = 8, Dv = 16), scores of spread 1.5, epsilon = 0.1, delta = 0.2, at three
+    base samples: ``base_rate=3`` (b0 = 3 draws), the default 0.05 (b0 = 29 of the 588 residual keys) and 0.25. The
+    rule plugs the base sample's sigma and D into the bound, so a small base sample often sizes b below the bound
+    that the residual's own sigma and D would give, and the rate can exceed delta by a factor."""
+    rng = np.random.default_rng(seed)
+    directions = rng.standard_normal((4, 8))
+    q = 1.5 * np.sqrt(8) * directions / np.linalg.norm(directions, axis=-1, keepdims=True)
+    k, v = rng.standard_normal((600, 8)), rng.standard_normal((600, 16))
+    for base_rate in (3, 0.05, 0.25):
+        params = {"sinks": 4, "local": 4, "top_k": 4, "epsilon": 0.1, "delta": 0.2, "base_rate": base_rate}
+        yield f"600 keys, scores of sd 1.5, base_rate={base_rate:g}", q * 8**-0.5, k, v, params
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("acts", nargs="?", help="activation file (randattn capture); omit with --synthetic")
     parser.add_argument("--synthetic", action="store_true")
+    parser.add_argument("--base-sample", action="store_true",
+                        help="synthetic: the same query at three base samples (b0 = 3, 29 and 147 draws)")
     parser.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--heads", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--queries", type=int, default=64, help="the last K queries of each head")
     parser.add_argument("--replicates", type=int, default=None, help="default 100 (file), 2000 (synthetic)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if args.synthetic == (args.acts is not None):
-        parser.error("give one of an activation file and --synthetic")
+    if (args.synthetic or args.base_sample) == (args.acts is not None) or (args.synthetic and args.base_sample):
+        parser.error("give one of an activation file, --synthetic and --base-sample")
     spec = get_spec("vattention")
-    if args.synthetic:
+    if args.synthetic or args.base_sample:
         replicates = args.replicates or 2000
         cases = [(label, q, k, v, spec.resolve_params(extra)) for label, q, k, v, extra in
-                 _synthetic(args.seed)]
+                 (_synthetic if args.synthetic else _base_sample)(args.seed)]
     else:
         replicates = args.replicates or 100
         cases = [(*case, spec.resolve_params({})) for case in _heads(args.acts, args.layers, args.heads,
