@@ -219,7 +219,8 @@ def registry() -> tuple[Check, ...]:
               synthetic_note="synthetic (decode, 2 queries over 12 keys)"),
         Check("decode.vattention-clt-budget",
               "b = ceil((Phi^-1(1 - delta/2) n_s sigma / (epsilon D))^2) uniform residual draws give "
-              "P(|D_hat - D| > epsilon D) <= delta + 2 C rho / (sigma^3 sqrt(b)) (Berry-Esseen, C = 0.4748)",
+              "P(|D_hat - D| > epsilon D) <= delta + 2 C rho / (sigma^3 sqrt(b)) (Berry-Esseen, C = 0.4748); the "
+              "adaptive rule computes that b from a base sample's sigma and D, within its floor and cap",
               "vAttention (the budget theorem, for the denominator; arXiv 2510.05688); Shevtsova 2011",
               _MC, _decode.vattention_clt_budget, max_tested=1,
               synthetic_note="synthetic (one decode query over 1,024 keys, logits of sd 0.5)"),

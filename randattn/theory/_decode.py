@@ -303,8 +303,44 @@ def _residual_of_one_query(logits: np.ndarray, params: dict[str, int]) -> np.nda
     return np.array([j not in heavy for j in range(m)])
 
 
+#: the package's rule computes the same float64 expression: equal to a few roundings
+BUDGET_RULE_RTOL = 1e-12
+#: base samples (draws with replacement from the residual) on which the package's adaptive rule sizes b, and the
+#: epsilons: b set by the cap n_s (0.01), by the bound or the floor b0 (0.05, 0.2)
+BUDGET_BASE_SIZES = (3, 30, 200)
+BUDGET_RULE_EPSILONS = (0.01, 0.05, 0.2)
+
+
+def _adaptive_rule_gap(rng: np.random.Generator, x: np.ndarray, exact_part: float, quantile: str,
+                       sample_size: Any) -> tuple[float, str]:
+    r"""The package's adaptive rule (``sample_size``) against its formula written out here, on base samples of the
+    residual's values ``x`` (shifted :math:`e^{s}`): :math:`\hat\sigma` their standard deviation (ddof 1),
+    :math:`\hat D` = ``exact_part`` + :math:`rac{n_s}{b_0}\sum` base, :math:`b^* = (z n_s \hat\sigma /
+    (\epsilon \hat D))^2`, :math:`b = \min(\max(b_0, \lceil b^* 
+ceil), n_s)`. ``(worst relative gap of b* or
+    b, description)``."""
+    from scipy.stats import norm
+
+    n_s = x.size
+    z = norm.isf(BUDGET_DELTA / 2 if quantile == "two-sided" else BUDGET_DELTA)
+    worst, sizes = 0.0, []
+    for epsilon in BUDGET_RULE_EPSILONS:
+        for b0 in BUDGET_BASE_SIZES:
+            keys = rng.integers(0, n_s, size=b0)
+            base = x[keys]
+            bound = (z * n_s * base.std(ddof=1) / (epsilon * (exact_part + n_s / b0 * base.sum()))) ** 2
+            size = min(max(b0, int(np.ceil(bound))), n_s)
+            got_size, got_bound = sample_size(base, keys, exact_part, n_s, epsilon=epsilon, delta=BUDGET_DELTA,
+                                              quantile=quantile, duplicates="count", rounding="ceil")
+            worst = max(worst, abs(got_bound - bound) / bound, abs(got_size - size) / size)
+            sizes.append(str(got_size))
+    return worst, (f"epsilon {', '.join(map(str, BUDGET_RULE_EPSILONS))} x b0 {', '.join(map(str, BUDGET_BASE_SIZES))}"
+                   f": b = {', '.join(sizes)}")
+
+
 def vattention_clt_budget(rng: np.random.Generator, quick: bool, data: Any = None, *,
-                          quantile: str = "two-sided", budget_scale: float = 1.0) -> CheckResult:
+                          quantile: str = "two-sided", budget_scale: float = 1.0,
+                          sample_size: Any = None) -> CheckResult:
     r"""vAttention's budget theorem, for the denominator: with the residual's own mean and spread, b draws with
 
     .. math:: b = \left\lceil \left( \Phi^{-1}(1 - \delta/2)\, \frac{n_s \sigma}{\epsilon D} \right)^2 \right\rceil
@@ -317,6 +353,12 @@ def vattention_clt_budget(rng: np.random.Generator, quick: bool, data: Any = Non
     sigma, rho, D and b are written out here. The rate over R replicates is tested one-sided against the bound:
     :math:`z = (\hat p - \beta) / \sqrt{\beta (1 - \beta) / R} \le` MC_K_SE. ``quantile="one-sided"`` (the
     official code's :math:`\Phi^{-1}(1 - \delta)`) and ``budget_scale`` < 1 are the negative controls.
+
+    The package's adaptive rule, which plugs a base sample's :math:`\hat\sigma` and :math:`\hat D` into the same
+    bound (``vattention.reference.sample_size``, or ``sample_size`` given here), is held to that formula written
+    out (:func:`_adaptive_rule_gap`) on base samples of 3, 30 and 200 draws at three epsilons (so that the cap, the
+    bound and the floor each set b), to 1e-12 relative: the Monte Carlo
+    part fixes b, so that the theorem is tested apart from the estimates the rule uses. Passes when both hold.
     """
     import torch
     from scipy.stats import norm
@@ -338,6 +380,10 @@ def vattention_clt_budget(rng: np.random.Generator, quick: bool, data: Any = Non
     tail = BUDGET_DELTA / 2 if quantile == "two-sided" else BUDGET_DELTA
     z = norm.isf(tail)
     draws_b = int(np.ceil(budget_scale * (z * n_s * sigma / (BUDGET_EPSILON * denominator)) ** 2))
+    from randattn.estimators.vattention import reference
+
+    rule_gap, rule_said = _adaptive_rule_gap(rng, x, (denominator - x.sum()), quantile,
+                                             reference.sample_size if sample_size is None else sample_size)
     replicates = BUDGET_REPLICATES // (4 if quick else 1)
     params = spec.resolve_params(BUDGET_PARAMS)
     draws = spec.draw(q.shape, k.shape, num_samples=draws_b, replicates=replicates, rng=rng, mask="causal", **params)
@@ -356,7 +402,10 @@ def vattention_clt_budget(rng: np.random.Generator, quick: bool, data: Any = Non
                f"R = {replicates}, bound delta + Berry-Esseen = {BUDGET_DELTA} + {berry_esseen:.4f} "
                f"(rho / sigma^3 = {rho / sigma**3:.3f}); a rate >= {bound + (MC_K_SE + 1.28) * se:.3f} would be "
                "caught with 90% power")
-    return CheckResult("decode.vattention-clt-budget", float(measured), MC_K_SE, bool(measured <= MC_K_SE), details)
+    mc = CheckResult("decode.vattention-clt-budget", float(measured), MC_K_SE, bool(measured <= MC_K_SE), details)
+    return closed_form_and_mc("decode.vattention-clt-budget", rule_gap, BUDGET_RULE_RTOL, mc,
+                              f"the package's adaptive rule against the bound written out ({rule_said}); max "
+                              "relative gap")
 
 
 def vattention_one_sided_quantile_detected(rng: np.random.Generator, quick: bool, data: Any = None) -> CheckResult:

@@ -174,3 +174,26 @@ def test_the_inclusion_check_false_alarms_as_its_exact_binomial_test_says():
         over += float(re.search(r"max \|z\| = ([0-9.e+-]+)", result.details).group(1)) > threshold
     assert poisson.sf(17, expected) < 0.002
     assert failed == 0 and over <= 17, (failed, over, expected)
+
+
+def test_the_budget_check_holds_the_packages_adaptive_rule_to_the_formula(monkeypatch):
+    """The Monte Carlo part fixes b, so the rule that sizes b from a base sample (``sample_size``) went untested:
+    a normal quantile divided by 3 (b 9 times too small) passed every check. The closed-form part now compares the
+    rule with the bound written out, on base samples where the cap, the bound and the floor each set b."""
+    from randattn.estimators.vattention import reference
+
+    import re
+
+    honest = _decode.vattention_clt_budget(theory.check_rng(0, "x"), True)
+    sizes = [int(b) for b in re.search(r"b = ([0-9, ]+)\)", honest.details).group(1).split(", ")]
+    base = [b0 for _ in _decode.BUDGET_RULE_EPSILONS for b0 in _decode.BUDGET_BASE_SIZES]
+    assert honest.passed and 1012 in sizes, honest.details  # the cap n_s
+    assert any(b == b0 for b, b0 in zip(sizes, base)) and any(b0 < b < 1012 for b, b0 in zip(sizes, base)), sizes
+    quantile = reference.normal_quantile
+    monkeypatch.setattr(reference, "normal_quantile", lambda delta, which: quantile(delta, which) / 3)
+    broken = _decode.vattention_clt_budget(theory.check_rng(0, "x"), True)
+    assert not broken.passed and broken.measured > 0.5, broken
+    monkeypatch.undo()
+    floored = lambda *a, **kw: reference.sample_size(*a, **{**kw, "rounding": "floor"})  # noqa: E731
+    floor = _decode.vattention_clt_budget(theory.check_rng(0, "x"), True, sample_size=floored)
+    assert not floor.passed and floor.measured > 1e-3  # one draw short where the bound sets b
