@@ -2,7 +2,7 @@
 engine (plan, execute, executors, store) must leave them unchanged.
 
 Bit for bit where the tables were made (the fingerprint in ``golden-sweep.json``: CPU model, the SIMD kernels
-torch and numpy chose for it, torch, numpy and Python versions; "the same seed gives the same numbers, bit for bit,
+torch and numpy chose for it, the kernels numpy's OpenBLAS chose, torch, numpy and Python versions; "the same seed gives the same numbers, bit for bit,
 on the same machine"; a virtual machine may report one CPU model for hosts of different vector widths, hence the
 kernels); elsewhere, where other kernels may group float64 sums differently, to 1e-10 relative (float64 summation
 order alone moves a value by ~1e-15 relative per operation; ARCHITECTURE sec. 3), plus an absolute floor of
@@ -51,7 +51,25 @@ def _fingerprint() -> dict:
     simd = _numpy_simd()
     return {"cpu": cpu, "machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
             "numpy": np.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "numpy_simd": simd}
+            "numpy_simd": simd, "openblas_core": _openblas_core()}
+
+
+def _openblas_core() -> str | None:
+    """The kernels numpy's OpenBLAS chose at load (a DYNAMIC_ARCH build picks Haswell, SkylakeX, Zen, ... from the
+    CPU): two hosts of one CPU model name and the same SIMD flags chose differently, and LAPACK's QR, which
+    orthogonal features use, rounded their draws apart in the last bit. None where numpy has no such OpenBLAS."""
+    import ctypes
+    import glob
+    import os
+
+    for path in glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*")):
+        try:
+            corename = ctypes.CDLL(path).scipy_openblas_get_corename64_
+        except (OSError, AttributeError):
+            continue
+        corename.restype = ctypes.c_char_p
+        return corename().decode()
+    return None
 
 
 def _numpy_simd() -> list[str]:
