@@ -291,3 +291,26 @@ def test_a_resumed_runs_timing_counts_the_phases_of_the_units_an_earlier_process
     older = run_sweep(acts, config, parts_dir=parts, resume=True).attrs["timing"]
     assert (older["units"], older["earlier_units"]) == (0, 3)
     assert sum(record["units"] for record in older["phases"]) == 3
+
+
+def test_check_output_compares_a_resumed_runs_settings_and_activations_before_it_runs(tmp_path):
+    """``check_output`` refuses parts of other settings or activations at once (it was left to the run's start);
+    without ``activations`` it compares the settings alone, and a manifest without a digest is not compared on it."""
+    from randattn.analysis.store import SettingsChangedError, check_output
+
+    out = tmp_path / "x.parquet"
+    parts = tmp_path / "x.parquet.parts"
+    fingerprint = {"shape": [1, 2, 8, 4], "digest": "a" * 64}
+    prepare_parts_dir(parts, {"config": {"seed": 1}, "activations": fingerprint}, resume=False)
+    (parts / "part-L0-a.parquet").write_bytes(b"")
+    assert check_output(out, {"seed": 1}, resume=True, force=False) is False
+    assert check_output(out, {"seed": 1}, resume=True, force=False, activations=fingerprint) is False
+    with pytest.raises(SettingsChangedError) as changed:
+        check_output(out, {"seed": 2}, resume=True, force=False)
+    assert (changed.value.settings, changed.value.activations) == (("seed",), ())
+    with pytest.raises(SettingsChangedError) as changed:
+        check_output(out, {"seed": 1}, resume=True, force=False, activations={**fingerprint, "digest": "b" * 64})
+    assert (changed.value.settings, changed.value.activations) == ((), ("digest",))
+    older = {"config": {"seed": 1}, "activations": {"shape": [1, 2, 8, 4]}}  # a manifest made before the digest
+    (parts / "manifest.json").write_text(json.dumps(older))
+    assert check_output(out, {"seed": 1}, resume=True, force=False, activations=fingerprint) is False

@@ -197,3 +197,20 @@ def test_the_budget_check_holds_the_packages_adaptive_rule_to_the_formula(monkey
     floored = lambda *a, **kw: reference.sample_size(*a, **{**kw, "rounding": "floor"})  # noqa: E731
     floor = _decode.vattention_clt_budget(theory.check_rng(0, "x"), True, sample_size=floored)
     assert not floor.passed and floor.measured > 1e-3  # one draw short where the bound sets b
+
+
+def test_the_inclusion_check_rejects_weights_on_the_exact_keys():
+    """The sink and the local key are read exactly, weight 1 (log 0): a sampler that weighs them otherwise, with
+    every sampled key's weight right, fails the check's closed-form part."""
+    import numpy as np
+
+    from randattn.estimators.magicpig import reference
+
+    def heavy_sink(*args, **kwargs):
+        chosen = reference.select(*args, **kwargs)
+        log_weights = np.array(chosen.log_weights, copy=True)
+        log_weights[..., 0] = np.log(2.0)
+        return dataclasses.replace(chosen, log_weights=log_weights)
+
+    result = _decode.magicpig_inclusion_probability(theory.check_rng(0, "x"), True, select=heavy_sink)
+    assert not result.passed and "WRONG weights of exact or unsampled keys" in result.details
