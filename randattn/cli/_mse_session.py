@@ -162,7 +162,10 @@ def _measure(jobs: Sequence[Job], where: Any, *, resume: bool, force: bool, dry_
                         _plan(job, resume, where, timing=True)
                 written = [str(job.out) for job in jobs if job.out is not None and not job.done]
                 target = f" (it would write {', '.join(written)})" if written else ""
-                err_console.print(f"dry run: nothing was written; the same command without --dry-run runs it{target}",
+                unasked = (f", and the Dask scheduler at {where.address} was not asked (the run needs it reachable)"
+                           if where.kind == "address" else "")
+                err_console.print(f"dry run: nothing was written{unasked}; the same command without --dry-run runs it"
+                                  f"{target}",
                                   highlight=False, soft_wrap=True)
                 return
             client, current = None, None

@@ -325,3 +325,15 @@ def test_a_file_the_run_writes_beside_its_table_is_not_replaced_without_force(fi
     forced = _invoke(a, *SWEEP, "--mask", "causal", "--out", out, "--force")
     assert forced.exit_code == 0, forced.output
     assert (tmp_path / companion).read_bytes() != b"precious"
+
+
+def test_a_dry_run_says_it_did_not_ask_the_dask_scheduler(files):
+    """A dry run plans without a scheduler; pointed at one that is not there it said the real run would run, which
+    then waited 10 s and exited 2. It now says the scheduler was not asked."""
+    a, _ = files
+    result = _invoke(a, *SWEEP, "--scheduler", "tcp://127.0.0.1:1", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert ("dry run: nothing was written, and the Dask scheduler at tcp://127.0.0.1:1 was not asked (the run needs it "
+            "reachable); the same command without --dry-run runs it") in _said(result)
+    local = _invoke(a, *SWEEP, "--dry-run")
+    assert "scheduler" not in _said(local).split("dry run:")[-1]
