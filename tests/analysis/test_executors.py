@@ -185,3 +185,27 @@ def test_cli_scheduler_address_gives_the_local_table(acts_path, client, tmp_path
     _same(pd.read_parquet(local), pd.read_parquet(remote))
     bad = CliRunner().invoke(main, [*args, "--scheduler", "nonsense"])
     assert bad.exit_code == 2 and "--scheduler 'nonsense' is not understood" in bad.output
+
+
+@pytest.mark.slow  # two randattn processes and a LocalCluster: about 15 s
+def test_an_in_process_run_under_omp_threads_equal_to_threads_is_the_dask_workers_table_bit_for_bit(tmp_path):
+    """numpy's BLAS pool in the command keeps its size while the local workers' get --threads: OpenBLAS rounds the
+    float64 reference check's products apart (ref_rms_dev, 197 tokens x 64 dims, S = 64). docs/guide/sweeps.md
+    says to compare under OMP_NUM_THREADS equal to --threads: then every column is equal, bit for bit."""
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(5)
+    arrays = {0: tuple(rng.standard_normal((1, 2, 197, 64)).astype(np.float32) for _ in range(3))}
+    source = save_activations(make_activations(arrays, {"model": "synthetic", "scale": 0.125, "images": ["x"],
+                                                        "layout": "sequence"}), tmp_path / "s.safetensors")
+    args = ["-e", "rfa", "--samples", "64", "--replicates", "4", "--threads", "1", "--seed", "7", "--heads", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for out, extra in (("local.parquet", []), ("dask.parquet", ["--scheduler", "processes:1"])):
+        done = subprocess.run([sys.executable, "-c", "from randattn.cli import main; main()", "mse", str(source), *args,
+                               *extra, "--out", str(tmp_path / out)], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+    local, dask = (pd.read_parquet(tmp_path / name).drop(columns="seconds") for name in ("local.parquet",
+                                                                                          "dask.parquet"))
+    pd.testing.assert_frame_equal(local, dask, check_exact=True)
+    assert np.isfinite(local["ref_rms_dev"]).any()
