@@ -101,11 +101,11 @@ def dask_client(scheduler: Scheduler, *, threads: int | None = None, device: str
     threads (default 1), so that they do not oversubscribe the cores. torch's count is set per unit from the
     sweep's configuration in every process, but numpy's BLAS pool in the command itself keeps its size (all cores
     unless ``OMP_NUM_THREADS`` says otherwise), and OpenBLAS rounds a product differently at another thread count:
-    the float64 reference check (``ref_rms_dev``) then differs in its last bits (1e-12 relative measured) between
+    the float64 reference check (``ref_rms_dev``) then differs in its last bits (1.5e-12 relative measured) between
     the workers and an in-process run, unless that run is started with ``OMP_NUM_THREADS`` equal to ``threads``.
-    Workers of a running scheduler should be started with that ``OMP_NUM_THREADS`` too. ``device`` is passed for documentation only: with
-    ``--device cuda`` run one worker per GPU, e.g. with ``dask_cuda.LocalCUDACluster`` (which sets
-    ``CUDA_VISIBLE_DEVICES`` per worker) and ``--scheduler`` pointing at its address.
+    Workers of a running scheduler should be started with that ``OMP_NUM_THREADS`` too. ``device`` is passed for
+    documentation only: with ``--device cuda`` run one worker per GPU, e.g. with ``dask_cuda.LocalCUDACluster``
+    (which sets ``CUDA_VISIBLE_DEVICES`` per worker) and ``--scheduler`` pointing at its address.
     """
     try:
         from distributed import Client, LocalCluster

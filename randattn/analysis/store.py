@@ -587,7 +587,8 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
         if stored["config"] != json.loads(json.dumps(identity)):
             raise FinishedRunMismatchError(out)
         given = json.loads(json.dumps({"activations": activations}, default=str))
-        changed = _changed_keys(stored, given, "activations") if None not in (stored["activations"], activations) else []
+        both = stored["activations"] is not None and activations is not None
+        changed = _changed_keys(stored, given, "activations") if both else []
         if changed:
             raise FinishedRunMismatchError(out, changed)
         return True

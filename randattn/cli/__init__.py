@@ -4,9 +4,9 @@ Each command lives in its own module (``randattn/cli/<command>.py``) and exposes
 click command named ``command``; heavy imports happen inside the command body so
 that ``randattn --help`` stays fast. Only this package prints (through rich).
 Exit codes: 0 ok; 1 a check failed or an unexpected error; 2 bad usage or input, no space left to write an
-output (the message names the file and the cause), or memory that ran out (it names the allocation); 130 interrupted by Ctrl-C (SIGINT), 141 its output's reader
-left (a closed pipe, ``| head``), 143 stopped by SIGTERM. A command that keeps partial work (mse) says where it is
-and how to continue.
+output (the message names the file and the cause), or memory that ran out (it names the allocation); 130
+interrupted by Ctrl-C (SIGINT), 141 its output's reader left (a closed pipe, ``| head``), 143 stopped by SIGTERM. A
+command that keeps partial work (mse) says where it is and how to continue.
 """
 
 from __future__ import annotations
