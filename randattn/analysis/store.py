@@ -541,7 +541,7 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
         resuming, with the parts' manifest (so that a refusal comes before anything is computed).
     resume, force, dry_run : bool
     activations : mapping, optional
-        The activations' fingerprint (:func:`~randattn.analysis.sweep_run.activations_fingerprint`), compared
+        The activations' fingerprint (:func:`~randattn.analysis.records.activations_fingerprint`), compared
         likewise where given.
 
     Returns
