@@ -18,7 +18,8 @@ import tracemalloc
 import weakref
 from typing import Any, Callable
 
-__all__ = ["DEFAULT_BUDGET_FRACTION", "allocation_failure", "available_memory", "default_max_memory", "measure_peak"]
+__all__ = ["DEFAULT_BUDGET_FRACTION", "allocation_failure", "available_memory", "default_max_memory", "limit_headroom",
+           "measure_peak"]
 
 #: the share of the device's free memory that ``randattn mse`` gives the estimator work unless told otherwise
 #: (``--max-memory``): the rest is left to the activations, the interpreter and the other processes of the machine
@@ -47,12 +48,20 @@ def allocation_failure(exc: BaseException) -> str | None:
 
 
 def available_memory(device: str | None = None) -> int:
-    """Bytes free for new work on ``device``: ``torch.cuda.mem_get_info`` on a CUDA device, else the host's
-    ``MemAvailable`` (``/proc/meminfo``, Linux), else its free pages (``sysconf``), else 4 GiB."""
+    """Bytes free for new work on ``device``: ``torch.cuda.mem_get_info`` on a CUDA device; else the host's
+    ``MemAvailable`` (``/proc/meminfo``, Linux), else its free pages (``sysconf``), else 4 GiB -- and no more than
+    this process's cgroup may still take (:func:`limit_headroom`: a container's or a batch job's allotment), which
+    the host's figures do not see."""
     if device is not None and str(device).startswith("cuda"):
         import torch
 
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    host = _host_available()
+    headroom = limit_headroom()
+    return host if headroom is None else min(host, headroom)
+
+
+def _host_available() -> int:
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
@@ -66,6 +75,58 @@ def available_memory(device: str | None = None) -> int:
         return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (AttributeError, OSError, ValueError):
         return _FALLBACK_AVAILABLE
+
+
+#: cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit number (or near it)
+_NO_CGROUP_LIMIT = 2**62
+
+
+def limit_headroom(cgroup_root: str = "/sys/fs/cgroup", proc_self: str = "/proc/self") -> int | None:
+    """Bytes this process's cgroup may still take: its memory limit less its usage (v2 ``memory.max`` -
+    ``memory.current``, or v1 ``memory.limit_in_bytes`` - ``memory.usage_in_bytes``), the allotment of a container
+    or a Slurm job, where ``MemAvailable`` shows the whole host and a budget from it ends in the kernel's OOM kill
+    (SIGKILL, no message). None where no limit is set or readable (not Linux); 0 at the least.
+
+    An address-space limit (``ulimit -v``) is not counted: torch and pyarrow reserve far more address space than
+    they touch, so a budget from it says little, and a run under it ends with the allocator's error (exit 2)."""
+    import os
+
+    v2, v1 = _cgroup_paths(proc_self)
+    # the process's own cgroup first, then the mount's root (a container sees its own cgroup as the root)
+    for base, group, limit_file, usage_file in ((cgroup_root, v2, "memory.max", "memory.current"),
+                                                (os.path.join(cgroup_root, "memory"), v1, "memory.limit_in_bytes",
+                                                 "memory.usage_in_bytes")):
+        for folder in dict.fromkeys([os.path.join(base, group.lstrip("/")), base]):
+            limit, usage = _read_int(os.path.join(folder, limit_file)), _read_int(os.path.join(folder, usage_file))
+            if limit is not None and usage is not None and limit < _NO_CGROUP_LIMIT:
+                return max(0, limit - usage)
+    return None
+
+
+def _cgroup_paths(proc_self: str) -> tuple[str, str]:
+    """This process's cgroup paths in ``/proc/self/cgroup``: v2 (its ``0::`` line) and v1's memory controller (its
+    ``:memory:`` line); "/" for one that is absent."""
+    v2 = v1 = "/"
+    try:
+        with open(f"{proc_self}/cgroup") as fh:
+            for line in fh:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    v2 = path or "/"
+                elif "memory" in controllers.split(","):
+                    v1 = path or "/"
+    except (OSError, ValueError):
+        pass
+    return v2, v1
+
+
+def _read_int(path: str) -> int | None:
+    """The integer a cgroup file holds; None where it is absent, unreadable or "max" (v2's no limit)."""
+    try:
+        with open(path) as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def default_max_memory(device: str | None = None) -> int:

@@ -57,8 +57,8 @@ def _mask_option(context: click.Context, parameter: click.Parameter, value: str)
                    "same draws and report the largest deviation; 0 turns it off.")
 @click.option("--max-memory", default=None,
               help="Approximate memory budget of the estimator work, e.g. 2GiB or 500MB (a bare number is bytes; at "
-                   "least 16KiB)  [default: half the memory free on the device: MemAvailable on the CPU, "
-                   "torch.cuda.mem_get_info on a GPU]")
+                   "least 16KiB)  [default: half the memory free on the device: MemAvailable on the CPU, or what "
+                   "the process's cgroup has left where less; torch.cuda.mem_get_info on a GPU]")
 @click.option("--probabilities/--no-probabilities", default=True, show_default=True,
               help="Also measure the MSE of the attention probabilities.")
 @click.option("--diagnostics/--no-diagnostics", default=True, show_default=True,

@@ -336,3 +336,70 @@ def test_sizes_are_said_in_three_digits_below_1000_of_their_unit(n, said):
     from randattn.analysis.cell_memory import format_bytes
 
     assert format_bytes(n) == said
+
+
+def _cgroup_files(root, files):
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_the_budget_counts_the_cgroup_limit_where_meminfo_shows_the_host(tmp_path, monkeypatch):
+    """In a container or a Slurm job, MemAvailable shows the host and the default budget overran the job's memory
+    (the kernel's OOM kill: SIGKILL, no message). The cgroup's limit less its usage now bounds available memory:
+    v2 (``memory.max``, ``memory.current``) and v1's memory controller, in the process's own cgroup or at the
+    mount's root; "max" and v1's near-2^63 mean no limit; a cgroup past its limit has 0 left."""
+    import randattn.analysis.memory as memory
+
+    proc = tmp_path / "proc"
+    _cgroup_files(proc, {"cgroup": "0::/job/step\n"})
+    v2 = tmp_path / "v2"
+    _cgroup_files(v2, {"job/step/memory.max": f"{8 * 2**30}\n", "job/step/memory.current": f"{3 * 2**30}\n"})
+    assert memory.limit_headroom(str(v2), str(proc)) == 5 * 2**30
+    _cgroup_files(v2, {"job/step/memory.max": "max\n"})
+    assert memory.limit_headroom(str(v2), str(proc)) is None
+    _cgroup_files(v2, {"job/step/memory.max": f"{2**30}\n"})
+    assert memory.limit_headroom(str(v2), str(proc)) == 0
+    v1 = tmp_path / "v1"
+    _cgroup_files(proc, {"cgroup": "5:cpu,cpuacct:/slurm\n4:memory:/slurm/uid_1/job_2\n"})
+    _cgroup_files(v1, {"memory/slurm/uid_1/job_2/memory.limit_in_bytes": f"{4 * 2**30}\n",
+                       "memory/slurm/uid_1/job_2/memory.usage_in_bytes": f"{2**30}\n",
+                       "memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "1\n"})
+    assert memory.limit_headroom(str(v1), str(proc)) == 3 * 2**30
+    _cgroup_files(proc, {"cgroup": "4:memory:/\n"})  # a container: its own cgroup is the mount's root
+    assert memory.limit_headroom(str(v1), str(proc)) is None
+    assert memory.limit_headroom(str(tmp_path / "none"), str(tmp_path / "no-proc")) is None
+    monkeypatch.setattr(memory, "limit_headroom", lambda: 2**30)
+    assert memory.available_memory() == min(2**30, memory._host_available())
+
+
+def test_a_run_in_a_memory_cgroup_budgets_within_its_limit(tmp_path):
+    """A real process in a cgroup v1 memory controller limited to 3 GiB: the dry run's default --max-memory is
+    half of what the cgroup has left, not half the host's MemAvailable. Skipped where no cgroup can be made."""
+    import os
+    import re
+    from pathlib import Path
+
+    parent = Path("/sys/fs/cgroup/memory")
+    group = parent / f"randattn-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(3 * 2**30))
+    except OSError as exc:
+        pytest.skip(f"no cgroup v1 memory controller to make a group in ({exc})")
+    try:
+        rng = np.random.default_rng(0)
+        arrays = {0: tuple(rng.standard_normal((1, 2, 64, 8)) for _ in range(3))}
+        source = save_activations(make_activations(arrays, {"model": "synthetic", "scale": 0.35, "images": ["x"],
+                                                            "layout": "sequence"}), tmp_path / "a.safetensors")
+        procs = group / "cgroup.procs"
+        done = subprocess.run([sys.executable, "-c", "from randattn.cli import main; main()", "mse", str(source),
+                               "-e", "ra", "--samples", "4", "--replicates", "2", "--dry-run"],
+                              preexec_fn=lambda: procs.write_text(str(os.getpid())), capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        budget = re.search(r"--max-memory ([0-9.]+) (MiB|GiB)", done.stderr)
+        assert budget is not None, done.stderr
+        size = float(budget.group(1)) * (2**20 if budget.group(2) == "MiB" else 2**30)
+        assert 0 < size <= 1.5 * 2**30, done.stderr  # half of at most 3 GiB
+    finally:
+        group.rmdir()
