@@ -32,6 +32,7 @@ from randattn.reports.tables import (
     POSITION_PLOT_COLUMNS,
     ResultsError,
     aggregate_over_images,
+    buckets_text,
     few_units_note,
     measured_per_bucket,
     aggregate_positions,
@@ -1001,8 +1002,8 @@ def position_figure(
     _titles(
         fig,
         f"MSE by query position, under {under}",
-        f"{describe_data(positions, metadata)}\nposition buckets 1, 2-3, 4-7, ...: mean over layers and heads per "
-        f"{noun}, then over {noun}s; {_band_text(aggregated, confidence, noun)}{notes}{_exact_note(exact)}",
+        f"{describe_data(positions, metadata)}\nposition buckets {buckets_text(positions)}: mean over layers and "
+        f"heads per {noun}, then over {noun}s; {_band_text(aggregated, confidence, noun)}{notes}{_exact_note(exact)}",
     )
     ordered = [handles[label] for label in label_order(handles)]
     _legend(fig, ordered, len(ordered))

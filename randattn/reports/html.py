@@ -41,6 +41,7 @@ from randattn.reports.tables import (
     ResultsError,
     approximate_labels,
     describe_data,
+    buckets_text,
     aggregate_over_images,
     display_names,
     estimator_spec,
@@ -232,8 +233,11 @@ def diagnostics_summary(
             continue
         rows.append({
             "tokens": int(tokens), "estimator": label, "S": int(s), "cells": int(len(group)),
-            f"k-hat > {khat_threshold:g}": bad_khat, "max k-hat": float(group["_khat"].max()),
-            f"ratio outside [{low:g}, {high:g}]": bad_ratio, "median ratio": float(group["_ratio"].median()),
+            # a count only where the diagnostic exists: 0 would read "none flagged" where none was computed
+            f"k-hat > {khat_threshold:g}": bad_khat if group["_khat"].notna().any() else np.nan,
+            "max k-hat": float(group["_khat"].max()),
+            f"ratio outside [{low:g}, {high:g}]": bad_ratio if group["_ratio"].notna().any() else np.nan,
+            "median ratio": float(group["_ratio"].median()),
         })
     result = pd.DataFrame(rows)
     if result.empty:
@@ -456,7 +460,8 @@ def positions_section(positions: pd.DataFrame, metadata: Mapping[str, Any] | Non
            "<p>Under a causal mask query n sees the p = n + M − N + 1 keys up to itself (under a sliding window "
            "of W keys, the last min(p, W) of them), so its estimate averages "
            "fewer values the earlier it stands, and one MSE over all queries hides where the error lies. Here "
-           "each query's errors are grouped by its position p in buckets 1, 2–3, 4–7, … and aggregated like the "
+           f"each query's errors are grouped by its position p in buckets {esc(buckets_text(positions, '–'))} "
+           "and aggregated like the "
            f"rest of the report (per layer, head and {noun}; mean over heads and layers per {noun}, then over "
            f"{noun}s), at S = {s}.</p>"]
     try:
@@ -796,14 +801,19 @@ def build_report(
     pivot = mse_pivot(table).rename(columns=str).map(_format_number)
     pivot.index = [names.get(label, label) for label in pivot.index]
     pivot.index.name = "estimator"
+    # the summary's rule (randattn.results.summary.aggregate): over items, or over heads where there is one item
+    interval = (f"interval over {noun}s" if table["image"].nunique() > 1 else
+                f"interval over heads, each the mean over layers: with a single {noun} it is the heads' spread, not "
+                f"a spread between {noun}s")
     parts = [
         "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{esc(title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
         f"<h1>{esc(title)}</h1>", f'<p class="subtitle">{esc(describe_data(table, metadata))}</p>',
-        f"<p>All errors are per output element, in {esc(MSE_UNITS)}, measured against exact float64 softmax attention on the same q, k, v, and "
-        f"aggregated as in LARA app. H.1: per (layer, head, {noun}), then the mean over heads and layers of each "
-        f"{noun}, then the mean over {noun}s with a percentile bootstrap interval over {noun}s.</p>",
+        f"<p>All errors are per output element, in {esc(MSE_UNITS)}, measured against exact float64 softmax "
+        f"attention on the same q, k, v, and aggregated as in LARA app. H.1: per (layer, head, {noun}), then the "
+        f"mean over heads and layers of each {noun}, then the mean over {noun}s with a percentile bootstrap "
+        f"{interval}.</p>",
         '<nav><a href="#summary">summary</a> · <a href="#figures">figures</a> · '
         + ('<a href="#language-model">language model</a> · ' if is_lm_metadata(metadata) else "")
         + ('<a href="#positions">error by position</a> · ' if has_positions else "")

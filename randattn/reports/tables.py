@@ -36,6 +36,7 @@ __all__ = [
     "aggregate_over_images",
     "few_units_note",
     "measured_per_bucket",
+    "buckets_text",
     "aggregate_positions",
     "once_without_s",
     "MAX_BROKEN_HEADS_SHOWN",
@@ -410,6 +411,17 @@ def once_without_s(frame: pd.DataFrame) -> pd.DataFrame:
 
     s_free, repeated = s_free_repeats(frame, ("label", "tokens", "mask"))
     return frame.assign(s_free=s_free)[~repeated]
+
+
+def buckets_text(positions: pd.DataFrame, dash: str = "-") -> str:
+    """The position buckets of a per-position table as a caption names them: ``"1, 2-3, 4-7, ..., 512-1023"`` for
+    log2 buckets, the table's own for ``--position-buckets`` edges (every one where there are at most five, else
+    the first three, then the last)."""
+    from randattn.analysis.positions import bucket_text
+
+    pairs = sorted({(int(lo), int(hi)) for lo, hi in zip(positions["position_lo"], positions["position_hi"])})
+    texts = [bucket_text(lo, hi).replace("-", dash) for lo, hi in pairs]
+    return ", ".join(texts if len(texts) <= 5 else [*texts[:3], "...", texts[-1]])
 
 
 def measured_per_bucket(positions: pd.DataFrame) -> dict[tuple[int, int], int]:

@@ -346,3 +346,26 @@ def test_a_real_table_leaves_heads_broken_blank_without_a_promise():
     summary = promise_summary(run_sweep(acts, config)).set_index("label")
     assert summary.loc["topk", "heads broken"] == ""
     assert " of 2" in summary.loc["vattention:sinks=1,local=2,top_k=2", "heads broken"]
+
+
+def test_the_report_says_over_what_its_interval_is():
+    """With one image the summary's interval is over heads (``aggregate``'s rule); the report said "over images",
+    so a spread between heads read as one between images."""
+    one = make_results_table(images=("astronaut",), tokens=(197,), samples=(16,), heads=3, layers=(0, 11),
+                             labels=["rfa"])
+    page = " ".join(build_report(one, environment=ENV, figures=[]).split())
+    assert "bootstrap interval over heads, each the mean over layers: with a single image it is the heads' spread" \
+        in page
+    two = " ".join(build_report(make_results_table(tokens=(197,), samples=(16,), heads=2, layers=(0,),
+                                                   labels=["rfa"]), environment=ENV, figures=[]).split())
+    assert "with a percentile bootstrap interval over images." in two and "heads' spread" not in two
+
+
+def test_a_flagged_setting_counts_only_the_diagnostics_it_has():
+    """k-hat not computed (S too small) beside a flagged variance ratio: its count was 0, read as "none flagged";
+    it is now missing, as its maximum is."""
+    table = make_results_table(tokens=(197,), samples=(16,), heads=1, layers=(0,), labels=["rfa"])
+    table = table.assign(pareto_khat=np.nan, delta_var_ratio=5.0)
+    flagged = diagnostics_summary(table)
+    assert len(flagged) == 1 and np.isnan(flagged["k-hat > 0.7"].iloc[0]) and np.isnan(flagged["max k-hat"].iloc[0])
+    assert flagged["ratio outside [0.5, 2]"].iloc[0] == 2  # the two images' cells

@@ -121,3 +121,21 @@ def test_a_bucket_measured_in_part_says_how_many_of_its_queries_were_measured():
     figure = position_figure(positions)
     ticks = [t.get_text() for t in figure.axes[0].get_xticklabels()]
     assert ticks == ["8-15 (5 measured)", "16"]
+
+
+def test_the_figure_and_the_report_name_the_buckets_the_table_holds(tables):
+    """Both said "1, 2-3, 4-7, ..." whatever the buckets; a run with --position-buckets edges has others."""
+    def caption(positions) -> str:
+        return " ".join(position_figure(positions)._suptitle.get_text().split())
+
+    assert "position buckets 2-3, 4-7, 8-10:" in caption(tables.positions)  # position 1 is not drawn (it says)
+    custom = tables.positions.copy()
+    custom.loc[custom["position_lo"] >= 4, ["position_lo", "position_hi"]] = [4, 10]  # one bucket of 4-10
+    custom = custom.drop_duplicates(["label", "num_samples", "image", "layer", "head", "position_lo"])
+    assert "position buckets 2-3, 4-10:" in caption(custom)
+    page = build_report(tables.table, positions=custom, environment={"python": "3"}, figures=[])
+    assert "in buckets 1, 2–3, 4–10 and aggregated" in " ".join(page.split())
+    from randattn.reports.tables import buckets_text
+
+    seven = np.arange(len(tables.positions)) % 7 + 1  # more than five buckets: the first three, then the last
+    assert buckets_text(tables.positions.assign(position_lo=seven, position_hi=seven)) == "1, 2, 3, ..., 7"
