@@ -302,6 +302,18 @@ def _drawable(table: pd.DataFrame, value: str, confidence: float, seed: int, wha
     return aggregated, exact, names, _token_panels(aggregated), label_styles(aggregated["label"])
 
 
+def _interval(ax, x: np.ndarray, y: np.ndarray, low: np.ndarray, high: np.ndarray, color: str,
+              alpha: float) -> None:
+    """A curve's confidence interval: a band, or, for a curve of one point, an error bar (a band of no width is
+    not seen, and the caption promises an interval)."""
+    if len(x) > 1:
+        ax.fill_between(x, low, high, color=color, alpha=alpha, linewidth=0)
+    else:
+        # a percentile interval need not hold the mean: no negative arm
+        ax.errorbar(x, y, yerr=[np.maximum(y - low, 0), np.maximum(high - y, 0)], fmt="none", ecolor=color,
+                    elinewidth=1.2, capsize=3)
+
+
 def mse_vs_samples_figure(
     table: pd.DataFrame,
     *,
@@ -364,7 +376,7 @@ def mse_vs_samples_figure(
             (line,) = ax.plot(s, y, color=style["color"], marker=style["marker"], markersize=4, linewidth=1.6,
                               label=names[label])
             if np.isfinite(low).all() and np.isfinite(high).all():
-                ax.fill_between(s, low, high, color=style["color"], alpha=0.18, linewidth=0)
+                _interval(ax, s, y, low, high, style["color"], 0.18)
             handles.setdefault(label, line)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -446,8 +458,8 @@ def error_vs_budget_figure(
                               label=names[label] if counted else f"{names[label]} (at S features)")
             low = np.maximum(rows[f"{value}_ci_low"].to_numpy(dtype=float), y / 1e3)
             high = rows[f"{value}_ci_high"].to_numpy(dtype=float)
-            if len(rows) > 1 and np.isfinite(low).all() and np.isfinite(high).all():
-                ax.fill_between(x, low, high, color=style["color"], alpha=0.15, linewidth=0)
+            if np.isfinite(low).all() and np.isfinite(high).all():
+                _interval(ax, x, y, low, high, style["color"], 0.15)
             handles.setdefault(label, line)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -845,7 +857,7 @@ def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: 
                 low = np.maximum(line_rows["mse_ci_low"].to_numpy(dtype=float), y / 1e3)
                 high = line_rows["mse_ci_high"].to_numpy(dtype=float)
                 if np.isfinite(low).all() and np.isfinite(high).all() and (y > 0).all():
-                    ax.fill_between(s, low, high, color=style["color"], alpha=0.18, linewidth=0)
+                    _interval(ax, s, y, low, high, style["color"], 0.18)
                 handles.setdefault(variant, line)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

@@ -289,3 +289,20 @@ def test_error_vs_budget_without_keys_used_says_which_estimators_have_it(table):
     with pytest.raises(ResultsError, match="needs an estimator that reports the keys its queries read"):
         error_vs_budget_figure(table)
     assert "error-vs-budget" in FIGURE_KINDS
+
+
+def test_a_curve_of_one_point_shows_its_interval_as_an_error_bar():
+    """With a single S the band had no width and the interval the caption promises was not drawn: it is now an
+    error bar from the interval's low to its high end."""
+    from matplotlib.collections import LineCollection
+
+    from randattn.reports.tables import aggregate_over_images
+
+    one = make_results_table(tokens=(197,), samples=(16,), heads=3, layers=(0,), labels=["rfa"])
+    figure = mse_vs_samples_figure(one)
+    ax = next(ax for ax in figure.axes if ax.get_title())
+    bars = [c for c in ax.collections if isinstance(c, LineCollection)]
+    assert len(bars) == 1
+    (segment,) = bars[0].get_segments()
+    row = aggregate_over_images(one, ["mse"]).iloc[0]
+    assert segment[:, 1] == pytest.approx([max(row["mse_ci_low"], row["mse"] / 1e3), row["mse_ci_high"]])
