@@ -415,6 +415,14 @@ def _budget_of(panel: pd.DataFrame) -> pd.DataFrame:
     return budget.drop(columns="_keys")
 
 
+def _scores_every_key(table: pd.DataFrame, label: str) -> bool:
+    """Whether ``label``'s estimator, as configured, costs O(N M): it reads every key (RA's proposal scores them
+    all), so S, its sample size, is no budget of keys."""
+    row = table[table["label"] == label].iloc[0]
+    spec = estimator_spec(row["estimator"])
+    return spec is not None and spec.cost_of(row_params(spec, row.get("params"))) == "quadratic"
+
+
 def error_vs_budget_figure(
     table: pd.DataFrame,
     *,
@@ -428,9 +436,10 @@ def error_vs_budget_figure(
     curve of the decode-time sparse and sampling estimators (Quest Fig. 7, MagicPIG Fig. 1, vAttention Fig. 3).
 
     The x value of a point is the mean ``keys_used`` of its rows (exact and sampled keys together, averaged over
-    queries, replicates, heads, layers and items); an estimator that does not report keys used (random
-    features) is placed at S, its features per query, and drawn dashed -- the common budget axis that
-    ``--samples`` sets for every estimator. The y value and its band are those of :func:`mse_vs_samples_figure`.
+    queries, replicates, heads, layers and items); an estimator that does not report keys used is placed at S,
+    its features, samples or proposals per query, and drawn dashed -- the common budget axis that ``--samples``
+    sets for every estimator -- where its cost is linear, and left out, named in the caption, where it scores every
+    key (RA; EVA with its default partition): at S it would look as cheap as S keys. The y value and its band are those of :func:`mse_vs_samples_figure`.
     """
     require_columns(table, [*PLOT_COLUMNS, value], "the error-vs-budget figure")
     table = _select_labels(table, labels)
@@ -441,7 +450,7 @@ def error_vs_budget_figure(
     aggregated, exact, names, panels, styles = _drawable(table, value, confidence, seed, "the error-vs-budget figure")
     fig, axes = _new_figure(len(panels), sharey=True)
     handles: dict[str, Line2D] = {}
-    dashed = False
+    dashed, left_out = False, set()
     for ax, (n, mask, panel, title) in zip(axes, panels):
         rows_of_panel = (table["tokens"] == n) & ((table["mask"].astype(str) == mask) if mask is not None else True)
         budget = _budget_of(table[rows_of_panel])  # a panel per mask: its own layers' keys, not the run's mean
@@ -452,10 +461,13 @@ def error_vs_budget_figure(
             x = rows["budget"].to_numpy(dtype=float)
             y = rows[value].to_numpy(dtype=float)
             counted = bool(rows["counted"].all())
+            if not counted and _scores_every_key(table, label):
+                left_out.add(names[label])  # at S it would look as cheap as S keys: it reads every one
+                continue
             dashed |= not counted
             (line,) = ax.plot(x, y, color=style["color"], marker=style["marker"], markersize=4, linewidth=1.6,
                               linestyle="-" if counted else "--",
-                              label=names[label] if counted else f"{names[label]} (at S features)")
+                              label=names[label] if counted else f"{names[label]} (at S)")
             low = np.maximum(rows[f"{value}_ci_low"].to_numpy(dtype=float), y / 1e3)
             high = rows[f"{value}_ci_high"].to_numpy(dtype=float)
             if np.isfinite(low).all() and np.isfinite(high).all():
@@ -473,7 +485,10 @@ def error_vs_budget_figure(
         f"{'MSE' if value == 'mse' else value} vs keys used per query: quality against budget",
         f"{describe_data(table, metadata)}\nmean over layers and heads per {noun}, then over {noun}s; "
         f"{_band_text(aggregated, confidence, noun)}"
-        f"{'; dashed: no keys_used reported, placed at S' if dashed else ''}{_exact_note(exact)}",
+        + ("; dashed: no keys_used reported, placed at S (its features, samples or proposals per query)" if dashed
+           else "")
+        + (f"; left out: {', '.join(sorted(left_out))} (no keys_used, and each scores every key)" if left_out else "")
+        + _exact_note(exact),
     )
     ordered = [handles[label] for label in label_order(handles)]
     _legend(fig, ordered, len(ordered))

@@ -250,11 +250,28 @@ def test_error_vs_budget_places_counted_estimators_at_their_mean_keys_used_and_t
     assert ax.get_xlabel() == "keys used per query (log scale)" and ax.get_xscale() == "log"
     lines = {line.get_label(): line for line in _data_lines(ax)}
     counted = [line for line in lines.values() if line.get_linestyle() == "-"]
-    assert len(counted) == 1 and len(lines) == RANDOM_LABELS
+    # EVA (its default partition re-chunks every key: quadratic) reports no keys_used and is left out, named
+    assert len(counted) == 1 and len(lines) == RANDOM_LABELS - 1
     np.testing.assert_allclose(counted[0].get_xdata(), [3 * s + 1 for s in (16, 32, 64)])  # heads 0, 1, 2
     dashed = [line for line in lines.values() if line.get_linestyle() == "--"]
     assert all(list(line.get_xdata()) == [16, 32, 64] for line in dashed)
-    assert all(name.endswith("(at S features)") for name, line in lines.items() if line.get_linestyle() == "--")
+    assert all(name.endswith("(at S)") for name, line in lines.items() if line.get_linestyle() == "--")
+    assert not any(name.startswith("EVA") for name in lines)
+    said = " ".join(" ".join(text.get_text() for text in fig.texts).split())
+    assert "left out: EVA" in said and "(no keys_used, and each scores every key)" in said
+
+
+def test_error_vs_budget_leaves_out_an_estimator_that_scores_every_key(table):
+    """RA without keys_used was drawn at x = S "(at S features)", as cheap as top-k at S keys, though its proposal
+    scores every visible key; a random-feature estimator stays at S, dashed."""
+    from randattn.reports.figures import error_vs_budget_figure
+
+    budget = _with_keys_used(table, label="rfa")
+    fig = error_vs_budget_figure(budget[budget["label"].isin(["rfa", "ra", "lara"])])
+    names = [line.get_label() for line in _data_lines(fig.axes[0])]
+    assert not any(name.startswith("RA") for name in names) and any(name.endswith("(at S)") for name in names)
+    said = " ".join(" ".join(text.get_text() for text in fig.texts).split())
+    assert "left out: RA" in said and "(no keys_used, and each scores every key)" in said
 
 
 def test_error_vs_budget_places_each_mask_panel_at_its_own_layers_keys_used():
