@@ -27,6 +27,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import NullLocator
 
 from randattn.analysis.positions import bucket_text
+from randattn.estimators.registry import takes_no_samples
 from randattn.reports.tables import (
     PLOT_COLUMNS,
     POSITION_PLOT_COLUMNS,
@@ -356,8 +357,10 @@ def mse_vs_samples_figure(
     handles: dict[str, Line2D] = {}
     for ax, (n, _, panel, title) in zip(axes, panels):
         per_label = panel.groupby("label")["num_samples"].nunique()
-        swept = panel[panel["label"].map(per_label) > 1]
-        # the x axis spans the swept S; single-S labels (RA at S = 1) are horizontal lines across it
+        free = panel["label"].map(takes_no_samples).astype(bool)  # one measurement the table repeats at each S
+        swept = panel[(panel["label"].map(per_label) > 1) & ~free]
+        # the x axis spans the swept S; single-S labels (RA at S = 1) and labels without S (adaptive vAttention)
+        # are horizontal lines across it
         all_s = sorted((swept if not swept.empty else panel)["num_samples"].unique())
         for label in label_order(panel["label"]):
             rows = panel[panel["label"] == label].sort_values("num_samples")
@@ -365,12 +368,13 @@ def mse_vs_samples_figure(
             y = rows[value].to_numpy(dtype=float)
             low = np.maximum(rows[f"{value}_ci_low"].to_numpy(dtype=float), y / 1e3)
             high = rows[f"{value}_ci_high"].to_numpy(dtype=float)
-            if len(rows) == 1 and len(all_s) > 1:
+            if (len(rows) == 1 or takes_no_samples(label)) and len(all_s) > 1:
                 s = int(rows["num_samples"].iloc[0])
                 ax.axhline(y[0], color=style["color"], linestyle="--", linewidth=1.5)
                 ax.axhspan(low[0], high[0], color=style["color"], alpha=0.12, linewidth=0)
+                which = "no S" if takes_no_samples(label) else f"S = {s} only"
                 handles.setdefault(label, Line2D([], [], color=style["color"], linestyle="--",
-                                                 label=f"{names[label]} (S = {s} only)"))
+                                                 label=f"{names[label]} ({which})"))
                 continue
             s = rows["num_samples"].to_numpy(dtype=float)
             (line,) = ax.plot(s, y, color=style["color"], marker=style["marker"], markersize=4, linewidth=1.6,
@@ -532,18 +536,22 @@ def bias_variance_figure(
     panels = _token_panels(aggregated)
     styles = label_styles(aggregated["label"])
     fig, axes = _new_figure(len(panels), sharey=True)
+    no_variance = False
     for ax, (n, _, panel, title) in zip(axes, panels):
         all_s = sorted(panel["num_samples"].unique())
         for label in label_order(panel["label"]):
             rows = panel[panel["label"] == label].sort_values("num_samples")
             style = styles[label]
+            # a configuration without S: one measurement, a line without markers at the S it was not measured at
+            marker = None if takes_no_samples(label) else style["marker"]
             s = rows["num_samples"].to_numpy(dtype=float)
             variance = rows["variance"].to_numpy(dtype=float)
             bias_sq = rows["bias_sq"].to_numpy(dtype=float)
             mse = rows["mse"].to_numpy(dtype=float)
-            ax.plot(s, np.where(variance > 0, variance, np.nan), color=style["color"], marker=style["marker"],
+            no_variance |= bool((variance <= 0).any())
+            ax.plot(s, np.where(variance > 0, variance, np.nan), color=style["color"], marker=marker,
                     markersize=4, linewidth=1.6)
-            ax.plot(s, np.where(bias_sq > 0, bias_sq, np.nan), color=style["color"], marker=style["marker"],
+            ax.plot(s, np.where(bias_sq > 0, bias_sq, np.nan), color=style["color"], marker=marker,
                     markersize=4, linewidth=1.6, linestyle="--", markerfacecolor="white")
             ax.plot(s, np.where(mse > 0, mse, np.nan), color=style["color"], linewidth=0.8, linestyle=":")
         ax.set_xscale("log", base=2)
@@ -558,9 +566,13 @@ def bias_variance_figure(
         fig,
         "Bias² / variance decomposition of the MSE",
         f"{describe_data(table, metadata)}\nsolid: variance · dashed: debiased bias² (gaps: ≤ 0, below the "
-        f"replicate noise) · dotted: MSE{_exact_note(exact)}",
+        f"replicate noise) · dotted: MSE"
+        + (" · a variance of 0 (a deterministic estimator's) is not drawn" if no_variance else "")
+        + _exact_note(exact),
     )
-    handles = [Line2D([], [], color=styles[label]["color"], marker=styles[label]["marker"], label=names[label])
+    handles = [Line2D([], [], color=styles[label]["color"],
+                      marker=None if takes_no_samples(label) else styles[label]["marker"],
+                      label=names[label] + (" (no S)" if takes_no_samples(label) else ""))
                for label in label_order(aggregated["label"])]
     handles += [
         Line2D([], [], color="0.3", linewidth=1.6, label="variance"),
@@ -679,8 +691,6 @@ def heatmap_figure(
 def samples_text(label: str, num_samples: int) -> str:
     """``", S = 64"`` in a title; nothing for a configuration that takes no S (softmax, adaptive vAttention), whose
     one measurement a table repeats at each S (:func:`randattn.estimators.registry.takes_no_samples`)."""
-    from randattn.estimators.registry import takes_no_samples
-
     return "" if takes_no_samples(label) else f", S = {num_samples}"
 
 

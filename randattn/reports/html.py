@@ -35,6 +35,7 @@ from randattn.reports.figures import (
     position_figure,
     samples_text,
 )
+from randattn.estimators.registry import takes_no_samples
 from randattn.reports.tables import (
     MAX_BROKEN_HEADS_SHOWN,
     PLOT_COLUMNS,
@@ -732,6 +733,16 @@ def _safe_name(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in label).strip("-")
 
 
+def _summary_once_without_s(summary: pd.DataFrame) -> pd.DataFrame:
+    """:func:`~randattn.reports.tables.summary_table` with a configuration that takes no S kept once per token count
+    (and mask), its S "–": the same rule as the terminal's tables."""
+    free = summary["spec"].map(takes_no_samples).astype(bool)
+    repeated = free & summary.duplicated([c for c in ("tokens", "mask", "spec") if c in summary])
+    shown = summary[~repeated].copy()
+    shown["S"] = shown["S"].astype(object).where(~free[~repeated], "–")
+    return shown
+
+
 def _format_number(value: Any) -> str:
     if isinstance(value, (float, np.floating)):
         if not np.isfinite(value):
@@ -799,7 +810,9 @@ def build_report(
     has_positions = positions is not None and not positions.empty
     esc = html.escape
     pivot = mse_pivot(table).rename(columns=str).map(_format_number)
-    pivot.index = [names.get(label, label) for label in pivot.index]
+    # a configuration without S (adaptive vAttention, local) is one measurement the table repeats at each S
+    pivot.index = [names.get(label, label) + (" (no S: one measurement, at every S)" if takes_no_samples(label)
+                                              else "") for label in pivot.index]
     pivot.index.name = "estimator"
     # the summary's rule (randattn.results.summary.aggregate): over items, or over heads where there is one item
     interval = (f"interval over {noun}s" if table["image"].nunique() > 1 else
@@ -826,7 +839,7 @@ def build_report(
         "<h3>Mean MSE by estimator, token count and samples S</h3>",
         _label_tooltips(_table_html(pivot, index=True), names),
         "<h3>MSE with bootstrap interval, variance and debiased bias²</h3>",
-        _label_tooltips(_table_html(summary_table(table, noun=noun)), names),
+        _label_tooltips(_table_html(_summary_once_without_s(summary_table(table, noun=noun))), names),
         *_few_units_paragraph(table, noun),
         '<h2 id="figures">Figures</h2>',
     ]

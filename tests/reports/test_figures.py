@@ -323,3 +323,24 @@ def test_a_curve_of_one_point_shows_its_interval_as_an_error_bar():
     (segment,) = bars[0].get_segments()
     row = aggregate_over_images(one, ["mse"]).iloc[0]
     assert segment[:, 1] == pytest.approx([max(row["mse_ci_low"], row["mse"] / 1e3), row["mse_ci_high"]])
+
+
+def test_a_configuration_without_s_is_one_line_across_the_samples_axis():
+    """Adaptive vAttention takes no S: its one measurement, repeated at each S by the table, was drawn as a curve
+    with a marker at every S as if measured there. It is now a horizontal line named "(no S)", as RA at one S is;
+    in the bias/variance figure a line without markers, and a variance of 0 (top-k's) is said to be left out."""
+    from randattn.reports.figures import bias_variance_figure
+
+    # label: (estimator, params, variance scale at S = 1, squared bias), as randattn.reports.testing.DEFAULT_LABELS
+    decode = {"vattention": ("vattention", {}, 0.2, 0.001), "topk": ("topk", {}, 0.5, 0.0)}
+    table = make_results_table(tokens=(197,), samples=(16, 32), heads=2, layers=(0,), labels=["rfa", "vattention",
+                                                                                             "topk"], profiles=decode)
+    table.loc[table["label"] == "topk", ["variance"]] = 0.0
+    legend = [t.get_text() for t in mse_vs_samples_figure(table).legends[0].get_texts()]
+    assert any(name.endswith("(no S)") and name.startswith("vAttention") for name in legend), legend
+    assert not any(name.endswith("(no S)") and not name.startswith("vAttention") for name in legend), legend
+    figure = bias_variance_figure(table)
+    said = " ".join(" ".join(text.get_text() for text in figure.texts).split())
+    assert "a variance of 0 (a deterministic estimator's) is not drawn" in said
+    legend = [t.get_text() for t in figure.legends[0].get_texts()]
+    assert any(name.startswith("vAttention") and name.endswith("(no S)") for name in legend), legend

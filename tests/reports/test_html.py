@@ -369,3 +369,20 @@ def test_a_flagged_setting_counts_only_the_diagnostics_it_has():
     flagged = diagnostics_summary(table)
     assert len(flagged) == 1 and np.isnan(flagged["k-hat > 0.7"].iloc[0]) and np.isnan(flagged["max k-hat"].iloc[0])
     assert flagged["ratio outside [0.5, 2]"].iloc[0] == 2  # the two images' cells
+
+
+def test_a_configuration_without_s_is_shown_once_in_the_reports_tables():
+    """Adaptive vAttention's one measurement, repeated at each S by the table, gave three identical rows in the
+    report's interval table and three columns in its pivot, as if measured at each S; the terminal shows it once."""
+    from randattn.reports.html import _summary_once_without_s
+
+    decode = {"vattention": ("vattention", {}, 0.2, 0.001)}
+    table = make_results_table(tokens=(197,), samples=(16, 32, 64), heads=2, layers=(0,),
+                               labels=["rfa", "vattention"], profiles=decode)
+    shown = _summary_once_without_s(summary_table(table))
+    assert list(shown.loc[shown["spec"] == "vattention", "S"]) == ["–"]
+    assert list(shown.loc[shown["spec"] == "rfa", "S"]) == [16, 32, 64]
+    page = build_report(table, environment=ENV, figures=[])
+    assert "(no S: one measurement, at every S)" in page
+    interval_table = page.split("MSE with bootstrap interval")[1].split("</table>")[0]
+    assert interval_table.count("<td>vattention</td>") == 1 and interval_table.count("<td>rfa</td>") == 3

@@ -97,7 +97,8 @@ def test_tables_show_the_plugins_display_names(table):
 def test_figures_draw_the_plugins(table):
     fig = mse_vs_samples_figure(table)
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert "My local (exact 49-token window)" in legend and "My RFA (FAVOR+, iid)" in legend
+    # a local window takes no S: one measurement, a horizontal line named so
+    assert "My local (exact 49-token window) (no S)" in legend and "My RFA (FAVOR+, iid)" in legend
     assert not any(text.startswith("My exact") for text in legend)  # exact: noted, not drawn
     assert "My exact (exact) (mse 0)" in " ".join(fig.get_suptitle().split())
     heatmap = heatmap_figure(table, label="mylocal", num_samples=16)
