@@ -538,8 +538,10 @@ def _heads_broken(flags: pd.DataFrame) -> str:
 
 def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
     """Per ``(label, num_samples)`` (and ``mask`` where the layers were measured under several; a configuration
-    without S once, its S "–"): the relative output error ``||y_hat_n - y_n|| / ||y_n||`` over heads (mean of the
-    heads' means and medians, the largest 95th percentile) and, where measured, the violation rate ``P(error >
+    without S once, its S "–"): the keys each query reads where estimators report them (``keys used``, the mean the
+    error-vs-budget figure draws, and ``keys fraction``), the relative output error ``||y_hat_n - y_n|| / ||y_n||``
+    over heads (mean of the heads' means and medians, the largest 95th percentile) and, where measured, the
+    violation rate ``P(error >
     epsilon)`` (mean over heads; with ``violation of`` where some promise bounds another quantity than the output)
     and how many heads break a promise; None when the table has no such columns."""
     if not set(_RELATIVE_COLUMNS) <= set(table.columns) or table["rel_err_mean"].isna().all():
@@ -555,6 +557,11 @@ def promise_summary(table: pd.DataFrame) -> pd.DataFrame | None:
         "median rel. error": groups["rel_err_median"].mean(),
         "largest 95th pct": groups["rel_err_p95"].max(),
     })
+    if "keys_used" in table.columns and table["keys_used"].notna().any():
+        # the error-vs-budget figure's x: the keys each query reads, mean over heads, layers and items
+        summary.insert(0, "keys used", groups["keys_used"].mean())
+        if "keys_fraction" in table.columns:
+            summary.insert(1, "keys fraction", groups["keys_fraction"].mean())
     if "violation_rate" in table.columns:
         summary["epsilon"] = groups["epsilon"].first()
         summary["violation rate"] = groups["violation_rate"].mean()

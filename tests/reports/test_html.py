@@ -386,3 +386,19 @@ def test_a_configuration_without_s_is_shown_once_in_the_reports_tables():
     assert "(no S: one measurement, at every S)" in page
     interval_table = page.split("MSE with bootstrap interval")[1].split("</table>")[0]
     assert interval_table.count("<td>vattention</td>") == 1 and interval_table.count("<td>rfa</td>") == 3
+
+
+def test_the_reports_relative_error_table_holds_the_keys_read():
+    """The report drew the error-vs-budget figure but no table held its x values (the terminal's did): the keys
+    each query reads are now a column of the relative-error summary, the mean over heads, layers and items."""
+    from randattn.reports.html import promise_summary
+
+    table = make_results_table(tokens=(64,), samples=(8, 16), heads=2, layers=(0,), labels=["rfa", "ra"])
+    table["rel_err_mean"], table["rel_err_median"], table["rel_err_p95"] = 0.1, 0.08, 0.3
+    table["keys_used"] = np.where(table["label"] == "ra", 3 * table["num_samples"] + table["head"], np.nan)
+    table["keys_fraction"] = table["keys_used"] / 64
+    summary = promise_summary(table).set_index(["label", "num_samples"])
+    assert list(summary.columns[:2]) == ["keys used", "keys fraction"]
+    assert summary.loc[("ra", 8), "keys used"] == 24.5 and summary.loc[("ra", 16), "keys fraction"] == 48.5 / 64
+    assert np.isnan(summary.loc[("rfa", 8), "keys used"])
+    assert "keys used" not in promise_summary(table.drop(columns=["keys_used", "keys_fraction"]))
