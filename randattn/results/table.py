@@ -32,6 +32,7 @@ __all__ = [
     "ResultsError",
     "PositionsTableError",
     "MetadataConflictWarning",
+    "NewerTableWarning",
     "is_positions_table",
     "positions_path",
     "sidecar_path",
@@ -53,6 +54,11 @@ _PARQUET_METADATA_KEYS = (b"randattn", b"randattn_metadata", b"metadata")
 class MetadataConflictWarning(UserWarning):
     """A table's metadata stored in the file (Parquet, JSON) and in the ``.meta.json`` beside it differ; the
     file's own is used."""
+
+
+class NewerTableWarning(UserWarning):
+    """A table written by a newer randattn than the one reading it: columns or rules it added may be read
+    wrongly or left out."""
 
 
 class ResultsError(ValueError):
@@ -283,11 +289,35 @@ def read_results(path: str | os.PathLike, *, main_table: bool = False) -> Result
         ``position_hi``, or its metadata names the table it belongs to); read that main table instead.
     """
     table, metadata, path = _read_one(path)
+    _warn_if_newer(path, metadata)
     if main_table and is_positions_table(table, metadata):
         raise PositionsTableError(path, _main_table_of(path, metadata))
     beside = positions_path(path)
     positions = _read_one(beside)[0] if beside.is_file() and beside != path else None
     return Results(table=table, metadata=metadata, path=path, positions=positions)
+
+
+def _release(text: Any) -> tuple[int, ...] | None:
+    """``"0.2.0"`` -> ``(0, 2, 0)``; None for what names no release ("unknown", a missing field)."""
+    import re
+
+    numbers = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", str(text or ""))
+    return None if numbers is None else tuple(int(n) for n in numbers.groups(default="0"))
+
+
+def _warn_if_newer(path: Path, metadata: Mapping[str, Any]) -> None:
+    """:class:`NewerTableWarning` where the metadata's ``randattn_version`` is a later release than this one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        here = version("randattn")
+    except PackageNotFoundError:  # a source tree that is not installed: no release to compare
+        return
+    written, reading = _release(metadata.get("randattn_version")), _release(here)
+    if written is not None and reading is not None and written > reading:
+        warnings.warn(f"{str(path)!r} was written by randattn {metadata['randattn_version']}, newer than this "
+                      f"{here}: what that version added may be read wrongly or left out; update randattn to read it",
+                      NewerTableWarning, stacklevel=3)
 
 
 def is_positions_table(table: pd.DataFrame, metadata: Mapping[str, Any]) -> bool:

@@ -97,3 +97,20 @@ def test_a_broken_promise_line_names_the_quantity_its_rate_counts():
     assert old == output
     assert "layer 0 head 3 sequence text: P(err > 0.05) = 0.5 [0.4, 0.6] > delta = 0.05" in output
     assert "layer 0 head 3 sequence text: P(denominator err > 0.05) = 0.5 [0.4, 0.6] > delta = 0.05" in denominator
+
+
+def test_a_table_written_by_a_newer_randattn_is_said_to_be(tmp_path):
+    """A table whose metadata names a later release was read without a word; what that version added (columns,
+    rules) may be read wrongly. This version's own tables, older ones and a missing version read silently."""
+    from importlib.metadata import version
+
+    from randattn.results import NewerTableWarning
+
+    newer, _ = write_table(ROWS, tmp_path / "new.parquet", {"randattn_version": "9.0.0"})
+    with pytest.warns(NewerTableWarning, match=r"new\.parquet. was written by randattn 9\.0\.0, newer than this "):
+        read_results(newer)
+    for name, written in (("same", version("randattn")), ("old", "0.1.0"), ("none", None), ("odd", "unknown")):
+        table, _ = write_table(ROWS, tmp_path / f"{name}.parquet", {"randattn_version": written})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            read_results(table)
