@@ -1023,7 +1023,9 @@ def position_figure(
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         centres = sorted(ticks)
-        ax.set_xticks(centres, [ticks[c] for c in centres], rotation=45 if len(centres) > 6 else 0)
+        # a short last bucket (512 after 256-511) stands near its neighbour on the log axis: labels upright then
+        crowded = len(centres) > 1 and bool((np.diff(np.log2(centres)) < 0.6).any())
+        ax.set_xticks(centres, [ticks[c] for c in centres], rotation=90 if crowded else 45 if len(centres) > 6 else 0)
         ax.xaxis.set_minor_locator(NullLocator())
         title = f"S = {s}" + (f", N = {n} tokens" if several_tokens else "")
         ax.set_title(title + (f", {_mask_words(kind)}" if kind else ""), fontsize=10)

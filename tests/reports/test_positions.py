@@ -139,3 +139,24 @@ def test_the_figure_and_the_report_name_the_buckets_the_table_holds(tables):
 
     seven = np.arange(len(tables.positions)) % 7 + 1  # more than five buckets: the first three, then the last
     assert buckets_text(tables.positions.assign(position_lo=seven, position_hi=seven)) == "1, 2, 3, ..., 7"
+
+
+def test_the_position_labels_of_a_short_last_bucket_do_not_overlap(tables):
+    """log2 buckets of 512 tokens end 256-511, 512: the two centres stand 0.4 octaves apart and their rotated
+    labels ran into each other. Labels are upright where centres crowd, and no two tick labels overlap."""
+    import pandas as pd
+
+    template = tables.positions[tables.positions["position_lo"] == 4]
+    buckets = [(2 ** k, 2 ** (k + 1) - 1) for k in range(1, 9)] + [(512, 512)]  # 2-3, ..., 256-511, 512
+    positions = pd.concat([template.assign(position_lo=lo, position_hi=hi) for lo, hi in buckets],
+                          ignore_index=True)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figure = position_figure(positions)
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    for ax in (ax for ax in figure.axes if ax.get_title()):
+        boxes = [label.get_window_extent(renderer) for label in ax.get_xticklabels() if label.get_text()]
+        assert len(boxes) == len(buckets)
+        assert all(not a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), boxes
