@@ -124,10 +124,11 @@ class OutputExistsError(OutputRuleError):
     out : Path
         The output table.
     path : Path
-        What exists: ``out`` itself, or its parts folder (:func:`parts_path`) holding an unfinished run.
+        What exists: ``out`` itself, its parts folder (:func:`parts_path`) holding an unfinished run, or a file a
+        run writes beside the table (its metadata, the per-position table) found without the table.
     unfinished : bool
         True when ``path`` is the parts folder of an unfinished run (``resume`` continues it), False when it is the
-        finished table (``force`` replaces it).
+        finished table or a file beside it (``force`` replaces it).
     """
 
     def __init__(self, out: str | os.PathLike, path: str | os.PathLike, unfinished: bool) -> None:
@@ -142,6 +143,8 @@ class OutputExistsError(OutputRuleError):
     def __str__(self) -> str:
         if self.unfinished:
             return f"{self.what}; resume=True continues it, force=True starts afresh"
+        if self.path != self.out:  # a file written beside the table, which is not there
+            return f"{self.what}; force=True replaces it"
         return f"{self.what}; force=True replaces it (resume=True checks it is complete)"
 
 
@@ -572,8 +575,8 @@ def check_output(out: str | os.PathLike, identity: Mapping[str, Any], *, resume:
         if not resume:
             raise OutputExistsError(out, parts, unfinished=True)
         compare_manifest(parts, {"config": identity, "activations": activations})
-    if not out.exists() and not resume:
-        # the files a run writes beside its table: a plain run would replace them without a word
+    if not out.exists():
+        # the files a run writes beside its table, found without it: a run, resumed or not, would replace them
         beside = (sidecar_path(out), positions_path(out), sidecar_path(positions_path(out)))
         for companion in beside:
             if companion.exists():

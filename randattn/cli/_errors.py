@@ -84,6 +84,8 @@ def _(exc: OutputPathError) -> str:
 def _(exc: OutputExistsError) -> str:
     if exc.unfinished:
         return f"{exc.what}; add --resume to continue it, or --force to start afresh"
+    if exc.path != exc.out:  # a file a run writes beside its table, found without the table: nothing to resume
+        return f"{exc.what}; pass --force to replace it"
     return f"{exc.what}; pass --force to replace it (or --resume to check it is complete)"
 
 

@@ -346,7 +346,7 @@ def _capture_lm(model_name, hf_name, text_specs, pack, token_ids_path, max_token
 
 def _say_when_asking_the_hub(hf_name: str) -> None:
     """Say that a name found neither on disk nor in the hub cache is asked of huggingface.co, before transformers
-    does so in silence: without a network its retries take about 25 s before the refusal."""
+    asks: without a network the hub library's retries take about 25 s before the refusal."""
     try:
         from huggingface_hub import constants, try_to_load_from_cache
         from huggingface_hub.errors import HFValidationError

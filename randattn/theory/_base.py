@@ -357,7 +357,7 @@ def closed_form_and_mc(name: str, worst: float, tolerance: float, mc: CheckResul
     ``MC_K_SE`` where that part alone fails, so that the row shows what failed."""
     closed_ok = worst <= tolerance
     details = (f"{what}: {worst:.3g} <= {tolerance:g} ({'ok' if closed_ok else 'FAILED'}); Monte Carlo vs the "
-               f"package: max |z| = {mc.measured:.3g} <= {MC_K_SE:g} ({'ok' if mc.passed else 'FAILED'}; "
+               f"package: {mc.measured:.3g} {mc.comparison} {MC_K_SE:g} ({'ok' if mc.passed else 'FAILED'}; "
                f"{mc.details})")
     if closed_ok and not mc.passed:
         return CheckResult(name, mc.measured, MC_K_SE, False, details, tested=mc.tested)

@@ -173,7 +173,8 @@ def _hub_cache_with_config(cache, repo_id: str) -> None:
 
 
 def test_a_hub_name_neither_local_nor_cached_is_said_to_be_asked_of_the_hub(tmp_path, monkeypatch):
-    """Without a network, transformers' retries took about 25 s before the refusal, in silence. A name that is no
+    """Without a network, the hub library's retries took about 25 s before the refusal, and nothing said why the hub
+    was asked. A name that is no
     local path and not in the hub cache is now said to be asked of huggingface.co first; a cached name, a local
     folder of that name and HF_HUB_OFFLINE=1 are not."""
     pytest.importorskip("huggingface_hub")

@@ -318,10 +318,11 @@ def test_a_file_the_run_writes_beside_its_table_is_not_replaced_without_force(fi
     a, _ = files
     out = tmp_path / "a.parquet"
     (tmp_path / companion).write_text("precious")
-    refused = _invoke(a, *SWEEP, "--mask", "causal", "--out", out)
-    assert refused.exit_code == 2, refused.output
-    assert f"'{tmp_path / companion}' exists; pass --force to replace it" in _said(refused)
-    assert (tmp_path / companion).read_text() == "precious" and not out.exists()
+    for resume in ((), ("--resume",)):  # a resume has no table to check: it would write them as well
+        refused = _invoke(a, *SWEEP, "--mask", "causal", "--out", out, *resume)
+        assert refused.exit_code == 2, refused.output
+        assert _said(refused).endswith(f"'{tmp_path / companion}' exists; pass --force to replace it")
+        assert (tmp_path / companion).read_text() == "precious" and not out.exists()
     forced = _invoke(a, *SWEEP, "--mask", "causal", "--out", out, "--force")
     assert forced.exit_code == 0, forced.output
     assert (tmp_path / companion).read_bytes() != b"precious"
