@@ -344,3 +344,12 @@ def test_a_configuration_without_s_is_one_line_across_the_samples_axis():
     assert "a variance of 0 (a deterministic estimator's) is not drawn" in said
     legend = [t.get_text() for t in figure.legends[0].get_texts()]
     assert any(name.startswith("vAttention") and name.endswith("(no S)") for name in legend), legend
+
+
+def test_saved_figures_keep_their_text_as_text(table, tmp_path):
+    """A paper's figure is edited and searched: SVG text was drawn as outlines (no <text> element) and PDF fonts were
+    Type 3. Now the SVG holds <text> and the PDF embeds TrueType (Type 42) fonts."""
+    svg, pdf = save_figure(mse_vs_samples_figure(table), tmp_path / "f", formats=("svg", "pdf"), dpi=80)
+    svg_text = svg.read_text(encoding="utf-8")
+    assert svg_text.count("<text") > 10 and ">MSE (squared output units)<" in svg_text
+    assert b"/CIDFontType2" in pdf.read_bytes() and b"/Type3" not in pdf.read_bytes()  # TrueType, as CID
