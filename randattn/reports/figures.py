@@ -447,7 +447,8 @@ def error_vs_budget_figure(
     queries, replicates, heads, layers and items); an estimator that does not report keys used is placed at S,
     its features, samples or proposals per query, and drawn dashed -- the common budget axis that ``--samples``
     sets for every estimator -- where its cost is linear, and left out, named in the caption, where it scores every
-    key (RA; EVA with its default partition): at S it would look as cheap as S keys. The y value and its band are those of :func:`mse_vs_samples_figure`.
+    key (RA; EVA with its default partition): at S it would look as cheap as S keys. The y value and its band are
+    those of :func:`mse_vs_samples_figure`.
     """
     require_columns(table, [*PLOT_COLUMNS, value], "the error-vs-budget figure")
     table = _select_labels(table, labels)
