@@ -903,10 +903,26 @@ def features_figure(table: pd.DataFrame, *, metadata: dict | None = None, seed: 
         f"Random-feature attention ({families}): coupling and feature map",
         f"{describe_data(rows, metadata)}\nmean over layers and heads per {noun}, then over {noun}s; "
         f"{_band_text(aggregate_over_images(rows, ['mse'], n_boot=2, seed=seed), 0.95, noun)}"
-        f"{_not_shown_note(rows, panels, table)}",
+        f"{_not_shown_note(rows, panels, table)}{_shared_variant_note(panels)}",
     )
     _legend(fig, [handles[v] for v in sorted(handles)], len(handles))
     return fig
+
+
+def _shared_variant_note(panels) -> str:
+    """``"; the same rows: iid (couplings) = positive (feature maps)"``: a configuration that both columns hold, which
+    each names by what it varies (plain rfa is "iid" among couplings and "positive" among feature maps), drawn in
+    two colours."""
+    if len(panels) < 2:
+        return ""
+    (_, left, left_column), (_, right, right_column) = panels[:2]
+    shared = sorted(set(left["label"]) & set(right["label"]))
+    pairs = []
+    for label in shared:
+        a = left.loc[left["label"] == label].iloc[0]
+        b = right.loc[right["label"] == label].iloc[0]
+        pairs.append(f"{a['_family']}{a[left_column]} (left) = {b['_family']}{b[right_column]} (right)")
+    return f"; the same rows, in two colours: {', '.join(pairs)}" if pairs else ""
 
 
 _POSITION_LABEL = "query position p = n + M − N + 1 (log scale)"

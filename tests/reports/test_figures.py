@@ -353,3 +353,11 @@ def test_saved_figures_keep_their_text_as_text(table, tmp_path):
     svg_text = svg.read_text(encoding="utf-8")
     assert svg_text.count("<text") > 10 and ">MSE (squared output units)<" in svg_text
     assert b"/CIDFontType2" in pdf.read_bytes() and b"/Type3" not in pdf.read_bytes()  # TrueType, as CID
+
+
+def test_the_features_figure_says_which_lines_are_the_same_rows(table):
+    """Orthogonal positive features are "orthogonal" among the couplings and "positive" among the feature maps: the
+    same rows in two colours under one legend, which the figure did not say."""
+    figure = features_figure(table)
+    said = " ".join(" ".join(text.get_text() for text in figure.texts).split())
+    assert said.endswith("; the same rows, in two colours: orthogonal (left) = positive (right)"), said[-200:]
