@@ -743,11 +743,9 @@ def _safe_name(label: str) -> str:
 def _summary_once_without_s(summary: pd.DataFrame) -> pd.DataFrame:
     """:func:`~randattn.reports.tables.summary_table` with a configuration that takes no S kept once per token count
     (and mask), its S "–": the same rule as the terminal's tables."""
-    free = summary["spec"].map(takes_no_samples).astype(bool)
-    repeated = free & summary.duplicated([c for c in ("tokens", "mask", "spec") if c in summary])
-    shown = summary[~repeated].copy()
-    shown["S"] = shown["S"].astype(object).where(~free[~repeated], "–")
-    return shown
+    shown = once_without_s(summary.assign(label=summary["spec"]))  # its rows are keyed by the exact label, "spec"
+    shown["S"] = shown["S"].astype(object).where(~shown["s_free"], "–")
+    return shown.drop(columns=["label", "s_free"])
 
 
 def _format_number(value: Any) -> str:
