@@ -38,7 +38,6 @@ from randattn.results.table import SweepTables
 __all__ = [
     "consolidate",
     "consolidate_positions",
-    "run_manifest",
     "run_sweep",
     "run_sweep_tables",
     "summarize_warnings",
@@ -57,7 +56,7 @@ def consolidate_positions(positions, config: SweepConfig, acts=None):
                                         acts.images if acts is not None else ())
 
 
-def run_manifest(acts, config: SweepConfig) -> dict[str, Any]:
+def _manifest(acts, config: SweepConfig) -> dict[str, Any]:
     """A run's manifest: ``{"config": config.identity(), "activations":``
     :func:`~randattn.analysis.records.activations_fingerprint` ``(acts)}``, stored in its parts folder and compared
     when it resumes (:func:`~randattn.analysis.store.check_output`)."""
@@ -306,7 +305,7 @@ def _run_sweep(activations: Any, config: SweepConfig, *, parts_dir: str | os.Pat
         stored: set[str] = set()
         set_aside: list[dict[str, str]] = []
         if parts is not None:
-            prepare_parts_dir(parts, run_manifest(acts, config), resume, resume_hint)
+            prepare_parts_dir(parts, _manifest(acts, config), resume, resume_hint)
             if resume:
                 set_aside = set_aside_unreadable(parts)  # warns CorruptPartWarning for each
             stored = stored_unit_ids(parts)
