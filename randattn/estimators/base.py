@@ -274,7 +274,7 @@ def keyword_entry(options_type: type[EstimatorOptions], *,
             try:
                 given = signature.bind(*args, **kwargs).arguments
             except TypeError as exc:
-                raise TypeError(f"{impl.__qualname__}(): {exc}") from None
+                raise TypeError(f"{entry.__qualname__}(): {exc}") from None
             options = options_type(**{name: value for name, value in given.items() if name not in protocol_names})
             # by name: draw's protocol arguments are keyword-only; those not given keep impl's defaults
             arguments = {name: given[name] for name in protocol_names if name in given}

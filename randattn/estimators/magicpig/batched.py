@@ -24,15 +24,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.magicpig.reference import MagicpigOptions, tail_terms
 from randattn.estimators.masks import check_causal_shapes
-from randattn.estimators.sparse.batched import keys_used as count_keys_used
-from randattn.estimators.sparse.batched import masked_logits, visible_keys, weighted_attention
+from randattn.estimators.sparse import batched as sparse_batched
+from randattn.estimators.sparse.batched import masked_logits, visible_keys
+from randattn.estimators.sparse.forms import WeightedKeysForms, no_values
 
 __all__ = ["CHUNK_ELEMENTS", "estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used",
            "exact_and_candidate_keys", "keys_used", "log_weights", "probabilities", "sample_counts"]
@@ -356,14 +356,6 @@ def _sampled_pairs_log_inclusion(x: torch.Tensor, y: torch.Tensor, means: torch.
     return log_u
 
 
-def _no_values(k: Any) -> Any:
-    """``(..., M, 1)`` zeros of ``k``'s kind and dtype: the values the input checks ask for where none are used."""
-    if isinstance(k, torch.Tensor):
-        return k.new_zeros((*k.shape[:-1], 1))
-    k = np.asarray(k)
-    return np.zeros((*k.shape[:-1], 1), dtype=k.dtype)
-
-
 def _prepared(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions):
     """``(x, y, v, hyperplanes)`` after every check (the reference's checks, same messages)."""
     x, y, v, _, batch = prepare_batched(q, k, v, options.scale)
@@ -374,41 +366,20 @@ def _prepared(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions):
     return x, y, v, hyperplanes
 
 
-@keyword_entry(MagicpigOptions)
-def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
-                                options: MagicpigOptions) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))`` from one selection; see :func:`estimate`."""
+def _weighted_scores(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logits, log_weights, v)`` of one hashing of the keys, as the reference's."""
     x, y, v, hyperplanes = _prepared(q, k, v, draws, options)
-    weights = log_weights(x, y, hyperplanes, **options.selection_keywords)
-    return weighted_attention(masked_logits(x, y, options.mask), weights, v)
+    return masked_logits(x, y, options.mask), log_weights(x, y, hyperplanes, **options.selection_keywords), v
 
 
-@keyword_entry(MagicpigOptions)
-def estimate_with_probabilities_and_keys_used(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions
-                                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, probabilities, keys_used)`` from one hashing of the keys, the same bits as the three forms: the keys
-    a query reads are those with a finite weight (its exact keys, weight 0, and its sampled keys, ``-log u``)."""
-    x, y, v, hyperplanes = _prepared(q, k, v, draws, options)
-    weights = log_weights(x, y, hyperplanes, **options.selection_keywords)
-    return (*weighted_attention(masked_logits(x, y, options.mask), weights, v), count_keys_used(weights))
-
-
-@keyword_entry(MagicpigOptions)
-def estimate(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions) -> torch.Tensor:
-    """MagicPIG over ``(R, ..., N, Dv)``; same signature and layout as ``magicpig.reference.estimate``."""
-    return estimate_with_probabilities.on_options(q, k, v, draws, options)[0]
-
-
-@keyword_entry(MagicpigOptions)
-def probabilities(q: Any, k: Any, draws: Draws, options: MagicpigOptions) -> torch.Tensor:
-    """``(R, ..., N, M)``: the attention probabilities MagicPIG implies (its weighted softmax over the keys)."""
-    x, y, _, hyperplanes = _prepared(q, k, _no_values(k), draws, options)
-    weights = log_weights(x, y, hyperplanes, **options.selection_keywords)
-    return torch.softmax(masked_logits(x, y, options.mask) + weights, dim=-1)
+estimate, estimate_with_probabilities, estimate_with_probabilities_and_keys_used, probabilities = WeightedKeysForms(
+    MagicpigOptions, _weighted_scores, sparse_batched).entries(
+    "estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used", "probabilities")
 
 
 @keyword_entry(MagicpigOptions)
 def keys_used(q: Any, k: Any, draws: Draws, options: MagicpigOptions) -> torch.Tensor:
     """``(R, ..., N)`` float64: the distinct keys each query reads, exact plus sampled (reference ``keys_used``)."""
-    x, y, _, hyperplanes = _prepared(q, k, _no_values(k), draws, options)
+    x, y, _, hyperplanes = _prepared(q, k, no_values(k), draws, options)
     return sample_counts(x, y, hyperplanes, **options.selection_keywords)

@@ -19,12 +19,28 @@ conventions). For query :math:`n` (at token :math:`t_n`, the last key it may see
       u_{nm} = P[\mathrm{Bin}(L, P_{nm}) \ge c], \quad P_{nm} = p_{nm}^K, \quad
       p_{nm} = 1 - \theta_{nm} / \pi, \quad \theta_{nm} = \angle(x_n, \bar y_m);
 
-- the estimate (eqs. 9, 11): softmax over :math:`E_n \cup S_n` of :math:`x_n^\top y_m - \log u_{nm}` (0 for
+- the estimate (eqs. 9, 11; Algorithm 1): softmax over :math:`E_n \cup S_n` of :math:`x_n^\top y_m - \log u_{nm}` (0 for
   exact keys), so a sampled key weighs :math:`w = 1 / u`.
 
 ``log u`` is the log of the binomial tail summed in log space (``logsumexp`` over :math:`j \ge c` of
 :math:`\log \binom{L}{j} + j \log P + (L - j) \log(1 - P)`), so it stays exact when :math:`u` is far below
 the smallest float (no ``1 - (1 - P)^L`` cancellation, no division by an underflowed 0).
+
+The forms (``estimate``, ``estimate_with_probabilities``, ``probabilities``, ``keys_used``: the distinct keys each
+query reads, exact plus sampled) are :class:`~randattn.estimators.sparse.forms.WeightedKeysForms` over one hashing
+of the keys, each ``f(q, k, [v,] draws, *, scale, **options)``: queries (..., N, D), keys (..., M, D), values
+(..., M, Dv), ``hyperplanes : (R, ..., L, K, D)`` in the draws of :func:`randattn.estimators.magicpig.draw`, and
+the fields of :class:`MagicpigOptions` as keywords (``hash_bits`` must match the draws). ``estimate`` returns
+(R, ..., N, Dv) float64:
+
+>>> import numpy as np
+>>> from randattn.estimators.magicpig import draw
+>>> from randattn.estimators.magicpig.reference import estimate
+>>> rng = np.random.default_rng(0)
+>>> q, k, v = rng.normal(size=(3, 12, 8))
+>>> draws = draw(q.shape, k.shape, num_samples=8, replicates=2, rng=rng, hash_bits=2, sinks=1, local=2)
+>>> estimate(q, k, v, draws, hash_bits=2, sinks=1, local=2).shape
+(2, 12, 8)
 """
 
 from __future__ import annotations
@@ -37,10 +53,11 @@ from scipy.special import gammaln, logsumexp, xlog1py
 
 from randattn._validation import check_choice, check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
-from randattn.estimators.base import Draws, EstimatorOptions, keyword_entry, option
+from randattn.estimators.base import Draws, EstimatorOptions, option
 from randattn.estimators.masks import DECLARABLE_MASKS, Mask, check_causal_shapes, check_mask_argument
-from randattn.estimators.sparse.reference import keys_used as count_keys_used
-from randattn.estimators.sparse.reference import masked_logits, visible_keys, weighted_attention
+from randattn.estimators.sparse import reference as sparse_reference
+from randattn.estimators.sparse.forms import WeightedKeysForms
+from randattn.estimators.sparse.reference import masked_logits, visible_keys
 
 __all__ = [
     "CENTERINGS",
@@ -331,62 +348,15 @@ def checked_selection_params(hyperplane_shape: tuple[int, ...], params: dict[str
     return {name: value for name, value in options.selection_keywords.items() if name != "mask"}
 
 
-@keyword_entry(MagicpigOptions)
-def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
-                                options: MagicpigOptions) -> tuple[np.ndarray, np.ndarray]:
-    """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))``; see :func:`estimate`."""
+def _weighted_scores(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(logits, log_weights, v)`` of one hashing of the keys (:class:`~randattn.estimators.sparse.forms.
+    WeightedKeysForms`): the masked logits and ``-log u`` on the sampled keys, 0 on the exact ones."""
     x, y, v, hyperplanes = _prepared(q, k, v, draws, options)
     chosen = select(x, y, hyperplanes, **options.selection_keywords)
-    return weighted_attention(masked_logits(x, y, options.mask), chosen.log_weights, v)
+    return masked_logits(x, y, options.mask), chosen.log_weights, v
 
 
-@keyword_entry(MagicpigOptions)
-def estimate(q: Any, k: Any, v: Any, draws: Draws, options: MagicpigOptions) -> np.ndarray:
-    r"""MagicPIG attention (paper eq. 11, Algorithm 1): exact sinks and local window, SimHash-sampled rest.
-
-    .. math::
-        \hat o_n = \frac{\sum_{m \in E_n} e^{x_n^\top y_m} v_m + \sum_{m \in S_n} e^{x_n^\top y_m - \log u_{nm}} v_m}
-                        {\sum_{m \in E_n} e^{x_n^\top y_m} + \sum_{m \in S_n} e^{x_n^\top y_m - \log u_{nm}}}
-
-    Parameters
-    ----------
-    q, k, v : array_like
-        Queries (..., N, D), keys (..., M, D), values (..., M, Dv).
-    draws : Draws
-        ``hyperplanes : (R, ..., L, K, D)`` from :func:`randattn.estimators.magicpig.draw`.
-    scale, hash_bits, min_collisions, sinks, local, center, mask
-        The fields of :class:`MagicpigOptions` (``hash_bits`` must match the draws; the package docstring has the
-        conventions).
-
-    Returns
-    -------
-    (R, ..., N, Dv) float64
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from randattn.estimators.magicpig import draw
-    >>> from randattn.estimators.magicpig.reference import estimate
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = rng.normal(size=(3, 12, 8))
-    >>> draws = draw(q.shape, k.shape, num_samples=8, replicates=2, rng=rng, hash_bits=2, sinks=1, local=2)
-    >>> estimate(q, k, v, draws, hash_bits=2, sinks=1, local=2).shape
-    (2, 12, 8)
-    """
-    return estimate_with_probabilities.on_options(q, k, v, draws, options)[0]
-
-
-@keyword_entry(MagicpigOptions)
-def probabilities(q: Any, k: Any, draws: Draws, options: MagicpigOptions) -> np.ndarray:
-    """``(R, ..., N, M)``: the attention probabilities MagicPIG implies (its weighted softmax over the keys)."""
-    v = np.zeros((*np.shape(k)[:-1], 1))
-    return estimate_with_probabilities.on_options(q, k, v, draws, options)[1]
-
-
-@keyword_entry(MagicpigOptions)
-def keys_used(q: Any, k: Any, draws: Draws, options: MagicpigOptions) -> np.ndarray:
-    """``(R, ..., N)`` float64: the distinct keys each query reads, exact (sinks, local window) plus sampled."""
-    v = np.zeros((*np.shape(k)[:-1], 1))
-    x, y, _, hyperplanes = _prepared(q, k, v, draws, options)
-    chosen = select(x, y, hyperplanes, **options.selection_keywords)
-    return count_keys_used(chosen.log_weights, masked_logits(x, y, options.mask))
+estimate, estimate_with_probabilities, probabilities, keys_used = WeightedKeysForms(
+    MagicpigOptions, _weighted_scores, sparse_reference).entries(
+    "estimate", "estimate_with_probabilities", "probabilities", "keys_used")

@@ -8,7 +8,8 @@ import torch
 
 from randattn.estimators.masks import Mask
 
-__all__ = ["keys_used", "masked_logits", "visible_keys", "weighted_attention"]
+__all__ = ["attention", "keys_used", "log_denominator", "masked_logits", "repeated", "visible_keys",
+           "weighted_attention"]
 
 
 def visible_keys(num_queries: int, num_keys: int, mask: str | None, device: Any = None) -> torch.Tensor | None:
@@ -31,7 +32,12 @@ def masked_logits(x: torch.Tensor, y: torch.Tensor, mask: str | None) -> torch.T
 
 def weighted_attention(logits: torch.Tensor, log_weights: torch.Tensor, v: torch.Tensor):
     r"""``(out, probabilities)``: :math:`\sum_m p_{nm} v_m`, :math:`p_{nm} \propto w_{nm} e^{l_{nm}}` (max-subtracted)."""
-    probabilities = torch.softmax(logits + log_weights, dim=-1)
+    return attention(logits + log_weights, v)
+
+
+def attention(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(out, probabilities)`` from the weighted scores :math:`\log w + l` (:func:`weighted_attention`'s sum)."""
+    probabilities = torch.softmax(scores, dim=-1)
     return probabilities @ v, probabilities
 
 
@@ -41,3 +47,14 @@ def keys_used(log_weights: torch.Tensor, logits: torch.Tensor | None = None) -> 
     if logits is not None:
         used = used & torch.isfinite(logits)
     return used.sum(dim=-1).to(torch.float64)
+
+
+def log_denominator(scores: torch.Tensor) -> torch.Tensor:
+    """``(..., N)`` float64: the log of the weighted softmax normaliser from ``scores = log w + l``; a logsumexp in the
+    scores' dtype (a float32 run rounds it by a few ulps of the largest score), returned as float64."""
+    return torch.logsumexp(scores, dim=-1).to(torch.float64)
+
+
+def repeated(tensor: torch.Tensor, replicates: int) -> torch.Tensor:
+    """``tensor`` repeated along a new leading replicate dim (a copy, not a view)."""
+    return tensor.unsqueeze(0).expand(replicates, *tensor.shape).clone()

@@ -15,9 +15,9 @@ from typing import Any, Callable
 import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
-from randattn.estimators.base import Draws, keyword_entry
-from randattn.estimators.sparse.batched import keys_used as count_keys_used
-from randattn.estimators.sparse.batched import masked_logits, weighted_attention
+from randattn.estimators.base import Draws
+from randattn.estimators.sparse import batched as sparse_batched
+from randattn.estimators.sparse.forms import WeightedKeysForms
 from randattn.estimators.sparse.selection import KeptKeysForms, KeptKeysOptions, budget_of
 
 __all__ = ["KeptKeysBatched", "log_weights_of", "top_ranked"]
@@ -39,26 +39,18 @@ def top_ranked(scores: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
     return rank < count
 
 
-def _replicated(tensor: torch.Tensor, replicates: int) -> torch.Tensor:
-    return tensor.unsqueeze(0).expand(replicates, *tensor.shape).clone()
-
-
 @dataclass(frozen=True)
 class KeptKeysBatched(KeptKeysForms):
     """The torch forms of a deterministic selection estimator (:class:`~randattn.estimators.sparse.selection.
     KeptKeysForms`, ``select`` on tensors, S a 0-d tensor)."""
 
-    _attend = staticmethod(weighted_attention)
-    _count = staticmethod(count_keys_used)
-    _replicated = staticmethod(_replicated)
-
     def forms(self) -> tuple[Callable[..., Any], ...]:
         """``(estimate, estimate_with_probabilities, probabilities, keys_used,
         estimate_with_probabilities_and_keys_used)``, an estimator's batched functions, each
         ``f(q, k, [v,] draws, *, scale=None, mask=None, **options)``."""
-        entry = keyword_entry(self.options_type)
-        return (entry(self.estimate), entry(self.estimate_with_probabilities), entry(self.probabilities),
-                entry(self.keys_used), entry(self.estimate_with_probabilities_and_keys_used))
+        forms = WeightedKeysForms(self.options_type, self._log_weights, sparse_batched, same_in_every_replicate=True)
+        return forms.entries("estimate", "estimate_with_probabilities", "probabilities", "keys_used",
+                             "estimate_with_probabilities_and_keys_used")
 
     def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,6 +59,6 @@ class KeptKeysBatched(KeptKeysForms):
         budget = check_draw_array(draws, "budget", batch, ())
         if budget.device.type == "cpu":
             options.check_budget(budget_of(draws, batch))
-        logits = masked_logits(x, y, options.mask)
+        logits = sparse_batched.masked_logits(x, y, options.mask)
         keep = self.select(x, y, logits, budget.reshape(-1)[0], options)
         return logits, log_weights_of(keep, logits), v

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-from scipy.special import softmax
+from scipy.special import logsumexp, softmax
 
 from randattn.estimators.masks import Mask
 
-__all__ = ["keys_used", "masked_logits", "visible_keys", "weighted_attention"]
+__all__ = ["attention", "keys_used", "log_denominator", "masked_logits", "repeated", "visible_keys",
+           "weighted_attention"]
 
 
 def visible_keys(num_queries: int, num_keys: int, mask: str | None) -> np.ndarray:
@@ -39,7 +40,12 @@ def weighted_attention(logits: np.ndarray, log_weights: np.ndarray, v: np.ndarra
     Every row must keep some visible key (each estimator keeps at least one); the softmax subtracts the
     row maximum of :math:`\log w + l`, so norms above 100 do not overflow.
     """
-    probabilities = softmax(logits + log_weights, axis=-1)
+    return attention(logits + log_weights, v)
+
+
+def attention(scores: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    r"""``(out, probabilities)`` from the weighted scores :math:`\log w + l` (:func:`weighted_attention`'s sum)."""
+    probabilities = softmax(scores, axis=-1)
     return probabilities @ v, probabilities
 
 
@@ -49,3 +55,14 @@ def keys_used(log_weights: np.ndarray, logits: np.ndarray | None = None) -> np.n
     if logits is not None:
         used = used & np.isfinite(logits)
     return used.sum(axis=-1).astype(np.float64)
+
+
+def log_denominator(scores: np.ndarray) -> np.ndarray:
+    r"""``(..., N)`` float64: :math:`\log \sum_m w_{nm} e^{l_{nm}}` from ``scores`` :math:`= \log w + l`, a logsumexp
+    (finite for scores of any size while a row keeps a key)."""
+    return logsumexp(scores, axis=-1)
+
+
+def repeated(array: np.ndarray, replicates: int) -> np.ndarray:
+    """``array`` repeated along a new leading replicate dim: the output of a selection made once for every replicate."""
+    return np.broadcast_to(array, (replicates, *array.shape)).copy()

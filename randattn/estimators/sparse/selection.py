@@ -13,7 +13,8 @@ same output.
 
 :class:`KeptKeysReference` turns an estimator's options (its parameters, checked alone and against S) and
 ``select`` (its rule for ``keep``) into the numpy float64 ``estimate``, ``probabilities`` and ``keys_used``;
-:class:`~randattn.estimators.sparse.batched_selection.KeptKeysBatched` does the same in torch.
+:class:`~randattn.estimators.sparse.batched_selection.KeptKeysBatched` does the same in torch; both through
+:class:`~randattn.estimators.sparse.forms.WeightedKeysForms`, the forms every decode-time estimator shares.
 
 What these estimators declare alike is said once here: their options' base :class:`KeptKeysOptions` (the mask,
 and S checked against the parameters by :meth:`~KeptKeysOptions.check_budget`), their ``draw``
@@ -32,8 +33,8 @@ from randattn._validation import check_positive_int
 from randattn.estimators._prepare import check_draw_array, prepare_reference
 from randattn.estimators.base import Draws, EstimatorOptions, EstimatorSpec, family_spec, keyword_entry, never_random
 from randattn.estimators.masks import MASKS, check_mask_argument
-from randattn.estimators.sparse.reference import keys_used as count_keys_used
-from randattn.estimators.sparse.reference import masked_logits, weighted_attention
+from randattn.estimators.sparse import reference as sparse_reference
+from randattn.estimators.sparse.forms import WeightedKeysForms
 
 __all__ = ["KeptKeysForms", "KeptKeysOptions", "KeptKeysReference", "budget_draw", "budget_draws", "budget_of",
            "kept_keys_spec", "log_weights_of", "top_ranked"]
@@ -120,17 +121,13 @@ def top_ranked(scores: np.ndarray, count: int) -> np.ndarray:
     return keep
 
 
-def _replicated(array: np.ndarray, replicates: int) -> np.ndarray:
-    return np.broadcast_to(array, (replicates, *array.shape)).copy()
-
-
 @dataclass(frozen=True)
 class KeptKeysForms:
-    """The forms of a deterministic selection estimator, written once for both backends.
+    """What a deterministic selection estimator gives to have its forms made: ``options_type`` and ``select``.
 
-    Every form is the weighted attention over one selection, repeated over the replicates; a backend supplies how
-    the selection's log weights are made (``_log_weights``) and its array operations (``_attend``, ``_count``,
-    ``_replicated``): :class:`KeptKeysReference` in numpy float64,
+    Every form is the weighted attention over one selection, repeated over the replicates
+    (:class:`~randattn.estimators.sparse.forms.WeightedKeysForms` with ``same_in_every_replicate``); a backend says
+    how the selection's log weights are made: :class:`KeptKeysReference` in numpy float64,
     :class:`~randattn.estimators.sparse.batched_selection.KeptKeysBatched` in torch.
 
     Attributes
@@ -147,63 +144,23 @@ class KeptKeysForms:
     options_type: type[KeptKeysOptions]
     select: Callable[..., Any]
 
-    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions) -> tuple[Any, Any, Any]:
-        """``(logits, log_weights, v)`` of the backend: the masked logits, the selection's log weights, the values."""
-        raise NotImplementedError
-
-    def estimate_with_probabilities(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
-                                    ) -> tuple[Any, Any]:
-        """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))`` from one selection."""
-        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
-        out, probabilities = self._attend(logits, log_weights, v)
-        return self._replicated(out, draws.replicates), self._replicated(probabilities, draws.replicates)
-
-    def estimate_with_probabilities_and_keys_used(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
-                                                  ) -> tuple[Any, Any, Any]:
-        """``(out, probabilities, keys_used)`` from one selection, the same bits as the three forms."""
-        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
-        out, probabilities = self._attend(logits, log_weights, v)
-        return (self._replicated(out, draws.replicates), self._replicated(probabilities, draws.replicates),
-                self._replicated(self._count(log_weights, logits), draws.replicates))
-
-    def estimate(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions) -> Any:
-        """``(R, ..., N, Dv)``: softmax attention over each query's kept visible keys (same in every replicate)."""
-        logits, log_weights, v = self._log_weights(q, k, v, draws, options)
-        out, _ = self._attend(logits, log_weights, v)
-        return self._replicated(out, draws.replicates)
-
-    def probabilities(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> Any:
-        """``(R, ..., N, M)``: the implied attention probabilities (zero off the kept visible keys)."""
-        logits, log_weights, v = self._log_weights(q, k, k[..., :1], draws, options)
-        _, probabilities = self._attend(logits, log_weights, v)
-        return self._replicated(probabilities, draws.replicates)
-
-    def keys_used(self, q: Any, k: Any, draws: Draws, options: KeptKeysOptions) -> Any:
-        """``(R, ..., N)`` float64: the kept keys each query may see, i.e. the keys its estimate reads."""
-        logits, log_weights, _ = self._log_weights(q, k, k[..., :1], draws, options)
-        return self._replicated(self._count(log_weights, logits), draws.replicates)
-
 
 @dataclass(frozen=True)
 class KeptKeysReference(KeptKeysForms):
     """The numpy float64 forms of a deterministic selection estimator (:class:`KeptKeysForms`, ``select`` on
     arrays)."""
 
-    _attend = staticmethod(weighted_attention)
-    _count = staticmethod(count_keys_used)
-    _replicated = staticmethod(_replicated)
-
     def forms(self) -> tuple[Callable[..., np.ndarray], ...]:
         """``(estimate, probabilities, keys_used)``, the module-level functions of an estimator's reference, each
         ``f(q, k, [v,] draws, *, scale=None, mask=None, **options)``."""
-        entry = keyword_entry(self.options_type)
-        return entry(self.estimate), entry(self.probabilities), entry(self.keys_used)
+        forms = WeightedKeysForms(self.options_type, self._log_weights, sparse_reference, same_in_every_replicate=True)
+        return forms.entries("estimate", "probabilities", "keys_used")
 
     def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         x, y, v, _, batch = prepare_reference(q, k, v, options.scale)
         budget = options.check_budget(budget_of(draws, batch))
-        logits = masked_logits(x, y, options.mask)
+        logits = sparse_reference.masked_logits(x, y, options.mask)
         return logits, log_weights_of(self.select(x, y, logits, budget, options)), v
 
 

@@ -18,8 +18,9 @@ import torch
 
 from randattn.estimators._prepare import prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws, keyword_entry
-from randattn.estimators.sparse.batched import keys_used as sparse_keys_used
-from randattn.estimators.sparse.batched import masked_logits, visible_keys, weighted_attention
+from randattn.estimators.sparse import batched as sparse_batched
+from randattn.estimators.sparse.batched import masked_logits, visible_keys
+from randattn.estimators.sparse.forms import WeightedKeysForms
 from randattn.estimators.vattention.rules import (QuerySizes, VattentionOptions, checked_uniforms, normal_quantile,
                                                   query_sizes)
 
@@ -186,64 +187,9 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
     return Selection(logits, heavy, log_weights, sizes, bounds)
 
 
-@keyword_entry(VattentionOptions)
-def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
-                                options: VattentionOptions) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))``, the same bits as ``estimate`` and ``probabilities``."""
-    _, _, v, _, _ = prepare_batched(q, k, v, options.scale)
-    chosen = select.on_options(q, k, draws, options)
-    return weighted_attention(chosen.logits, chosen.log_weights, v)
-
-
-@keyword_entry(VattentionOptions)
-def estimate_with_probabilities_and_keys_used(q: Any, k: Any, v: Any, draws: Draws, options: VattentionOptions
-                                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, probabilities, keys_used)`` from one selection, the same bits as the three forms."""
-    _, _, v, _, _ = prepare_batched(q, k, v, options.scale)
-    chosen = select.on_options(q, k, draws, options)
-    return (*weighted_attention(chosen.logits, chosen.log_weights, v),
-            sparse_keys_used(chosen.log_weights, chosen.logits))
-
-
-@keyword_entry(VattentionOptions)
-def estimate_with_probabilities_keys_used_and_log_denominator(
-        q: Any, k: Any, v: Any, draws: Draws, options: VattentionOptions
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, probabilities, keys_used, log_denominator)`` from one selection, the same bits as the four forms:
-    the weighted scores ``s + log w`` formed once for the softmax and the logsumexp (an (R, ..., N, M) array less)."""
-    _, _, v, _, _ = prepare_batched(q, k, v, options.scale)
-    chosen = select.on_options(q, k, draws, options)
-    scores = chosen.logits + chosen.log_weights
-    probabilities = torch.softmax(scores, dim=-1)  # weighted_attention's, written out to share the scores
-    return (probabilities @ v, probabilities, sparse_keys_used(chosen.log_weights, chosen.logits),
-            torch.logsumexp(scores, dim=-1).to(torch.float64))
-
-
-@keyword_entry(VattentionOptions)
-def estimate(q: Any, k: Any, v: Any, draws: Draws, options: VattentionOptions) -> torch.Tensor:
-    """vAttention, ``(R, ..., N, Dv)`` in the inputs' dtype; see :func:`.reference.estimate`."""
-    return estimate_with_probabilities.on_options(q, k, v, draws, options)[0]
-
-
-@keyword_entry(VattentionOptions)
-def probabilities(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> torch.Tensor:
-    """``(R, ..., N, M)``: the implied attention probabilities (the weighted softmax, no value product)."""
-    chosen = select.on_options(q, k, draws, options)
-    return torch.softmax(chosen.logits + chosen.log_weights, dim=-1)
-
-
-@keyword_entry(VattentionOptions)
-def keys_used(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> torch.Tensor:
-    """``(R, ..., N)`` float64: heavy set plus distinct sampled keys (the base sample's keys not counted)."""
-    chosen = select.on_options(q, k, draws, options)
-    return sparse_keys_used(chosen.log_weights, chosen.logits)
-
-
-@keyword_entry(VattentionOptions)
-def log_denominator(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> torch.Tensor:
-    """``(R, ..., N)`` float64: the log of the estimated softmax normaliser; see :func:`.reference.log_denominator`.
-
-    A logsumexp in the inputs' dtype (a float32 run rounds it by a few float32 ulps of the largest score, some
-    1e-6 of the normaliser: far below any epsilon a promise states), returned as float64."""
-    chosen = select.on_options(q, k, draws, options)
-    return torch.logsumexp(chosen.logits + chosen.log_weights, dim=-1).to(torch.float64)
+(estimate, estimate_with_probabilities, estimate_with_probabilities_and_keys_used,
+ estimate_with_probabilities_keys_used_and_log_denominator, probabilities, keys_used,
+ log_denominator) = WeightedKeysForms.of_selection(
+    VattentionOptions, select.on_options, prepare_batched, sparse_batched).entries(
+    "estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used",
+    "estimate_with_probabilities_keys_used_and_log_denominator", "probabilities", "keys_used", "log_denominator")

@@ -25,6 +25,26 @@ For query :math:`n` (logits :math:`s_m = x_n^\top y_m`, visible keys :math:`V_n`
    by :func:`randattn.estimators.sparse.reference.weighted_attention`. Since :math:`E[c_m] = b / n_s`, both
    residual sums are unbiased; :math:`\hat y_n` is their ratio (consistent, bias :math:`O(1/b)`).
 
+The other forms follow from the same weights (:class:`~randattn.estimators.sparse.forms.WeightedKeysForms`):
+``probabilities`` :math:`w_m e^{s_m} / \hat D`; ``keys_used``, the heavy set plus the distinct sampled keys (the
+base sample's keys are not counted: their logits size the sample but their values never enter the estimate, like
+the top-k scoring, which reads every key's logit); ``log_denominator``, :math:`\log \hat D` as a logsumexp of
+:math:`\log w + s` (finite for logits of any size: the heavy set is never empty), which the adaptive budget's
+(epsilon, delta) promise is about.
+
+Every form is ``f(q, k, [v,] draws, *, scale, **options)``: queries (..., N, D), keys (..., M, D), values (..., M, Dv),
+the draws of :func:`randattn.estimators.vattention.draw` (read by :func:`select`) and, as keywords, the fields of
+:class:`~randattn.estimators.vattention.rules.VattentionOptions` (``scale``: default ``D ** -0.5``; ``mask="causal"``
+or ``"sliding:W"``: every set is among the visible keys). ``estimate`` returns (R, ..., N, Dv) float64:
+
+>>> import numpy as np
+>>> from randattn.estimators.vattention import draw, reference
+>>> q, k, v = np.random.default_rng(0).normal(size=(3, 40, 8))
+>>> fixed = dict(budget="fixed", sinks=2, local=4, top_k=4)  # the other options at their defaults
+>>> draws = draw(q.shape, k.shape, num_samples=8, replicates=2, rng=np.random.default_rng(1), **fixed)
+>>> reference.estimate(q, k, v, draws, **fixed).shape
+(2, 40, 8)
+
 Sources: Desai et al., "vAttention: Verified Sparse Attention" (ICLR 2026, arXiv 2510.05688): the estimator of
 :math:`N` and :math:`D` and the budget theorem as the authors state them in their post "vAttention: Verified Sparse
 Attention" (sky-light.eecs.berkeley.edu; skylight-org/website, ``VAttentionEntry.tsx``); the official code,
@@ -39,12 +59,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.special import logsumexp
 
 from randattn.estimators._prepare import prepare_reference
 from randattn.estimators.base import Draws, keyword_entry
-from randattn.estimators.sparse.reference import keys_used as sparse_keys_used
-from randattn.estimators.sparse.reference import masked_logits, weighted_attention
+from randattn.estimators.sparse import reference as sparse_reference
+from randattn.estimators.sparse.forms import WeightedKeysForms
+from randattn.estimators.sparse.reference import masked_logits
 from randattn.estimators.vattention.rules import (
     QuerySets, VattentionOptions, ceil_or_floor, checked_uniforms, normal_quantile, query_sets,
 )
@@ -221,72 +241,6 @@ def select(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> Selectio
     return Selection(logits, heavy, log_weights, sizes, bounds)
 
 
-@keyword_entry(VattentionOptions)
-def estimate_with_probabilities(q: Any, k: Any, v: Any, draws: Draws,
-                                options: VattentionOptions) -> tuple[np.ndarray, np.ndarray]:
-    """``(out (R, ..., N, Dv), probabilities (R, ..., N, M))``: step 5, the weighted softmax over the selection."""
-    _, _, v, _, _ = prepare_reference(q, k, v, options.scale)
-    chosen = select.on_options(q, k, draws, options)
-    return weighted_attention(chosen.logits, chosen.log_weights, v)
-
-
-@keyword_entry(VattentionOptions)
-def estimate(q: Any, k: Any, v: Any, draws: Draws, options: VattentionOptions) -> np.ndarray:
-    r"""vAttention: heavy set exact, a uniform sample of the residual reweighted (module docstring, steps 1-5).
-
-    Parameters
-    ----------
-    q, k, v : array_like
-        Queries (..., N, D), keys (..., M, D), values (..., M, Dv).
-    draws : Draws
-        See :func:`select`.
-    scale, mask, budget, sinks, local, top_k, epsilon, delta, base_rate, quantile, duplicates, sample_from, rounding
-        The fields of :class:`~randattn.estimators.vattention.rules.VattentionOptions` (``scale``: default
-        ``D ** -0.5``; ``mask="causal"`` or ``"sliding:W"``: every set is among the visible keys).
-
-    Returns
-    -------
-    (R, ..., N, Dv) float64
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from randattn.estimators.vattention import draw, reference
-    >>> q, k, v = np.random.default_rng(0).normal(size=(3, 40, 8))
-    >>> fixed = dict(budget="fixed", sinks=2, local=4, top_k=4)  # the other options at their defaults
-    >>> draws = draw(q.shape, k.shape, num_samples=8, replicates=2, rng=np.random.default_rng(1), **fixed)
-    >>> reference.estimate(q, k, v, draws, **fixed).shape
-    (2, 40, 8)
-    """
-    return estimate_with_probabilities.on_options(q, k, v, draws, options)[0]
-
-
-@keyword_entry(VattentionOptions)
-def probabilities(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> np.ndarray:
-    r"""``(R, ..., N, M)``: the implied attention probabilities :math:`w_{nm} e^{s_{nm}} / \hat D_n`."""
-    chosen = select.on_options(q, k, draws, options)
-    v = np.zeros((chosen.logits.shape[-1], 1))
-    return weighted_attention(chosen.logits, chosen.log_weights, v)[1]
-
-
-@keyword_entry(VattentionOptions)
-def keys_used(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> np.ndarray:
-    """``(R, ..., N)`` float64: the distinct keys each query's estimate reads, heavy set plus distinct sampled keys.
-
-    The base sample's keys (adaptive budget) are not counted: their logits size the sample but their values
-    never enter the estimate (like the top-k scoring, which reads every key's logit).
-    """
-    chosen = select.on_options(q, k, draws, options)
-    return sparse_keys_used(chosen.log_weights, chosen.logits)
-
-
-@keyword_entry(VattentionOptions)
-def log_denominator(q: Any, k: Any, draws: Draws, options: VattentionOptions) -> np.ndarray:
-    r"""``(R, ..., N)`` float64: :math:`\log \hat D_n`, the log of step 5's estimate of the softmax normaliser
-    :math:`D_n = \sum_{m \in V_n} e^{s_m}`, which the adaptive budget's (epsilon, delta) promise is about.
-
-    :math:`\hat D_n = \sum_m w_{nm} e^{s_{nm}}` over the selection, as a logsumexp of :math:`\log w + s`: finite
-    for logits of any size (the heavy set is never empty, so no row is all ``-inf``).
-    """
-    chosen = select.on_options(q, k, draws, options)
-    return logsumexp(chosen.logits + chosen.log_weights, axis=-1)
+estimate, estimate_with_probabilities, probabilities, keys_used, log_denominator = WeightedKeysForms.of_selection(
+    VattentionOptions, select.on_options, prepare_reference, sparse_reference).entries(
+    "estimate", "estimate_with_probabilities", "probabilities", "keys_used", "log_denominator")

@@ -1,0 +1,100 @@
+"""``sparse.forms.WeightedKeysForms``, the forms every decode-time estimator shares, against the weighted softmax of
+the ``sparse`` package docstring written out here with plain exponentials on a tiny hand-made selection (logits of
+order one, so nothing overflows; 1e-13, the float64 rounding of a handful of sums), and the names its forms answer
+to when called wrongly."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from randattn.estimators import magicpig, topk, vattention
+from randattn.estimators.base import Draws, EstimatorOptions
+from randattn.estimators.sparse import batched as sparse_batched
+from randattn.estimators.sparse import reference as sparse_reference
+from randattn.estimators.sparse.forms import WeightedKeysForms
+
+INF = math.inf
+#: one query batch of N = 2 over M = 4 keys: key 3 hidden from query 0 (the causal mask of a 2-over-4 decode)
+LOGITS = np.array([[0.3, -1.2, 0.8, -INF], [1.1, 0.4, -0.5, 0.2]])
+#: two replicates' log weights: key 1 left out of query 0 in replicate 0, a sampled key weighing 3 and 2
+LOG_WEIGHTS = np.array([[[0.0, -INF, math.log(3.0), 0.0], [0.0, 0.0, -INF, math.log(2.0)]],
+                        [[0.0, 0.0, 0.0, 0.0], [-INF, math.log(2.0), 0.0, 0.0]]])
+V = np.array([[1.0, -2.0], [0.5, 3.0], [-1.0, 0.25], [2.0, 2.0]])
+
+
+def _written_out(replicate: int, query: int) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """``(out, probabilities, keys read, log D)`` of one query: sum w e^l v / sum w e^l over the keys it reads."""
+    weights = [math.exp(LOG_WEIGHTS[replicate, query, m]) if LOGITS[query, m] > -INF else 0.0 for m in range(4)]
+    terms = [w * math.exp(LOGITS[query, m]) if w > 0 else 0.0 for m, w in enumerate(weights)]
+    total = sum(terms)
+    out = sum(t * V[m] for m, t in enumerate(terms)) / total
+    return out, np.array(terms) / total, sum(w > 0 for w in weights), math.log(total)
+
+
+def _forms(backend, *, same_in_every_replicate=False, as_array=np.asarray):
+    log_weights = LOG_WEIGHTS[0] if same_in_every_replicate else LOG_WEIGHTS
+
+    def weighted_scores(q, k, v, draws, options):
+        return as_array(LOGITS), as_array(log_weights), as_array(V)
+
+    return WeightedKeysForms(EstimatorOptions, weighted_scores, backend, same_in_every_replicate)
+
+
+BACKENDS = [(sparse_reference, np.asarray), (sparse_batched, lambda a: torch.as_tensor(a, dtype=torch.float64))]
+
+
+@pytest.mark.parametrize("backend, as_array", BACKENDS, ids=["reference", "batched"])
+def test_every_form_is_the_weighted_softmax_written_out(backend, as_array):
+    forms = _forms(backend, as_array=as_array)
+    draws = Draws({}, 2)
+    q = k = np.zeros((2, 4, 1))
+    combined = forms.estimate_with_probabilities_keys_used_and_log_denominator(q, k, V, draws, None)
+    out, probabilities, keys, log_den = (np.asarray(a) for a in combined)
+    for r in range(2):
+        for n in range(2):
+            want_out, want_p, want_keys, want_log_den = _written_out(r, n)
+            np.testing.assert_allclose(out[r, n], want_out, rtol=1e-13, atol=1e-13)
+            np.testing.assert_allclose(probabilities[r, n], want_p, rtol=1e-13, atol=1e-13)
+            assert keys[r, n] == want_keys
+            assert log_den[r, n] == pytest.approx(want_log_den, rel=1e-13, abs=1e-13)
+    # the single forms give the same bits as the combined one
+    assert np.array_equal(np.asarray(forms.estimate(q, k, V, draws, None)), out)
+    assert np.array_equal(np.asarray(forms.probabilities(q, k, draws, None)), probabilities)
+    assert np.array_equal(np.asarray(forms.keys_used(q, k, draws, None)), keys)
+    assert np.array_equal(np.asarray(forms.log_denominator(q, k, draws, None)), log_den)
+    assert np.asarray(forms.keys_used(q, k, draws, None)).dtype == np.float64
+
+
+@pytest.mark.parametrize("backend, as_array", BACKENDS, ids=["reference", "batched"])
+def test_a_selection_made_once_is_repeated_over_the_replicates(backend, as_array):
+    forms = _forms(backend, same_in_every_replicate=True, as_array=as_array)
+    q = k = np.zeros((2, 4, 1))
+    out, probabilities, keys = (np.asarray(a) for a in forms.estimate_with_probabilities_and_keys_used(
+        q, k, V, Draws({}, 3), None))
+    assert out.shape == (3, 2, 2) and probabilities.shape == (3, 2, 4) and keys.shape == (3, 2)
+    for r in range(3):
+        want_out, want_p, want_keys, _ = _written_out(0, 1)
+        np.testing.assert_allclose(out[r, 1], want_out, rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(probabilities[r, 1], want_p, rtol=1e-13, atol=1e-13)
+        assert keys[r, 1] == want_keys
+    out[0] += 1.0  # a copy per replicate, not a view of one array
+    assert not np.array_equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("form", [vattention.reference.estimate, vattention.batched.keys_used, topk.reference.estimate,
+                                  topk.batched.probabilities, magicpig.reference.probabilities,
+                                  magicpig.batched.estimate])
+def test_a_wrong_keyword_names_the_form_as_its_module_does(form):
+    """The forms are methods of one object, but a caller sees module functions: a wrong keyword names ``estimate``,
+    not the method's path."""
+    name = form.__name__
+    assert form.__qualname__ == name
+    args = (np.zeros((1, 4)), np.zeros((4, 4)), np.zeros((4, 1)), Draws({}, 1))
+    if name in ("keys_used", "probabilities"):
+        args = args[:2] + args[3:]
+    with pytest.raises(TypeError, match=rf"^{name}\(\): got an unexpected keyword argument 'budgett'$"):
+        form(*args, budgett=3)
