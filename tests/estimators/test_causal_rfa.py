@@ -496,3 +496,53 @@ def test_bidirectional_path_is_untouched_by_the_mask_argument():
     assert torch.equal(SPEC.batched(tq, tk, tv, tdraws), SPEC.batched(tq, tk, tv, tdraws, mask=None))
     assert torch.equal(SPEC.forms.get("probabilities")(tq, tk, tdraws),
                        SPEC.forms.get("probabilities")(tq, tk, tdraws, mask=None))
+
+
+@pytest.mark.parametrize("n, m", [(5, 5), (4, 9)])
+@pytest.mark.parametrize("signed", [False, True])
+def test_snis_feature_attention_causal_mask_is_the_visible_sum_written_out(n, m, signed):
+    """``snis.reference.feature_attention(..., mask="causal")`` against Performer App. B.1 eq. 11 written out here
+    with explicit features: query n sums ``a_nj b_mj v_m`` over the keys ``m <= n + M - N`` only. Small
+    log-features, so the plain exponentials cannot overflow; 1e-12, the float64 rounding of a few dozen sums."""
+    from randattn.estimators.snis.reference import feature_attention
+
+    rng = np.random.default_rng(36)
+    log_qf, log_kf = rng.normal(size=(2, n, 3, 2)), rng.normal(size=(2, m, 3, 2))
+    v = rng.normal(size=(2, m, 4))
+    q_sign = np.where(rng.random(log_qf.shape) < 0.2, -1.0, 1.0) if signed else None
+    a = np.exp(log_qf).reshape(2, n, -1) * (1.0 if q_sign is None else q_sign.reshape(2, n, -1))
+    b = np.exp(log_kf).reshape(2, m, -1)
+    expected = np.empty((2, n, 4))
+    for i in range(n):
+        last = i + m - n  # the query's last visible key
+        weights = a[:, i, None, :] * b[:, : last + 1, :]  # (2, keys seen, J)
+        expected[:, i] = (weights.sum(-1)[..., None] * v[:, : last + 1]).sum(1) / weights.sum((-1, -2))[:, None]
+    out, sign = feature_attention(log_qf, log_kf, v, q_sign=q_sign, mask="causal")
+    assert_close(out, expected, atol=1e-12, rtol=1e-12)
+    bidirectional, _ = feature_attention(log_qf, log_kf, v, q_sign=q_sign)
+    assert not np.allclose(out[:, :-1], bidirectional[:, :-1])  # the mask changes every query but the last
+    assert np.array_equal(sign, np.ones((2, n))) or signed
+
+
+def test_snis_feature_attention_refuses_a_mask_it_has_no_form_for():
+    from randattn.estimators.snis.reference import feature_attention
+
+    rng = np.random.default_rng(37)
+    with pytest.raises(ValueError, match=r"mask='sliding:2' is not allowed; choose one of None, 'causal'"):
+        feature_attention(rng.normal(size=(3, 2, 1)), rng.normal(size=(4, 2, 1)), rng.normal(size=(4, 2)),
+                          mask="sliding:2")
+
+
+def test_snis_causal_feature_attention_is_deprecated_for_the_mask_argument():
+    """The former name still answers, bit for bit, with a DeprecationWarning naming its replacement."""
+    from randattn.estimators.snis import reference as snis_ref
+
+    rng = np.random.default_rng(38)
+    log_qf, log_kf, v = rng.normal(size=(3, 2, 1)), rng.normal(size=(5, 2, 1)), rng.normal(size=(5, 2))
+    with pytest.warns(DeprecationWarning, match=r'feature_attention\(.*mask="causal"\)') as caught:
+        old = snis_ref.causal_feature_attention(log_qf, log_kf, v)
+    assert caught[0].filename == __file__
+    new = snis_ref.feature_attention(log_qf, log_kf, v, mask="causal")
+    assert all(np.array_equal(a, b) for a, b in zip(old, new))
+    with pytest.raises(AttributeError, match="no attribute 'causal_attention'"):
+        snis_ref.causal_attention  # noqa: B018

@@ -11,7 +11,7 @@ from randattn.estimators.base import Draws, keyword_entry
 from randattn.estimators.features.reference import paired_log_features
 from randattn.estimators.rfa.options import RfaOptions
 from randattn.estimators.snis import NonPositiveDenominatorWarning, warn_non_positive
-from randattn.estimators.snis.reference import causal_feature_attention, feature_attention
+from randattn.estimators.snis.reference import feature_attention
 
 __all__ = ["estimate", "NonPositiveDenominatorWarning"]
 
@@ -41,7 +41,7 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, options: RfaOptions) -> np.nd
     mask : {None, "causal"}
         ``"causal"``: query n sees the keys :math:`m \le n + M - N` only (M >= N; ARCHITECTURE
         sec. 12), the literal masked sum of Performer App. B.1 eq. 11 below
-        (:func:`~randattn.estimators.snis.reference.causal_feature_attention`); the data-dependent
+        (:func:`~randattn.estimators.snis.reference.feature_attention` with ``mask="causal"``); the data-dependent
         ``oprf`` and ``sderf`` maps are refused (their parameters are fitted from every token).
 
     Returns
@@ -67,10 +67,7 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, options: RfaOptions) -> np.nd
     omega = check_draw_array(draws, "omega", batch, (None, x.shape[-1]))
     # data-dependent maps (oprf, sderf): parameters from queries and keys, shared by both sides
     lx, sx, ly, sy = paired_log_features(feature_map, x, y, omega)
-    if options.mask == "causal":
-        out, sign = causal_feature_attention(lx, ly, v[None], q_sign=sx, k_sign=sy)
-    else:
-        out, sign = feature_attention(lx, ly, v[None], q_sign=sx, k_sign=sy)
+    out, sign = feature_attention(lx, ly, v[None], q_sign=sx, k_sign=sy, mask=options.mask)
     if sx is not None:
         warn_non_positive(sign, "signed trigonometric features")
     return out

@@ -3,7 +3,7 @@ r"""The causal log-space SNIS skeleton in torch: chunked prefix sums, no epsilon
 Under ``mask="causal"`` query n sees the keys :math:`m \le n + (M - N)` (ARCHITECTURE sec. 12,
 :mod:`randattn.estimators.masks`). With query log-features :math:`\ell^q_{nj}` (and signs
 :math:`\sigma^q_{nj}`), key log-features :math:`\ell^k_{mj}` (signs :math:`\sigma^k_{mj}`) over a shared
-feature index j (J = S L), the estimate of ``snis.reference.causal_feature_attention`` is
+feature index j (J = S L), the estimate of ``snis.reference.feature_attention(..., mask="causal")`` is
 
 .. math::
     y_n = \frac{\sum_j \sum_{m \le n + M - N} \sigma^q_{nj}\sigma^k_{mj}\, e^{\ell^q_{nj} + \ell^k_{mj}} v_m}

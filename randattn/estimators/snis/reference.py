@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import numpy as np
 from scipy.special import logsumexp
 
+from randattn._validation import check_choice
+from randattn.estimators.masks import MASKS, last_visible_key
 from randattn.estimators.snis import flatten_features
 
-__all__ = ["causal_feature_attention", "feature_attention", "snis_terms_from_log_features"]
+__all__ = ["feature_attention", "snis_terms_from_log_features"]
 
 
 def feature_attention(
@@ -17,6 +22,7 @@ def feature_attention(
     *,
     q_sign: np.ndarray | None = None,
     k_sign: np.ndarray | None = None,
+    mask: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     r"""Normalized linear attention from log-features, stable for any feature magnitude.
 
@@ -37,6 +43,19 @@ def feature_attention(
     v : (..., M, Dv)
     q_sign, k_sign : same shapes as log_qf / log_kf, optional
         Signs of signed features (trigonometric maps, LARA's decoupled weights); None = +1.
+    mask : {None, "causal"}
+        ``"causal"``: query n sees the keys :math:`m \le n + M - N` (ARCHITECTURE sec. 12, M >= N), and its output
+        is this function of that query over exactly those keys,
+
+        .. math::
+            y_n = \frac{\sum_j a_{nj} \sum_{m \le n + M - N} b_{mj} v_m}
+                       {\sum_j a_{nj} \sum_{m \le n + M - N} b_{mj}},
+
+        for positive features the SNIS of ARCHITECTURE sec. 4 with the key sums running over the visible keys only:
+        Performer App. B.1 eq. 11 (unidirectional FAVOR+), the literal masked equation without the prefix-sum
+        algorithm. One query at a time, O(N M J Dv): the judge of ``snis.prefix.causal_feature_attention``. Keys
+        after a query's last visible one are never read for it (sliced off, not masked), so its output is
+        bit-identical whatever they hold.
 
     Returns
     -------
@@ -53,6 +72,8 @@ def feature_attention(
     or negative (possible only with signed features) gives a non-finite or sign-flipped
     output, which callers report rather than hide.
     """
+    if check_choice("mask", mask, MASKS) == "causal":
+        return _visible_prefix_attention(log_qf, log_kf, v, q_sign, k_sign)
     lq = flatten_features(log_qf)  # (..., N, J)
     lk = flatten_features(log_kf)  # (..., M, J)
     signed = q_sign is not None or k_sign is not None
@@ -81,50 +102,9 @@ def feature_attention(
     return num / den, np.sign(den[..., 0])
 
 
-def causal_feature_attention(
-    log_qf: np.ndarray,
-    log_kf: np.ndarray,
-    v: np.ndarray,
-    *,
-    q_sign: np.ndarray | None = None,
-    k_sign: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    r"""Causal normalized linear attention from log-features: the literal masked equation.
-
-    Query n sees the keys :math:`m \le n + M - N` (ARCHITECTURE sec. 12); its output is
-    :func:`feature_attention` of that query over exactly those keys,
-
-    .. math::
-        y_n = \frac{\sum_j a_{nj} \sum_{m \le n + M - N} b_{mj} v_m}{\sum_j a_{nj} \sum_{m \le n + M - N} b_{mj}},
-
-    for positive features the SNIS of ARCHITECTURE sec. 4 with the key sums (a logsumexp over
-    the visible keys per feature, and their softmax-weighted values) running over the visible keys
-    only: Performer App. B.1 eq. 11 (unidirectional FAVOR+), without the prefix-sum algorithm.
-    One query at a time, O(N M J Dv): the judge of ``snis.prefix.causal_feature_attention``.
-
-    Parameters
-    ----------
-    log_qf : (..., N, S, L)
-    log_kf : (..., M, S, L)
-        M >= N.
-    v : (..., M, Dv)
-    q_sign, k_sign : same shapes as log_qf / log_kf, optional
-        Signs of signed features; None = +1.
-
-    Returns
-    -------
-    out : (..., N, Dv)
-    denominator_sign : (..., N)
-        As :func:`feature_attention`: 0 or -1 flags a signed-feature denominator that vanished
-        or turned negative.
-
-    Notes
-    -----
-    Keys after a query's last visible one are never read for it (sliced off, not masked), so its
-    output is bit-identical whatever they hold.
-    """
-    from randattn.estimators.masks import last_visible_key
-
+def _visible_prefix_attention(log_qf: np.ndarray, log_kf: np.ndarray, v: np.ndarray, q_sign: np.ndarray | None,
+                              k_sign: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`feature_attention` with ``mask="causal"``: each query over the keys it sees, one query at a time."""
     last = last_visible_key(log_qf.shape[-3], log_kf.shape[-3])
     outs, signs = [], []
     for n, stop in enumerate(last + 1):
@@ -153,3 +133,19 @@ def snis_terms_from_log_features(log_qf: np.ndarray, log_kf: np.ndarray, v: np.n
     key_probs = np.exp(ly - log_key_mass[..., None, :])
     f = np.swapaxes(key_probs, -1, -2) @ v  # (R, ..., J, Dv)
     return lx + log_key_mass[..., None, :], f
+
+
+def __getattr__(name: str) -> Any:
+    if name == "causal_feature_attention":  # deprecated: the mask is an argument of feature_attention
+        return _deprecated_causal_feature_attention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _deprecated_causal_feature_attention(log_qf: np.ndarray, log_kf: np.ndarray, v: np.ndarray, *,
+                                         q_sign: np.ndarray | None = None, k_sign: np.ndarray | None = None
+                                         ) -> tuple[np.ndarray, np.ndarray]:
+    """The former ``causal_feature_attention``: ``feature_attention(..., mask="causal")``, with a warning."""
+    warnings.warn("randattn.estimators.snis.reference.causal_feature_attention is deprecated; use "
+                  'feature_attention(log_qf, log_kf, v, q_sign=..., k_sign=..., mask="causal")', DeprecationWarning,
+                  stacklevel=2)
+    return feature_attention(log_qf, log_kf, v, q_sign=q_sign, k_sign=k_sign, mask="causal")
