@@ -98,3 +98,31 @@ def test_a_wrong_keyword_names_the_form_as_its_module_does(form):
         args = args[:2] + args[3:]
     with pytest.raises(TypeError, match=rf"^{name}\(\): got an unexpected keyword argument 'budgett'$"):
         form(*args, budgett=3)
+
+
+@pytest.mark.parametrize("family", [vattention, magicpig, topk], ids=lambda f: f.__name__.rsplit(".", 1)[-1])
+@pytest.mark.parametrize("side", ["reference", "batched"])
+def test_the_values_are_checked_before_anything_is_selected(family, side):
+    """The forms check ``v`` with ``q`` and ``k`` (``prepare_reference`` / ``prepare_batched``): a value with NaN,
+    or with another number of keys, is refused in words that name it, not met in a matrix product."""
+    q, k, v = np.random.default_rng(39).normal(size=(3, 10, 4))
+    params = {"vattention": dict(budget="fixed", sinks=1, local=2, top_k=2),
+              "magicpig": dict(hash_bits=2, sinks=1, local=2), "topk": {}}[family.__name__.rsplit(".", 1)[-1]]
+    draws = family.draw(q.shape, k.shape, num_samples=3, rng=np.random.default_rng(40), **params)
+    estimate = getattr(family, side).estimate
+    with pytest.raises(ValueError, match="v contains NaN or infinite values"):
+        estimate(q, k, np.where(v > 1.5, np.nan, v), draws, **params)
+    with pytest.raises(ValueError, match=r"k and v must have the same number of tokens M: k \(10, 4\), v \(5, 4\)"):
+        estimate(q, k, v[:5], draws, **params)
+
+
+def test_the_batched_counts_and_log_denominator_are_float64_in_a_float32_run():
+    """``keys_used`` and ``log_denominator`` are float64 whatever the inputs' dtype (the sweep's columns), the
+    estimate and probabilities in the inputs' dtype."""
+    forms = _forms(sparse_batched, as_array=lambda a: torch.as_tensor(a, dtype=torch.float32))
+    q = k = np.zeros((2, 4, 1))
+    out, probabilities, keys, log_den = forms.estimate_with_probabilities_keys_used_and_log_denominator(
+        q, k, V, Draws({}, 2), None)
+    assert (out.dtype, probabilities.dtype, keys.dtype, log_den.dtype) == (torch.float32, torch.float32,
+                                                                             torch.float64, torch.float64)
+    assert forms.log_denominator(q, k, Draws({}, 2), None).dtype == torch.float64
