@@ -340,11 +340,15 @@ def parse_estimator(text: str) -> tuple[str, dict[str, Any]]:
     Values are converted by the parameter's declared default type (int, float, bool, str). A
     parameter given twice is refused (the last one silently winning would hide a typo).
     """
-    name, _, rest = text.partition(":")
+    name, colon, rest = text.partition(":")
     name = name.strip()
     spec = get_spec(name)
     params: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
+    items = [part.strip() for part in rest.split(",")] if colon else []
+    if "" in items:  # "rfa:" or "rfa:a=1,,b=2": an option lost to a typo would run the default silently
+        raise ValueError(f"estimator {text!r} has an empty option (nothing after ':', between two commas or after "
+                         f"the last one); write {name!r} alone for its defaults, or '{name}:param=value,param=value'")
+    for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep:

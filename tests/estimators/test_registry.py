@@ -302,3 +302,14 @@ def test_a_count_or_fraction_parameter_keeps_the_type_written():
     assert parse("vattention:top_k=1")[1]["top_k"] == 1 and isinstance(parse("vattention:top_k=1")[1]["top_k"], int)
     assert isinstance(parse("vattention:top_k=1.0")[1]["top_k"], float)
     assert parse("vattention:top_k=0.25")[1]["top_k"] == 0.25
+
+
+@pytest.mark.parametrize("text", ["rfa:", "rfa: ", "rfa:coupling=orthogonal,",
+                                  "rfa:coupling=orthogonal,,feature_map=positive"])
+def test_an_empty_estimator_option_is_refused_not_taken_for_the_defaults(text):
+    """``-e rfa:`` ran RFA at its defaults, as did a trailing or doubled comma: a lost option ran unseen."""
+    with pytest.raises(ValueError, match=r"has an empty option \(nothing after ':', between two commas or after"):
+        randattn.estimators.registry.parse_estimator(text)
+    assert randattn.estimators.registry.parse_estimator("rfa") == ("rfa", {})
+    assert randattn.estimators.registry.parse_estimator(" rfa : coupling = orthogonal ") == (
+        "rfa", {"coupling": "orthogonal"})
