@@ -40,13 +40,16 @@ def command(target: str, param_items: tuple[str, ...], check_names: tuple[str, .
     params: dict = {}
     if param_items:
         text = ",".join(param_items)
+        for item in param_items:  # each -p alone, in its own words, before they are joined as -e's options
+            if "=" not in item or ("," in item and ":" not in target):
+                abort(f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(spec.params)} (one -p each)")
         try:
             if ":" in target:  # a spec that is not registered: type the values as the registry would
                 from randattn.estimators.registry import _convert
 
                 for item in param_items:
                     key, sep, raw = item.partition("=")
-                    if not sep or key.strip() not in spec.params:
+                    if key.strip() not in spec.params:
                         abort(f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(spec.params)}")
                     params[key.strip()] = _convert(raw.strip(), spec.params[key.strip()].default)
             else:

@@ -144,3 +144,13 @@ def test_check_prints_the_note_of_a_configuration_exact_on_every_check_input():
     small = _check("vattention", "-p", "sinks=1", "-p", "local=2", "-p", "top_k=2", "--check", "spec is valid",
                    "--json")
     assert small.exit_code == 0 and json.loads(small.output)["notes"] == []
+
+
+@pytest.mark.parametrize("param", ["", "coupling", "coupling=orthogonal,", "coupling=orthogonal,feature_map=positive"])
+def test_each_param_is_answered_in_its_own_words(param):
+    """``-p`` items are joined into ``-e``'s ``name:a=1,b=2`` for the registry: an empty or comma-holding one was
+    answered in ``-e``'s words ("estimator 'rfa:' has an empty option"), for a command the user never typed."""
+    result = _check("rfa", "-p", param, "--check", "shapes and dtypes")
+    assert result.exit_code == 2, result.output
+    assert result.output == (f"error: --param {param!r}: expected NAME=VALUE with NAME one of feature_map, coupling "
+                             "(one -p each)\n")

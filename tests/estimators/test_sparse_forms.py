@@ -126,3 +126,76 @@ def test_the_batched_counts_and_log_denominator_are_float64_in_a_float32_run():
     assert (out.dtype, probabilities.dtype, keys.dtype, log_den.dtype) == (torch.float32, torch.float32,
                                                                              torch.float64, torch.float64)
     assert forms.log_denominator(q, k, Draws({}, 2), None).dtype == torch.float64
+
+
+FAMILIES = {"topk": (topk, {}), "vattention": (vattention, dict(budget="fixed", sinks=1, local=2, top_k=2)),
+            "magicpig": (magicpig, dict(hash_bits=2, sinks=1, local=2))}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("side", ["reference", "batched"])
+def test_missing_values_are_refused_not_taken_for_zeros(name, side):
+    """Only the forms that read no values (probabilities, keys_used, log_denominator) pass zeros for ``v``; an
+    estimate called without values is refused as before the forms were shared."""
+    family, params = FAMILIES[name]
+    q, k = np.random.default_rng(41).normal(size=(2, 10, 4))
+    draws = family.draw(q.shape, k.shape, num_samples=3, rng=np.random.default_rng(42), **params)
+    module = getattr(family, side)
+    forms = [module.estimate, *(getattr(module, f) for f in ("estimate_with_probabilities",
+                                                              "estimate_with_probabilities_and_keys_used")
+                                if hasattr(module, f))]
+    for form in forms:
+        with pytest.raises(TypeError, match="v must be a numpy array or torch tensor"):
+            form(q, k, None, draws, **params)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("side", ["reference", "batched"])
+def test_the_forms_pickle_by_their_module_names(name, side):
+    """A form is its family module's function (``vattention.reference.estimate``), so ``pickle`` (multiprocessing,
+    a plain process pool) finds it by that name."""
+    import pickle
+
+    module = getattr(FAMILIES[name][0], side)
+    for form_name in ("estimate", "probabilities", "keys_used"):
+        form = getattr(module, form_name)
+        assert form.__module__ == module.__name__
+        assert pickle.loads(pickle.dumps(form)) is form
+
+
+def test_a_selection_made_once_repeats_the_estimate_alone_over_the_replicates():
+    """Top-k's ``estimate`` at R = 16 replicates holds one selection's arrays, not R copies of the (N, M)
+    probabilities that ``estimate`` throws away: tracemalloc's peak stays below half of the R x N x M float64 bytes
+    those copies take (the arrays of one selection, logits, weights, scores, probabilities: about 4 N x M)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(43)
+    n, m, replicates = 64, 2048, 16
+    q, k, v = rng.normal(size=(n, 8)), rng.normal(size=(m, 8)), rng.normal(size=(m, 4))
+    draws = topk.draw(q.shape, k.shape, num_samples=32, replicates=replicates)
+    topk.reference.estimate(q, k, v, draws)  # warm: imports and caches out of the measurement
+    tracemalloc.start()
+    try:
+        out = topk.reference.estimate(q, k, v, draws)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (replicates, n, 4)
+    assert peak < replicates * n * m * 8 / 2, f"peak {peak / 2**20:.1f} MiB"
+
+
+def test_the_former_kept_keys_methods_warn_and_still_answer():
+    """``KeptKeysForms`` had the forms as its methods; they answer through the shared forms, with a warning."""
+    from randattn.estimators.sparse.selection import KeptKeysReference
+    from randattn.estimators.topk.reference import TopkOptions
+
+    kept = KeptKeysReference(TopkOptions, topk.reference.kept_keys)
+    q, k, v = np.random.default_rng(44).normal(size=(3, 10, 4))
+    draws = topk.draw(q.shape, k.shape, num_samples=3, replicates=2)
+    with pytest.warns(DeprecationWarning, match=r"KeptKeysReference.estimate is deprecated; use the functions that "
+                                                r"forms\(\) returns") as caught:
+        out = kept.estimate(q, k, v, draws, TopkOptions())
+    assert caught[0].filename == __file__
+    assert np.array_equal(out, topk.reference.estimate(q, k, v, draws))
+    with pytest.raises(AttributeError, match="'KeptKeysReference' object has no attribute 'estimat'"):
+        kept.estimat  # noqa: B018

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import numpy as np
 from scipy.special import logsumexp
@@ -135,16 +134,10 @@ def snis_terms_from_log_features(log_qf: np.ndarray, log_kf: np.ndarray, v: np.n
     return lx + log_key_mass[..., None, :], f
 
 
-def __getattr__(name: str) -> Any:
-    if name == "causal_feature_attention":  # deprecated: the mask is an argument of feature_attention
-        return _deprecated_causal_feature_attention
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _deprecated_causal_feature_attention(log_qf: np.ndarray, log_kf: np.ndarray, v: np.ndarray, *,
-                                         q_sign: np.ndarray | None = None, k_sign: np.ndarray | None = None
-                                         ) -> tuple[np.ndarray, np.ndarray]:
-    """The former ``causal_feature_attention``: ``feature_attention(..., mask="causal")``, with a warning."""
+def causal_feature_attention(log_qf: np.ndarray, log_kf: np.ndarray, v: np.ndarray, *,
+                             q_sign: np.ndarray | None = None, k_sign: np.ndarray | None = None
+                             ) -> tuple[np.ndarray, np.ndarray]:
+    """Deprecated: ``feature_attention(log_qf, log_kf, v, q_sign=..., k_sign=..., mask="causal")``."""
     warnings.warn("randattn.estimators.snis.reference.causal_feature_attention is deprecated; use "
                   'feature_attention(log_qf, log_kf, v, q_sign=..., k_sign=..., mask="causal")', DeprecationWarning,
                   stacklevel=2)

@@ -10,14 +10,14 @@ the draws.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from types import ModuleType
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from randattn.estimators._prepare import check_draw_array, prepare_batched, to_torch_draws
 from randattn.estimators.base import Draws
 from randattn.estimators.sparse import batched as sparse_batched
-from randattn.estimators.sparse.forms import WeightedKeysForms
 from randattn.estimators.sparse.selection import KeptKeysForms, KeptKeysOptions, budget_of
 
 __all__ = ["KeptKeysBatched", "log_weights_of", "top_ranked"]
@@ -44,13 +44,15 @@ class KeptKeysBatched(KeptKeysForms):
     """The torch forms of a deterministic selection estimator (:class:`~randattn.estimators.sparse.selection.
     KeptKeysForms`, ``select`` on tensors, S a 0-d tensor)."""
 
+    backend: ClassVar[ModuleType] = sparse_batched
+
     def forms(self) -> tuple[Callable[..., Any], ...]:
         """``(estimate, estimate_with_probabilities, probabilities, keys_used,
-        estimate_with_probabilities_and_keys_used)``, an estimator's batched functions, each
-        ``f(q, k, [v,] draws, *, scale=None, mask=None, **options)``."""
-        forms = WeightedKeysForms(self.options_type, self._log_weights, sparse_batched, same_in_every_replicate=True)
-        return forms.entries("estimate", "estimate_with_probabilities", "probabilities", "keys_used",
-                             "estimate_with_probabilities_and_keys_used")
+        estimate_with_probabilities_and_keys_used)``, an estimator's batched functions (the module of ``select``),
+        each ``f(q, k, [v,] draws, *, scale=None, mask=None, **options)``."""
+        return self.weighted_keys_forms().entries("estimate", "estimate_with_probabilities", "probabilities",
+                                                  "keys_used", "estimate_with_probabilities_and_keys_used",
+                                                  module=self.select.__module__)
 
     def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

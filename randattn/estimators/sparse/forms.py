@@ -39,7 +39,7 @@ class WeightedKeysForms:
         ``weighted_scores(q, k, v, draws, options) -> (logits, log_weights, v)`` in the backend's arrays, after every
         check: ``logits : (..., N, M)`` masked, ``log_weights`` broadcasting against them with a leading replicate
         dim ``(R, ..., N, M)``, or without one where ``same_in_every_replicate``; ``v : (..., M, Dv)`` prepared.
-        The forms that read no values pass zeros ``(..., M, 1)`` of ``k``'s kind as ``v``.
+        The forms that read no values pass zeros ``(..., M, 1)`` of ``k``'s kind as ``v`` (:func:`no_values`).
     backend : module
         :mod:`randattn.estimators.sparse.reference` or :mod:`randattn.estimators.sparse.batched`: ``attention``,
         ``keys_used``, ``log_denominator`` and ``repeated``.
@@ -64,20 +64,24 @@ class WeightedKeysForms:
             chosen = select(q, k, draws, options)
             return chosen.logits, chosen.log_weights, v
 
+        weighted_scores.__module__ = select.__module__  # the family's module, where its forms are bound
         return cls(options_type, weighted_scores, backend)
 
-    def entries(self, *names: str) -> tuple[Callable[..., Any], ...]:
-        """The forms named, as an estimator module's public functions ``f(q, k, [v,] draws, *, scale, **options)``
-        (:func:`~randattn.estimators.base.keyword_entry` over ``options_type``)."""
+    def entries(self, *names: str, module: str | None = None) -> tuple[Callable[..., Any], ...]:
+        """The forms named, as the public functions ``f(q, k, [v,] draws, *, scale, **options)`` of ``module``
+        (:func:`~randattn.estimators.base.keyword_entry` over ``options_type``), where the caller binds them to
+        those names: ``module`` is the module of ``weighted_scores`` unless given."""
         entry = keyword_entry(self.options_type)
         forms = tuple(entry(getattr(self, name)) for name in names)
         for name, form in zip(names, forms):
-            form.__qualname__ = name  # a module's function to its callers: "estimate(): ...", not the method's path
+            # a module's functions to their callers: "estimate(): ..." in an error, and pickled by that name
+            form.__qualname__ = form.__name__ = name
+            form.__module__ = module or self.weighted_scores.__module__
         return forms
 
     def _scores(self, q: Any, k: Any, v: Any, draws: Draws, options: EstimatorOptions) -> tuple[Any, Any, Any, Any]:
         """``(scores, log_weights, logits, v)``: the weighted scores ``log w + l`` and what they were made of."""
-        logits, log_weights, v = self.weighted_scores(q, k, no_values(k) if v is None else v, draws, options)
+        logits, log_weights, v = self.weighted_scores(q, k, v, draws, options)
         return logits + log_weights, log_weights, logits, v
 
     def _per_replicate(self, draws: Draws, *values: Any) -> tuple[Any, ...]:
@@ -108,13 +112,15 @@ class WeightedKeysForms:
                                    self.backend.keys_used(log_weights, logits), self.backend.log_denominator(scores))
 
     def estimate(self, q: Any, k: Any, v: Any, draws: Draws, options: EstimatorOptions) -> Any:
-        """``(R, ..., N, Dv)``: attention over each query's weighted keys."""
-        return self.estimate_with_probabilities(q, k, v, draws, options)[0]
+        """``(R, ..., N, Dv)``: attention over each query's weighted keys (the probabilities are not repeated over
+        the replicates: an (R, ..., N, M) array less)."""
+        scores, _, _, v = self._scores(q, k, v, draws, options)
+        return self._per_replicate(draws, self.backend.attention(scores, v)[0])[0]
 
     def probabilities(self, q: Any, k: Any, draws: Draws, options: EstimatorOptions) -> Any:
         """``(R, ..., N, M)``: the implied attention probabilities, :math:`w_{nm} e^{l_{nm}} / \\hat D_n` (zero off the
         keys the query reads)."""
-        scores, _, _, v = self._scores(q, k, None, draws, options)
+        scores, _, _, v = self._scores(q, k, no_values(k), draws, options)
         return self._per_replicate(draws, self.backend.attention(scores, v)[1])[0]
 
     def keys_used(self, q: Any, k: Any, draws: Draws, options: EstimatorOptions) -> Any:
@@ -125,7 +131,7 @@ class WeightedKeysForms:
     def log_denominator(self, q: Any, k: Any, draws: Draws, options: EstimatorOptions) -> Any:
         r"""``(R, ..., N)`` float64: :math:`\log \hat D_n`, the log of the estimated softmax normaliser
         :math:`\sum_m w_{nm} e^{l_{nm}}`."""
-        scores, _, _, _ = self._scores(q, k, None, draws, options)
+        scores, _, _, _ = self._scores(q, k, no_values(k), draws, options)
         return self._per_replicate(draws, self.backend.log_denominator(scores))[0]
 
 

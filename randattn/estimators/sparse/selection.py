@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable, ClassVar, Sequence
 
 import numpy as np
@@ -144,17 +145,42 @@ class KeptKeysForms:
     options_type: type[KeptKeysOptions]
     select: Callable[..., Any]
 
+    #: the backend's array operations (:mod:`.reference` or :mod:`.batched`), set by each backend's class
+    backend: ClassVar[ModuleType]
+
+    def weighted_keys_forms(self) -> WeightedKeysForms:
+        """The forms, over this backend's log weights of the kept keys, repeated over the replicates."""
+        return WeightedKeysForms(self.options_type, self._log_weights, self.backend, same_in_every_replicate=True)
+
+    def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions) -> tuple[Any, Any, Any]:
+        """``(logits, log_weights, v)`` of the backend: the masked logits, the selection's log weights, the values."""
+        raise NotImplementedError
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _FORMER_METHODS:  # deprecated: the forms are WeightedKeysForms'
+            warnings.warn(f"{type(self).__name__}.{name} is deprecated; use the functions that forms() returns, or "
+                          f"{type(self).__name__}.weighted_keys_forms().{name}", DeprecationWarning, stacklevel=2)
+            return getattr(self.weighted_keys_forms(), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+#: the methods :class:`KeptKeysForms` had before its forms were :class:`WeightedKeysForms`'
+_FORMER_METHODS = ("estimate", "estimate_with_probabilities", "estimate_with_probabilities_and_keys_used",
+                   "probabilities", "keys_used")
+
 
 @dataclass(frozen=True)
 class KeptKeysReference(KeptKeysForms):
     """The numpy float64 forms of a deterministic selection estimator (:class:`KeptKeysForms`, ``select`` on
     arrays)."""
 
+    backend: ClassVar[ModuleType] = sparse_reference
+
     def forms(self) -> tuple[Callable[..., np.ndarray], ...]:
-        """``(estimate, probabilities, keys_used)``, the module-level functions of an estimator's reference, each
-        ``f(q, k, [v,] draws, *, scale=None, mask=None, **options)``."""
-        forms = WeightedKeysForms(self.options_type, self._log_weights, sparse_reference, same_in_every_replicate=True)
-        return forms.entries("estimate", "probabilities", "keys_used")
+        """``(estimate, probabilities, keys_used)``, the module-level functions of an estimator's reference (the
+        module of ``select``), each ``f(q, k, [v,] draws, *, scale=None, mask=None, **options)``."""
+        return self.weighted_keys_forms().entries("estimate", "probabilities", "keys_used",
+                                                  module=self.select.__module__)
 
     def _log_weights(self, q: Any, k: Any, v: Any, draws: Draws, options: KeptKeysOptions
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
