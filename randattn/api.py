@@ -179,7 +179,8 @@ def estimate(
         S, the number of random samples (features, proposals' samples) or the key budget of a decode-time
         estimator (top-k's kept keys, MagicPIG's hash tables); required by the estimators that take one, and
         ignored by those that take none (softmax, local attention, adaptive vAttention, which sizes its own
-        sample: ``randattn estimators`` lists which), so that one S can be given to every estimator in a loop.
+        sample: ``randattn estimators`` lists which), so that one S can be given to every estimator in a loop;
+        adaptive vAttention still refuses an S that is not a positive integer, as its draw does.
     seed : int or numpy.random.Generator, optional
         The draws are made once, in float64 numpy, from this seed and then moved to the
         backend: the same seed gives the same draws whichever backend, dtype or device

@@ -46,6 +46,12 @@ def unscaled_batched(q: Any, k: Any, v: Any, scale: float | None):
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in (torch.float32, torch.float64):
+        # float16 overflows any logit above 65,504 (norms of a few hundred) into a silent NaN, and neither half
+        # format holds the draws (a budget of 2,049 keys is 2,048 in float16): as randattn.estimate's dtype says
+        raise TypeError(f"q, k and v are {q.dtype}: the batched forms compute in torch.float32 or torch.float64 "
+                        "(half precision overflows logits above 65,504 and cannot hold the draws); convert them, "
+                        "e.g. q.float()")
     return q, k, v, scale, batch
 
 

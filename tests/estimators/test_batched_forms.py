@@ -235,3 +235,22 @@ def test_takes_mask_still_reads_a_signature_and_warns():
         assert takes_mask(with_mask)
     with pytest.warns(DeprecationWarning):
         assert not takes_mask(lambda q: q) and not takes_mask(None)
+
+
+@pytest.mark.parametrize("name", sorted(set(randattn.list_estimators()) - {"lara"}))
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_half_precision_inputs_are_refused_by_the_batched_forms(name, half):
+    """``randattn.estimate`` refused half precision; the batched forms took it, and float16 logits of norms ~300
+    overflowed 65,504 into a silent NaN (bfloat16 met a TypeError from numpy in the sparse families). LARA, whose
+    signed weights are computed in float64 from any input dtype, is the one family that takes them."""
+    import torch
+
+    spec = randattn.get_spec(name)
+    dtype = getattr(torch, half)
+    q, k, v = (torch.as_tensor(a, dtype=dtype) for a in np.random.default_rng(45).normal(size=(3, 16, 8)))
+    params = {}
+    draws = spec.draw(q.shape, k.shape, num_samples=16 if spec.needs_samples_of(params) else None,
+                      rng=np.random.default_rng(46))  # 16: a whole Quest page
+    with pytest.raises(TypeError, match=rf"q, k and v are torch.{half}: the batched forms compute in torch.float32 "
+                                        r"or torch.float64 .*convert them, e.g. q.float\(\)"):
+        spec.batched(q, k, v, draws.to_torch())
