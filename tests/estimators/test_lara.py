@@ -422,6 +422,138 @@ def test_uneven_segments_and_vit_norms(variant, rng):
     assert_close(bat, ref, atol=atol, rtol=rtol, what=f"{variant} at ViT norms")
 
 
+def _at_norm(rng, norm, params, batch=(8,), d=8):
+    """Queries and keys all of norm ``norm``, values standard normal; N = 12, M = 16 (N = M = 13 for a grid)."""
+    grid = params.get("grid") is not None
+    n, m = (13, 13) if grid else (12, 16)
+
+    def with_norm(x):
+        return x * (norm / np.linalg.norm(x, axis=-1, keepdims=True))
+
+    return (with_norm(rng.standard_normal((*batch, n, d))), with_norm(rng.standard_normal((*batch, m, d))),
+            rng.standard_normal((*batch, m, 2)))
+
+
+def _large_norm_tolerance(norm, d=8):
+    """max(TOLERANCES["float64"], 4 u E), E = scale * norm^2 with scale = D^-1/2 (see the test below)."""
+    return max(TOLERANCES["float64"][0], 4 * 2.0**-53 * d**-0.5 * norm**2)
+
+
+@ignore_negative_normalizer
+@pytest.mark.parametrize("norm", [300.0, 1e3, 1e4], ids=lambda s: f"norm{s:g}")
+@pytest.mark.parametrize("variant", sorted(lara.SPEC.variants))
+def test_batched_is_finite_and_matches_reference_at_large_norms(variant, norm):
+    """Query and key norms 300, 1e3, 1e4 (D = 8, C = 4, 2 replicates x 8 batch elements): where the
+    reference is finite, so is the batched form in float64, and the two agree.
+
+    Before 0.2.0's fix the query-dependent weights (eq. 37, 38) were multiplied onto exponentials
+    shifted by their maximum without alpha; where alpha is zero at that maximum (N(0, I) proposals,
+    one-hot scores: 1/C - 1/C) every other product underflowed: NaN (standard-decoupled at 1e3 and
+    1e4, eq35-decoupled-beta2 at every norm) or subnormal weights that lost their digits.
+
+    Tolerance: max(1e-10, 4 u E), u = 2^-53, E = scale * norm^2 (the size of the key exponents
+    omega.y - |y|^2/2 and of the query ones). The two forms round those exponents in different orders
+    (numpy's einsum-free features against torch's products), each to u E absolute, which is a
+    relative error u E on every weight and so on the self-normalized output: 1e-10 up to norm 1e3
+    (4 u E = 1.6e-10 there), 1.6e-8 at 1e4, where 1.6e-9 was observed with positive weights (the
+    same before the fix: the rounding of exponents of size 3.5e7, not this defect).
+    """
+    params = _fit_grid(lara.SPEC.variants[variant], 13)
+    rng = np.random.default_rng(38)
+    q, k, v = _at_norm(rng, norm, params)
+    draws = _draw(q, k, 4, replicates=2, **params)
+    ref = _estimate("reference", q, k, v, draws, **params)
+    bat = _estimate("torch", q, k, v, draws, **params)
+    finite = np.isfinite(ref).all(-1)
+    assert finite.mean() > 0.9, "the reference itself should be finite on almost every row"
+    assert np.isfinite(bat[finite]).all(), f"{variant} at norm {norm:g}: NaN where the reference is finite"
+    tol = _large_norm_tolerance(norm)
+    assert_close(bat[finite], ref[finite], atol=tol, rtol=tol, what=f"{variant} at norm {norm:g}")
+
+
+@ignore_negative_normalizer
+@pytest.mark.parametrize("norm", [300.0, 1e3, 1e4], ids=lambda s: f"norm{s:g}")
+@pytest.mark.parametrize("variant", sorted(lara.SPEC.variants))
+def test_float32_at_large_norms_is_finite_where_the_reference_is(variant, norm):
+    """The inputs of the float64 test above rounded to float32 (draws in float64, as the module
+    docstring asks), against the reference on the same rounded inputs: no NaN where it is finite.
+
+    Signed weightings are computed in float64 whatever the input dtype, so there they also agree to
+    the float64 test's tolerance plus float32's rounding of the output (2^-23 relative, 2^-23 absolute
+    for the outputs of size ~1). Positive weightings are computed in float32, whose exponents of size
+    up to 3.5e7 are not accurate to better than ~1: only finiteness is asked (their normalizer is a
+    sum of positive terms, so float32 rounding cannot make it non-positive either)."""
+    params = _fit_grid(lara.SPEC.variants[variant], 13)
+    rng = np.random.default_rng(38)
+    q, k, v = (a.astype(np.float32) for a in _at_norm(rng, norm, params))
+    draws = _draw(q, k, 4, replicates=2, **params)
+    ref = lara_r.estimate(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), draws, **params)
+    out = lara_b.estimate(*(torch.as_tensor(a) for a in (q, k, v)), draws.to_torch(dtype=torch.float64), **params)
+    assert out.dtype == torch.float32
+    finite = np.isfinite(ref).all(-1)
+    assert torch.isfinite(out[torch.as_tensor(finite)]).all(), f"{variant} at norm {norm:g}: NaN in float32"
+    if lara_r.LaraOptions(**params).signed:
+        tol = _large_norm_tolerance(norm) + 2.0**-23
+        assert_close(out.double()[torch.as_tensor(finite)], ref[finite], atol=tol, rtol=tol,
+                     what=f"float32 {variant} at norm {norm:g}")
+
+
+@ignore_negative_normalizer
+def test_every_batched_form_is_finite_on_one_hot_scores_at_norm_1e3():
+    """The audit's case: N(0, I) proposals and decoupled weights at norm 1e3, where row 11's weight at
+    its largest exponential is 1/C - 1/C = 0 exactly. The reference gives [1.0795, -0.0097]; the batched
+    estimate gave NaN, and so did the probabilities, ``estimate_with_probabilities`` and the factors of
+    ``estimate_with_probability_factors`` (one ``_weights_and_keys`` for all). Each equals the reference
+    (v, or v = I_M for the probabilities) to 1e-10, the float64 tolerance (observed ~1e-16)."""
+    rng = np.random.default_rng(38)
+    q, k, v = rng.normal(size=(12, 8)), rng.normal(size=(16, 8)), rng.normal(size=(16, 2))
+    q *= 1e3 / np.linalg.norm(q, axis=-1, keepdims=True)
+    k *= 1e3 / np.linalg.norm(k, axis=-1, keepdims=True)
+    params = dict(proposal="standard")
+    draws = _draw(q, k, 4, replicates=1, **params)
+    ref = lara_r.estimate(q, k, v, draws, **params)
+    ref_probs = lara_r.estimate(q, k, np.eye(16), draws, **params)
+    assert np.isfinite(ref).all() and np.isfinite(ref_probs).all()
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    args = (t(q), t(k), t(v), draws.to_torch())
+    out, probs = lara_b.estimate_with_probabilities(*args, **params)
+    out_f, factor_l, factor_e = lara_b.estimate_with_probability_factors(*args, **params)
+    out_32, _, _ = lara_b.estimate_with_float32_probabilities(*args, **params)
+    atol, rtol = TOLERANCES["float64"]
+    for what, got, expected in [
+        ("estimate", lara_b.estimate(*args, **params), ref),
+        ("estimate_with_probabilities", out, ref),
+        ("estimate_with_probability_factors", out_f, ref),
+        ("estimate_with_float32_probabilities", out_32, ref),
+        ("probabilities", lara_b.probabilities(t(q), t(k), draws.to_torch(), **params), ref_probs),
+        ("estimate_with_probabilities' probabilities", probs, ref_probs),
+        ("L @ E", factor_l @ factor_e, ref_probs),
+    ]:
+        assert torch.isfinite(got).all(), what
+        assert_close(got, expected, atol=atol, rtol=rtol, what=what)
+
+
+@ignore_negative_normalizer
+def test_decoupled_beta2_weights_of_zero_at_the_largest_exponential_at_norm_300():
+    """eq. 38 with beta = 2 and well separated proposals (b_own = 1): scores r'_n. = (0, 1, 0, 1) give
+    alpha = 1 + 2 (r' - 1/2) = (0, 2, 0, 2), a zero weight where the exponential is largest, at norms of
+    300 already. The batched form gave NaN on this row (replicate 0, batch 0, query 4), the reference
+    [-1.297, -1.938]; now they agree to the float64 tolerance (1e-10; 4 u E = 1.4e-11 at norm 300)."""
+    params = lara.SPEC.variants["eq35-decoupled-beta2"]
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(2, 12, 8)), rng.normal(size=(2, 16, 8)), rng.normal(size=(2, 16, 2))
+    q *= 300 / np.linalg.norm(q, axis=-1, keepdims=True)
+    k *= 300 / np.linalg.norm(k, axis=-1, keepdims=True)
+    draws = _draw(q, k, 4, seed=100, replicates=2, **params)
+    terms = lara_r.lara_terms(q, k, v, draws, **params)
+    assert np.array_equal(terms.alpha_sign[0, 0, 4], [0.0, 1.0, 0.0, 1.0])
+    ref = _estimate("reference", q, k, v, draws, **params)
+    bat = _estimate("torch", q, k, v, draws, **params)
+    assert np.isfinite(ref).all() and np.isfinite(bat).all()
+    atol, rtol = TOLERANCES["float64"]
+    assert_close(bat, ref, atol=atol, rtol=rtol, what="eq35-decoupled-beta2 at norm 300")
+
+
 def test_landmarks_of_197_tokens_in_49_segments(rng):
     """array_split segments: one of 5 tokens then 48 of 4 (segments.py); eq. 34 means."""
     q, k, v = _qkv(rng, batch=(), n=197, m=197, d=4, dv=2)

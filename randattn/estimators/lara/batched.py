@@ -182,7 +182,8 @@ def _query_weights_t(
     """``alpha_nc(omega_c)`` transposed, ``(R, ..., C, N)``, for the query-dependent weightings (eq. 37, 38).
 
     Same formulas as :func:`_log_alpha_at_samples`, kept linear (not in log space): the
-    estimate multiplies them onto exponentials already shifted to at most 1.
+    estimate multiplies them onto exponentials already shifted to at most 1 (and redoes in log
+    space the queries where that underflows, :func:`_rescue_underflowed_queries`).
     """
     # r'_nc, a softmax over queries n (eq. 37), in place: fresh (C, N) buffers cost page faults
     scores_t = (x_lm @ x.transpose(-1, -2)).unsqueeze(0)  # (1, ..., C, N)
@@ -215,7 +216,9 @@ def estimate(q: Any, k: Any, v: Any, draws: Draws, options: LaraOptions) -> torc
     - queries: :math:`P_{cn} = \omega_c^\top x_n + s_c + \log\mathcal N(\omega_c; 0, I) - \log q_c(\omega_c)`
       (plus :math:`\log\alpha_c` when the weights do not depend on n), shifted by its maximum
       over c; the factor :math:`e^{-\|x_n\|^2/2}` is common to numerator and denominator and
-      dropped; query-dependent weights (eq. 37, 38) multiply :math:`e^{P}` with their sign;
+      dropped; query-dependent weights (eq. 37, 38) multiply :math:`e^{P}` with their sign (a query
+      whose products underflow, a weight of zero where :math:`P` is largest, is redone with the
+      shift :math:`\max_c(P_{cn} + \log|\alpha_{nc}|)` as the reference takes it);
     - one product :math:`W^\top [E v, E 1]` and a division.
 
     Precision: signed weights (``decoupled`` or ``coupled`` without ``alpha_clamp``) make the
@@ -404,8 +407,48 @@ def _weights_and_keys(q: Any, k: Any, v: Any, draws: Draws,
     weights.add_(row.unsqueeze(-1))
     weights.sub_(weights.amax(-2, keepdim=True)).exp_()
     if per_query:
-        weights.mul_(_query_weights_t(x, x_lm, log_q, weighting, beta, alpha_clamp))
+        alpha = _query_weights_t(x, x_lm, log_q, weighting, beta, alpha_clamp)
+        weights.mul_(alpha)
+        weights = _rescue_underflowed_queries(weights, alpha, omega, x, row, beta, alpha_clamp)
     return weights, key_exp, v, signed, in_dtype
+
+
+def _rescue_underflowed_queries(weights: torch.Tensor, alpha: torch.Tensor, omega: torch.Tensor, x: torch.Tensor,
+                                row: torch.Tensor, beta: float, alpha_clamp: float | None) -> torch.Tensor:
+    r"""The query-dependent weights :math:`W_{cn} = \alpha_{nc} e^{P_{cn}}` redone in log space for the queries whose
+    linear form underflowed, ``(R, ..., C, N)``; the others are returned as they were (the same bits).
+
+    :func:`_weights_and_keys` shifts :math:`P_{cn}` by its maximum over c before multiplying
+    :math:`\alpha_{nc}` in. When :math:`\alpha` is zero or tiny at that maximum (e.g. one-hot scores
+    :math:`r'_{n\cdot}` with N(0, I) proposals, where eq. 38 gives :math:`1/C - 1/C = 0`, at query
+    and key norms ~1e3) while :math:`P` spreads over more than ~700 across c, every other product
+    underflows: a zero column (0/0, NaN) or subnormal ones (digits lost). The reference
+    stays finite: it takes the maximum of :math:`\log|\alpha_{nc}| + P_{cn}`, signs apart. For such
+    a column n this does the same, :math:`W_{cn} = \operatorname{sign}\alpha_{nc}
+    \exp(P_{cn} + \log|\alpha_{nc}| - \max_{c'}(\cdot))`; each column's scale cancels in eq. 28.
+
+    Which columns: those whose largest :math:`|W_{cn}|` is below ``tiny * 2**64 * A``, with
+    :math:`A = \max(1 + |\beta|, \text{alpha\_clamp})` a bound on :math:`|\alpha|` (eq. 38:
+    :math:`b \le 1`, :math:`|r' - \bar r'| \le 1`; eq. 37, where :math:`\beta = 1`:
+    :math:`q_c \le (2\pi)^{-D/2} \le 1`). Above it every product within :math:`2^{-60}` of the
+    column's largest has a normal exponential (at least ``16 tiny``) and is a normal product, so the
+    linear form keeps its full precision (what it drops is below :math:`2^{-60}` of the largest term);
+    below it the log form is taken. On ordinary inputs no column is below it and nothing is
+    recomputed: the outputs are the same bits as without this step.
+    """
+    tiny = torch.finfo(weights.dtype).tiny
+    threshold = tiny * 2.0**64 * max(1.0 + abs(beta), alpha_clamp or 0.0)
+    # max_c |W_cn| < threshold, as two reductions (an order of magnitude faster than vector_norm's inf norm on CPU)
+    low = (weights.amax(-2, keepdim=True) < threshold) & (weights.amin(-2, keepdim=True) > -threshold)  # (R, ..., 1, N)
+    if not bool(low.any()):
+        return weights
+    log_terms = omega @ x.transpose(-1, -2).unsqueeze(0)
+    log_terms.add_(row.unsqueeze(-1)).add_(alpha.abs().log())  # log 0 = -inf: a zero weight
+    shift = log_terms.amax(-2, keepdim=True)
+    # every weight zero: no shift, and 0/0 as in the reference (with its NonPositiveDenominatorWarning)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    rescued = log_terms.sub_(shift).exp_().mul_(torch.sign(alpha))
+    return torch.where(low, rescued, weights)
 
 
 def weighted_log_features(terms: LaraTerms) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
