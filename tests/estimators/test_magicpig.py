@@ -599,3 +599,88 @@ def test_the_host_and_accelerator_forms_sample_the_same_keys(monkeypatch):
     finite = torch.isfinite(on_host)
     assert_close(on_host[finite], on_accelerator[finite], atol=0, rtol=1e-12,
                  what="log weights, host vs accelerator form:")
+
+
+def _repeated_key_inputs(seed, dim, batch=()):
+    """Queries at random and keys that repeat one key (keys 0..11), then, in ``(..., 12, D)``, the same with channel
+    0 of each key drawn afresh: identical keys, and keys identical in every channel but one."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(*batch, 6, dim))
+    k = np.repeat(rng.normal(size=(*batch, 1, dim)), 12, axis=-2)
+    partly = k.copy()
+    partly[..., 0] = rng.normal(size=(*batch, 12))
+    return q, k, partly, rng.normal(size=(*batch, 12, 3))
+
+
+@pytest.mark.parametrize("center", CENTERS)
+@pytest.mark.parametrize("mask", [None, "causal", "sliding:6"])
+def test_the_mean_of_a_constant_channel_is_its_value_in_both_forms(center, mask):
+    """Twelve copies of a key (and copies differing in channel 0 alone): the mean of each channel that every key
+    averaged holds at one value is that value, bit for bit, in both forms, so those channels centre to exactly 0;
+    the other channels' means are the rounded means, unchanged (reference: ``mean``; batched: the row product
+    over the count). The rounded mean of twelve copies missed the value by an ulp in some channels, in each form
+    in its own way."""
+    t = torch.as_tensor
+    exact, candidates = reference.exact_and_candidate_keys(6, 12, 1, 2, mask)
+    visible = exact | candidates
+    rows = visible if center == "all-keys" else candidates
+    for seed in range(4):
+        _, k, partly, _ = _repeated_key_inputs(seed, 5)
+        for keys in (k, partly):
+            ref = reference.centering_means(keys, visible, candidates, center)
+            bat = batched._centering_means(t(keys), t(visible), t(candidates), center).numpy()
+            if center == "none":
+                assert not ref.any() and not bat.any()
+                continue
+            weights = t(rows).to(torch.float64)
+            plain_batched = ((weights @ t(keys)) / weights.sum(-1, keepdim=True).clamp(min=1)).numpy()
+            for n in np.flatnonzero(rows.any(-1)):
+                assert np.array_equal(ref[n, 1:], keys[0, 1:]) and np.array_equal(bat[n, 1:], keys[0, 1:])
+                if keys is partly and rows[n].sum() > 1:  # channel 0 varies: the rounded mean, as before
+                    assert ref[n, 0] == keys[rows[n]].mean(axis=-2)[0] and bat[n, 0] == plain_batched[n, 0]
+
+
+def test_ordinary_centring_means_are_the_rounded_means_bit_for_bit():
+    """Keys at random (no channel constant over two keys): both forms' means are the plain rounded means, bit for bit
+    (the rule for constant channels changes nothing else), under every mask and centring."""
+    rng = np.random.default_rng(40)
+    k = rng.normal(size=(2, 20, 7))
+    t = torch.as_tensor
+    for mask in (None, "causal", "sliding:5"):
+        exact, candidates = reference.exact_and_candidate_keys(9, 20, 2, 3, mask)
+        visible = exact | candidates
+        for center in ("all-keys", "hashed-keys"):
+            rows = visible if center == "all-keys" else candidates
+            plain = np.zeros((2, 9, 7))
+            for n in np.flatnonzero(rows.any(-1)):
+                plain[:, n] = k[:, rows[n]].mean(axis=-2)
+            assert np.array_equal(reference.centering_means(k, visible, candidates, center), plain)
+            weights = t(rows).to(torch.float64)
+            counts = weights.sum(-1, keepdim=True)
+            plain_batched = (weights @ t(k)) / torch.where(counts > 0, counts, torch.ones_like(counts))
+            assert torch.equal(batched._centering_means(t(k), t(visible), t(candidates), center), plain_batched)
+
+
+@pytest.mark.parametrize("accelerator_form", [False, True])
+@pytest.mark.parametrize("center", CENTERS)
+@pytest.mark.parametrize("mask", [None, "causal", "sliding:6"])
+def test_repeated_keys_are_sampled_and_weighed_alike_in_both_forms(center, mask, accelerator_form, monkeypatch):
+    """Twelve copies of one key, N = 6, K = 2, 1 sink, 2 local (and copies differing in channel 0 alone), batch
+    (2,) and D = 4, 5, 8, 16: a copy centres to exactly 0 in both forms, so it hashes to the all-zero code and
+    makes the angle pi/2 with every query in both, and the forms agree to 1e-10 in float64. Before the constant
+    channels' means were exact, the centred copies were rounding noise that differed between numpy and torch, and
+    so did their codes and angles (0.8 apart centred on all keys, 0.7 on the hashed keys)."""
+    if accelerator_form:
+        monkeypatch.setattr(batched, "BUCKETED_DEVICES", ())
+    params = _params(hash_bits=2, sinks=1, local=2, center=center)
+    t = torch.as_tensor
+    for seed, dim in enumerate((4, 5, 8, 16)):
+        q, k, partly, v = _repeated_key_inputs(seed, dim, batch=(2,))
+        for keys in (k, partly):
+            draws = _draw(q, keys, 8, params, replicates=3, seed=seed, mask=mask)
+            ref_out, ref_probs = reference.estimate_with_probabilities(q, keys, v, draws, **params, **_mask_kw(mask))
+            out, probs = batched.estimate_with_probabilities(t(q), t(keys), t(v), draws.to_torch(), **params,
+                                                             **_mask_kw(mask))
+            what = f"D={dim}, {'partly ' if keys is partly else ''}repeated keys, {center}, mask={mask}:"
+            assert_close(probs, ref_probs, atol=1e-10, rtol=1e-10, what=f"probabilities, {what}")
+            assert_close(out, ref_out, atol=1e-10, rtol=1e-10, what=f"output, {what}")

@@ -41,7 +41,15 @@ Conventions (paper first; where the official code or sparse-attention-hub differ
   normalises the query, which does not change its code); sparse-attention-hub also subtracts the key mean from
   the queries and appends the MIPS coordinate of eq. 8, which the paper says it does not use (sec. 5.1 "We do
   not use the theoretical transformations in Equation (8)"): neither is reproduced here. Softmax is invariant
-  to translating the keys, so the logits use the keys as given.
+  to translating the keys, so the logits use the keys as given. In a channel where every key averaged holds the
+  same value, the mean is that value exactly (a rounded sum over the count may miss it by an ulp): a key among
+  identical keys centres to exactly 0, so it has the all-zero code and the angle pi/2 with every non-zero query,
+  in both forms. Limit: a key that is within rounding of the mean without being equal to every other key averaged
+  in a channel (a near-copy; or the exact mean of different keys, such as the middle of three evenly spaced keys
+  whose mean rounds) centres to rounding noise, which numpy and torch sum in different orders; its code and angle
+  are then the noise's, and the forms may sample and weigh it differently. Keys drawn at random come so near
+  with a probability of the order of float64 rounding, so the forms' float64 agreement (1e-10, the conformance
+  kit's) holds for them; it is not claimed for inputs built with such keys.
 - **No epsilon**: the official code adds 1e-4 to :math:`u` (``logf(w + 1e-4)``); here :math:`-\log u` is exact
   (log-space tail), so the weights are the inverse inclusion probabilities of eq. 9.
 - **Hyperplanes**: :math:`K \times L` independent N(0, I_D) directions per replicate and batch element (the

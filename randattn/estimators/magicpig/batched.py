@@ -128,12 +128,24 @@ def _has_candidates(num_keys: int, sinks: int, local: int) -> bool:
 
 
 def _centering_means(y: torch.Tensor, visible: torch.Tensor, candidates: torch.Tensor, center: str) -> torch.Tensor:
-    """``(..., N, D)``: the mean of each query's visible keys / candidates (0 for none, or for ``center="none"``)."""
+    """``(..., N, D)``: the mean of each query's visible keys / candidates (0 for none, or for ``center="none"``);
+    in a channel where every key averaged holds one value, that value exactly (reference
+    :func:`~randattn.estimators.magicpig.reference.centering_means`).
+
+    Each query averages a run of consecutive keys (its visible keys, or those between the sinks and the local window
+    among them), so a channel is constant over the run when no two neighbours in it differ: one product of the
+    neighbour pairs in each run with the changes between neighbours counts the changes (a sum of counts >= 0 is 0
+    only when each is, whatever its rounding), and the value is the run's first key."""
     if center == "none":
         return y.new_zeros((*y.shape[:-2], visible.shape[0], y.shape[-1]))
-    rows = (visible if center == "all-keys" else candidates).to(y.dtype)
-    counts = rows.sum(-1, keepdim=True)
-    return (rows @ y) / torch.where(counts > 0, counts, torch.ones_like(counts))
+    rows = visible if center == "all-keys" else candidates
+    weights = rows.to(y.dtype)
+    counts = weights.sum(-1, keepdim=True)
+    means = (weights @ y) / torch.where(counts > 0, counts, torch.ones_like(counts))
+    changes = (y[..., 1:, :] != y[..., :-1, :]).to(y.dtype)  # (..., M - 1, D)
+    varies = ((rows[:, 1:] & rows[:, :-1]).to(y.dtype) @ changes) > 0  # (..., N, D)
+    first = y[..., weights.argmax(-1), :]  # each run's first key (argmax: the first of the maxima)
+    return torch.where(varies | (counts == 0), means, first)
 
 
 def log_weights(x: torch.Tensor, y: torch.Tensor, hyperplanes: torch.Tensor, *, min_collisions: int, sinks: int,

@@ -177,6 +177,12 @@ def centering_means(y: np.ndarray, visible: np.ndarray, candidates: np.ndarray, 
     ``all-keys``: the mean of the keys query n sees (paper sec. 4.3, :math:`\\bar k_i = k_i - \\frac1n \\sum k_i` over
     its context); ``hashed-keys``: the mean of its candidates (official code); ``none``: 0. A query without
     candidates samples nothing, so its mean does not matter (0).
+
+    A channel in which every key averaged holds the same value has that value as its mean, exactly (the mean of
+    equal numbers is the number): a rounded sum divided by the count may miss it by an ulp, in one way here and
+    in another in the batched form, and a key among identical keys would then centre to rounding noise, whose
+    SimHash code and angle decide its sampling and weight (:mod:`randattn.estimators.magicpig`, "Centring").
+    Elsewhere the mean is the rounded one, unchanged.
     """
     check_choice("center", center, CENTERINGS)
     means = np.zeros((*y.shape[:-2], visible.shape[0], y.shape[-1]))
@@ -185,7 +191,10 @@ def centering_means(y: np.ndarray, visible: np.ndarray, candidates: np.ndarray, 
     rows = visible if center == "all-keys" else candidates
     for n in range(rows.shape[0]):
         if rows[n].any():
-            means[..., n, :] = y[..., rows[n], :].mean(axis=-2)
+            averaged = y[..., rows[n], :]
+            first = averaged[..., 0, :]
+            constant = (averaged == first[..., None, :]).all(axis=-2)
+            means[..., n, :] = np.where(constant, first, averaged.mean(axis=-2))
     return means
 
 
