@@ -10,6 +10,14 @@ Budget: **S = pages kept x page_size** (``num_samples``, Quest's "token budget")
 kept page is whole and visible, fewer with the partial last page, the query's own page under the causal mask, the
 page a sliding window cuts, or a query that sees fewer than ``S / page_size`` pages (it keeps them all).
 
+Ties between equal bounds go to the lower page index, in both forms. Equal means equal as computed, as for top-k's
+logits (:mod:`randattn.estimators.topk`): the batched form bounds whole pages by matrix products, which round each
+page's sum in an order of their own, and the query's own page under a mask elementwise, so pages whose bounds are
+equal in exact arithmetic (copies of the same keys: not a case of real keys, which carry their positions) may
+differ in their last bit there and be ranked otherwise than in the reference. One channel-by-channel sum for every
+bound would keep such ties, at up to twice the selection's time on one-key pages and 3 D kernel launches a call;
+the forms agree wherever the bounds differ by more than their rounding.
+
 Presets: ``official-code`` = ``current_page="keep"``, as Quest's kernels (the last page is always loaded, the
 others compete for the remaining slots). Not modelled: the accuracy-evaluation script's floor of 3 pages
 (``max(3, budget // page_size)``) and its dense first two layers (a model-level choice).
