@@ -25,6 +25,8 @@ others compete for the remaining slots). Not modelled: the accuracy-evaluation s
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from randattn.estimators.base import ExactLimit
 from randattn.estimators.quest import batched, reference
 from randattn.estimators.quest.reference import QuestOptions
@@ -35,6 +37,12 @@ PARAMS = QuestOptions.params()
 
 #: ``budget : (R, ...)`` holding S after checking that it is a multiple of ``page_size``; no random variables
 draw = budget_draw(QuestOptions)
+
+
+def _query_placement(params: Mapping[str, Any]) -> str:
+    """``current_page="keep"`` keeps the page of the query's own token, n + M - N, even without a mask: its query
+    is placed as the last N of M tokens, and a block of queries estimated alone would keep other pages."""
+    return "last-n-of-m" if params.get("current_page") == "keep" else "independent"
 
 
 def _page_limit(num_queries: int, num_keys: int) -> int:
@@ -62,4 +70,5 @@ SPEC = kept_keys_spec(
     exact_limits=(ExactLimit("S / page_size >= pages: every page is kept, Quest is softmax attention",
                              params={"page_size": 4}, num_samples=_page_limit),),
     memory_hint="the N x M logits and the N x (M / page_size) page bounds per batch element",
+    query_placement=_query_placement,
 )
