@@ -923,3 +923,24 @@ def test_float32_probabilities_beyond_float32_range_get_an_infinite_bound(rng):
     broken = ~torch.isfinite(probs).all(-1)
     assert broken.any()
     assert torch.isinf(bound[broken]).all()
+
+
+@ignore_negative_normalizer
+@pytest.mark.parametrize("norm", [1.0, 1e3])
+def test_the_accelerator_path_of_the_underflow_rescue_gives_the_same_bits(norm, monkeypatch):
+    """On an accelerator the batched form cannot ask whether a query's weights underflowed (a host read): it
+    redoes every query in log space and keeps the linear form where nothing underflowed. Run that path on the
+    CPU: the estimate is the same bits as the host path's, on ordinary inputs (norm 1) and on the audit's case
+    (norm 1e3, where a query is redone)."""
+    rng = np.random.default_rng(38)
+    q, k, v = rng.normal(size=(12, 8)), rng.normal(size=(16, 8)), rng.normal(size=(16, 2))
+    q *= norm / np.linalg.norm(q, axis=-1, keepdims=True)
+    k *= norm / np.linalg.norm(k, axis=-1, keepdims=True)
+    params = dict(proposal="standard")
+    draws = _draw(q, k, 4, replicates=1, **params)
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    host = lara_b.estimate(t(q), t(k), t(v), draws.to_torch(), **params)
+    monkeypatch.setattr(lara_b, "ASK_FIRST_DEVICES", ())
+    device = lara_b.estimate(t(q), t(k), t(v), draws.to_torch(), **params)
+    assert torch.isfinite(device).all()
+    assert torch.equal(host, device)
