@@ -31,7 +31,8 @@ measure another estimator than the one asked for:
 - **A token layout without a mask** (``query_placement="proportional"``: LARA's segments, EVA's and
   Scatterbrain's blocks and chunks, local attention's windows). Without a mask, N != M queries map to key
   positions proportionally (:mod:`randattn.estimators.eva.partition`), so K < N rows would be placed at other
-  blocks than their own, and LARA's and EVA's landmarks pool the queries present. Under the causal mask
+  blocks than their own, and LARA's and EVA's landmarks pool the queries present, as RFA's data-dependent maps
+  (OPRF, SDERF) fit their parameters to them. Under the causal mask
   ``last:K`` keeps every query at its own token and is allowed: the estimator is the decode-time one, whose
   landmarks pool the K queries present.
 

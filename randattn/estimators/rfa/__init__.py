@@ -43,6 +43,14 @@ def _masks(params: Mapping[str, Any]) -> tuple[str | None, ...]:
     return (None,) if params.get("feature_map") in DATA_DEPENDENT_MAPS else (None, "causal")
 
 
+def _query_placement(params: Mapping[str, Any]) -> str:
+    """``oprf`` and ``sderf`` fit their parameters to every query and key present (:func:`~randattn.estimators.
+    features.reference.data_params`), so a query's estimate depends on the others, as LARA's landmarks do: its rows
+    are not estimated alone (``proportional``: no blocks, no subsets without a mask); every other map is
+    ``independent``."""
+    return "proportional" if params.get("feature_map") in DATA_DEPENDENT_MAPS else "independent"
+
+
 def _causal_note(params: Mapping[str, Any]) -> str:
     """Why this configuration has no causal form: the mask check's own words."""
     try:
@@ -82,6 +90,7 @@ SPEC = family_spec(
     ),
     masks=_masks,
     mask_notes={"causal": _causal_note},
+    query_placement=_query_placement,
     normalized=True,
     memory_hint="(N + M) S L features and the S L x Dv key sums per batch element; causal: chunks of tokens "
                 "with their S L x Dv states (never N x S L x Dv)",
