@@ -158,11 +158,15 @@ class QueryPlacementError(ValueError):
         an estimator that places queries among the keys by position, without a mask (on ``layer``).
     layer : int or None
         The bidirectional layer named (``sampled`` False), else None.
+    causal : bool
+        Whether the configuration has a causal form, so that the causal ``last:K`` measures it.
     """
 
-    def __init__(self, label: str, rows: int, num_queries: int, sampled: bool, layer: int | None = None) -> None:
-        super().__init__(label, rows, num_queries, sampled, layer)
+    def __init__(self, label: str, rows: int, num_queries: int, sampled: bool, layer: int | None = None,
+                 causal: bool = True) -> None:
+        super().__init__(label, rows, num_queries, sampled, layer, causal)
         self.label, self.rows, self.num_queries, self.sampled, self.layer = label, rows, num_queries, sampled, layer
+        self.causal = causal
 
     @property
     def what(self) -> str:
@@ -172,13 +176,15 @@ class QueryPlacementError(ValueError):
                     "queries: its windows end at each query's own token (query n is token n + M - N), and sampled "
                     "rows would be measured at other tokens than their own")
         return (f"estimator {self.label!r} cannot be measured on {self.rows} of {self.num_queries} queries without a "
-                f"mask (layer {self.layer}): its windows, blocks or segments place each query among the keys by its "
-                "position, and a subset of queries would be placed elsewhere (and pool other landmarks)")
+                f"mask (layer {self.layer}): its estimate of a query depends on where the queries sit among the keys "
+                "(windows, blocks or segments placed by position) or on the others present (landmarks, or "
+                "parameters fitted to them), so a subset of queries would measure another estimator")
 
     def __str__(self) -> str:
         if self.sampled:
             return f"{self.what}; use last:K, or queries='all'"
-        return f"{self.what}; measure it with queries='all', or under mask='causal' with last:K"
+        return f"{self.what}; measure it with queries='all'" + (
+            ", or under mask='causal' with last:K" if self.causal else "")
 
 
 def check_query_selection(selection: str, num_queries: int, layer_kinds: Mapping[int, str | None],
@@ -226,4 +232,6 @@ def check_query_selection(selection: str, num_queries: int, layer_kinds: Mapping
         if kind == "sample" and places_queries_by_position(get_spec(est.name), est.params):
             raise QueryPlacementError(est.label, len(rows), num_queries, sampled=True)
         if maps_query_positions(get_spec(est.name), est.params):
-            raise QueryPlacementError(est.label, len(rows), num_queries, sampled=False, layer=bidirectional[0])
+            spec = get_spec(est.name)
+            raise QueryPlacementError(est.label, len(rows), num_queries, sampled=False, layer=bidirectional[0],
+                                      causal=spec.supports_mask("causal", spec.resolve_params(est.params)))

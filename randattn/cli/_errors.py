@@ -113,7 +113,7 @@ def _(exc: SweepLockedError) -> str:
 def _(exc: QueryPlacementError) -> str:
     if exc.sampled:
         return f"{exc.what}; use last:K, or --queries all"
-    return f"{exc.what}; measure it with --queries all, or under --mask causal with last:K"
+    return f"{exc.what}; measure it with --queries all" + (", or under --mask causal with last:K" if exc.causal else "")
 
 
 @said.register

@@ -214,3 +214,15 @@ def test_the_rows_written_count_the_measurements_of_a_configuration_without_s_on
     single = _invoke(acts_file, "--mask", "causal", "-e", "topk", "--samples", "2", "--heads", "0",
                      "--out", tmp_path / "one.csv", "--threads", "1")
     assert "wrote 1 row to" in _words(single)
+
+
+@pytest.mark.parametrize(("estimator", "causal"), [("local", True), ("lara", False), ("rfa:feature_map=oprf", False)])
+def test_a_subset_refused_without_a_mask_offers_the_causal_form_only_where_there_is_one(acts_file, estimator, causal):
+    """LARA and RFA's OPRF have no causal form: the advice to measure them "under --mask causal with last:K" sent
+    the user to a second refusal. OPRF is refused at all: its parameters are fitted to the queries present."""
+    result = _invoke(acts_file, "--samples", "2", "--queries", "last:3", "-e", estimator, "--dry-run")
+    assert result.exit_code == 2, result.output
+    words = _words(result)
+    assert f"estimator '{estimator}' cannot be measured on 3 of 8 queries without a mask (layer 0)" in words
+    assert "so a subset of queries would measure another estimator; measure it with --queries all" in words
+    assert ("or under --mask causal with last:K" in words) is causal
