@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -306,19 +307,44 @@ def check_estimator(
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
         raise ValueError(f"unknown check(s) {unknown}; the checks are: {', '.join(CHECKS)}")
+    raised: list[warnings.WarningMessage] = []
     try:
         resolved = spec.resolve_params(params or {})
     except (TypeError, ValueError) as exc:
         results: tuple[CheckResult, ...] = (CheckResult("spec is valid", "failed", str(exc)),)
         resolved = dict(params or {})
     else:
-        results = tuple(_run_check(name, spec, resolved) for name in names)
+        with warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("always")
+            results = tuple(_run_check(name, spec, resolved) for name in names)
     valid = all(r.status != "failed" for r in results if r.check == "spec is valid")
     notes = (EXACT_HERE_NOTE,) if valid and exact_on_check_inputs(spec, resolved) else ()
+    notes += runtime_warning_notes(raised)
     report = ConformanceReport(spec.name, resolved, results, notes)
     if raise_on_failure and not report.passed:
         raise EstimatorCheckError(report)
     return report
+
+
+#: how many distinct RuntimeWarnings a report notes (the most frequent), so that a noisy estimator's report stays short
+RUNTIME_WARNING_NOTES = 3
+
+
+def runtime_warning_notes(raised: Iterable[warnings.WarningMessage]) -> tuple[str, ...]:
+    """The report's notes on the plain runtime warnings raised while the checks ran (numpy's overflow, division
+    by zero, invalid value; randattn's own warnings are subclasses and not noted): each message with how often and
+    where it was first raised, the most frequent :data:`RUNTIME_WARNING_NOTES`. randattn's estimators raise none on
+    the checks' inputs; a check can pass on an output such a warning did not spoil, so it is said, not failed."""
+    counts: dict[str, list[Any]] = {}
+    for warning in raised:
+        if warning.category is RuntimeWarning:
+            seen = counts.setdefault(str(warning.message), [0, f"{warning.filename}:{warning.lineno}"])
+            seen[0] += 1
+    ranked = sorted(counts.items(), key=lambda item: -item[1][0])[:RUNTIME_WARNING_NOTES]
+    return tuple(f"the estimator raised RuntimeWarning {message!r} {count} time{'s' * (count != 1)} during the "
+                 f"checks (first at {where}): randattn's estimators raise none on these inputs; compute in log "
+                 "space, or under numpy.errstate where an overflow or a log(0) is meant"
+                 for message, (count, where) in ranked)
 
 
 class _Check:

@@ -878,3 +878,26 @@ def test_an_estimate_a_millionth_from_softmax_is_not_noted_exact():
 
     assert exact_on_check_inputs(dataclasses.replace(softmax, convergence="none"), {})
     assert not exact_on_check_inputs(dataclasses.replace(softmax, convergence="none", reference=near), {})
+
+
+def test_a_runtime_warning_of_the_estimator_is_noted_not_swallowed():
+    """A plugin's reference took log(0) on every call (numpy's RuntimeWarning 'divide by zero encountered in log')
+    and passed every check in silence: the kit silenced every warning to keep randattn's own (non-positive
+    denominators) out of the report. Plain RuntimeWarnings are now noted, with their count and first line; the
+    verdict is unchanged, and randattn's own estimators raise none (softmax's report has no note)."""
+    softmax = randattn.get_spec("softmax")
+
+    def noisy(q, k, v, draws, **params):
+        np.log(np.zeros(1))
+        return softmax.reference(q, k, v, draws, **params)
+
+    checks = ["reference == batched (float64)", "shapes and dtypes"]
+    report = check_estimator(dataclasses.replace(softmax, name="noisy", reference=noisy), checks=checks,
+                             raise_on_failure=False)
+    assert report.passed
+    (note,) = report.notes
+    assert note.startswith("the estimator raised RuntimeWarning 'divide by zero encountered in log' ")
+    assert f"(first at {__file__}:" in note
+    count = int(note.split("' ")[1].split(" time")[0])
+    assert count >= 2  # one per reference call: both checks called it
+    assert check_estimator("softmax", checks=checks).notes == ()
