@@ -513,3 +513,22 @@ def test_the_code_partition_is_refused_under_causal_in_every_entry_point():
         expected = CODE_ERROR if entry != "api" else f"estimator 'eva' does not support mask='causal' " \
             f"(it supports: none): {CODE_ERROR}"
         assert str(info.value) == expected, entry
+
+
+@pytest.mark.parametrize("chunk_weight, exact_rows", [("exact", 12), ("mean-key", 12), ("rfa", 4)])
+def test_causal_rows_whose_block_starts_within_c_keys_are_exact_softmax(chunk_weight, exact_rows):
+    """The module docstring's fact: under the causal mask a query whose block starts at most C keys in has at most
+    one key a chunk, and with the exact or mean-key chunk weight its output is exact softmax attention (written out
+    here); with W = 4 and C = 8 the blocks starting at 0, 4 and 8 (rows 0-11) are exact and row 12 is not. The rfa
+    chunk weight estimates a one-key chunk's mass: only the first block, with no chunk, is exact."""
+    rng = np.random.default_rng(47)
+    q, k, v = rng.normal(size=(3, 40, 6))
+    out = randattn.estimate("eva", q, k, v, num_samples=8, seed=48, mask="causal", replicates=2, window=4,
+                            layout="sequence", chunk_weight=chunk_weight)
+    logits = q @ k.T / math.sqrt(6)
+    logits[np.triu_indices(40, 1)] = -np.inf
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    exact = (weights / weights.sum(-1, keepdims=True)) @ v
+    inexact = np.abs(out - exact).max(axis=(0, -1)) > 1e-12
+    assert not inexact[:exact_rows].any()
+    assert inexact[exact_rows]
