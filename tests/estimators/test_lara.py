@@ -944,3 +944,29 @@ def test_the_accelerator_path_of_the_underflow_rescue_gives_the_same_bits(norm, 
     device = lara_b.estimate(t(q), t(k), t(v), draws.to_torch(), **params)
     assert torch.isfinite(device).all()
     assert torch.equal(host, device)
+
+
+@ignore_negative_normalizer
+def test_float32_probabilities_of_a_query_with_tiny_weights_are_finite_and_within_their_bound(monkeypatch):
+    """The audit's case again: a query whose weighting function is ~1e-180 where its exponential is largest keeps
+    float64 weights of that size, which float32 rounded to 0, so ``estimate_with_float32_probabilities`` gave
+    0 / 0 for its row (with the bound inf). Its column and normalizer are now scaled by a power of two before the
+    float32 product (exact, and cancelled by the quotient): every row finite, and within the stated bound of the
+    reference's probabilities (v = I_M; plus 1e-10, the float64 agreement of the two forms). Without the scaling
+    (the threshold set to 0) the row is not finite, so the case tests what it names."""
+    rng = np.random.default_rng(38)
+    q, k = rng.normal(size=(12, 8)), rng.normal(size=(16, 8))
+    q *= 1e3 / np.linalg.norm(q, axis=-1, keepdims=True)
+    k *= 1e3 / np.linalg.norm(k, axis=-1, keepdims=True)
+    params = dict(proposal="standard")
+    draws = _draw(q, k, 4, replicates=1, **params)
+    ref_probs = lara_r.estimate(q, k, np.eye(16), draws, **params)
+    t = lambda a: torch.as_tensor(a, dtype=torch.float64)  # noqa: E731
+    args = (t(q), t(k), t(np.eye(16)[:, :2]), draws.to_torch())
+    _, probs, bound = lara_b.estimate_with_float32_probabilities(*args, **params)
+    assert torch.isfinite(probs).all() and torch.isfinite(bound).all()
+    error = np.linalg.norm(probs.double().numpy() - ref_probs, axis=-1)
+    assert (error <= bound.numpy() + 1e-10).all(), (error, bound)
+    monkeypatch.setattr(lara_b, "FLOAT32_SCALE_BELOW", 0.0)
+    _, unscaled, _ = lara_b.estimate_with_float32_probabilities(*args, **params)
+    assert not torch.isfinite(unscaled).all()

@@ -277,6 +277,7 @@ def estimate_with_float32_probabilities(q: Any, k: Any, v: Any, draws: Draws,
     weights_t, key_exp, v, signed, in_dtype = _weights_and_keys(q, k, v, draws, options)
     out = _output(weights_t, key_exp, v, signed, in_dtype)
     den = _normalizer(weights_t, key_exp, signed)
+    weights_t, den = _scaled_to_float32_range(weights_t, den)
     weights32 = weights_t.to(torch.float32)
     inverse32 = den.reciprocal().to(torch.float32)
     probs = (weights32.transpose(-1, -2) @ key_exp.to(torch.float32)).mul_(inverse32)
@@ -302,6 +303,26 @@ def estimate_with_probability_factors(q: Any, k: Any, v: Any, draws: Draws,
     out = _output(weights_t, key_exp, v, signed, in_dtype)
     den = _normalizer(weights_t, key_exp, signed)
     return out, weights_t.transpose(-1, -2) * den.reciprocal(), key_exp
+
+
+#: a query whose largest weight is below this is scaled up before its float32 product
+#: (:func:`_scaled_to_float32_range`); above it the float32 weights keep their digits
+FLOAT32_SCALE_BELOW = 2.0**-60
+
+
+def _scaled_to_float32_range(weights_t: torch.Tensor, den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(W, d)`` with each query's column of ``W (R, ..., C, N)`` and its normalizer ``d (R, ..., N, 1)`` scaled
+    by one power of two, :math:`2^{-e_n}` with :math:`\max_c |W_{cn}| = m\,2^{e_n}`, :math:`m \in [1/2, 1)`, where
+    that largest weight is below :data:`FLOAT32_SCALE_BELOW` (tiny weights of a query whose weighting function is
+    ~1e-180 where its exponential is largest: in float32 they were 0, and the quotient 0 / 0).
+
+    Scaling by a power of two is exact and cancels in :math:`W^	op E / d`; the other columns are multiplied by 1,
+    the same bits, and their float32 quotient is unchanged."""
+    largest = weights_t.abs().amax(-2, keepdim=True)  # (R, ..., 1, N)
+    exponent = torch.frexp(largest).exponent
+    small = (largest > 0) & (largest < FLOAT32_SCALE_BELOW)
+    scale = torch.where(small, torch.ldexp(torch.ones_like(largest), -exponent), torch.ones_like(largest))
+    return weights_t * scale, den * scale.transpose(-1, -2)
 
 
 def float32_quotient_bound(weights_t: torch.Tensor, key_exp: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
