@@ -424,13 +424,14 @@ def _weights_and_keys(q: Any, k: Any, v: Any, draws: Draws,
                                           alpha_clamp)[0][..., 0, :]  # (R, ..., C): the same for every n
         row = row + log_alpha
     # queries: exp(omega_c . x_n + row_c - max_c) : (R, ..., C, N)
-    weights = omega @ x.transpose(-1, -2).unsqueeze(0)
-    weights.add_(row.unsqueeze(-1))
-    weights.sub_(weights.amax(-2, keepdim=True)).exp_()
-    if per_query:
-        alpha = _query_weights_t(x, x_lm, log_q, weighting, beta, alpha_clamp)
-        weights.mul_(alpha)
-        weights = _rescue_underflowed_queries(weights, alpha, omega, x, row, beta, alpha_clamp)
+    exponents = omega @ x.transpose(-1, -2).unsqueeze(0)
+    exponents.add_(row.unsqueeze(-1))
+    exponents.sub_(exponents.amax(-2, keepdim=True))
+    if not per_query:
+        return exponents.exp_(), key_exp, v, signed, in_dtype
+    alpha = _query_weights_t(x, x_lm, log_q, weighting, beta, alpha_clamp)
+    weights = exponents.exp().mul_(alpha)  # the exponents kept for the queries whose products underflow
+    weights = _rescue_underflowed_queries(weights, alpha, exponents, beta, alpha_clamp)
     return weights, key_exp, v, signed, in_dtype
 
 
@@ -439,10 +440,11 @@ def _weights_and_keys(q: Any, k: Any, v: Any, draws: Draws,
 ASK_FIRST_DEVICES = ("cpu",)
 
 
-def _rescue_underflowed_queries(weights: torch.Tensor, alpha: torch.Tensor, omega: torch.Tensor, x: torch.Tensor,
-                                row: torch.Tensor, beta: float, alpha_clamp: float | None) -> torch.Tensor:
+def _rescue_underflowed_queries(weights: torch.Tensor, alpha: torch.Tensor, exponents: torch.Tensor, beta: float,
+                                alpha_clamp: float | None) -> torch.Tensor:
     r"""The query-dependent weights :math:`W_{cn} = \alpha_{nc} e^{P_{cn}}` redone in log space for the queries whose
     linear form underflowed, ``(R, ..., C, N)``; the others are returned as they were (the same bits).
+    ``exponents`` are :math:`P_{cn} - \max_{c'} P_{c'n}`, those of ``weights``; they are overwritten.
 
     :func:`_weights_and_keys` shifts :math:`P_{cn}` by its maximum over c before multiplying
     :math:`\alpha_{nc}` in. When :math:`\alpha` is zero or tiny at that maximum (e.g. one-hot scores
@@ -470,8 +472,7 @@ def _rescue_underflowed_queries(weights: torch.Tensor, alpha: torch.Tensor, omeg
         # a free read on the host (the common case: nothing to redo); on an accelerator it would synchronise every
         # call, so there the log form is computed for every query and kept where low (tests/gpu exercise both)
         return weights
-    log_terms = omega @ x.transpose(-1, -2).unsqueeze(0)
-    log_terms.add_(row.unsqueeze(-1)).add_(alpha.abs().log())  # log 0 = -inf: a zero weight
+    log_terms = exponents.add_(alpha.abs().log())  # log 0 = -inf: a zero weight (the exponents are not read again)
     shift = log_terms.amax(-2, keepdim=True)
     # every weight zero: no shift, and 0/0 as in the reference (with its NonPositiveDenominatorWarning)
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
